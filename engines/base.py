@@ -1,0 +1,115 @@
+"""The engine adapter protocol and the normalised events every adapter yields.
+
+Adapters translate their upstream's wire shape into :class:`Delta` events, so the
+rest of the gateway never sees vLLM-Omni's base64-audio-in-``content`` quirk or
+litellm's objects: text is text, audio is PCM16 bytes, and they cannot be
+confused. Foreign exceptions are mapped to :mod:`gateway.errors` inside the
+adapter that meets them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from gateway.schemas import ChatCompletionRequest
+    from gateway.settings import EngineConfig
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+
+@dataclass(slots=True)
+class Delta:
+    """One normalised piece of an engine's answer.
+
+    ``audio`` is 16-bit little-endian PCM at ``sample_rate`` (mono unless
+    ``channels`` says otherwise); ``transcript`` is the text that audio speaks.
+    ``finish_reason`` is set on the text stream's last piece; audio that ends
+    later carries ``audio_done``.
+    """
+
+    text: str = ""
+    audio: bytes = b""
+    transcript: str = ""
+    sample_rate: int = 0
+    channels: int = 1
+    finish_reason: str | None = None
+    audio_done: bool = False
+    usage: Usage | None = None
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole answer, for clients that did not ask to stream."""
+
+    text: str = ""
+    audio: bytes = b""
+    transcript: str = ""
+    sample_rate: int = 0
+    channels: int = 1
+    finish_reason: str = "stop"
+    usage: Usage = field(default_factory=Usage)
+
+    def add(self, d: Delta) -> None:
+        """Fold a streamed delta into this completion."""
+        if d.text:
+            self.text += d.text
+        if d.audio:
+            self.audio += d.audio
+            self.sample_rate = d.sample_rate or self.sample_rate
+            self.channels = d.channels
+        if d.transcript:
+            self.transcript += d.transcript
+        if d.finish_reason:
+            self.finish_reason = d.finish_reason
+        if d.usage is not None:
+            self.usage = d.usage
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    input_modalities: frozenset[str] = frozenset({"text"})
+    output_modalities: frozenset[str] = frozenset({"text"})
+
+    @property
+    def speaks(self) -> bool:
+        return "audio" in self.output_modalities
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the pipeline needs from an engine.
+
+    ``stream`` returns an async generator; the caller always closes it
+    (``aclose``), which must abort the upstream request.
+    """
+
+    name: str
+    config: "EngineConfig"
+    capabilities: Capabilities
+
+    async def start(self) -> None: ...
+
+    def stream(self, request: "ChatCompletionRequest") -> AsyncIterator[Delta]: ...
+
+    async def complete(self, request: "ChatCompletionRequest") -> Completion: ...
+
+    async def health(self) -> bool: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,132 @@
+"""Adapter for any provider litellm reaches, for fallbacks to hosted APIs.
+
+litellm is imported on first use (it is heavy); its exceptions are mapped once,
+here, onto the gateway's error tree. It drops vLLM-Omni's ``modality`` tag, so
+vLLM-Omni engines use their own adapter instead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, AsyncIterator
+
+from engines.base import Capabilities, Completion, Delta, Usage
+from gateway.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
+from gateway.schemas import ChatCompletionRequest
+from gateway.settings import EngineConfig
+
+_PASS = ("temperature", "top_p", "stop", "seed", "user")
+
+
+def _litellm() -> Any:
+    # litellm downloads a price map at import unless told to use its bundled copy.
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    os.environ.setdefault("LITELLM_TELEMETRY", "False")
+    import litellm
+
+    return litellm
+
+
+class LiteLLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.name = config.name
+        self.config = config
+        ins, outs = config.modalities()
+        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs)
+        self._lib: Any = None
+
+    async def start(self) -> None:
+        self._lib = _litellm()
+
+    async def aclose(self) -> None:
+        return None
+
+    async def health(self) -> bool:
+        # Hosted providers have no cheap health endpoint; passive outcomes decide.
+        return self._lib is not None
+
+    def _kwargs(self, request: ChatCompletionRequest, stream: bool) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "model": self.config.model,
+            "messages": [m.model_dump(exclude_none=True) for m in request.messages],
+            "stream": stream,
+            "timeout": self.config.first_byte_timeout_s + self.config.read_timeout_s,
+            "num_retries": 0,
+        }
+        if stream:
+            kw["stream_options"] = {"include_usage": True}
+        if self.config.base_url is not None:
+            kw["api_base"] = str(self.config.base_url).rstrip("/")
+        if self.config.api_key is not None:
+            kw["api_key"] = self.config.api_key.get_secret_value()
+        if request.output_token_limit is not None:
+            kw["max_tokens"] = request.output_token_limit
+        for key in _PASS:
+            value = getattr(request, key)
+            if value is not None:
+                kw[key] = value
+        return kw
+
+    def _map(self, exc: Exception) -> OmnigateError:
+        lib = self._lib
+        status = getattr(exc, "status_code", None)
+        text = f"engine {self.name} failed: {type(exc).__name__}"
+        if isinstance(exc, lib.exceptions.Timeout):
+            return EngineTimeout(text, engine=self.name)
+        if isinstance(exc, (lib.exceptions.RateLimitError, lib.exceptions.ServiceUnavailableError,
+                            lib.exceptions.APIConnectionError, lib.exceptions.InternalServerError)):
+            return EngineUnavailable(text, engine=self.name)
+        if isinstance(status, int) and 400 <= status < 500 and status not in (401, 403, 429):
+            return EngineRejected(text, engine=self.name, upstream_status=status)
+        if isinstance(status, int) and status >= 500:
+            return EngineUnavailable(text, engine=self.name)
+        return EngineError(text, engine=self.name)
+
+    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
+        lib = self._lib
+        response = None
+        try:
+            response = await lib.acompletion(**self._kwargs(request, stream=True))
+            async for chunk in response:
+                usage = getattr(chunk, "usage", None)
+                choices = chunk.choices or []
+                text = (choices[0].delta.content or "") if choices else ""
+                finish = choices[0].finish_reason if choices else None
+                if not text and finish is None and usage is None:
+                    continue
+                yield Delta(
+                    text=text,
+                    finish_reason=finish,
+                    usage=Usage(usage.prompt_tokens or 0, usage.completion_tokens or 0) if usage else None,
+                )
+        except OmnigateError:
+            raise
+        except Exception as exc:
+            if lib is not None and isinstance(exc, lib.exceptions.OpenAIError | lib.exceptions.APIError):
+                raise self._map(exc) from exc
+            if isinstance(exc, (OSError, TimeoutError)):
+                raise EngineUnavailable(f"engine {self.name} failed: {type(exc).__name__}", engine=self.name) from exc
+            raise
+        finally:
+            close = getattr(response, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:  # closing a broken stream may raise again; it is already gone
+                    pass
+
+    async def complete(self, request: ChatCompletionRequest) -> Completion:
+        lib = self._lib
+        try:
+            resp = await lib.acompletion(**self._kwargs(request, stream=False))
+        except Exception as exc:
+            if isinstance(exc, lib.exceptions.OpenAIError | lib.exceptions.APIError):
+                raise self._map(exc) from exc
+            raise
+        choice = resp.choices[0]
+        usage = getattr(resp, "usage", None)
+        return Completion(
+            text=choice.message.content or "",
+            finish_reason=choice.finish_reason or "stop",
+            usage=Usage(getattr(usage, "prompt_tokens", 0) or 0, getattr(usage, "completion_tokens", 0) or 0),
+        )

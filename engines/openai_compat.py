@@ -1,0 +1,251 @@
+"""Native adapter for OpenAI-compatible servers (vLLM): the hot path, on aiohttp.
+
+One pooled ``aiohttp.ClientSession`` per engine; each chunk is parsed once with
+orjson. Closing the stream closes the upstream connection, which is how vLLM
+learns the client left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+import aiohttp
+import orjson
+import structlog
+
+from engines.base import Capabilities, Completion, Delta, Usage
+from gateway.errors import (
+    EngineError,
+    EngineProtocolError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+    OmnigateError,
+)
+from gateway.schemas import ChatCompletionRequest
+from gateway.settings import EngineConfig
+
+log = structlog.get_logger(__name__)
+
+_ERROR_BODY_LIMIT = 64 * 1024
+_DATA = b"data:"
+_DONE = b"[DONE]"
+
+
+class OpenAICompatEngine:
+    """An engine that speaks plain OpenAI chat completions (kind ``vllm``)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.name = config.name
+        self.config = config
+        ins, outs = config.modalities()
+        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs)
+        self._base = str(config.base_url).rstrip("/")
+        self._url = self._base + "/chat/completions"
+        self._headers = {"Content-Type": "application/json"}
+        if config.api_key is not None:
+            self._headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- lifecycle -------------------------------------------------------
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=self.config.max_connections, ttl_dns_cache=300)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s
+            ),
+            json_serialize=lambda o: orjson.dumps(o).decode(),
+            auto_decompress=False,
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def health(self) -> bool:
+        session = self._require_session()
+        root = self._base[: -len("/v1")] if self._base.endswith("/v1") else self._base
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s + 2):
+                async with session.get(root + "/health", headers=self._headers) as resp:
+                    if resp.status == 200:
+                        return True
+                async with session.get(self._base + "/models", headers=self._headers) as resp:
+                    return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    # -- request shape ---------------------------------------------------
+    def payload(self, request: ChatCompletionRequest, *, stream: bool) -> dict[str, Any]:
+        """The allow-listed body sent upstream; nothing else from the client passes."""
+        body: dict[str, Any] = {
+            "model": self.config.model,
+            "messages": [m.model_dump(exclude_none=True) for m in request.messages],
+            "stream": stream,
+        }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        limit = request.output_token_limit
+        if limit is not None:
+            body["max_tokens"] = limit
+        for key in ("temperature", "top_p", "stop", "seed", "user", "top_k", "repetition_penalty",
+                    "chat_template_kwargs"):
+            value = getattr(request, key)
+            if value is not None:
+                body[key] = value
+        if request.modalities is not None:
+            body["modalities"] = list(request.modalities)
+        if request.wants_audio and request.audio is not None:
+            self._add_audio(body, request)
+        return body
+
+    def _add_audio(self, body: dict[str, Any], request: ChatCompletionRequest) -> None:
+        assert request.audio is not None
+        body["audio"] = {"voice": request.audio.voice, "format": request.audio.format}
+
+    # -- calls -----------------------------------------------------------
+    def _require_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise EngineUnavailable(f"engine {self.name} is not started", engine=self.name)
+        return self._session
+
+    async def _check_status(self, resp: aiohttp.ClientResponse) -> None:
+        if resp.status == 200:
+            return
+        raw = await resp.content.read(_ERROR_BODY_LIMIT)
+        message = _error_message(raw) or resp.reason or "error"
+        retry_after = _retry_after(resp.headers.get("Retry-After"))
+        text = f"engine {self.name} answered {resp.status}: {message}"
+        if resp.status == 429 or resp.status >= 500:
+            raise EngineUnavailable(text, engine=self.name, retry_after=retry_after)
+        raise EngineRejected(text, engine=self.name, upstream_status=resp.status)
+
+    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
+        session = self._require_session()
+        body = orjson.dumps(self.payload(request, stream=True))
+        resp: aiohttp.ClientResponse | None = None
+        finished = False
+        try:
+            try:
+                async with asyncio.timeout(self.config.first_byte_timeout_s):
+                    resp = await session.post(self._url, data=body, headers=self._headers)
+                    await self._check_status(resp)
+            except TimeoutError as exc:
+                raise EngineTimeout(
+                    f"engine {self.name} sent no response within {self.config.first_byte_timeout_s} s",
+                    engine=self.name,
+                ) from exc
+            translate = self._translator()
+            async for line in resp.content:
+                if not line.startswith(_DATA):
+                    continue
+                data = line[5:].strip()
+                if data == _DONE:
+                    finished = True
+                    break
+                try:
+                    chunk = orjson.loads(data)
+                except orjson.JSONDecodeError as exc:
+                    raise EngineProtocolError(f"engine {self.name} sent malformed JSON", engine=self.name) from exc
+                delta = translate(chunk)
+                if delta is not None:
+                    yield delta
+            if not finished:
+                raise EngineUnavailable(f"engine {self.name} ended the stream early", engine=self.name)
+        except OmnigateError:
+            raise
+        except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
+            raise EngineTimeout(f"engine {self.name} timed out", engine=self.name) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineUnavailable(f"engine {self.name} failed: {type(exc).__name__}", engine=self.name) from exc
+        finally:
+            if resp is not None:
+                if finished:
+                    resp.release()
+                else:
+                    # Dropping the connection is what tells vLLM to abort the request.
+                    resp.close()
+
+    async def complete(self, request: ChatCompletionRequest) -> Completion:
+        session = self._require_session()
+        body = orjson.dumps(self.payload(request, stream=False))
+        try:
+            async with asyncio.timeout(self.config.first_byte_timeout_s + self.config.read_timeout_s):
+                async with session.post(self._url, data=body, headers=self._headers) as resp:
+                    await self._check_status(resp)
+                    raw = await resp.read()
+        except OmnigateError:
+            raise
+        except TimeoutError as exc:
+            raise EngineTimeout(f"engine {self.name} timed out", engine=self.name) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineUnavailable(f"engine {self.name} failed: {type(exc).__name__}", engine=self.name) from exc
+        try:
+            doc = orjson.loads(raw)
+            return self._completion(doc)
+        except (orjson.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise EngineProtocolError(f"engine {self.name} sent an unexpected response", engine=self.name) from exc
+
+    # -- translation -----------------------------------------------------
+    def _translator(self):  # noqa: ANN202 - returns a per-stream closure
+        """A fresh per-stream translation function (per-stream state lives in its closure)."""
+        name = self.name
+
+        def translate(chunk: dict[str, Any]) -> Delta | None:
+            if "error" in chunk:
+                raise EngineError(f"engine {name} reported: {_error_message(chunk)}", engine=name)
+            usage = chunk.get("usage")
+            choices = chunk.get("choices")
+            if not choices:
+                if usage:
+                    return Delta(usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)))
+                return None
+            choice = choices[0]
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+            finish = choice.get("finish_reason")
+            if not text and finish is None and not usage:
+                return None
+            return Delta(
+                text=text,
+                finish_reason=finish,
+                usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)) if usage else None,
+            )
+
+        return translate
+
+    def _completion(self, doc: dict[str, Any]) -> Completion:
+        choice = doc["choices"][0]
+        message = choice.get("message") or {}
+        usage = doc.get("usage") or {}
+        return Completion(
+            text=message.get("content") or "",
+            finish_reason=choice.get("finish_reason") or "stop",
+            usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)),
+        )
+
+
+def _error_message(raw: bytes | dict[str, Any]) -> str:
+    try:
+        doc = orjson.loads(raw) if isinstance(raw, (bytes, bytearray)) else raw
+    except orjson.JSONDecodeError:
+        return raw[:200].decode("utf-8", "replace").strip() if isinstance(raw, (bytes, bytearray)) else ""
+    if isinstance(doc, dict):
+        err = doc.get("error", doc)
+        if isinstance(err, dict):
+            return str(err.get("message") or err.get("detail") or "")[:500]
+        return str(err)[:500]
+    return ""
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+

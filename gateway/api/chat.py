@@ -1,0 +1,112 @@
+"""``POST /v1/chat/completions``: parse, call the pipeline, render. Nothing else."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator, Sequence
+
+import orjson
+import structlog
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from starlette.responses import JSONResponse, Response
+
+from gateway.context import RequestContext
+from gateway.errors import InvalidRequest, OmnigateError, PayloadTooLarge
+from gateway.pipeline import ResponseStream
+from gateway.render import ChunkRenderer, completion_body, error_frame
+from gateway.schemas import ChatCompletionRequest
+from gateway.services import Services
+from gateway.sse import SSEResponse
+
+log = structlog.get_logger(__name__)
+router = APIRouter()
+
+_OPENAPI_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")}},
+    }
+}
+
+
+def validation_to_error(errors: Sequence[Any]) -> InvalidRequest:
+    """The first validation error as an OpenAI ``invalid_request_error`` naming the field."""
+    if not errors:
+        return InvalidRequest("invalid request body")
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
+    # Drop pydantic's union-branch tags (e.g. 'list[...]', 'TextPart') from the path.
+    param = ".".join(p for p in loc if not (p[:1].isupper() or "[" in p)) or None
+    msg = first.get("msg", "invalid value")
+    return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(body: bytes) -> ChatCompletionRequest:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc.msg}") from None
+    if not isinstance(doc, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        return ChatCompletionRequest.model_validate(doc)
+    except ValidationError as exc:
+        raise validation_to_error(exc.errors()) from None
+
+
+def _headers(ctx: RequestContext) -> dict[str, str]:
+    return {"x-omnigate-degraded": ",".join(ctx.degraded)} if ctx.degraded else {}
+
+
+@router.post("/v1/chat/completions", openapi_extra=_OPENAPI_BODY, response_model=None)
+async def chat_completions(request: Request) -> Response:
+    services: Services = request.app.state.services
+    body = await _read_body(request, services.settings.server.max_body_bytes)
+    ctx = RequestContext(request_id=request.scope["state"]["request_id"], body_bytes=len(body))
+    chat = _parse(body)
+    completion_id = "chatcmpl-" + uuid.uuid4().hex
+    if not chat.stream:
+        result = await services.pipeline.complete(chat, ctx)
+        content = completion_body(result.request, result.completion, ctx, completion_id)
+        return Response(orjson.dumps(content), media_type="application/json", headers=_headers(ctx))
+    stream = await services.pipeline.stream(chat, ctx)
+    renderer = ChunkRenderer(stream.request, ctx, completion_id)
+    return SSEResponse(
+        _frames(stream, renderer),
+        on_close=stream.aclose,
+        headers=_headers(ctx),
+        keepalive_s=services.settings.server.sse_keepalive_s,
+    )  # type: ignore[return-value]
+
+
+async def _frames(stream: ResponseStream, renderer: ChunkRenderer) -> AsyncIterator[bytes]:
+    """After the first byte the status is fixed: a failure becomes an error frame and [DONE]."""
+    try:
+        async for delta in stream.deltas():
+            frame = renderer.render(delta)
+            if frame:
+                yield frame
+        yield renderer.final()
+    except OmnigateError as exc:
+        yield error_frame(exc)
+    except Exception as exc:
+        log.error("stream_failed", exc_info=exc)
+        yield error_frame(OmnigateError("internal error; see the gateway log for this request id"))
+
+
+__all__ = ["router", "validation_to_error", "JSONResponse"]

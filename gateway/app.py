@@ -1,0 +1,84 @@
+"""The application factory: ``create_app(settings)``; no module-level app or settings."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import structlog
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from gateway.api import chat, ops
+from gateway.errors import InvalidRequest, OmnigateError
+from gateway.middleware import RequestIdMiddleware
+from gateway.services import Services
+from gateway.settings import Settings
+from observability.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+_STATUS_TYPES = {
+    401: ("authentication_error", "invalid_api_key"),
+    403: ("permission_error", "permission_denied"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "payload_too_large"),
+}
+
+
+def error_response(exc: OmnigateError) -> JSONResponse:
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers())
+
+
+def create_app(
+    settings: Settings,
+    *,
+    registry: CollectorRegistry | None = None,
+    plugins: dict[str, type] | None = None,
+) -> FastAPI:
+    metrics = Metrics(registry)
+    services = Services.build(settings, metrics, plugins)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await services.start()
+        try:
+            yield
+        finally:
+            await services.aclose()
+
+    app = FastAPI(title="omnigate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.services = services
+    app.include_router(chat.router)
+    app.include_router(ops.router)
+
+    @app.exception_handler(OmnigateError)
+    async def _omnigate_error(request: Request, exc: OmnigateError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(chat.validation_to_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        etype, code = _STATUS_TYPES.get(exc.status_code, ("invalid_request_error", None))
+        err = OmnigateError(str(exc.detail), status=exc.status_code, code=code)
+        err.type = etype
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled_error", exc_info=exc)
+        return error_response(OmnigateError("internal error; see the gateway log for this request id"))
+
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+__all__ = ["create_app", "InvalidRequest"]

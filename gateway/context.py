@@ -1,0 +1,55 @@
+"""Per-request state: one :class:`RequestContext` per request, never shared.
+
+Policies, the pipeline and the observability layer write what happened here; the
+access log event and (later) the audit record are built from it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+Outcome = Literal["served", "degraded", "refused", "failed", "cancelled"]
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    """One policy that actually executed (skipped ones are never recorded)."""
+
+    name: str
+    stage: str
+    verdict: str
+    duration_ms: float
+    shadow: bool = False
+    detail: str | None = None
+
+
+@dataclass(slots=True)
+class RequestContext:
+    request_id: str
+    body_bytes: int = 0
+    tenant: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    public_model: str | None = None
+    stream: bool = False
+    engine: str | None = None
+    variant: str | None = None
+    attempts: int = 0
+    retries: int = 0
+    degraded: list[str] = field(default_factory=list)
+    policy_runs: list[PolicyRun] = field(default_factory=list)
+    outcome: Outcome | None = None
+    error_code: str | None = None
+    status: int = 200
+    ttft_s: float | None = None
+    first_audio_s: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def degrade(self, reason: str) -> None:
+        if reason not in self.degraded:
+            self.degraded.append(reason)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started

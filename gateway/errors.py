@@ -1,0 +1,165 @@
+"""The one error tree of omnigate.
+
+Every error a client can see is an :class:`OmnigateError`; each class carries its
+HTTP status, OpenAI error ``type`` and ``code``. Foreign exceptions are translated
+once, at the boundary that meets them (engine adapters, the media fetcher), with
+``raise ... from exc`` so the cause stays in the log.
+
+    OmnigateError                       500 internal_error
+    ├── InvalidRequest                  400 invalid_request_error
+    │   ├── PayloadTooLarge             413
+    │   ├── ContentPolicyViolation      400 content_policy_violation
+    │   └── ModelNotFound               404 model_not_found
+    ├── AuthenticationFailed            401 authentication_error
+    ├── PermissionDenied                403 permission_error
+    ├── RateLimited                     429 rate_limit_exceeded   (Retry-After)
+    ├── Overloaded                      503 overloaded            (Retry-After)
+    ├── GroundingFailed                 422 grounding_failed
+    └── EngineError                     502 engine_error
+        ├── EngineUnavailable           503 engine_unavailable    (retryable before first byte)
+        ├── EngineTimeout               504 engine_timeout        (retryable before first byte)
+        ├── EngineRejected              4xx/502 passed on when the engine refused the request
+        └── EngineProtocolError         502 engine_protocol_error
+
+``retryable`` says whether another engine may be tried; that is only allowed while
+nothing has been sent to the client, which the pipeline enforces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OmnigateError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = "internal_error"
+    retryable: bool = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        self.retry_after = retry_after
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, int(round(self.retry_after))))}
+
+
+class InvalidRequest(OmnigateError):
+    status = 400
+    type = "invalid_request_error"
+    code = None
+
+
+class PayloadTooLarge(InvalidRequest):
+    status = 413
+    code = "payload_too_large"
+
+
+class ContentPolicyViolation(InvalidRequest):
+    code = "content_policy_violation"
+
+
+class ModelNotFound(InvalidRequest):
+    status = 404
+    code = "model_not_found"
+
+
+class AuthenticationFailed(OmnigateError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PermissionDenied(OmnigateError):
+    status = 403
+    type = "permission_error"
+    code = "permission_denied"
+
+
+class RateLimited(OmnigateError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class Overloaded(OmnigateError):
+    status = 503
+    type = "overloaded_error"
+    code = "overloaded"
+
+
+class GroundingFailed(OmnigateError):
+    status = 422
+    type = "invalid_response_error"
+    code = "grounding_failed"
+
+
+class EngineError(OmnigateError):
+    """An engine failed. ``kind`` is a bounded label for metrics."""
+
+    status = 502
+    type = "api_error"
+    code = "engine_error"
+    kind = "error"
+
+    def __init__(self, message: str, *, engine: str | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.engine = engine
+
+
+class EngineUnavailable(EngineError):
+    status = 503
+    code = "engine_unavailable"
+    kind = "unavailable"
+    retryable = True
+
+
+class EngineTimeout(EngineError):
+    status = 504
+    code = "engine_timeout"
+    kind = "timeout"
+    retryable = True
+
+
+class EngineRejected(EngineError):
+    """The engine refused the request itself (its 4xx); another engine would too."""
+
+    kind = "rejected"
+
+    def __init__(self, message: str, *, upstream_status: int, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.status = upstream_status if 400 <= upstream_status < 500 and upstream_status != 429 else 502
+        if self.status < 500:
+            self.type = "invalid_request_error"
+            self.code = "engine_rejected_request"
+
+
+class EngineProtocolError(EngineError):
+    code = "engine_protocol_error"
+    kind = "protocol"

@@ -1,0 +1,416 @@
+"""How one chat completion request is served, top to bottom.
+
+    admission → pre-policies → engine choice → first upstream chunk (commit point)
+      → stream filters → post-policies (retry while nothing was sent) → accounting
+
+Nothing here knows about HTTP: the transport renders what :meth:`Pipeline.stream`
+and :meth:`Pipeline.complete` return. Everything before the commit point may
+fail over to the next engine; after it, a failure ends the stream with an error.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import structlog
+
+from engines.base import Completion, Delta, Engine
+from engines.pool import EnginePool
+from gateway.audio import STREAMABLE_FORMATS
+from gateway.context import RequestContext
+from gateway.errors import (
+    EngineError,
+    EngineProtocolError,
+    EngineUnavailable,
+    InvalidRequest,
+    ModelNotFound,
+    OmnigateError,
+)
+from gateway.schemas import ChatCompletionRequest
+from observability.metrics import Metrics
+from policies.base import Accept, Reject, Retry, StreamFilter
+from policies.registry import LoadedPolicy, PolicyChain
+
+log = structlog.get_logger("omnigate.request")
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One engine call that produced a first chunk (the commit point)."""
+
+    engine: Engine
+    request: ChatCompletionRequest
+    upstream: AsyncIterator[Delta]
+    first: Delta
+
+
+@dataclass(slots=True)
+class CompletionResult:
+    request: ChatCompletionRequest
+    completion: Completion
+    ctx: RequestContext
+
+
+@dataclass(slots=True)
+class ResponseStream:
+    """A committed stream. Iterate :meth:`deltas` once, then always :meth:`aclose`."""
+
+    pipeline: "Pipeline"
+    request: ChatCompletionRequest
+    ctx: RequestContext
+    attempt: Attempt
+    _released: bool = False
+    _gen: AsyncIterator[Delta] | None = None
+
+    def deltas(self) -> AsyncIterator[Delta]:
+        if self._gen is not None:
+            raise RuntimeError("a response stream is iterated once")
+        self._gen = self.pipeline._run_stream(self)
+        return self._gen
+
+    async def aclose(self) -> None:
+        """Release the upstream; safe to call whether or not iteration started or ended."""
+        if self._gen is None:
+            # Never iterated (the client left before the response began).
+            self._gen = _closed()
+            await self.attempt.upstream.aclose()
+            self.pipeline._finish(self.ctx, GeneratorExit())
+        else:
+            await self._gen.aclose()  # type: ignore[attr-defined]
+
+
+async def _closed() -> AsyncIterator[Delta]:
+    return
+    yield  # pragma: no cover
+
+
+class Pipeline:
+    def __init__(self, pool: EnginePool, chain: PolicyChain, metrics: Metrics) -> None:
+        self.pool = pool
+        self.chain = chain
+        self.metrics = metrics
+
+    # -- the two entry points ----------------------------------------------
+    async def stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> ResponseStream:
+        """Run everything up to the first upstream chunk; raise before committing."""
+        self._begin(ctx, request)
+        try:
+            request = await self._prepare(request, ctx)
+            attempt = await self._open(request, ctx)
+        except BaseException as exc:
+            self._finish(ctx, exc)
+            raise
+        return ResponseStream(self, attempt.request, ctx, attempt)
+
+    async def complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
+        self._begin(ctx, request)
+        try:
+            request = await self._prepare(request, ctx)
+            result = await self._complete(request, ctx)
+        except BaseException as exc:
+            self._finish(ctx, exc)
+            raise
+        self._finish(ctx, None)
+        return result
+
+    # -- stages --------------------------------------------------------------
+    def _begin(self, ctx: RequestContext, request: ChatCompletionRequest) -> None:
+        ctx.public_model = request.model if self.pool.serves(request.model) else None
+        ctx.stream = request.stream
+        self.metrics.in_flight.inc()
+        if request.ignored_fields:
+            log.info("request_fields_ignored", fields=request.ignored_fields)
+
+    async def _prepare(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
+        if not self.pool.serves(request.model):
+            raise ModelNotFound(f"the model {request.model!r} does not exist", param="model")
+        if request.stream and request.wants_audio and request.audio is not None:
+            if request.audio.format not in STREAMABLE_FORMATS:
+                raise InvalidRequest(
+                    f"streamed audio must be wav or pcm16, not {request.audio.format}", param="audio.format"
+                )
+        for policy in self.chain.pre:
+            request = await self._run_pre(policy, request, ctx)
+        return request
+
+    async def _run_pre(
+        self, policy: LoadedPolicy, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> ChatCompletionRequest:
+        t0 = time.perf_counter()
+        verdict, detail = "accept", None
+        try:
+            out = await policy.impl.pre(request, ctx)
+            if out is not request:
+                verdict = "rewrite"
+        except OmnigateError as exc:
+            verdict, detail = "reject", exc.code
+            if not policy.shadow:
+                raise
+            out = request
+        finally:
+            self._record(policy, ctx, verdict, time.perf_counter() - t0, detail)
+        return request if policy.shadow else out
+
+    def _record(self, policy: LoadedPolicy, ctx: RequestContext, verdict: str, seconds: float, detail: str | None) -> None:
+        from gateway.context import PolicyRun
+
+        ctx.policy_runs.append(PolicyRun(policy.name, policy.stage, verdict, seconds * 1000, policy.shadow, detail))
+        self.metrics.policy_decisions.labels(policy.name, policy.stage, verdict, str(policy.shadow).lower()).inc()
+        self.metrics.policy_duration.labels(policy.name, policy.stage).observe(seconds)
+
+    def _adapt(self, engine: Engine, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest | None:
+        """Fit the request to what the engine can do; None when it cannot serve it at all."""
+        missing = request.input_modalities() - engine.capabilities.input_modalities
+        if missing:
+            return None
+        if request.wants_audio and not engine.capabilities.speaks:
+            ctx.degrade("engine-text-only")
+            return request.model_copy(update={"modalities": ["text"], "audio": None})
+        return request
+
+    def _engines_for(self, request: ChatCompletionRequest) -> list[Engine]:
+        engines = self.pool.candidates(request.model)
+        fitting = [e for e in engines if not (request.input_modalities() - e.capabilities.input_modalities)]
+        if not fitting:
+            kinds = ", ".join(sorted(request.input_modalities() - {"text"}))
+            raise InvalidRequest(f"the model {request.model!r} does not accept {kinds} input", param="messages")
+        return fitting
+
+    def _engine_failed(self, engine: Engine, exc: EngineError, ctx: RequestContext, more: bool) -> None:
+        self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
+        if exc.retryable:
+            self.pool.report_failure(engine)
+        log.warning("engine_attempt_failed", engine=engine.name, kind=exc.kind, error=exc.message,
+                    failover=exc.retryable and more)
+        if exc.retryable and more:
+            self.metrics.failovers.labels(engine.name).inc()
+
+    async def _open(self, request: ChatCompletionRequest, ctx: RequestContext) -> Attempt:
+        """Call engines in order until one yields its first chunk."""
+        engines = self._engines_for(request)
+        last: EngineError | None = None
+        for i, engine in enumerate(engines):
+            adapted = self._adapt(engine, request, ctx)
+            if adapted is None:
+                continue
+            ctx.attempts += 1
+            upstream = engine.stream(adapted)
+            try:
+                first = await anext(upstream)
+            except StopAsyncIteration:
+                last = EngineProtocolError(f"engine {engine.name} sent an empty stream", engine=engine.name)
+            except EngineError as exc:
+                last = exc
+            else:
+                ctx.engine, ctx.variant = engine.name, engine.config.variant
+                return Attempt(engine, adapted, upstream, first)
+            await upstream.aclose()
+            self._engine_failed(engine, last, ctx, more=i + 1 < len(engines))
+            if not last.retryable:
+                raise last
+        raise last or EngineUnavailable(f"no engine can serve {request.model!r}")
+
+    async def _complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
+        budget = self.chain.max_retries
+        while True:
+            completion, served = await self._complete_once(request, ctx)
+            verdict = await self._post(served, completion, ctx)
+            if isinstance(verdict, Retry) and budget > 0:
+                budget -= 1
+                request = self._retry(request, verdict, ctx)
+                continue
+            if isinstance(verdict, Reject):
+                raise verdict.error
+            if isinstance(verdict, Retry):
+                ctx.degrade("retries-exhausted")
+            return CompletionResult(served, completion, ctx)
+
+    async def _complete_once(
+        self, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> tuple[Completion, ChatCompletionRequest]:
+        engines = self._engines_for(request)
+        last: EngineError | None = None
+        for i, engine in enumerate(engines):
+            adapted = self._adapt(engine, request, ctx)
+            if adapted is None:
+                continue
+            ctx.attempts += 1
+            try:
+                completion = await engine.complete(adapted)
+            except EngineError as exc:
+                last = exc
+                self._engine_failed(engine, exc, ctx, more=i + 1 < len(engines))
+                if not exc.retryable:
+                    raise
+                continue
+            ctx.engine, ctx.variant = engine.name, engine.config.variant
+            ctx.ttft_s = ctx.elapsed()
+            self._account(ctx, completion)
+            return completion, adapted
+        raise last or EngineUnavailable(f"no engine can serve {request.model!r}")
+
+    def _retry(self, request: ChatCompletionRequest, verdict: Retry, ctx: RequestContext) -> ChatCompletionRequest:
+        ctx.retries += 1
+        self.metrics.retries.labels(verdict.reason).inc()
+        log.info("request_retry", reason=verdict.reason, attempt=ctx.retries)
+        return request.model_copy(update=verdict.update) if verdict.update else request
+
+    async def _post(self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext) -> Any:
+        for policy in self.chain.post:
+            t0 = time.perf_counter()
+            verdict = await policy.impl.post(request, completion, ctx)
+            name = type(verdict).__name__.lower()
+            self._record(policy, ctx, name, time.perf_counter() - t0, getattr(verdict, "reason", None))
+            if policy.shadow or isinstance(verdict, Accept):
+                continue
+            if isinstance(verdict, Retry):
+                verdict = Retry(reason=policy.name, update=verdict.update)
+            return verdict
+        return Accept()
+
+    # -- the committed stream ------------------------------------------------
+    async def _run_stream(self, rs: ResponseStream) -> AsyncIterator[Delta]:
+        """Relay one stream through the filters; retry (post-policy) only while nothing was released."""
+        ctx, attempt = rs.ctx, rs.attempt
+        budget = self.chain.max_retries
+        error: BaseException | None = None
+        try:
+            while True:
+                filters = [(p, p.impl.open_stream(attempt.request, ctx)) for p in self.chain.stream]
+                completion = Completion()
+                async for delta in self._relay(attempt, filters, completion, ctx):
+                    rs._released = True
+                    yield delta
+                verdict = await self._post(attempt.request, completion, ctx)
+                if isinstance(verdict, Retry) and budget > 0 and not rs._released:
+                    budget -= 1
+                    request = self._retry(attempt.request, verdict, ctx)
+                    attempt = await self._open(request, ctx)
+                    continue
+                if isinstance(verdict, Reject):
+                    raise verdict.error
+                if isinstance(verdict, Retry):
+                    ctx.degrade("retries-exhausted")
+                for out in self._flush(filters):
+                    rs._released = True
+                    yield out
+                self._account(ctx, completion)
+                return
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            await attempt.upstream.aclose()
+            self._finish(ctx, error)
+
+    async def _relay(
+        self,
+        attempt: Attempt,
+        filters: list[tuple[LoadedPolicy, StreamFilter]],
+        completion: Completion,
+        ctx: RequestContext,
+    ) -> AsyncIterator[Delta]:
+        engine = attempt.engine
+        gap = self.metrics.chunk_gap.labels(engine.name, engine.config.variant)
+        upstream = attempt.upstream
+        first: Delta | None = attempt.first
+        last_t = 0.0
+        try:
+            while True:
+                if first is not None:
+                    delta, first = first, None
+                else:
+                    try:
+                        delta = await anext(upstream)
+                    except StopAsyncIteration:
+                        break
+                completion.add(delta)
+                out = [delta] if not filters else self._feed(filters, delta)
+                for d in out:
+                    now = time.perf_counter()
+                    if last_t:
+                        gap.observe(now - last_t)
+                    last_t = now
+                    if ctx.ttft_s is None and (d.text or d.audio):
+                        ctx.ttft_s = now - ctx.started
+                    if ctx.first_audio_s is None and d.audio:
+                        ctx.first_audio_s = now - ctx.started
+                    yield d
+        except EngineError as exc:
+            self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
+            raise
+        finally:
+            await upstream.aclose()
+
+    def _feed(self, filters: list[tuple[LoadedPolicy, StreamFilter]], delta: Delta) -> list[Delta]:
+        batch = [delta]
+        for policy, f in filters:
+            released: list[Delta] = []
+            for d in batch:
+                out = f.feed(d)
+                released.extend([d] if policy.shadow else out)
+            batch = released
+        return batch
+
+    def _flush(self, filters: list[tuple[LoadedPolicy, StreamFilter]]) -> list[Delta]:
+        """End of stream: each filter's held tail, passed through the filters after it."""
+        batch: list[Delta] = []
+        for policy, f in filters:
+            if policy.shadow:
+                f.finish()
+                continue
+            out: list[Delta] = []
+            for d in batch:
+                out.extend(f.feed(d))
+            out.extend(f.finish())
+            batch = out
+        return batch
+
+    # -- accounting ----------------------------------------------------------
+    def _account(self, ctx: RequestContext, completion: Completion) -> None:
+        ctx.prompt_tokens = completion.usage.prompt_tokens
+        ctx.completion_tokens = completion.usage.completion_tokens
+
+    def _finish(self, ctx: RequestContext, error: BaseException | None) -> None:
+        self.metrics.in_flight.dec()
+        if error is None:
+            ctx.outcome = "degraded" if ctx.degraded else "served"
+        elif isinstance(error, OmnigateError):
+            ctx.status = error.status
+            ctx.error_code = error.code
+            ctx.outcome = "failed" if error.status >= 500 else "refused"
+        elif isinstance(error, GeneratorExit) or type(error).__name__ == "CancelledError":
+            ctx.outcome = "cancelled"
+            self.metrics.client_disconnects.inc()
+        else:
+            ctx.outcome, ctx.status, ctx.error_code = "failed", 500, "internal_error"
+        m = self.metrics
+        m.requests.labels(ctx.public_model or "unknown", ctx.outcome).inc()
+        for reason in ctx.degraded:
+            m.degradations.labels(reason).inc()
+        engine, variant = ctx.engine or "none", ctx.variant or "none"
+        m.duration.labels(engine, variant, ctx.outcome).observe(ctx.elapsed())
+        if ctx.ttft_s is not None and ctx.engine:
+            m.ttft.labels(engine, variant).observe(ctx.ttft_s)
+        if ctx.first_audio_s is not None and ctx.engine:
+            m.first_audio.labels(engine, variant).observe(ctx.first_audio_s)
+        log.info(
+            "request_finished",
+            model=ctx.public_model,
+            stream=ctx.stream,
+            engine=ctx.engine,
+            variant=ctx.variant,
+            outcome=ctx.outcome,
+            status=ctx.status,
+            error_code=ctx.error_code,
+            attempts=ctx.attempts,
+            retries=ctx.retries,
+            degraded=ctx.degraded or None,
+            policies=[(p.name, p.verdict) for p in ctx.policy_runs] or None,
+            ttft_ms=round(ctx.ttft_s * 1000, 2) if ctx.ttft_s is not None else None,
+            duration_ms=round(ctx.elapsed() * 1000, 2),
+            prompt_tokens=ctx.prompt_tokens,
+            completion_tokens=ctx.completion_tokens,
+        )

@@ -1,0 +1,119 @@
+"""OpenAI's response shapes, rendered from the pipeline's deltas.
+
+Whatever the engine spoke, the client gets one choice, text in ``content`` (or,
+when speech was asked for, in ``audio.transcript`` as OpenAI does), and speech
+only in ``audio.data``. Text chunks use a prebuilt byte template: per-chunk work
+is one ``orjson.dumps`` of the text.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+
+import orjson
+
+from engines.base import Completion, Delta
+from gateway import audio as audio_codec
+from gateway.context import RequestContext
+from gateway.errors import OmnigateError
+from gateway.schemas import ChatCompletionRequest
+
+DONE = b"data: [DONE]\n\n"
+AUDIO_TTL_S = 3600
+
+
+def error_frame(exc: OmnigateError) -> bytes:
+    return b"data: " + orjson.dumps(exc.to_dict()) + b"\n\n" + DONE
+
+
+class ChunkRenderer:
+    """Renders one stream's deltas as SSE frames. One instance per stream."""
+
+    __slots__ = ("_head", "_text_open", "_text_close", "_speech", "_audio_id", "_fmt", "_audio_started",
+                 "_first", "_finish", "_include_usage", "_ctx", "_audio_head", "_expires")
+
+    def __init__(self, request: ChatCompletionRequest, ctx: RequestContext, completion_id: str) -> None:
+        created = int(time.time())
+        self._head = (
+            b'data: {"id":' + orjson.dumps(completion_id) + b',"object":"chat.completion.chunk","created":'
+            + str(created).encode() + b',"model":' + orjson.dumps(request.model) + b',"choices":'
+        )
+        self._speech = request.wants_audio
+        self._audio_id = "audio_" + ctx.request_id
+        self._expires = created + AUDIO_TTL_S
+        self._fmt = request.audio.format if request.audio is not None else "wav"
+        self._audio_head = b'[{"index":0,"delta":{"audio":{"id":' + orjson.dumps(self._audio_id)
+        if self._speech:
+            self._text_open = self._audio_head + b',"transcript":'
+            self._text_close = b"}},\"finish_reason\":null}]}\n\n"
+        else:
+            self._text_open = b'[{"index":0,"delta":{"content":'
+            self._text_close = b'},"finish_reason":null}]}\n\n'
+        self._audio_started = False
+        self._first = True
+        self._finish: str | None = None
+        self._include_usage = request.include_usage
+        self._ctx = ctx
+
+    def _role(self) -> bytes:
+        self._first = False
+        return self._head + b'[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+
+    def render(self, d: Delta) -> bytes:
+        out = self._role() if self._first else b""
+        if d.text:
+            out += self._head + self._text_open + orjson.dumps(d.text) + self._text_close
+        if d.audio:
+            out += self._audio(d)
+        if d.finish_reason is not None:
+            self._finish = d.finish_reason
+        return out
+
+    def _audio(self, d: Delta) -> bytes:
+        pcm = d.audio
+        if not self._audio_started:
+            self._audio_started = True
+            if self._fmt == "wav":
+                pcm = audio_codec.wav_header(d.sample_rate, d.channels) + pcm
+        return (
+            self._head + self._audio_head + b',"data":' + orjson.dumps(base64.b64encode(pcm).decode("ascii"))
+            + b',"expires_at":' + str(self._expires).encode() + b'}},"finish_reason":null}]}\n\n'
+        )
+
+    def final(self) -> bytes:
+        out = self._role() if self._first else b""
+        out += self._head + b'[{"index":0,"delta":{},"finish_reason":' + orjson.dumps(self._finish or "stop") + b"}]}\n\n"
+        if self._include_usage:
+            ctx = self._ctx
+            usage = {
+                "prompt_tokens": ctx.prompt_tokens,
+                "completion_tokens": ctx.completion_tokens,
+                "total_tokens": ctx.prompt_tokens + ctx.completion_tokens,
+            }
+            out += self._head + b'[],"usage":' + orjson.dumps(usage) + b"}\n\n"
+        return out + DONE
+
+
+def completion_body(
+    request: ChatCompletionRequest, completion: Completion, ctx: RequestContext, completion_id: str
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+    if request.wants_audio and completion.audio:
+        fmt = request.audio.format if request.audio is not None else "wav"
+        data = audio_codec.encode(completion.audio, completion.sample_rate, completion.channels, fmt)
+        message["audio"] = {
+            "id": "audio_" + ctx.request_id,
+            "data": base64.b64encode(data).decode("ascii"),
+            "expires_at": int(time.time()) + AUDIO_TTL_S,
+            "transcript": completion.transcript or completion.text,
+        }
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
+        "usage": completion.usage.to_dict(),
+    }

@@ -1,0 +1,1 @@
+"""Policies: pre-request rewrites and refusals, stream filters, post-response verdicts."""

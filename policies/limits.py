@@ -1,0 +1,58 @@
+"""Built-in pre-policy ``request-limits``: body size, message count, output-token cap."""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar
+
+from pydantic import Field
+
+from gateway.context import RequestContext
+from gateway.errors import InvalidRequest, PayloadTooLarge
+from gateway.schemas import ChatCompletionRequest
+from policies.base import PolicyConfig
+
+
+class RequestLimitsConfig(PolicyConfig):
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 32 * 1024 * 1024
+    max_messages: Annotated[int, Field(ge=1)] = 256
+    max_output_tokens: Annotated[int, Field(ge=1)] = 8192
+    max_content_parts: Annotated[int, Field(ge=1)] = 64
+
+
+class RequestLimits:
+    """Refuses oversized requests and caps the output budget.
+
+    A request that asks for more output tokens than the cap is served with the
+    cap (``x-omnigate-degraded: max-tokens-capped``) rather than refused: the
+    client still gets an answer, cut with ``finish_reason: "length"``.
+    """
+
+    name: ClassVar[str] = "request-limits"
+    stage: ClassVar[str] = "pre"
+    Config: ClassVar[type[PolicyConfig]] = RequestLimitsConfig
+
+    def __init__(self, config: RequestLimitsConfig) -> None:
+        self.config = config
+
+    async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
+        cfg = self.config
+        if ctx.body_bytes > cfg.max_body_bytes:
+            raise PayloadTooLarge(
+                f"request body is {ctx.body_bytes} bytes; the limit is {cfg.max_body_bytes}"
+            )
+        if len(request.messages) > cfg.max_messages:
+            raise InvalidRequest(
+                f"{len(request.messages)} messages; the limit is {cfg.max_messages}", param="messages"
+            )
+        parts = sum(len(m.content) for m in request.messages if isinstance(m.content, list))
+        if parts > cfg.max_content_parts:
+            raise InvalidRequest(
+                f"{parts} content parts; the limit is {cfg.max_content_parts}", param="messages"
+            )
+        asked = request.output_token_limit
+        if asked is None:
+            return request.model_copy(update={"max_tokens": cfg.max_output_tokens, "max_completion_tokens": None})
+        if asked > cfg.max_output_tokens:
+            ctx.degrade("max-tokens-capped")
+            return request.model_copy(update={"max_tokens": cfg.max_output_tokens, "max_completion_tokens": None})
+        return request

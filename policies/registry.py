@@ -1,0 +1,95 @@
+"""Finds policy plugins in the ``omnigate.policies`` entry-point group and builds the chain.
+
+Plugins are checked when they are loaded (stage, config model, hook signature),
+not on first call, so a broken plugin fails the boot with its name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+from pydantic import ValidationError
+
+from gateway.settings import PolicyChainConfig, PolicySpec
+from policies.base import STAGE_PROTOCOL, PolicyConfig
+
+ENTRY_POINT_GROUP = "omnigate.policies"
+
+
+class PolicyConfigError(ValueError):
+    """A policy named in the config is unknown, misplaced or badly configured."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedPolicy:
+    name: str
+    stage: str
+    shadow: bool
+    impl: Any
+    config: PolicyConfig
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyChain:
+    """The resolved chain; the order of each tuple is the order policies run in."""
+
+    pre: tuple[LoadedPolicy, ...]
+    stream: tuple[LoadedPolicy, ...]
+    post: tuple[LoadedPolicy, ...]
+    max_retries: int
+
+    def describe(self) -> dict[str, list[str]]:
+        def names(ps: tuple[LoadedPolicy, ...]) -> list[str]:
+            return [p.name + (" (shadow)" if p.shadow else "") for p in ps]
+
+        return {"pre": names(self.pre), "stream": names(self.stream), "post": names(self.post)}
+
+
+def available_plugins() -> dict[str, type]:
+    found: dict[str, type] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found[ep.name] = ep.load()
+    return found
+
+
+def _check_plugin(name: str, cls: Any) -> None:
+    for attr in ("name", "stage", "Config"):
+        if not hasattr(cls, attr):
+            raise PolicyConfigError(f"policy plugin {name!r} lacks the class attribute {attr!r}")
+    if cls.stage not in STAGE_PROTOCOL:
+        raise PolicyConfigError(f"policy plugin {name!r} declares unknown stage {cls.stage!r}")
+    if not (isinstance(cls.Config, type) and issubclass(cls.Config, PolicyConfig)):
+        raise PolicyConfigError(f"policy plugin {name!r}: Config must subclass PolicyConfig")
+
+
+def _load_one(spec: PolicySpec, stage: str, where: str, plugins: dict[str, type]) -> LoadedPolicy:
+    cls = plugins.get(spec.name)
+    if cls is None:
+        known = ", ".join(sorted(plugins)) or "none"
+        raise PolicyConfigError(f"{where}.name: unknown policy {spec.name!r} (installed: {known})")
+    _check_plugin(spec.name, cls)
+    if cls.stage != stage:
+        raise PolicyConfigError(f"{where}.name: policy {spec.name!r} is a {cls.stage} policy, not {stage}")
+    try:
+        config = cls.Config.model_validate(spec.config)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(x) for x in first["loc"])
+        raise PolicyConfigError(f"{where}.config.{field}: {first['msg']}") from exc
+    impl = cls(config)
+    if not isinstance(impl, STAGE_PROTOCOL[stage]):
+        raise PolicyConfigError(f"policy {spec.name!r} does not implement the {stage} hook")
+    return LoadedPolicy(name=spec.name, stage=stage, shadow=spec.shadow, impl=impl, config=config)
+
+
+def build_chain(cfg: PolicyChainConfig, plugins: dict[str, type] | None = None) -> PolicyChain:
+    plugins = available_plugins() if plugins is None else plugins
+    stages: dict[str, tuple[LoadedPolicy, ...]] = {}
+    for stage in ("pre", "stream", "post"):
+        specs: list[PolicySpec] = getattr(cfg, stage)
+        stages[stage] = tuple(
+            _load_one(spec, stage, f"policies.{stage}[{i}]", plugins) for i, spec in enumerate(specs)
+        )
+    return PolicyChain(max_retries=cfg.max_retries, **stages)

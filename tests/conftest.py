@@ -1,0 +1,104 @@
+"""Shared fixtures: scripted upstreams and a gateway under real uvicorn, on a background loop."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+from gateway.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings  # noqa: E402
+from tests.harness import BackgroundLoop, GatewayServer  # noqa: E402
+from tests.upstream import Script, ScriptedUpstream  # noqa: E402
+
+OMNI_MODEL = "qwen3-omni-flash"
+TEXT_MODEL = "text-model"
+LITELLM_MODEL = "litellm-text"
+
+
+@pytest.fixture(scope="session")
+def bg() -> BackgroundLoop:
+    loop = BackgroundLoop()
+    yield loop
+    loop.close()
+
+
+class Upstreams:
+    """Three scripted engines: two vLLM-Omni (primary INT4, fallback BF16) and one plain vLLM."""
+
+    def __init__(self, bg: BackgroundLoop) -> None:
+        self.bg = bg
+        self.omni_a = ScriptedUpstream(Script(flavour="omni"))
+        self.omni_b = ScriptedUpstream(Script(flavour="omni"))
+        self.vllm = ScriptedUpstream(Script(flavour="vllm"))
+        for u in self.all:
+            bg.run(u.start())
+
+    @property
+    def all(self) -> list[ScriptedUpstream]:
+        return [self.omni_a, self.omni_b, self.vllm]
+
+    def reset(self) -> None:
+        def _reset() -> None:
+            for u, flavour in zip(self.all, ("omni", "omni", "vllm")):
+                u.default = Script(flavour=flavour)
+                u._queue.clear()
+                u.reset_stats()
+
+        self.bg.call(_reset)
+
+    def stop(self) -> None:
+        for u in self.all:
+            self.bg.run(u.stop())
+
+
+@pytest.fixture(scope="session")
+def upstreams(bg: BackgroundLoop) -> Upstreams:
+    ups = Upstreams(bg)
+    yield ups
+    ups.stop()
+
+
+def gateway_settings(ups: Upstreams, policies: PolicyChainConfig | None = None) -> Settings:
+    return Settings(
+        engines=[
+            EngineConfig(
+                name="omni-int4", kind="vllm-omni", base_url=ups.omni_a.base_url,
+                model="Qwen/Qwen3-Omni-30B-A3B-Instruct-AWQ", variant="int4", serves=[OMNI_MODEL],
+                first_byte_timeout_s=5, read_timeout_s=5,
+            ),
+            EngineConfig(
+                name="omni-bf16", kind="vllm-omni", base_url=ups.omni_b.base_url,
+                model="Qwen/Qwen3-Omni-30B-A3B-Instruct", variant="bf16", role="fallback", serves=[OMNI_MODEL],
+                first_byte_timeout_s=5, read_timeout_s=5,
+            ),
+            EngineConfig(
+                name="text-vllm", kind="vllm", base_url=ups.vllm.base_url, model="scripted",
+                variant="fp16", serves=[TEXT_MODEL], first_byte_timeout_s=5, read_timeout_s=5,
+            ),
+            EngineConfig(
+                name="via-litellm", kind="litellm", base_url=ups.vllm.base_url, model="hosted_vllm/scripted",
+                variant="fp16", serves=[LITELLM_MODEL], api_key="sk-test",
+            ),
+        ],
+        policies=policies or PolicyChainConfig(pre=[PolicySpec(name="request-limits")]),
+        logging={"level": "warning"},
+    )
+
+
+@pytest.fixture(scope="session")
+def gateway(bg: BackgroundLoop, upstreams: Upstreams) -> GatewayServer:
+    server = GatewayServer(bg, gateway_settings(upstreams)).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def ups(upstreams: Upstreams, gateway: GatewayServer) -> Upstreams:
+    """The upstreams, reset to their default scripts, with every engine marked healthy again."""
+    upstreams.reset()
+    gateway.bg.run(gateway.services.pool.probe_now())
+    return upstreams

@@ -1,0 +1,115 @@
+"""Real servers for tests: the scripted upstream and the gateway under uvicorn, on a background loop.
+
+Both run in one thread with its own event loop, so tests may use blocking
+clients (the official ``openai`` SDK) without starving the servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from gateway.app import create_app
+from gateway.settings import Settings
+
+T = TypeVar("T")
+
+
+class BackgroundLoop:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-servers", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        async def _call() -> T:
+            return fn()
+
+        return self.run(_call())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+class GatewayServer:
+    """omnigate under a real uvicorn server on an ephemeral port."""
+
+    def __init__(self, bg: BackgroundLoop, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+        self.bg = bg
+        self.registry = registry or CollectorRegistry()
+        self.app = create_app(settings, registry=self.registry)
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on",
+            timeout_graceful_shutdown=2,
+        )
+        self.server = uvicorn.Server(config)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def services(self):  # noqa: ANN201
+        return self.app.state.services
+
+    def start(self, ready_timeout: float = 120.0, wait_ready: bool = True) -> "GatewayServer":
+        async def _start() -> None:
+            self._task = asyncio.create_task(self.server.serve())
+            while not self.server.started:
+                if self._task.done():
+                    self._task.result()
+                await asyncio.sleep(0.01)
+
+        self.bg.run(_start())
+        if wait_ready:
+            deadline = time.monotonic() + ready_timeout
+            while not self.bg.call(lambda: self.services.pool.ready):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("gateway engines never became healthy")
+                time.sleep(0.05)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        async def _stop() -> None:
+            self.server.should_exit = True
+            if self._task is not None:
+                await asyncio.wait_for(self._task, 15)
+
+        self.bg.run(_stop())
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+async def eventually(predicate: Callable[[], Awaitable[bool] | bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = predicate()
+        if asyncio.iscoroutine(r):
+            r = await r
+        if r:
+            return True
+        await asyncio.sleep(0.01)
+    return False
