@@ -45,10 +45,16 @@ class BackgroundLoop:
 class GatewayServer:
     """omnigate under a real uvicorn server on an ephemeral port."""
 
-    def __init__(self, bg: BackgroundLoop, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        bg: BackgroundLoop,
+        settings: Settings,
+        registry: CollectorRegistry | None = None,
+        plugins: dict[str, type] | None = None,
+    ) -> None:
         self.bg = bg
         self.registry = registry or CollectorRegistry()
-        self.app = create_app(settings, registry=self.registry)
+        self.app = create_app(settings, registry=self.registry, plugins=plugins)
         config = uvicorn.Config(
             self.app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on",
             timeout_graceful_shutdown=2,

@@ -30,15 +30,21 @@ _OPENAPI_BODY = {
 }
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "body"})
+
+
+def _is_tag(part: str) -> bool:
+    # pydantic names union branches in error locations ('str', 'list[...]', 'TextPart', ...).
+    return part in _TYPE_TAGS or "[" in part or part[:1].isupper()
+
+
 def validation_to_error(errors: Sequence[Any]) -> InvalidRequest:
-    """The first validation error as an OpenAI ``invalid_request_error`` naming the field."""
+    """The most specific validation error as an OpenAI ``invalid_request_error`` naming the field."""
     if not errors:
         return InvalidRequest("invalid request body")
-    first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
-    # Drop pydantic's union-branch tags (e.g. 'list[...]', 'TextPart') from the path.
-    param = ".".join(p for p in loc if not (p[:1].isupper() or "[" in p)) or None
-    msg = first.get("msg", "invalid value")
+    best = max(errors, key=lambda e: len(e.get("loc", ())))
+    param = ".".join(str(x) for x in best.get("loc", ()) if not _is_tag(str(x))) or None
+    msg = best.get("msg", "invalid value")
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
 
 

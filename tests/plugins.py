@@ -1,0 +1,129 @@
+"""Small real policy plugins used to exercise the pipeline's stages, order, shadow mode and retries."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from engines.base import Delta
+from gateway.errors import ContentPolicyViolation
+from policies.base import Accept, PolicyConfig, Retry
+
+
+class TagConfig(PolicyConfig):
+    tag: str
+
+
+class AppendTag:
+    """Pre: appends ``[tag]`` to the last message's text, so the order of the chain is visible upstream."""
+
+    name: ClassVar[str] = "append-tag"
+    stage: ClassVar[str] = "pre"
+    Config = TagConfig
+
+    def __init__(self, config: TagConfig) -> None:
+        self.tag = config.tag
+
+    async def pre(self, request, ctx):  # noqa: ANN001, ANN201
+        messages = list(request.messages)
+        last = messages[-1]
+        messages[-1] = last.model_copy(update={"content": last.text() + f"[{self.tag}]"})
+        return request.model_copy(update={"messages": messages})
+
+
+class Empty(PolicyConfig):
+    pass
+
+
+class AlwaysReject:
+    name: ClassVar[str] = "always-reject"
+    stage: ClassVar[str] = "pre"
+    Config = Empty
+
+    def __init__(self, config: Empty) -> None:
+        pass
+
+    async def pre(self, request, ctx):  # noqa: ANN001, ANN201
+        raise ContentPolicyViolation("refused by always-reject", param="messages")
+
+
+class RetryUnlessCold:
+    """Post: asks for one retry at temperature 0 (stateless: it reads the request)."""
+
+    name: ClassVar[str] = "retry-unless-cold"
+    stage: ClassVar[str] = "post"
+    Config = Empty
+
+    def __init__(self, config: Empty) -> None:
+        pass
+
+    async def post(self, request, completion, ctx):  # noqa: ANN001, ANN201
+        if request.temperature == 0.0:
+            return Accept()
+        return Retry(reason="too-warm", update={"temperature": 0.0})
+
+
+class HoldConfig(PolicyConfig):
+    pass
+
+
+class _HoldFilter:
+    def __init__(self) -> None:
+        self.held: list[Delta] = []
+
+    def feed(self, delta: Delta) -> list[Delta]:
+        self.held.append(delta)
+        return []
+
+    def finish(self) -> list[Delta]:
+        out, self.held = self.held, []
+        return out
+
+
+class HoldAll:
+    name: ClassVar[str] = "hold-all"
+    stage: ClassVar[str] = "stream"
+    Config = HoldConfig
+    mode = "hold"
+
+    def __init__(self, config: HoldConfig) -> None:
+        pass
+
+    def open_stream(self, request, ctx):  # noqa: ANN001, ANN201
+        return _HoldFilter()
+
+
+class _Upper:
+    def feed(self, delta: Delta) -> list[Delta]:
+        if delta.text:
+            delta = Delta(text=delta.text.upper(), finish_reason=delta.finish_reason, usage=delta.usage)
+        return [delta]
+
+    def finish(self) -> list[Delta]:
+        return []
+
+
+class Uppercase:
+    name: ClassVar[str] = "uppercase"
+    stage: ClassVar[str] = "stream"
+    Config = Empty
+    mode = "passthrough"
+
+    def __init__(self, config: Empty) -> None:
+        pass
+
+    def open_stream(self, request, ctx):  # noqa: ANN001, ANN201
+        return _Upper()
+
+
+class NoHook:
+    name: ClassVar[str] = "no-hook"
+    stage: ClassVar[str] = "pre"
+    Config = Empty
+
+    def __init__(self, config: Empty) -> None:
+        pass
+
+
+PLUGINS = {
+    cls.name: cls for cls in (AppendTag, AlwaysReject, RetryUnlessCold, HoldAll, Uppercase, NoHook)
+}

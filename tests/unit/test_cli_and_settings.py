@@ -1,0 +1,84 @@
+"""``omnigate check-config`` and the settings sources (YAML, then ``OMNIGATE_`` environment)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.settings import DEFAULT_PUBLIC_MODEL, load_settings
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "ops" / "config" / "omnigate.yaml"
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_check_config_prints_engines_and_chain():
+    out = _cli("check-config", str(EXAMPLE))
+    assert out.returncode == 0, out.stderr
+    assert "omni-int4: kind=vllm-omni variant=int4" in out.stdout
+    assert "serves: qwen3-omni-flash" in out.stdout
+    assert "pre: request-limits" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "named"),
+    [
+        ("engines:\n  - {name: a, kind: tgi, model: m, serves: [x]}\n", "engines.0.kind"),
+        ("engines:\n  - {name: a, kind: vllm, model: m, serves: [x]}\n", "needs base_url"),
+        ("engines:\n  - {name: a, kind: local, model: m, serves: [x], colour: red}\n", "engines.0.colour"),
+        ("server: {port: 99999}\n", "server.port"),
+        ("policies:\n  pre: [{name: request-limits, config: {max_messages: -1}}]\n",
+         "policies.pre[0].config.max_messages"),
+        ("policies:\n  pre: [{name: not-a-policy}]\n", "policies.pre[0].name"),
+        ("engines: [\n", "invalid configuration"),
+    ],
+)
+def test_check_config_names_the_bad_field(tmp_path, yaml_text, named):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml_text)
+    out = _cli("check-config", str(cfg))
+    assert out.returncode != 0
+    assert named in out.stderr
+
+
+def test_missing_file_is_an_error(tmp_path):
+    out = _cli("check-config", str(tmp_path / "absent.yaml"))
+    assert out.returncode == 2 and "not found" in out.stderr
+
+
+def test_environment_overrides_the_file(monkeypatch):
+    monkeypatch.setenv("OMNIGATE_SERVER__PORT", "9123")
+    monkeypatch.setenv("OMNIGATE_LOGGING__LEVEL", "debug")
+    settings = load_settings(EXAMPLE)
+    assert settings.server.port == 9123
+    assert settings.logging.level == "debug"
+    assert settings.engines[0].name == "omni-int4"
+
+
+def test_defaults_run_the_embedded_engine(monkeypatch):
+    settings = load_settings(None)
+    assert [(e.kind, e.serves) for e in settings.engines] == [("local", [DEFAULT_PUBLIC_MODEL])]
+    assert settings.server.host == "127.0.0.1" and settings.server.port == 8080
+
+
+def test_secrets_never_print(tmp_path):
+    settings = load_settings(EXAMPLE)
+    assert "sk-replace-me" not in repr(settings)
+
+
+def test_duplicate_engine_names_are_refused(tmp_path):
+    cfg = tmp_path / "dup.yaml"
+    cfg.write_text(
+        "engines:\n"
+        "  - {name: a, kind: local, model: m, serves: [x]}\n"
+        "  - {name: a, kind: local, model: m, serves: [y]}\n"
+    )
+    with pytest.raises(ValidationError, match="used twice"):
+        load_settings(cfg)
