@@ -45,7 +45,7 @@ class Upstreams:
         def _reset() -> None:
             for u, flavour in zip(self.all, ("omni", "omni", "vllm")):
                 u.default = Script(flavour=flavour)
-                u._queue.clear()
+                u.clear_queue()
                 u.reset_stats()
 
         self.bg.call(_reset)

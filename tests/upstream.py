@@ -1,0 +1,699 @@
+"""A scripted stand-in for a vLLM or vLLM-Omni server, speaking their wire shapes over real sockets.
+
+Tests and benchmarks point an engine adapter at it, script replies and faults, and read back what it saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import dataclasses
+import functools
+import itertools
+import math
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+Flavour = Literal["vllm", "omni"]
+Fault = Literal[
+    None,
+    "500_before_headers",
+    "503_retry_after",
+    "reset_before_first_byte",
+    "reset_mid_stream",
+    "hang_before_first_byte",
+    "hang_mid_stream",
+    "malformed_json",
+    "drip",
+]
+_FLAVOURS = frozenset(get_args(Flavour))
+_FAULTS = frozenset(get_args(Fault))
+
+_SECONDS_PER_CHAR = 0.06
+_DRIP_INTERVAL_S = 1.0
+
+
+@dataclass
+class Script:
+    """How to answer one chat request.
+
+    `fault_after_chunks` counts `data:` frames, the opening role frame included. `status_body` replaces the
+    JSON body of the scripted 500 and 503 replies.
+    """
+
+    flavour: Flavour = "vllm"
+    text: str = "Hello from the scripted upstream. It speaks in short sentences."
+    chunk_words: int = 1
+    transcript: str | None = None
+    audio_seconds_per_chunk: float = 0.2
+    audio_chunks: int | None = None
+    sample_rate: int = 24000
+    first_byte_delay_s: float = 0.0
+    chunk_delay_s: float = 0.0
+    fault: Fault = None
+    fault_after_chunks: int = 3
+    prompt_tokens: int = 11
+    status_body: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.flavour not in _FLAVOURS:
+            raise ValueError(f"flavour must be one of {sorted(_FLAVOURS)}, not {self.flavour!r}")
+        if self.fault not in _FAULTS:
+            raise ValueError(f"unknown fault {self.fault!r}")
+        if self.chunk_words < 1:
+            raise ValueError("chunk_words must be >= 1")
+        if self.audio_seconds_per_chunk <= 0 or self.sample_rate <= 0:
+            raise ValueError("audio_seconds_per_chunk and sample_rate must be positive")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Script:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown Script fields: {sorted(unknown)}")
+        return cls(**data)
+
+    @property
+    def spoken(self) -> str:
+        return self.text if self.transcript is None else self.transcript
+
+    @property
+    def n_audio_chunks(self) -> int:
+        if self.audio_chunks is not None:
+            return max(0, self.audio_chunks)
+        total_s = _SECONDS_PER_CHAR * len(self.spoken)
+        return max(1, math.ceil(total_s / self.audio_seconds_per_chunk - 1e-9))
+
+
+# --- precomputed wire pieces (cached: the benchmarks run many identical streams) ---------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _text_pieces(text: str, chunk_words: int) -> tuple[str, ...]:
+    # Each word keeps its trailing whitespace (leading whitespace rides on the first), so "".join == text.
+    words: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        j = i
+        while j < n and text[j].isspace() and not words:
+            j += 1
+        while j < n and not text[j].isspace():
+            j += 1
+        while j < n and text[j].isspace():
+            j += 1
+        words.append(text[i:j])
+        i = j
+    return tuple("".join(words[k : k + chunk_words]) for k in range(0, len(words), chunk_words))
+
+
+@functools.lru_cache(maxsize=64)
+def _text_deltas(text: str, chunk_words: int) -> tuple[bytes, ...]:
+    return tuple(b'{"content":' + orjson.dumps(p) + b"}" for p in _text_pieces(text, chunk_words))
+
+
+def _wav(pcm: np.ndarray, sample_rate: int) -> bytes:
+    data = pcm.astype("<i2").tobytes()
+    header = struct.pack(
+        "<4sI4s4sIHHIIHH4sI",
+        b"RIFF", 36 + len(data), b"WAVE", b"fmt ", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16,
+        b"data", len(data),
+    )  # fmt: skip
+    return header + data
+
+
+@functools.lru_cache(maxsize=32)
+def _pcm_chunks(sample_rate: int, seconds: float, count: int) -> tuple[np.ndarray, ...]:
+    """A voiced-sounding signal: harmonics of a gliding f0 under a syllable envelope, different per chunk."""
+    n = max(1, round(seconds * sample_rate))
+    t = np.arange(n) / sample_rate
+    out = []
+    for i in range(count):
+        f0 = 110.0 + 40.0 * math.sin(0.9 * i) + 15.0 * np.sin(2 * np.pi * 3.0 * t)
+        phase = 2 * np.pi * np.cumsum(f0) / sample_rate
+        sig = sum((0.7**k) * np.sin(k * phase + 0.3 * i * k) for k in range(1, 7))
+        env = np.sin(np.pi * (t + 0.5 * (i % 2) * seconds) / seconds * 2.0) ** 2 * 0.8 + 0.2
+        env *= np.minimum(1.0, np.minimum(t, t[-1] - t) / 0.005 + 1e-3)  # no clicks at the seams
+        sig = sig * env
+        sig = sig / (np.max(np.abs(sig)) or 1.0) * 0.6
+        out.append(np.round(sig * 32767).astype(np.int16))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=32)
+def _audio_deltas(sample_rate: int, seconds: float, count: int) -> tuple[bytes, ...]:
+    """Per chunk: the delta, finish_reason slot and audio_metadata, minus the finish_reason value."""
+    out = []
+    for pcm in _pcm_chunks(sample_rate, seconds, count):
+        b64 = base64.b64encode(_wav(pcm, sample_rate))
+        meta = orjson.dumps(
+            {"format": "wav", "sample_rate_hz": sample_rate, "frame_count": len(pcm), "channels": 1}
+        )
+        out.append((b'{"content":"' + b64 + b'"}', b',"audio_metadata":' + meta))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=32)
+def _audio_full_b64(sample_rate: int, seconds: float, count: int) -> str:
+    pcm = _pcm_chunks(sample_rate, seconds, count)
+    joined = np.concatenate(pcm) if pcm else np.zeros(0, np.int16)
+    return base64.b64encode(_wav(joined, sample_rate)).decode()
+
+
+# --- the server -----------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """Per-request bookkeeping, so an injected reset is not mistaken for a client abort."""
+
+    __slots__ = ("finished", "self_reset", "aborted")
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.self_reset = False
+        self.aborted = False
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What one chat request will be answered with."""
+
+    script: Script
+    rid: str
+    created: int
+    model: str
+    pieces: tuple[str, ...]  # text pieces to send, already cut short by max_tokens
+    text_finish: str
+    n_audio: int
+
+    def chunk_head(self) -> bytes:
+        """A chunk's JSON up to and including `"choices":`, shared by every chunk of the stream."""
+        return (
+            b'data: {"id":"' + self.rid.encode() + b'","object":"chat.completion.chunk","created":'
+            + str(self.created).encode() + b',"model":' + orjson.dumps(self.model) + b',"choices":'
+        )  # fmt: skip
+
+
+def _error_body(message: str, type_: str, code: int) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+
+
+def _reset(request: web.Request) -> None:
+    """Drop the connection with a TCP RST, as a crashed engine or a proxy timeout would."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    transport.abort()
+
+
+async def _forever() -> None:
+    await asyncio.get_running_loop().create_future()
+
+
+class ScriptedUpstream:
+    """The server. Counters are plain attributes; `record=False` keeps long benchmark runs from growing."""
+
+    def __init__(
+        self,
+        default: Script | None = None,
+        *,
+        models: list[str] | None = None,
+        record: bool = True,
+    ) -> None:
+        self.default: Script = default or Script()
+        self.models: list[str] = list(models or ["scripted"])
+        self.record = record
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        self.voices: list[str | None] = []
+        self.request_count = 0
+        self.completed = 0
+        self.aborts = 0
+        self.abort_event = asyncio.Event()
+        self.errors = 0  # scripted 500/503 replies
+        self.resets = 0  # scripted connection resets
+        self.in_flight = 0
+        self.max_in_flight = 0
+        # /metrics gauges; num_requests_running None means "report in_flight".
+        self.num_requests_running: float | None = None
+        self.num_requests_waiting: float = 0.0
+        self.kv_cache_usage_perc: float = 0.0
+        self._queue: list[Script] = []
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = False
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
+        self._host = "127.0.0.1"
+
+    # -- lifecycle
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/_script", self._set_script)
+        app.router.add_post("/_enqueue", self._enqueue)
+        app.router.add_post("/_metrics", self._set_metrics)
+        app.router.add_post("/_reset", self._reset_stats)
+        app.router.add_get("/_stats", self._stats)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> ScriptedUpstream:
+        # handler_cancellation: aiohttp then cancels a handler the moment its connection is lost, which is
+        # what lets abort_event fire while the handler sleeps between chunks (no polling needed).
+        self._runner = web.AppRunner(
+            self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.setblocking(False)
+        site = web.SockSite(self._runner, sock, backlog=1024)
+        await site.start()
+        self._host, self._port = host, sock.getsockname()[1]
+        self._stopping = False
+        return self
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in list(self._tasks):
+            task.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> ScriptedUpstream:
+        if self._runner is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("ScriptedUpstream is not started")
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self.port}/v1"
+
+    # -- scripting
+
+    def enqueue(self, *scripts: Script) -> None:
+        self._queue.extend(scripts)
+
+    def clear_queue(self) -> None:
+        self._queue.clear()
+
+    def reset_stats(self) -> None:
+        self.requests.clear()
+        self.headers.clear()
+        self.voices.clear()
+        self.request_count = self.completed = self.aborts = self.errors = self.resets = 0
+        self.max_in_flight = self.in_flight
+        self.abort_event.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "requests": self.request_count,
+            "completed": self.completed,
+            "aborts": self.aborts,
+            "errors": self.errors,
+            "resets": self.resets,
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+            "queued": len(self._queue),
+            "last_voice": self.voices[-1] if self.voices else None,
+        }
+
+    # -- chat
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        state = _Progress()
+        try:
+            return await self._serve_chat(request, state)
+        except asyncio.CancelledError:
+            # Cancelled by aiohttp on connection loss (handler_cancellation) or by stop().
+            if not (self._stopping or state.finished or state.self_reset):
+                self._count_abort(state)
+            raise
+        finally:
+            self.in_flight -= 1
+            self._tasks.discard(task)
+
+    def _count_abort(self, state: _Progress) -> None:
+        if not state.aborted:
+            state.aborted = True
+            self.aborts += 1
+            self.abort_event.set()
+
+    async def _serve_chat(self, request: web.Request, state: _Progress) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("body is not an object")
+        except ValueError as exc:
+            return web.Response(
+                status=400,
+                body=_error_body(f"invalid JSON body: {exc}", "BadRequestError", 400),
+                content_type="application/json",
+            )
+        self.request_count += 1
+        voice = body.get("voice") or body.get("speaker")
+        if self.record:
+            self.requests.append(body)
+            self.headers.append({k.lower(): v for k, v in request.headers.items()})
+            self.voices.append(voice)
+        script = self._queue.pop(0) if self._queue else self.default
+
+        fault = script.fault
+        if fault == "reset_before_first_byte":
+            state.self_reset = True
+            self.resets += 1
+            _reset(request)
+            return web.Response()  # aiohttp finds the transport closed and drops this quietly
+        if fault == "hang_before_first_byte":
+            await _forever()
+        if script.first_byte_delay_s > 0:
+            await asyncio.sleep(script.first_byte_delay_s)
+        if fault == "500_before_headers":
+            self.errors += 1
+            state.finished = True
+            return web.Response(
+                status=500,
+                body=orjson.dumps(script.status_body)
+                if script.status_body is not None
+                else _error_body("scripted upstream failure", "InternalServerError", 500),
+                content_type="application/json",
+            )
+        if fault == "503_retry_after":
+            self.errors += 1
+            state.finished = True
+            return web.Response(
+                status=503,
+                headers={"Retry-After": "2"},
+                body=orjson.dumps(script.status_body)
+                if script.status_body is not None
+                else _error_body("scripted upstream overloaded", "ServiceUnavailableError", 503),
+                content_type="application/json",
+            )
+
+        model = body.get("model") if isinstance(body.get("model"), str) else self.models[0]
+        modalities = body.get("modalities") or ["text"]
+        want_audio = script.flavour == "omni" and isinstance(modalities, list) and "audio" in modalities
+        pieces = _text_pieces(script.text, script.chunk_words)
+        text_finish = "stop"
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < len(pieces):
+            pieces, text_finish = pieces[:limit], "length"
+        plan = _Plan(
+            script=script,
+            rid=f"chatcmpl-scripted-{next(self._ids)}",
+            created=int(time.time()),
+            model=model,
+            pieces=pieces,
+            text_finish=text_finish,
+            n_audio=script.n_audio_chunks if want_audio else 0,
+        )
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await self._stream(request, state, plan, include_usage)
+        return await self._complete(request, state, plan)
+
+    @staticmethod
+    def _frames(plan: _Plan) -> list[bytes]:
+        script = plan.script
+        head = plan.chunk_head() + b'[{"index":0,"delta":'
+        text_tail = b"}]" + (b',"modality":"text"' if script.flavour == "omni" else b"") + b"}\n\n"
+        null = b',"logprobs":null,"finish_reason":null'
+        deltas = _text_deltas(script.text, script.chunk_words)[: len(plan.pieces)] or (b'{"content":""}',)
+        frames = [head + b'{"role":"assistant","content":""}' + null + text_tail]
+        frames += [head + d + null + text_tail for d in deltas[:-1]]
+        last = b',"logprobs":null,"finish_reason":"' + plan.text_finish.encode() + b'"'
+        frames.append(head + deltas[-1] + last + text_tail)
+        if plan.n_audio:
+            audio_tail = b'}],"modality":"audio"}\n\n'
+            chunks = _audio_deltas(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio)
+            for i, (delta, meta) in enumerate(chunks):
+                finish = b'"stop"' if i == plan.n_audio - 1 else b"null"
+                finish = b',"logprobs":null,"finish_reason":' + finish
+                frames.append(head + delta + finish + meta + audio_tail)
+        return frames
+
+    async def _stream(
+        self, request: web.Request, state: _Progress, plan: _Plan, include_usage: bool
+    ) -> web.StreamResponse:
+        script = plan.script
+        frames = self._frames(plan)
+        tail = b""
+        if include_usage:
+            n = len(plan.pieces)
+            usage = {"prompt_tokens": script.prompt_tokens, "completion_tokens": n,
+                     "total_tokens": script.prompt_tokens + n}  # fmt: skip
+            modality = b',"modality":"text"' if script.flavour == "omni" else b""
+            tail = plan.chunk_head() + b'[],"usage":' + orjson.dumps(usage) + modality + b"}\n\n"
+        tail += b"data: [DONE]\n\n"
+
+        fault = script.fault
+        delay = _DRIP_INTERVAL_S if fault == "drip" else script.chunk_delay_s
+        fault_at = min(max(0, script.fault_after_chunks), len(frames))
+        mid_fault = fault in ("reset_mid_stream", "hang_mid_stream", "malformed_json")
+
+        resp = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+        )
+        try:
+            await resp.prepare(request)
+            if mid_fault and fault_at == 0:
+                request.writer.send_headers()  # aiohttp otherwise holds headers back for the first body write
+            for i, frame in enumerate(frames):
+                if mid_fault and i == fault_at:
+                    if await self._mid_fault(request, state, resp, fault):
+                        return resp
+                if i and delay > 0:
+                    await asyncio.sleep(delay)
+                await resp.write(frame)
+            if mid_fault and fault_at == len(frames):
+                if await self._mid_fault(request, state, resp, fault):
+                    return resp
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await resp.write(tail)
+            state.finished = True
+            self.completed += 1
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client left between our last await and this write; aiohttp has not cancelled us yet.
+            if not (state.finished or state.self_reset):
+                self._count_abort(state)
+        return resp
+
+    async def _mid_fault(
+        self, request: web.Request, state: _Progress, resp: web.StreamResponse, fault: str
+    ) -> bool:
+        """Apply a mid-stream fault; True when the stream must end here."""
+        if fault == "malformed_json":
+            await resp.write(b"data: {not json\n\n")
+            return False
+        if fault == "hang_mid_stream":
+            await _forever()
+        # reset_mid_stream. Give what was written a moment to be read: after an RST, clients such as aiohttp
+        # raise on the next read and discard what they had buffered.
+        await asyncio.sleep(0.02)
+        state.self_reset = True
+        self.resets += 1
+        _reset(request)
+        return True
+
+    async def _complete(self, request: web.Request, state: _Progress, plan: _Plan) -> web.StreamResponse:
+        script, fault = plan.script, plan.script.fault
+        # A non-streamed reply still takes as long as generating every chunk would.
+        delay = _DRIP_INTERVAL_S if fault == "drip" else script.chunk_delay_s
+        if fault == "hang_mid_stream":
+            await _forever()
+        if delay > 0:
+            await asyncio.sleep(delay * (len(plan.pieces) + plan.n_audio))
+        if fault == "reset_mid_stream":
+            state.self_reset = True
+            self.resets += 1
+            _reset(request)
+            return web.Response()
+        if fault == "malformed_json":
+            state.finished = True
+            self.completed += 1
+            return web.Response(body=b"{not json", content_type="application/json")
+
+        n = len(plan.pieces)
+        choices: list[dict[str, Any]] = [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(plan.pieces), "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": plan.text_finish,
+            }
+        ]
+        if plan.n_audio:
+            wav = _audio_full_b64(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio)
+            audio = {"id": f"audio-{plan.rid}", "data": wav, "expires_at": plan.created + 3600}
+            audio["transcript"] = ""  # vLLM-Omni leaves it empty
+            choices.append(
+                {
+                    "index": 1,
+                    "message": {"role": "assistant", "content": None, "audio": audio},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                }
+            )
+        payload = {
+            "id": plan.rid,
+            "object": "chat.completion",
+            "created": plan.created,
+            "model": plan.model,
+            "choices": choices,
+            "usage": {"prompt_tokens": script.prompt_tokens, "completion_tokens": n,
+                      "total_tokens": script.prompt_tokens + n},  # fmt: skip
+        }
+        state.finished = True
+        self.completed += 1
+        return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+    # -- other endpoints
+
+    async def _models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": now, "owned_by": "vllm", "root": m, "parent": None}
+            for m in self.models
+        ]
+        return web.json_response({"object": "list", "data": data}, dumps=lambda o: orjson.dumps(o).decode())
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        label = '{model_name="' + self.models[0].replace("\\", "\\\\").replace('"', '\\"') + '"}'
+        running = self.in_flight if self.num_requests_running is None else self.num_requests_running
+        waiting, kv = self.num_requests_waiting, self.kv_cache_usage_perc
+        lines = []
+        for name, help_, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv),
+        ):
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{label} {float(value)!r}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
+    async def _set_script(self, request: web.Request) -> web.Response:
+        try:
+            self.default = Script.from_dict(await request.json(loads=orjson.loads))
+        except (ValueError, TypeError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return web.json_response(dataclasses.asdict(self.default))
+
+    async def _enqueue(self, request: web.Request) -> web.Response:
+        try:
+            data = await request.json(loads=orjson.loads)
+            scripts = [Script.from_dict(d) for d in (data if isinstance(data, list) else [data])]
+        except (ValueError, TypeError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        self.enqueue(*scripts)
+        return web.json_response({"queued": len(self._queue)})
+
+    async def _set_metrics(self, request: web.Request) -> web.Response:
+        data = await request.json(loads=orjson.loads)
+        for key in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            if key in data:
+                setattr(self, key, data[key])
+        return web.json_response({"ok": True})
+
+    async def _reset_stats(self, request: web.Request) -> web.Response:
+        self.reset_stats()
+        return web.json_response(self.stats())
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats())
+
+
+# --- CLI --------------------------------------------------------------------------------------------------
+
+
+def _script_from_args(args: argparse.Namespace) -> Script:
+    text = args.text if args.text is not None else Script.text
+    if args.chunks is not None:
+        # Exactly N text pieces: cycle the text's words to length N.
+        words = text.split() or ["word"]
+        text = " ".join(itertools.islice(itertools.cycle(words), args.chunks))
+    return Script(
+        flavour=args.flavour,
+        text=text,
+        audio_chunks=args.audio_chunks,
+        sample_rate=args.sample_rate,
+        first_byte_delay_s=args.first_byte_delay_ms / 1000.0,
+        chunk_delay_s=args.chunk_delay_ms / 1000.0,
+        fault=args.fault,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tests.upstream", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9001)
+    p.add_argument("--flavour", choices=sorted(_FLAVOURS), default="vllm")
+    p.add_argument("--chunk-delay-ms", type=float, default=0.0)
+    p.add_argument("--first-byte-delay-ms", type=float, default=0.0)
+    p.add_argument("--text", default=None)
+    p.add_argument("--chunks", type=int, default=None, help="number of text pieces (cycles the text's words)")
+    p.add_argument("--audio-chunks", type=int, default=None)
+    p.add_argument("--sample-rate", type=int, default=24000)
+    p.add_argument("--fault", choices=sorted(f for f in _FAULTS if f), default=None)
+    p.add_argument("--models", default="scripted", help="comma-separated model ids for /v1/models")
+    p.add_argument("--record", action="store_true", help="keep request bodies and headers in memory")
+    args = p.parse_args(argv)
+
+    async def run() -> None:
+        up = ScriptedUpstream(
+            _script_from_args(args), models=[m for m in args.models.split(",") if m], record=args.record
+        )
+        await up.start(args.host, args.port)
+        print(f"scripted upstream ({args.flavour}) listening on {up.base_url}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await up.stop()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
