@@ -33,7 +33,7 @@ bench: install
 lock:
 	$(PIP) install --quiet pip-tools
 	$(VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --extra local --extra test \
-		--strip-extras -o requirements/lock.txt pyproject.toml
+		--strip-extras --no-emit-index-url --no-emit-find-links -o requirements/lock.txt pyproject.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache

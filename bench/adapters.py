@@ -1,0 +1,84 @@
+"""CPU per streamed chunk of the native aiohttp adapter against the litellm adapter, same upstream.
+
+    python -m bench.adapters [--requests 200] [--chunks 64]
+
+The adapters run in this process (core 0); the scripted upstream on core 1.
+CPU is this process's user+system time divided by the chunks relayed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+from bench.common import free_port, pin_self, spawn, wait_http  # noqa: E402
+from engines.pool import build_engine  # noqa: E402
+from gateway.schemas import ChatCompletionRequest  # noqa: E402
+from gateway.settings import EngineConfig  # noqa: E402
+
+
+async def _drive(engine, request: ChatCompletionRequest, total: int, concurrency: int) -> tuple[float, int]:
+    chunks = 0
+    remaining = total
+
+    async def worker() -> None:
+        nonlocal chunks, remaining
+        while remaining > 0:
+            remaining -= 1
+            async for d in engine.stream(request):
+                if d.text:
+                    chunks += 1
+
+    t0 = time.process_time()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.process_time() - t0, chunks
+
+
+async def run(args: argparse.Namespace) -> dict:
+    pin_self(0)
+    port = free_port()
+    up = spawn(["-m", "tests.upstream", "--port", str(port), "--flavour", "vllm", "--chunks", str(args.chunks)], cpu=1)
+    try:
+        await wait_http(f"http://127.0.0.1:{port}/health")
+        base = f"http://127.0.0.1:{port}/v1"
+        request = ChatCompletionRequest.model_validate(
+            {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 1000}
+        )
+        out = {}
+        for kind, model in (("vllm", "scripted"), ("litellm", "hosted_vllm/scripted")):
+            engine = build_engine(EngineConfig(name=kind, kind=kind, base_url=base, model=model, serves=["bench"],
+                                               api_key="sk-bench"))
+            await engine.start()
+            await _drive(engine, request, 10, 2)  # warm-up: imports, pools
+            cpu, chunks = await _drive(engine, request, args.requests, args.concurrency)
+            await engine.aclose()
+            out[kind] = {
+                "requests": args.requests,
+                "chunks": chunks,
+                "cpu_s": round(cpu, 3),
+                "cpu_us_per_chunk": round(cpu / chunks * 1e6, 1),
+                "cpu_ms_per_request": round(cpu / args.requests * 1e3, 2),
+            }
+        out["litellm_over_native"] = round(out["litellm"]["cpu_s"] / out["vllm"]["cpu_s"], 1)
+        return out
+    finally:
+        up.terminate()
+        up.wait(10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args()
+    print(json.dumps(asyncio.run(run(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

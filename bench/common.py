@@ -1,0 +1,138 @@
+"""Shared pieces of the benchmarks: processes pinned to cores, a streaming load generator, percentiles."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(args: list[str], cpu: int | None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    prefix = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
+    return subprocess.Popen(
+        prefix + [sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+
+
+def pin_self(cpu: int) -> None:
+    if hasattr(os, "sched_setaffinity") and cpu < (os.cpu_count() or 1):
+        os.sched_setaffinity(0, {cpu})
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+async def wait_http(url: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"{url} never answered 200")
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+@dataclass
+class LoadResult:
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    chunks: int = 0
+    errors: int = 0
+    requests: int = 0
+    wall: float = 0.0
+
+
+async def stream_load(url: str, body: dict, concurrency: int, total: int) -> LoadResult:
+    """``concurrency`` workers issue ``total`` streamed requests; TTFT is time to the first content chunk."""
+    result = LoadResult()
+    payload = orjson.dumps(body)
+    remaining = total
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=120)
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        t0 = time.perf_counter()
+        first = None
+        last = None
+        try:
+            async with session.post(url, data=payload, headers={"content-type": "application/json"}) as resp:
+                if resp.status != 200:
+                    result.errors += 1
+                    await resp.read()
+                    return
+                async for line in resp.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    doc = orjson.loads(line[6:])
+                    if "error" in doc:
+                        result.errors += 1
+                        return
+                    choices = doc.get("choices") or []
+                    if not choices or not (choices[0].get("delta") or {}).get("content"):
+                        continue
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                        result.ttft.append(now - t0)
+                    else:
+                        result.gaps.append(now - last)
+                    last = now
+                    result.chunks += 1
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            result.errors += 1
+            return
+        result.requests += 1
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            await one(session)
+
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    result.wall = time.perf_counter() - t0
+    return result
