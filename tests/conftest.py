@@ -68,7 +68,7 @@ def gateway_settings(ups: Upstreams, policies: PolicyChainConfig | None = None) 
             EngineConfig(
                 name="omni-int4", kind="vllm-omni", base_url=ups.omni_a.base_url,
                 model="Qwen/Qwen3-Omni-30B-A3B-Instruct-AWQ", variant="int4", serves=[OMNI_MODEL],
-                first_byte_timeout_s=5, read_timeout_s=5,
+                first_byte_timeout_s=1.0, read_timeout_s=5,
             ),
             EngineConfig(
                 name="omni-bf16", kind="vllm-omni", base_url=ups.omni_b.base_url,

@@ -157,6 +157,14 @@ def test_failover_on_reset_before_first_byte_non_streaming(client, ups):
     assert ups.omni_b.completed == 1
 
 
+def test_slow_first_byte_times_out_and_fails_over(client, ups):
+    ups.omni_a.enqueue(Script(flavour="omni", fault="hang_before_first_byte"))
+    stream = client.chat.completions.create(model=OMNI_MODEL, messages=_user(), stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == Script().text
+    assert ups.omni_b.completed == 1
+    assert wait_until(lambda: ups.omni_a.aborts == 1, timeout=3)  # the hung request was closed, not leaked
+
+
 def test_client_disconnect_aborts_upstream(gateway, ups):
     ups.omni_a.default = Script(flavour="omni", chunk_delay_s=0.3)
     body = {"model": OMNI_MODEL, "messages": _user(), "stream": True}
