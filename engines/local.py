@@ -1,0 +1,538 @@
+"""The embedded default engine: a small GGUF chat model run by transformers on the CPU.
+
+It needs no server and no network, so a bare install can answer requests. The
+first start converts the GGUF once and caches the result as safetensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import importlib.util
+import inspect
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import structlog
+
+from engines.base import Capabilities, Completion, Delta, Usage
+from gateway.errors import EngineError, EngineUnavailable, InvalidRequest, OmnigateError
+
+if TYPE_CHECKING:
+    from gateway.schemas import ChatCompletionRequest
+    from gateway.settings import EngineConfig
+
+log = structlog.get_logger(__name__)
+
+_ROLE_MAP = {"developer": "system"}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# Enough of the file to cover the GGUF header and tokenizer metadata, cheap to read on every start.
+_KEY_HEAD_BYTES = 4 * 1024 * 1024
+_CACHE_FORMAT = "1"
+
+
+def _import_hf() -> tuple[Any, Any]:
+    # torch and transformers are the optional "local" extra; importing them lazily keeps
+    # a gateway without it bootable, and turns their absence into EngineUnavailable.
+    import torch
+    import transformers
+
+    return torch, transformers
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    """What one generation needs and what it reports back, shared by the loop and the worker."""
+
+    request: "ChatCompletionRequest"
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[tuple[str, Any]]
+    done: asyncio.Future[None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class _Finish:
+    """The final accounting of one generation."""
+
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens")
+
+    def __init__(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.finish_reason = finish_reason
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+
+
+class _TextRelay:
+    """Turns generated token ids into text pieces and hands them to the event loop.
+
+    Duck-types transformers' ``BaseStreamer`` (``put``/``end``) so that torch stays a lazy import.
+    Stop strings are matched here, on text, because they may span tokens; text that might be
+    the start of a stop string is held back until it is known not to be.
+    """
+
+    def __init__(self, tokenizer: Any, job: _Job, stops: list[str], eos_ids: set[int]) -> None:
+        self._tok = tokenizer
+        self._job = job
+        self._stops = stops
+        self._eos_ids = eos_ids
+        self._ids: list[int] = []
+        # incremental detokenisation (as in TGI): decoding a short window and diffing keeps
+        # each step O(1) and lets multi-byte characters complete before they are sent
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._held = ""
+        self._seen_prompt = False
+        self.stop_hit = False
+        self.first_token_at: float | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self._ids)
+
+    @property
+    def last_token(self) -> int | None:
+        return self._ids[-1] if self._ids else None
+
+    def put(self, value: Any) -> None:
+        if not self._seen_prompt:  # generate() hands over the prompt first
+            self._seen_prompt = True
+            return
+        if self.stop_hit:  # the step already under way when a stop string completed
+            return
+        ids = value.reshape(-1).tolist()
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self._ids.extend(ids)
+        if ids and ids[-1] in self._eos_ids:
+            return
+        self._feed(self._decode_step(final=False))
+
+    def end(self) -> None:
+        if not self.stop_hit:
+            self._feed(self._decode_step(final=True))
+            if self._held:
+                self._emit(self._held)
+                self._held = ""
+
+    def _decode_step(self, *, final: bool) -> str:
+        ids = self._ids
+        prefix = self._tok.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        text = self._tok.decode(ids[self._prefix_offset :], skip_special_tokens=True)
+        if len(text) > len(prefix) and (final or not text.endswith("\ufffd")):
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+            return text[len(prefix) :]
+        return ""
+
+    def _feed(self, text: str) -> None:
+        if not text:
+            return
+        if not self._stops:
+            self._emit(text)
+            return
+        held = self._held + text
+        cut = min((i for s in self._stops if (i := held.find(s)) != -1), default=-1)
+        if cut != -1:
+            self.stop_hit = True
+            self._held = ""
+            self._emit(held[:cut])
+            return
+        keep = 0
+        for s in self._stops:
+            for k in range(min(len(s) - 1, len(held)), keep, -1):
+                if held.endswith(s[:k]):
+                    keep = k
+                    break
+        self._held = held[len(held) - keep :] if keep else ""
+        self._emit(held[: len(held) - keep])
+
+    def _emit(self, text: str) -> None:
+        if text:
+            _post(self._job, ("text", text))
+
+
+class _StopOnRequest:
+    """A stopping criterion: the consumer went away, or a stop string completed."""
+
+    def __init__(self, job: _Job, relay: _TextRelay, torch: Any) -> None:
+        self._job = job
+        self._relay = relay
+        self._torch = torch
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        stop = self._job.cancel.is_set() or self._relay.stop_hit
+        return self._torch.full((input_ids.shape[0],), stop, dtype=self._torch.bool, device=input_ids.device)
+
+
+class _SeededSampler:
+    """Samples the next token with a private generator, so a seed is reproducible even when
+    generations run concurrently, and the process-wide RNG is left alone.
+
+    Greedy decoding then picks the one token this leaves finite.
+    """
+
+    def __init__(self, torch: Any, seed: int | None) -> None:
+        self._torch = torch
+        self._gen = torch.Generator(device="cpu")
+        if seed is None:
+            self._gen.seed()
+        else:
+            self._gen.manual_seed(seed)
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        torch = self._torch
+        probs = torch.softmax(scores.float(), dim=-1)
+        chosen = torch.multinomial(probs, num_samples=1, generator=self._gen)
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(-1, chosen, 0.0)
+
+
+def _post(job: _Job, item: tuple[str, Any]) -> None:
+    try:
+        job.loop.call_soon_threadsafe(job.queue.put_nowait, item)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        job.cancel.set()
+
+
+class LocalEngine:
+    """Runs a GGUF chat model in-process (kind ``local``)."""
+
+    def __init__(self, config: "EngineConfig") -> None:
+        self.name = config.name
+        self.config = config
+        ins, outs = config.modalities()
+        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs)
+        self._opts = config.local
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._torch: Any = None
+        self._template_params: frozenset[str] = frozenset()
+        self._eos_ids: set[int] = set()
+        self._context_len = 0
+        self._slots = asyncio.Semaphore(self._opts.max_concurrency)
+        self._active: set[_Job] = set()
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------
+    async def start(self) -> None:
+        if self._model is not None:
+            return
+        self._closed = False
+        started = time.perf_counter()
+        try:
+            model, tokenizer, source = await asyncio.to_thread(self._load)
+        except EngineUnavailable as exc:
+            log.error("local_engine_load_failed", engine=self.name, error=exc.message)
+            raise
+        except Exception as exc:
+            log.error("local_engine_load_failed", engine=self.name, error=str(exc))
+            raise EngineUnavailable(
+                f"local engine {self.name!r} could not load its model: {type(exc).__name__}: {exc}",
+                engine=self.name,
+            ) from exc
+        if self._closed:  # aclose() ran while the model was loading
+            return
+        self._model, self._tokenizer = model, tokenizer
+        log.info(
+            "local_engine_ready",
+            engine=self.name,
+            source=source,
+            seconds=round(time.perf_counter() - started, 3),
+            threads=self._opts.threads,
+            dtype=str(model.dtype),
+        )
+
+    async def health(self) -> bool:
+        return self._model is not None and not self._closed
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for job in list(self._active):
+            job.cancel.set()
+        pending = [job.done for job in self._active if not job.done.done()]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        self._model = self._tokenizer = None
+
+    # -- loading (worker thread) -----------------------------------------
+    def _gguf_path(self) -> Path:
+        if self._opts.gguf_file:
+            path = Path(self._opts.gguf_file).expanduser()
+            if not path.is_file():
+                raise EngineUnavailable(f"GGUF file not found: {path}", engine=self.name)
+            return path.resolve()
+        spec = importlib.util.find_spec(self._opts.gguf_package)
+        if spec is None or not spec.submodule_search_locations:
+            raise EngineUnavailable(
+                f"package {self._opts.gguf_package!r} that ships the GGUF is not installed; "
+                "install it or set local.gguf_file",
+                engine=self.name,
+            )
+        found = sorted(p for d in spec.submodule_search_locations for p in Path(d).glob("*.gguf"))
+        named = [p for p in found if p.name.startswith(self.config.model)]
+        picks = named or found
+        if len(picks) != 1:
+            what = "no GGUF file" if not picks else f"several GGUF files ({', '.join(p.name for p in picks)})"
+            raise EngineUnavailable(
+                f"package {self._opts.gguf_package!r} has {what}; set local.gguf_file", engine=self.name
+            )
+        return picks[0].resolve()
+
+    def _cache_path(self, gguf: Path, transformers_version: str) -> Path:
+        st = gguf.stat()
+        h = hashlib.sha256(
+            f"{_CACHE_FORMAT}|{gguf.name}|{st.st_size}|{st.st_mtime_ns}|{transformers_version}|".encode()
+        )
+        with gguf.open("rb") as f:
+            h.update(f.read(_KEY_HEAD_BYTES))
+        # Path.resolve() makes a relative cache_dir relative to the working directory
+        return self._opts.cache_dir.expanduser().resolve() / f"{gguf.stem}-{h.hexdigest()[:16]}"
+
+    def _load(self) -> tuple[Any, Any, str]:
+        try:
+            torch, transformers = _import_hf()
+        except ImportError as exc:
+            raise EngineUnavailable(
+                f"the local engine needs torch and transformers (pip install 'omnigate[local]'): {exc}",
+                engine=self.name,
+            ) from exc
+        torch.set_num_threads(self._opts.threads)  # process-wide: torch has one intra-op pool
+        self._torch = torch
+        variant = self.config.variant
+        if variant not in _DTYPES:
+            log.warning("local_variant_unsupported", engine=self.name, variant=variant, using="fp32")
+        dtype = getattr(torch, _DTYPES.get(variant, "float32"))
+
+        gguf = self._gguf_path()
+        cache = self._cache_path(gguf, transformers.__version__)
+        Auto, Tok = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
+        model = tokenizer = None
+        source = "cache"
+        if (cache / "config.json").is_file():
+            try:
+                model = Auto.from_pretrained(cache, dtype=dtype, local_files_only=True)
+                tokenizer = Tok.from_pretrained(cache, local_files_only=True)
+            except Exception as exc:  # a damaged cache is rebuilt, not fatal
+                log.warning("local_model_cache_unreadable", engine=self.name, path=str(cache), error=str(exc))
+                shutil.rmtree(cache, ignore_errors=True)
+                model = tokenizer = None
+        if model is None:
+            source = "gguf"
+            log.info("local_model_converting", engine=self.name, gguf=str(gguf))
+            # dequantize=True gives a plain dense model, which (unlike a GGUF-quantized one)
+            # save_pretrained accepts; without matmul kernels the weights are dequantized anyway.
+            model = Auto.from_pretrained(
+                gguf.parent,
+                gguf_file=gguf.name,
+                quantization_config=transformers.GgufConfig(dequantize=True),
+                dtype=torch.float32,
+                local_files_only=True,
+            )
+            tokenizer = Tok.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+            self._save_cache(model, tokenizer, cache)
+            if dtype != torch.float32:
+                model = model.to(dtype)
+        if self._opts.tokenizer:
+            tokenizer = Tok.from_pretrained(self._opts.tokenizer, local_files_only=True)
+        if not getattr(tokenizer, "chat_template", None):
+            raise EngineUnavailable(f"the tokenizer of {gguf.name} has no chat template", engine=self.name)
+        model.eval()
+
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self._context_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        self._template_params = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters)
+        return model, tokenizer, source
+
+    def _save_cache(self, model: Any, tokenizer: Any, cache: Path) -> None:
+        started = time.perf_counter()
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
+            try:
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+                # rename is atomic, so a reader sees a whole cache or none; a concurrent
+                # writer that got there first wins and this copy is dropped
+                os.rename(tmp, cache)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as exc:  # e.g. a read-only disk: serve from memory, convert again next start
+            if not (cache / "config.json").is_file():
+                log.warning("local_model_cache_not_saved", engine=self.name, path=str(cache), error=str(exc))
+            return
+        log.info(
+            "local_model_cached",
+            engine=self.name,
+            path=str(cache),
+            seconds=round(time.perf_counter() - started, 3),
+        )
+
+    # -- generation ------------------------------------------------------
+    async def stream(self, request: "ChatCompletionRequest") -> AsyncIterator[Delta]:
+        """One piece per decoded token, then a text-less delta with finish_reason and usage."""
+        if self._model is None or self._closed:
+            raise EngineUnavailable(f"local engine {self.name!r} is not loaded", engine=self.name)
+        await self._slots.acquire()
+        loop = asyncio.get_running_loop()
+        # unbounded, but the worker posts at most one piece per token plus the end,
+        # so max_tokens bounds it; not blocking the worker lets it finish and free its slot
+        job = _Job(request=request, loop=loop, queue=asyncio.Queue(), done=loop.create_future())
+        job.done.add_done_callback(lambda _: self._slots.release())
+        self._active.add(job)
+        worker = threading.Thread(target=self._generate, args=(job,), name=f"omnigate-{self.name}", daemon=True)
+        try:
+            worker.start()
+        except BaseException:
+            job.done.set_result(None)
+            self._active.discard(job)
+            raise
+        try:
+            while True:
+                kind, value = await job.queue.get()
+                if kind == "text":
+                    yield Delta(text=value)
+                elif kind == "end":
+                    yield Delta(
+                        finish_reason=value.finish_reason,
+                        usage=Usage(value.prompt_tokens, value.completion_tokens),
+                    )
+                    return
+                else:
+                    if isinstance(value, OmnigateError):
+                        raise value
+                    raise EngineError(
+                        f"local engine {self.name!r} failed to generate: {value}", engine=self.name
+                    ) from value
+        finally:
+            job.cancel.set()
+            try:
+                # the worker notices within one decoding step; shielded so that a second
+                # cancellation cannot leave it unobserved (the slot is freed when it ends)
+                await asyncio.shield(job.done)
+            finally:
+                self._active.discard(job)
+
+    async def complete(self, request: "ChatCompletionRequest") -> Completion:
+        out = Completion()
+        gen = self.stream(request)
+        try:
+            async for delta in gen:
+                out.add(delta)
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+        return out
+
+    def _prompt_ids(self, request: "ChatCompletionRequest") -> Any:
+        messages = [{"role": _ROLE_MAP.get(m.role, m.role), "content": m.text()} for m in request.messages]
+        # template variables only: never let a client swap the template or the call's own options
+        extra = {k: v for k, v in (request.chat_template_kwargs or {}).items() if k not in self._template_params}
+        try:
+            enc = self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True, **extra
+            )
+        except Exception as exc:  # jinja raises for conversations its template does not accept
+            raise InvalidRequest(
+                f"the conversation does not fit the model's chat template: {exc}", param="messages"
+            ) from exc
+        return enc
+
+    def _generate(self, job: _Job) -> None:
+        """Runs in a dedicated thread: one generation, start to end."""
+        torch, tok, model = self._torch, self._tokenizer, self._model
+        request = job.request
+        started = time.perf_counter()
+        relay: _TextRelay | None = None
+        prompt_tokens = 0
+        try:
+            enc = self._prompt_ids(request)
+            prompt_tokens = int(enc["input_ids"].shape[-1])
+            room = self._context_len - prompt_tokens
+            if room <= 0:
+                raise InvalidRequest(
+                    f"the prompt is {prompt_tokens} tokens; the model's context is {self._context_len}",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
+            max_new = min(request.output_token_limit or self._opts.default_max_tokens, room)
+            stop = request.stop
+            stops = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
+            relay = _TextRelay(tok, job, stops, self._eos_ids)
+
+            gen_config = copy.deepcopy(model.generation_config)
+            gen_config.update(
+                max_new_tokens=max_new,
+                # sampling, when asked for, is done by the processors below, so generate() stays greedy
+                do_sample=False,
+                num_beams=1,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                repetition_penalty=request.repetition_penalty or 1.0,
+                pad_token_id=gen_config.pad_token_id if gen_config.pad_token_id is not None else min(self._eos_ids),
+            )
+            processors: list[Any] = []
+            if request.temperature:  # None or 0 means greedy
+                from transformers.generation.logits_process import (
+                    TemperatureLogitsWarper,
+                    TopKLogitsWarper,
+                    TopPLogitsWarper,
+                )
+
+                processors.append(TemperatureLogitsWarper(request.temperature))
+                if request.top_k and request.top_k > 0:
+                    processors.append(TopKLogitsWarper(request.top_k))
+                if request.top_p is not None and request.top_p < 1.0:
+                    processors.append(TopPLogitsWarper(request.top_p))
+                processors.append(_SeededSampler(torch, request.seed))
+
+            from transformers import LogitsProcessorList, StoppingCriteriaList
+
+            if not job.cancel.is_set():
+                with torch.inference_mode():
+                    model.generate(
+                        **enc,
+                        generation_config=gen_config,
+                        logits_processor=LogitsProcessorList(processors),
+                        stopping_criteria=StoppingCriteriaList([_StopOnRequest(job, relay, torch)]),
+                        streamer=relay,
+                    )
+            n = relay.completion_tokens
+            if relay.stop_hit or relay.last_token in self._eos_ids:
+                reason = "stop"
+            elif n >= max_new:
+                reason = "length"
+            else:
+                reason = "stop"
+            cancelled = job.cancel.is_set()  # read first: the consumer sets it once it has the end
+            _post(job, ("end", _Finish(reason, prompt_tokens, n)))
+            elapsed = time.perf_counter() - started
+            first = relay.first_token_at
+            decode_s = time.perf_counter() - first if first else 0.0
+            log.info(
+                "local_generation_finished",
+                engine=self.name,
+                finish_reason="cancelled" if cancelled else reason,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=n,
+                seconds=round(elapsed, 3),
+                first_token_s=round(first - started, 3) if first else None,
+                tokens_per_s=round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else None,
+            )
+        except BaseException as exc:
+            if not job.cancel.is_set() and not isinstance(exc, OmnigateError):
+                log.warning("local_generation_failed", engine=self.name, error=str(exc))
+            _post(job, ("error", exc))
+        finally:
+            try:
+                job.loop.call_soon_threadsafe(job.done.set_result, None)
+            except RuntimeError:
+                pass
