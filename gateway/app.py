@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gateway.api import chat, ops
+from gateway.api import admin, chat, ops
 from gateway.errors import InvalidRequest, OmnigateError
 from gateway.middleware import RequestIdMiddleware
 from gateway.services import Services
@@ -56,6 +56,7 @@ def create_app(
     app.state.services = services
     app.include_router(chat.router)
     app.include_router(ops.router)
+    app.include_router(admin.router)
 
     @app.exception_handler(OmnigateError)
     async def _omnigate_error(request: Request, exc: OmnigateError) -> JSONResponse:

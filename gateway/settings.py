@@ -106,6 +106,12 @@ class ServerSettings(_Strict):
     graceful_shutdown_s: Annotated[float, Field(ge=0)] = 30.0
 
 
+class AdminSettings(_Strict):
+    """The admin API under ``/admin``: off the public OpenAPI schema, and 404 unless a key is set."""
+
+    api_key: SecretStr | None = Field(default=None, description="Bearer key for /admin; unset disables it")
+
+
 class LoggingSettings(_Strict):
     level: Literal["debug", "info", "warning", "error"] = "info"
     json_output: bool = Field(default=True, alias="json")
@@ -140,6 +146,7 @@ class Settings(BaseSettings):
     engines: Annotated[list[EngineConfig], Field(min_length=1)] = Field(default_factory=_default_engines)
     policies: PolicyChainConfig = PolicyChainConfig()
     logging: LoggingSettings = LoggingSettings()
+    admin: AdminSettings = AdminSettings()
 
     @model_validator(mode="after")
     def _unique_engines(self) -> "Settings":

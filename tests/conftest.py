@@ -62,7 +62,7 @@ def upstreams(bg: BackgroundLoop) -> Upstreams:
     ups.stop()
 
 
-def gateway_settings(ups: Upstreams, policies: PolicyChainConfig | None = None) -> Settings:
+def gateway_settings(ups: Upstreams, policies: PolicyChainConfig | None = None, **extra) -> Settings:
     return Settings(
         engines=[
             EngineConfig(
@@ -86,6 +86,7 @@ def gateway_settings(ups: Upstreams, policies: PolicyChainConfig | None = None) 
         ],
         policies=policies or PolicyChainConfig(pre=[PolicySpec(name="request-limits")]),
         logging={"level": "warning"},
+        **extra,
     )
 
 
