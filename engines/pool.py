@@ -12,6 +12,7 @@ from typing import Iterable
 import structlog
 
 from engines.base import Engine
+from engines.limits import EngineSlot, EngineSlots
 from gateway.settings import EngineConfig
 from observability.metrics import Metrics
 
@@ -51,6 +52,7 @@ class EnginePool:
             for public in engine.config.serves:
                 self._by_model.setdefault(public, []).append(engine)
         self._tasks: list[asyncio.Task[None]] = []
+        self.limits = EngineSlots(self.engines.values(), metrics)
 
     # -- read side (request path) ------------------------------------------
     def models(self) -> list[str]:
@@ -63,6 +65,10 @@ class EnginePool:
         """Engines for ``model``: healthy ones first, in configured order."""
         engines = self._by_model.get(model, [])
         return sorted(engines, key=lambda e: not self._healthy.get(e.name, False))
+
+    async def acquire(self, engines: list[Engine], model: str | None = None) -> EngineSlot:
+        """A concurrency slot on the first of ``engines`` with room (see :mod:`engines.limits`)."""
+        return await self.limits.acquire(engines, model)
 
     def is_healthy(self, name: str) -> bool:
         return self._healthy.get(name, False)

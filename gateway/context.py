@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from gateway.admission import LoadSnapshot, Ticket
 
 Outcome = Literal["served", "degraded", "refused", "failed", "cancelled"]
 
@@ -30,6 +33,16 @@ class RequestContext:
     request_id: str
     body_bytes: int = 0
     tenant: str | None = None
+    #: the tenant's request class, set by authentication; None: traffic.default_priority
+    priority: str | None = None
+    #: the class the client asked for with the priority header (it may only lower its own)
+    requested_priority: str | None = None
+    #: the tenant's concurrency quota across the gateway; None: no quota
+    tenant_max_concurrency: int | None = None
+    #: the admission slot this request holds, released once when the request finishes
+    admission: "Ticket | None" = None
+    #: the load the request was admitted under (what load shedding decides on)
+    load: "LoadSnapshot | None" = None
     started: float = field(default_factory=time.perf_counter)
     public_model: str | None = None
     stream: bool = False

@@ -14,6 +14,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     ├── PermissionDenied                403 permission_error
     ├── RateLimited                     429 rate_limit_exceeded   (Retry-After)
     ├── Overloaded                      503 overloaded            (Retry-After)
+    │   └── EngineBusy                  503 engine_busy           (Retry-After; every engine for the model is full)
     ├── GroundingFailed                 422 grounding_failed
     └── EngineError                     502 engine_error
         ├── EngineUnavailable           503 engine_unavailable    (retryable before first byte)
@@ -112,6 +113,13 @@ class Overloaded(OmnigateError):
     status = 503
     type = "overloaded_error"
     code = "overloaded"
+
+
+class EngineBusy(Overloaded):
+    """Every engine that could serve the request is at its concurrency limit and its wait queue is full
+    or the wait ran out. Nothing was sent to an engine."""
+
+    code = "engine_busy"
 
 
 class GroundingFailed(OmnigateError):

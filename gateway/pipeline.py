@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import structlog
 
 from engines.base import Completion, Delta, Engine
+from engines.limits import EngineSlot
 from engines.pool import EnginePool
 from gateway.audio import STREAMABLE_FORMATS
 from gateway.context import RequestContext
@@ -27,11 +28,15 @@ from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
     OmnigateError,
+    Overloaded,
 )
 from gateway.schemas import ChatCompletionRequest
 from observability.metrics import Metrics
 from policies.base import Accept, Reject, Retry, StreamFilter
 from policies.registry import LoadedPolicy, PolicyChain
+
+if TYPE_CHECKING:
+    from gateway.admission import AdmissionGate
 
 log = structlog.get_logger("omnigate.request")
 
@@ -44,6 +49,19 @@ class Attempt:
     request: ChatCompletionRequest
     upstream: AsyncIterator[Delta]
     first: Delta
+    slot: EngineSlot | None = None
+
+    async def close(self) -> None:
+        """Close the upstream request and give the engine's slot back; idempotent."""
+        await _close_upstream(self.upstream, self.slot)
+
+
+async def _close_upstream(upstream: AsyncIterator[Delta], slot: EngineSlot | None) -> None:
+    try:
+        await upstream.aclose()  # type: ignore[attr-defined]
+    finally:
+        if slot is not None:
+            slot.release()
 
 
 @dataclass(slots=True)
@@ -75,10 +93,18 @@ class ResponseStream:
         if self._gen is None:
             # Never iterated (the client left before the response began).
             self._gen = _closed()
-            await self.attempt.upstream.aclose()
-            self.pipeline._finish(self.ctx, GeneratorExit())
+            try:
+                await self.attempt.close()
+            finally:
+                self.pipeline._finish(self.ctx, GeneratorExit())
         else:
-            await self._gen.aclose()  # type: ignore[attr-defined]
+            try:
+                await self._gen.aclose()  # type: ignore[attr-defined]
+            finally:
+                if self.ctx.outcome is None:
+                    # Created but never started: its finally never ran.
+                    await self.attempt.close()
+                    self.pipeline._finish(self.ctx, GeneratorExit())
 
 
 async def _closed() -> AsyncIterator[Delta]:
@@ -87,10 +113,13 @@ async def _closed() -> AsyncIterator[Delta]:
 
 
 class Pipeline:
-    def __init__(self, pool: EnginePool, chain: PolicyChain, metrics: Metrics) -> None:
+    def __init__(
+        self, pool: EnginePool, chain: PolicyChain, metrics: Metrics, admission: "AdmissionGate | None" = None
+    ) -> None:
         self.pool = pool
         self.chain = chain
         self.metrics = metrics
+        self.admission = admission
 
     # -- the two entry points ----------------------------------------------
     async def stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> ResponseStream:
@@ -131,6 +160,9 @@ class Pipeline:
                 raise InvalidRequest(
                     f"streamed audio must be wav or pcm16, not {request.audio.format}", param="audio.format"
                 )
+        if self.admission is not None:
+            # Admission: the slot is held until _finish, whatever the way out.
+            ctx.admission = await self.admission.admit(ctx)
         for policy in self.chain.pre:
             request = await self._run_pre(policy, request, ctx)
         return request
@@ -140,6 +172,7 @@ class Pipeline:
     ) -> ChatCompletionRequest:
         t0 = time.perf_counter()
         verdict, detail = "accept", None
+        degraded = len(ctx.degraded)
         try:
             out = await policy.impl.pre(request, ctx)
             if out is not request:
@@ -151,7 +184,10 @@ class Pipeline:
             out = request
         finally:
             self._record(policy, ctx, verdict, time.perf_counter() - t0, detail)
-        return request if policy.shadow else out
+        if policy.shadow:
+            del ctx.degraded[degraded:]  # a shadow policy's rewrite is not served, so it is not announced
+            return request
+        return out
 
     def _record(self, policy: LoadedPolicy, ctx: RequestContext, verdict: str, seconds: float, detail: str | None) -> None:
         from gateway.context import PolicyRun
@@ -188,12 +224,20 @@ class Pipeline:
             self.metrics.failovers.labels(engine.name).inc()
 
     async def _open(self, request: ChatCompletionRequest, ctx: RequestContext) -> Attempt:
-        """Call engines in order until one yields its first chunk."""
+        """Call engines in order until one yields its first chunk.
+
+        Each try first takes a concurrency slot on the first engine left that has one (waiting boundedly
+        when all are full, see engines/limits.py); a failed engine is dropped from the list.
+        """
         engines = self._engines_for(request)
         last: EngineError | None = None
-        for i, engine in enumerate(engines):
+        while engines:
+            slot = await self.pool.acquire(engines, request.model)
+            engine = slot.engine
+            engines = [e for e in engines if e is not engine]
             adapted = self._adapt(engine, request, ctx)
             if adapted is None:
+                slot.release()
                 continue
             ctx.attempts += 1
             upstream = engine.stream(adapted)
@@ -203,11 +247,14 @@ class Pipeline:
                 last = EngineProtocolError(f"engine {engine.name} sent an empty stream", engine=engine.name)
             except EngineError as exc:
                 last = exc
+            except BaseException:
+                await _close_upstream(upstream, slot)
+                raise
             else:
                 ctx.engine, ctx.variant = engine.name, engine.config.variant
-                return Attempt(engine, adapted, upstream, first)
-            await upstream.aclose()
-            self._engine_failed(engine, last, ctx, more=i + 1 < len(engines))
+                return Attempt(engine, adapted, upstream, first, slot)
+            await _close_upstream(upstream, slot)
+            self._engine_failed(engine, last, ctx, more=bool(engines))
             if not last.retryable:
                 raise last
         raise last or EngineUnavailable(f"no engine can serve {request.model!r}")
@@ -232,19 +279,25 @@ class Pipeline:
     ) -> tuple[Completion, ChatCompletionRequest]:
         engines = self._engines_for(request)
         last: EngineError | None = None
-        for i, engine in enumerate(engines):
+        while engines:
+            slot = await self.pool.acquire(engines, request.model)
+            engine = slot.engine
+            engines = [e for e in engines if e is not engine]
             adapted = self._adapt(engine, request, ctx)
             if adapted is None:
+                slot.release()
                 continue
             ctx.attempts += 1
             try:
                 completion = await engine.complete(adapted)
             except EngineError as exc:
                 last = exc
-                self._engine_failed(engine, exc, ctx, more=i + 1 < len(engines))
+                self._engine_failed(engine, exc, ctx, more=bool(engines))
                 if not exc.retryable:
                     raise
                 continue
+            finally:
+                slot.release()
             ctx.engine, ctx.variant = engine.name, engine.config.variant
             ctx.ttft_s = ctx.elapsed()
             self._account(ctx, completion)
@@ -287,6 +340,7 @@ class Pipeline:
                 if isinstance(verdict, Retry) and budget > 0 and not rs._released:
                     budget -= 1
                     request = self._retry(attempt.request, verdict, ctx)
+                    await attempt.close()
                     attempt = await self._open(request, ctx)
                     continue
                 if isinstance(verdict, Reject):
@@ -302,8 +356,10 @@ class Pipeline:
             error = exc
             raise
         finally:
-            await attempt.upstream.aclose()
-            self._finish(ctx, error)
+            try:
+                await attempt.close()
+            finally:
+                self._finish(ctx, error)
 
     async def _relay(
         self,
@@ -342,7 +398,7 @@ class Pipeline:
             self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
             raise
         finally:
-            await upstream.aclose()
+            await attempt.close()  # the engine's slot is free as soon as its stream is
 
     def _feed(self, filters: list[tuple[LoadedPolicy, StreamFilter]], delta: Delta) -> list[Delta]:
         batch = [delta]
@@ -374,13 +430,19 @@ class Pipeline:
         ctx.completion_tokens = completion.usage.completion_tokens
 
     def _finish(self, ctx: RequestContext, error: BaseException | None) -> None:
+        """Account for the request and release its admission slot; runs once per request."""
+        if ctx.outcome is not None:
+            return
+        if ctx.admission is not None:
+            ctx.admission.release()
         self.metrics.in_flight.dec()
         if error is None:
             ctx.outcome = "degraded" if ctx.degraded else "served"
         elif isinstance(error, OmnigateError):
             ctx.status = error.status
             ctx.error_code = error.code
-            ctx.outcome = "failed" if error.status >= 500 else "refused"
+            refused = error.status < 500 or isinstance(error, Overloaded)
+            ctx.outcome = "refused" if refused else "failed"
         elif isinstance(error, GeneratorExit) or type(error).__name__ == "CancelledError":
             ctx.outcome = "cancelled"
             self.metrics.client_disconnects.inc()
@@ -408,6 +470,8 @@ class Pipeline:
             attempts=ctx.attempts,
             retries=ctx.retries,
             degraded=ctx.degraded or None,
+            priority=ctx.load.priority if ctx.load is not None else None,
+            admitted_at_in_flight=ctx.load.in_flight if ctx.load is not None else None,
             policies=[(p.name, p.verdict) for p in ctx.policy_runs] or None,
             ttft_ms=round(ctx.ttft_s * 1000, 2) if ctx.ttft_s is not None else None,
             duration_ms=round(ctx.elapsed() * 1000, 2),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import structlog
 
 from engines.pool import EnginePool, build_engine
+from gateway.admission import AdmissionGate
 from gateway.pipeline import Pipeline
 from gateway.settings import Settings
 from observability.metrics import Metrics
@@ -22,12 +23,18 @@ class Services:
     pool: EnginePool
     chain: PolicyChain
     pipeline: Pipeline
+    admission: AdmissionGate | None = None
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
         chain = build_chain(settings.policies, plugins)
         pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics)
-        return cls(settings, metrics, pool, chain, Pipeline(pool, chain, metrics))
+        admission = (
+            AdmissionGate(settings.traffic, metrics, on_overload=pool.limits.set_overloaded)
+            if settings.traffic.enabled
+            else None
+        )
+        return cls(settings, metrics, pool, chain, Pipeline(pool, chain, metrics, admission), admission)
 
     async def start(self) -> None:
         log.info(
@@ -38,7 +45,14 @@ class Services:
             ],
             policies=self.chain.describe(),
         )
+        if self.admission is not None:
+            if not any(p.name == "load-shedding" for p in self.chain.pre):
+                log.warning("load_shedding_not_in_chain",
+                            detail="admission limits apply, but speech is never shed above the soft limit")
+            await self.admission.start()
         await self.pool.start()
 
     async def aclose(self) -> None:
+        if self.admission is not None:
+            await self.admission.aclose()
         await self.pool.aclose()

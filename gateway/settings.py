@@ -7,6 +7,7 @@ Each policy validates its own ``config`` block against the model it declares
 from __future__ import annotations
 
 import contextvars
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -68,12 +69,42 @@ class EngineConfig(_Strict):
     input_modalities: list[Modality] | None = None
     output_modalities: list[Literal["text", "audio"]] | None = None
     local: LocalEngineOptions = LocalEngineOptions()
+    # Per-engine concurrency (see engines/limits.py); the seeds' max_num_seqs: 8, and 4 under overload.
+    max_in_flight: Annotated[int, Field(ge=1, le=100000)] | None = Field(
+        default=8, description="requests this engine serves at once; null: no limit"
+    )
+    max_in_flight_overloaded: Annotated[int, Field(ge=1, le=100000)] | None = Field(
+        default=4, description="the limit while the gateway is overloaded; null: same as max_in_flight"
+    )
+    max_waiting: Annotated[int, Field(ge=0, le=100000)] = Field(
+        default=64, description="requests that may wait for a free slot of this engine"
+    )
+    max_wait_s: Annotated[float, Field(ge=0, le=600)] = Field(
+        default=30.0, description="how long a request waits for a free slot before 503 engine_busy"
+    )
 
     @model_validator(mode="after")
     def _needs_url(self) -> "EngineConfig":
         if self.kind in ("vllm", "vllm-omni") and self.base_url is None:
             raise ValueError(f"engine {self.name!r} of kind {self.kind} needs base_url")
         return self
+
+    @model_validator(mode="after")
+    def _overload_limit_is_lower(self) -> "EngineConfig":
+        hi, lo = self.max_in_flight, self.max_in_flight_overloaded
+        explicit = "max_in_flight_overloaded" in self.model_fields_set
+        if explicit and lo is not None and hi is not None and lo > hi:
+            raise ValueError(
+                f"engine {self.name!r}: max_in_flight_overloaded ({lo}) exceeds max_in_flight ({hi})"
+            )
+        return self
+
+    def overload_limit(self) -> int | None:
+        """The limit while overloaded: never above ``max_in_flight``; with no limit set, only an explicit one."""
+        hi, lo = self.max_in_flight, self.max_in_flight_overloaded
+        if hi is None:
+            return lo if "max_in_flight_overloaded" in self.model_fields_set else None
+        return hi if lo is None else min(lo, hi)
 
     def modalities(self) -> tuple[frozenset[str], frozenset[str]]:
         default_in, default_out = _DEFAULT_MODALITIES[self.kind]
@@ -92,7 +123,9 @@ class PolicySpec(_Strict):
 class PolicyChainConfig(_Strict):
     """The order of each list is the order the policies run in."""
 
-    pre: list[PolicySpec] = Field(default_factory=lambda: [PolicySpec(name="request-limits")])
+    pre: list[PolicySpec] = Field(
+        default_factory=lambda: [PolicySpec(name="load-shedding"), PolicySpec(name="request-limits")]
+    )
     stream: list[PolicySpec] = Field(default_factory=list)
     post: list[PolicySpec] = Field(default_factory=list)
     max_retries: Annotated[int, Field(ge=0, le=5)] = 2
@@ -118,6 +151,120 @@ class LoggingSettings(_Strict):
     log_prompts: bool = False
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class PriorityClass(_Strict):
+    """A request class. Its limits are shares of the gateway's, so they follow when those change."""
+
+    name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+    soft_share: Annotated[float, Field(ge=0, le=64)] = Field(
+        default=1.0, description="its soft limit: this share of traffic.soft_limit (at most its hard limit)"
+    )
+    hard_share: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=1.0, description="its hard limit: this share of traffic.hard_limit"
+    )
+
+
+def _default_priorities() -> list[PriorityClass]:
+    return [
+        PriorityClass(name="critical", soft_share=2.0),
+        PriorityClass(name="standard"),
+        PriorityClass(name="batch", soft_share=0.5, hard_share=0.75),
+    ]
+
+
+class TrafficSettings(_Strict):
+    """Admission and load shedding (gateway/admission.py); shared across replicas when ``redis_url`` is set."""
+
+    enabled: bool = True
+    soft_limit: Annotated[int, Field(ge=0)] = Field(
+        default=16, description="above this many requests in flight, speech is shed (served text-only)"
+    )
+    hard_limit: Annotated[int, Field(ge=1)] = Field(
+        default=64, description="above this many requests in flight, requests are refused with 503"
+    )
+    retry_after_s: Annotated[float, Field(ge=0)] = Field(default=1.0, description="Retry-After on a 503 or 429")
+    priorities: Annotated[list[PriorityClass], Field(min_length=1)] = Field(
+        default_factory=_default_priorities, description="request classes, highest priority first"
+    )
+    default_priority: str = "standard"
+    priority_header: Annotated[str, Field(pattern=r"^[a-z0-9-]{1,64}$")] = "x-omnigate-priority"
+    header_priorities: list[str] | None = Field(
+        default=None,
+        description="classes a client may pick with the priority header (never above its own class); "
+        "default: default_priority and every class below it",
+    )
+    overload_exit_below: Annotated[int, Field(ge=0)] | None = Field(
+        default=None,
+        description="the overload state (engine limits lowered) ends at or below this; default 3/4 of soft_limit",
+    )
+    monitor_interval_s: Annotated[float, Field(gt=0, le=60)] = 0.5
+    redis_url: SecretStr | None = Field(default=None, description="share counts through Redis; unset: in-process")
+    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.-]{1,64}$")] = "omnigate:traffic"
+    lease_ttl_s: Annotated[float, Field(ge=0.2, le=3600)] = Field(
+        default=30.0, description="a slot held by a replica that stops renewing it expires after this"
+    )
+    heartbeat_s: Annotated[float, Field(gt=0, le=600)] | None = Field(
+        default=None, description="how often a replica renews its leases; default lease_ttl_s / 3"
+    )
+    redis_timeout_s: Annotated[float, Field(gt=0, le=30)] = Field(
+        default=0.25, description="a Redis call slower than this counts as Redis unreachable"
+    )
+    redis_probe_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=1.0, description="while Redis is unreachable, how often it is tried again"
+    )
+    fail_open_share: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=1.0, description="share of each limit one replica applies alone while Redis is unreachable"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrafficSettings":
+        if self.soft_limit > self.hard_limit:
+            raise ValueError(f"soft_limit ({self.soft_limit}) exceeds hard_limit ({self.hard_limit})")
+        names = [c.name for c in self.priorities]
+        if len(set(names)) != len(names):
+            raise ValueError("priorities: a class name is used twice")
+        if self.default_priority not in names:
+            raise ValueError(f"default_priority {self.default_priority!r} is not a class in priorities")
+        for h in self.header_priorities or ():
+            if h not in names:
+                raise ValueError(f"header_priorities: {h!r} is not a class in priorities")
+        above: tuple[int, int] | None = None
+        for c in self.priorities:
+            soft, hard = self.class_limits(c.name)
+            if above is not None and (soft > above[0] or hard > above[1]):
+                raise ValueError(
+                    f"priorities: class {c.name!r} has higher limits than the class above it "
+                    "(list classes highest priority first)"
+                )
+            above = (soft, hard)
+        if self.overload_exit > self.soft_limit:
+            raise ValueError(f"overload_exit_below ({self.overload_exit}) exceeds soft_limit ({self.soft_limit})")
+        if self.heartbeat_s is not None and self.heartbeat_s >= self.lease_ttl_s:
+            raise ValueError("heartbeat_s must be shorter than lease_ttl_s")
+        return self
+
+    def class_limits(self, name: str) -> tuple[int, int]:
+        """(soft, hard) limits of a class in requests in flight."""
+        for c in self.priorities:
+            if c.name == name:
+                hard = max(1, math.floor(self.hard_limit * c.hard_share))
+                return min(hard, math.floor(self.soft_limit * c.soft_share)), hard
+        raise KeyError(name)
+
+    def header_classes(self) -> list[str]:
+        if self.header_priorities is not None:
+            return list(self.header_priorities)
+        names = [c.name for c in self.priorities]
+        return names[names.index(self.default_priority):]
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.heartbeat_s if self.heartbeat_s is not None else self.lease_ttl_s / 3
+
+    @property
+    def overload_exit(self) -> int:
+        return self.overload_exit_below if self.overload_exit_below is not None else (self.soft_limit * 3) // 4
 
 
 def _default_engines() -> list[EngineConfig]:
@@ -147,6 +294,7 @@ class Settings(BaseSettings):
     policies: PolicyChainConfig = PolicyChainConfig()
     logging: LoggingSettings = LoggingSettings()
     admin: AdminSettings = AdminSettings()
+    traffic: TrafficSettings = TrafficSettings()
 
     @model_validator(mode="after")
     def _unique_engines(self) -> "Settings":

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 # Latency buckets sized for LLM serving: tens of ms up to a minute.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.6, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_ADMISSION = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 _POLICY = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -94,4 +95,70 @@ class Metrics:
         )
         self.client_disconnects = Counter(
             "omnigate_client_disconnects_total", "Streams the client left before the end", registry=r
+        )
+        # -- traffic control: admission, load shedding, per-engine limits ------------------------
+        self.admissions = Counter(
+            "omnigate_admission_total",
+            "Admission decisions by priority class and result "
+            "(admitted, above_soft_limit, refused_quota, refused_overload)",
+            ["priority", "result"],
+            registry=r,
+        )
+        self.admission_duration = Histogram(
+            "omnigate_admission_duration_seconds",
+            "Time to take an admission slot, by the store that granted it (local, redis)",
+            ["store"],
+            buckets=_ADMISSION,
+            registry=r,
+        )
+        self.admission_in_flight = Gauge(
+            "omnigate_admission_in_flight",
+            "Admitted requests in flight across the gateway (all replicas when shared), as last measured",
+            registry=r,
+        )
+        self.overloaded = Gauge(
+            "omnigate_overloaded", "1 while the gateway is overloaded and engine limits are lowered", registry=r
+        )
+        self.traffic_store_up = Gauge(
+            "omnigate_traffic_store_up", "1 while the shared admission store (Redis) answers", registry=r
+        )
+        self.traffic_store_errors = Counter(
+            "omnigate_traffic_store_errors_total",
+            "Failed calls to the shared admission store, by operation",
+            ["op"],
+            registry=r,
+        )
+        self.admission_fail_open = Counter(
+            "omnigate_admission_fail_open_total",
+            "Admissions decided on local limits because the shared store was unreachable",
+            registry=r,
+        )
+        self.lease_renewals = Counter(
+            "omnigate_admission_lease_renewals_total",
+            "Admission lease renewals by result (renewed, lost)",
+            ["result"],
+            registry=r,
+        )
+        self.engine_in_flight = Gauge(
+            "omnigate_engine_in_flight", "Requests holding a slot on the engine", ["engine"], registry=r
+        )
+        self.engine_waiting = Gauge(
+            "omnigate_engine_waiting", "Requests waiting for a slot on the engine", ["engine"], registry=r
+        )
+        self.engine_limit = Gauge(
+            "omnigate_engine_concurrency_limit", "The engine's current concurrency limit (-1: none)", ["engine"],
+            registry=r,
+        )
+        self.engine_queue_wait = Histogram(
+            "omnigate_engine_queue_wait_seconds",
+            "Time a request waited for a slot on the engine it was given",
+            ["engine"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.engine_busy = Counter(
+            "omnigate_engine_busy_total",
+            "Requests refused because every engine for their public model was full",
+            ["model"],
+            registry=r,
         )

@@ -83,7 +83,11 @@ def _headers(ctx: RequestContext) -> dict[str, str]:
 async def chat_completions(request: Request) -> Response:
     services: Services = request.app.state.services
     body = await _read_body(request, services.settings.server.max_body_bytes)
-    ctx = RequestContext(request_id=request.scope["state"]["request_id"], body_bytes=len(body))
+    ctx = RequestContext(
+        request_id=request.scope["state"]["request_id"],
+        body_bytes=len(body),
+        requested_priority=request.headers.get(services.settings.traffic.priority_header),
+    )
     chat = _parse(body)
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     if not chat.stream:

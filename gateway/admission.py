@@ -1,0 +1,523 @@
+"""Admission: every request holds one slot for its whole life, and the count it arrives at decides its fate.
+
+For a request of priority class *c*, with *n* admitted requests already in flight across the gateway:
+
+    tenant's own count >= its quota        → 429 rate_limit_exceeded, Retry-After
+    n >= hard limit of c                   → 503 overloaded, Retry-After
+    n >= soft limit of c                   → admitted above the soft limit: the ``load-shedding`` policy
+                                             serves speech requests text-only
+    otherwise                              → admitted, served as asked
+
+The slot is taken before the pre-policies run and released once, when the pipeline finishes the request
+(completion, error or client disconnect alike). Counts live in this process (:class:`LocalSlots`), or in
+Redis (:class:`RedisSlots`) when several replicas share one limit: each slot is a lease with an expiry,
+taken and given back by Lua scripts so that check-and-take is atomic, renewed by a heartbeat while its
+stream runs, and left to expire when a replica dies. When Redis cannot be reached the gateway fails open
+to local limits (a share of each limit per replica), loudly.
+
+A background loop reads the count and drives the overload state (:func:`decide_overload`), which lowers the
+engines' concurrency limits; the request path never waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Literal, Protocol
+
+import structlog
+
+from gateway.context import RequestContext
+from gateway.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
+from gateway.settings import TrafficSettings
+from observability.metrics import Metrics
+
+log = structlog.get_logger("omnigate.traffic")
+
+Result = Literal["admit", "refuse_quota", "refuse_overload"]
+
+
+# -- pure decisions -----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Limits:
+    soft: int
+    hard: int
+    tenant_quota: int | None = None
+
+    def scaled(self, share: float) -> "Limits":
+        """The limits one replica applies alone (fail-open): a share of each, never below 1 for hard ones."""
+        if share >= 1.0:
+            return self
+        quota = None if self.tenant_quota is None else max(1, math.floor(self.tenant_quota * share))
+        return Limits(math.floor(self.soft * share), max(1, math.floor(self.hard * share)), quota)
+
+
+def decide(in_flight: int, tenant_in_flight: int, limits: Limits) -> Result:
+    """Whether a request arriving at these counts is admitted. The Lua acquire script mirrors this."""
+    if limits.tenant_quota is not None and tenant_in_flight >= limits.tenant_quota:
+        return "refuse_quota"
+    if in_flight >= limits.hard:
+        return "refuse_overload"
+    return "admit"
+
+
+def decide_overload(overloaded: bool, in_flight: int, enter_above: int, exit_at_or_below: int) -> bool:
+    """The overload state, with hysteresis: entered above ``enter_above``, left at or below ``exit_at_or_below``."""
+    if overloaded:
+        return in_flight > exit_at_or_below
+    return in_flight > enter_above
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The load a request was admitted under; the ``load-shedding`` policy decides on it."""
+
+    priority: str
+    in_flight: int  # admitted requests in flight when this one arrived, not counting it
+    soft_limit: int
+    hard_limit: int
+    store: str  # "local" or "redis"
+
+    @property
+    def above_soft_limit(self) -> bool:
+        return self.in_flight >= self.soft_limit
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    result: Result
+    in_flight: int
+    tenant_in_flight: int
+    limits: Limits
+    store: "SlotStore"
+
+
+class Ticket:
+    """One admitted request's slot; :meth:`release` gives it back exactly once, however often it is called."""
+
+    __slots__ = ("lease_id", "tenant", "store", "released")
+
+    def __init__(self, lease_id: str, tenant: str | None, store: "SlotStore") -> None:
+        self.lease_id = lease_id
+        self.tenant = tenant
+        self.store = store
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.store.release(self)
+
+
+class SlotStore(Protocol):
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def acquire(self, lease_id: str, tenant: str | None, limits: Limits) -> Grant: ...
+
+    def release(self, ticket: Ticket) -> None: ...
+
+    async def in_flight(self) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+
+# -- in-process counts ------------------------------------------------------------------------------------
+class LocalSlots:
+    """Counts in this process. The event loop runs one acquire at a time, so check-and-take is atomic."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.tenants: dict[str, int] = {}
+
+    async def start(self) -> None:
+        return None
+
+    async def acquire(self, lease_id: str, tenant: str | None, limits: Limits) -> Grant:
+        n = self.count
+        tn = self.tenants.get(tenant, 0) if tenant is not None else 0
+        result = decide(n, tn, limits)
+        if result == "admit":
+            self.count += 1
+            if tenant is not None:
+                self.tenants[tenant] = tn + 1
+        return Grant(result, n, tn, limits, self)
+
+    def release(self, ticket: Ticket) -> None:
+        self.count -= 1
+        if ticket.tenant is not None:
+            left = self.tenants.get(ticket.tenant, 1) - 1
+            if left > 0:
+                self.tenants[ticket.tenant] = left
+            else:
+                self.tenants.pop(ticket.tenant, None)
+
+    async def in_flight(self) -> int:
+        return self.count
+
+    async def aclose(self) -> None:
+        return None
+
+
+# -- counts shared through Redis ----------------------------------------------------------------------------
+# Each slot is a member of a sorted set scored by its expiry in milliseconds of the Redis server's clock
+# (TIME), so replicas' clocks never matter. Expired members are removed before every count.
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS[1] slots, KEYS[2] the tenant's slots (only with a quota)
+# ARGV[1] lease id, ARGV[2] ttl ms, ARGV[3] hard limit, ARGV[4] tenant quota
+# -> {1 admitted | 2 refused: quota | 3 refused: hard limit, in flight before, tenant's in flight before}
+ACQUIRE_LUA = _NOW + """
+local ttl = tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local n = redis.call('ZCARD', KEYS[1])
+local tn = 0
+if KEYS[2] then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  tn = redis.call('ZCARD', KEYS[2])
+  if tn >= tonumber(ARGV[4]) then return {2, n, tn} end
+end
+if n >= tonumber(ARGV[3]) then return {3, n, tn} end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ttl)
+if KEYS[2] then
+  redis.call('ZADD', KEYS[2], now + ttl, ARGV[1])
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+return {1, n, tn}
+"""
+
+# KEYS[1] slots, KEYS[2] the tenant's slots (optional); ARGV[1] lease id -> 1 if the lease was still held
+RELEASE_LUA = """
+local removed = redis.call('ZREM', KEYS[1], ARGV[1])
+if KEYS[2] then redis.call('ZREM', KEYS[2], ARGV[1]) end
+return removed
+"""
+
+# KEYS[1] slots, KEYS[2..] tenant keys; ARGV[1] ttl ms, then (lease id, index into KEYS or 0) pairs
+# -> the lease ids that were no longer there (expired or removed); they are not brought back
+RENEW_LUA = _NOW + """
+local exp = now + tonumber(ARGV[1])
+local lost = {}
+for i = 2, #ARGV, 2 do
+  local lease = ARGV[i]
+  if redis.call('ZSCORE', KEYS[1], lease) then
+    redis.call('ZADD', KEYS[1], 'XX', exp, lease)
+    local k = tonumber(ARGV[i + 1])
+    if k > 0 then redis.call('ZADD', KEYS[k], 'XX', exp, lease) end
+  else
+    lost[#lost + 1] = lease
+  end
+end
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+end
+return lost
+"""
+
+# KEYS[1] slots -> live leases
+COUNT_LUA = _NOW + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+class RedisSlots:
+    """Leases in Redis shared by every replica, with a local fallback while Redis is unreachable."""
+
+    name = "redis"
+
+    def __init__(self, cfg: TrafficSettings, metrics: Metrics, replica_id: str) -> None:
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        assert cfg.redis_url is not None
+        self._cfg = cfg
+        self._metrics = metrics
+        self.replica_id = replica_id
+        self._ttl_ms = int(cfg.lease_ttl_s * 1000)
+        # No retries: a slow or absent Redis must cost at most one timeout before failing open.
+        self.client = aioredis.from_url(
+            cfg.redis_url.get_secret_value(),
+            socket_timeout=cfg.redis_timeout_s,
+            socket_connect_timeout=cfg.redis_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self._acquire = self.client.register_script(ACQUIRE_LUA)
+        self._release = self.client.register_script(RELEASE_LUA)
+        self._renew = self.client.register_script(RENEW_LUA)
+        self._count = self.client.register_script(COUNT_LUA)
+        self.slots_key = f"{{{cfg.key_prefix}}}:slots"
+        self._tenant_prefix = f"{{{cfg.key_prefix}}}:tenant:"
+        self.held: dict[str, str | None] = {}  # lease id -> tenant key
+        self.fallback = LocalSlots()
+        self.up: bool | None = None  # None until the first answer or failure
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def tenant_key(self, tenant: str) -> str:
+        return self._tenant_prefix + tenant
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._probe()
+        self._loop_task = asyncio.create_task(self._maintain(), name="admission-lease-heartbeat")
+
+    async def aclose(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Streams still open at shutdown: give their slots back now rather than after the TTL.
+        for lease, tkey in list(self.held.items()):
+            await self._give_back(lease, tkey)
+        self.held.clear()
+        await self.client.aclose()
+
+    # -- the request path ----------------------------------------------------------------------------------
+    async def acquire(self, lease_id: str, tenant: str | None, limits: Limits) -> Grant:
+        if self.up:
+            keys = [self.slots_key]
+            tkey = None
+            if tenant is not None and limits.tenant_quota is not None:
+                tkey = self.tenant_key(tenant)
+                keys.append(tkey)
+            args = [lease_id, self._ttl_ms, limits.hard, limits.tenant_quota or 0]
+            try:
+                async with asyncio.timeout(self._cfg.redis_timeout_s * 2):
+                    code, n, tn = await self._acquire(keys=keys, args=args)
+            except asyncio.CancelledError:
+                # The script may have run: make sure the lease does not stay behind until it expires.
+                self._spawn(self._give_back(lease_id, tkey))
+                raise
+            except Exception as exc:  # redis errors, OSError, timeouts: all mean "unreachable" here
+                self._mark_down("acquire", exc)
+            else:
+                result: Result = "admit" if code == 1 else "refuse_quota" if code == 2 else "refuse_overload"
+                if result == "admit":
+                    self.held[lease_id] = tkey
+                return Grant(result, int(n), int(tn), limits, self)
+        self._metrics.admission_fail_open.inc()
+        return await self.fallback.acquire(lease_id, tenant, limits.scaled(self._cfg.fail_open_share))
+
+    def release(self, ticket: Ticket) -> None:
+        tkey = self.held.pop(ticket.lease_id, None)
+        self._spawn(self._give_back(ticket.lease_id, tkey))
+
+    def _spawn(self, coro) -> None:  # noqa: ANN001
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _give_back(self, lease_id: str, tkey: str | None) -> None:
+        keys = [self.slots_key] + ([tkey] if tkey else [])
+        try:
+            async with asyncio.timeout(self._cfg.redis_timeout_s * 2):
+                await self._release(keys=keys, args=[lease_id])
+        except Exception as exc:
+            # The lease expires by itself after lease_ttl_s: nothing renews it any more.
+            self._metrics.traffic_store_errors.labels("release").inc()
+            log.warning("admission_release_failed", lease=lease_id, error=repr(exc),
+                        expires_in_s=self._cfg.lease_ttl_s)
+
+    async def in_flight(self) -> int:
+        if self.up:
+            try:
+                async with asyncio.timeout(self._cfg.redis_timeout_s * 2):
+                    return int(await self._count(keys=[self.slots_key]))
+            except Exception as exc:
+                self._mark_down("count", exc)
+        return len(self.held) + self.fallback.count
+
+    # -- health and leases (off the request path) -------------------------------------------------------------
+    def _mark_down(self, op: str, exc: BaseException) -> None:
+        self._metrics.traffic_store_errors.labels(op).inc()
+        if self.up is not False:
+            self.up = False
+            self._metrics.traffic_store_up.set(0)
+            log.error(
+                "traffic_store_unreachable",
+                op=op,
+                error=repr(exc),
+                action="failing open to local limits",
+                fail_open_share=self._cfg.fail_open_share,
+            )
+
+    def _mark_up(self) -> None:
+        if self.up is False:
+            log.warning("traffic_store_recovered", action="sharing limits through Redis again")
+        self.up = True
+        self._metrics.traffic_store_up.set(1)
+
+    async def _probe(self) -> None:
+        try:
+            async with asyncio.timeout(self._cfg.redis_timeout_s * 2):
+                await self.client.ping()
+        except Exception as exc:
+            self._mark_down("ping", exc)
+        else:
+            self._mark_up()
+
+    async def _maintain(self) -> None:
+        heartbeat = self._cfg.heartbeat_interval_s
+        next_renew = time.monotonic() + heartbeat
+        while True:
+            await asyncio.sleep(min(heartbeat, self._cfg.redis_probe_s) if not self.up else heartbeat)
+            if not self.up:
+                await self._probe()
+                continue
+            if time.monotonic() >= next_renew:
+                await self._renew_all()
+                next_renew = time.monotonic() + heartbeat
+
+    async def _renew_all(self) -> None:
+        if not self.held:
+            return
+        keys = [self.slots_key]
+        index: dict[str, int] = {}
+        args: list[str | int] = [self._ttl_ms]
+        for lease, tkey in list(self.held.items()):
+            k = 0
+            if tkey is not None:
+                if tkey not in index:
+                    keys.append(tkey)
+                    index[tkey] = len(keys)
+                k = index[tkey]
+            args += [lease, k]
+        try:
+            async with asyncio.timeout(self._cfg.redis_timeout_s * 4):
+                lost = await self._renew(keys=keys, args=args)
+        except Exception as exc:
+            self._mark_down("renew", exc)
+            return
+        renewed = (len(args) - 1) // 2 - len(lost)
+        self._metrics.lease_renewals.labels("renewed").inc(renewed)
+        for raw in lost:
+            lease = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if self.held.pop(lease, False) is not False:
+                # Only a lease that was still held is lost; one released meanwhile is simply gone.
+                self._metrics.lease_renewals.labels("lost").inc()
+                log.warning("admission_lease_lost", lease=lease,
+                            reason="expired in Redis before renewal; the stream runs on uncounted")
+
+
+# -- the gate --------------------------------------------------------------------------------------------
+class AdmissionGate:
+    """Resolves the request's class, takes its slot, refuses above the limits, and drives the overload state."""
+
+    def __init__(
+        self,
+        cfg: TrafficSettings,
+        metrics: Metrics,
+        on_overload: Callable[[bool], None] | None = None,
+        replica_id: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.store: LocalSlots | RedisSlots = (
+            RedisSlots(cfg, metrics, self.replica_id) if cfg.redis_url is not None else LocalSlots()
+        )
+        self._on_overload = on_overload
+        self._rank = {c.name: i for i, c in enumerate(cfg.priorities)}
+        self._limits = {c.name: cfg.class_limits(c.name) for c in cfg.priorities}
+        self._header_classes = frozenset(cfg.header_classes())
+        self._ids = itertools.count(1)
+        self.overloaded = False
+        self._monitor_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.store.start()
+        self.metrics.overloaded.set(0)
+        self._monitor_task = asyncio.create_task(self._monitor(), name="admission-overload-monitor")
+        log.info(
+            "admission_ready",
+            store=self.store.name,
+            soft_limit=self.cfg.soft_limit,
+            hard_limit=self.cfg.hard_limit,
+            priorities={name: {"soft": s, "hard": h} for name, (s, h) in self._limits.items()},
+        )
+
+    async def aclose(self) -> None:
+        if self._monitor_task is not None:
+            self._monitor_task.cancel()
+            await asyncio.gather(self._monitor_task, return_exceptions=True)
+        await self.store.aclose()
+
+    # -- the request path ----------------------------------------------------------------------------------
+    def priority_of(self, ctx: RequestContext) -> str:
+        """The class the request runs in: its tenant's, or a lower one it asked for by header."""
+        own = ctx.priority if ctx.priority in self._rank else self.cfg.default_priority
+        asked = ctx.requested_priority
+        if asked is None:
+            return own
+        asked = asked.strip().lower()
+        header = self.cfg.priority_header
+        if asked not in self._rank:
+            known = ", ".join(self._rank)
+            raise InvalidRequest(
+                f"unknown priority class {asked!r} in header {header} (classes: {known})", code="invalid_priority"
+            )
+        if asked != own and (asked not in self._header_classes or self._rank[asked] < self._rank[own]):
+            raise PermissionDenied(f"priority class {asked!r} may not be requested with header {header}")
+        return asked
+
+    async def admit(self, ctx: RequestContext) -> Ticket:
+        priority = self.priority_of(ctx)
+        soft, hard = self._limits[priority]
+        quota = ctx.tenant_max_concurrency
+        tenant = (ctx.tenant or "default") if quota is not None else None
+        lease_id = f"{self.replica_id}:{next(self._ids)}"
+        t0 = time.perf_counter()
+        grant = await self.store.acquire(lease_id, tenant, Limits(soft, hard, quota))
+        self.metrics.admission_duration.labels(grant.store.name).observe(time.perf_counter() - t0)
+        retry_after = self.cfg.retry_after_s
+        if grant.result == "refuse_quota":
+            self.metrics.admissions.labels(priority, "refused_quota").inc()
+            raise RateLimited(
+                f"too many concurrent requests for this tenant (quota {grant.limits.tenant_quota})",
+                retry_after=retry_after,
+            )
+        if grant.result == "refuse_overload":
+            self.metrics.admissions.labels(priority, "refused_overload").inc()
+            raise Overloaded("the gateway is overloaded; retry later", retry_after=retry_after)
+        ctx.load = LoadSnapshot(priority, grant.in_flight, grant.limits.soft, grant.limits.hard, grant.store.name)
+        self.metrics.admissions.labels(
+            priority, "above_soft_limit" if ctx.load.above_soft_limit else "admitted"
+        ).inc()
+        return Ticket(lease_id, tenant, grant.store)
+
+    # -- the overload control loop (off the request path) ------------------------------------------------------
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.monitor_interval_s)
+            try:
+                await self.observe()
+            except Exception as exc:  # the loop must outlive any one bad reading
+                log.warning("admission_monitor_failed", error=repr(exc))
+
+    async def observe(self) -> bool:
+        """Read the count once and update the overload state; returns the state."""
+        n = await self.store.in_flight()
+        self.metrics.admission_in_flight.set(n)
+        state = decide_overload(self.overloaded, n, self.cfg.soft_limit, self.cfg.overload_exit)
+        if state != self.overloaded:
+            self.overloaded = state
+            self.metrics.overloaded.set(1 if state else 0)
+            log.warning("gateway_overload_changed", overloaded=state, in_flight=n,
+                        soft_limit=self.cfg.soft_limit, exit_at_or_below=self.cfg.overload_exit)
+            if self._on_overload is not None:
+                self._on_overload(state)
+        return state
