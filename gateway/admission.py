@@ -371,14 +371,15 @@ class RedisSlots:
             self._mark_up()
 
     async def _maintain(self) -> None:
+        """Renew this replica's leases every heartbeat; while Redis is down, probe it every redis_probe_s."""
         heartbeat = self._cfg.heartbeat_interval_s
+        tick = min(heartbeat, self._cfg.redis_probe_s)
         next_renew = time.monotonic() + heartbeat
         while True:
-            await asyncio.sleep(min(heartbeat, self._cfg.redis_probe_s) if not self.up else heartbeat)
+            await asyncio.sleep(tick)
             if not self.up:
                 await self._probe()
-                continue
-            if time.monotonic() >= next_renew:
+            elif time.monotonic() >= next_renew:
                 await self._renew_all()
                 next_renew = time.monotonic() + heartbeat
 
