@@ -74,7 +74,7 @@ def decide_overload(overloaded: bool, in_flight: int, enter_above: int, exit_at_
 
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
-    """The load a request was admitted under; the ``load-shedding`` policy decides on it."""
+    """The load a request arrived at (admitted or refused); the ``load-shedding`` policy decides on it."""
 
     priority: str
     in_flight: int  # admitted requests in flight when this one arrived, not counting it
@@ -484,6 +484,7 @@ class AdmissionGate:
         t0 = time.perf_counter()
         grant = await self.store.acquire(lease_id, tenant, Limits(soft, hard, quota))
         self.metrics.admission_duration.labels(grant.store.name).observe(time.perf_counter() - t0)
+        ctx.load = LoadSnapshot(priority, grant.in_flight, grant.limits.soft, grant.limits.hard, grant.store.name)
         retry_after = self.cfg.retry_after_s
         if grant.result == "refuse_quota":
             self.metrics.admissions.labels(priority, "refused_quota").inc()
@@ -494,7 +495,6 @@ class AdmissionGate:
         if grant.result == "refuse_overload":
             self.metrics.admissions.labels(priority, "refused_overload").inc()
             raise Overloaded("the gateway is overloaded; retry later", retry_after=retry_after)
-        ctx.load = LoadSnapshot(priority, grant.in_flight, grant.limits.soft, grant.limits.hard, grant.store.name)
         self.metrics.admissions.labels(
             priority, "above_soft_limit" if ctx.load.above_soft_limit else "admitted"
         ).inc()

@@ -24,7 +24,9 @@ def test_check_config_prints_engines_and_chain():
     assert out.returncode == 0, out.stderr
     assert "omni-int4: kind=vllm-omni variant=int4" in out.stdout
     assert "serves: qwen3-omni-flash" in out.stdout
-    assert "pre: request-limits" in out.stdout
+    assert "pre: load-shedding -> request-limits" in out.stdout
+    assert "traffic: soft limit 16, hard limit 64 in flight; in-process" in out.stdout
+    assert "critical 32/64, standard 16/64, batch 8/48" in out.stdout
 
 
 @pytest.mark.parametrize(
@@ -37,6 +39,10 @@ def test_check_config_prints_engines_and_chain():
         ("policies:\n  pre: [{name: request-limits, config: {max_messages: -1}}]\n",
          "policies.pre[0].config.max_messages"),
         ("policies:\n  pre: [{name: not-a-policy}]\n", "policies.pre[0].name"),
+        ("traffic: {soft_limit: 80}\n", "soft_limit (80) exceeds hard_limit"),
+        ("traffic: {hard_limit: 0}\n", "traffic.hard_limit"),
+        ("engines:\n  - {name: a, kind: local, model: m, serves: [x], max_in_flight: 2, max_in_flight_overloaded: 3}\n",
+         "max_in_flight_overloaded (3) exceeds max_in_flight (2)"),
         ("engines: [\n", "invalid configuration"),
     ],
 )

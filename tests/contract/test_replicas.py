@@ -1,0 +1,180 @@
+"""Two real ``omnigate serve`` processes sharing one admission limit through the real Redis, and a replica
+killed with SIGKILL whose slots come back by themselves once its leases expire."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import yaml
+
+from tests.harness import wait_until
+from tests.upstream import Script, ScriptedUpstream
+
+pytestmark = pytest.mark.timeout(120)
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+LEASE_TTL_S = 1.5
+SPEECH = {"model": "omni", "stream": True, "messages": [{"role": "user", "content": "Talk to me."}],
+          "modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _omnigate() -> list[str]:
+    script = Path(sys.executable).with_name("omnigate")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "gateway.cli"]
+
+
+@pytest.fixture(scope="module")
+def upstream(bg):
+    up = ScriptedUpstream(Script(flavour="omni", text=" ".join(["word"] * 400), chunk_delay_s=0.05))
+    bg.run(up.start())
+    yield up
+    bg.run(up.stop())
+
+
+@pytest.fixture
+def rdb():
+    client = redis.Redis.from_url(REDIS_URL)
+    client.ping()
+    yield client
+    client.close()
+
+
+class Replica:
+    def __init__(self, config: Path, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [*_omnigate(), "serve", "--config", str(config), "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.log_path = log
+
+    def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"replica exited: {self.log_path.read_text()[-2000:]}")
+        try:
+            return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+
+@pytest.fixture
+def replicas(tmp_path, upstream, rdb):
+    prefix = f"omnigate-test:{uuid.uuid4().hex}"
+    config = {
+        "engines": [{"name": "omni", "kind": "vllm-omni", "base_url": upstream.base_url, "model": "scripted",
+                     "serves": ["omni"], "max_in_flight": 16}],
+        "policies": {"pre": [{"name": "load-shedding"}, {"name": "request-limits"}]},
+        "traffic": {"soft_limit": 2, "hard_limit": 4, "redis_url": REDIS_URL, "key_prefix": prefix,
+                    "lease_ttl_s": LEASE_TTL_S, "heartbeat_s": 0.3, "monitor_interval_s": 0.1},
+        "logging": {"level": "info"},
+    }
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    made = [Replica(path, tmp_path / f"replica-{i}.log") for i in range(2)]
+    try:
+        assert wait_until(lambda: all(r.ready() for r in made), timeout=60, interval=0.2)
+        yield made, f"{{{prefix}}}:slots"
+    finally:
+        for r in made:
+            r.stop()
+        keys = list(rdb.scan_iter(match=f"{{{prefix}}}:*"))
+        if keys:
+            rdb.delete(*keys)
+
+
+def _open(client: httpx.Client, replica: Replica) -> httpx.Response:
+    return client.send(client.build_request("POST", replica.url + "/v1/chat/completions", json=SPEECH), stream=True)
+
+
+def _degraded(resp: httpx.Response) -> str | None:
+    return resp.headers.get("x-omnigate-degraded")
+
+
+def test_two_replicas_share_one_limit(replicas, rdb, upstream):
+    (a, b), key = replicas
+    with httpx.Client(timeout=20) as client:
+        opened = [_open(client, r) for r in (a, b, a, b)]
+        assert [r.status_code for r in opened] == [200] * 4
+        assert [_degraded(r) for r in opened] == [None, None, "load-text-only", "load-text-only"]
+        assert rdb.zcard(key) == 4
+        for r in (a, b):
+            refused = client.post(r.url + "/v1/chat/completions", json=SPEECH)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "overloaded"
+        assert wait_until(lambda: b.metric("omnigate_admission_in_flight") == 4, timeout=5)
+
+        opened.pop(0).close()  # a slot taken on a frees a slot on b
+        assert wait_until(lambda: rdb.zcard(key) == 3, timeout=5)
+        again = _open(client, b)
+        assert again.status_code == 200 and _degraded(again) == "load-text-only"
+        for r in (*opened, again):
+            r.close()
+    assert wait_until(lambda: rdb.zcard(key) == 0, timeout=5)
+
+
+def test_killed_replica_slots_come_back_after_the_lease_ttl(replicas, rdb, upstream):
+    (a, b), key = replicas
+    with httpx.Client(timeout=20) as client:
+        kept = _open(client, b)
+        kept_since = time.monotonic()
+        on_a = [_open(client, a) for _ in range(3)]
+        assert [r.status_code for r in (kept, *on_a)] == [200] * 4
+        assert client.post(b.url + "/v1/chat/completions", json=SPEECH).status_code == 503
+
+        aborts_before = upstream.aborts
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(10)
+        killed_at = time.monotonic()
+        # Its leases are still in Redis: b keeps refusing until they expire.
+        assert client.post(b.url + "/v1/chat/completions", json=SPEECH).status_code == 503
+        assert wait_until(lambda: rdb.zcard(key) == 1, timeout=LEASE_TTL_S * 4, interval=0.05)
+        assert time.monotonic() - killed_at > LEASE_TTL_S * 0.5  # they expired; nobody released them
+        # b's own stream outlives two lease TTLs and stays counted: its heartbeat renews it.
+        time.sleep(max(0.0, kept_since + 2 * LEASE_TTL_S - time.monotonic()))
+        assert rdb.zcard(key) == 1
+        more = [_open(client, b) for _ in range(3)]
+        assert [r.status_code for r in more] == [200] * 3
+        assert client.post(b.url + "/v1/chat/completions", json=SPEECH).status_code == 503
+        assert upstream.aborts >= aborts_before + 3  # the dead replica's engine requests were dropped too
+        for r in (kept, *more):
+            r.close()
+        for r in on_a:
+            try:
+                r.close()
+            except httpx.HTTPError:
+                pass
+    assert wait_until(lambda: rdb.zcard(key) == 0, timeout=5)
