@@ -197,10 +197,14 @@ end
 return {1, n, tn}
 """
 
-# KEYS[1] slots, KEYS[2] the tenant's slots (optional); ARGV[1] lease id -> 1 if the lease was still held
+# KEYS[1] slots, KEYS[2..] tenant keys; ARGV: (lease id, index into KEYS or 0) pairs -> leases removed
 RELEASE_LUA = """
-local removed = redis.call('ZREM', KEYS[1], ARGV[1])
-if KEYS[2] then redis.call('ZREM', KEYS[2], ARGV[1]) end
+local removed = 0
+for i = 1, #ARGV, 2 do
+  removed = removed + redis.call('ZREM', KEYS[1], ARGV[i])
+  local k = tonumber(ARGV[i + 1])
+  if k > 0 then redis.call('ZREM', KEYS[k], ARGV[i]) end
+end
 return removed
 """
 
@@ -247,13 +251,18 @@ class RedisSlots:
         self._metrics = metrics
         self.replica_id = replica_id
         self._ttl_ms = int(cfg.lease_ttl_s * 1000)
-        # No retries: a slow or absent Redis must cost at most one timeout before failing open.
-        self.client = aioredis.from_url(
+        # No retries: a slow or absent Redis must cost at most one timeout before failing open. A bounded
+        # pool that makes callers wait for a connection (up to the same timeout): a burst of admissions
+        # queues for connections rather than being taken for an outage.
+        pool = aioredis.BlockingConnectionPool.from_url(
             cfg.redis_url.get_secret_value(),
+            max_connections=cfg.redis_max_connections,
+            timeout=cfg.redis_timeout_s,
             socket_timeout=cfg.redis_timeout_s,
             socket_connect_timeout=cfg.redis_timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
+        self.client = aioredis.Redis.from_pool(pool)
         self._acquire = self.client.register_script(ACQUIRE_LUA)
         self._release = self.client.register_script(RELEASE_LUA)
         self._renew = self.client.register_script(RENEW_LUA)
@@ -261,6 +270,7 @@ class RedisSlots:
         self.slots_key = f"{{{cfg.key_prefix}}}:slots"
         self._tenant_prefix = f"{{{cfg.key_prefix}}}:tenant:"
         self.held: dict[str, str | None] = {}  # lease id -> tenant key
+        self._releasing: list[tuple[str, str | None]] = []
         self.fallback = LocalSlots()
         self.up: bool | None = None  # None until the first answer or failure
         self._tasks: set[asyncio.Task[None]] = set()
@@ -281,8 +291,8 @@ class RedisSlots:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         # Streams still open at shutdown: give their slots back now rather than after the TTL.
-        for lease, tkey in list(self.held.items()):
-            await self._give_back(lease, tkey)
+        if self.held:
+            await self._give_back(list(self.held.items()))
         self.held.clear()
         await self.client.aclose()
 
@@ -300,7 +310,7 @@ class RedisSlots:
                     code, n, tn = await self._acquire(keys=keys, args=args)
             except asyncio.CancelledError:
                 # The script may have run: make sure the lease does not stay behind until it expires.
-                self._spawn(self._give_back(lease_id, tkey))
+                self._spawn(self._give_back([(lease_id, tkey)]))
                 raise
             except Exception as exc:  # redis errors, OSError, timeouts: all mean "unreachable" here
                 self._mark_down("acquire", exc)
@@ -313,23 +323,38 @@ class RedisSlots:
         return await self.fallback.acquire(lease_id, tenant, limits.scaled(self._cfg.fail_open_share))
 
     def release(self, ticket: Ticket) -> None:
-        tkey = self.held.pop(ticket.lease_id, None)
-        self._spawn(self._give_back(ticket.lease_id, tkey))
+        # Releases made in one turn of the event loop go to Redis together, in one script call.
+        self._releasing.append((ticket.lease_id, self.held.pop(ticket.lease_id, None)))
+        if len(self._releasing) == 1:
+            self._spawn(self._flush_releases())
 
     def _spawn(self, coro) -> None:  # noqa: ANN001
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _give_back(self, lease_id: str, tkey: str | None) -> None:
-        keys = [self.slots_key] + ([tkey] if tkey else [])
+    async def _flush_releases(self) -> None:
+        await asyncio.sleep(0)
+        batch, self._releasing = self._releasing, []
+        await self._give_back(batch)
+
+    async def _give_back(self, leases: list[tuple[str, str | None]]) -> None:
+        keys = [self.slots_key]
+        args: list[str | int] = []
+        for lease, tkey in leases:
+            k = 0
+            if tkey is not None:
+                if tkey not in keys:
+                    keys.append(tkey)
+                k = keys.index(tkey) + 1
+            args += [lease, k]
         try:
             async with asyncio.timeout(self._cfg.redis_timeout_s * 2):
-                await self._release(keys=keys, args=[lease_id])
+                await self._release(keys=keys, args=args)
         except Exception as exc:
-            # The lease expires by itself after lease_ttl_s: nothing renews it any more.
+            # The leases expire by themselves after lease_ttl_s: nothing renews them any more.
             self._metrics.traffic_store_errors.labels("release").inc()
-            log.warning("admission_release_failed", lease=lease_id, error=repr(exc),
+            log.warning("admission_release_failed", leases=len(leases), error=repr(exc),
                         expires_in_s=self._cfg.lease_ttl_s)
 
     async def in_flight(self) -> int:

@@ -210,6 +210,9 @@ class TrafficSettings(_Strict):
     redis_timeout_s: Annotated[float, Field(gt=0, le=30)] = Field(
         default=0.25, description="a Redis call slower than this counts as Redis unreachable"
     )
+    redis_max_connections: Annotated[int, Field(ge=1, le=10000)] = Field(
+        default=64, description="connections to Redis per replica; more callers wait up to redis_timeout_s"
+    )
     redis_probe_s: Annotated[float, Field(gt=0, le=600)] = Field(
         default=1.0, description="while Redis is unreachable, how often it is tried again"
     )
