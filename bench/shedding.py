@@ -113,6 +113,16 @@ def _histogram(metrics_text: str, name: str) -> dict[str, dict]:
     return out
 
 
+def _counter(metrics_text: str, name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name == name.removesuffix("_total"):
+            for s in fam.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
+    return out
+
+
 def _bucket_quantile(buckets: list[tuple[float, float]], q: float) -> float:
     """The upper bound of the bucket holding quantile q (the histogram's resolution)."""
     total = buckets[-1][1] if buckets else 0
@@ -144,7 +154,10 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
             for _ in range(3):  # warm the connection pools and first-call paths
                 await _one(session, url, -1)
             async with session.get(f"http://127.0.0.1:{gw_port}/metrics") as r:
-                before = _histogram(await r.text(), "omnigate_admission_duration_seconds")
+                text = await r.text()
+                before = _histogram(text, "omnigate_admission_duration_seconds")
+                wait_before = _histogram(text, "omnigate_engine_queue_wait_seconds")
+                adm_before = _counter(text, "omnigate_admission_total", "result")
             tasks = []
             t0 = time.perf_counter()
             for i in range(args.peak + args.over):
@@ -152,7 +165,10 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
                 await asyncio.sleep(max(0.0, t0 + (i + 1) * args.ramp_ms / 1000 - time.perf_counter()))
             results: list[One] = await asyncio.gather(*tasks)
             async with session.get(f"http://127.0.0.1:{gw_port}/metrics") as r:
-                after = _histogram(await r.text(), "omnigate_admission_duration_seconds")
+                text = await r.text()
+                after = _histogram(text, "omnigate_admission_duration_seconds")
+                wait_after = _histogram(text, "omnigate_engine_queue_wait_seconds")
+                adm_after = _counter(text, "omnigate_admission_total", "result")
     finally:
         for p in (gateway, upstream):
             p.terminate()
@@ -177,9 +193,20 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
     n = h["count"] - h0["count"]
     buckets0 = dict(h0["buckets"])
     diff = [(le, cum - buckets0.get(le, 0)) for le, cum in h["buckets"]]
+    w1 = wait_after.get("", {"count": 0, "sum": 0})
+    w0 = wait_before.get("", {"count": 0, "sum": 0})
+    waits = w1["count"] - w0["count"]
     return {
         "store": store,
         "requests": len(results),
+        "gateway_counts": {k: v - adm_before.get(k, 0.0) for k, v in sorted(adm_after.items())},
+        "client_counts": {
+            "ok_with_speech": sum(1 for o in results if o.status == 200 and o.audio and not o.degraded),
+            "ok_text_only": sum(1 for o in results if o.status == 200 and o.degraded == "load-text-only"
+                                and not o.audio),
+            "refused_503": sum(1 for o in results if o.status == 503),
+            "errors_mid_stream": sum(1 for o in results if o.error),
+        },
         "below_soft": {
             "requests": len(below),
             "served_with_speech": sum(1 for o in below if o.status == 200 and o.audio and not o.degraded),
@@ -208,6 +235,7 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
             "p50": _ms([o.first_audio for o in below if o.first_audio is not None], 50),
             "p99": _ms([o.first_audio for o in below if o.first_audio is not None], 99),
         },
+        "engine_queue_wait_mean_ms": round((w1["sum"] - w0["sum"]) / waits * 1e3, 2) if waits else None,
         "gateway_admission": {
             "samples": n,
             "mean_us": round((h["sum"] - h0["sum"]) / n * 1e6, 1) if n else None,
