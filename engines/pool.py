@@ -67,8 +67,13 @@ class EnginePool:
         return sorted(engines, key=lambda e: not self._healthy.get(e.name, False))
 
     async def acquire(self, engines: list[Engine], model: str | None = None) -> EngineSlot:
-        """A concurrency slot on the first of ``engines`` with room (see :mod:`engines.limits`)."""
-        return await self.limits.acquire(engines, model)
+        """A concurrency slot on the first of ``engines`` with room (see :mod:`engines.limits`).
+
+        Only healthy engines take load that spills over from a full one; an unhealthy engine is tried
+        only when none of ``engines`` is healthy (the last resort, as before limits existed).
+        """
+        healthy = [e for e in engines if self._healthy.get(e.name, False)]
+        return await self.limits.acquire(healthy or engines, model)
 
     def is_healthy(self, name: str) -> bool:
         return self._healthy.get(name, False)

@@ -140,9 +140,12 @@ class LocalSlots:
     async def start(self) -> None:
         return None
 
-    async def acquire(self, lease_id: str, tenant: str | None, limits: Limits) -> Grant:
-        n = self.count
-        tn = self.tenants.get(tenant, 0) if tenant is not None else 0
+    async def acquire(
+        self, lease_id: str, tenant: str | None, limits: Limits, base: int = 0, tenant_base: int = 0
+    ) -> Grant:
+        """``base`` and ``tenant_base`` count slots held elsewhere (a fail-open replica's Redis leases)."""
+        n = self.count + base
+        tn = (self.tenants.get(tenant, 0) + tenant_base) if tenant is not None else 0
         result = decide(n, tn, limits)
         if result == "admit":
             self.count += 1
@@ -320,7 +323,12 @@ class RedisSlots:
                     self.held[lease_id] = tkey
                 return Grant(result, int(n), int(tn), limits, self)
         self._metrics.admission_fail_open.inc()
-        return await self.fallback.acquire(lease_id, tenant, limits.scaled(self._cfg.fail_open_share))
+        # Alone, this replica counts what it holds: its Redis leases as well as its local slots.
+        tkey = self.tenant_key(tenant) if tenant is not None else None
+        return await self.fallback.acquire(
+            lease_id, tenant, limits.scaled(self._cfg.fail_open_share), base=len(self.held),
+            tenant_base=sum(1 for k in self.held.values() if k is not None and k == tkey),
+        )
 
     def release(self, ticket: Ticket) -> None:
         # Releases made in one turn of the event loop go to Redis together, in one script call.

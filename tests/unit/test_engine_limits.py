@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engines.limits import EngineSlots
-from engines.pool import build_engine
+from engines.pool import EnginePool, build_engine
 from gateway.errors import EngineBusy
 from gateway.settings import EngineConfig
 from observability.metrics import Metrics
@@ -149,3 +149,18 @@ async def test_no_limit_means_unlimited():
 def test_overload_limit_may_not_exceed_the_normal_one():
     with pytest.raises(ValueError, match="max_in_flight_overloaded"):
         _engine("a", max_in_flight=4, max_in_flight_overloaded=8)
+
+
+async def test_load_spills_over_only_to_healthy_engines():
+    a, b = _engine("a", max_in_flight=1), _engine("b", max_in_flight=1)
+    pool = EnginePool([a, b], Metrics(CollectorRegistry()))
+    pool._set_health(a, True)
+    held = await pool.acquire([a, b])
+    waiting = asyncio.create_task(pool.acquire([a, b]))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # b is unhealthy: the request waits for a instead of spilling over
+    held.release()
+    assert (await asyncio.wait_for(waiting, 2)).engine is a
+    pool.report_failure(a)
+    last_resort = await pool.acquire([b])
+    assert last_resort.engine is b  # with no healthy engine left, the unhealthy one is tried

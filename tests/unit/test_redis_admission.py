@@ -207,6 +207,7 @@ async def test_outage_and_recovery_through_a_cut_connection(redis_client, prefix
             during = _ctx()
             local_ticket = await gate.admit(during)
             assert during.load.store == "local" and gate.store.up is False
+            assert during.load.in_flight == 1  # alone, the replica still counts the slot it holds in Redis
             before.release()  # its give-back fails; the lease will expire on its own
             await proxy.start()  # and comes back
             assert await eventually(lambda: gate.store.up, 5)
