@@ -334,3 +334,26 @@ async def test_text_requests_are_not_shed_and_traffic_can_be_off(serve, upstream
         assert all(r.status_code == 200 and "x-omnigate-degraded" not in r.headers for r in opened)
         for r in opened:
             await r.aclose()
+
+
+async def test_a_committed_stream_closed_without_being_read_gives_everything_back(serve, upstreams):
+    server = serve({"soft_limit": 2, "hard_limit": 4})
+    pipeline = server.services.pipeline
+    request = ChatCompletionRequest.model_validate(SPEECH)
+
+    async def run():
+        never_iterated = await pipeline.stream(request, RequestContext(request_id="a"))
+        created_not_started = await pipeline.stream(request, RequestContext(request_id="b"))
+        created_not_started.deltas()
+        half_read = await pipeline.stream(request, RequestContext(request_id="c"))
+        deltas = half_read.deltas()
+        await anext(deltas)
+        assert server.services.admission.store.count == 3
+        for s in (never_iterated, created_not_started, half_read):
+            await s.aclose()
+            await s.aclose()  # twice: still released once
+        return [s.ctx.outcome for s in (never_iterated, created_not_started, half_read)]
+
+    assert server.bg.run(run()) == ["cancelled"] * 3
+    await assert_no_leak(server)
+    assert await eventually(lambda: upstreams.omni_a.aborts == 3)

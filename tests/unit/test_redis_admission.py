@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 import structlog
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import AdmissionGate, Limits, LocalSlots, RedisSlots
+from gateway.admission import AdmissionGate, Limits, LocalSlots, RedisSlots, Ticket
 from gateway.context import RequestContext
 from gateway.errors import Overloaded, RateLimited
 from gateway.settings import TrafficSettings
@@ -120,14 +120,14 @@ async def test_tenant_quota_is_shared_across_replicas(redis_client, prefix, gate
 
 async def test_a_dead_replicas_slots_expire_and_a_live_ones_are_renewed(redis_client, prefix, gates):
     # a holds two slots and then stops renewing them (as a killed process would); b keeps its own alive.
-    a = await gates(prefix, hard_limit=3, soft_limit=1, lease_ttl_s=0.6, heartbeat_s=0.1)
-    b = await gates(prefix, hard_limit=3, soft_limit=1, lease_ttl_s=0.6, heartbeat_s=0.1)
+    a = await gates(prefix, hard_limit=3, soft_limit=1, lease_ttl_s=1.0, heartbeat_s=0.1)
+    b = await gates(prefix, hard_limit=3, soft_limit=1, lease_ttl_s=1.0, heartbeat_s=0.1)
     [await a.admit(_ctx()) for _ in range(2)]
     kept = await b.admit(_ctx())
     a.store._loop_task.cancel()
     with pytest.raises(Overloaded):
         await b.admit(_ctx())
-    await asyncio.sleep(1.2)  # two TTLs: a's leases are gone, b's were renewed
+    await asyncio.sleep(2.0)  # two TTLs: a's leases are gone, b's were renewed
     assert await _live(redis_client, prefix) == 1
     more = [await b.admit(_ctx()) for _ in range(2)]
     with pytest.raises(Overloaded):
@@ -161,8 +161,6 @@ async def test_lua_and_local_decisions_agree(redis_client, prefix, gates):
     for i in range(200):
         if held and rng.random() < 0.45:
             lease, tenant = held.pop(rng.randrange(len(held)))
-            from gateway.admission import Ticket
-
             redis_store.release(Ticket(lease, tenant, redis_store))
             local.release(Ticket(lease, tenant, local))
             await asyncio.gather(*redis_store._tasks)
