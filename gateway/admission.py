@@ -177,27 +177,42 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS[1] slots, KEYS[2] the tenant's slots (only with a quota)
-# ARGV[1] lease id, ARGV[2] ttl ms, ARGV[3] hard limit, ARGV[4] tenant quota
-# -> {1 admitted | 2 refused: quota | 3 refused: hard limit, in flight before, tenant's in flight before}
+# Decides a batch of acquires in arrival order, exactly as decide() would one by one.
+# KEYS[1] slots, KEYS[2..] tenants' slots (only for quotas)
+# ARGV[1] ttl ms, then per request: lease id, hard limit, tenant quota, index into KEYS of its tenant (0: none)
+# -> per request {1 admitted | 2 refused: quota | 3 refused: hard limit, in flight before, tenant's before}
 ACQUIRE_LUA = _NOW + """
-local ttl = tonumber(ARGV[2])
+local ttl = tonumber(ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local n = redis.call('ZCARD', KEYS[1])
-local tn = 0
-if KEYS[2] then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  tn = redis.call('ZCARD', KEYS[2])
-  if tn >= tonumber(ARGV[4]) then return {2, n, tn} end
+local tn = {}
+for k = 2, #KEYS do
+  redis.call('ZREMRANGEBYSCORE', KEYS[k], '-inf', now)
+  tn[k] = redis.call('ZCARD', KEYS[k])
 end
-if n >= tonumber(ARGV[3]) then return {3, n, tn} end
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ttl)
-if KEYS[2] then
-  redis.call('ZADD', KEYS[2], now + ttl, ARGV[1])
-  redis.call('PEXPIRE', KEYS[2], ttl)
+local out = {}
+for i = 2, #ARGV, 4 do
+  local lease, hard, quota, k = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+  local t = 0
+  if k > 0 then t = tn[k] end
+  if k > 0 and t >= quota then
+    out[#out + 1] = {2, n, t}
+  elseif n >= hard then
+    out[#out + 1] = {3, n, t}
+  else
+    redis.call('ZADD', KEYS[1], now + ttl, lease)
+    if k > 0 then
+      redis.call('ZADD', KEYS[k], now + ttl, lease)
+      tn[k] = t + 1
+    end
+    out[#out + 1] = {1, n, t}
+    n = n + 1
+  end
 end
-return {1, n, tn}
+for k = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[k]) == 1 then redis.call('PEXPIRE', KEYS[k], ttl) end
+end
+return out
 """
 
 # KEYS[1] slots, KEYS[2..] tenant keys; ARGV: (lease id, index into KEYS or 0) pairs -> leases removed
@@ -239,6 +254,18 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 
+@dataclass(eq=False, slots=True)
+class _PendingAcquire:
+    lease_id: str
+    tenant_key: str | None
+    limits: Limits
+    future: asyncio.Future[list[int]]
+
+
+class _StoreDown(Exception):
+    """The batch this acquire was in could not reach Redis."""
+
+
 class RedisSlots:
     """Leases in Redis shared by every replica, with a local fallback while Redis is unreachable."""
 
@@ -274,6 +301,7 @@ class RedisSlots:
         self._tenant_prefix = f"{{{cfg.key_prefix}}}:tenant:"
         self.held: dict[str, str | None] = {}  # lease id -> tenant key
         self._releasing: list[tuple[str, str | None]] = []
+        self._acquiring: list[_PendingAcquire] = []
         self.fallback = LocalSlots()
         self.up: bool | None = None  # None until the first answer or failure
         self._tasks: set[asyncio.Task[None]] = set()
@@ -302,21 +330,21 @@ class RedisSlots:
     # -- the request path ----------------------------------------------------------------------------------
     async def acquire(self, lease_id: str, tenant: str | None, limits: Limits) -> Grant:
         if self.up:
-            keys = [self.slots_key]
-            tkey = None
-            if tenant is not None and limits.tenant_quota is not None:
-                tkey = self.tenant_key(tenant)
-                keys.append(tkey)
-            args = [lease_id, self._ttl_ms, limits.hard, limits.tenant_quota or 0]
+            tkey = self.tenant_key(tenant) if tenant is not None and limits.tenant_quota is not None else None
+            # Acquires made in one turn of the event loop go to Redis together, decided in arrival order.
+            pending = _PendingAcquire(lease_id, tkey, limits, asyncio.get_running_loop().create_future())
+            self._acquiring.append(pending)
+            if len(self._acquiring) == 1:
+                self._spawn(self._flush_acquires())
             try:
-                async with asyncio.timeout(self._cfg.redis_timeout_s * 2):
-                    code, n, tn = await self._acquire(keys=keys, args=args)
+                code, n, tn = await pending.future
             except asyncio.CancelledError:
-                # The script may have run: make sure the lease does not stay behind until it expires.
-                self._spawn(self._give_back([(lease_id, tkey)]))
+                # Not sent yet: it never will be. Sent: _flush_acquires gives the slot back when it lands.
+                if pending in self._acquiring:
+                    self._acquiring.remove(pending)
                 raise
-            except Exception as exc:  # redis errors, OSError, timeouts: all mean "unreachable" here
-                self._mark_down("acquire", exc)
+            except _StoreDown:
+                pass
             else:
                 result: Result = "admit" if code == 1 else "refuse_quota" if code == 2 else "refuse_overload"
                 if result == "admit":
@@ -329,6 +357,38 @@ class RedisSlots:
             lease_id, tenant, limits.scaled(self._cfg.fail_open_share), base=len(self.held),
             tenant_base=sum(1 for k in self.held.values() if k is not None and k == tkey),
         )
+
+    async def _flush_acquires(self) -> None:
+        await asyncio.sleep(0)
+        batch, self._acquiring = self._acquiring, []
+        if not batch:
+            return
+        keys = [self.slots_key]
+        args: list[str | int] = [self._ttl_ms]
+        for p in batch:
+            k = 0
+            if p.tenant_key is not None:
+                if p.tenant_key not in keys:
+                    keys.append(p.tenant_key)
+                k = keys.index(p.tenant_key) + 1
+            args += [p.lease_id, p.limits.hard, p.limits.tenant_quota or 0, k]
+        try:
+            async with asyncio.timeout(self._cfg.redis_timeout_s * 2):
+                results = await self._acquire(keys=keys, args=args)
+        except Exception as exc:  # redis errors, OSError, timeouts: all mean "unreachable" here
+            self._mark_down("acquire", exc)
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(_StoreDown())
+            return
+        orphans = []
+        for p, res in zip(batch, results):
+            if not p.future.done():
+                p.future.set_result(res)
+            elif res[0] == 1:
+                orphans.append((p.lease_id, p.tenant_key))  # its caller left while the script ran
+        if orphans:
+            await self._give_back(orphans)
 
     def release(self, ticket: Ticket) -> None:
         # Releases made in one turn of the event loop go to Redis together, in one script call.

@@ -240,3 +240,27 @@ async def test_a_silent_redis_costs_one_timeout_then_fails_open(prefix, gates):
         t2.release()
     finally:
         await proxy.stop()
+
+
+async def test_an_admission_cancelled_mid_flight_leaves_no_lease(redis_client, prefix, gates):
+    gate = await gates(prefix)
+    # Cancelled before its batch is sent, and cancelled while the script runs: neither keeps a slot.
+    early = asyncio.create_task(gate.admit(_ctx()))
+    await asyncio.sleep(0)
+    early.cancel()
+    late = asyncio.create_task(gate.admit(_ctx()))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    late.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await early
+    try:
+        (await late).release()  # it may have been admitted before the cancel landed: then it is released
+    except asyncio.CancelledError:
+        pass
+    await asyncio.gather(*gate.store._tasks)
+    assert await eventually(lambda: _zero(redis_client, prefix), 5)
+    assert gate.store.held == {}
+    ok = await gate.admit(_ctx())
+    assert await _live(redis_client, prefix) == 1
+    ok.release()
