@@ -306,6 +306,7 @@ class RedisSlots:
         self.up: bool | None = None  # None until the first answer or failure
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        self._closing = False
 
     def tenant_key(self, tenant: str) -> str:
         return self._tenant_prefix + tenant
@@ -316,9 +317,9 @@ class RedisSlots:
         self._loop_task = asyncio.create_task(self._maintain(), name="admission-lease-heartbeat")
 
     async def aclose(self) -> None:
+        self._closing = True
         if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+            await _stop(self._loop_task, self._cfg.redis_timeout_s * 4 + 1)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         # Streams still open at shutdown: give their slots back now rather than after the TTL.
@@ -468,7 +469,7 @@ class RedisSlots:
         heartbeat = self._cfg.heartbeat_interval_s
         tick = min(heartbeat, self._cfg.redis_probe_s)
         next_renew = time.monotonic() + heartbeat
-        while True:
+        while not self._closing:
             await asyncio.sleep(tick)
             if not self.up:
                 await self._probe()
@@ -507,6 +508,18 @@ class RedisSlots:
                             reason="expired in Redis before renewal; the stream runs on uncounted")
 
 
+async def _stop(task: asyncio.Task[None], timeout: float) -> None:
+    """Cancel a background loop and wait for it, boundedly.
+
+    The loops also stop on their own flag after their current (time-bounded) step: a cancellation that
+    lands inside a Redis call is not always honoured by the client library.
+    """
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        log.warning("admission_loop_did_not_stop", task=task.get_name())
+
+
 # -- the gate --------------------------------------------------------------------------------------------
 class AdmissionGate:
     """Resolves the request's class, takes its slot, refuses above the limits, and drives the overload state."""
@@ -531,6 +544,7 @@ class AdmissionGate:
         self._ids = itertools.count(1)
         self.overloaded = False
         self._monitor_task: asyncio.Task[None] | None = None
+        self._closing = False
 
     async def start(self) -> None:
         await self.store.start()
@@ -545,9 +559,9 @@ class AdmissionGate:
         )
 
     async def aclose(self) -> None:
+        self._closing = True
         if self._monitor_task is not None:
-            self._monitor_task.cancel()
-            await asyncio.gather(self._monitor_task, return_exceptions=True)
+            await _stop(self._monitor_task, self.cfg.redis_timeout_s * 4 + 1)
         await self.store.aclose()
 
     # -- the request path ----------------------------------------------------------------------------------
@@ -595,7 +609,7 @@ class AdmissionGate:
 
     # -- the overload control loop (off the request path) ------------------------------------------------------
     async def _monitor(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.cfg.monitor_interval_s)
             try:
                 await self.observe()

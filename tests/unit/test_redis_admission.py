@@ -264,3 +264,17 @@ async def test_an_admission_cancelled_mid_flight_leaves_no_lease(redis_client, p
     ok = await gate.admit(_ctx())
     assert await _live(redis_client, prefix) == 1
     ok.release()
+
+
+async def test_a_burst_is_decided_in_one_batch_in_arrival_order(redis_client, prefix, gates):
+    gate = await gates(prefix)
+    redis_store: RedisSlots = gate.store
+    local = LocalSlots()
+    limits = Limits(soft=2, hard=5, tenant_quota=2)
+    tenants = ["a", "b", "a", "a", "c", "b", "b", "c", "a", "c"]
+    burst = await asyncio.gather(*(redis_store.acquire(f"l{i}", t, limits) for i, t in enumerate(tenants)))
+    one_by_one = [await local.acquire(f"l{i}", t, limits) for i, t in enumerate(tenants)]
+    assert [(g.result, g.in_flight, g.tenant_in_flight) for g in burst] == [
+        (g.result, g.in_flight, g.tenant_in_flight) for g in one_by_one]
+    assert [g.result for g in burst].count("admit") == 5
+    assert await _live(redis_client, prefix) == 5
