@@ -50,7 +50,11 @@ class OpenAICompatEngine:
 
     # -- lifecycle -------------------------------------------------------
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=self.config.max_connections, ttl_dns_cache=300)
+        # Idle pooled connections are dropped before the engine's own keep-alive timeout
+        # (uvicorn, under vLLM, closes after 5 s): reusing one it just closed would fail a request.
+        connector = aiohttp.TCPConnector(
+            limit=self.config.max_connections, ttl_dns_cache=300, keepalive_timeout=self.config.keepalive_timeout_s
+        )
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(

@@ -65,6 +65,7 @@ class EngineConfig(_Strict):
     first_byte_timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
     read_timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
     max_connections: Annotated[int, Field(ge=1, le=10000)] = 256
+    keepalive_timeout_s: Annotated[float, Field(gt=0, le=300)] = 4.0
     input_modalities: list[Modality] | None = None
     output_modalities: list[Literal["text", "audio"]] | None = None
     local: LocalEngineOptions = LocalEngineOptions()
