@@ -53,6 +53,35 @@ def check_config(path: str) -> int:
     return 0
 
 
+class _DrainingServer:
+    """uvicorn's Server, with a drain phase before it stops listening.
+
+    The first SIGTERM/SIGINT fails readiness at once and keeps serving for
+    ``server.drain_delay_s`` (so load balancers move traffic away), then uvicorn's
+    graceful shutdown gives open streams ``server.graceful_shutdown_s``. A second
+    signal stops at once.
+    """
+
+    @staticmethod
+    def build(config, services):  # noqa: ANN001, ANN205
+        import asyncio
+
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:  # noqa: ANN001
+                if services.draining.is_set():
+                    super().handle_exit(sig, frame)
+                    return
+                loop = asyncio.get_event_loop()
+                loop.call_soon_threadsafe(services.begin_drain)
+                loop.call_soon_threadsafe(
+                    loop.call_later, services.settings.server.drain_delay_s, super().handle_exit, sig, frame
+                )
+
+        return Server(config)
+
+
 def serve(path: str | None, host: str | None, port: int | None) -> int:
     import uvicorn
 
@@ -67,7 +96,7 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         return 1
     configure_logging(settings.logging.level, settings.logging.json_output)
     app = create_app(settings)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
@@ -76,6 +105,7 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         timeout_graceful_shutdown=int(settings.server.graceful_shutdown_s),
         h11_max_incomplete_event_size=64 * 1024,
     )
+    _DrainingServer.build(config, app.state.services).run()
     return 0
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import time
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -22,6 +24,9 @@ class Services:
     pool: EnginePool
     chain: PolicyChain
     pipeline: Pipeline
+    #: set once shutdown begins: readiness fails, open streams get a deadline
+    draining: asyncio.Event = field(default_factory=asyncio.Event)
+    drain_deadline: float | None = None
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
@@ -39,6 +44,15 @@ class Services:
             policies=self.chain.describe(),
         )
         await self.pool.start()
+
+    def begin_drain(self) -> None:
+        """Shutdown has begun: fail readiness now, and give open streams until the deadline."""
+        if self.draining.is_set():
+            return
+        server = self.settings.server
+        self.drain_deadline = time.monotonic() + server.drain_delay_s + max(0.0, server.graceful_shutdown_s - 1.0)
+        self.draining.set()
+        log.warning("gateway_draining", drain_delay_s=server.drain_delay_s, grace_s=server.graceful_shutdown_s)
 
     async def aclose(self) -> None:
         await self.pool.aclose()

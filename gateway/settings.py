@@ -105,6 +105,7 @@ class ServerSettings(_Strict):
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     sse_keepalive_s: Annotated[float, Field(gt=0)] = 15.0
     graceful_shutdown_s: Annotated[float, Field(ge=0)] = 30.0
+    drain_delay_s: Annotated[float, Field(ge=0)] = 5.0
 
 
 class AdminSettings(_Strict):

@@ -97,6 +97,8 @@ async def chat_completions(request: Request) -> Response:
         on_close=stream.aclose,
         headers=_headers(ctx),
         keepalive_s=services.settings.server.sse_keepalive_s,
+        drain=services.draining,
+        drain_deadline=lambda: services.drain_deadline,
     )  # type: ignore[return-value]
 
 

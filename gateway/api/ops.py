@@ -30,9 +30,11 @@ async def healthz() -> JSONResponse:
 async def readyz(request: Request) -> JSONResponse:
     services: Services = request.app.state.services
     engines = services.pool.health_report()
-    ready = services.pool.ready
+    draining = services.draining.is_set()
+    ready = services.pool.ready and not draining
+    status = "draining" if draining else "ready" if ready else "not_ready"
     return JSONResponse(
-        {"status": "ready" if ready else "not_ready", "engines": engines, "policies": services.chain.describe()},
+        {"status": status, "engines": engines, "policies": services.chain.describe()},
         status_code=200 if ready else 503,
     )
 
