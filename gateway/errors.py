@@ -8,6 +8,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     OmnigateError                       500 internal_error
     ├── InvalidRequest                  400 invalid_request_error
     │   ├── PayloadTooLarge             413
+    │   ├── RequestTimeout              408 (the body did not arrive in time)
     │   ├── ContentPolicyViolation      400 content_policy_violation
     │   └── ModelNotFound               404 model_not_found
     ├── AuthenticationFailed            401 authentication_error
@@ -79,6 +80,11 @@ class InvalidRequest(OmnigateError):
 class PayloadTooLarge(InvalidRequest):
     status = 413
     code = "payload_too_large"
+
+
+class RequestTimeout(InvalidRequest):
+    status = 408
+    code = "request_timeout"
 
 
 class ContentPolicyViolation(InvalidRequest):

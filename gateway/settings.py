@@ -102,7 +102,8 @@ class PolicyChainConfig(_Strict):
 class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
+    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     sse_keepalive_s: Annotated[float, Field(gt=0)] = 15.0
     graceful_shutdown_s: Annotated[float, Field(ge=0)] = 30.0
     drain_delay_s: Annotated[float, Field(ge=0)] = 5.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from gateway.context import RequestContext
-from gateway.errors import InvalidRequest, OmnigateError, PayloadTooLarge
+from gateway.errors import InvalidRequest, OmnigateError, PayloadTooLarge, RequestTimeout
 from gateway.pipeline import ResponseStream
 from gateway.render import ChunkRenderer, completion_body, error_frame
 from gateway.schemas import ChatCompletionRequest
@@ -48,18 +49,21 @@ def validation_to_error(errors: Sequence[Any]) -> InvalidRequest:
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    body = bytearray()
+    try:
+        # A client trickling its body (slowloris) holds a connection; bound the whole read.
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                if len(body) + len(chunk) > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                body += chunk
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    return bytes(body)
 
 
 def _parse(body: bytes) -> ChatCompletionRequest:
@@ -82,7 +86,8 @@ def _headers(ctx: RequestContext) -> dict[str, str]:
 @router.post("/v1/chat/completions", openapi_extra=_OPENAPI_BODY, response_model=None)
 async def chat_completions(request: Request) -> Response:
     services: Services = request.app.state.services
-    body = await _read_body(request, services.settings.server.max_body_bytes)
+    server = services.settings.server
+    body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
     ctx = RequestContext(request_id=request.scope["state"]["request_id"], body_bytes=len(body))
     chat = _parse(body)
     completion_id = "chatcmpl-" + uuid.uuid4().hex
