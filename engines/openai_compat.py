@@ -17,6 +17,7 @@ import structlog
 from engines.base import Capabilities, Completion, Delta, Usage
 from gateway.errors import (
     EngineError,
+    EngineFailed,
     EngineProtocolError,
     EngineRejected,
     EngineTimeout,
@@ -123,8 +124,10 @@ class OpenAICompatEngine:
         message = _error_message(raw) or resp.reason or "error"
         retry_after = _retry_after(resp.headers.get("Retry-After"))
         text = f"engine {self.name} answered {resp.status}: {message}"
-        if resp.status == 429 or resp.status >= 500:
+        if resp.status in (429, 503):
             raise EngineUnavailable(text, engine=self.name, retry_after=retry_after)
+        if resp.status >= 500:
+            raise EngineFailed(text, engine=self.name)
         raise EngineRejected(text, engine=self.name, upstream_status=resp.status)
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:

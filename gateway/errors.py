@@ -17,6 +17,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     ├── Overloaded                      503 overloaded            (Retry-After)
     ├── GroundingFailed                 422 grounding_failed
     └── EngineError                     502 engine_error
+        ├── EngineFailed                502 engine_error          (retryable before first byte: its 5xx)
         ├── EngineUnavailable           503 engine_unavailable    (retryable before first byte)
         ├── EngineTimeout               504 engine_timeout        (retryable before first byte)
         ├── EngineRejected              4xx/502 passed on when the engine refused the request
@@ -137,6 +138,13 @@ class EngineError(OmnigateError):
     def __init__(self, message: str, *, engine: str | None = None, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.engine = engine
+
+
+class EngineFailed(EngineError):
+    """The engine answered with a server error (500, 502, 504 ...)."""
+
+    kind = "upstream_5xx"
+    retryable = True
 
 
 class EngineUnavailable(EngineError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 import orjson
 import structlog
@@ -22,6 +22,7 @@ from gateway.sse import SSEResponse
 
 log = structlog.get_logger(__name__)
 router = APIRouter()
+T = TypeVar("T")
 
 _OPENAPI_BODY = {
     "requestBody": {
@@ -92,7 +93,7 @@ async def chat_completions(request: Request) -> Response:
     chat = _parse(body)
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     if not chat.stream:
-        result = await services.pipeline.complete(chat, ctx)
+        result = await _unless_client_leaves(request, services.pipeline.complete(chat, ctx))
         content = completion_body(result.request, result.completion, ctx, completion_id)
         return Response(orjson.dumps(content), media_type="application/json", headers=_headers(ctx))
     stream = await services.pipeline.stream(chat, ctx)
@@ -105,6 +106,29 @@ async def chat_completions(request: Request) -> Response:
         drain=services.draining,
         drain_deadline=lambda: services.drain_deadline,
     )  # type: ignore[return-value]
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``, cancelling it (and so the engine call) if the client disconnects first.
+
+    The body has been read, so the next ASGI message can only be ``http.disconnect``.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready; nobody is left to answer."""
 
 
 async def _frames(stream: ResponseStream, renderer: ChunkRenderer) -> AsyncIterator[bytes]:
