@@ -243,6 +243,7 @@ class ScriptedUpstream:
         self.completed = 0
         self.aborts = 0
         self.abort_event = asyncio.Event()
+        self.abort_times: list[float] = []  # time.monotonic() of each abort, for latency figures
         self.errors = 0  # scripted 500/503 replies
         self.resets = 0  # scripted connection resets
         self.in_flight = 0
@@ -333,6 +334,7 @@ class ScriptedUpstream:
         self.request_count = self.completed = self.aborts = self.errors = self.resets = 0
         self.max_in_flight = self.in_flight
         self.abort_event.clear()
+        self.abort_times.clear()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -371,6 +373,7 @@ class ScriptedUpstream:
         if not state.aborted:
             state.aborted = True
             self.aborts += 1
+            self.abort_times.append(time.monotonic())
             self.abort_event.set()
 
     async def _serve_chat(self, request: web.Request, state: _Progress) -> web.StreamResponse:
