@@ -82,6 +82,15 @@ def create_app(
         log.error("unhandled_error", exc_info=exc)
         return error_response(OmnigateError("internal error; see the gateway log for this request id"))
 
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(chat.OPENAPI_COMPONENTS)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(RequestIdMiddleware)
     return app
 

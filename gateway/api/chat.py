@@ -24,10 +24,15 @@ log = structlog.get_logger(__name__)
 router = APIRouter()
 T = TypeVar("T")
 
+# The body is parsed by hand (size cap, one error shape), so its schema is declared here;
+# the nested models go to the document's components (see ``app.openapi``).
+_BODY_SCHEMA = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+OPENAPI_COMPONENTS: dict[str, Any] = _BODY_SCHEMA.pop("$defs", {})
+OPENAPI_COMPONENTS["ChatCompletionRequest"] = _BODY_SCHEMA
 _OPENAPI_BODY = {
     "requestBody": {
         "required": True,
-        "content": {"application/json": {"schema": ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")}},
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
     }
 }
 
