@@ -204,6 +204,7 @@ class ChainVerifier:
         self._prev_seq = 0
         self._prev_hash = GENESIS
         self._started = False
+        self._last_cp = 0
         for cp in sorted(checkpoints, key=lambda c: c.seq):
             verdict = signer.check(cp) if signer is not None else None
             if verdict is False:
@@ -238,7 +239,7 @@ class ChainVerifier:
                     self._fail("deleted", 1, f"records 1..{row.seq - 1} are missing and no checkpoint anchors "
                                              f"a retention cut at record {row.seq - 1}")
                     return False
-                r.anchored_at = anchor.seq
+                r.anchored_at = self._last_cp = anchor.seq
                 self._prev_seq, self._prev_hash = anchor.seq, anchor.hash
         if row.seq != self._prev_seq + 1:
             missing = f"{self._prev_seq + 1}" if row.seq == self._prev_seq + 2 else \
@@ -260,14 +261,15 @@ class ChainVerifier:
             return False
         cp = self._by_seq.get(row.seq)
         if cp is not None and cp.hash != row.hash:
-            self._fail("edited", row.seq, f"record {row.seq} differs from the signed checkpoint at it "
-                                          "(records up to it were rewritten)")
+            since = self._last_cp + 1
+            self._fail("edited", since, f"records {since}..{row.seq} were rewritten: record {row.seq} differs "
+                                        f"from the signed checkpoint at it")
             return False
         if row.kind == "gap":
             lost = orjson.loads(row.data).get("payload", {}).get("lost", 0)
             r.gaps.append((row.seq, int(lost)))
         if cp is not None:
-            r.covered_through = row.seq
+            r.covered_through = self._last_cp = row.seq
         r.records += 1
         r.head_seq, r.head_hash = row.seq, row.hash
         self._prev_seq, self._prev_hash = row.seq, row.hash

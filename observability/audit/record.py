@@ -115,6 +115,7 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "key_id": ctx.key_id,
         "priority": ctx.priority,
+        "max_concurrency": ctx.tenant_max_concurrency,
         "policy_set": ctx.policy_set,
         "public_model": ctx.public_model,
         "stream": ctx.stream,
