@@ -39,10 +39,13 @@ class ReloadResult:
 
 def format_config_error(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
-        return "; ".join(
-            f"{'.'.join(str(x) for x in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors()
-        )
-    return str(exc)
+        parts = []
+        for e in exc.errors():
+            msg = e["msg"].removeprefix("Value error, ")
+            where = ".".join(str(x) for x in e["loc"])
+            parts.append(f"{where}: {msg}" if where else msg)
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, (PolicyConfigError, FileNotFoundError)) else str(exc)
 
 
 async def reload_config(services: Services, path: str | Path) -> ReloadResult:
@@ -59,7 +62,7 @@ async def reload_config(services: Services, path: str | Path) -> ReloadResult:
                         f"policy_sets: tenant {t.name!r} (admin) uses the policy set {t.policy_set!r}, "
                         "which the new file no longer defines"
                     )
-    except (ValidationError, PolicyConfigError, FileNotFoundError, ValueError, OSError) as exc:
+    except Exception as exc:  # a YAML syntax error, a bad value, an unknown policy: all refuse the file
         message = format_config_error(exc)
         services.metrics.config_reloads.labels("failed").inc()
         log.error("config_reload_failed", path=str(path), error=message)
