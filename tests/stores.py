@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import AsyncIterator, Iterator
 
 import asyncpg
 
@@ -45,3 +45,13 @@ def fresh_pg_database(prefix: str = "omnigate_test") -> Iterator[str]:
 
 def redis_prefix() -> str:
     return f"omnigate-test-{uuid.uuid4().hex[:12]}"
+
+
+@asynccontextmanager
+async def fresh_pg_database_async(prefix: str = "omnigate_test") -> AsyncIterator[str]:
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    await _create(name)
+    try:
+        yield _pg_dsn(name)
+    finally:
+        await _drop(name)

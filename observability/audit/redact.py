@@ -11,7 +11,8 @@ email                   ``local@domain.tld``                                    
 iban                    two letters, two digits, 11-30 alphanumerics (grouping allowed)  ``[IBAN]``
 card                    13-19 digits (spaces or dashes allowed) passing the Luhn check   ``[CARD]``
 us_ssn                  ``ddd-dd-dddd``                                                  ``[SSN]``
-phone                   international or national numbers of 7-15 digits                 ``[PHONE]``
+phone                   7-15 digits, with ``+`` country code, ``(area)``, separators;   ``[PHONE]``
+                        ISO dates are left alone
 ipv4, ipv6              IP addresses                                                     ``[IP]``
 ======================  ===============================================================  ==============
 
@@ -32,7 +33,8 @@ _EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}\b")
 _IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b")
 _CARD = re.compile(r"\b\d(?:[ -]?\d){12,18}\b")
 _SSN = re.compile(r"\b\d{3}-\d{2}-\d{4}\b")
-_PHONE = re.compile(r"(?<![\w+])\+?\d[\d ().-]{5,}\d(?!\w)")
+_PHONE = re.compile(r"(?<![\w+(])(?:\+\d{1,3}[ .-]?)?(?:\(\d{1,4}\)[ .-]?)?\d[\d .-]{4,}\d(?![\w-])")
+_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _IPV4 = re.compile(r"\b(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(?:25[0-5]|2[0-4]\d|1?\d?\d)\b")
 _IPV6 = re.compile(r"(?i)(?<![\w:])[0-9a-f:]*:[0-9a-f:]*:[0-9a-f:]*(?![\w:])")
 
@@ -64,7 +66,9 @@ def _ipv6(m: re.Match[str]) -> str:
 
 def _phone(m: re.Match[str]) -> str:
     digits = re.sub(r"\D", "", m.group(0))
-    return "[PHONE]" if 7 <= len(digits) <= 15 else m.group(0)
+    if _DATE.match(m.group(0)) or not 7 <= len(digits) <= 15:
+        return m.group(0)
+    return "[PHONE]"
 
 
 RULES: tuple[tuple[str, re.Pattern[str], str | Callable[[re.Match[str]], str]], ...] = (
