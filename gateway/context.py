@@ -1,7 +1,7 @@
 """Per-request state: one :class:`RequestContext` per request, never shared.
 
 Policies, the pipeline and the observability layer write what happened here; the
-access log event and (later) the audit record are built from it.
+access log event and the audit record are built from it.
 """
 
 from __future__ import annotations
