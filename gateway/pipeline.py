@@ -1,7 +1,9 @@
 """How one chat completion request is served, top to bottom.
 
-    admission → pre-policies → engine choice → first upstream chunk (commit point)
-      → stream filters → post-policies (retry while nothing was sent) → accounting
+    admission (audit room, tenant rate limits, model access) → pre-policies (the tenant's chain)
+      → engine choice → first upstream chunk (commit point) → stream filters
+      → post-policies (retry while nothing was sent) → accounting → audit record
+      (committed before the response is complete)
 
 Nothing here knows about HTTP: the transport renders what :meth:`Pipeline.stream`
 and :meth:`Pipeline.complete` return. Everything before the commit point may
@@ -345,9 +347,13 @@ class Pipeline:
             error = exc
             raise
         finally:
-            await attempt.upstream.aclose()
-            # The audit record is committed before the stream's last frame and [DONE] go out.
-            await self._settle(ctx, error)
+            # Finished (and the record handed to the audit) before any await a cancelled task may not complete.
+            fut = self._finish(ctx, error)
+            try:
+                await attempt.upstream.aclose()
+            finally:
+                # The audit record is committed before the stream's last frame and [DONE] go out.
+                await self._durable(ctx, fut)
 
     async def _relay(
         self,
@@ -418,8 +424,10 @@ class Pipeline:
         ctx.completion_tokens = completion.usage.completion_tokens
 
     async def _settle(self, ctx: RequestContext, error: BaseException | None) -> None:
-        """Finish the request; unless the client left, wait (bounded) until its audit record is durable."""
-        fut = self._finish(ctx, error)
+        await self._durable(ctx, self._finish(ctx, error))
+
+    async def _durable(self, ctx: RequestContext, fut: "asyncio.Future[int] | None") -> None:
+        """Unless the client left, wait (at most ``audit.ack_timeout_s``) until the audit record is committed."""
         if fut is not None and self.audit is not None and ctx.outcome != "cancelled":
             await self.audit.wait(fut)
 
