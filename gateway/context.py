@@ -1,14 +1,20 @@
 """Per-request state: one :class:`RequestContext` per request, never shared.
 
 Policies, the pipeline and the observability layer write what happened here; the
-access log event and (later) the audit record are built from it.
+access log event and the audit record are built from it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from engines.base import Completion
+    from gateway.schemas import ChatCompletionRequest
+    from gateway.settings import TenantConfig
+    from observability.audit.record import OutputDigest
 
 Outcome = Literal["served", "degraded", "refused", "failed", "cancelled"]
 
@@ -30,6 +36,22 @@ class RequestContext:
     request_id: str
     body_bytes: int = 0
     tenant: str | None = None
+    #: the resolved tenant (models, policy set, limits); None when authentication is off
+    tenant_config: "TenantConfig | None" = None
+    #: the API key's public id (never the key); None when authentication is off or failed
+    key_id: str | None = None
+    #: priority class and concurrency quota of the tenant, read by admission
+    priority: str = "standard"
+    tenant_max_concurrency: int | None = None
+    #: the tenant's policy set (None: the default chain) and what the audit keeps of content
+    policy_set: str | None = None
+    audit_content: str = "digests"
+    #: shedding and rollback state when the request was served, written by the readers of the control loops
+    control_state: dict[str, Any] = field(default_factory=dict)
+    #: what the audit record is built from: the request as received and what was released
+    received: "ChatCompletionRequest | None" = None
+    output: "OutputDigest | None" = None
+    completion: "Completion | None" = None
     started: float = field(default_factory=time.perf_counter)
     public_model: str | None = None
     stream: bool = False

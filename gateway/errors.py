@@ -10,7 +10,10 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     │   ├── PayloadTooLarge             413
     │   ├── RequestTimeout              408 (the body did not arrive in time)
     │   ├── ContentPolicyViolation      400 content_policy_violation
-    │   └── ModelNotFound               404 model_not_found
+    │   ├── ModelNotFound               404 model_not_found
+    │   ├── NotFound                    404 not_found             (admin resources)
+    │   ├── Conflict                    409 conflict              (admin resources)
+    │   └── ConfigInvalid               422 invalid_config        (a reload that was refused)
     ├── AuthenticationFailed            401 authentication_error
     ├── PermissionDenied                403 permission_error
     ├── RateLimited                     429 rate_limit_exceeded   (Retry-After)
@@ -95,6 +98,21 @@ class ContentPolicyViolation(InvalidRequest):
 class ModelNotFound(InvalidRequest):
     status = 404
     code = "model_not_found"
+
+
+class NotFound(InvalidRequest):
+    status = 404
+    code = "not_found"
+
+
+class Conflict(InvalidRequest):
+    status = 409
+    code = "conflict"
+
+
+class ConfigInvalid(InvalidRequest):
+    status = 422
+    code = "invalid_config"
 
 
 class AuthenticationFailed(OmnigateError):

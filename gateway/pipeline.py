@@ -1,7 +1,9 @@
 """How one chat completion request is served, top to bottom.
 
-    admission → pre-policies → engine choice → first upstream chunk (commit point)
-      → stream filters → post-policies (retry while nothing was sent) → accounting
+    admission (audit room, tenant rate limits, model access) → pre-policies (the tenant's chain)
+      → engine choice → first upstream chunk (commit point) → stream filters
+      → post-policies (retry while nothing was sent) → accounting → audit record
+      (committed before the response is complete)
 
 Nothing here knows about HTTP: the transport renders what :meth:`Pipeline.stream`
 and :meth:`Pipeline.complete` return. Everything before the commit point may
@@ -10,6 +12,7 @@ fail over to the next engine; after it, a failure ends the stream with an error.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -28,7 +31,10 @@ from gateway.errors import (
     ModelNotFound,
     OmnigateError,
 )
+from gateway.ratelimit import RateLimiter
 from gateway.schemas import ChatCompletionRequest
+from observability.audit.log import AuditLog
+from observability.audit.record import OutputDigest, RequestSnapshot
 from observability.metrics import Metrics
 from policies.base import Accept, Reject, Retry, StreamFilter
 from policies.registry import LoadedPolicy, PolicyChain
@@ -87,10 +93,27 @@ async def _closed() -> AsyncIterator[Delta]:
 
 
 class Pipeline:
-    def __init__(self, pool: EnginePool, chain: PolicyChain, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        chain: PolicyChain,
+        metrics: Metrics,
+        *,
+        audit: AuditLog | None = None,
+        limiter: RateLimiter | None = None,
+        chains: dict[str, PolicyChain] | None = None,
+    ) -> None:
         self.pool = pool
         self.chain = chain
         self.metrics = metrics
+        self.audit = audit
+        self.limiter = limiter
+        #: the tenants' policy sets by name; a tenant without one gets ``chain``
+        self.chains: dict[str, PolicyChain] = chains or {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _chain(self, ctx: RequestContext) -> PolicyChain:
+        return self.chains.get(ctx.policy_set, self.chain) if ctx.policy_set else self.chain
 
     # -- the two entry points ----------------------------------------------
     async def stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> ResponseStream:
@@ -100,7 +123,7 @@ class Pipeline:
             request = await self._prepare(request, ctx)
             attempt = await self._open(request, ctx)
         except BaseException as exc:
-            self._finish(ctx, exc)
+            await self._settle(ctx, exc)
             raise
         return ResponseStream(self, attempt.request, ctx, attempt)
 
@@ -110,28 +133,44 @@ class Pipeline:
             request = await self._prepare(request, ctx)
             result = await self._complete(request, ctx)
         except BaseException as exc:
-            self._finish(ctx, exc)
+            await self._settle(ctx, exc)
             raise
-        self._finish(ctx, None)
+        ctx.completion = result.completion
+        await self._settle(ctx, None)
         return result
+
+    async def refused(self, ctx: RequestContext, error: OmnigateError) -> None:
+        """A request the transport refused before the pipeline (its key, its body): counted and audited."""
+        self.metrics.in_flight.inc()
+        await self._settle(ctx, error)
 
     # -- stages --------------------------------------------------------------
     def _begin(self, ctx: RequestContext, request: ChatCompletionRequest) -> None:
         ctx.public_model = request.model if self.pool.serves(request.model) else None
         ctx.stream = request.stream
+        ctx.received = request
         self.metrics.in_flight.inc()
         if request.ignored_fields:
             log.info("request_fields_ignored", fields=request.ignored_fields)
 
     async def _prepare(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
-        if not self.pool.serves(request.model):
-            raise ModelNotFound(f"the model {request.model!r} does not exist", param="model")
+        if self.audit is not None:
+            self.audit.admit()
+        tenant = ctx.tenant_config
+        if tenant is not None and self.limiter is not None:
+            await self.limiter.admit(tenant)
+        if not self.pool.serves(request.model) or (
+            tenant is not None and tenant.models is not None and request.model not in tenant.models
+        ):
+            raise ModelNotFound(
+                f"the model {request.model!r} does not exist or you do not have access to it", param="model"
+            )
         if request.stream and request.wants_audio and request.audio is not None:
             if request.audio.format not in STREAMABLE_FORMATS:
                 raise InvalidRequest(
                     f"streamed audio must be wav or pcm16, not {request.audio.format}", param="audio.format"
                 )
-        for policy in self.chain.pre:
+        for policy in self._chain(ctx).pre:
             request = await self._run_pre(policy, request, ctx)
         return request
 
@@ -213,7 +252,7 @@ class Pipeline:
         raise last or EngineUnavailable(f"no engine can serve {request.model!r}")
 
     async def _complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
-        budget = self.chain.max_retries
+        budget = self._chain(ctx).max_retries
         while True:
             completion, served = await self._complete_once(request, ctx)
             verdict = await self._post(served, completion, ctx)
@@ -258,7 +297,7 @@ class Pipeline:
         return request.model_copy(update=verdict.update) if verdict.update else request
 
     async def _post(self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext) -> Any:
-        for policy in self.chain.post:
+        for policy in self._chain(ctx).post:
             t0 = time.perf_counter()
             verdict = await policy.impl.post(request, completion, ctx)
             name = type(verdict).__name__.lower()
@@ -274,14 +313,18 @@ class Pipeline:
     async def _run_stream(self, rs: ResponseStream) -> AsyncIterator[Delta]:
         """Relay one stream through the filters; retry (post-policy) only while nothing was released."""
         ctx, attempt = rs.ctx, rs.attempt
-        budget = self.chain.max_retries
+        chain = self._chain(ctx)
+        budget = chain.max_retries
         error: BaseException | None = None
+        released = ctx.output = OutputDigest(ctx.audit_content != "digests") if self.audit is not None else None
         try:
             while True:
-                filters = [(p, p.impl.open_stream(attempt.request, ctx)) for p in self.chain.stream]
+                filters = [(p, p.impl.open_stream(attempt.request, ctx)) for p in chain.stream]
                 completion = Completion()
                 async for delta in self._relay(attempt, filters, completion, ctx):
                     rs._released = True
+                    if released is not None:
+                        released.add(delta)
                     yield delta
                 verdict = await self._post(attempt.request, completion, ctx)
                 if isinstance(verdict, Retry) and budget > 0 and not rs._released:
@@ -295,6 +338,8 @@ class Pipeline:
                     ctx.degrade("retries-exhausted")
                 for out in self._flush(filters):
                     rs._released = True
+                    if released is not None:
+                        released.add(out)
                     yield out
                 self._account(ctx, completion)
                 return
@@ -302,8 +347,13 @@ class Pipeline:
             error = exc
             raise
         finally:
-            await attempt.upstream.aclose()
-            self._finish(ctx, error)
+            # Finished (and the record handed to the audit) before any await a cancelled task may not complete.
+            fut = self._finish(ctx, error)
+            try:
+                await attempt.upstream.aclose()
+            finally:
+                # The audit record is committed before the stream's last frame and [DONE] go out.
+                await self._durable(ctx, fut)
 
     async def _relay(
         self,
@@ -373,7 +423,15 @@ class Pipeline:
         ctx.prompt_tokens = completion.usage.prompt_tokens
         ctx.completion_tokens = completion.usage.completion_tokens
 
-    def _finish(self, ctx: RequestContext, error: BaseException | None) -> None:
+    async def _settle(self, ctx: RequestContext, error: BaseException | None) -> None:
+        await self._durable(ctx, self._finish(ctx, error))
+
+    async def _durable(self, ctx: RequestContext, fut: "asyncio.Future[int] | None") -> None:
+        """Unless the client left, wait (at most ``audit.ack_timeout_s``) until the audit record is committed."""
+        if fut is not None and self.audit is not None and ctx.outcome != "cancelled":
+            await self.audit.wait(fut)
+
+    def _finish(self, ctx: RequestContext, error: BaseException | None) -> "asyncio.Future[int] | None":
         self.metrics.in_flight.dec()
         if error is None:
             ctx.outcome = "degraded" if ctx.degraded else "served"
@@ -398,6 +456,7 @@ class Pipeline:
             m.first_audio.labels(engine, variant).observe(ctx.first_audio_s)
         log.info(
             "request_finished",
+            tenant=ctx.tenant,
             model=ctx.public_model,
             stream=ctx.stream,
             engine=ctx.engine,
@@ -414,3 +473,14 @@ class Pipeline:
             prompt_tokens=ctx.prompt_tokens,
             completion_tokens=ctx.completion_tokens,
         )
+        tenant = ctx.tenant_config
+        if tenant is not None and tenant.tokens_per_minute and self.limiter is not None:
+            used = ctx.prompt_tokens + ctx.completion_tokens
+            if used:
+                task = asyncio.get_running_loop().create_task(self.limiter.charge(tenant, used))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        if self.audit is None:
+            return None
+        snapshot = RequestSnapshot(ctx, ctx.received, ctx.output, ctx.completion, ctx.elapsed() * 1000)
+        return self.audit.submit("request", request_id=ctx.request_id, tenant=ctx.tenant, snapshot=snapshot)

@@ -4,17 +4,37 @@ from __future__ import annotations
 
 import asyncio
 import time
+import contextlib
 from dataclasses import dataclass, field
 
 import structlog
 
 from engines.pool import EnginePool, build_engine
 from gateway.pipeline import Pipeline
-from gateway.settings import Settings
+from gateway.ratelimit import RateLimiter
+from gateway.settings import Settings, TenantConfig
+from gateway.tenants import Directory
+from observability.audit import AuditLog, build_store
 from observability.metrics import Metrics
 from policies.registry import PolicyChain, build_chain
 
 log = structlog.get_logger(__name__)
+
+#: how often a replica re-reads the admin-managed tenants and keys written by the others
+DIRECTORY_REFRESH_S = 10.0
+
+
+def build_policy_sets(settings: Settings, plugins: dict[str, type] | None = None) -> dict[str, PolicyChain]:
+    """Every tenant policy set, built and checked like the default chain (a bad one names itself)."""
+    from policies.registry import PolicyConfigError
+
+    chains: dict[str, PolicyChain] = {}
+    for name, cfg in settings.policy_sets.items():
+        try:
+            chains[name] = build_chain(cfg, plugins)
+        except PolicyConfigError as exc:
+            raise PolicyConfigError(f"policy_sets.{name}: {exc}".replace("policies.", "")) from exc
+    return chains
 
 
 @dataclass(slots=True)
@@ -27,12 +47,22 @@ class Services:
     #: set once shutdown begins: readiness fails, open streams get a deadline
     draining: asyncio.Event = field(default_factory=asyncio.Event)
     drain_deadline: float | None = None
+    audit: AuditLog | None = None
+    limiter: RateLimiter | None = None
+    directory: Directory = field(default_factory=Directory)
+    plugins: dict[str, type] | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
         chain = build_chain(settings.policies, plugins)
+        chains = build_policy_sets(settings, plugins)
         pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics)
-        return cls(settings, metrics, pool, chain, Pipeline(pool, chain, metrics))
+        audit = AuditLog(settings.audit, build_store(settings.audit), metrics) if settings.audit.enabled else None
+        limiter = RateLimiter(settings.rate_limits, metrics)
+        pipeline = Pipeline(pool, chain, metrics, audit=audit, limiter=limiter, chains=chains)
+        return cls(settings, metrics, pool, chain, pipeline, audit=audit, limiter=limiter,
+                   directory=Directory.build(settings), plugins=plugins)
 
     async def start(self) -> None:
         log.info(
@@ -42,7 +72,21 @@ class Services:
                 for e in self.settings.engines
             ],
             policies=self.chain.describe(),
+            policy_sets={name: c.describe() for name, c in self.pipeline.chains.items()},
         )
+        if self.audit is not None:
+            await self.audit.start()
+        else:
+            log.warning("audit_disabled")
+        await self.refresh_directory()
+        if self.directory.auth_enabled:
+            log.info("auth_enabled", tenants=len(self.directory.tenants), keys=len(self.directory.keys))
+        else:
+            log.warning("auth_disabled", reason="no tenants configured: every request is served, unauthenticated")
+        if self.limiter is not None:
+            await self.limiter.start()  # connects lazily, on the first limited request
+        if self.audit is not None:
+            self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory-refresh"))
         await self.pool.start()
 
     def begin_drain(self) -> None:
@@ -53,6 +97,30 @@ class Services:
         self.drain_deadline = time.monotonic() + server.drain_delay_s + max(0.0, server.graceful_shutdown_s - 1.0)
         self.draining.set()
         log.warning("gateway_draining", drain_delay_s=server.drain_delay_s, grace_s=server.graceful_shutdown_s)
+    async def refresh_directory(self) -> None:
+        """Rebuild the tenant and key directory from the config and the admin database."""
+        db_tenants: list[TenantConfig] = []
+        db_keys = []
+        if self.audit is not None:
+            db_tenants = [TenantConfig.model_validate_json(j) for j in await self.audit.store.tenants()]
+            db_keys = await self.audit.store.keys()
+        self.directory = Directory.build(self.settings, db_tenants, db_keys)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(DIRECTORY_REFRESH_S)
+            try:
+                await self.refresh_directory()
+            except Exception as exc:
+                log.warning("directory_refresh_failed", error=f"{type(exc).__name__}: {exc}")
 
     async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pool.aclose()
+        if self.limiter is not None:
+            await self.limiter.aclose()
+        if self.audit is not None:
+            with contextlib.suppress(Exception):
+                await self.audit.aclose()

@@ -123,6 +123,73 @@ class LoggingSettings(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
+# -- tenants, keys and rate limits ---------------------------------------------------------------------
+Priority = Literal["interactive", "standard", "batch"]
+KeyId = Annotated[str, Field(pattern=r"^[a-z0-9]{8,32}$")]
+
+
+class TenantConfig(_Strict):
+    """A tenant: what its keys may use and how its requests are limited, prioritised and audited."""
+
+    name: Name
+    enabled: bool = True
+    models: list[Name] | None = Field(default=None, description="allowed public models; unset: all")
+    policy_set: Name | None = Field(default=None, description="a key of policy_sets; unset: policies")
+    priority: Priority = "standard"
+    requests_per_minute: Annotated[int, Field(ge=1)] | None = None
+    tokens_per_minute: Annotated[int, Field(ge=1)] | None = None
+    max_concurrency: Annotated[int, Field(ge=1)] | None = None
+    audit_content: Literal["digests", "redacted", "raw"] = Field(
+        default="digests", description="what the audit keeps of prompts and output besides digests"
+    )
+
+
+class ApiKeyConfig(_Strict):
+    """A key from the config: only its SHA-256 is written down (``omnigate keys new`` makes one)."""
+
+    id: KeyId
+    tenant: Name
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    enabled: bool = True
+
+
+class RateLimitSettings(_Strict):
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = "omnigate"
+    fail_open: bool = Field(default=True, description="serve unlimited while Redis is unreachable")
+
+
+# -- audit trail ---------------------------------------------------------------------------------------
+class AuditSigning(_Strict):
+    algorithm: Literal["hmac-sha256", "ed25519"] = "hmac-sha256"
+    key: SecretStr | None = Field(
+        default=None, description="hmac-sha256: the secret; ed25519: base64 of the 32-byte private key"
+    )
+    key_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "default"
+
+
+class AuditSettings(_Strict):
+    enabled: bool = True
+    store: Literal["sqlite", "postgres"] = "sqlite"
+    sqlite_path: Path = Path("var/omnigate-audit.db")
+    postgres_dsn: SecretStr | None = None
+    commit: Literal["sync", "group"] = "group"
+    group_commit_ms: Annotated[float, Field(ge=0, le=10)] = 2.0
+    buffer: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000
+    when_full: Literal["shed", "mark_gap"] = "shed"
+    ack_timeout_s: Annotated[float, Field(gt=0, le=60)] = 5.0
+    checkpoint_every: Annotated[int, Field(ge=1)] = 1000
+    checkpoint_interval_s: Annotated[float, Field(gt=0)] = 60.0
+    retention_days: Annotated[float, Field(gt=0)] | None = None
+    signing: AuditSigning = AuditSigning()
+
+    @model_validator(mode="after")
+    def _needs_dsn(self) -> "AuditSettings":
+        if self.enabled and self.store == "postgres" and self.postgres_dsn is None:
+            raise ValueError("audit.store postgres needs audit.postgres_dsn")
+        return self
+
+
 def _default_engines() -> list[EngineConfig]:
     return [
         EngineConfig(
@@ -150,6 +217,11 @@ class Settings(BaseSettings):
     policies: PolicyChainConfig = PolicyChainConfig()
     logging: LoggingSettings = LoggingSettings()
     admin: AdminSettings = AdminSettings()
+    policy_sets: dict[Name, PolicyChainConfig] = Field(default_factory=dict)
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)
+    rate_limits: RateLimitSettings = RateLimitSettings()
+    audit: AuditSettings = AuditSettings()
 
     @model_validator(mode="after")
     def _unique_engines(self) -> "Settings":
@@ -158,6 +230,24 @@ class Settings(BaseSettings):
             if e.name in seen:
                 raise ValueError(f"engine name {e.name!r} is used twice")
             seen.add(e.name)
+        return self
+
+    @model_validator(mode="after")
+    def _tenants_consistent(self) -> "Settings":
+        names: set[str] = set()
+        for i, t in enumerate(self.tenants):
+            if t.name in names:
+                raise ValueError(f"tenants[{i}].name: tenant {t.name!r} is defined twice")
+            names.add(t.name)
+            if t.policy_set is not None and t.policy_set not in self.policy_sets:
+                raise ValueError(f"tenants[{i}].policy_set: no policy set named {t.policy_set!r}")
+        ids: set[str] = set()
+        for i, k in enumerate(self.api_keys):
+            if k.id in ids:
+                raise ValueError(f"api_keys[{i}].id: key id {k.id!r} is used twice")
+            ids.add(k.id)
+            if k.tenant not in names:
+                raise ValueError(f"api_keys[{i}].tenant: no tenant named {k.tenant!r}")
         return self
 
     @classmethod

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 # Latency buckets sized for LLM serving: tens of ms up to a minute.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.6, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_AUDIT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 _POLICY = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -94,4 +95,51 @@ class Metrics:
         )
         self.client_disconnects = Counter(
             "omnigate_client_disconnects_total", "Streams the client left before the end", registry=r
+        )
+        # -- identity, limits, audit, config (enterprise front door) --------------------------------
+        self.auth_failures = Counter(
+            "omnigate_auth_failures_total", "Requests refused for their API key, by reason", ["reason"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "omnigate_rate_limited_total", "Requests refused by a tenant rate limit, by limit", ["limit"],
+            registry=r,
+        )
+        self.rate_limiter_errors = Counter(
+            "omnigate_rate_limiter_errors_total", "Rate limit checks that could not reach Redis", registry=r
+        )
+        self.audit_written = Counter(
+            "omnigate_audit_records_written_total", "Audit records committed to the store, by kind", ["kind"],
+            registry=r,
+        )
+        self.audit_buffered = Gauge(
+            "omnigate_audit_buffer_records", "Audit records waiting to be committed", registry=r
+        )
+        self.audit_dropped = Counter(
+            "omnigate_audit_records_dropped_total",
+            "Audit records not written because the buffer was full (shed: request refused; gap: served)",
+            ["reason"],
+            registry=r,
+        )
+        self.audit_buffer_full = Counter(
+            "omnigate_audit_buffer_full_total", "Times the audit buffer filled up", registry=r
+        )
+        self.audit_commit = Histogram(
+            "omnigate_audit_commit_seconds", "Time to commit one batch of audit records", ["store"],
+            buckets=_AUDIT, registry=r,
+        )
+        self.audit_batch = Histogram(
+            "omnigate_audit_batch_records", "Records per audit commit", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
+        self.audit_ack_timeouts = Counter(
+            "omnigate_audit_ack_timeouts_total",
+            "Responses released before their audit record was committed (store slower than ack_timeout_s)",
+            registry=r,
+        )
+        self.audit_store_errors = Counter(
+            "omnigate_audit_store_errors_total", "Failed audit store operations (retried)", registry=r
+        )
+        self.config_reloads = Counter(
+            "omnigate_config_reloads_total", "Config reloads by result", ["result"], registry=r
         )

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
+from gateway.api.auth import authenticate
 from gateway.context import RequestContext
 from gateway.errors import InvalidRequest, OmnigateError, PayloadTooLarge, RequestTimeout
 from gateway.pipeline import ResponseStream
@@ -92,10 +93,16 @@ def _headers(ctx: RequestContext) -> dict[str, str]:
 @router.post("/v1/chat/completions", openapi_extra=_OPENAPI_BODY, response_model=None)
 async def chat_completions(request: Request) -> Response:
     services: Services = request.app.state.services
-    server = services.settings.server
-    body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
-    ctx = RequestContext(request_id=request.scope["state"]["request_id"], body_bytes=len(body))
-    chat = _parse(body)
+    ctx = RequestContext(request_id=request.scope["state"]["request_id"])
+    try:
+        authenticate(request, ctx)
+        server = services.settings.server
+        body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
+        ctx.body_bytes = len(body)
+        chat = _parse(body)
+    except OmnigateError as exc:
+        await services.pipeline.refused(ctx, exc)
+        raise
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     if not chat.stream:
         result = await _unless_client_leaves(request, services.pipeline.complete(chat, ctx))
