@@ -38,7 +38,19 @@ class Services:
             ],
             policies=self.chain.describe(),
         )
+        # Policies load their models before traffic can arrive (the lifespan has not yielded yet).
+        for policy in self.chain.all():
+            start = getattr(policy.impl, "start", None)
+            if start is not None:
+                await start(self)
         await self.pool.start()
 
     async def aclose(self) -> None:
         await self.pool.aclose()
+        for policy in self.chain.all():
+            close = getattr(policy.impl, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception as exc:
+                    log.warning("policy_close_failed", policy=policy.name, error=str(exc))
