@@ -88,10 +88,10 @@ def refusal(ip: IPAddress) -> str | None:
         return "link-local"
     if ip.is_multicast:
         return "multicast"
-    if ip.is_private:
-        return "private"
     if ip.is_reserved:
         return "reserved"
+    if ip.is_private:
+        return "private"
     if not ip.is_global:
         return "not-global"
     return None

@@ -128,13 +128,13 @@ def _normalise(im: Image.Image, data: bytes, cfg: ImageConfig, param: str) -> Im
     actions: list[str] = []
     if resize and source == "JPEG":
         # DCT-domain downscale: decodes at 1/2, 1/4 or 1/8 while staying >= the target size.
-        im.draft("RGB", (tw, th) if orientation in (0, 1, 2, 3, 4) else (th, tw))
+        im.draft("RGB", (tw, th))  # sizes are in the stored orientation until the transpose below
     im.load()
     if orientation not in (0, 1):
         im = ImageOps.exif_transpose(im)
         actions.append("image-reoriented")
         if orientation in (5, 6, 7, 8):
-            tw, th = target_size(sh, sw, cfg.max_pixels)
+            tw, th = th, tw
     if animated:
         actions.append("image-animation-dropped")
     if metadata:
