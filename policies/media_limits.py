@@ -146,16 +146,17 @@ class MediaLimits:
 
     def _image(self, ref: MediaRef, data: bytes) -> _Done:
         r = normalise_image(data, self.config.image, ref.param)
-        part = make_part(ref.type, data_uri(r.mediatype, r.data)) if r.actions else None
+        # Unchanged bytes still get the media type they really have, whatever the client or server claimed.
+        part = make_part(ref.type, data_uri(r.mediatype, r.data))
         return _Done(
-            ref, [part] if part is not None else [_original(ref)], tokens.image_tokens(r.width, r.height, self.config.budget),
+            ref, [part], tokens.image_tokens(r.width, r.height, self.config.budget),
             r.actions, {"format": r.source_format.lower(), "width": r.source_width, "height": r.source_height},
         )
 
     def _audio(self, ref: MediaRef, data: bytes, target: MediaTarget) -> _Done:
         r = normalise_audio(data, self.config.audio, target.audio_rate, ref.param)
         longest = max(end - start for start, end in r.boundaries)
-        part = make_part(ref.type, data_uri(r.mediatype, r.data), r.fmt) if r.actions else _original(ref)
+        part = make_part(ref.type, data_uri(r.mediatype, r.data), r.fmt)
         return _Done(
             ref, [part], tokens.audio_tokens(longest, self.config.budget), r.actions,
             {"format": r.info.container, "duration_s": round(r.info.duration_s, 3)}, r if r.pcm is not None else None,
@@ -286,12 +287,6 @@ class MediaLimits:
     def _count(self, kind: str, outcome: str) -> None:
         if self._metrics is not None:
             self._metrics.media_parts.labels(kind, outcome).inc()
-
-
-def _original(ref: MediaRef) -> Any:
-    if ref.type == "input_audio":
-        return make_part("input_audio", ref.value, ref.declared_format)
-    return make_part(ref.type, ref.value)
 
 
 def _modalities(message: Message) -> set[str]:
