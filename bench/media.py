@@ -86,8 +86,17 @@ def bomb_child() -> None:
         refused = True
     ms = (time.perf_counter() - t0) * 1000
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"refused": refused, "ms": ms, "peak_before_kib": before, "peak_after_kib": after,
-                      "bytes": len(data)}))
+    print(
+        json.dumps(
+            {
+                "refused": refused,
+                "ms": ms,
+                "peak_before_kib": before,
+                "peak_after_kib": after,
+                "bytes": len(data),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -108,26 +117,63 @@ def main() -> None:
     img.load()
     frames = [img.resize((640, 360))] * 8
     wall, cpu = measure(lambda: model.score([img]), args.repeat * 4)
-    rows.append(("NSFW, one 1600x1200 image (preprocess + inference, 1 thread)", f"{wall:.1f} ms", f"{cpu:.1f} ms", "<= 50 ms"))
+    rows.append(
+        (
+            "NSFW, one 1600x1200 image (preprocess + inference, 1 thread)",
+            f"{wall:.1f} ms",
+            f"{cpu:.1f} ms",
+            "<= 50 ms",
+        )
+    )
     wall, cpu = measure(lambda: model.score(frames, batch=8), args.repeat * 2)
     rows.append(("NSFW, one batch of 8 video frames", f"{wall:.1f} ms", f"{cpu:.1f} ms", ""))
 
     shot = jpeg(photo(4000, 3000), orientation=6, exif_text="camera")
     cfg = ImageConfig()
     wall, cpu = measure(lambda: normalise_image(shot, cfg, "p"), args.repeat * 2)
-    rows.append(("12 MP JPEG -> 2 MP (decode, orient, strip, resize, encode)", f"{wall:.1f} ms", f"{cpu:.1f} ms", "<= 150 ms"))
+    rows.append(
+        (
+            "12 MP JPEG -> 2 MP (decode, orient, strip, resize, encode)",
+            f"{wall:.1f} ms",
+            f"{cpu:.1f} ms",
+            "<= 150 ms",
+        )
+    )
 
     print("encoding the 120 s 720p clip (once) ...", file=sys.stderr)
     clip = clip_720p()
     info = probe_video(clip, "p")
     wall, cpu = measure(lambda: probe_video(clip, "p"), args.repeat * 4)
-    rows.append((f"video probe, 120 s 720p30 H.264 ({len(clip) / 1e6:.1f} MB, {info.frames} frames)", f"{wall:.2f} ms", f"{cpu:.2f} ms", "<= 10 ms"))
+    rows.append(
+        (
+            f"video probe, 120 s 720p30 H.264 ({len(clip) / 1e6:.1f} MB, {info.frames} frames)",
+            f"{wall:.2f} ms",
+            f"{cpu:.2f} ms",
+            "<= 10 ms",
+        )
+    )
     vcfg = VideoConfig()
     used, count = plan_frames(info, vcfg)
-    size = frame_size_for(count, info.width, info.height, BudgetConfig().max_modal_tokens, vcfg.min_frame_pixels,
-                          vcfg.max_frame_pixels, BudgetConfig())
-    wall, cpu = measure(lambda: sample_frames(clip, used, count, vcfg.fps, size, "p"), max(1, args.repeat // 2))
-    rows.append((f"2 fps sampling of it ({count} frames at {size[0]}x{size[1]})", f"{wall:.0f} ms", f"{cpu:.0f} ms", "<= 4 s CPU"))
+    size = frame_size_for(
+        count,
+        info.width,
+        info.height,
+        BudgetConfig().max_modal_tokens,
+        vcfg.min_frame_pixels,
+        vcfg.max_frame_pixels,
+        BudgetConfig(),
+    )
+    wall, cpu = measure(
+        lambda: sample_frames(clip, used, count, vcfg.fps, size, "p"), max(1, args.repeat // 2)
+    )
+    rows.append(
+        (
+            f"2 fps sampling of it ({count} frames at {size[0]}x{size[1]})",
+            f"{wall:.0f} ms",
+            f"{cpu:.0f} ms",
+            "<= 4 s CPU",
+        )
+    )
 
     minutes = 45
     pcm = (np.sin(np.arange(16000 * 60 * minutes) * 0.05) * 3000).astype(np.int16)
@@ -136,14 +182,32 @@ def main() -> None:
         sf.write(buf, pcm, 16000, format=fmt, subtype=sub)
         data = buf.getvalue()
         wall, cpu = measure(lambda: probe_audio(data, "p"), args.repeat * 4)
-        rows.append((f"audio duration probe, 45 min {fmt} ({len(data) / 1e6:.0f} MB)", f"{wall:.2f} ms", f"{cpu:.2f} ms", "<= 10 ms"))
+        rows.append(
+            (
+                f"audio duration probe, 45 min {fmt} ({len(data) / 1e6:.0f} MB)",
+                f"{wall:.2f} ms",
+                f"{cpu:.2f} ms",
+                "<= 10 ms",
+            )
+        )
 
-    child = subprocess.run([sys.executable, "-m", "bench.media", "--bomb-child"], capture_output=True, text=True,
-                           check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.run(
+        [sys.executable, "-m", "bench.media", "--bomb-child"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     bomb = json.loads(child.stdout.strip().splitlines()[-1])
     growth = (bomb["peak_after_kib"] - bomb["peak_before_kib"]) / 1024
-    rows.append((f"50k x 50k PNG header refused ({bomb['bytes']} bytes; refused={bomb['refused']})",
-                 f"{bomb['ms']:.2f} ms", f"peak RSS growth {growth:.1f} MiB", "<= 200 ms, < 50 MB"))
+    rows.append(
+        (
+            f"50k x 50k PNG header refused ({bomb['bytes']} bytes; refused={bomb['refused']})",
+            f"{bomb['ms']:.2f} ms",
+            f"peak RSS growth {growth:.1f} MiB",
+            "<= 200 ms, < 50 MB",
+        )
+    )
 
     print("| figure | wall (median) | CPU (median) | target |")
     print("|---|---|---|---|")

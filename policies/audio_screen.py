@@ -30,7 +30,8 @@ from policies.media.parts import MediaRef, decode_payload, media_parts
 
 class AudioScreenConfig(PolicyConfig):
     patterns: list[str] = Field(
-        default_factory=list, description="case-insensitive regular expressions matched against the transcript"
+        default_factory=list,
+        description="case-insensitive regular expressions matched against the transcript",
     )
     max_duration_s: Annotated[float, Field(gt=0)] = 3 * 3600.0
     threads: Annotated[int, Field(ge=1, le=16)] = 1

@@ -16,7 +16,15 @@ from gateway.errors import OmnigateError
 from gateway.schemas import ChatCompletionRequest
 from policies.base import PolicyConfig
 from policies.media.fetch import FetchConfig, SafeFetcher
-from policies.media.parts import MediaRef, _MEDIATYPE, data_uri, decode_payload, make_part, media_parts, replace_parts
+from policies.media.parts import (
+    MediaRef,
+    _MEDIATYPE,
+    data_uri,
+    decode_payload,
+    make_part,
+    media_parts,
+    replace_parts,
+)
 
 
 class MediaFetch:
@@ -48,7 +56,10 @@ class MediaFetch:
         if remote:
             try:
                 async with asyncio.TaskGroup() as tg:
-                    tasks = [(ref, tg.create_task(self.fetcher.fetch(ref.value, ref.kind, ref.param))) for ref in remote]
+                    tasks = [
+                        (ref, tg.create_task(self.fetcher.fetch(ref.value, ref.kind, ref.param)))
+                        for ref in remote
+                    ]
             except* OmnigateError as group:
                 raise group.exceptions[0] from None
             for ref, task in tasks:
@@ -58,7 +69,9 @@ class MediaFetch:
                     mediatype = "application/octet-stream"
                 new[(ref.message, ref.index)] = [make_part(ref.type, data_uri(mediatype, got.data))]
                 ctx.media.append(
-                    MediaRecord(part=ref.path, kind=ref.kind, source="url", host=got.host, bytes=len(got.data))
+                    MediaRecord(
+                        part=ref.path, kind=ref.kind, source="url", host=got.host, bytes=len(got.data)
+                    )
                 )
         ctx.media.sort(key=lambda r: _order(r.part))
         return replace_parts(request, new)

@@ -22,7 +22,13 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field
 
 from gateway.context import MediaRecord, RequestContext, Segmentation
-from gateway.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest, MediaURLForbidden, ModalBudgetExceeded
+from gateway.errors import (
+    ContextLengthExceeded,
+    InvalidMedia,
+    InvalidRequest,
+    MediaURLForbidden,
+    ModalBudgetExceeded,
+)
 from gateway.schemas import PART_MODALITY, ChatCompletionRequest, Message
 from policies.base import PolicyConfig
 from policies.media import budget as tokens
@@ -111,7 +117,9 @@ class MediaLimits:
         jobs = []
         for ref in refs:
             if ref.is_remote:
-                raise MediaURLForbidden(f"{ref.param}: remote media must be fetched by media-fetch first", param=ref.param)
+                raise MediaURLForbidden(
+                    f"{ref.param}: remote media must be fetched by media-fetch first", param=ref.param
+                )
             jobs.append(loop.run_in_executor(self._pool, self._process, ref, target))
         results = await asyncio.gather(*jobs, return_exceptions=True)
         for ref, res in zip(refs, results):
@@ -149,8 +157,11 @@ class MediaLimits:
         # Unchanged bytes still get the media type they really have, whatever the client or server claimed.
         part = make_part(ref.type, data_uri(r.mediatype, r.data))
         return _Done(
-            ref, [part], tokens.image_tokens(r.width, r.height, self.config.budget),
-            r.actions, {"format": r.source_format.lower(), "width": r.source_width, "height": r.source_height},
+            ref,
+            [part],
+            tokens.image_tokens(r.width, r.height, self.config.budget),
+            r.actions,
+            {"format": r.source_format.lower(), "width": r.source_width, "height": r.source_height},
         )
 
     def _audio(self, ref: MediaRef, data: bytes, target: MediaTarget) -> _Done:
@@ -158,8 +169,12 @@ class MediaLimits:
         longest = max(end - start for start, end in r.boundaries)
         part = make_part(ref.type, data_uri(r.mediatype, r.data), r.fmt)
         return _Done(
-            ref, [part], tokens.audio_tokens(longest, self.config.budget), r.actions,
-            {"format": r.info.container, "duration_s": round(r.info.duration_s, 3)}, r if r.pcm is not None else None,
+            ref,
+            [part],
+            tokens.audio_tokens(longest, self.config.budget),
+            r.actions,
+            {"format": r.info.container, "duration_s": round(r.info.duration_s, 3)},
+            r if r.pcm is not None else None,
         )
 
     def _video(self, ref: MediaRef, data: bytes, target: MediaTarget) -> _Done:
@@ -175,8 +190,9 @@ class MediaLimits:
         except InvalidMedia as exc:
             raise InvalidMedia(f"{ref.param}: {exc.message}", param=ref.param) from None
         video_budget = budget.max_modal_tokens if "video" in budget.counted else target.context_tokens // 2
-        size = tokens.frame_size_for(count, info.width, info.height, video_budget, cfg.min_frame_pixels,
-                                     cfg.max_frame_pixels, budget)
+        size = tokens.frame_size_for(
+            count, info.width, info.height, video_budget, cfg.min_frame_pixels, cfg.max_frame_pixels, budget
+        )
         frames = sample_frames(data, used, count, cfg.fps, size, ref.param)
         actions: list[str] = []
         if used < info.duration_s - 1e-3:
@@ -187,11 +203,19 @@ class MediaLimits:
             actions.append("video-audio-dropped")
         if target.video_form == "frames":
             actions.append("video-as-frames")
-            parts = [make_part("image_url", data_uri("image/jpeg", encode_jpeg(f, cfg.frame_quality))) for f in frames]
+            parts = [
+                make_part("image_url", data_uri("image/jpeg", encode_jpeg(f, cfg.frame_quality)))
+                for f in frames
+            ]
         else:
             parts = [make_part(ref.type, data_uri("video/mp4", encode_mp4(frames, cfg.fps, cfg.crf)))]
-        facts = {"format": info.container, "width": info.width, "height": info.height,
-                 "duration_s": round(info.duration_s, 3), "frames": len(frames)}
+        facts = {
+            "format": info.container,
+            "width": info.width,
+            "height": info.height,
+            "duration_s": round(info.duration_s, 3),
+            "frames": len(frames),
+        }
         return _Done(ref, parts, tokens.video_tokens(len(frames), size[0], size[1], budget), actions, facts)
 
     # -- request-level rules --------------------------------------------------------------------------------
@@ -238,7 +262,9 @@ class MediaLimits:
                 ctx.degrade(reason)
             self._count(d.ref.kind, "rewritten" if d.actions else "passed")
 
-    def _segment(self, request: ChatCompletionRequest, done: list[_Done], ctx: RequestContext) -> ChatCompletionRequest:
+    def _segment(
+        self, request: ChatCompletionRequest, done: list[_Done], ctx: RequestContext
+    ) -> ChatCompletionRequest:
         split = [d for d in done if d.audio is not None]
         if not split:
             return request
@@ -257,7 +283,9 @@ class MediaLimits:
             part = make_part(d.ref.type, data_uri(audio.mediatype, audio.segment(i, encoding)), audio.fmt)
             return _swap_part(req, first, part)
 
-        ctx.segmentation = Segmentation(d.ref.path, audio.boundaries, build, self.config.audio.segment_separator)
+        ctx.segmentation = Segmentation(
+            d.ref.path, audio.boundaries, build, self.config.audio.segment_separator
+        )
         return request
 
     def _one_modality(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
@@ -275,7 +303,8 @@ class MediaLimits:
                 raise InvalidRequest(
                     f"messages.{mi}.content carries {' and '.join(sorted(kinds))}; a message may carry one non-text "
                     f"modality: send each in its own message",
-                    param=f"messages.{mi}.content", code="one_modality_per_message",
+                    param=f"messages.{mi}.content",
+                    code="one_modality_per_message",
                 )
             messages.extend(_split(message))
             changed = True
@@ -315,6 +344,8 @@ def _swap_part(request: ChatCompletionRequest, old: Any, new: Any) -> ChatComple
     messages = []
     for message in request.messages:
         if isinstance(message.content, list) and any(p == old for p in message.content):
-            message = message.model_copy(update={"content": [new if p == old else p for p in message.content]})
+            message = message.model_copy(
+                update={"content": [new if p == old else p for p in message.content]}
+            )
         messages.append(message)
     return request.model_copy(update={"messages": messages})

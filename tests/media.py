@@ -20,7 +20,7 @@ import av
 import numpy as np
 import soundfile as sf
 from aiohttp import web
-from PIL import Image, ImageDraw, ImageFilter
+from PIL import Image, ImageDraw
 
 
 def data_uri(mediatype: str, data: bytes) -> str:
@@ -55,7 +55,9 @@ def photo(width: int = 4000, height: int = 3000, seed: int = 1) -> Image.Image:
     return Image.blend(im, noise, 0.06)
 
 
-def jpeg(im: Image.Image, quality: int = 88, orientation: int | None = None, exif_text: str | None = None) -> bytes:
+def jpeg(
+    im: Image.Image, quality: int = 88, orientation: int | None = None, exif_text: str | None = None
+) -> bytes:
     exif = Image.Exif()
     if orientation is not None:
         exif[0x0112] = orientation
@@ -75,8 +77,14 @@ def png(im: Image.Image) -> bytes:
 
 def png_bomb(width: int = 50_000, height: int = 50_000) -> bytes:
     """A valid PNG header claiming width×height RGB pixels, followed by a tiny IDAT: a decompression bomb."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+        return (
+            struct.pack(">I", len(body))
+            + kind
+            + body
+            + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+        )
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     idat = zlib.compress(b"\x00" * 4096, 9)
@@ -135,7 +143,9 @@ def speech(text: str, rate: int = 16000) -> bytes:
     exe = shutil.which("espeak-ng")
     if exe is None:
         raise RuntimeError("the audio-screen tests need espeak-ng (apt-get install -y espeak-ng)")
-    raw = subprocess.run([exe, "--stdout", "-s", "150", text], capture_output=True, check=True, timeout=60).stdout
+    raw = subprocess.run(
+        [exe, "--stdout", "-s", "150", text], capture_output=True, check=True, timeout=60
+    ).stdout
     with av.open(io.BytesIO(raw)) as c:
         frames = [f for f in c.decode(audio=0)]
     resampler = av.AudioResampler(format="s16", layout="mono", rate=rate)
@@ -147,7 +157,9 @@ def speech(text: str, rate: int = 16000) -> bytes:
 # -- video ------------------------------------------------------------------------------------------------------
 
 
-def video(seconds: float, fps: int = 4, size: tuple[int, int] = (320, 240), frame_fn=None, audio: bool = False) -> bytes:
+def video(
+    seconds: float, fps: int = 4, size: tuple[int, int] = (320, 240), frame_fn=None, audio: bool = False
+) -> bytes:
     """An H.264 MP4 of moving shapes (``frame_fn(i) -> RGB array`` overrides the picture)."""
     w, h = size
     buf = io.BytesIO()
@@ -173,7 +185,9 @@ def video(seconds: float, fps: int = 4, size: tuple[int, int] = (320, 240), fram
         if astream is not None:
             samples = int(seconds * 16000)
             for start in range(0, samples, 1024):
-                frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+                frame = av.AudioFrame.from_ndarray(
+                    np.zeros((1, 1024), np.float32), format="fltp", layout="mono"
+                )
                 frame.sample_rate, frame.pts = 16000, start
                 for p in astream.encode(frame):
                     out.mux(p)

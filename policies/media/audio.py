@@ -59,8 +59,11 @@ class AudioResult:
     def segment(self, i: int, encoding: str) -> bytes:
         assert self.pcm is not None
         start, end = self.boundaries[i]
-        return encode_pcm(self.pcm[round(start * self.sample_rate) : round(end * self.sample_rate)],
-                          self.sample_rate, encoding)
+        return encode_pcm(
+            self.pcm[round(start * self.sample_rate) : round(end * self.sample_rate)],
+            self.sample_rate,
+            encoding,
+        )
 
 
 def _wav_truth(data: bytes) -> tuple[int, int, int] | None:
@@ -126,7 +129,9 @@ def _probe_av(data: bytes, param: str) -> AudioInfo:
     except InvalidMedia:
         raise
     except (av.FFmpegError, ValueError, OSError, IndexError) as exc:
-        raise InvalidMedia(f"{param}: not audio in a supported format ({type(exc).__name__})", param=param) from None
+        raise InvalidMedia(
+            f"{param}: not audio in a supported format ({type(exc).__name__})", param=param
+        ) from None
     if not duration or duration <= 0 or rate <= 0:
         raise InvalidMedia(f"{param}: the audio has no duration", param=param)
     return AudioInfo({"mov": "mp4"}.get(name, name), duration, rate, channels)
@@ -179,14 +184,16 @@ def normalise_audio(data: bytes, cfg: AudioConfig, target_rate: int | None, para
     info = probe_audio(data, param)
     if info.duration_s > cfg.max_duration_s:
         raise InvalidMedia(
-            f"{param}: the audio lasts {info.duration_s:.0f} s; the limit is {cfg.max_duration_s:.0f} s", param=param
+            f"{param}: the audio lasts {info.duration_s:.0f} s; the limit is {cfg.max_duration_s:.0f} s",
+            param=param,
         )
     resample = target_rate is not None and info.sample_rate != target_rate
     split = info.duration_s > cfg.segment_s
     passable = info.container in _PASS_MIME
     if not (resample or split or info.header_lies or not passable):
-        return AudioResult(info, data, _PASS_MIME[info.container], info.container, info.sample_rate,
-                           [(0.0, info.duration_s)])
+        return AudioResult(
+            info, data, _PASS_MIME[info.container], info.container, info.sample_rate, [(0.0, info.duration_s)]
+        )
     pcm, rate = decode_pcm(data, target_rate, param, cfg.max_duration_s)
     duration = pcm.size / rate
     actions: list[str] = []
@@ -203,5 +210,13 @@ def normalise_audio(data: bytes, cfg: AudioConfig, target_rate: int | None, para
         actions.append("audio-split")
     first = pcm[: round(bounds[0][1] * rate)]
     mediatype = "audio/flac" if cfg.encoding == "flac" else "audio/wav"
-    return AudioResult(info, encode_pcm(first, rate, cfg.encoding), mediatype, cfg.encoding, rate, bounds,
-                       pcm if len(bounds) > 1 else None, actions)
+    return AudioResult(
+        info,
+        encode_pcm(first, rate, cfg.encoding),
+        mediatype,
+        cfg.encoding,
+        rate,
+        bounds,
+        pcm if len(bounds) > 1 else None,
+        actions,
+    )

@@ -46,8 +46,9 @@ def text_tokens(chars: int, cfg: BudgetConfig) -> int:
     return math.ceil(chars / cfg.chars_per_text_token)
 
 
-def frame_size_for(frames: int, width: int, height: int, token_budget: int, min_px: int, max_px: int,
-                   cfg: BudgetConfig) -> tuple[int, int]:
+def frame_size_for(
+    frames: int, width: int, height: int, token_budget: int, min_px: int, max_px: int, cfg: BudgetConfig
+) -> tuple[int, int]:
     """The largest frame size (aspect kept, multiples of the token tile) that keeps ``frames`` within budget."""
     pairs = max(1, math.ceil(frames / cfg.temporal_patch))
     tile = cfg.token_px

@@ -66,7 +66,9 @@ class FetchConfig(PolicyConfig):
         return v
 
     def cap(self, kind: str) -> int:
-        return {"image": self.max_image_bytes, "audio": self.max_audio_bytes, "video": self.max_video_bytes}[kind]
+        return {"image": self.max_image_bytes, "audio": self.max_audio_bytes, "video": self.max_video_bytes}[
+            kind
+        ]
 
 
 # -- address policy -----------------------------------------------------------------------------------------
@@ -201,7 +203,9 @@ class GuardedResolver(AbstractResolver):
     def __init__(self, policy: AddressPolicy) -> None:
         self._policy = policy
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, family=socket.AF_UNSPEC)
         out: list[ResolveResult] = []
@@ -212,8 +216,14 @@ class GuardedResolver(AbstractResolver):
                 # One refused answer refuses the name: a mixed answer is how rebinding attacks start.
                 raise AddressRefused(host, str(ip), reason)
             out.append(
-                {"hostname": host, "host": str(ip), "port": port, "family": fam, "proto": proto,
-                 "flags": socket.AI_NUMERICHOST | socket.AI_NUMERICSERV}
+                {
+                    "hostname": host,
+                    "host": str(ip),
+                    "port": port,
+                    "family": fam,
+                    "proto": proto,
+                    "flags": socket.AI_NUMERICHOST | socket.AI_NUMERICSERV,
+                }
             )
         if not out:
             raise OSError(f"{host} has no address")
@@ -245,7 +255,9 @@ class SafeFetcher:
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
-            resolver=GuardedResolver(self.policy), use_dns_cache=False, limit=self.config.max_connections,
+            resolver=GuardedResolver(self.policy),
+            use_dns_cache=False,
+            limit=self.config.max_connections,
             family=socket.AF_UNSPEC,
         )
         self._session = aiohttp.ClientSession(
@@ -264,7 +276,9 @@ class SafeFetcher:
     def check_url(self, url: URL, param: str) -> None:
         """Refuse a hop before any socket is opened: scheme, host, and IP literals in any spelling."""
         if url.scheme not in self.config.schemes:
-            raise MediaURLForbidden(f"{param}: the scheme {url.scheme or '(none)'!r} is not fetched", param=param)
+            raise MediaURLForbidden(
+                f"{param}: the scheme {url.scheme or '(none)'!r} is not fetched", param=param
+            )
         host = url.raw_host
         if not host:
             raise MediaURLForbidden(f"{param}: the URL has no host", param=param)
@@ -316,10 +330,14 @@ class SafeFetcher:
                     try:
                         url = url.join(URL(location))
                     except (ValueError, TypeError) as exc:
-                        raise MediaFetchFailed(f"{param}: bad redirect location ({exc})", param=param) from None
+                        raise MediaFetchFailed(
+                            f"{param}: bad redirect location ({exc})", param=param
+                        ) from None
         except TimeoutError:
             raise _failed(
-                f"{param}: fetching the media took longer than {self.config.total_timeout_s} s", param, "timeout"
+                f"{param}: fetching the media took longer than {self.config.total_timeout_s} s",
+                param,
+                "timeout",
             ) from None
         raise MediaFetchFailed(f"{param}: more than {self.config.max_redirects} redirects", param=param)
 

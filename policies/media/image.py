@@ -33,7 +33,14 @@ _ORIENTATION = 0x0112
 class ImageConfig(PolicyConfig):
     max_input_pixels: Annotated[int, Field(ge=1_000_000)] = 50_000_000
     max_pixels: Annotated[int, Field(ge=10_000)] = 2_000_000
-    formats: list[Literal["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"]] = ["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"]
+    formats: list[Literal["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"]] = [
+        "JPEG",
+        "PNG",
+        "WEBP",
+        "GIF",
+        "BMP",
+        "TIFF",
+    ]
     output: Literal["auto", "jpeg", "png", "webp"] = Field(
         default="auto", description="auto: PNG stays PNG (lossless), anything else becomes JPEG"
     )
@@ -69,7 +76,8 @@ def open_image(data: bytes, cfg: ImageConfig, param: str) -> Image.Image:
         raise InvalidMedia(f"{param}: the image has no pixels", param=param)
     if w * h > cfg.max_input_pixels:
         raise InvalidMedia(
-            f"{param}: the image is {w}x{h} ({w * h:,} pixels); the limit is {cfg.max_input_pixels:,}", param=param
+            f"{param}: the image is {w}x{h} ({w * h:,} pixels); the limit is {cfg.max_input_pixels:,}",
+            param=param,
         )
     return im
 
@@ -148,7 +156,13 @@ def _normalise(im: Image.Image, data: bytes, cfg: ImageConfig, param: str) -> Im
         actions.append("image-downsampled")
     buf = io.BytesIO()
     if out_fmt == "JPEG":
-        im.save(buf, "JPEG", quality=cfg.jpeg_quality, optimize=False, subsampling="4:2:0" if cfg.jpeg_quality < 95 else "4:4:4")
+        im.save(
+            buf,
+            "JPEG",
+            quality=cfg.jpeg_quality,
+            optimize=False,
+            subsampling="4:2:0" if cfg.jpeg_quality < 95 else "4:4:4",
+        )
     elif out_fmt == "PNG":
         im.save(buf, "PNG", compress_level=3)
     else:
@@ -164,4 +178,8 @@ def _to_mode(im: Image.Image, fmt: str) -> Image.Image:
             flat.paste(rgba, mask=rgba.getchannel("A"))
             return flat
         return im if im.mode in ("RGB", "L") else im.convert("RGB")
-    return im if im.mode in ("RGB", "RGBA", "L", "LA") else im.convert("RGBA" if "transparency" in im.info else "RGB")
+    return (
+        im
+        if im.mode in ("RGB", "RGBA", "L", "LA")
+        else im.convert("RGBA" if "transparency" in im.info else "RGB")
+    )

@@ -46,8 +46,12 @@ class MediaRef:
 
     @property
     def param(self) -> str:
-        field = {"image_url": "image_url.url", "audio_url": "audio_url.url", "video_url": "video_url.url",
-                 "input_audio": "input_audio.data"}[self.type]
+        field = {
+            "image_url": "image_url.url",
+            "audio_url": "audio_url.url",
+            "video_url": "video_url.url",
+            "input_audio": "input_audio.data",
+        }[self.type]
         return f"{self.path}.{field}"
 
     @property
@@ -120,11 +124,15 @@ def make_part(ref_type: str, uri: str, audio_format: str | None = None) -> Any:
         return VideoURLPart(type="video_url", video_url=URLRef(url=uri))
     if ref_type == "input_audio":
         payload = uri.partition(",")[2] if uri.startswith("data:") else uri
-        return InputAudioPart(type="input_audio", input_audio=InputAudio(data=payload, format=audio_format or "wav"))
+        return InputAudioPart(
+            type="input_audio", input_audio=InputAudio(data=payload, format=audio_format or "wav")
+        )
     raise ValueError(ref_type)
 
 
-def replace_parts(request: ChatCompletionRequest, new: dict[tuple[int, int], list[Any]]) -> ChatCompletionRequest:
+def replace_parts(
+    request: ChatCompletionRequest, new: dict[tuple[int, int], list[Any]]
+) -> ChatCompletionRequest:
     """The request with each (message, index) part replaced by the given list of parts."""
     if not new:
         return request

@@ -88,7 +88,9 @@ def probe_video(data: bytes, param: str) -> VideoInfo:
     except InvalidMedia:
         raise
     except (av.FFmpegError, ValueError, OSError, IndexError) as exc:
-        raise InvalidMedia(f"{param}: not a video in a supported format ({type(exc).__name__})", param=param) from None
+        raise InvalidMedia(
+            f"{param}: not a video in a supported format ({type(exc).__name__})", param=param
+        ) from None
     if info.duration_s <= 0 or info.width <= 0 or info.height <= 0:
         raise InvalidMedia(f"{param}: the video has no duration or size in its header", param=param)
     return info
@@ -105,8 +107,9 @@ def plan_frames(info: VideoInfo, cfg: VideoConfig) -> tuple[float, int]:
     return used, frames
 
 
-def sample_frames(data: bytes, used_s: float, frames: int, fps: float, size: tuple[int, int],
-                  param: str) -> list[np.ndarray]:
+def sample_frames(
+    data: bytes, used_s: float, frames: int, fps: float, size: tuple[int, int], param: str
+) -> list[np.ndarray]:
     """Decode once up to ``used_s``; keep one frame per 1/fps s, scaled to ``size``, as RGB arrays."""
     step = 1.0 / fps
     kept: list[np.ndarray] = []

@@ -30,17 +30,35 @@ def recording() -> bytes:
 
 @pytest.fixture(scope="module")
 def gw(bg, upstreams):
-    chain = PolicyChainConfig(pre=[PolicySpec(name="request-limits"), PolicySpec(name="media-fetch"),
-                                   PolicySpec(name="media-limits")])
+    chain = PolicyChainConfig(
+        pre=[
+            PolicySpec(name="request-limits"),
+            PolicySpec(name="media-fetch"),
+            PolicySpec(name="media-limits"),
+        ]
+    )
     server = GatewayServer(bg, gateway_settings(upstreams, chain), CollectorRegistry()).start()
     yield server
     server.stop()
 
 
 def _body(recording: bytes, **extra) -> dict:
-    return {"model": OMNI_MODEL, **extra, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "Transcribe this meeting."},
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(recording).decode(), "format": "flac"}}]}]}
+    return {
+        "model": OMNI_MODEL,
+        **extra,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Transcribe this meeting."},
+                    {
+                        "type": "input_audio",
+                        "input_audio": {"data": base64.b64encode(recording).decode(), "format": "flac"},
+                    },
+                ],
+            }
+        ],
+    }
 
 
 def _sent_seconds(request: dict) -> float:
@@ -51,9 +69,15 @@ def _sent_seconds(request: dict) -> float:
 
 
 def test_45_minute_audio_streams_two_segments_in_order_as_one_response(gw, ups, recording):
-    ups.omni_a.enqueue(Script(flavour="omni", text="first part said."), Script(flavour="omni", text="second part said."))
-    with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=120,
-                      json=_body(recording, stream=True, stream_options={"include_usage": True})) as resp:
+    ups.omni_a.enqueue(
+        Script(flavour="omni", text="first part said."), Script(flavour="omni", text="second part said.")
+    )
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/chat/completions",
+        timeout=120,
+        json=_body(recording, stream=True, stream_options={"include_usage": True}),
+    ) as resp:
         assert resp.status_code == 200
         assert "audio-split" in resp.headers["x-omnigate-degraded"]
         frames = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
@@ -61,7 +85,9 @@ def test_45_minute_audio_streams_two_segments_in_order_as_one_response(gw, ups, 
     chunks = [orjson.loads(f) for f in frames[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == "first part said.\n\nsecond part said."
-    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    finishes = [
+        c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]
+    ]
     assert finishes == ["stop"]  # one response: the first segment's finish is not released
     usage = [c["usage"] for c in chunks if c.get("usage")]
     assert usage == [{"prompt_tokens": 22, "completion_tokens": 6, "total_tokens": 28}]  # both calls summed
@@ -79,7 +105,9 @@ def test_45_minute_audio_without_streaming_joins_the_answers(gw, ups, recording)
 
 
 def test_a_later_segment_fails_over_before_its_first_chunk(gw, ups, recording):
-    ups.omni_a.enqueue(Script(flavour="omni", text="from primary."), Script(flavour="omni", fault="500_before_headers"))
+    ups.omni_a.enqueue(
+        Script(flavour="omni", text="from primary."), Script(flavour="omni", fault="500_before_headers")
+    )
     ups.omni_b.default = Script(flavour="omni", text="from fallback.")
     resp = httpx.post(gw.url + "/v1/chat/completions", json=_body(recording, stream=True), timeout=120)
     assert resp.status_code == 200

@@ -35,11 +35,13 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _chain(media_port: int, **limits) -> PolicyChainConfig:
-    return PolicyChainConfig(pre=[
-        PolicySpec(name="request-limits"),
-        PolicySpec(name="media-fetch", config={"internal_hosts": [f"127.0.0.1:{media_port}"]}),
-        PolicySpec(name="media-limits", config=limits),
-    ])
+    return PolicyChainConfig(
+        pre=[
+            PolicySpec(name="request-limits"),
+            PolicySpec(name="media-fetch", config={"internal_hosts": [f"127.0.0.1:{media_port}"]}),
+            PolicySpec(name="media-limits", config=limits),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +74,11 @@ def make_gw(bg, upstreams, media):
 
 
 def _post(server: GatewayServer, parts: list[dict], model: str = OMNI_MODEL, **extra) -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": "describe"}, *parts]}],
-            **extra}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "describe"}, *parts]}],
+        **extra,
+    }
     return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
 
 
@@ -82,7 +87,11 @@ def _image(url: str) -> dict:
 
 
 def _sent_parts(upstream, i: int = -1) -> list[dict]:
-    return [p for m in upstream.requests[i]["messages"] for p in (m["content"] if isinstance(m["content"], list) else [])]
+    return [
+        p
+        for m in upstream.requests[i]["messages"]
+        for p in (m["content"] if isinstance(m["content"], list) else [])
+    ]
 
 
 def _err(resp: httpx.Response) -> dict:
@@ -99,7 +108,10 @@ def test_12mp_photo_is_downsampled_to_2mp_reoriented_and_stripped(gw, ups):
     resp = _post(gw, [_image(data_uri("image/jpeg", shot))])
     assert resp.status_code == 200, resp.text
     assert set(resp.headers["x-omnigate-degraded"].split(",")) == {
-        "image-reoriented", "image-metadata-stripped", "image-downsampled"}
+        "image-reoriented",
+        "image-metadata-stripped",
+        "image-downsampled",
+    }
     (sent,) = [p for p in _sent_parts(ups.omni_a) if p["type"] == "image_url"]
     mediatype, data = decode_data_uri(sent["image_url"]["url"])
     im = Image.open(io.BytesIO(data))
@@ -166,9 +178,14 @@ def test_audio_posing_as_an_image_is_refused(gw, ups, media):
         (_image("data:image/png,rawbytes"), "messages.0.content.1.image_url.url"),  # not base64
         (_image("data:image/png;base64"), "messages.0.content.1.image_url.url"),  # no comma
         (_image("data:;;;;base64,AAAA"), "messages.0.content.1.image_url.url"),
-        ({"type": "input_audio", "input_audio": {"data": "%%%%", "format": "wav"}},
-         "messages.0.content.1.input_audio.data"),
-        ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAA="}}, "messages.0.content.1.video_url.url"),
+        (
+            {"type": "input_audio", "input_audio": {"data": "%%%%", "format": "wav"}},
+            "messages.0.content.1.input_audio.data",
+        ),
+        (
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAA="}},
+            "messages.0.content.1.video_url.url",
+        ),
     ],
 )
 def test_malformed_data_uris_and_base64_are_400s_naming_the_part(gw, ups, part, param):
@@ -223,7 +240,10 @@ def test_150s_video_is_trimmed_to_120s_at_2fps(gw, ups):
     resp = _post(gw, [{"type": "video_url", "video_url": {"url": data_uri("video/mp4", clip)}}])
     assert resp.status_code == 200, resp.text
     assert set(resp.headers["x-omnigate-degraded"].split(",")) == {
-        "video-trimmed", "video-resampled", "video-audio-dropped"}
+        "video-trimmed",
+        "video-resampled",
+        "video-audio-dropped",
+    }
     (sent,) = [p for p in _sent_parts(ups.omni_a) if p["type"] == "video_url"]
     mediatype, data = decode_data_uri(sent["video_url"]["url"])
     frames, duration, _, _ = video_facts(data)
@@ -233,7 +253,9 @@ def test_150s_video_is_trimmed_to_120s_at_2fps(gw, ups):
 
 def test_150s_video_is_refused_when_configured(make_gw, ups):
     server = make_gw(video={"over_limit": "refuse"})
-    resp = _post(server, [{"type": "video_url", "video_url": {"url": data_uri("video/mp4", video(150.0, fps=2))}}])
+    resp = _post(
+        server, [{"type": "video_url", "video_url": {"url": data_uri("video/mp4", video(150.0, fps=2))}}]
+    )
     assert resp.status_code == 400
     err = _err(resp)
     assert err["param"] == "messages.0.content.1.video_url.url"
@@ -242,14 +264,27 @@ def test_150s_video_is_refused_when_configured(make_gw, ups):
 
 def test_frames_engines_get_sampled_frames_as_images(make_gw, upstreams, media):
     settings = Settings(
-        engines=[EngineConfig(name="vl", kind="vllm", base_url=upstreams.vllm.base_url, model="scripted",
-                              serves=[TEXT_MODEL], input_modalities=["text", "image", "video"], video_input="frames")],
-        policies=_chain(media.port), logging={"level": "warning"},
+        engines=[
+            EngineConfig(
+                name="vl",
+                kind="vllm",
+                base_url=upstreams.vllm.base_url,
+                model="scripted",
+                serves=[TEXT_MODEL],
+                input_modalities=["text", "image", "video"],
+                video_input="frames",
+            )
+        ],
+        policies=_chain(media.port),
+        logging={"level": "warning"},
     )
     upstreams.reset()
     server = make_gw(settings)
-    resp = _post(server, [{"type": "video_url", "video_url": {"url": data_uri("video/mp4", video(10.0, fps=8))}}],
-                 model=TEXT_MODEL)
+    resp = _post(
+        server,
+        [{"type": "video_url", "video_url": {"url": data_uri("video/mp4", video(10.0, fps=8))}}],
+        model=TEXT_MODEL,
+    )
     assert resp.status_code == 200, resp.text
     assert "video-as-frames" in resp.headers["x-omnigate-degraded"]
     images = [p for p in _sent_parts(upstreams.vllm) if p["type"] == "image_url"]
@@ -267,7 +302,10 @@ def test_message_with_two_modalities_is_split(gw, ups):
     assert resp.status_code == 200, resp.text
     assert "message-split" in resp.headers["x-omnigate-degraded"]
     sent = ups.omni_a.requests[-1]["messages"]
-    assert [[p["type"] for p in m["content"]] for m in sent] == [["text", "image_url"], ["input_audio", "text"]]
+    assert [[p["type"] for p in m["content"]] for m in sent] == [
+        ["text", "image_url"],
+        ["input_audio", "text"],
+    ]
     assert all(m["role"] == "user" for m in sent)
 
 
@@ -320,7 +358,11 @@ def test_chain_without_media_fetch_before_media_limits_fails_the_boot(upstreams)
     with pytest.raises(PolicyConfigError, match="needs 'media-fetch' earlier"):
         build_chain(PolicyChainConfig(pre=[PolicySpec(name="media-limits"), PolicySpec(name="media-fetch")]))
     with pytest.raises(PolicyConfigError, match="needs 'media-fetch' earlier"):
-        build_chain(PolicyChainConfig(pre=[PolicySpec(name="media-fetch", shadow=True), PolicySpec(name="media-limits")]))
+        build_chain(
+            PolicyChainConfig(
+                pre=[PolicySpec(name="media-fetch", shadow=True), PolicySpec(name="media-limits")]
+            )
+        )
 
 
 def test_upstream_script_still_answers(gw, ups):

@@ -39,14 +39,20 @@ def _serve(bg, upstreams, pre: list[PolicySpec]) -> GatewayServer:
 
 @pytest.fixture(scope="module")
 def nsfw_gw(bg, upstreams, threshold):
-    server = _serve(bg, upstreams, [PolicySpec(name="media-limits"),
-                                    PolicySpec(name="nsfw-screen", config={"threshold": threshold})])
+    server = _serve(
+        bg,
+        upstreams,
+        [PolicySpec(name="media-limits"), PolicySpec(name="nsfw-screen", config={"threshold": threshold})],
+    )
     yield server
     server.stop()
 
 
 def _post(server: GatewayServer, part: dict) -> httpx.Response:
-    body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
+    body = {
+        "model": OMNI_MODEL,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}],
+    }
     return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
 
 
@@ -81,34 +87,53 @@ def test_video_frames_are_screened(nsfw_gw, ups):
 
 
 def test_shadow_mode_records_without_refusing(bg, upstreams, ups, threshold):
-    server = _serve(bg, upstreams, [PolicySpec(name="media-limits"),
-                                    PolicySpec(name="nsfw-screen", shadow=True, config={"threshold": threshold})])
+    server = _serve(
+        bg,
+        upstreams,
+        [
+            PolicySpec(name="media-limits"),
+            PolicySpec(name="nsfw-screen", shadow=True, config={"threshold": threshold}),
+        ],
+    )
     try:
         assert _post(server, _image(skin_image())).status_code == 200
         metrics = httpx.get(server.url + "/metrics").text
-        assert ('omnigate_policy_decisions_total{policy="nsfw-screen",shadow="true",stage="pre",verdict="reject"} 1.0'
-                in metrics)
+        assert (
+            'omnigate_policy_decisions_total{policy="nsfw-screen",shadow="true",stage="pre",verdict="reject"} 1.0'
+            in metrics
+        )
     finally:
         server.stop()
 
 
 @pytest.fixture(scope="module")
 def audio_gw(bg, upstreams):
-    server = _serve(bg, upstreams, [PolicySpec(name="audio-screen", config={"patterns": [r"credit\s*card\s+numbers?"]}),
-                                    PolicySpec(name="media-limits")])
+    server = _serve(
+        bg,
+        upstreams,
+        [
+            PolicySpec(name="audio-screen", config={"patterns": [r"credit\s*card\s+numbers?"]}),
+            PolicySpec(name="media-limits"),
+        ],
+    )
     yield server
     server.stop()
 
 
 def _speech_part(text: str) -> dict:
-    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(speech(text)).decode(), "format": "wav"}}
+    return {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(speech(text)).decode(), "format": "wav"},
+    }
 
 
 def test_audio_screen_refuses_speech_matching_a_pattern(audio_gw, ups):
     resp = _post(audio_gw, _speech_part("Please send me the credit card numbers."))
     assert resp.status_code == 400
     err = resp.json()["error"]
-    assert err["code"] == "content_policy_violation" and err["param"] == "messages.0.content.1.input_audio.data"
+    assert (
+        err["code"] == "content_policy_violation" and err["param"] == "messages.0.content.1.input_audio.data"
+    )
     assert ups.omni_a.request_count == 0
 
 

@@ -26,12 +26,21 @@ pytestmark = pytest.mark.timeout(120)
 def rig(bg, upstreams):
     media = bg.run(MediaServer().start())
     canary = bg.run(Canary().start())
-    chain = PolicyChainConfig(pre=[
-        PolicySpec(name="request-limits"),
-        PolicySpec(name="media-fetch", config={"internal_hosts": [f"127.0.0.1:{media.port}"], "max_redirects": 3,
-                                               "total_timeout_s": 5, "max_image_bytes": 1024 * 1024}),
-        PolicySpec(name="media-limits"),
-    ])
+    chain = PolicyChainConfig(
+        pre=[
+            PolicySpec(name="request-limits"),
+            PolicySpec(
+                name="media-fetch",
+                config={
+                    "internal_hosts": [f"127.0.0.1:{media.port}"],
+                    "max_redirects": 3,
+                    "total_timeout_s": 5,
+                    "max_image_bytes": 1024 * 1024,
+                },
+            ),
+            PolicySpec(name="media-limits"),
+        ]
+    )
     server = GatewayServer(bg, gateway_settings(upstreams, chain), CollectorRegistry()).start()
     yield server, media, canary
     server.stop()
@@ -40,8 +49,18 @@ def rig(bg, upstreams):
 
 
 def _ask(server: GatewayServer, url: str) -> httpx.Response:
-    body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]}]}
+    body = {
+        "model": OMNI_MODEL,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ],
+    }
     return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
 
 
@@ -70,7 +89,7 @@ def _bypass_urls(p: int, media: MediaServer) -> list[str]:
         f"http://user:secret@127.0.0.1:{p}/",
         f"http://example.com@127.0.0.1:{p}/",
         f"http://127.0.0.1:{p}#@example.com/",
-        f"file:///etc/passwd",
+        "file:///etc/passwd",
         f"gopher://127.0.0.1:{p}/_GET%20/",
         f"ftp://127.0.0.1:{p}/",
         f"dict://127.0.0.1:{p}/",
@@ -90,7 +109,8 @@ def _bypass_urls(p: int, media: MediaServer) -> list[str]:
         hop + urllib.parse.quote(f"http://[::1]:{p}/", safe=""),
         hop + urllib.parse.quote(f"http://2130706433:{p}/", safe=""),
         hop + urllib.parse.quote("file:///etc/passwd", safe=""),
-        hop + urllib.parse.quote(hop + urllib.parse.quote(f"http://0.0.0.0:{p}/", safe=""), safe=""),  # two hops
+        hop
+        + urllib.parse.quote(hop + urllib.parse.quote(f"http://0.0.0.0:{p}/", safe=""), safe=""),  # two hops
         f"{media.base}/loop",  # redirects forever: the hop bound ends it
     ]
     return direct + redirects
@@ -117,8 +137,12 @@ def test_canary_sees_no_request_across_bypass_attempts(rig, ups):
 def test_canary_is_reachable_when_allow_listed(bg, upstreams, ups):
     """The control: the same canary URL works once an operator allow-lists it, so the test above is sharp."""
     canary = bg.run(Canary().start())
-    chain = PolicyChainConfig(pre=[PolicySpec(name="media-fetch", config={"internal_hosts": [f"127.0.0.1:{canary.port}"]}),
-                                   PolicySpec(name="media-limits")])
+    chain = PolicyChainConfig(
+        pre=[
+            PolicySpec(name="media-fetch", config={"internal_hosts": [f"127.0.0.1:{canary.port}"]}),
+            PolicySpec(name="media-limits"),
+        ]
+    )
     server = GatewayServer(bg, gateway_settings(upstreams, chain), CollectorRegistry()).start()
     try:
         resp = _ask(server, f"http://127.0.0.1:{canary.port}/pic.png")

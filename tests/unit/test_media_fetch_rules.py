@@ -49,9 +49,17 @@ def test_public_addresses_pass(address):
 
 @pytest.mark.parametrize(
     ("host", "ip"),
-    [("2852039166", "169.254.169.254"), ("0xa9fea9fe", "169.254.169.254"), ("0251.0376.0251.0376", "169.254.169.254"),
-     ("0xa9.254.0xa9.254", "169.254.169.254"), ("10.1", "10.0.0.1"), ("127.1", "127.0.0.1"),
-     ("::ffff:a9fe:a9fe", "::ffff:a9fe:a9fe"), ("example.com", None), ("1e100.net", None)],
+    [
+        ("2852039166", "169.254.169.254"),
+        ("0xa9fea9fe", "169.254.169.254"),
+        ("0251.0376.0251.0376", "169.254.169.254"),
+        ("0xa9.254.0xa9.254", "169.254.169.254"),
+        ("10.1", "10.0.0.1"),
+        ("127.1", "127.0.0.1"),
+        ("::ffff:a9fe:a9fe", "::ffff:a9fe:a9fe"),
+        ("example.com", None),
+        ("1e100.net", None),
+    ],
 )
 def test_every_ipv4_spelling_is_read_as_its_address(host, ip):
     got = literal_ip(host)
@@ -60,9 +68,18 @@ def test_every_ipv4_spelling_is_read_as_its_address(host, ip):
 
 @pytest.mark.parametrize(
     "url",
-    ["http://169.254.169.254/latest/meta-data/", "http://2852039166/", "http://0xa9fea9fe/",
-     "http://[::ffff:169.254.169.254]/", "http://10.0.0.1/", "http://192.168.0.1:8080/", "http://[fd00::1]/",
-     "http://0251.0376.0251.0376/", "http://100.100.100.200/", "https://[fe80::a9fe:a9fe]/"],
+    [
+        "http://169.254.169.254/latest/meta-data/",
+        "http://2852039166/",
+        "http://0xa9fea9fe/",
+        "http://[::ffff:169.254.169.254]/",
+        "http://10.0.0.1/",
+        "http://192.168.0.1:8080/",
+        "http://[fd00::1]/",
+        "http://0251.0376.0251.0376/",
+        "http://100.100.100.200/",
+        "https://[fe80::a9fe:a9fe]/",
+    ],
 )
 def test_metadata_and_private_urls_are_refused_before_any_socket(url):
     fetcher = SafeFetcher(FetchConfig())  # never started: a refusal here cannot have dialled anything
