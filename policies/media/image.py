@@ -129,7 +129,8 @@ def _normalise(im: Image.Image, data: bytes, cfg: ImageConfig, param: str) -> Im
     tw, th = target_size(sw, sh, cfg.max_pixels)
     resize = (tw, th) != (sw, sh)
     metadata = _has_metadata(im)
-    if not (resize or metadata or animated or orientation not in (0, 1) or out_fmt != source):
+    odd_mode = im.mode not in ("RGB", "L", "RGBA", "LA", "P")  # CMYK, 16-bit, float: engines expect 8-bit RGB
+    if not (resize or metadata or animated or odd_mode or orientation not in (0, 1) or out_fmt != source):
         im.load()  # a truncated or corrupt file fails here, before the engine sees it
         return ImageResult(data, _MIME[source], source, sw, sh, sw, sh)
 
@@ -147,7 +148,7 @@ def _normalise(im: Image.Image, data: bytes, cfg: ImageConfig, param: str) -> Im
         actions.append("image-animation-dropped")
     if metadata:
         actions.append("image-metadata-stripped")
-    if out_fmt != source:
+    if out_fmt != source or odd_mode:
         actions.append("image-transcoded")
     im = _to_mode(im, out_fmt)
     if im.size != (tw, th):

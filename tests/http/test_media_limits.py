@@ -369,3 +369,26 @@ def test_upstream_script_still_answers(gw, ups):
     ups.omni_a.default = Script(flavour="omni", text="ok")
     resp = _post(gw, [])
     assert resp.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("make", "fmt"),
+    [
+        (lambda: _encode(Image.new("CMYK", (120, 90), (10, 20, 30, 0)), "JPEG"), "JPEG"),
+        (lambda: _encode(Image.new("RGB", (120, 90), (200, 10, 10)), "GIF"), "JPEG"),
+        (lambda: _encode(Image.new("RGB", (120, 90), (200, 10, 10)), "BMP"), "JPEG"),
+    ],
+)
+def test_formats_are_normalised_to_what_engines_take(gw, ups, make, fmt):
+    resp = _post(gw, [_image(data_uri("application/octet-stream", make()))])
+    assert resp.status_code == 200, resp.text
+    assert "image-transcoded" in resp.headers["x-omnigate-degraded"]
+    (sent,) = [p for p in _sent_parts(ups.omni_a) if p["type"] == "image_url"]
+    im = Image.open(io.BytesIO(decode_data_uri(sent["image_url"]["url"])[1]))
+    assert im.format == fmt and im.mode == "RGB"
+
+
+def _encode(im: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, fmt)
+    return buf.getvalue()
