@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 if TYPE_CHECKING:
     from engines.base import Completion
@@ -29,6 +29,49 @@ class PolicyRun:
     duration_ms: float
     shadow: bool = False
     detail: str | None = None
+
+
+@dataclass(slots=True)
+class MediaRecord:
+    """One media content part as the media policies found it and what they did to it (audit)."""
+
+    part: str  # where the client put it, e.g. "messages.0.content.1"
+    kind: str  # image | audio | video
+    source: str  # url | data
+    host: str | None = None  # the URL's host (never the full URL: it may carry tokens)
+    bytes: int = 0
+    format: str | None = None
+    width: int | None = None
+    height: int | None = None
+    duration_s: float | None = None
+    frames: int | None = None
+    modal_tokens: int = 0
+    actions: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Screening:
+    """One classifier verdict on a part as the engine receives it (e.g. NSFW score)."""
+
+    policy: str
+    part: str
+    score: float
+    flagged: bool
+
+
+@dataclass(slots=True)
+class Segmentation:
+    """A long input cut into consecutive segments: one engine call per segment, in order.
+
+    The request the pre-policies return carries segment 0; ``build(request, i)``
+    returns the request for segment ``i`` from it. ``boundaries`` are seconds
+    into the original part, kept for the audit record.
+    """
+
+    part: str
+    boundaries: list[tuple[float, float]]
+    build: Callable[["ChatCompletionRequest", int], "ChatCompletionRequest"]
+    separator: str = "\n\n"
 
 
 @dataclass(slots=True)
@@ -68,6 +111,9 @@ class RequestContext:
     first_audio_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    media: list[MediaRecord] = field(default_factory=list)
+    screenings: list[Screening] = field(default_factory=list)
+    segmentation: Segmentation | None = None
 
     def degrade(self, reason: str) -> None:
         if reason not in self.degraded:

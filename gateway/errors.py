@@ -14,6 +14,14 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     │   ├── NotFound                    404 not_found             (admin resources)
     │   ├── Conflict                    409 conflict              (admin resources)
     │   └── ConfigInvalid               422 invalid_config        (a reload that was refused)
+    │   │   └── MediaTooLarge           413 media_too_large
+    │   ├── ContentPolicyViolation      400 content_policy_violation
+    │   ├── ModelNotFound               404 model_not_found
+    │   ├── InvalidMedia                400 invalid_media            (undecodable, malformed data URI, over a limit)
+    │   ├── MediaURLForbidden           400 media_url_forbidden      (scheme or address the fetcher refuses)
+    │   ├── MediaFetchFailed            400 media_fetch_failed       (unreachable, timeout, HTTP error)
+    │   ├── ModalBudgetExceeded         400 modal_budget_exceeded
+    │   └── ContextLengthExceeded       400 context_length_exceeded
     ├── AuthenticationFailed            401 authentication_error
     ├── PermissionDenied                403 permission_error
     ├── RateLimited                     429 rate_limit_exceeded   (Retry-After)
@@ -113,6 +121,34 @@ class Conflict(InvalidRequest):
 class ConfigInvalid(InvalidRequest):
     status = 422
     code = "invalid_config"
+class MediaTooLarge(PayloadTooLarge):
+    code = "media_too_large"
+
+
+class InvalidMedia(InvalidRequest):
+    """A media part that cannot be decoded, is malformed, or breaks a configured limit."""
+
+    code = "invalid_media"
+
+
+class MediaURLForbidden(InvalidRequest):
+    """A media URL whose scheme or address the fetcher never contacts (SSRF guard)."""
+
+    code = "media_url_forbidden"
+
+
+class MediaFetchFailed(InvalidRequest):
+    """A media URL that could not be fetched: the client's URL is at fault, not the gateway."""
+
+    code = "media_fetch_failed"
+
+
+class ModalBudgetExceeded(InvalidRequest):
+    code = "modal_budget_exceeded"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
 
 
 class AuthenticationFailed(OmnigateError):

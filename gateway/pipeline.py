@@ -8,18 +8,25 @@
 Nothing here knows about HTTP: the transport renders what :meth:`Pipeline.stream`
 and :meth:`Pipeline.complete` return. Everything before the commit point may
 fail over to the next engine; after it, a failure ends the stream with an error.
+
+A segmented input (``ctx.segmentation``, set by a pre-policy for audio too long
+for one call) is served as one engine call per segment, in order, concatenated
+into one response: the first segment's first chunk is the commit point; later
+segments may still fail over before their own first chunk; only the last
+segment's ``finish_reason`` is released and usage is summed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import structlog
 
-from engines.base import Completion, Delta, Engine
+from engines.base import Completion, Delta, Engine, Usage
 from engines.pool import EnginePool
 from gateway.audio import STREAMABLE_FORMATS
 from gateway.context import RequestContext
@@ -85,6 +92,17 @@ class ResponseStream:
             self.pipeline._finish(self.ctx, GeneratorExit())
         else:
             await self._gen.aclose()  # type: ignore[attr-defined]
+
+
+def _join(parts: list[Completion], separator: str) -> Completion:
+    """Completions of consecutive segments as one answer."""
+    out = Completion(finish_reason=parts[-1].finish_reason, sample_rate=parts[0].sample_rate,
+                     channels=parts[0].channels)
+    out.text = separator.join(p.text for p in parts if p.text)
+    out.transcript = separator.join(p.transcript for p in parts if p.transcript)
+    out.audio = b"".join(p.audio for p in parts)
+    out.usage = Usage(sum(p.usage.prompt_tokens for p in parts), sum(p.usage.completion_tokens for p in parts))
+    return out
 
 
 async def _closed() -> AsyncIterator[Delta]:
@@ -254,7 +272,7 @@ class Pipeline:
     async def _complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
         budget = self._chain(ctx).max_retries
         while True:
-            completion, served = await self._complete_once(request, ctx)
+            completion, served = await self._complete_segments(request, ctx)
             verdict = await self._post(served, completion, ctx)
             if isinstance(verdict, Retry) and budget > 0:
                 budget -= 1
@@ -290,6 +308,22 @@ class Pipeline:
             return completion, adapted
         raise last or EngineUnavailable(f"no engine can serve {request.model!r}")
 
+    async def _complete_segments(
+        self, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> tuple[Completion, ChatCompletionRequest]:
+        completion, served = await self._complete_once(request, ctx)
+        seg = ctx.segmentation
+        if seg is None or len(seg.boundaries) < 2:
+            return completion, served
+        parts = [completion]
+        for i in range(1, len(seg.boundaries)):
+            self.metrics.segments.inc()
+            more, _ = await self._complete_once(seg.build(served, i), ctx)
+            parts.append(more)
+        joined = _join(parts, seg.separator)
+        self._account(ctx, joined)
+        return joined, served
+
     def _retry(self, request: ChatCompletionRequest, verdict: Retry, ctx: RequestContext) -> ChatCompletionRequest:
         ctx.retries += 1
         self.metrics.retries.labels(verdict.reason).inc()
@@ -321,7 +355,11 @@ class Pipeline:
             while True:
                 filters = [(p, p.impl.open_stream(attempt.request, ctx)) for p in chain.stream]
                 completion = Completion()
-                async for delta in self._relay(attempt, filters, completion, ctx):
+                relayed = attempt
+                if ctx.segmentation is not None and len(ctx.segmentation.boundaries) > 1:
+                    joined = self._concat(attempt, ctx)
+                    relayed = Attempt(attempt.engine, attempt.request, joined, await anext(joined))
+                async for delta in self._relay(relayed, filters, completion, ctx):
                     rs._released = True
                     if released is not None:
                         released.add(delta)
@@ -393,6 +431,45 @@ class Pipeline:
             raise
         finally:
             await upstream.aclose()
+
+    async def _concat(self, attempt: Attempt, ctx: RequestContext) -> AsyncIterator[Delta]:
+        """One engine call per segment, in order, as one stream (see the module docstring)."""
+        seg = ctx.segmentation
+        assert seg is not None
+        n = len(seg.boundaries)
+        total = Usage()
+        current = attempt
+        try:
+            for i in range(n):
+                last = i == n - 1
+                if i:
+                    self.metrics.segments.inc()
+                    current = await self._open(seg.build(attempt.request, i), ctx)
+                    if seg.separator:
+                        yield Delta(text=seg.separator)
+                sent_usage = False
+                delta: Delta | None = current.first
+                while delta is not None:
+                    if delta.usage is not None:
+                        total = Usage(total.prompt_tokens + delta.usage.prompt_tokens,
+                                      total.completion_tokens + delta.usage.completion_tokens)
+                    if not last:
+                        delta = dataclasses.replace(delta, finish_reason=None, usage=None, audio_done=False)
+                    elif delta.usage is not None:
+                        delta, sent_usage = dataclasses.replace(delta, usage=total), True
+                    if delta.text or delta.audio or delta.transcript or delta.finish_reason or delta.usage \
+                            or delta.audio_done:
+                        yield delta
+                    try:
+                        delta = await anext(current.upstream)
+                    except StopAsyncIteration:
+                        delta = None
+                if last and not sent_usage and (total.prompt_tokens or total.completion_tokens):
+                    yield Delta(usage=total)
+                if not last:
+                    await current.upstream.aclose()
+        finally:
+            await current.upstream.aclose()
 
     def _feed(self, filters: list[tuple[LoadedPolicy, StreamFilter]], delta: Delta) -> list[Delta]:
         batch = [delta]

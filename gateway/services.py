@@ -87,7 +87,20 @@ class Services:
             await self.limiter.start()  # connects lazily, on the first limited request
         if self.audit is not None:
             self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory-refresh"))
+        # Policies load their models before traffic can arrive (the lifespan has not yielded yet).
+        for policy in self._policies():
+            start = getattr(policy.impl, "start", None)
+            if start is not None:
+                await start(self)
         await self.pool.start()
+
+    def _policies(self) -> list:
+        """Every loaded policy instance once: the default chain and each tenant policy set."""
+        seen: dict[int, object] = {}
+        for chain in (self.chain, *self.pipeline.chains.values()):
+            for policy in chain.all():
+                seen.setdefault(id(policy.impl), policy)
+        return list(seen.values())
 
     def begin_drain(self) -> None:
         """Shutdown has begun: fail readiness now, and give open streams until the deadline."""
@@ -124,3 +137,10 @@ class Services:
         if self.audit is not None:
             with contextlib.suppress(Exception):
                 await self.audit.aclose()
+        for policy in self._policies():
+            close = getattr(policy.impl, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception as exc:
+                    log.warning("policy_close_failed", policy=policy.name, error=str(exc))

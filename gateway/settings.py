@@ -34,6 +34,11 @@ _DEFAULT_MODALITIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 }
 
 
+# How each kind takes video and input audio by default (see EngineConfig.video_input, audio_input_rate).
+_DEFAULT_VIDEO_INPUT: dict[str, str] = {"vllm-omni": "video", "vllm": "frames", "litellm": "frames", "local": "frames"}
+_DEFAULT_AUDIO_RATE: dict[str, int | None] = {"vllm-omni": 16000, "vllm": None, "litellm": None, "local": None}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -68,6 +73,16 @@ class EngineConfig(_Strict):
     keepalive_timeout_s: Annotated[float, Field(gt=0, le=300)] = 4.0
     input_modalities: list[Modality] | None = None
     output_modalities: list[Literal["text", "audio"]] | None = None
+    video_input: Literal["video", "frames"] | None = Field(
+        default=None,
+        description="video as a re-encoded short video or as sampled frames (image parts); default by kind",
+    )
+    audio_input_rate: Annotated[int, Field(ge=8000, le=48000)] | None = Field(
+        default=None, description="sample rate input audio is resampled to; default by kind (vllm-omni: 16000)"
+    )
+    max_context_tokens: Annotated[int, Field(ge=1024)] = Field(
+        default=65536, description="the engine's context window, for the media budget check"
+    )
     local: LocalEngineOptions = LocalEngineOptions()
 
     @model_validator(mode="after")
@@ -83,6 +98,12 @@ class EngineConfig(_Strict):
             frozenset(self.output_modalities) if self.output_modalities else default_out,
         )
 
+    def video_form(self) -> str:
+        return self.video_input or _DEFAULT_VIDEO_INPUT[self.kind]
+
+    def audio_rate(self) -> int | None:
+        return self.audio_input_rate or _DEFAULT_AUDIO_RATE[self.kind]
+
 
 class PolicySpec(_Strict):
     name: Name = Field(description="the policy's entry-point name in group omnigate.policies")
@@ -93,7 +114,11 @@ class PolicySpec(_Strict):
 class PolicyChainConfig(_Strict):
     """The order of each list is the order the policies run in."""
 
-    pre: list[PolicySpec] = Field(default_factory=lambda: [PolicySpec(name="request-limits")])
+    pre: list[PolicySpec] = Field(
+        default_factory=lambda: [
+            PolicySpec(name=n) for n in ("request-limits", "media-fetch", "media-limits", "nsfw-screen")
+        ]
+    )
     stream: list[PolicySpec] = Field(default_factory=list)
     post: list[PolicySpec] = Field(default_factory=list)
     max_retries: Annotated[int, Field(ge=0, le=5)] = 2

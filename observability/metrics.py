@@ -14,6 +14,10 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.6, 0.75, 1.0, 1.5, 2
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _AUDIT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 _POLICY = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_MEDIA_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BYTES = tuple(float(1 << k) for k in range(10, 31, 2))  # 1 KiB .. 1 GiB
+_TOKENS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_SCORE = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 
 class Metrics:
@@ -142,4 +146,40 @@ class Metrics:
         )
         self.config_reloads = Counter(
             "omnigate_config_reloads_total", "Config reloads by result", ["result"], registry=r
+        )
+        # -- media pre-filters (outcome, kind, source and policy are bounded sets)
+        self.media_fetches = Counter(
+            "omnigate_media_fetches_total",
+            "Media URL fetches by outcome (ok, forbidden, too_large, timeout, http_error, failed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.media_fetch_bytes = Histogram(
+            "omnigate_media_fetch_bytes", "Bytes read per successful media fetch", buckets=_BYTES, registry=r
+        )
+        self.media_parts = Counter(
+            "omnigate_media_parts_total",
+            "Media content parts by kind and outcome (passed, rewritten, refused)",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.media_seconds = Histogram(
+            "omnigate_media_processing_seconds",
+            "Time to probe and normalise one media part (off the event loop)",
+            ["kind"],
+            buckets=_MEDIA_S,
+            registry=r,
+        )
+        self.modal_tokens = Histogram(
+            "omnigate_modal_tokens", "Estimated modal tokens per engine call", buckets=_TOKENS, registry=r
+        )
+        self.screen_scores = Histogram(
+            "omnigate_screen_score",
+            "Scores of content classifiers by policy and source (image, video, audio)",
+            ["policy", "source"],
+            buckets=_SCORE,
+            registry=r,
+        )
+        self.segments = Counter(
+            "omnigate_segment_calls_total", "Engine calls made for the segments of long inputs", registry=r
         )

@@ -60,17 +60,19 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
-    body = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     try:
         # A client trickling its body (slowloris) holds a connection; bound the whole read.
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
-                if len(body) + len(chunk) > limit:
+                size += len(chunk)
+                if size > limit:
                     raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-                body += chunk
+                chunks.append(chunk)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
-    return bytes(body)
+    return b"".join(chunks)
 
 
 def _parse(body: bytes) -> ChatCompletionRequest:
