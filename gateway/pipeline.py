@@ -27,6 +27,7 @@ from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
     OmnigateError,
+    Overloaded,
 )
 from gateway.schemas import ChatCompletionRequest
 from observability.metrics import Metrics
@@ -87,10 +88,12 @@ async def _closed() -> AsyncIterator[Delta]:
 
 
 class Pipeline:
-    def __init__(self, pool: EnginePool, chain: PolicyChain, metrics: Metrics) -> None:
+    def __init__(self, pool: EnginePool, chain: PolicyChain, metrics: Metrics, sentinel: Any = None) -> None:
         self.pool = pool
         self.chain = chain
         self.metrics = metrics
+        #: the accuracy sentinel (``offer(engine, variant, completion)``), or None
+        self.sentinel = sentinel
 
     # -- the two entry points ----------------------------------------------
     async def stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> ResponseStream:
@@ -193,7 +196,7 @@ class Pipeline:
         last: EngineError | None = None
         for i, engine in enumerate(engines):
             adapted = self._adapt(engine, request, ctx)
-            if adapted is None:
+            if adapted is None or not self.pool.acquire(engine):
                 continue
             ctx.attempts += 1
             upstream = engine.stream(adapted)
@@ -203,14 +206,29 @@ class Pipeline:
                 last = EngineProtocolError(f"engine {engine.name} sent an empty stream", engine=engine.name)
             except EngineError as exc:
                 last = exc
+            except BaseException:
+                self.pool.release(engine, settled=False)
+                raise
             else:
                 ctx.engine, ctx.variant = engine.name, engine.config.variant
                 return Attempt(engine, adapted, upstream, first)
             await upstream.aclose()
             self._engine_failed(engine, last, ctx, more=i + 1 < len(engines))
+            self.pool.release(engine, settled=last.retryable)
             if not last.retryable:
                 raise last
-        raise last or EngineUnavailable(f"no engine can serve {request.model!r}")
+        raise last or self._no_engine(request)
+
+    def _no_engine(self, request: ChatCompletionRequest) -> EngineError | Overloaded:
+        if self.pool.candidates(request.model):
+            return Overloaded(f"every engine serving {request.model!r} is at its concurrency limit", retry_after=1)
+        return EngineUnavailable(f"no engine can serve {request.model!r}")
+
+    def _unbind(self, ctx: RequestContext) -> None:
+        """Give back the engine slot of an attempt that is being replaced (post-policy retry)."""
+        if ctx.engine is not None:
+            self.pool.release(ctx.engine, settled=False)
+            ctx.engine = None
 
     async def _complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
         budget = self.chain.max_retries
@@ -220,6 +238,7 @@ class Pipeline:
             if isinstance(verdict, Retry) and budget > 0:
                 budget -= 1
                 request = self._retry(request, verdict, ctx)
+                self._unbind(ctx)
                 continue
             if isinstance(verdict, Reject):
                 raise verdict.error
@@ -234,7 +253,7 @@ class Pipeline:
         last: EngineError | None = None
         for i, engine in enumerate(engines):
             adapted = self._adapt(engine, request, ctx)
-            if adapted is None:
+            if adapted is None or not self.pool.acquire(engine):
                 continue
             ctx.attempts += 1
             try:
@@ -242,14 +261,18 @@ class Pipeline:
             except EngineError as exc:
                 last = exc
                 self._engine_failed(engine, exc, ctx, more=i + 1 < len(engines))
+                self.pool.release(engine, settled=exc.retryable)
                 if not exc.retryable:
                     raise
                 continue
+            except BaseException:
+                self.pool.release(engine, settled=False)
+                raise
             ctx.engine, ctx.variant = engine.name, engine.config.variant
             ctx.ttft_s = ctx.elapsed()
             self._account(ctx, completion)
             return completion, adapted
-        raise last or EngineUnavailable(f"no engine can serve {request.model!r}")
+        raise last or self._no_engine(request)
 
     def _retry(self, request: ChatCompletionRequest, verdict: Retry, ctx: RequestContext) -> ChatCompletionRequest:
         ctx.retries += 1
@@ -287,6 +310,7 @@ class Pipeline:
                 if isinstance(verdict, Retry) and budget > 0 and not rs._released:
                     budget -= 1
                     request = self._retry(attempt.request, verdict, ctx)
+                    self._unbind(ctx)
                     attempt = await self._open(request, ctx)
                     continue
                 if isinstance(verdict, Reject):
@@ -340,6 +364,7 @@ class Pipeline:
                     yield d
         except EngineError as exc:
             self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
+            self.pool.report_failure(engine)
             raise
         finally:
             await upstream.aclose()
@@ -372,9 +397,16 @@ class Pipeline:
     def _account(self, ctx: RequestContext, completion: Completion) -> None:
         ctx.prompt_tokens = completion.usage.prompt_tokens
         ctx.completion_tokens = completion.usage.completion_tokens
+        if completion.audio and self.sentinel is not None and ctx.engine is not None:
+            self.sentinel.offer(ctx.engine, ctx.variant, completion)
 
     def _finish(self, ctx: RequestContext, error: BaseException | None) -> None:
         self.metrics.in_flight.dec()
+        if ctx.engine is not None:
+            # One report per request (never per chunk): latency and outcome for the engine's window and circuit.
+            if error is None:
+                self.pool.report_success(ctx.engine, ctx.ttft_s, ctx.first_audio_s, ctx.elapsed())
+            self.pool.release(ctx.engine, settled=error is None or isinstance(error, EngineError))
         if error is None:
             ctx.outcome = "degraded" if ctx.degraded else "served"
         elif isinstance(error, OmnigateError):

@@ -6,7 +6,11 @@ from dataclasses import dataclass
 
 import structlog
 
+from engines.controller import RolloutController
 from engines.pool import EnginePool, build_engine
+from engines.sentinel import AccuracySentinel
+from engines.state_store import build_store
+from engines.telemetry import TelemetryCollector
 from gateway.pipeline import Pipeline
 from gateway.settings import Settings
 from observability.metrics import Metrics
@@ -22,12 +26,25 @@ class Services:
     pool: EnginePool
     chain: PolicyChain
     pipeline: Pipeline
+    controller: RolloutController
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
         chain = build_chain(settings.policies, plugins)
-        pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics)
-        return cls(settings, metrics, pool, chain, Pipeline(pool, chain, metrics))
+        routing = settings.routing
+        pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics, routing=routing)
+        sentinel = AccuracySentinel(routing.sentinel, metrics, seed=routing.seed) if routing.sentinel.enabled else None
+        state = routing.state
+        store = build_store(state.backend, state.redis_url, state.key_prefix, state.replica_id)
+        controller: RolloutController
+        telemetry = TelemetryCollector(
+            [(e.name, TelemetryCollector.metrics_url_for(str(e.base_url) if e.base_url else None, e.telemetry),
+              e.telemetry) for e in settings.engines],
+            routing.signals, metrics, active=lambda: controller.is_leader,
+        )  # fmt: skip
+        controller = RolloutController(pool, routing, metrics, store, telemetry, sentinel)
+        pipeline = Pipeline(pool, chain, metrics, sentinel=sentinel)
+        return cls(settings, metrics, pool, chain, pipeline, controller)
 
     async def start(self) -> None:
         log.info(
@@ -39,6 +56,10 @@ class Services:
             policies=self.chain.describe(),
         )
         await self.pool.start()
+        await self.controller.start()
 
     async def aclose(self) -> None:
-        await self.pool.aclose()
+        try:
+            await self.controller.aclose()
+        finally:
+            await self.pool.aclose()
