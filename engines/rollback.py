@@ -305,6 +305,10 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
                 since = breaches.setdefault(key, now)
                 if now - since < rule.for_s:
                     continue
+                reason = _gate(models, replace(state, last_switch=last_switch), config, now, switches)
+                if reason in ("frozen", "pinned"):
+                    held(key, reason)
+                    continue
                 probe = _new_incident(rule, sig, value, since, snapshot)
                 if probe is None:
                     held(key, "no-target")
@@ -313,7 +317,6 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
                 after = route(infos, trial)
                 if after.same_routing(current):
                     continue  # the action would change nothing (e.g. the engine has no traffic left)
-                reason = _gate(models, replace(state, last_switch=last_switch), config, now, switches)
                 if reason is not None:
                     held(key, reason)
                     continue
