@@ -53,6 +53,9 @@ class Result:
     switches: int = 0
     actions: list[str] = field(default_factory=list)
     after_switch_to_int4: int | None = None
+    #: the highest INT4 signal the controller saw during the scenario (the one the rule watches)
+    peak_signal: float | None = None
+    trigger_value: float | None = None
     note: str = ""
 
 
@@ -107,21 +110,54 @@ class Upstreams:
 def gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
     engines = []
     for v, role in zip(VARIANTS, ("primary", "fallback", "fallback")):
-        engines.append({
-            "name": f"omni-{v}", "kind": "vllm-omni", "base_url": ups.url(v) + "/v1", "model": f"qwen3-omni-{v}",
-            "variant": v, "role": role, "serves": [MODEL], "first_byte_timeout_s": 10, "read_timeout_s": 10,
-        })  # fmt: skip
+        engines.append(
+            {
+                "name": f"omni-{v}",
+                "kind": "vllm-omni",
+                "base_url": ups.url(v) + "/v1",
+                "model": f"qwen3-omni-{v}",
+                "variant": v,
+                "role": role,
+                "serves": [MODEL],
+                "first_byte_timeout_s": 10,
+                "read_timeout_s": 10,
+            }
+        )
     # The seeds' thresholds; durations divided by ten.
     rules = [
-        {"name": "int4-latency", "select": {"variants": ["int4"]}, "signal": "ttft_p99", "above": 0.6,
-         "for_s": 3, "min_samples": 20, "recover_below": 0.45, "recover_for_s": 30,
-         "action": {"kind": "shift", "to_variants": ["fp16", "bf16"], "trickle_weight": 0.05}},
-        {"name": "vram-pressure", "signal": "vram_usage", "above": 0.9, "for_s": 3, "min_samples": 0,
-         "recover_below": 0.8, "recover_for_s": 6, "action": {"kind": "limit_concurrency", "concurrency_factor": 0.5}},
-        {"name": "wer-drift", "select": {"variants": ["int4"]}, "signal": "wer", "above": 0.05, "for_s": 0,
-         "min_samples": 5, "recover_below": 0.03, "recover_for_s": 60,
-         "action": {"kind": "shift", "to_variants": ["int8", "fp16", "bf16"], "trickle_weight": 0.1}},
-    ]  # fmt: skip
+        {
+            "name": "int4-latency",
+            "select": {"variants": ["int4"]},
+            "signal": "ttft_p99",
+            "above": 0.6,
+            "for_s": 3,
+            "min_samples": 20,
+            "recover_below": 0.45,
+            "recover_for_s": 30,
+            "action": {"kind": "shift", "to_variants": ["fp16", "bf16"], "trickle_weight": 0.05},
+        },
+        {
+            "name": "vram-pressure",
+            "signal": "vram_usage",
+            "above": 0.9,
+            "for_s": 3,
+            "min_samples": 0,
+            "recover_below": 0.8,
+            "recover_for_s": 6,
+            "action": {"kind": "limit_concurrency", "concurrency_factor": 0.5},
+        },
+        {
+            "name": "wer-drift",
+            "select": {"variants": ["int4"]},
+            "signal": "wer",
+            "above": 0.05,
+            "for_s": 0,
+            "min_samples": 5,
+            "recover_below": 0.03,
+            "recover_for_s": 60,
+            "action": {"kind": "shift", "to_variants": ["int8", "fp16", "bf16"], "trickle_weight": 0.1},
+        },
+    ]
     return {
         "server": {"host": "127.0.0.1", "port": port},
         "engines": engines,
@@ -131,9 +167,14 @@ def gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
             "probe_interval_s": 1.0,
             "circuit": {"consecutive_failures": 5, "base_ejection_s": 5, "max_ejection_s": 30},
             "signals": {"window_s": 10, "scrape_interval_s": 0.5, "scrape_timeout_s": 1},
-            "sentinel": {"enabled": sentinel, "sample_share": 0.25, "queue_size": 4, "window_s": 60},
-            "controller": {"interval_s": 0.25, "min_dwell_s": 6, "cooldown_s": 12, "max_switches_per_hour": 6,
-                           "rules": rules},  # fmt: skip
+            "sentinel": {"enabled": sentinel, "sample_share": 0.25, "queue_size": 2, "window_s": 60},
+            "controller": {
+                "interval_s": 0.25,
+                "min_dwell_s": 6,
+                "cooldown_s": 12,
+                "max_switches_per_hour": 6,
+                "rules": rules,
+            },
             "seed": 7,
         },
     }
@@ -205,10 +246,20 @@ Inject = Callable[[aiohttp.ClientSession, Upstreams, float], Awaitable[None]]
 
 
 async def run_scenario(
-    name: str, expected: str, ups: Upstreams, inject: Inject, *, rate: float, warmup_s: float = 12.0,
-    observe_s: float = 40.0, until_switch: bool = True, speech: list | None = None, after_s: float = 5.0,
+    name: str,
+    expected: str,
+    ups: Upstreams,
+    inject: Inject,
+    *,
+    rate: float,
+    warmup_s: float = 12.0,
+    observe_s: float = 40.0,
+    until_switch: bool = True,
+    speech: list | None = None,
+    after_s: float = 5.0,
     restart: str | None = None,
-) -> Result:  # fmt: skip
+    watch: str = "ttft_p99",
+) -> Result:
     res = Result(name, expected)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -230,6 +281,10 @@ async def run_scenario(
             while time.time() < deadline:
                 await asyncio.sleep(0.25)
                 st = await admin_status(s, url)
+                int4 = next(e for e in st["engines"] if e["name"] == "omni-int4")
+                seen = int4["signals"].get(watch)
+                if isinstance(seen, (int, float)) and (res.peak_signal is None or seen > res.peak_signal):
+                    res.peak_signal = round(seen, 4)
                 auto = [t for t in st["recent_transitions"] if t["source"] == "auto" and t["at"] >= t0 - 1]
                 if auto and switched_at is None:
                     switched_at = time.time()
@@ -245,7 +300,11 @@ async def run_scenario(
             runner.cancel()
             st = await admin_status(s, url)
             auto = [t for t in st["recent_transitions"] if t["source"] == "auto" and t["at"] >= t0 - 1]
-            routing = [t for t in auto if t["action"] in ("shift", "set_weight", "limit_concurrency", "restore", "eject")]
+            routing = [
+                t
+                for t in auto
+                if t["action"] in ("shift", "set_weight", "limit_concurrency", "restore", "eject")
+            ]
             res.switches = len(routing)
             res.actions = [f"{t['action']}({t['reason']})" for t in auto]
             if routing:
@@ -253,6 +312,8 @@ async def run_scenario(
                 res.switch_s = round(first["at"] - t0, 2)
                 detected = first["detail"].get("detected_at", first["at"])
                 res.detect_s = round(detected - t0, 2)
+                if isinstance(first["detail"].get("value"), (int, float)):
+                    res.trigger_value = round(first["detail"]["value"], 4)
             res.requests, res.failed = load.between(t0, t1)
         finally:
             gw.send_signal(signal.SIGINT)
@@ -267,7 +328,7 @@ async def run_scenario(
     return res
 
 
-# -- the incidents ---------------------------------------------------------------------------------------------
+# -- the incidents --------------------------------------------------------------------------------
 
 
 async def spike(s, ups, t0):  # noqa: ANN001
@@ -337,14 +398,33 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
     try:
         plan = [
             ("spike", "latency spike on INT4 (TTFT 0.2 -> 0.9 s)", dict(inject=spike)),
-            ("vram", "VRAM pressure in INT4's metrics (KV cache 95 %)", dict(inject=vram)),
+            (
+                "vram",
+                "VRAM pressure in INT4's metrics (KV cache 95 %)",
+                dict(inject=vram, watch="vram_usage"),
+            ),
             ("crash", "INT4 engine crash (SIGKILL)", dict(inject=crash, restart="int4")),
-            ("drift", "slow drift on INT4 (TTFT 0.3 -> 0.9 s over 40 s)",
-             dict(inject=drift_task(ups, 0.3, 0.9, 40.0), observe_s=60.0)),
-            ("noise", "noise: INT4 TTFT 0.45 s +-20 % for 60 s", dict(inject=noise_task(ups, 0.45, 0.2),
-                                                                     observe_s=60.0, until_switch=False)),
-            ("wer", "WER drift: INT4's speech stops matching its transcript", dict(inject=None, speech=True)),
-        ]  # fmt: skip
+            (
+                "drift",
+                "slow drift on INT4 (TTFT 0.3 -> 0.9 s over 40 s)",
+                dict(inject=drift_task(ups, 0.3, 0.9, 40.0), observe_s=60.0),
+            ),
+            (
+                "noise",
+                "noise: INT4 TTFT 0.40 s +-20 % for 60 s",
+                dict(inject=noise_task(ups, 0.40, 0.2), observe_s=60.0, until_switch=False),
+            ),
+            (
+                "noise-near",
+                "noise near the line: INT4 TTFT 0.45 s +-20 % for 60 s",
+                dict(inject=noise_task(ups, 0.45, 0.2), observe_s=60.0, until_switch=False),
+            ),
+            (
+                "wer",
+                "WER drift: INT4's speech stops matching its transcript",
+                dict(inject=None, speech=True, watch="wer"),
+            ),
+        ]
         speech = None
         for key, title, kw in plan:
             if only and key not in only:
@@ -369,22 +449,32 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| scenario | requests | failed | time to detect | time to switch | switches | INT4 requests in the 2 s after |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| scenario | requests | failed | time to detect | time to switch | switches | signal at the switch "
+        "/ peak seen | INT4 requests in the 2 s after |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         fmt = lambda x: "—" if x is None else f"{x:.2f} s"  # noqa: E731
-        lines.append(f"| {r.expected} | {r.requests} | {r.failed} | {fmt(r.detect_s)} | {fmt(r.switch_s)} | "
-                     f"{r.switches} {', '.join(r.actions) if r.actions else ''} | "
-                     f"{'—' if r.after_switch_to_int4 is None else r.after_switch_to_int4} |")  # fmt: skip
+        lines.append(
+            f"| {r.expected} | {r.requests} | {r.failed} | {fmt(r.detect_s)} | {fmt(r.switch_s)} | "
+            f"{r.switches} {', '.join(r.actions) if r.actions else ''} | "
+            f"{'—' if r.trigger_value is None else r.trigger_value} / "
+            f"{'—' if r.peak_signal is None else r.peak_signal} | "
+            f"{'—' if r.after_switch_to_int4 is None else r.after_switch_to_int4} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.incidents", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.incidents",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--rate", type=float, default=20.0, help="requests per second (text scenarios)")
     p.add_argument("--speech-rate", type=float, default=4.0, help="requests per second (WER scenario)")
-    p.add_argument("--only", default="", help="comma-separated: spike,vram,crash,drift,noise,wer")
+    p.add_argument("--only", default="", help="comma-separated: spike,vram,crash,drift,noise,noise-near,wer")
     args = p.parse_args()
     results = asyncio.run(main_async(args))
     print(table(results))

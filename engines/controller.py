@@ -90,20 +90,27 @@ class RolloutController:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        await self.store.start()
-        doc = await self.store.load()
-        if doc.table:
-            self._apply(doc)
-        else:
-            # A first replica: seed the document with the configured split.
-            await self.store.update(lambda d: None if d.table else (ControllerState().to_dict(),
-                                                                     self._table(ControllerState()).to_dict()))
-            self._apply(await self.store.load())
+        try:
+            await self._load_or_seed()
+        except Exception as exc:
+            # Serving with the configured split beats not serving; the loop keeps trying the store.
+            self.metrics.controller_errors.labels("store").inc()
+            log.error("controller_store_unavailable", error=str(exc) or type(exc).__name__)
         if self.telemetry is not None:
             await self.telemetry.start()
         if self.sentinel is not None and self.settings.sentinel.enabled:
             await self.sentinel.start()
         self._task = asyncio.create_task(self._run(), name="rollout-controller")
+
+    async def _load_or_seed(self) -> None:
+        await self.store.start()
+        doc = await self.store.load()
+        if not doc.table:
+            # The first replica seeds the document with the configured split.
+            seed = (ControllerState().to_dict(), self._table(ControllerState()).to_dict())
+            await self.store.update(lambda d: None if d.table else seed)
+            doc = await self.store.load()
+        self._apply(doc)
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -212,9 +219,12 @@ class RolloutController:
             if self.telemetry is not None:
                 values.update(self.telemetry.latest(name))
             engines[name] = EngineSignals(
-                info=info, healthy=self.pool.is_healthy(name), circuit=self.pool.circuit_state(name),
-                values=values, samples=samples,
-            )  # fmt: skip
+                info=info,
+                healthy=self.pool.is_healthy(name),
+                circuit=self.pool.circuit_state(name),
+                values=values,
+                samples=samples,
+            )
         return Snapshot(now=self._clock(), engines=engines, replicas=max(1, len(parts)))
 
     # -- applying --------------------------------------------------------------------------------
@@ -261,10 +271,16 @@ class RolloutController:
 
     # -- manual overrides --------------------------------------------------------------------------
     async def _override(
-        self, change: Callable[[ControllerState, float], ControllerState | None], action: str, reason: str,
-        actor: str | None, note: str | None, engine: str | None = None, models: tuple[str, ...] = (),
+        self,
+        change: Callable[[ControllerState, float], ControllerState | None],
+        action: str,
+        reason: str,
+        actor: str | None,
+        note: str | None,
+        engine: str | None = None,
+        models: tuple[str, ...] = (),
         detail: dict[str, Any] | None = None,
-    ) -> Transition | None:  # fmt: skip
+    ) -> Transition | None:
         now = self._clock()
         before: dict[str, RoutingTable] = {}
 
@@ -288,16 +304,21 @@ class RolloutController:
         if models:
             info["weights_before"] = {m: dict(before["t"].weights.get(m, {})) for m in models}
             info["weights"] = {m: dict(self.pool.table.weights.get(m, {})) for m in models}
-        t = Transition(at=now, action=action, reason=reason, source="manual", engine=engine, models=models,
-                       detail=info)  # fmt: skip
+        t = Transition(
+            at=now, action=action, reason=reason, source="manual", engine=engine, models=models, detail=info
+        )
         self.emit(t)
         return t
 
-    async def pin(self, model: str, variant: str, actor: str | None = None, note: str | None = None) -> Transition | None:
+    async def pin(
+        self, model: str, variant: str, actor: str | None = None, note: str | None = None
+    ) -> Transition | None:
         def change(s: ControllerState, now: float) -> ControllerState | None:
             return None if s.pins.get(model) == variant else pin(s, model, variant, now)
 
-        return await self._override(change, "pin", "manual", actor, note, models=(model,), detail={"variant": variant})
+        return await self._override(
+            change, "pin", "manual", actor, note, models=(model,), detail={"variant": variant}
+        )
 
     async def unpin(self, model: str, actor: str | None = None, note: str | None = None) -> Transition | None:
         def change(s: ControllerState, now: float) -> ControllerState | None:
@@ -308,21 +329,34 @@ class RolloutController:
     async def freeze(self, actor: str | None = None, note: str | None = None) -> Transition | None:
         return await self._override(lambda s, now: freeze(s), "freeze", "manual", actor, note)
 
-    async def resume(self, actor: str | None = None, note: str | None = None, clear: bool = False) -> Transition | None:
+    async def resume(
+        self, actor: str | None = None, note: str | None = None, clear: bool = False
+    ) -> Transition | None:
         models = tuple(self.pool.models())
         return await self._override(
-            lambda s, now: resume(s, now, clear=clear), "resume", "manual", actor, note,
-            models=models if clear else (), detail={"cleared_incidents": clear},
-        )  # fmt: skip
+            lambda s, now: resume(s, now, clear=clear),
+            "resume",
+            "manual",
+            actor,
+            note,
+            models=models if clear else (),
+            detail={"cleared_incidents": clear},
+        )
 
     async def clear(self, key: str, actor: str | None = None, note: str | None = None) -> Transition | None:
         inc = self.state.incidents.get(key)
         engine = inc.engine if inc is not None else None
         models = self.pool.infos[engine].serves if engine in self.pool.infos else ()
         return await self._override(
-            lambda s, now: clear_incident(s, key, now), "restore", "manual", actor, note, engine=engine,
-            models=models, detail={"incident": key},
-        )  # fmt: skip
+            lambda s, now: clear_incident(s, key, now),
+            "restore",
+            "manual",
+            actor,
+            note,
+            engine=engine,
+            models=models,
+            detail={"incident": key},
+        )
 
     def readmit(self, engine: str) -> bool:
         """Close an engine's circuit on this replica (circuits are per replica)."""
@@ -330,7 +364,11 @@ class RolloutController:
 
     # -- status ------------------------------------------------------------------------------------
     async def status(self) -> dict[str, Any]:
-        leader = await self.store.leader()
+        try:
+            leader = await self.store.leader()
+        except Exception as exc:
+            leader = None
+            log.warning("controller_store_unavailable", error=str(exc) or type(exc).__name__)
         table = self.pool.table
         snap = self.last_snapshot
         now = self._clock()
@@ -344,14 +382,22 @@ class RolloutController:
                 values, samples = local[name].values()
                 if self.telemetry is not None:
                     values.update(self.telemetry.latest(name))
-            engines.append({
-                "name": name, "variant": info.variant, "role": info.role, "serves": list(info.serves),
-                "state": self.pool.engine_state(name), "healthy": self.pool.is_healthy(name),
-                "circuit": self.pool.circuit_state(name), "weight": round(table.engine_weight(name), 4),
-                "limit": table.limits.get(name), "in_flight": self.pool.in_flight(name),
-                "signals": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in values.items()},
-                "samples": samples,
-            })  # fmt: skip
+            engines.append(
+                {
+                    "name": name,
+                    "variant": info.variant,
+                    "role": info.role,
+                    "serves": list(info.serves),
+                    "state": self.pool.engine_state(name),
+                    "healthy": self.pool.is_healthy(name),
+                    "circuit": self.pool.circuit_state(name),
+                    "weight": round(table.engine_weight(name), 4),
+                    "limit": table.limits.get(name),
+                    "in_flight": self.pool.in_flight(name),
+                    "signals": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in values.items()},
+                    "samples": samples,
+                }
+            )
         st = self.state
         return {
             "replica": self.replica_id,

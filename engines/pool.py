@@ -29,6 +29,7 @@ log = structlog.get_logger(__name__)
 
 _ROLE_ORDER = {"primary": 0, "canary": 1, "fallback": 2}
 _CIRCUIT_ACTIONS = {"open": "eject", "half_open": "half_open", "closed": "readmit"}
+_CIRCUIT_REASONS = {"eject": "outlier-ejection", "half_open": "ejection-elapsed", "readmit": "half-open-success"}
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -62,7 +63,7 @@ class EnginePool:
         self.routing = routing or RoutingSettings()
         self.engines: dict[str, Engine] = {e.name: e for e in engines}
         self._metrics = metrics
-        self._probe_interval_s = probe_interval_s if probe_interval_s is not None else self.routing.probe_interval_s
+        self._probe_interval_s = self.routing.probe_interval_s if probe_interval_s is None else probe_interval_s
         self._healthy: dict[str, bool] = {name: False for name in self.engines}
         self._by_model: dict[str, list[Engine]] = {}
         for engine in sorted(self.engines.values(), key=lambda e: _ROLE_ORDER[e.config.role]):
@@ -73,7 +74,10 @@ class EnginePool:
             for e in self.engines.values()
         }
         self._circuits = {name: Circuit(self.routing.circuit) for name in self.engines}
-        self._windows = {name: OutcomeWindow(self.routing.signals.max_samples) for name in self.engines}
+        signals = self.routing.signals
+        self._windows = {
+            name: OutcomeWindow(signals.max_samples, window_s=signals.window_s) for name in self.engines
+        }
         self._in_flight: dict[str, int] = {name: 0 for name in self.engines}
         self._rng = random.Random(self.routing.seed)
         self.table = RoutingTable(weights=base_weights(self.infos.values()))
@@ -104,7 +108,8 @@ class EnginePool:
         standby: list[Engine] = []
         down: list[Engine] = []
         for e in engines:
-            if not (self._healthy.get(e.name, False) and self._circuits[e.name].available()) or self._full(e.name):
+            up = self._healthy.get(e.name, False) and self._circuits[e.name].available()
+            if not up or self._full(e.name):
                 down.append(e)
                 continue
             w = weights.get(e.name, 0.0)
@@ -236,9 +241,7 @@ class EnginePool:
     def _circuit_changed(self, name: str, state: str, source: str = "auto") -> None:
         circuit = self._circuits[name]
         action = _CIRCUIT_ACTIONS[state]
-        reason = {"eject": "outlier-ejection", "half_open": "ejection-elapsed", "readmit": "half-open-success"}[action]
-        if source == "manual":
-            reason = "manual"
+        reason = "manual" if source == "manual" else _CIRCUIT_REASONS[action]
         detail = {"ejections": circuit.ejections, "consecutive_failures": circuit.consecutive}
         if state == "open":
             detail["ejected_for_s"] = round(circuit.open_until - time.monotonic(), 3)

@@ -86,21 +86,34 @@ class Incident:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "rule": self.rule, "engine": self.engine, "action": self.action, "since": self.since,
-            "detected_at": self.detected_at, "value": self.value,
-            "targets": {m: list(t) for m, t in self.targets.items()}, "weight": self.weight, "keep": self.keep,
-            "limit": self.limit, "clear_since": self.clear_since,
-        }  # fmt: skip
+            "rule": self.rule,
+            "engine": self.engine,
+            "action": self.action,
+            "since": self.since,
+            "detected_at": self.detected_at,
+            "value": self.value,
+            "targets": {m: list(t) for m, t in self.targets.items()},
+            "weight": self.weight,
+            "keep": self.keep,
+            "limit": self.limit,
+            "clear_since": self.clear_since,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Incident":
         return cls(
-            rule=d["rule"], engine=d["engine"], action=d["action"], since=float(d["since"]),
-            detected_at=float(d.get("detected_at", d["since"])), value=float(d.get("value", 0.0)),
+            rule=d["rule"],
+            engine=d["engine"],
+            action=d["action"],
+            since=float(d["since"]),
+            detected_at=float(d.get("detected_at", d["since"])),
+            value=float(d.get("value", 0.0)),
             targets={m: tuple(t) for m, t in (d.get("targets") or {}).items()},
-            weight=float(d.get("weight", 0.0)), keep=float(d.get("keep", 0.0)), limit=d.get("limit"),
+            weight=float(d.get("weight", 0.0)),
+            keep=float(d.get("keep", 0.0)),
+            limit=d.get("limit"),
             clear_since=d.get("clear_since"),
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +133,13 @@ class ControllerState:
     def to_dict(self) -> dict[str, Any]:
         return {
             "incidents": {k: i.to_dict() for k, i in self.incidents.items()},
-            "breaches": dict(self.breaches), "holds": dict(self.holds), "switches": list(self.switches),
-            "last_switch": dict(self.last_switch), "frozen": self.frozen, "pins": dict(self.pins),
-        }  # fmt: skip
+            "breaches": dict(self.breaches),
+            "holds": dict(self.holds),
+            "switches": list(self.switches),
+            "last_switch": dict(self.last_switch),
+            "frozen": self.frozen,
+            "pins": dict(self.pins),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "ControllerState":
@@ -160,8 +177,15 @@ class Transition:
     detail: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"at": self.at, "action": self.action, "reason": self.reason, "source": self.source,
-                "engine": self.engine, "models": list(self.models), "detail": dict(self.detail)}  # fmt: skip
+        return {
+            "at": self.at,
+            "action": self.action,
+            "reason": self.reason,
+            "source": self.source,
+            "engine": self.engine,
+            "models": list(self.models),
+            "detail": dict(self.detail),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,20 +253,28 @@ def _shift_targets(rule: Rule, src: EngineSignals, snap: Snapshot) -> dict[str, 
         for variant in rule.action.to_variants:
             found = tuple(
                 sorted(
-                    n for n, e in snap.engines.items()
-                    if n != src.info.name and model in e.info.serves and e.info.variant == variant
-                    and e.healthy and e.circuit != "open"
+                    n
+                    for n, e in snap.engines.items()
+                    if n != src.info.name
+                    and model in e.info.serves
+                    and e.info.variant == variant
+                    and e.healthy
+                    and e.circuit != "open"
                 )
-            )  # fmt: skip
+            )
             if found:
                 out[model] = found
                 break
     return out
 
 
-def _new_incident(rule: Rule, sig: EngineSignals, value: float, since: float, snap: Snapshot) -> Incident | None:
+def _new_incident(
+    rule: Rule, sig: EngineSignals, value: float, since: float, snap: Snapshot
+) -> Incident | None:
     a = rule.action
-    base = dict(rule=rule.name, engine=sig.info.name, action=a.kind, since=snap.now, detected_at=since, value=value)
+    base = dict(
+        rule=rule.name, engine=sig.info.name, action=a.kind, since=snap.now, detected_at=since, value=value
+    )
     if a.kind == "shift":
         targets = _shift_targets(rule, sig, snap)
         return Incident(**base, targets=targets, keep=a.trickle_weight) if targets else None
@@ -253,8 +285,13 @@ def _new_incident(rule: Rule, sig: EngineSignals, value: float, since: float, sn
     return Incident(**base, limit=max(a.min_concurrency, int(math.floor(per_replica))))
 
 
-def _gate(model_list: Iterable[str], state: ControllerState, cfg: ControllerSettings, now: float,
-          switches: tuple[float, ...]) -> str | None:  # fmt: skip
+def _gate(
+    model_list: Iterable[str],
+    state: ControllerState,
+    cfg: ControllerSettings,
+    now: float,
+    switches: tuple[float, ...],
+) -> str | None:
     if state.frozen:
         return "frozen"
     for m in model_list:
@@ -353,11 +390,21 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
                 last_switch[m] = now
             transitions.append(
                 Transition(
-                    at=now, action="restore", reason=rule.name, source="auto", engine=name, models=tuple(models),
-                    detail={"signal": rule.signal, "value": value, "recover_below": rule.recover_below,
-                            "incident_since": inc.since, "undoes": inc.action,
-                            "weights": _weights_of(after, models)},
-                )  # fmt: skip
+                    at=now,
+                    action="restore",
+                    reason=rule.name,
+                    source="auto",
+                    engine=name,
+                    models=tuple(models),
+                    detail={
+                        "signal": rule.signal,
+                        "value": value,
+                        "recover_below": rule.recover_below,
+                        "incident_since": inc.since,
+                        "undoes": inc.action,
+                        "weights": _weights_of(after, models),
+                    },
+                )
             )
             current = after
 
@@ -374,16 +421,25 @@ def _weights_of(table: RoutingTable, models: Iterable[str]) -> dict[str, dict[st
 def _fired(rule: Rule, inc: Incident, value: float, before: RoutingTable, after: RoutingTable) -> Transition:
     models = tuple(m for m in after.weights if inc.engine in after.weights[m])
     detail: dict[str, Any] = {
-        "signal": rule.signal, "value": value, "above": rule.above, "for_s": rule.for_s,
-        "detected_at": inc.detected_at, "weights_before": _weights_of(before, models),
+        "signal": rule.signal,
+        "value": value,
+        "above": rule.above,
+        "for_s": rule.for_s,
+        "detected_at": inc.detected_at,
+        "weights_before": _weights_of(before, models),
         "weights": _weights_of(after, models),
-    }  # fmt: skip
+    }
     if inc.targets:
         detail["targets"] = {m: list(t) for m, t in inc.targets.items()}
     if inc.limit is not None:
         detail["limit"] = inc.limit
     return Transition(
-        at=inc.since, action=inc.action, reason=rule.name, source="auto", engine=inc.engine, models=models,
+        at=inc.since,
+        action=inc.action,
+        reason=rule.name,
+        source="auto",
+        engine=inc.engine,
+        models=models,
         detail=detail,
     )
 

@@ -138,7 +138,9 @@ def set_share(w: dict[str, float], engine: str, share: float, infos: Mapping[str
             w[k] = rest * x / total
         return
     # Nobody else had traffic: the primaries (else the fallbacks) take the rest.
-    takers = [k for k in others if infos[k].role == "primary"] or [k for k in others if infos[k].role == "fallback"]
+    takers = [k for k in others if infos[k].role == "primary"] or [
+        k for k in others if infos[k].role == "fallback"
+    ]
     takers = takers or list(others)
     for k in others:
         w[k] = rest / len(takers) if k in takers else 0.0

@@ -63,12 +63,17 @@ def default_model_path() -> str:
 class WerScorer:
     """whisper + normaliser + jiwer; blocking, so it runs on the sentinel's worker thread."""
 
-    def __init__(self, model_path: str | None = None, compute_type: str = "int8", cpu_threads: int = 1) -> None:
+    def __init__(
+        self, model_path: str | None = None, compute_type: str = "int8", cpu_threads: int = 1
+    ) -> None:
         from faster_whisper import WhisperModel
         from whisper_normalizer.english import EnglishTextNormalizer
 
         self._model = WhisperModel(
-            model_path or default_model_path(), device="cpu", compute_type=compute_type, cpu_threads=cpu_threads
+            model_path or default_model_path(),
+            device="cpu",
+            compute_type=compute_type,
+            cpu_threads=cpu_threads,
         )
         self._normalise = EnglishTextNormalizer()
 
@@ -88,7 +93,7 @@ class WerScorer:
         return " ".join(s.text.strip() for s in segments)
 
     def score(self, transcript: str, pcm: bytes, sample_rate: int, channels: int = 1) -> Score | None:
-        """Word errors of whisper's hearing against the engine's transcript; None when there is nothing to score."""
+        """Word errors of what whisper heard against the engine's transcript; None: nothing to score."""
         import jiwer
 
         reference = self.normalise(transcript)
@@ -166,8 +171,14 @@ class AccuracySentinel:
             return False
         try:
             self._queue.put_nowait(
-                _Sample(engine, variant or "none", completion.audio, completion.sample_rate, completion.channels,
-                        transcript)  # fmt: skip
+                _Sample(
+                    engine,
+                    variant or "none",
+                    completion.audio,
+                    completion.sample_rate,
+                    completion.channels,
+                    transcript,
+                )
             )
         except asyncio.QueueFull:
             self._metrics.sentinel_samples.labels(engine, "dropped").inc()
@@ -183,9 +194,13 @@ class AccuracySentinel:
             self._busy += 1
             try:
                 score = await loop.run_in_executor(
-                    self._executor, self._scorer.score, sample.transcript, sample.pcm, sample.sample_rate,
+                    self._executor,
+                    self._scorer.score,
+                    sample.transcript,
+                    sample.pcm,
+                    sample.sample_rate,
                     sample.channels,
-                )  # fmt: skip
+                )
             except Exception as exc:
                 self._metrics.sentinel_samples.labels(sample.engine, "failed").inc()
                 log.warning("sentinel_sample_failed", engine=sample.engine, error=str(exc))

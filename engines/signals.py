@@ -87,7 +87,9 @@ class EngineSummary:
         return EngineSummary(
             ok=self.ok + other.ok,
             errors=self.errors + other.errors,
-            latency={n: merge_buckets([self.latency.get(n, {}), other.latency.get(n, {})]) for n in LATENCIES},
+            latency={
+                n: merge_buckets([self.latency.get(n, {}), other.latency.get(n, {})]) for n in LATENCIES
+            },
             wer_errors=self.wer_errors + other.wer_errors,
             wer_words=self.wer_words + other.wer_words,
             wer_samples=self.wer_samples + other.wer_samples,
@@ -95,10 +97,13 @@ class EngineSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "ok": self.ok, "errors": self.errors,
+            "ok": self.ok,
+            "errors": self.errors,
             "latency": {n: {str(i): c for i, c in b.items()} for n, b in self.latency.items()},
-            "wer_errors": self.wer_errors, "wer_words": self.wer_words, "wer_samples": self.wer_samples,
-        }  # fmt: skip
+            "wer_errors": self.wer_errors,
+            "wer_words": self.wer_words,
+            "wer_samples": self.wer_samples,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineSummary":
@@ -112,7 +117,7 @@ class EngineSummary:
         )
 
     def values(self) -> tuple[dict[str, float | None], dict[str, int]]:
-        """The summary as controller signals (``ttft_p99``, ``error_rate``, ``wer``, ...) with sample counts."""
+        """The summary as controller signals (``ttft_p99``, ``error_rate``, ``wer``, ...), with counts."""
         values: dict[str, float | None] = {}
         samples: dict[str, int] = {}
         for name in LATENCIES:
@@ -127,43 +132,103 @@ class EngineSummary:
         return values, samples
 
 
+class _Slot:
+    """Aggregated outcomes of one slice of time."""
+
+    __slots__ = ("start", "ok", "errors", "latency")
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.ok = 0
+        self.errors = 0
+        self.latency: dict[str, dict[int, int]] = {name: {} for name in LATENCIES}
+
+
 class OutcomeWindow:
-    """Per-engine outcomes of this replica's requests; appending is the only request-path work."""
+    """Per-engine outcomes of this replica's requests over a sliding window.
 
-    __slots__ = ("_q", "_clock")
+    The request path only appends a tuple to a bounded deque. Off the request path,
+    :meth:`summary` folds what arrived since its last call into per-slot histograms
+    (the window cut in ``slots`` slices) and sums the slots still in the window, so a
+    tick costs in proportion to the new requests, not to the window's size.
+    """
 
-    def __init__(self, max_samples: int = 20_000, clock: Any = time.monotonic) -> None:
+    __slots__ = ("_q", "_clock", "_window_s", "_slot_s", "_slots")
+
+    def __init__(
+        self, max_samples: int = 20_000, clock: Any = time.monotonic, window_s: float = 60.0, slots: int = 30
+    ) -> None:
         self._q: deque[tuple[float, float, float, float]] = deque(maxlen=max_samples)
         self._clock = clock
+        self._window_s = window_s
+        self._slot_s = window_s / slots
+        self._slots: deque[_Slot] = deque()
 
     def success(self, ttft_s: float | None, first_audio_s: float | None, e2e_s: float) -> None:
         nan = math.nan
-        self._q.append((self._clock(), nan if ttft_s is None else ttft_s,
-                        nan if first_audio_s is None else first_audio_s, e2e_s))  # fmt: skip
+        self._q.append(
+            (
+                self._clock(),
+                nan if ttft_s is None else ttft_s,
+                nan if first_audio_s is None else first_audio_s,
+                e2e_s,
+            )
+        )
 
     def failure(self) -> None:
         self._q.append((self._clock(), math.nan, math.nan, -1.0))
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self._q) + sum(s.ok + s.errors for s in self._slots)
 
-    def summary(self, window_s: float) -> EngineSummary:
+    def _fold(self) -> None:
         if not self._q:
-            return EngineSummary()
-        arr = np.asarray(self._q, dtype=np.float64)
-        arr = arr[arr[:, 0] >= self._clock() - window_s]
-        failed = arr[:, 3] < 0
-        ok = arr[~failed]
-        latency = {}
-        for col, name in ((1, "ttft"), (2, "first_audio"), (3, "e2e")):
-            v = ok[:, col]
-            latency[name] = bucket_counts(v[~np.isnan(v)])
-        return EngineSummary(ok=int(ok.shape[0]), errors=int(failed.sum()), latency=latency)
+            return
+        batch = []
+        while self._q:
+            batch.append(self._q.popleft())
+        arr = np.asarray(batch, dtype=np.float64)
+        slot_ids = np.floor(arr[:, 0] / self._slot_s)
+        for sid in np.unique(slot_ids):
+            part = arr[slot_ids == sid]
+            start = float(sid) * self._slot_s
+            slot = self._slots[-1] if self._slots and self._slots[-1].start == start else None
+            if slot is None:
+                slot = _Slot(start)
+                self._slots.append(slot)
+            failed = part[:, 3] < 0
+            ok = part[~failed]
+            slot.ok += int(ok.shape[0])
+            slot.errors += int(failed.sum())
+            for col, name in ((1, "ttft"), (2, "first_audio"), (3, "e2e")):
+                v = ok[:, col]
+                for i, c in bucket_counts(v[~np.isnan(v)]).items():
+                    slot.latency[name][i] = slot.latency[name].get(i, 0) + c
+
+    def summary(self, window_s: float | None = None) -> EngineSummary:
+        """The outcomes of the last ``window_s`` (at most the window this was built with), to a slot's precision."""
+        self._fold()
+        now = self._clock()
+        keep_from = now - self._window_s - self._slot_s
+        while self._slots and self._slots[0].start < keep_from:
+            self._slots.popleft()
+        horizon = now - min(window_s or self._window_s, self._window_s)
+        out = EngineSummary(latency={name: {} for name in LATENCIES})
+        for slot in self._slots:
+            if slot.start + self._slot_s <= horizon:
+                continue
+            out.ok += slot.ok
+            out.errors += slot.errors
+            for name, buckets in slot.latency.items():
+                target = out.latency[name]
+                for i, c in buckets.items():
+                    target[i] = target.get(i, 0) + c
+        return out
 
 
 @dataclass(slots=True)
 class WerWindow:
-    """The sentinel's per-engine results: word errors and reference words, last N samples within a time window."""
+    """The sentinel's results for one engine: word errors and reference words of its recent samples."""
 
     max_samples: int = 50
     window_s: float = 900.0

@@ -149,7 +149,9 @@ class TelemetryCollector:
         self._active = active
         self._targets = [_Target(n, url, t) for n, url, t in engines]
         self._latest: dict[str, tuple[float, dict[str, float]]] = {}
-        self._ttft_hist: dict[str, deque[tuple[float, dict[float, float]]]] = {t.name: deque() for t in self._targets}
+        self._ttft_hist: dict[str, deque[tuple[float, dict[float, float]]]] = {
+            t.name: deque() for t in self._targets
+        }
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._nvml: Any = None
@@ -168,8 +170,10 @@ class TelemetryCollector:
 
     @property
     def wanted(self) -> bool:
-        return any(t.metrics_url or t.telemetry.dcgm_url or t.telemetry.nvml or t.telemetry.vram_query
-                   for t in self._targets)  # fmt: skip
+        return any(
+            t.metrics_url or t.telemetry.dcgm_url or t.telemetry.nvml or t.telemetry.vram_query
+            for t in self._targets
+        )
 
     async def start(self) -> None:
         if not self.wanted:

@@ -221,7 +221,7 @@ class Pipeline:
 
     def _no_engine(self, request: ChatCompletionRequest) -> EngineError | Overloaded:
         if self.pool.candidates(request.model):
-            return Overloaded(f"every engine serving {request.model!r} is at its concurrency limit", retry_after=1)
+            return Overloaded(f"every engine for {request.model!r} is at its concurrency cap", retry_after=1)
         return EngineUnavailable(f"no engine can serve {request.model!r}")
 
     def _unbind(self, ctx: RequestContext) -> None:
@@ -403,7 +403,7 @@ class Pipeline:
     def _finish(self, ctx: RequestContext, error: BaseException | None) -> None:
         self.metrics.in_flight.dec()
         if ctx.engine is not None:
-            # One report per request (never per chunk): latency and outcome for the engine's window and circuit.
+            # One report per request (never per chunk): latency and outcome for its window and circuit.
             if error is None:
                 self.pool.report_success(ctx.engine, ctx.ttft_s, ctx.first_audio_s, ctx.elapsed())
             self.pool.release(ctx.engine, settled=error is None or isinstance(error, EngineError))

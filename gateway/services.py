@@ -33,15 +33,18 @@ class Services:
         chain = build_chain(settings.policies, plugins)
         routing = settings.routing
         pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics, routing=routing)
-        sentinel = AccuracySentinel(routing.sentinel, metrics, seed=routing.seed) if routing.sentinel.enabled else None
+        sentinel = None
+        if routing.sentinel.enabled:
+            sentinel = AccuracySentinel(routing.sentinel, metrics, seed=routing.seed)
         state = routing.state
         store = build_store(state.backend, state.redis_url, state.key_prefix, state.replica_id)
         controller: RolloutController
-        telemetry = TelemetryCollector(
-            [(e.name, TelemetryCollector.metrics_url_for(str(e.base_url) if e.base_url else None, e.telemetry),
-              e.telemetry) for e in settings.engines],
-            routing.signals, metrics, active=lambda: controller.is_leader,
-        )  # fmt: skip
+        url_for = TelemetryCollector.metrics_url_for
+        targets = [
+            (e.name, url_for(str(e.base_url) if e.base_url else None, e.telemetry), e.telemetry)
+            for e in settings.engines
+        ]
+        telemetry = TelemetryCollector(targets, routing.signals, metrics, active=lambda: controller.is_leader)
         controller = RolloutController(pool, routing, metrics, store, telemetry, sentinel)
         pipeline = Pipeline(pool, chain, metrics, sentinel=sentinel)
         return cls(settings, metrics, pool, chain, pipeline, controller)

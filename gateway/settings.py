@@ -169,7 +169,7 @@ class Settings(BaseSettings):
         for model in {m for e in self.engines for m in e.serves}:
             fixed = [e for e in self.engines if model in e.serves and e.role != "primary" and e.weight]
             if sum(e.weight or 0 for e in fixed) > 1 + 1e-9:
-                raise ValueError(f"the weights of {model!r}'s canary and fallback engines add up to more than 1")
+                raise ValueError(f"the weights of {model!r}'s canaries and fallbacks add up to more than 1")
         return self
 
     @classmethod

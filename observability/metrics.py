@@ -100,15 +100,18 @@ class Metrics:
         )
         # -- engine pool and rollback controller
         self.engine_state = Gauge(
-            "omnigate_engine_state", "1 for the engine's current state (serving, standby, half_open, ejected, down)",
+            "omnigate_engine_state",
+            "1 for the engine's current state (serving, standby, half_open, ejected, down)",
             ["engine", "state"], registry=r,
         )
         self.engine_weight = Gauge(
-            "omnigate_engine_traffic_weight", "Largest share of new requests the routing table gives the engine",
+            "omnigate_engine_traffic_weight",
+            "Largest share of new requests the routing table gives the engine",
             ["engine"], registry=r,
         )
         self.engine_limit = Gauge(
-            "omnigate_engine_concurrency_limit", "Requests in flight this replica allows the engine (-1: no limit)",
+            "omnigate_engine_concurrency_limit",
+            "Requests in flight this replica allows the engine (-1: no limit)",
             ["engine"], registry=r,
         )
         self.routing_transitions = Counter(
@@ -118,7 +121,7 @@ class Metrics:
         )
         self.routing_holds = Counter(
             "omnigate_routing_actions_held_total",
-            "Rule actions that were due but held back (cooldown, min-dwell, switch-limit, frozen, pinned, no-target)",
+            "Rule actions due but held back (cooldown, min-dwell, switch-limit, frozen, pinned, no-target)",
             ["rule", "reason"], registry=r,
         )
         self.routing_version = Gauge(
@@ -127,16 +130,19 @@ class Metrics:
         self.controller_leader = Gauge(
             "omnigate_controller_leader", "1 while this replica holds the controller lease", registry=r
         )
-        self.controller_frozen = Gauge("omnigate_controller_frozen", "1 while the controller is frozen", registry=r)
+        self.controller_frozen = Gauge(
+            "omnigate_controller_frozen", "1 while the controller is frozen", registry=r
+        )
         self.controller_errors = Counter(
-            "omnigate_controller_errors_total", "Controller ticks that failed, by stage", ["stage"], registry=r
+            "omnigate_controller_errors_total", "Controller failures, by stage", ["stage"], registry=r
         )
         self.scrape_errors = Counter(
             "omnigate_telemetry_scrape_errors_total", "Failed telemetry reads by engine and source",
             ["engine", "source"], registry=r,
         )
         self.sentinel_wer = Histogram(
-            "omnigate_sentinel_wer", "Word error rate of sampled speech answers (whisper vs the engine's transcript)",
+            "omnigate_sentinel_wer",
+            "Word error rate of sampled speech answers (whisper vs the engine's transcript)",
             ["engine", "variant"], buckets=_WER, registry=r,
         )
         self.sentinel_samples = Counter(

@@ -13,13 +13,19 @@ from pathlib import Path
 
 #: (what the engine's transcript says, a different sentence for a drifting engine's audio)
 PAIRS = [
-    ("Please send the report to the finance team before Friday.",
-     "Please send the invoice to the legal office before Monday."),
-    ("Turn left at the next corner and walk for two blocks.",
-     "Turn right at the old bridge and drive for ten miles."),
-    ("We need twenty five chairs for the meeting on Monday.",
-     "Please send the invoice to the legal office before Monday."),
-]  # fmt: skip
+    (
+        "Please send the report to the finance team before Friday.",
+        "Please send the invoice to the legal office before Monday.",
+    ),
+    (
+        "Turn left at the next corner and walk for two blocks.",
+        "Turn right at the old bridge and drive for ten miles.",
+    ),
+    (
+        "We need twenty five chairs for the meeting on Monday.",
+        "Please send the invoice to the legal office before Monday.",
+    ),
+]
 
 
 def espeak() -> str:
@@ -31,8 +37,12 @@ def espeak() -> str:
 
 def synthesize(text: str, path: Path) -> Path:
     """Speak ``text`` into a mono 16-bit WAV at ``path`` (espeak-ng's 22.05 kHz)."""
-    subprocess.run([espeak(), "-v", "en-us", "-s", "150", "-w", str(path), text], check=True, timeout=60,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        [espeak(), "-v", "en-us", "-s", "150", "-w", str(path), text],
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
     return path
 
 
@@ -41,5 +51,7 @@ def speech_set(folder: Path) -> list[tuple[str, Path, Path]]:
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for i, (said, drifted) in enumerate(PAIRS):
-        out.append((said, synthesize(said, folder / f"said-{i}.wav"), synthesize(drifted, folder / f"drift-{i}.wav")))
+        out.append(
+            (said, synthesize(said, folder / f"said-{i}.wav"), synthesize(drifted, folder / f"drift-{i}.wav"))
+        )
     return out

@@ -64,14 +64,16 @@ def _services(request: Request) -> Services:
 
 
 def _result(services: Services, transition) -> JSONResponse:  # noqa: ANN001
-    return JSONResponse({
-        "changed": transition is not None,
-        "transition": transition.to_dict() if transition is not None else None,
-        "version": services.pool.table.version,
-        "frozen": services.controller.state.frozen,
-        "pins": dict(services.controller.state.pins),
-        "weights": {m: dict(w) for m, w in services.pool.table.weights.items()},
-    })
+    return JSONResponse(
+        {
+            "changed": transition is not None,
+            "transition": transition.to_dict() if transition is not None else None,
+            "version": services.pool.table.version,
+            "frozen": services.controller.state.frozen,
+            "pins": dict(services.controller.state.pins),
+            "weights": {m: dict(w) for m, w in services.pool.table.weights.items()},
+        }
+    )
 
 
 @router.get("")
@@ -90,7 +92,8 @@ async def pin(request: Request) -> JSONResponse:
     variants = {i.variant for i in services.pool.infos.values() if body.model in i.serves}
     if body.variant not in variants:
         raise InvalidRequest(
-            f"no engine serves {body.model!r} as {body.variant}; variants: {sorted(variants)}", param="variant"
+            f"no engine serves {body.model!r} as {body.variant}; variants: {sorted(variants)}",
+            param="variant",
         )
     t = await services.controller.pin(body.model, body.variant, actor=body.actor, note=body.note)
     return _result(services, t)
@@ -141,5 +144,9 @@ async def readmit(request: Request) -> JSONResponse:
     assert isinstance(body, ReadmitBody)
     if body.engine not in services.pool.engines:
         raise InvalidRequest(f"no engine is named {body.engine!r}", param="engine")
-    return JSONResponse({"changed": services.controller.readmit(body.engine),
-                         "circuit": services.pool.circuit_state(body.engine)})  # fmt: skip
+    return JSONResponse(
+        {
+            "changed": services.controller.readmit(body.engine),
+            "circuit": services.pool.circuit_state(body.engine),
+        }
+    )

@@ -1,4 +1,4 @@
-"""Gateways with fast control loops over their own scripted upstreams, and a client that reads whole answers."""
+"""Gateways with fast control loops over their own scripted upstreams; a client reading whole answers."""
 
 from __future__ import annotations
 
@@ -61,27 +61,71 @@ class Trio:
         self.bg.call(_set)
 
     def counts(self) -> dict[str, int]:
-        return self.bg.call(lambda: {"int4": self.int4.request_count, "int8": self.int8.request_count,
-                                     "bf16": self.bf16.request_count})  # fmt: skip
+        return self.bg.call(
+            lambda: {
+                "int4": self.int4.request_count,
+                "int8": self.int8.request_count,
+                "bf16": self.bf16.request_count,
+            }
+        )
 
     def stop(self) -> None:
         for u in self.all:
             self.bg.run(u.stop())
 
 
-def engines(trio: Trio, canary: ScriptedUpstream | None = None, canary_weight: float = 0.3) -> list[EngineConfig]:
+def engines(
+    trio: Trio, canary: ScriptedUpstream | None = None, canary_weight: float = 0.3
+) -> list[EngineConfig]:
     out = [
-        EngineConfig(name="omni-int4", kind="vllm-omni", base_url=trio.int4.base_url, model="q-awq", variant="int4",
-                     serves=[MODEL], first_byte_timeout_s=5, read_timeout_s=5),
-        EngineConfig(name="omni-int8", kind="vllm-omni", base_url=trio.int8.base_url, model="q-w8", variant="int8",
-                     role="fallback", serves=[MODEL], first_byte_timeout_s=5, read_timeout_s=5),
-        EngineConfig(name="omni-bf16", kind="vllm-omni", base_url=trio.bf16.base_url, model="q", variant="bf16",
-                     role="fallback", serves=[MODEL], first_byte_timeout_s=5, read_timeout_s=5),
-    ]  # fmt: skip
+        EngineConfig(
+            name="omni-int4",
+            kind="vllm-omni",
+            base_url=trio.int4.base_url,
+            model="q-awq",
+            variant="int4",
+            serves=[MODEL],
+            first_byte_timeout_s=5,
+            read_timeout_s=5,
+        ),
+        EngineConfig(
+            name="omni-int8",
+            kind="vllm-omni",
+            base_url=trio.int8.base_url,
+            model="q-w8",
+            variant="int8",
+            role="fallback",
+            serves=[MODEL],
+            first_byte_timeout_s=5,
+            read_timeout_s=5,
+        ),
+        EngineConfig(
+            name="omni-bf16",
+            kind="vllm-omni",
+            base_url=trio.bf16.base_url,
+            model="q",
+            variant="bf16",
+            role="fallback",
+            serves=[MODEL],
+            first_byte_timeout_s=5,
+            read_timeout_s=5,
+        ),
+    ]
     if canary is not None:
-        out.append(EngineConfig(name="omni-next", kind="vllm-omni", base_url=canary.base_url, model="q-next",
-                                variant="int4", role="canary", weight=canary_weight, serves=[MODEL],
-                                first_byte_timeout_s=5, read_timeout_s=5))  # fmt: skip
+        out.append(
+            EngineConfig(
+                name="omni-next",
+                kind="vllm-omni",
+                base_url=canary.base_url,
+                model="q-next",
+                variant="int4",
+                role="canary",
+                weight=canary_weight,
+                serves=[MODEL],
+                first_byte_timeout_s=5,
+                read_timeout_s=5,
+            )
+        )
     return out
 
 
@@ -104,12 +148,19 @@ def settings(
         circuit=circuit or CircuitSettings(base_ejection_s=0.5, max_ejection_s=2),
         signals=SignalSettings(window_s=window_s, scrape_interval_s=0.1, scrape_timeout_s=1),
         sentinel=sentinel or SentinelSettings(),
-        controller=ControllerSettings(interval_s=interval_s, min_dwell_s=min_dwell_s, cooldown_s=cooldown_s,
-                                      max_switches_per_hour=100, rules=rules),  # fmt: skip
+        controller=ControllerSettings(
+            interval_s=interval_s,
+            min_dwell_s=min_dwell_s,
+            cooldown_s=cooldown_s,
+            max_switches_per_hour=100,
+            rules=rules,
+        ),
         state=state or SharedStateSettings(),
         seed=seed,
     )
-    return Settings(engines=engine_list, routing=routing, admin={"api_key": ADMIN_KEY}, logging={"level": "warning"})
+    return Settings(
+        engines=engine_list, routing=routing, admin={"api_key": ADMIN_KEY}, logging={"level": "warning"}
+    )
 
 
 @dataclass

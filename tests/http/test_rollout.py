@@ -45,9 +45,17 @@ def _transitions(server: GatewayServer, action: str | None = None) -> list:
 
 
 def test_a_latency_spike_on_int4_moves_its_traffic_to_bf16_without_failing_a_request(bg, fresh):
-    rule = Rule(name="int4-latency", select=RuleSelector(variants=["int4"]), signal="ttft_p99", above=0.15,
-                for_s=0.3, min_samples=5, recover_below=0.05, recover_for_s=600,
-                action=RuleAction(kind="shift", to_variants=["fp16", "bf16"], trickle_weight=0.0))  # fmt: skip
+    rule = Rule(
+        name="int4-latency",
+        select=RuleSelector(variants=["int4"]),
+        signal="ttft_p99",
+        above=0.15,
+        for_s=0.3,
+        min_samples=5,
+        recover_below=0.05,
+        recover_for_s=600,
+        action=RuleAction(kind="shift", to_variants=["fp16", "bf16"], trickle_weight=0.0),
+    )
     registry = CollectorRegistry()
     server = _start(bg, settings(engines(fresh), [rule]), registry)
     audit: list = []
@@ -58,8 +66,11 @@ def test_a_latency_spike_on_int4_moves_its_traffic_to_bf16_without_failing_a_req
 
         fresh.set(fresh.int4, default=Script(flavour="omni", first_byte_delay_s=0.3))
         with structlog.testing.capture_logs() as logs:
-            assert wait_until(lambda: (answers.append(chat(server.url)) or bool(_transitions(server, "shift"))),
-                              timeout=60, interval=0)  # fmt: skip
+            assert wait_until(
+                lambda: answers.append(chat(server.url)) or bool(_transitions(server, "shift")),
+                timeout=60,
+                interval=0,
+            )
         assert all(a.ok for a in answers), [a.error for a in answers if not a.ok]
 
         [shift] = _transitions(server, "shift")
@@ -77,8 +88,13 @@ def test_a_latency_spike_on_int4_moves_its_traffic_to_bf16_without_failing_a_req
         assert now["int4"] == before["int4"] and now["bf16"] - before["bf16"] == 10
 
         sample = registry.get_sample_value
-        assert sample("omnigate_routing_transitions_total",
-                      {"action": "shift", "reason": "int4-latency", "source": "auto"}) == 1  # fmt: skip
+        assert (
+            sample(
+                "omnigate_routing_transitions_total",
+                {"action": "shift", "reason": "int4-latency", "source": "auto"},
+            )
+            == 1
+        )
         assert sample("omnigate_engine_state", {"engine": "omni-int4", "state": "standby"}) == 1
         assert sample("omnigate_engine_state", {"engine": "omni-bf16", "state": "serving"}) == 1
         assert sample("omnigate_engine_traffic_weight", {"engine": "omni-bf16"}) == 1.0
@@ -88,8 +104,12 @@ def test_a_latency_spike_on_int4_moves_its_traffic_to_bf16_without_failing_a_req
 
 def test_a_crashed_engine_is_ejected_after_failing_over_and_readmitted_by_a_half_open_trial(bg, fresh):
     # Probes are slow here, so it is the passive outcomes that find the crash.
-    s = settings(engines(fresh), [], probe_interval_s=60,
-                 circuit=CircuitSettings(consecutive_failures=3, base_ejection_s=0.5, max_ejection_s=2))  # fmt: skip
+    s = settings(
+        engines(fresh),
+        [],
+        probe_interval_s=60,
+        circuit=CircuitSettings(consecutive_failures=3, base_ejection_s=0.5, max_ejection_s=2),
+    )
     registry = CollectorRegistry()
     server = _start(bg, s, registry)
     port = fresh.int4.port
@@ -106,8 +126,11 @@ def test_a_crashed_engine_is_ejected_after_failing_over_and_readmitted_by_a_half
 
         bg.run(fresh.int4.start(port=port))  # the engine is back
         fresh.set(fresh.int4, default=Script(flavour="omni"))
-        assert wait_until(lambda: chat(server.url).ok and bg.call(lambda: pool.circuit_state("omni-int4")) == "closed",
-                          timeout=30, interval=0.1)  # fmt: skip
+        assert wait_until(
+            lambda: chat(server.url).ok and bg.call(lambda: pool.circuit_state("omni-int4")) == "closed",
+            timeout=30,
+            interval=0.1,
+        )
         actions = [t.action for t in _transitions(server)]
         assert actions[-3:] == ["eject", "half_open", "readmit"]
         before = fresh.counts()["int4"]
@@ -120,8 +143,16 @@ def test_a_crashed_engine_is_ejected_after_failing_over_and_readmitted_by_a_half
 
 
 def test_vram_pressure_in_the_engines_metrics_caps_its_concurrency_and_the_cap_is_lifted_after(bg, fresh):
-    rule = Rule(name="vram-pressure", signal="vram_usage", above=0.9, for_s=0.3, min_samples=0, recover_below=0.8,
-                recover_for_s=0.3, action=RuleAction(kind="limit_concurrency", concurrency_factor=0.5))  # fmt: skip
+    rule = Rule(
+        name="vram-pressure",
+        signal="vram_usage",
+        above=0.9,
+        for_s=0.3,
+        min_samples=0,
+        recover_below=0.8,
+        recover_for_s=0.3,
+        action=RuleAction(kind="limit_concurrency", concurrency_factor=0.5),
+    )
     server = _start(bg, settings(engines(fresh), [rule]))
     pool = server.services.pool
     try:
@@ -154,13 +185,21 @@ def test_vram_pressure_in_the_engines_metrics_caps_its_concurrency_and_the_cap_i
 def test_gpu_memory_from_a_dcgm_exporter_is_the_vram_signal(bg, fresh):
     engine_list = engines(fresh)
     engine_list[0] = engine_list[0].model_copy(
-        update={"telemetry": engine_list[0].telemetry.model_copy(
-            update={"dcgm_url": fresh.int4.base_url[:-3] + "/metrics", "gpus": ["0"]})}
-    )  # fmt: skip
+        update={
+            "telemetry": engine_list[0].telemetry.model_copy(
+                update={"dcgm_url": fresh.int4.base_url[:-3] + "/metrics", "gpus": ["0"]}
+            )
+        }
+    )
     server = _start(bg, settings(engine_list, []))
     try:
-        fresh.set(fresh.int4, kv_cache_usage_perc=0.1, gpu_fb_used_mib=72000.0, gpu_fb_free_mib=8000.0,
-                  num_requests_waiting=3)  # fmt: skip
+        fresh.set(
+            fresh.int4,
+            kv_cache_usage_perc=0.1,
+            gpu_fb_used_mib=72000.0,
+            gpu_fb_free_mib=8000.0,
+            num_requests_waiting=3,
+        )
 
         def signals() -> dict:
             status = admin(server.url, "").json()
@@ -176,18 +215,33 @@ def test_gpu_memory_from_a_dcgm_exporter_is_the_vram_signal(bg, fresh):
 def test_wer_drift_on_sampled_speech_degrades_int4_to_int8(bg, fresh, tmp_path):
     speech = speech_set(tmp_path)
     said, own, drifted = speech[0]
-    rule = Rule(name="wer-drift", select=RuleSelector(variants=["int4"]), signal="wer", above=0.05, for_s=0,
-                min_samples=2, recover_below=0.03, recover_for_s=600,
-                action=RuleAction(kind="shift", to_variants=["int8", "bf16"], trickle_weight=0.0))  # fmt: skip
-    s = settings(engines(fresh), [rule], sentinel=SentinelSettings(enabled=True, sample_share=1.0, queue_size=4),
-                 window_s=60)  # fmt: skip
+    rule = Rule(
+        name="wer-drift",
+        select=RuleSelector(variants=["int4"]),
+        signal="wer",
+        above=0.05,
+        for_s=0,
+        min_samples=2,
+        recover_below=0.03,
+        recover_for_s=600,
+        action=RuleAction(kind="shift", to_variants=["int8", "bf16"], trickle_weight=0.0),
+    )
+    s = settings(
+        engines(fresh),
+        [rule],
+        sentinel=SentinelSettings(enabled=True, sample_share=1.0, queue_size=4),
+        window_s=60,
+    )
     fresh.set(fresh.int4, default=Script(flavour="omni", text=said, audio_wav=str(drifted)))
     fresh.set(fresh.int8, default=Script(flavour="omni", text=said, audio_wav=str(own)))
     server = _start(bg, s)
     try:
         answers = []
-        assert wait_until(lambda: (answers.append(chat(server.url, speech=True)) or bool(_transitions(server, "shift"))),
-                          timeout=120, interval=0.2)  # fmt: skip
+        assert wait_until(
+            lambda: answers.append(chat(server.url, speech=True)) or bool(_transitions(server, "shift")),
+            timeout=120,
+            interval=0.2,
+        )
         assert all(a.ok and a.audio_bytes > 0 for a in answers)
         [shift] = _transitions(server, "shift")
         assert shift.reason == "wer-drift" and shift.detail["value"] >= 0.3
@@ -205,8 +259,16 @@ def test_wer_drift_on_sampled_speech_degrades_int4_to_int8(bg, fresh, tmp_path):
 def test_a_canary_takes_its_weight_and_is_set_to_zero_when_it_fails(bg, fresh):
     canary = ScriptedUpstream(Script(flavour="omni"))
     bg.run(canary.start())
-    rule = Rule(name="canary-errors", select=RuleSelector(roles=["canary"]), signal="error_rate", above=0.05,
-                for_s=0, min_samples=5, auto_recover=False, action=RuleAction(kind="set_weight", weight=0.0))  # fmt: skip
+    rule = Rule(
+        name="canary-errors",
+        select=RuleSelector(roles=["canary"]),
+        signal="error_rate",
+        above=0.05,
+        for_s=0,
+        min_samples=5,
+        auto_recover=False,
+        action=RuleAction(kind="set_weight", weight=0.0),
+    )
     server = _start(bg, settings(engines(fresh, canary, canary_weight=0.3), [rule], window_s=60))
     try:
         assert all(chat(server.url).ok for _ in range(100))
@@ -215,8 +277,11 @@ def test_a_canary_takes_its_weight_and_is_set_to_zero_when_it_fails(bg, fresh):
 
         bg.call(lambda: setattr(canary, "default", Script(flavour="omni", fault="500_before_headers")))
         answers = []
-        assert wait_until(lambda: (answers.append(chat(server.url)) or bool(_transitions(server, "set_weight"))),
-                          timeout=60, interval=0)  # fmt: skip
+        assert wait_until(
+            lambda: answers.append(chat(server.url)) or bool(_transitions(server, "set_weight")),
+            timeout=60,
+            interval=0,
+        )
         assert all(a.ok for a in answers)  # the canary's failures failed over to the primary
         before = bg.call(lambda: canary.request_count)
         assert all(chat(server.url).ok for _ in range(30))

@@ -5,6 +5,7 @@ Uses the Redis at 127.0.0.1:6379 under a key prefix of its own per test.
 
 from __future__ import annotations
 
+import socket
 import uuid
 
 import pytest
@@ -21,9 +22,17 @@ from tests.upstream import Script
 pytestmark = pytest.mark.timeout(180)
 REDIS = "redis://127.0.0.1:6379/0"
 
-RULE = Rule(name="int4-latency", select=RuleSelector(variants=["int4"]), signal="ttft_p99", above=0.15, for_s=0.3,
-            min_samples=5, recover_below=0.05, recover_for_s=0.5,
-            action=RuleAction(kind="shift", to_variants=["bf16"], trickle_weight=0.0))  # fmt: skip
+RULE = Rule(
+    name="int4-latency",
+    select=RuleSelector(variants=["int4"]),
+    signal="ttft_p99",
+    above=0.15,
+    for_s=0.3,
+    min_samples=5,
+    recover_below=0.05,
+    recover_for_s=0.5,
+    action=RuleAction(kind="shift", to_variants=["bf16"], trickle_weight=0.0),
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +58,9 @@ def prefix(bg):
 
 
 def _replica(bg, trio, prefix: str, name: str, rules=(RULE,)) -> GatewayServer:
-    state = SharedStateSettings(backend="redis", redis_url=REDIS, key_prefix=prefix, lease_ttl_s=1.0,
-                                replica_id=name)  # fmt: skip
+    state = SharedStateSettings(
+        backend="redis", redis_url=REDIS, key_prefix=prefix, lease_ttl_s=1.0, replica_id=name
+    )
     return GatewayServer(bg, settings(engines(trio), list(rules), state=state), CollectorRegistry()).start()
 
 
@@ -71,16 +81,28 @@ def test_one_replica_leads_both_follow_its_switch_and_signals_from_both_count(bg
         # Only the follower serves traffic: the leader decides on the follower's measurements.
         trio.set(trio.int4, default=Script(flavour="omni", first_byte_delay_s=0.3))
         answers = []
-        assert wait_until(lambda: (answers.append(chat(follower.url)) or
-                                   _status(leader)["weights"][MODEL]["omni-bf16"] == 1.0), timeout=60, interval=0)
+        assert wait_until(
+            lambda: (
+                answers.append(chat(follower.url)) or _status(leader)["weights"][MODEL]["omni-bf16"] == 1.0
+            ),
+            timeout=60,
+            interval=0,
+        )
         assert all(x.ok for x in answers)
         assert wait_until(lambda: _status(follower)["weights"][MODEL]["omni-bf16"] == 1.0, timeout=10)
         assert _status(follower)["version"] == _status(leader)["version"]
         leader_shifts = [t for t in _status(leader)["recent_transitions"] if t["action"] == "shift"]
         assert len(leader_shifts) == 1 and leader_shifts[0]["reason"] == "int4-latency"
-        assert not [t for t in _status(follower)["recent_transitions"] if t["action"] == "shift"]  # counted once
-        assert follower.registry.get_sample_value("omnigate_routing_transitions_total",
-                                                  {"action": "shift", "reason": "int4-latency", "source": "auto"}) is None  # fmt: skip
+        assert not [
+            t for t in _status(follower)["recent_transitions"] if t["action"] == "shift"
+        ]  # counted once
+        assert (
+            follower.registry.get_sample_value(
+                "omnigate_routing_transitions_total",
+                {"action": "shift", "reason": "int4-latency", "source": "auto"},
+            )
+            is None
+        )
 
         before = trio.counts()
         for server in (a, b):
@@ -91,7 +113,7 @@ def test_one_replica_leads_both_follow_its_switch_and_signals_from_both_count(bg
         # A manual pin through the follower is the leader's state too.
         r = admin(follower.url, "/pin", {"model": MODEL, "variant": "int8", "note": "drill"})
         assert r.status_code == 200 and r.json()["changed"]
-        assert _status(leader)["pins"] == {MODEL: "int8"}
+        assert wait_until(lambda: _status(leader)["pins"] == {MODEL: "int8"}, timeout=10)  # its next tick
         assert wait_until(lambda: _status(leader)["weights"][MODEL]["omni-int8"] == 1.0, timeout=10)
         assert all(chat(leader.url).ok for _ in range(3))
         assert trio.counts()["int8"] == 3
@@ -150,6 +172,7 @@ async def test_redis_store_lease_is_exclusive_and_writes_are_fenced_on_it(prefix
                 pins = dict(doc.state.get("pins") or {})
                 pins[name] = "bf16"
                 return {**doc.state, "pins": pins}, doc.table
+
             return fn
 
         await asyncio.gather(*(s.update(add(f"m{i}")) for i, s in enumerate([one, two] * 5)))
@@ -164,3 +187,27 @@ async def test_redis_store_lease_is_exclusive_and_writes_are_fenced_on_it(prefix
     finally:
         await one.aclose()
         await two.aclose()
+
+
+def test_a_replica_that_cannot_reach_redis_serves_with_the_configured_split(bg, trio, prefix):
+    trio.reset()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]  # nothing listens here once the socket closes
+    state = SharedStateSettings(
+        backend="redis", redis_url=f"redis://127.0.0.1:{dead}/0", key_prefix=prefix, lease_ttl_s=1.0
+    )
+    registry = CollectorRegistry()
+    server = GatewayServer(bg, settings(engines(trio), [RULE], state=state), registry).start()
+    try:
+        assert all(chat(server.url).ok for _ in range(3))
+        assert trio.counts()["int4"] == 3
+        st = _status(server)
+        assert st["leader"] is None and not st["is_leader"]
+        assert st["weights"][MODEL]["omni-int4"] == 1.0
+        assert registry.get_sample_value("omnigate_controller_errors_total", {"stage": "store"}) == 1
+        assert wait_until(
+            lambda: (registry.get_sample_value("omnigate_controller_errors_total", {"stage": "tick"}) or 0) >= 2
+        )
+    finally:
+        server.stop()

@@ -54,16 +54,24 @@ def test_circuit_ejects_after_consecutive_failures_then_lets_one_trial_through()
 
 def test_circuit_ejects_on_failure_rate_over_the_window():
     clock = Clock()
-    c = Circuit(CircuitSettings(consecutive_failures=100, failure_rate=0.5, failure_rate_min_requests=10,
-                                failure_rate_window_s=30), clock)  # fmt: skip
+    c = Circuit(
+        CircuitSettings(
+            consecutive_failures=100, failure_rate=0.5, failure_rate_min_requests=10, failure_rate_window_s=30
+        ),
+        clock,
+    )
     states = []
     for i in range(10):
         states.append(c.success() if i % 2 else c.failure())
     assert all(s is None for s in states) and c.state == "closed"  # 5 of 9 when the 5th failed: too few
     assert c.failure() == "open"  # 6 failures of 11: over half
     clock2 = Clock()
-    old = Circuit(CircuitSettings(consecutive_failures=100, failure_rate=0.5, failure_rate_min_requests=4,
-                                  failure_rate_window_s=30), clock2)  # fmt: skip
+    old = Circuit(
+        CircuitSettings(
+            consecutive_failures=100, failure_rate=0.5, failure_rate_min_requests=4, failure_rate_window_s=30
+        ),
+        clock2,
+    )
     for _ in range(3):
         old.failure()
     clock2.t += 31  # those failures left the window
@@ -75,25 +83,41 @@ def test_circuit_ejects_on_failure_rate_over_the_window():
 
 
 def _cfg(name: str, variant: str, role: str = "primary", weight: float | None = None) -> EngineConfig:
-    return EngineConfig(name=name, kind="vllm", base_url="http://127.0.0.1:9/v1", model="m", variant=variant,
-                        role=role, weight=weight, serves=["omni"])  # fmt: skip
+    return EngineConfig(
+        name=name,
+        kind="vllm",
+        base_url="http://127.0.0.1:9/v1",
+        model="m",
+        variant=variant,
+        role=role,
+        weight=weight,
+        serves=["omni"],
+    )
 
 
 def _pool(*configs: EngineConfig, seed: int = 1) -> EnginePool:
-    pool = EnginePool([build_engine(c) for c in configs], Metrics(CollectorRegistry()),
-                      routing=RoutingSettings(seed=seed))  # fmt: skip
+    pool = EnginePool(
+        [build_engine(c) for c in configs], Metrics(CollectorRegistry()), routing=RoutingSettings(seed=seed)
+    )
     for name in pool.engines:
         pool._healthy[name] = True
     return pool
 
 
 def test_base_weights_give_a_canary_ten_percent_and_primaries_the_rest():
-    infos = [EngineInfo("a", "int4", "primary", ("m",)), EngineInfo("b", "int4", "primary", ("m",)),
-             EngineInfo("c", "int4", "canary", ("m",)), EngineInfo("f", "bf16", "fallback", ("m",))]  # fmt: skip
+    infos = [
+        EngineInfo("a", "int4", "primary", ("m",)),
+        EngineInfo("b", "int4", "primary", ("m",)),
+        EngineInfo("c", "int4", "canary", ("m",)),
+        EngineInfo("f", "bf16", "fallback", ("m",)),
+    ]
     assert base_weights(infos)["m"] == pytest.approx({"a": 0.45, "b": 0.45, "c": 0.1, "f": 0.0})
     infos[2] = EngineInfo("c", "int4", "canary", ("m",), 0.25)
     assert base_weights(infos)["m"]["c"] == pytest.approx(0.25)
-    only_fallbacks = [EngineInfo("f1", "bf16", "fallback", ("x",)), EngineInfo("f2", "fp16", "fallback", ("x",))]
+    only_fallbacks = [
+        EngineInfo("f1", "bf16", "fallback", ("x",)),
+        EngineInfo("f2", "fp16", "fallback", ("x",)),
+    ]
     assert base_weights(only_fallbacks)["x"] == pytest.approx({"f1": 0.5, "f2": 0.5})
 
 
@@ -161,12 +185,15 @@ def test_bucketed_percentiles_are_within_two_percent_and_merge_like_the_raw_samp
 
 def test_outcome_window_forgets_what_left_the_window():
     clock = Clock()
-    w = OutcomeWindow(max_samples=100, clock=clock)
+    w = OutcomeWindow(max_samples=100, clock=clock, window_s=60, slots=30)  # 2 s slots
     w.success(5.0, None, 6.0)
     w.failure()
-    clock.t += 61
+    clock.t += 30
+    assert (w.summary().ok, w.summary().errors) == (1, 1)
+    assert w.summary(20).ok == 0  # a shorter window than the one kept
+    clock.t += 32
     w.success(0.2, 0.3, 1.0)
-    s = w.summary(60)
+    s = w.summary()
     assert (s.ok, s.errors) == (1, 0)
     values, samples = s.values()
     assert values["ttft_p99"] == pytest.approx(0.2, rel=0.02) and samples["ttft_p99"] == 1
@@ -219,7 +246,10 @@ def test_parse_vllm_metrics():
     assert histogram_quantile(0.5, r.ttft_buckets) == pytest.approx(0.1)
     later = {0.1: 50.0, 0.5: 90.0, 1.0: 100.0, float("inf"): 110.0}
     assert histogram_quantile(0.99, bucket_delta(later, r.ttft_buckets)) == pytest.approx(1.0)  # all in +Inf
-    assert bucket_delta({0.1: 1.0, float("inf"): 1.0}, r.ttft_buckets) == {0.1: 1.0, float("inf"): 1.0}  # reset
+    assert bucket_delta({0.1: 1.0, float("inf"): 1.0}, r.ttft_buckets) == {
+        0.1: 1.0,
+        float("inf"): 1.0,
+    }  # reset
 
 
 def test_parse_dcgm_framebuffer():

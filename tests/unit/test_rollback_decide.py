@@ -1,4 +1,4 @@
-"""The controller's pure ``decide`` over scripted signal series: one call per simulated second, no clock, no I/O."""
+"""The controller's pure ``decide`` over scripted signal series: one call per simulated second."""
 
 from __future__ import annotations
 
@@ -18,23 +18,37 @@ INT8 = EngineInfo("omni-int8", "int8", "fallback", ("omni",))
 CANARY = EngineInfo("omni-next", "int4", "canary", ("omni",), 0.1)
 
 LATENCY = Rule(
-    name="int4-latency", select=RuleSelector(variants=["int4"], roles=["primary"]), signal="ttft_p99", above=0.6,
-    for_s=5, min_samples=20, recover_below=0.45, recover_for_s=10,
+    name="int4-latency",
+    select=RuleSelector(variants=["int4"], roles=["primary"]),
+    signal="ttft_p99",
+    above=0.6,
+    for_s=5,
+    min_samples=20,
+    recover_below=0.45,
+    recover_for_s=10,
     action=RuleAction(kind="shift", to_variants=["fp16", "bf16"], trickle_weight=0.05),
-)  # fmt: skip
+)
 
 
 def cfg(*rules: Rule, dwell: float = 0, cooldown: float = 0, per_hour: int = 100) -> ControllerSettings:
-    return ControllerSettings(rules=list(rules) or [LATENCY], min_dwell_s=dwell, cooldown_s=cooldown,
-                              max_switches_per_hour=per_hour)  # fmt: skip
+    return ControllerSettings(
+        rules=list(rules) or [LATENCY], min_dwell_s=dwell, cooldown_s=cooldown, max_switches_per_hour=per_hour
+    )
 
 
 Series = Callable[[float], dict[str, dict[str, float]]]
 
 
-def run(series: Series, config: ControllerSettings, seconds: int, infos=(INT4, BF16),
-        state: ControllerState | None = None, health: dict[str, bool] | None = None,
-        samples: int = 100, start: float = 0.0):  # fmt: skip
+def run(
+    series: Series,
+    config: ControllerSettings,
+    seconds: int,
+    infos=(INT4, BF16),
+    state: ControllerState | None = None,
+    health: dict[str, bool] | None = None,
+    samples: int = 100,
+    start: float = 0.0,
+):
     """Tick once per second from ``start``; returns every transition, every hold, and the last state."""
     state = state or ControllerState()
     transitions: list[Transition] = []
@@ -43,9 +57,11 @@ def run(series: Series, config: ControllerSettings, seconds: int, infos=(INT4, B
         values = series(float(t))
         engines = {
             i.name: EngineSignals(
-                info=i, healthy=(health or {}).get(i.name, True), values=values.get(i.name, {}),
+                info=i,
+                healthy=(health or {}).get(i.name, True),
+                values=values.get(i.name, {}),
                 samples={k: samples for k in values.get(i.name, {})},
-            )  # fmt: skip
+            )
             for i in infos
         }
         d = decide(Snapshot(now=float(t), engines=engines), state, config)
@@ -65,7 +81,9 @@ def p99(fn: Callable[[float], float]) -> Series:
 
 def test_a_sustained_latency_spike_shifts_int4_traffic_to_bf16_after_for_s():
     trs, _, state = run(p99(lambda t: 0.9 if t >= 10 else 0.3), cfg(), 30)
-    assert [(t.at, t.action, t.reason, t.engine) for t in trs] == [(15.0, "shift", "int4-latency", "omni-int4")]
+    assert [(t.at, t.action, t.reason, t.engine) for t in trs] == [
+        (15.0, "shift", "int4-latency", "omni-int4")
+    ]
     assert trs[0].detail["detected_at"] == 10.0 and trs[0].detail["value"] == 0.9
     w = table(state).weights["omni"]
     assert w["omni-int4"] == pytest.approx(0.05) and w["omni-bf16"] == pytest.approx(0.95)
@@ -119,8 +137,15 @@ def test_min_dwell_holds_the_way_back():
 
 
 def test_cooldown_after_a_switch_holds_the_next_one():
-    wer = Rule(name="wer-drift", select=RuleSelector(variants=["int4"]), signal="wer", above=0.05, for_s=0,
-               min_samples=5, action=RuleAction(kind="shift", to_variants=["int8"], trickle_weight=0.0))  # fmt: skip
+    wer = Rule(
+        name="wer-drift",
+        select=RuleSelector(variants=["int4"]),
+        signal="wer",
+        above=0.05,
+        for_s=0,
+        min_samples=5,
+        action=RuleAction(kind="shift", to_variants=["int8"], trickle_weight=0.0),
+    )
     canary_infos = (INT4, BF16, INT8)
 
     def series(t: float) -> dict:
@@ -134,16 +159,28 @@ def test_cooldown_after_a_switch_holds_the_next_one():
 
 
 def test_switches_per_hour_are_capped():
-    flappy = Rule(name="flappy", select=RuleSelector(variants=["int4"]), signal="ttft_p99", above=0.6, for_s=0,
-                  min_samples=1, recover_below=0.45, recover_for_s=0,
-                  action=RuleAction(kind="shift", to_variants=["bf16"], trickle_weight=0.1))  # fmt: skip
+    flappy = Rule(
+        name="flappy",
+        select=RuleSelector(variants=["int4"]),
+        signal="ttft_p99",
+        above=0.6,
+        for_s=0,
+        min_samples=1,
+        recover_below=0.45,
+        recover_for_s=0,
+        action=RuleAction(kind="shift", to_variants=["bf16"], trickle_weight=0.1),
+    )
     trs, holds, _ = run(p99(lambda t: 0.9 if int(t) % 2 == 0 else 0.3), cfg(flappy, per_hour=4), 3600)
     assert len(trs) == 4
     assert any(reason == "switch-limit" for _, _, reason in holds)
     # An hour after the first switch the budget frees up again.
-    trs2, _, _ = run(p99(lambda t: 0.9 if int(t) % 2 == 0 else 0.3), cfg(flappy, per_hour=4), 10,
-                     state=run(p99(lambda t: 0.9 if int(t) % 2 == 0 else 0.3), cfg(flappy, per_hour=4), 3600)[2],
-                     start=3600)  # fmt: skip
+    trs2, _, _ = run(
+        p99(lambda t: 0.9 if int(t) % 2 == 0 else 0.3),
+        cfg(flappy, per_hour=4),
+        10,
+        state=run(p99(lambda t: 0.9 if int(t) % 2 == 0 else 0.3), cfg(flappy, per_hour=4), 3600)[2],
+        start=3600,
+    )
     assert len(trs2) >= 1
 
 

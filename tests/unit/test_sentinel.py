@@ -58,14 +58,20 @@ def test_speech_that_says_something_else_scores_its_word_errors(speech, scorer):
 async def test_sentinel_samples_its_share_and_keeps_a_corpus_wer_per_engine(speech, scorer):
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    sentinel = AccuracySentinel(SentinelSettings(enabled=True, sample_share=0.1, queue_size=64, min_words=3),
-                                metrics, seed=11, scorer=scorer)  # fmt: skip
+    sentinel = AccuracySentinel(
+        SentinelSettings(enabled=True, sample_share=0.1, queue_size=64, min_words=3),
+        metrics,
+        seed=11,
+        scorer=scorer,
+    )
     await sentinel.start()
     try:
         # Too short to score: counts how many of 1000 answers were sampled, without transcribing any.
         tiny = Completion(text="ok", audio=b"\0\0" * 100, sample_rate=16000)
         taken = sum(sentinel.offer("e", "int4", tiny) for _ in range(1000))
-        skipped = registry.get_sample_value("omnigate_sentinel_samples_total", {"engine": "e", "outcome": "skipped"})
+        skipped = registry.get_sample_value(
+            "omnigate_sentinel_samples_total", {"engine": "e", "outcome": "skipped"}
+        )
         assert taken == 0 and 70 <= skipped <= 130
 
         sentinel.settings = sentinel.settings.model_copy(update={"sample_share": 1.0})
@@ -77,25 +83,40 @@ async def test_sentinel_samples_its_share_and_keeps_a_corpus_wer_per_engine(spee
         assert sentinel.totals("good") == (0, 21, 2)
         errors, words, samples = sentinel.totals("bad")
         assert samples == 2 and words == 21 and errors >= 6
-        assert registry.get_sample_value("omnigate_sentinel_samples_total",
-                                         {"engine": "bad", "outcome": "scored"}) == 2  # fmt: skip
-        assert registry.get_sample_value("omnigate_sentinel_wer_count", {"engine": "good", "variant": "int4"}) == 2
+        assert (
+            registry.get_sample_value(
+                "omnigate_sentinel_samples_total", {"engine": "bad", "outcome": "scored"}
+            )
+            == 2
+        )
+        assert (
+            registry.get_sample_value("omnigate_sentinel_wer_count", {"engine": "good", "variant": "int4"})
+            == 2
+        )
     finally:
         await sentinel.aclose()
 
 
 async def test_a_full_queue_drops_samples_instead_of_waiting(speech, scorer):
     registry = CollectorRegistry()
-    sentinel = AccuracySentinel(SentinelSettings(enabled=True, sample_share=1.0, queue_size=1), Metrics(registry),
-                                scorer=scorer)  # fmt: skip
+    sentinel = AccuracySentinel(
+        SentinelSettings(enabled=True, sample_share=1.0, queue_size=1), Metrics(registry), scorer=scorer
+    )
     await sentinel.start()
     try:
         said, own, _ = speech[0]
         pcm, rate = _pcm(own)
         c = Completion(text=said, audio=pcm, sample_rate=rate)
-        results = [sentinel.offer("e", "int4", c) for _ in range(5)]  # no await between: the worker cannot take any
+        results = [
+            sentinel.offer("e", "int4", c) for _ in range(5)
+        ]  # no await between: the worker cannot take any
         assert results == [True, False, False, False, False]
-        assert registry.get_sample_value("omnigate_sentinel_samples_total", {"engine": "e", "outcome": "dropped"}) == 4
+        assert (
+            registry.get_sample_value(
+                "omnigate_sentinel_samples_total", {"engine": "e", "outcome": "dropped"}
+            )
+            == 4
+        )
         await asyncio.wait_for(sentinel.drain(), 60)
     finally:
         await sentinel.aclose()
