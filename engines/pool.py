@@ -83,6 +83,7 @@ class EnginePool:
         self.table = RoutingTable(weights=base_weights(self.infos.values()))
         #: called with every circuit transition (eject, half_open, readmit); set by the controller
         self.transition_sink: Callable[[Transition], None] | None = None
+        self._probed: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         for name in self.engines:
             self._refresh_state(name)
@@ -260,11 +261,22 @@ class EnginePool:
             gauge.labels(name, s).set(1 if s == now_state else 0)
 
     def _set_health(self, engine: Engine, healthy: bool) -> None:
-        if self._healthy.get(engine.name) != healthy:
-            log.info("engine_health_changed", engine=engine.name, healthy=healthy)
-        self._healthy[engine.name] = healthy
-        self._metrics.engine_healthy.labels(engine.name, engine.config.variant).set(1 if healthy else 0)
-        self._refresh_state(engine.name)
+        name = engine.name
+        changed = self._healthy.get(name) != healthy
+        first = name not in self._probed
+        self._probed.add(name)
+        self._healthy[name] = healthy
+        self._metrics.engine_healthy.labels(name, engine.config.variant).set(1 if healthy else 0)
+        self._refresh_state(name)
+        if not changed:
+            return
+        log.info("engine_health_changed", engine=name, healthy=healthy)
+        if not first and self.transition_sink is not None:
+            # The first probe result is where an engine starts, not a change of state.
+            self.transition_sink(
+                Transition(at=time.time(), action="up" if healthy else "down", reason="health-probe", source="auto",
+                           engine=name, models=self.infos[name].serves)
+            )
 
     async def start(self) -> None:
         for engine in self.engines.values():

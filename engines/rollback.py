@@ -164,8 +164,8 @@ class Transition:
     """One change of routing or engine state, automatic or manual: what goes to metrics, the log and audit.
 
     ``action`` is one of shift, set_weight, limit_concurrency, restore, pin, unpin,
-    freeze, resume, eject, half_open, readmit; ``reason`` is a rule name or a
-    fixed word (manual, outlier-ejection, ...); ``source`` is auto or manual.
+    freeze, resume, eject, half_open, readmit, down, up; ``reason`` is a rule name or
+    a fixed word (manual, outlier-ejection, health-probe, ...); ``source`` is auto or manual.
     """
 
     at: float
