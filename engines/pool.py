@@ -1,23 +1,35 @@
 """The engines behind each public model, their health, and the order to try them in.
 
-Health comes from a background probe loop (a watchdog off the request path) and
-from passive outcomes reported by the pipeline. The request path only reads.
+Health comes from a background probe loop (a watchdog off the request path), and
+from passive outcomes reported by the pipeline, which feed each engine's circuit
+breaker (:mod:`engines.circuit`) and its outcome window (:mod:`engines.signals`).
+The order for one request is drawn from the routing table (:mod:`engines.routing`)
+that the rollback controller publishes; the request path only reads it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Iterable
+import random
+import time
+from typing import Callable, Iterable
 
 import structlog
 
 from engines.base import Engine
+from engines.circuit import Circuit
+from engines.control_settings import RoutingSettings
+from engines.rollback import Transition
+from engines.routing import EngineInfo, RoutingTable, base_weights
+from engines.signals import EngineSummary, OutcomeWindow
 from gateway.settings import EngineConfig
-from observability.metrics import Metrics
+from observability.metrics import ENGINE_STATES, Metrics
 
 log = structlog.get_logger(__name__)
 
 _ROLE_ORDER = {"primary": 0, "canary": 1, "fallback": 2}
+_CIRCUIT_ACTIONS = {"open": "eject", "half_open": "half_open", "closed": "readmit"}
+_CIRCUIT_REASONS = {"eject": "outlier-ejection", "half_open": "ejection-elapsed", "readmit": "half-open-success"}
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -41,16 +53,40 @@ def build_engine(config: EngineConfig) -> Engine:
 
 
 class EnginePool:
-    def __init__(self, engines: Iterable[Engine], metrics: Metrics, probe_interval_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        engines: Iterable[Engine],
+        metrics: Metrics,
+        probe_interval_s: float | None = None,
+        routing: RoutingSettings | None = None,
+    ) -> None:
+        self.routing = routing or RoutingSettings()
         self.engines: dict[str, Engine] = {e.name: e for e in engines}
         self._metrics = metrics
-        self._probe_interval_s = probe_interval_s
+        self._probe_interval_s = self.routing.probe_interval_s if probe_interval_s is None else probe_interval_s
         self._healthy: dict[str, bool] = {name: False for name in self.engines}
         self._by_model: dict[str, list[Engine]] = {}
         for engine in sorted(self.engines.values(), key=lambda e: _ROLE_ORDER[e.config.role]):
             for public in engine.config.serves:
                 self._by_model.setdefault(public, []).append(engine)
+        self.infos: dict[str, EngineInfo] = {
+            e.name: EngineInfo(e.name, e.config.variant, e.config.role, tuple(e.config.serves), e.config.weight)
+            for e in self.engines.values()
+        }
+        self._circuits = {name: Circuit(self.routing.circuit) for name in self.engines}
+        signals = self.routing.signals
+        self._windows = {
+            name: OutcomeWindow(signals.max_samples, window_s=signals.window_s) for name in self.engines
+        }
+        self._in_flight: dict[str, int] = {name: 0 for name in self.engines}
+        self._rng = random.Random(self.routing.seed)
+        self.table = RoutingTable(weights=base_weights(self.infos.values()))
+        #: called with every circuit transition (eject, half_open, readmit); set by the controller
+        self.transition_sink: Callable[[Transition], None] | None = None
+        self._probed: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        for name in self.engines:
+            self._refresh_state(name)
 
     # -- read side (request path) ------------------------------------------
     def models(self) -> list[str]:
@@ -60,9 +96,43 @@ class EnginePool:
         return model in self._by_model
 
     def candidates(self, model: str) -> list[Engine]:
-        """Engines for ``model``: healthy ones first, in configured order."""
-        engines = self._by_model.get(model, [])
-        return sorted(engines, key=lambda e: not self._healthy.get(e.name, False))
+        """Engines for ``model`` in the order to try them.
+
+        First, one engine drawn by the routing table's weights among those that are
+        healthy, not ejected and under their concurrency limit; then the rest of those
+        by weight; then the available engines without traffic share (fallbacks, engines
+        rolled back from); last, as a last resort, engines that are down or ejected.
+        """
+        engines = self._by_model.get(model, ())
+        weights = self.table.weights.get(model, {})
+        weighted: list[tuple[float, Engine]] = []
+        standby: list[Engine] = []
+        down: list[Engine] = []
+        for e in engines:
+            up = self._healthy.get(e.name, False) and self._circuits[e.name].available()
+            if not up or self._full(e.name):
+                down.append(e)
+                continue
+            w = weights.get(e.name, 0.0)
+            if w > 0.0:
+                weighted.append((w, e))
+            else:
+                standby.append(e)
+        out: list[Engine] = []
+        if weighted:
+            if len(weighted) > 1:
+                x = self._rng.random() * sum(w for w, _ in weighted)
+                for i, (w, e) in enumerate(weighted):
+                    x -= w
+                    if x < 0 or i == len(weighted) - 1:
+                        out.append(e)
+                        del weighted[i]
+                        break
+                weighted.sort(key=lambda we: -we[0])
+            out.extend(e for _, e in weighted)
+        out.extend(standby)
+        out.extend(down)
+        return out
 
     def is_healthy(self, name: str) -> bool:
         return self._healthy.get(name, False)
@@ -74,16 +144,139 @@ class EnginePool:
     def health_report(self) -> dict[str, bool]:
         return dict(self._healthy)
 
-    # -- write side ---------------------------------------------------------
-    def _set_health(self, engine: Engine, healthy: bool) -> None:
-        if self._healthy.get(engine.name) != healthy:
-            log.info("engine_health_changed", engine=engine.name, healthy=healthy)
-        self._healthy[engine.name] = healthy
-        self._metrics.engine_healthy.labels(engine.name, engine.config.variant).set(1 if healthy else 0)
+    def circuit_state(self, name: str) -> str:
+        return self._circuits[name].current()
 
-    def report_failure(self, engine: Engine) -> None:
-        """A request could not reach the engine: stop preferring it until a probe says otherwise."""
-        self._set_health(engine, False)
+    def in_flight(self, name: str) -> int:
+        return self._in_flight.get(name, 0)
+
+    def summaries(self, window_s: float | None = None) -> dict[str, EngineSummary]:
+        """This replica's measurements per engine over the window (off the request path)."""
+        w = window_s if window_s is not None else self.routing.signals.window_s
+        return {name: win.summary(w) for name, win in self._windows.items()}
+
+    def engine_state(self, name: str) -> str:
+        """One word for the engine: serving, standby, ejected, half_open or down."""
+        if not self._healthy.get(name, False):
+            return "down"
+        c = self._circuits[name].current()
+        if c == "open":
+            return "ejected"
+        if c == "half_open":
+            return "half_open"
+        return "serving" if self.table.engine_weight(name) > 0 else "standby"
+
+    # -- request path: claims and outcomes ---------------------------------
+    def _full(self, name: str) -> bool:
+        limit = self.table.limits.get(name)
+        return limit is not None and self._in_flight[name] >= limit
+
+    def acquire(self, engine: Engine) -> bool:
+        """Claim one request's slot on ``engine``; False when it is at its limit or ejected."""
+        name = engine.name
+        if self._full(name):
+            return False
+        circuit = self._circuits[name]
+        admitted, changed = circuit.admit()
+        if changed is not None:
+            self._circuit_changed(name, changed)
+        if not admitted and not self._panic(engine):
+            return False
+        self._in_flight[name] += 1
+        return True
+
+    def _panic(self, engine: Engine) -> bool:
+        """Every engine of the model is ejected or down: trying an ejected one beats refusing outright."""
+        for model in engine.config.serves:
+            for other in self._by_model.get(model, ()):
+                if self._healthy.get(other.name, False) and self._circuits[other.name].available():
+                    return False
+        return True
+
+    def release(self, engine: Engine | str, *, settled: bool = True) -> None:
+        """End a claim. ``settled=False``: no outcome was reported (the half-open trial is given back)."""
+        name = engine if isinstance(engine, str) else engine.name
+        if name not in self._in_flight:
+            return
+        self._in_flight[name] = max(0, self._in_flight[name] - 1)
+        if not settled:
+            self._circuits[name].release()
+
+    def report_success(self, engine: Engine | str, ttft_s: float | None, first_audio_s: float | None,
+                       e2e_s: float) -> None:  # fmt: skip
+        name = engine if isinstance(engine, str) else engine.name
+        if name not in self._windows:
+            return
+        self._windows[name].success(ttft_s, first_audio_s, e2e_s)
+        changed = self._circuits[name].success()
+        if changed is not None:
+            self._circuit_changed(name, changed)
+
+    def report_failure(self, engine: Engine | str) -> None:
+        """A request failed at the engine (refused, reset, timed out, 5xx, broken stream)."""
+        name = engine if isinstance(engine, str) else engine.name
+        if name not in self._windows:
+            return
+        self._windows[name].failure()
+        changed = self._circuits[name].failure()
+        if changed is not None:
+            self._circuit_changed(name, changed)
+
+    # -- write side ---------------------------------------------------------
+    def set_table(self, table: RoutingTable) -> None:
+        """Swap in a new routing table (one reference assignment: requests see the old or the new)."""
+        self.table = table
+        for name in self.engines:
+            self._refresh_state(name)
+            self._metrics.engine_weight.labels(name).set(table.engine_weight(name))
+            self._metrics.engine_limit.labels(name).set(table.limits.get(name, -1))
+
+    def readmit(self, name: str) -> bool:
+        """Close an engine's circuit by hand; True when it was open or half-open."""
+        changed = self._circuits[name].reset()
+        if changed is not None:
+            self._circuit_changed(name, changed, source="manual")
+            return True
+        return False
+
+    def _circuit_changed(self, name: str, state: str, source: str = "auto") -> None:
+        circuit = self._circuits[name]
+        action = _CIRCUIT_ACTIONS[state]
+        reason = "manual" if source == "manual" else _CIRCUIT_REASONS[action]
+        detail = {"ejections": circuit.ejections, "consecutive_failures": circuit.consecutive}
+        if state == "open":
+            detail["ejected_for_s"] = round(circuit.open_until - time.monotonic(), 3)
+        self._refresh_state(name)
+        t = Transition(at=time.time(), action=action, reason=reason, source=source, engine=name,
+                       models=self.infos[name].serves, detail=detail)  # fmt: skip
+        if self.transition_sink is not None:
+            self.transition_sink(t)
+        else:
+            log.warning("engine_transition", **t.to_dict())
+
+    def _refresh_state(self, name: str) -> None:
+        now_state = self.engine_state(name)
+        gauge = self._metrics.engine_state
+        for s in ENGINE_STATES:
+            gauge.labels(name, s).set(1 if s == now_state else 0)
+
+    def _set_health(self, engine: Engine, healthy: bool) -> None:
+        name = engine.name
+        changed = self._healthy.get(name) != healthy
+        first = name not in self._probed
+        self._probed.add(name)
+        self._healthy[name] = healthy
+        self._metrics.engine_healthy.labels(name, engine.config.variant).set(1 if healthy else 0)
+        self._refresh_state(name)
+        if not changed:
+            return
+        log.info("engine_health_changed", engine=name, healthy=healthy)
+        if not first and self.transition_sink is not None:
+            # The first probe result is where an engine starts, not a change of state.
+            self.transition_sink(
+                Transition(at=time.time(), action="up" if healthy else "down", reason="health-probe", source="auto",
+                           engine=name, models=self.infos[name].serves)
+            )
 
     async def start(self) -> None:
         for engine in self.engines.values():

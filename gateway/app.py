@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.api import admin, admin_tenants, chat, ops
+from gateway.api import admin, admin_routing, admin_tenants, chat, ops
 from gateway.errors import InvalidRequest, OmnigateError
 from gateway.middleware import RequestIdMiddleware
 from gateway.services import Services
@@ -86,6 +86,7 @@ def create_app(
     app.include_router(ops.router)
     app.include_router(admin.router)
     app.include_router(admin_tenants.router)
+    app.include_router(admin_routing.router)
 
     @app.exception_handler(OmnigateError)
     async def _omnigate_error(request: Request, exc: OmnigateError) -> JSONResponse:

@@ -37,6 +37,7 @@ from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
     OmnigateError,
+    Overloaded,
 )
 from gateway.ratelimit import RateLimiter
 from gateway.schemas import ChatCompletionRequest
@@ -120,6 +121,7 @@ class Pipeline:
         audit: AuditLog | None = None,
         limiter: RateLimiter | None = None,
         chains: dict[str, PolicyChain] | None = None,
+        sentinel: Any = None,
     ) -> None:
         self.pool = pool
         self.chain = chain
@@ -128,6 +130,8 @@ class Pipeline:
         self.limiter = limiter
         #: the tenants' policy sets by name; a tenant without one gets ``chain``
         self.chains: dict[str, PolicyChain] = chains or {}
+        #: the accuracy sentinel (``offer(engine, variant, completion)``), or None
+        self.sentinel = sentinel
         self._background: set[asyncio.Task[None]] = set()
 
     def _chain(self, ctx: RequestContext) -> PolicyChain:
@@ -250,7 +254,7 @@ class Pipeline:
         last: EngineError | None = None
         for i, engine in enumerate(engines):
             adapted = self._adapt(engine, request, ctx)
-            if adapted is None:
+            if adapted is None or not self.pool.acquire(engine):
                 continue
             ctx.attempts += 1
             upstream = engine.stream(adapted)
@@ -260,14 +264,29 @@ class Pipeline:
                 last = EngineProtocolError(f"engine {engine.name} sent an empty stream", engine=engine.name)
             except EngineError as exc:
                 last = exc
+            except BaseException:
+                self.pool.release(engine, settled=False)
+                raise
             else:
                 ctx.engine, ctx.variant = engine.name, engine.config.variant
                 return Attempt(engine, adapted, upstream, first)
             await upstream.aclose()
             self._engine_failed(engine, last, ctx, more=i + 1 < len(engines))
+            self.pool.release(engine, settled=last.retryable)
             if not last.retryable:
                 raise last
-        raise last or EngineUnavailable(f"no engine can serve {request.model!r}")
+        raise last or self._no_engine(request)
+
+    def _no_engine(self, request: ChatCompletionRequest) -> EngineError | Overloaded:
+        if self.pool.candidates(request.model):
+            return Overloaded(f"every engine for {request.model!r} is at its concurrency cap", retry_after=1)
+        return EngineUnavailable(f"no engine can serve {request.model!r}")
+
+    def _unbind(self, ctx: RequestContext) -> None:
+        """Give back the engine slot of an attempt that is being replaced (post-policy retry)."""
+        if ctx.engine is not None:
+            self.pool.release(ctx.engine, settled=False)
+            ctx.engine = None
 
     async def _complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
         budget = self._chain(ctx).max_retries
@@ -277,6 +296,7 @@ class Pipeline:
             if isinstance(verdict, Retry) and budget > 0:
                 budget -= 1
                 request = self._retry(request, verdict, ctx)
+                self._unbind(ctx)
                 continue
             if isinstance(verdict, Reject):
                 raise verdict.error
@@ -291,7 +311,7 @@ class Pipeline:
         last: EngineError | None = None
         for i, engine in enumerate(engines):
             adapted = self._adapt(engine, request, ctx)
-            if adapted is None:
+            if adapted is None or not self.pool.acquire(engine):
                 continue
             ctx.attempts += 1
             try:
@@ -299,14 +319,18 @@ class Pipeline:
             except EngineError as exc:
                 last = exc
                 self._engine_failed(engine, exc, ctx, more=i + 1 < len(engines))
+                self.pool.release(engine, settled=exc.retryable)
                 if not exc.retryable:
                     raise
                 continue
+            except BaseException:
+                self.pool.release(engine, settled=False)
+                raise
             ctx.engine, ctx.variant = engine.name, engine.config.variant
             ctx.ttft_s = ctx.elapsed()
             self._account(ctx, completion)
             return completion, adapted
-        raise last or EngineUnavailable(f"no engine can serve {request.model!r}")
+        raise last or self._no_engine(request)
 
     async def _complete_segments(
         self, request: ChatCompletionRequest, ctx: RequestContext
@@ -368,6 +392,7 @@ class Pipeline:
                 if isinstance(verdict, Retry) and budget > 0 and not rs._released:
                     budget -= 1
                     request = self._retry(attempt.request, verdict, ctx)
+                    self._unbind(ctx)
                     attempt = await self._open(request, ctx)
                     continue
                 if isinstance(verdict, Reject):
@@ -428,6 +453,7 @@ class Pipeline:
                     yield d
         except EngineError as exc:
             self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
+            self.pool.report_failure(engine)
             raise
         finally:
             await upstream.aclose()
@@ -499,6 +525,8 @@ class Pipeline:
     def _account(self, ctx: RequestContext, completion: Completion) -> None:
         ctx.prompt_tokens = completion.usage.prompt_tokens
         ctx.completion_tokens = completion.usage.completion_tokens
+        if completion.audio and self.sentinel is not None and ctx.engine is not None:
+            self.sentinel.offer(ctx.engine, ctx.variant, completion)
 
     async def _settle(self, ctx: RequestContext, error: BaseException | None) -> None:
         await self._durable(ctx, self._finish(ctx, error))
@@ -510,6 +538,11 @@ class Pipeline:
 
     def _finish(self, ctx: RequestContext, error: BaseException | None) -> "asyncio.Future[int] | None":
         self.metrics.in_flight.dec()
+        if ctx.engine is not None:
+            # One report per request (never per chunk): latency and outcome for its window and circuit.
+            if error is None:
+                self.pool.report_success(ctx.engine, ctx.ttft_s, ctx.first_audio_s, ctx.elapsed())
+            self.pool.release(ctx.engine, settled=error is None or isinstance(error, EngineError))
         if error is None:
             ctx.outcome = "degraded" if ctx.degraded else "served"
         elif isinstance(error, OmnigateError):

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import structlog
 
+from engines.controller import RolloutController
 from engines.pool import EnginePool, build_engine
+from engines.rollback import Transition
+from engines.sentinel import AccuracySentinel
+from engines.state_store import build_store as build_state_store
+from engines.telemetry import TelemetryCollector
 from gateway.pipeline import Pipeline
 from gateway.ratelimit import RateLimiter
 from gateway.settings import Settings, TenantConfig
 from gateway.tenants import Directory
-from observability.audit import AuditLog, build_store
+from observability.audit import AuditLog
+from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics
 from policies.registry import PolicyChain, build_chain
 
@@ -44,6 +50,7 @@ class Services:
     pool: EnginePool
     chain: PolicyChain
     pipeline: Pipeline
+    controller: RolloutController
     #: set once shutdown begins: readiness fails, open streams get a deadline
     draining: asyncio.Event = field(default_factory=asyncio.Event)
     drain_deadline: float | None = None
@@ -57,12 +64,36 @@ class Services:
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
         chain = build_chain(settings.policies, plugins)
         chains = build_policy_sets(settings, plugins)
-        pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics)
-        audit = AuditLog(settings.audit, build_store(settings.audit), metrics) if settings.audit.enabled else None
+        routing = settings.routing
+        pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics, routing=routing)
+        sentinel = AccuracySentinel(routing.sentinel, metrics, seed=routing.seed) if routing.sentinel.enabled else None
+        state = routing.state
+        state_store = build_state_store(state.backend, state.redis_url, state.key_prefix, state.replica_id)
+        controller: RolloutController
+        url_for = TelemetryCollector.metrics_url_for
+        targets = [
+            (e.name, url_for(str(e.base_url) if e.base_url else None, e.telemetry), e.telemetry)
+            for e in settings.engines
+        ]
+        telemetry = TelemetryCollector(targets, routing.signals, metrics, active=lambda: controller.is_leader)
+        controller = RolloutController(pool, routing, metrics, state_store, telemetry, sentinel)
+        audit = (
+            AuditLog(settings.audit, build_audit_store(settings.audit), metrics) if settings.audit.enabled else None
+        )
         limiter = RateLimiter(settings.rate_limits, metrics)
-        pipeline = Pipeline(pool, chain, metrics, audit=audit, limiter=limiter, chains=chains)
-        return cls(settings, metrics, pool, chain, pipeline, audit=audit, limiter=limiter,
-                   directory=Directory.build(settings), plugins=plugins)
+        pipeline = Pipeline(
+            pool, chain, metrics, audit=audit, limiter=limiter, chains=chains, sentinel=sentinel
+        )
+        services = cls(settings, metrics, pool, chain, pipeline, controller, audit=audit, limiter=limiter,
+                       directory=Directory.build(settings), plugins=plugins)
+        if audit is not None:
+            # Every routing transition, automatic or manual, goes into the same tamper-evident chain.
+            controller.on_transition.append(services._audit_transition)
+        return services
+
+    async def _audit_transition(self, transition: Transition) -> None:
+        if self.audit is not None:
+            await self.audit.append_event("routing_transition", transition.to_dict())
 
     async def start(self) -> None:
         log.info(
@@ -93,6 +124,7 @@ class Services:
             if start is not None:
                 await start(self)
         await self.pool.start()
+        await self.controller.start()
 
     def _policies(self) -> list:
         """Every loaded policy instance once: the default chain and each tenant policy set."""
@@ -110,6 +142,7 @@ class Services:
         self.drain_deadline = time.monotonic() + server.drain_delay_s + max(0.0, server.graceful_shutdown_s - 1.0)
         self.draining.set()
         log.warning("gateway_draining", drain_delay_s=server.drain_delay_s, grace_s=server.graceful_shutdown_s)
+
     async def refresh_directory(self) -> None:
         """Rebuild the tenant and key directory from the config and the admin database."""
         db_tenants: list[TenantConfig] = []
@@ -131,7 +164,10 @@ class Services:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.pool.aclose()
+        try:
+            await self.controller.aclose()
+        finally:
+            await self.pool.aclose()
         if self.limiter is not None:
             await self.limiter.aclose()
         if self.audit is not None:

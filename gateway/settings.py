@@ -18,6 +18,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from engines.control_settings import EngineTelemetry, RoutingSettings
+
 EngineKind = Literal["vllm-omni", "vllm", "litellm", "local"]
 Variant = Literal["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
 Modality = Literal["text", "image", "audio", "video"]
@@ -65,6 +67,10 @@ class EngineConfig(_Strict):
     variant: Variant = "bf16"
     serves: Annotated[list[Name], Field(min_length=1)]
     role: Literal["primary", "fallback", "canary"] = "primary"
+    weight: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        default=None, description="share of new requests; default: 0.1 for a canary, primaries split the rest"
+    )
+    telemetry: EngineTelemetry = EngineTelemetry()
     api_key: SecretStr | None = None
     connect_timeout_s: Annotated[float, Field(gt=0, le=60)] = 3.0
     first_byte_timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
@@ -247,6 +253,7 @@ class Settings(BaseSettings):
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
     rate_limits: RateLimitSettings = RateLimitSettings()
     audit: AuditSettings = AuditSettings()
+    routing: RoutingSettings = RoutingSettings()
 
     @model_validator(mode="after")
     def _unique_engines(self) -> "Settings":
@@ -273,6 +280,14 @@ class Settings(BaseSettings):
             ids.add(k.id)
             if k.tenant not in names:
                 raise ValueError(f"api_keys[{i}].tenant: no tenant named {k.tenant!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _weights(self) -> "Settings":
+        for model in {m for e in self.engines for m in e.serves}:
+            fixed = [e for e in self.engines if model in e.serves and e.role != "primary" and e.weight]
+            if sum(e.weight or 0 for e in fixed) > 1 + 1e-9:
+                raise ValueError(f"the weights of {model!r}'s canaries and fallbacks add up to more than 1")
         return self
 
     @classmethod

@@ -13,6 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.6, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _AUDIT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+_WER = (0.0, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+#: the values of the ``state`` label of ``omnigate_engine_state`` (one of them is 1 per engine)
+ENGINE_STATES = ("serving", "standby", "half_open", "ejected", "down")
 _POLICY = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _MEDIA_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BYTES = tuple(float(1 << k) for k in range(10, 31, 2))  # 1 KiB .. 1 GiB
@@ -183,3 +186,55 @@ class Metrics:
         self.segments = Counter(
             "omnigate_segment_calls_total", "Engine calls made for the segments of long inputs", registry=r
         )
+        # -- engine pool and rollback controller
+        self.engine_state = Gauge(
+            "omnigate_engine_state",
+            "1 for the engine's current state (serving, standby, half_open, ejected, down)",
+            ["engine", "state"], registry=r,
+        )
+        self.engine_weight = Gauge(
+            "omnigate_engine_traffic_weight",
+            "Largest share of new requests the routing table gives the engine",
+            ["engine"], registry=r,
+        )
+        self.engine_limit = Gauge(
+            "omnigate_engine_concurrency_limit",
+            "Requests in flight this replica allows the engine (-1: no limit)",
+            ["engine"], registry=r,
+        )
+        self.routing_transitions = Counter(
+            "omnigate_routing_transitions_total",
+            "Routing and engine state transitions by action, reason (rule name or fixed word) and source",
+            ["action", "reason", "source"], registry=r,
+        )
+        self.routing_holds = Counter(
+            "omnigate_routing_actions_held_total",
+            "Rule actions due but held back (cooldown, min-dwell, switch-limit, frozen, pinned, no-target)",
+            ["rule", "reason"], registry=r,
+        )
+        self.routing_version = Gauge(
+            "omnigate_routing_table_version", "Version of the routing table this replica applies", registry=r
+        )
+        self.controller_leader = Gauge(
+            "omnigate_controller_leader", "1 while this replica holds the controller lease", registry=r
+        )
+        self.controller_frozen = Gauge(
+            "omnigate_controller_frozen", "1 while the controller is frozen", registry=r
+        )
+        self.controller_errors = Counter(
+            "omnigate_controller_errors_total", "Controller failures, by stage", ["stage"], registry=r
+        )
+        self.scrape_errors = Counter(
+            "omnigate_telemetry_scrape_errors_total", "Failed telemetry reads by engine and source",
+            ["engine", "source"], registry=r,
+        )
+        self.sentinel_wer = Histogram(
+            "omnigate_sentinel_wer",
+            "Word error rate of sampled speech answers (whisper vs the engine's transcript)",
+            ["engine", "variant"], buckets=_WER, registry=r,
+        )
+        self.sentinel_samples = Counter(
+            "omnigate_sentinel_samples_total", "Speech answers offered to the accuracy sentinel, by outcome",
+            ["engine", "outcome"], registry=r,
+        )
+
