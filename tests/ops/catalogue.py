@@ -29,33 +29,35 @@ RUNBOOKS = OPS / "runbooks"
 CHART = OPS / "helm" / "omnigate"
 
 # -- metrics ------------------------------------------------------------------------------------
-EXPORTED: frozenset[str] = frozenset({
-    "omnigate_build_info",
-    "omnigate_requests_total",
-    "omnigate_requests_in_flight",
-    "omnigate_time_to_first_token_seconds_bucket",
-    "omnigate_time_to_first_token_seconds_count",
-    "omnigate_time_to_first_token_seconds_sum",
-    "omnigate_time_to_first_audio_seconds_bucket",
-    "omnigate_time_to_first_audio_seconds_count",
-    "omnigate_time_to_first_audio_seconds_sum",
-    "omnigate_request_duration_seconds_bucket",
-    "omnigate_request_duration_seconds_count",
-    "omnigate_request_duration_seconds_sum",
-    "omnigate_inter_chunk_gap_seconds_bucket",
-    "omnigate_inter_chunk_gap_seconds_count",
-    "omnigate_inter_chunk_gap_seconds_sum",
-    "omnigate_policy_decisions_total",
-    "omnigate_policy_duration_seconds_bucket",
-    "omnigate_policy_duration_seconds_count",
-    "omnigate_policy_duration_seconds_sum",
-    "omnigate_degradations_total",
-    "omnigate_engine_errors_total",
-    "omnigate_engine_failovers_total",
-    "omnigate_retries_total",
-    "omnigate_engine_healthy",
-    "omnigate_client_disconnects_total",
-})
+EXPORTED: frozenset[str] = frozenset(
+    {
+        "omnigate_build_info",
+        "omnigate_requests_total",
+        "omnigate_requests_in_flight",
+        "omnigate_time_to_first_token_seconds_bucket",
+        "omnigate_time_to_first_token_seconds_count",
+        "omnigate_time_to_first_token_seconds_sum",
+        "omnigate_time_to_first_audio_seconds_bucket",
+        "omnigate_time_to_first_audio_seconds_count",
+        "omnigate_time_to_first_audio_seconds_sum",
+        "omnigate_request_duration_seconds_bucket",
+        "omnigate_request_duration_seconds_count",
+        "omnigate_request_duration_seconds_sum",
+        "omnigate_inter_chunk_gap_seconds_bucket",
+        "omnigate_inter_chunk_gap_seconds_count",
+        "omnigate_inter_chunk_gap_seconds_sum",
+        "omnigate_policy_decisions_total",
+        "omnigate_policy_duration_seconds_bucket",
+        "omnigate_policy_duration_seconds_count",
+        "omnigate_policy_duration_seconds_sum",
+        "omnigate_degradations_total",
+        "omnigate_engine_errors_total",
+        "omnigate_engine_failovers_total",
+        "omnigate_retries_total",
+        "omnigate_engine_healthy",
+        "omnigate_client_disconnects_total",
+    }
+)
 
 PLANNED: dict[str, str] = {
     # name -> the work stream adding it
@@ -72,14 +74,16 @@ PROMETHEUS_SYNTHETIC: frozenset[str] = frozenset({"up", "ALERTS", "ALERTS_FOR_ST
 
 # The engines' own metrics (vLLM and vLLM-Omni, scraped as job "vllm-omni"): runbooks may use them
 # to look below the gateway; dashboards and rules stay on the gateway's.
-ENGINE_METRICS: frozenset[str] = frozenset({
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:time_to_first_token_seconds_bucket",
-    "vllm:inter_token_latency_seconds_bucket",
-    "vllm:e2e_request_latency_seconds_bucket",
-})
+ENGINE_METRICS: frozenset[str] = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+    }
+)
 
 PENDING_GROUP_SUFFIX = "-pending-metrics"
 PENDING_PANEL_MARKER = "Pending metric:"
@@ -116,7 +120,9 @@ def gateway_sample_names() -> set[str]:
 
 # -- PromQL ---------------------------------------------------------------------------------------
 # Grafana's built-in interval variables, replaced by a duration before parsing.
-_GRAFANA_DURATIONS = re.compile(r"\$(__rate_interval|__interval|__range)\b|\$\{(__rate_interval|__interval|__range)\}")
+_GRAFANA_DURATIONS = re.compile(
+    r"\$(__rate_interval|__interval|__range)\b|\$\{(__rate_interval|__interval|__range)\}"
+)
 
 
 def grafana_to_promql(expr: str) -> str:

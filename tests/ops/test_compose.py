@@ -30,8 +30,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def compose_config(profile: str) -> dict:
-    result = run([venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", profile, "config", "--format", "json"],
-                 env=_env(OMNIGATE_ADMIN_KEY="k" * 32))
+    result = run(
+        [venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", profile, "config", "--format", "json"],
+        env=_env(OMNIGATE_ADMIN_KEY="k" * 32),
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -44,13 +46,17 @@ def profile(request) -> tuple[str, dict]:
 def test_docker_compose_config_validates_each_profile(profile):
     name, config = profile
     assert set(config["services"]) == PROFILES[name]
-    result = run([venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", name, "config", "--quiet"],
-                 env=_env(OMNIGATE_ADMIN_KEY="k" * 32))
+    result = run(
+        [venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", name, "config", "--quiet"],
+        env=_env(OMNIGATE_ADMIN_KEY="k" * 32),
+    )
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
 
 
 def test_the_admin_key_is_required():
-    result = run([venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", "cpu", "config", "--quiet"], env=_env())
+    result = run(
+        [venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", "cpu", "config", "--quiet"], env=_env()
+    )
     assert result.returncode != 0
     assert "OMNIGATE_ADMIN_KEY" in result.stderr
 
@@ -148,8 +154,11 @@ def test_gpu_engines_carry_the_serving_flags():
 
 def test_gpu_reservations_do_not_overlap():
     config = compose_config("gpu")
-    ids = [i for n in ("omni-int4", "omni-bf16")
-           for i in config["services"][n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]]
+    ids = [
+        i
+        for n in ("omni-int4", "omni-bf16")
+        for i in config["services"][n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+    ]
     assert len(ids) == len(set(ids)) == 3
 
 
@@ -175,7 +184,10 @@ def test_images_are_pinned():
 def test_env_example_names_every_variable_without_a_default():
     text = COMPOSE.read_text()
     required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", text))
-    example = {line.split("=", 1)[0] for line in (OPS / "env.example").read_text().splitlines()
-               if line and not line.startswith("#")}
+    example = {
+        line.split("=", 1)[0]
+        for line in (OPS / "env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
     assert required and required <= example
     assert (ROOT / ".dockerignore").is_file()

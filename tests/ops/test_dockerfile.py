@@ -29,18 +29,32 @@ def test_hadolint_is_clean():
 
 
 def test_copied_sources_exist_and_are_not_ignored():
-    ignored = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    ignored = [
+        p.strip()
+        for p in (ROOT / ".dockerignore").read_text().splitlines()
+        if p.strip() and not p.startswith("#")
+    ]
     sources = []
     for word, rest in _instructions():
         if word == "COPY" and "--from=" not in rest:
             sources.extend(shlex.split(rest)[:-1])
-    assert {"requirements/lock.txt", "pyproject.toml", "gateway", "engines", "policies", "observability"} <= set(sources)
+    assert {
+        "requirements/lock.txt",
+        "pyproject.toml",
+        "gateway",
+        "engines",
+        "policies",
+        "observability",
+    } <= set(sources)
     for src in sources:
         assert (ROOT / src).exists(), src
         for pattern in ignored:
-            assert not fnmatch.fnmatch(src, pattern) and not src.startswith(pattern.rstrip("/") + "/"), (src, pattern)
+            assert not fnmatch.fnmatch(src, pattern) and not src.startswith(pattern.rstrip("/") + "/"), (
+                src,
+                pattern,
+            )
     # Every top-level package the project installs is copied into the image.
-    packages = re.search(r'include = \[(.*?)\]', (ROOT / "pyproject.toml").read_text()).group(1)
+    packages = re.search(r"include = \[(.*?)\]", (ROOT / "pyproject.toml").read_text()).group(1)
     for pkg in re.findall(r'"(\w+)\*"', packages):
         assert pkg in sources, pkg
 

@@ -60,7 +60,11 @@ def render_template(upstream: str, port: int) -> str:
     }
     # As the nginx image does: substitute exactly the defined variables, leave nginx's own alone.
     shell_format = " ".join(f"${{{k}}}" for k in env)
-    result = run([_binary("envsubst"), shell_format], stdin=TEMPLATE.read_text(), env={**env, "PATH": os.environ["PATH"]})
+    result = run(
+        [_binary("envsubst"), shell_format],
+        stdin=TEMPLATE.read_text(),
+        env={**env, "PATH": os.environ["PATH"]},
+    )
     assert result.returncode == 0, result.stderr
     assert "${" not in result.stdout
     return result.stdout
@@ -92,10 +96,13 @@ http {{
     def check(self) -> subprocess.CompletedProcess[str]:
         return run([_binary("nginx"), "-t", "-c", str(self.conf), "-p", str(self.dir)])
 
-    def start(self) -> "Nginx":
+    def start(self) -> Nginx:
         out = open(self.dir / "logs" / "stdout.log", "wb")
-        self.proc = subprocess.Popen([_binary("nginx"), "-c", str(self.conf), "-p", str(self.dir)],
-                                     stdout=out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [_binary("nginx"), "-c", str(self.conf), "-p", str(self.dir)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
         def listening() -> bool:
             try:
@@ -104,7 +111,9 @@ http {{
             except OSError:
                 return False
 
-        assert wait_until(listening, timeout=HANG_GUARD_S, interval=0.05), (self.dir / "logs" / "error.log").read_text()
+        assert wait_until(listening, timeout=HANG_GUARD_S, interval=0.05), (
+            self.dir / "logs" / "error.log"
+        ).read_text()
         return self
 
     def stop(self) -> None:
@@ -132,8 +141,13 @@ def proxy(gateway, tmp_path_factory) -> Iterator[Nginx]:
 
 
 def _requests_seen(gateway) -> float:
-    return sum(s.value for m in gateway.registry.collect() if m.name == "omnigate_requests"
-               for s in m.samples if s.name == "omnigate_requests_total")
+    return sum(
+        s.value
+        for m in gateway.registry.collect()
+        if m.name == "omnigate_requests"
+        for s in m.samples
+        if s.name == "omnigate_requests_total"
+    )
 
 
 def _read_until_closed(sock: socket.socket) -> bytes:
@@ -148,7 +162,13 @@ def _read_until_closed(sock: socket.socket) -> bytes:
 
 
 def _body(n: int) -> bytes:
-    return b'{"model": "' + TEXT_MODEL.encode() + b'", "messages": [{"role": "user", "content": "' + b"x" * n + b'"}]}'
+    return (
+        b'{"model": "'
+        + TEXT_MODEL.encode()
+        + b'", "messages": [{"role": "user", "content": "'
+        + b"x" * n
+        + b'"}]}'
+    )
 
 
 def test_nginx_accepts_the_rendered_template(proxy):
@@ -156,11 +176,16 @@ def test_nginx_accepts_the_rendered_template(proxy):
 
 
 def test_requests_pass_through_with_a_request_id(proxy, ups):
-    r = httpx.post(proxy.url + "/v1/chat/completions", timeout=HANG_GUARD_S,
-                   json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    r = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        timeout=HANG_GUARD_S,
+        json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     assert len(r.headers["x-request-id"]) == 32  # made by the proxy, echoed by the gateway
-    r = httpx.get(proxy.url + "/v1/models", headers={"x-request-id": "client-chosen-id"}, timeout=HANG_GUARD_S)
+    r = httpx.get(
+        proxy.url + "/v1/models", headers={"x-request-id": "client-chosen-id"}, timeout=HANG_GUARD_S
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "client-chosen-id"
 
 
@@ -168,9 +193,11 @@ def test_streams_are_relayed_frame_by_frame_and_disconnects_reach_the_engine(pro
     # Forty pieces half a second apart: the whole answer takes twenty seconds upstream.
     ups.vllm.default = Script(flavour="vllm", text=" ".join(f"w{i}" for i in range(40)), chunk_delay_s=0.5)
     with httpx.Client(timeout=HANG_GUARD_S) as client:
-        with client.stream("POST", proxy.url + "/v1/chat/completions",
-                           json={"model": TEXT_MODEL, "stream": True,
-                                 "messages": [{"role": "user", "content": "Count."}]}) as r:
+        with client.stream(
+            "POST",
+            proxy.url + "/v1/chat/completions",
+            json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "Count."}]},
+        ) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: ") and '"content":"w' in line)
@@ -183,8 +210,10 @@ def test_streams_are_relayed_frame_by_frame_and_disconnects_reach_the_engine(pro
 
 def test_a_client_dribbling_its_request_head_is_cut_off(proxy, gateway):
     before = _requests_seen(gateway)
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: omnigate\r\nContent-Type: application/json\r\n"
-            b"X-Padding: " + b"a" * 200)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: omnigate\r\nContent-Type: application/json\r\n"
+        b"X-Padding: " + b"a" * 200
+    )
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=HANG_GUARD_S) as sock:
         closed = False
         deadline = time.monotonic() + HANG_GUARD_S
@@ -200,7 +229,7 @@ def test_a_client_dribbling_its_request_head_is_cut_off(proxy, gateway):
                 if sock.recv(65536) == b"":
                     closed = True
                     break
-            except socket.timeout:
+            except TimeoutError:
                 pass
             except ConnectionResetError:
                 closed = True
@@ -214,25 +243,39 @@ def test_a_stalled_body_is_cut_off_before_the_gateway(proxy, gateway):
     before = _requests_seen(gateway)
     body = _body(500)
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=HANG_GUARD_S) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: omnigate\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:20])
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: omnigate\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:20]
+        )
         answer = _read_until_closed(sock)
     assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert _requests_seen(gateway) == before
 
 
 def test_bodies_over_the_limit_get_an_openai_shaped_413(proxy):
-    r = httpx.post(proxy.url + "/v1/chat/completions", content=_body(MAX_BODY + 10),
-                   headers={"content-type": "application/json"}, timeout=HANG_GUARD_S)
+    r = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        content=_body(MAX_BODY + 10),
+        headers={"content-type": "application/json"},
+        timeout=HANG_GUARD_S,
+    )
     assert r.status_code == 413
-    assert r.json() == {"error": {"message": "request body is larger than the front proxy accepts",
-                                  "type": "invalid_request_error", "param": None, "code": "payload_too_large"}}
+    assert r.json() == {
+        "error": {
+            "message": "request body is larger than the front proxy accepts",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "payload_too_large",
+        }
+    }
 
 
 def test_connections_per_address_are_capped(proxy, gateway):
     body = _body(100)
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: omnigate\r\nContent-Type: application/json\r\n"
-            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: omnigate\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
     held = []
     try:
         # Requests whose head has arrived count against the limit while their body is awaited.
@@ -244,8 +287,12 @@ def test_connections_per_address_are_capped(proxy, gateway):
 
         def over_the_limit() -> bool:
             # Until nginx has read the held heads a request may still pass; once it has, none does.
-            r = httpx.post(proxy.url + "/v1/chat/completions", content=body,
-                           headers={"content-type": "application/json"}, timeout=HANG_GUARD_S)
+            r = httpx.post(
+                proxy.url + "/v1/chat/completions",
+                content=body,
+                headers={"content-type": "application/json"},
+                timeout=HANG_GUARD_S,
+            )
             if r.status_code == 429:
                 refused.append(r)
                 return True
@@ -255,14 +302,20 @@ def test_connections_per_address_are_capped(proxy, gateway):
         assert wait_until(over_the_limit, timeout=HANG_GUARD_S, interval=0.05)
         r = refused[0]
         assert r.headers["retry-after"] == "1"
-        assert r.json()["error"] == {"message": "too many concurrent connections from this address",
-                                     "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}
+        assert r.json()["error"] == {
+            "message": "too many concurrent connections from this address",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
     finally:
         for s in held:
             s.close()
     # Released: the next request goes through again.
-    assert wait_until(lambda: httpx.get(proxy.url + "/v1/models", timeout=HANG_GUARD_S).status_code == 200,
-                      timeout=HANG_GUARD_S)
+    assert wait_until(
+        lambda: httpx.get(proxy.url + "/v1/models", timeout=HANG_GUARD_S).status_code == 200,
+        timeout=HANG_GUARD_S,
+    )
 
 
 def test_metrics_stay_private_and_admin_passes_from_loopback(proxy):
@@ -280,5 +333,9 @@ def test_a_gateway_that_is_down_gets_an_openai_shaped_503(tmp_path):
     finally:
         dead.stop()
     assert r.status_code == 503 and r.headers["retry-after"] == "5"
-    assert r.json()["error"] == {"message": "the gateway is unavailable", "type": "overloaded_error",
-                                 "param": None, "code": "gateway_unavailable"}
+    assert r.json()["error"] == {
+        "message": "the gateway is unavailable",
+        "type": "overloaded_error",
+        "param": None,
+        "code": "gateway_unavailable",
+    }

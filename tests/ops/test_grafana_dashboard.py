@@ -70,7 +70,9 @@ def test_dashboard_is_well_formed():
                 assert (x, y) not in cells, f"{p['title']} overlaps another panel"
                 cells.add((x, y))
     variables = {v["name"]: v for v in d["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert (
+        variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    )
     for p in _query_panels():
         assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
         assert p["targets"], p["title"]
@@ -91,7 +93,10 @@ def test_panel_queries_parse_and_name_exported_or_marked_planned_metrics(panel):
     planned = names & set(PLANNED)
     marked = panel.get("description", "").startswith(PENDING_PANEL_MARKER)
     if planned:
-        assert marked, f"{panel['title']} uses planned {sorted(planned)}: start its description with {PENDING_PANEL_MARKER!r}"
+        assert marked, (
+            f"{panel['title']} uses planned {sorted(planned)}: "
+            f"start its description with {PENDING_PANEL_MARKER!r}"
+        )
         for n in planned:
             assert n in panel["description"], f"{panel['title']}: the pending note should name {n}"
     else:
@@ -129,9 +134,19 @@ def test_every_exported_metric_is_on_the_dashboard():
 
 def test_the_dashboard_covers_what_operators_watch():
     text = {p["title"] for p in _query_panels()}
-    for title in ("Time to first token", "First audio packet", "End-to-end duration", "Shed requests by reason",
-                  "Degradations by reason", "Policy verdicts", "Engine health", "Routing transitions",
-                  "VRAM usage", "KV-cache usage", "Audit write failures"):
+    for title in (
+        "Time to first token",
+        "First audio packet",
+        "End-to-end duration",
+        "Shed requests by reason",
+        "Degradations by reason",
+        "Policy verdicts",
+        "Engine health",
+        "Routing transitions",
+        "VRAM usage",
+        "KV-cache usage",
+        "Audit write failures",
+    ):
         assert title in text
 
 

@@ -15,9 +15,19 @@ from gateway.cli import check_config
 from tests.ops.catalogue import CHART, DASHBOARD, EXPORTED, RULES_DIR
 from tests.ops.tools import promtool, run
 
-KUBE_VERSIONS = ("1.29.0", "1.33.0")  # oldest and a recent minor the chart is checked against
-CORE_KINDS = {"Deployment", "Service", "ConfigMap", "Secret", "ServiceAccount", "HorizontalPodAutoscaler",
-              "PodDisruptionBudget"}
+KUBE_VERSIONS = (
+    "1.27.0",
+    "1.37.0",
+)  # the oldest the chart declares (Chart.yaml kubeVersion) and the newest schemas
+CORE_KINDS = {
+    "Deployment",
+    "Service",
+    "ConfigMap",
+    "Secret",
+    "ServiceAccount",
+    "HorizontalPodAutoscaler",
+    "PodDisruptionBudget",
+}
 
 
 def render(values: dict | None = None, namespace: str = "llm") -> dict[tuple[str, str], dict]:
@@ -49,12 +59,15 @@ def test_helm_lint_strict_is_clean():
     assert all(m["severity"] <= 1 for m in report["messages"]), report["messages"]
 
 
-@pytest.mark.parametrize("values,needle", [
-    ({"admin": {"apiKey": "too-short"}}, "apiKey"),
-    ({"autoscaling": {"inFlightTarget": 0}}, "inFlightTarget"),
-    ({"no_such_key": 1}, "no_such_key"),
-    ({"config": {"server": {"port": 8080}, "engines": []}}, "engines"),
-])
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"admin": {"apiKey": "too-short"}}, "apiKey"),
+        ({"autoscaling": {"inFlightTarget": 0}}, "inFlightTarget"),
+        ({"no_such_key": 1}, "no_such_key"),
+        ({"config": {"server": {"port": 8080}, "engines": []}}, "engines"),
+    ],
+)
 def test_values_schema_refuses_bad_values(values, needle):
     report = helm.lint(str(CHART), values, strict=True)
     problems = " ".join(report["errors"] + [m["error"] for m in report["messages"] if m["severity"] >= 2])
@@ -65,15 +78,16 @@ def test_values_schema_refuses_bad_values(values, needle):
 def test_rendered_objects_are_valid_kubernetes(kube_version):
     objects = render()
     assert {k for k, _ in objects} == CORE_KINDS | {"ServiceMonitor", "PrometheusRule"}
-    for (kind, name), obj in objects.items():
+    for (kind, _name), obj in objects.items():
         if kind in CORE_KINDS:
             kubernetes_validate.validate(obj, kube_version, strict=True)
 
 
 def test_workload_wiring():
     objects = render()
-    dep, svc, pdb, hpa = (one(objects, k) for k in ("Deployment", "Service", "PodDisruptionBudget",
-                                                   "HorizontalPodAutoscaler"))
+    dep, svc, pdb, hpa = (
+        one(objects, k) for k in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler")
+    )
     selector = dep["spec"]["selector"]["matchLabels"]
     pod = dep["spec"]["template"]
     assert selector.items() <= pod["metadata"]["labels"].items()
@@ -86,16 +100,25 @@ def test_workload_wiring():
     assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
     # The HPA owns the replica count and scales on a gauge the gateway really exports.
     assert "replicas" not in dep["spec"]
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": dep["metadata"]["name"]}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": dep["metadata"]["name"],
+    }
     metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
     assert metric == "omnigate_requests_in_flight" and metric in EXPORTED
     assert hpa["spec"]["minReplicas"] >= 2 and pdb["spec"]["maxUnavailable"] == 1
     # Hardened pod with writable scratch space under the read-only root.
     sc = container["securityContext"]
-    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    assert (
+        sc["readOnlyRootFilesystem"]
+        and not sc["allowPrivilegeEscalation"]
+        and sc["capabilities"]["drop"] == ["ALL"]
+    )
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-    assert {"/tmp", "/var/cache/omnigate", "/var/lib/omnigate"} <= {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/tmp", "/var/cache/omnigate", "/var/lib/omnigate"} <= {
+        m["mountPath"] for m in container["volumeMounts"]
+    }
 
 
 def test_config_map_holds_a_valid_gateway_config(tmp_path, capsys):
@@ -111,19 +134,26 @@ def test_config_map_holds_a_valid_gateway_config(tmp_path, capsys):
     assert container["args"][:3] == ["serve", "--config", "/etc/omnigate/omnigate.yaml"]
     # Streams get their grace period: preStop pause + graceful shutdown < termination grace.
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
-    assert pre_stop + config["server"]["graceful_shutdown_s"] < dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert (
+        pre_stop + config["server"]["graceful_shutdown_s"]
+        < dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    )
     # A changed config rolls the pods.
     assert dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
     changed = render({"config": {**config, "logging": {"level": "debug", "json": True}}})
-    assert (one(changed, "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
-            != dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+    assert (
+        one(changed, "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+        != dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    )
 
 
 def test_admin_key_comes_from_a_secret():
     objects = render()
     dep = one(objects, "Deployment")
     (container,) = dep["spec"]["template"]["spec"]["containers"]
-    ref = next(e for e in container["env"] if e["name"] == "OMNIGATE_ADMIN__API_KEY")["valueFrom"]["secretKeyRef"]
+    ref = next(e for e in container["env"] if e["name"] == "OMNIGATE_ADMIN__API_KEY")["valueFrom"][
+        "secretKeyRef"
+    ]
     secret = objects[("Secret", ref["name"])]
     assert ref["key"] in secret["data"]
     assert len(secret["data"][ref["key"]]) >= 48  # base64 of 48 generated characters at least
@@ -156,7 +186,9 @@ def test_prometheus_rule_is_the_canonical_rule_set_and_promtool_accepts_it(tmp_p
     for p in sorted(RULES_DIR.glob("*.yaml"), key=lambda p: "0" if "recording" in p.name else "1"):
         canonical.extend(yaml.safe_load(p.read_text().replace("ops/runbooks/", base))["groups"])
     assert rule["spec"]["groups"] == canonical
-    urls = [r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    urls = [
+        r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r
+    ]
     assert urls and all(u.startswith(base) for u in urls)
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
@@ -178,12 +210,19 @@ def test_chart_copies_match_the_canonical_files():
 
 
 def test_optional_parts_switch_off():
-    objects = render({"autoscaling": {"enabled": False}, "podDisruptionBudget": {"enabled": False},
-                      "serviceMonitor": {"enabled": False}, "prometheusRule": {"enabled": False},
-                      "grafanaDashboard": {"enabled": False}, "replicaCount": 3})
+    objects = render(
+        {
+            "autoscaling": {"enabled": False},
+            "podDisruptionBudget": {"enabled": False},
+            "serviceMonitor": {"enabled": False},
+            "prometheusRule": {"enabled": False},
+            "grafanaDashboard": {"enabled": False},
+            "replicaCount": 3,
+        }
+    )
     kinds = {k for k, _ in objects}
     assert not kinds & {"HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule"}
     assert not [n for _, n in objects if n.endswith("-dashboard")]
     assert one(objects, "Deployment")["spec"]["replicas"] == 3
-    for (kind, _), obj in objects.items():
+    for obj in objects.values():
         kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)

@@ -97,7 +97,10 @@ def test_rules_name_only_known_metrics_and_planned_ones_only_in_pending_groups(g
         if group.endswith(PENDING_GROUP_SUFFIX):
             assert planned, f"{label} is in {group} but uses only exported metrics: move it to its group"
         else:
-            assert not planned, f"{label} uses planned metrics {sorted(planned)}: it belongs in a *{PENDING_GROUP_SUFFIX} group"
+            assert not planned, (
+                f"{label} uses planned metrics {sorted(planned)}: "
+                f"it belongs in a *{PENDING_GROUP_SUFFIX} group"
+            )
 
 
 def test_recording_rule_names_follow_the_convention():
@@ -122,8 +125,12 @@ def _threshold(expr: str) -> tuple[set[str], float]:
     found: list[tuple[set[str], float]] = []
 
     def visit(node: object) -> bool:
-        if (isinstance(node, promql_parser.BinaryExpr) and str(node.op) == ">"
-                and isinstance(node.rhs, promql_parser.NumberLiteral) and not found):
+        if (
+            isinstance(node, promql_parser.BinaryExpr)
+            and str(node.op) == ">"
+            and isinstance(node.rhs, promql_parser.NumberLiteral)
+            and not found
+        ):
             found.append((metric_names(str(node.lhs)), node.rhs.val))
         return True
 
@@ -140,7 +147,9 @@ def test_thresholds_are_the_documented_ones():
 
     ttft = "engine_variant:omnigate_time_to_first_token_seconds:{}_5m"
     assert threshold("OmnigateFirstAudioPacketSlow") == (
-        {"engine_variant:omnigate_time_to_first_audio_seconds:p99_5m"}, 0.3)
+        {"engine_variant:omnigate_time_to_first_audio_seconds:p99_5m"},
+        0.3,
+    )
     assert threshold("OmnigateTTFTAboveTarget") == ({ttft.format("p50")}, 0.3)
     assert threshold("OmnigateLatencyP95ScaleOut") == ({ttft.format("p95")}, 0.5)
     assert threshold("OmnigateLatencyP99RollbackExpected") == ({ttft.format("p99")}, 0.6)

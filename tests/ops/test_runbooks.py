@@ -49,8 +49,11 @@ async def _route_exists(call: str) -> bool:
         r = await client.request(method, path, headers={"authorization": "Bearer " + "k" * 32}, json={})
     if r.status_code == 405:
         return False
-    return not (r.status_code == 404 and r.json()["error"] == {
-        "message": "Not Found", "type": "invalid_request_error", "param": None, "code": "not_found"})
+    return not (
+        r.status_code == 404
+        and r.json()["error"]
+        == {"message": "Not Found", "type": "invalid_request_error", "param": None, "code": "not_found"}
+    )
 
 
 def test_one_page_per_alert_and_no_orphan_pages():
@@ -88,8 +91,12 @@ async def test_admin_calls_name_routes_that_exist_or_are_planned():
     used: set[str] = set()
     for page in [*PAGES, RUNBOOKS / "README.md"]:
         used |= _admin_calls(page.read_text())
-    assert {"POST /admin/routing/pin", "POST /admin/routing/freeze", "POST /admin/routing/resume",
-            "GET /admin/engines"} <= used
+    assert {
+        "POST /admin/routing/pin",
+        "POST /admin/routing/freeze",
+        "POST /admin/routing/resume",
+        "GET /admin/engines",
+    } <= used
     for call in sorted(used):
         exists = await _route_exists(call)
         assert exists or call in ADMIN_ROUTES_PLANNED, f"runbooks call {call}, which does not exist"

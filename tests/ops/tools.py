@@ -27,6 +27,14 @@ def venv_tool(name: str) -> str:
     return str(path)
 
 
-def run(args: list[str], *, stdin: str | None = None, cwd: Path | None = None, env: dict | None = None,
-        timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, input=stdin, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+def run(
+    args: list[str],
+    *,
+    stdin: str | None = None,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        args, input=stdin, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
