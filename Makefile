@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-fast bench lock clean
+.PHONY: install serve test test-fast bench lock clean ops-sync
 
 $(STAMP): requirements/lock.txt requirements/models.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ lock:
 	$(PIP) install --quiet pip-tools
 	$(VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --extra local --extra test \
 		--strip-extras --no-emit-index-url --no-emit-find-links -o requirements/lock.txt pyproject.toml
+
+# The Helm chart carries copies of the Prometheus rules and the Grafana dashboard (a chart
+# cannot read outside its directory); tests/ops fails when they drift.
+ops-sync:
+	cp ops/prometheus/rules/omnigate-recording.yaml ops/prometheus/rules/omnigate-alerts.yaml \
+		ops/grafana/dashboards/omnigate.json ops/helm/omnigate/files/
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -48,7 +48,7 @@ class One:
     error: str | None = None
 
 
-def _config(up_port: int, store: str, prefix: str, engine_limit: int | None) -> dict:
+def _config(up_port: int, store: str, prefix: str, engine_limit: int | None, workdir: Path) -> dict:
     traffic: dict = {"soft_limit": 16, "hard_limit": 64}
     if store == "redis":
         traffic.update(redis_url=REDIS_URL, key_prefix=prefix)
@@ -59,6 +59,8 @@ def _config(up_port: int, store: str, prefix: str, engine_limit: int | None) -> 
                      "max_wait_s": 120, "read_timeout_s": 120}],
         "policies": {"pre": [{"name": "load-shedding"}, {"name": "request-limits"}]},
         "traffic": traffic,
+        # The audit trail is on, as in production: each request's record (with its admission decision).
+        "audit": {"sqlite_path": str(workdir / "audit.db")},
         "logging": {"level": "warning"},
     }
 
@@ -142,8 +144,9 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
                       str(args.chunks), "--audio-chunks", str(args.audio_chunks), "--chunk-delay-ms",
                       str(args.chunk_delay_ms)], cpu=1)
     prefix = f"omnigate-bench:{uuid.uuid4().hex}"
-    cfg = Path(tempfile.mkdtemp()) / "shedding.yaml"
-    cfg.write_text(yaml.safe_dump(_config(up_port, store, prefix, args.engine_limit)))
+    workdir = Path(tempfile.mkdtemp())
+    cfg = workdir / "shedding.yaml"
+    cfg.write_text(yaml.safe_dump(_config(up_port, store, prefix, args.engine_limit, workdir)))
     gateway = spawn(["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(gw_port)], cpu=0)
     url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
     try:
@@ -158,6 +161,7 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
                 before = _histogram(text, "omnigate_admission_duration_seconds")
                 wait_before = _histogram(text, "omnigate_engine_queue_wait_seconds")
                 adm_before = _counter(text, "omnigate_admission_total", "result")
+                shed_before = _counter(text, "omnigate_admission_shed_total", "reason")
             tasks = []
             t0 = time.perf_counter()
             for i in range(args.peak + args.over):
@@ -169,6 +173,7 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
                 after = _histogram(text, "omnigate_admission_duration_seconds")
                 wait_after = _histogram(text, "omnigate_engine_queue_wait_seconds")
                 adm_after = _counter(text, "omnigate_admission_total", "result")
+                shed_after = _counter(text, "omnigate_admission_shed_total", "reason")
     finally:
         for p in (gateway, upstream):
             p.terminate()
@@ -200,6 +205,7 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
         "store": store,
         "requests": len(results),
         "gateway_counts": {k: v - adm_before.get(k, 0.0) for k, v in sorted(adm_after.items())},
+        "gateway_shed": {k: v - shed_before.get(k, 0.0) for k, v in sorted(shed_after.items())},
         "client_counts": {
             "ok_with_speech": sum(1 for o in results if o.status == 200 and o.audio and not o.degraded),
             "ok_text_only": sum(1 for o in results if o.status == 200 and o.degraded == "load-text-only"

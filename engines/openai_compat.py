@@ -17,6 +17,7 @@ import structlog
 from engines.base import Capabilities, Completion, Delta, Usage
 from gateway.errors import (
     EngineError,
+    EngineFailed,
     EngineProtocolError,
     EngineRejected,
     EngineTimeout,
@@ -50,7 +51,11 @@ class OpenAICompatEngine:
 
     # -- lifecycle -------------------------------------------------------
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=self.config.max_connections, ttl_dns_cache=300)
+        # Idle pooled connections are dropped before the engine's own keep-alive timeout
+        # (uvicorn, under vLLM, closes after 5 s): reusing one it just closed would fail a request.
+        connector = aiohttp.TCPConnector(
+            limit=self.config.max_connections, ttl_dns_cache=300, keepalive_timeout=self.config.keepalive_timeout_s
+        )
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(
@@ -119,8 +124,10 @@ class OpenAICompatEngine:
         message = _error_message(raw) or resp.reason or "error"
         retry_after = _retry_after(resp.headers.get("Retry-After"))
         text = f"engine {self.name} answered {resp.status}: {message}"
-        if resp.status == 429 or resp.status >= 500:
+        if resp.status in (429, 503):
             raise EngineUnavailable(text, engine=self.name, retry_after=retry_after)
+        if resp.status >= 500:
+            raise EngineFailed(text, engine=self.name)
         raise EngineRejected(text, engine=self.name, upstream_status=resp.status)
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
@@ -191,8 +198,10 @@ class OpenAICompatEngine:
 
     # -- translation -----------------------------------------------------
     def _translator(self):  # noqa: ANN202 - returns a per-stream closure
-        """A fresh per-stream translation function (per-stream state lives in its closure)."""
+        """A fresh per-stream translation function; per-stream state lives in its closure."""
         name = self.name
+        state: dict[str, Any] = {}
+        choice_delta = self._choice_delta
 
         def translate(chunk: dict[str, Any]) -> Delta | None:
             if "error" in chunk:
@@ -200,22 +209,20 @@ class OpenAICompatEngine:
             usage = chunk.get("usage")
             choices = chunk.get("choices")
             if not choices:
-                if usage:
-                    return Delta(usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)))
-                return None
-            choice = choices[0]
-            delta = choice.get("delta") or {}
-            text = delta.get("content") or ""
-            finish = choice.get("finish_reason")
-            if not text and finish is None and not usage:
-                return None
-            return Delta(
-                text=text,
-                finish_reason=finish,
-                usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)) if usage else None,
-            )
+                return Delta(usage=_usage(usage)) if usage else None
+            return choice_delta(chunk, choices[0], usage, state)
 
         return translate
+
+    def _choice_delta(
+        self, chunk: dict[str, Any], choice: dict[str, Any], usage: dict[str, Any] | None, state: dict[str, Any]
+    ) -> Delta | None:
+        """One streamed choice as a Delta (OpenAI's shape: text in ``delta.content``)."""
+        text = (choice.get("delta") or {}).get("content") or ""
+        finish = choice.get("finish_reason")
+        if not text and finish is None and not usage:
+            return None
+        return Delta(text=text, finish_reason=finish, usage=_usage(usage) if usage else None)
 
     def _completion(self, doc: dict[str, Any]) -> Completion:
         choice = doc["choices"][0]
@@ -224,8 +231,12 @@ class OpenAICompatEngine:
         return Completion(
             text=message.get("content") or "",
             finish_reason=choice.get("finish_reason") or "stop",
-            usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)),
+            usage=_usage(usage),
         )
+
+
+def _usage(raw: dict[str, Any]) -> Usage:
+    return Usage(raw.get("prompt_tokens") or 0, raw.get("completion_tokens") or 0)
 
 
 def _error_message(raw: bytes | dict[str, Any]) -> str:

@@ -13,10 +13,10 @@ import base64
 import binascii
 from typing import Any
 
-from engines.base import Completion, Delta, Usage
-from engines.openai_compat import OpenAICompatEngine, _error_message
+from engines.base import Completion, Delta
+from engines.openai_compat import OpenAICompatEngine, _usage
 from gateway.audio import split_wav
-from gateway.errors import EngineError, EngineProtocolError
+from gateway.errors import EngineProtocolError
 from gateway.schemas import ChatCompletionRequest
 
 # vLLM-Omni takes these names; the gateway always asks for WAV (or raw PCM) so it
@@ -31,55 +31,33 @@ class VLLMOmniEngine(OpenAICompatEngine):
         body["audio"] = {"voice": request.audio.voice, "format": fmt}
         body["voice"] = request.audio.voice
 
-    def _translator(self):  # noqa: ANN202
-        name = self.name
-        state = {"rate": 24000, "channels": 1}
-
-        def translate(chunk: dict[str, Any]) -> Delta | None:
-            if "error" in chunk:
-                raise EngineError(f"engine {name} reported: {_error_message(chunk)}", engine=name)
-            usage = chunk.get("usage")
-            choices = chunk.get("choices")
-            if not choices:
-                if usage:
-                    return Delta(usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)))
-                return None
-            choice = choices[0]
-            delta = choice.get("delta") or {}
-            content = delta.get("content") or ""
-            finish = choice.get("finish_reason")
-            if chunk.get("modality") == "audio":
-                meta = choice.get("audio_metadata") or {}
-                if meta:
-                    state["rate"] = int(meta.get("sample_rate_hz") or state["rate"])
-                    state["channels"] = int(meta.get("channels") or state["channels"])
-                pcm = b""
-                if content:
-                    pcm, rate, channels = _decode_audio(content, meta, state, name)
-                    state["rate"], state["channels"] = rate, channels
-                if not pcm and finish is None:
-                    return None
-                return Delta(
-                    audio=pcm, sample_rate=state["rate"], channels=state["channels"], audio_done=finish is not None
-                )
-            if not content and finish is None and not usage:
-                return None
-            return Delta(
-                text=content,
-                finish_reason=finish,
-                usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)) if usage else None,
-            )
-
-        return translate
+    def _choice_delta(
+        self, chunk: dict[str, Any], choice: dict[str, Any], usage: dict[str, Any] | None, state: dict[str, Any]
+    ) -> Delta | None:
+        if chunk.get("modality") != "audio":
+            return super()._choice_delta(chunk, choice, usage, state)
+        # Audio: base64 WAV (or PCM) in delta.content. It must never be read as text.
+        content = (choice.get("delta") or {}).get("content") or ""
+        finish = choice.get("finish_reason")
+        meta = choice.get("audio_metadata") or {}
+        rate = int(meta.get("sample_rate_hz") or state.get("rate", 24000))
+        channels = int(meta.get("channels") or state.get("channels", 1))
+        pcm = b""
+        if content:
+            pcm, rate, channels = _decode_audio(content, meta, rate, channels, self.name)
+        state["rate"], state["channels"] = rate, channels
+        if not pcm and finish is None:
+            return None
+        return Delta(audio=pcm, sample_rate=rate, channels=channels, audio_done=finish is not None)
 
     def _completion(self, doc: dict[str, Any]) -> Completion:
         usage = doc.get("usage") or {}
-        out = Completion(usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)))
+        out = Completion(usage=_usage(usage))
         for choice in doc["choices"]:
             message = choice.get("message") or {}
             audio = message.get("audio")
             if audio and audio.get("data"):
-                pcm, rate, channels = _decode_audio(audio["data"], {}, {"rate": 24000, "channels": 1}, self.name)
+                pcm, rate, channels = _decode_audio(audio["data"], {}, 24000, 1, self.name)
                 out.audio, out.sample_rate, out.channels = pcm, rate, channels
                 out.transcript = audio.get("transcript") or ""
             elif message.get("content"):
@@ -88,7 +66,7 @@ class VLLMOmniEngine(OpenAICompatEngine):
         return out
 
 
-def _decode_audio(b64: str, meta: dict[str, Any], state: dict[str, int], engine: str) -> tuple[bytes, int, int]:
+def _decode_audio(b64: str, meta: dict[str, Any], rate: int, channels: int, engine: str) -> tuple[bytes, int, int]:
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -97,5 +75,5 @@ def _decode_audio(b64: str, meta: dict[str, Any], state: dict[str, int], engine:
     if raw[:4] == b"RIFF" or fmt == "wav":
         return split_wav(raw)
     if fmt in ("", "pcm", "pcm16"):
-        return raw, state["rate"], state["channels"]
+        return raw, rate, channels
     raise EngineProtocolError(f"engine {engine} sent audio as {fmt!r}; configure wav or pcm", engine=engine)

@@ -16,7 +16,11 @@ stream runs, and left to expire when a replica dies. When Redis cannot be reache
 to local limits (a share of each limit per replica), loudly.
 
 A background loop reads the count and drives the overload state (:func:`decide_overload`), which lowers the
-engines' concurrency limits; the request path never waits on it.
+engines' concurrency caps (``EnginePool.set_overloaded``); the request path never waits on it.
+
+Every decision is written to the request's audit record (``ctx.control_state["admission"]``), and every
+request shed for load is counted once in ``omnigate_admission_shed_total`` by reason: ``tenant_quota``,
+``overload``, ``text_only`` (counted when the request finishes) and ``engine_busy`` (engines/pool.py).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from observability.metrics import Metrics
 log = structlog.get_logger("omnigate.traffic")
 
 Result = Literal["admit", "refuse_quota", "refuse_overload"]
+
+#: the degradation reason of a speech request served text-only above its soft limit
+DEGRADED_TEXT_ONLY = "load-text-only"
 
 
 # -- pure decisions -----------------------------------------------------------------------------------------
@@ -591,21 +598,43 @@ class AdmissionGate:
         t0 = time.perf_counter()
         grant = await self.store.acquire(lease_id, tenant, Limits(soft, hard, quota))
         self.metrics.admission_duration.labels(grant.store.name).observe(time.perf_counter() - t0)
-        ctx.load = LoadSnapshot(priority, grant.in_flight, grant.limits.soft, grant.limits.hard, grant.store.name)
+        load = ctx.load = LoadSnapshot(
+            priority, grant.in_flight, grant.limits.soft, grant.limits.hard, grant.store.name
+        )
+        if grant.result == "admit":
+            result = "above_soft_limit" if load.above_soft_limit else "admitted"
+        else:
+            result = "refused_quota" if grant.result == "refuse_quota" else "refused_overload"
+        ctx.control_state["admission"] = {
+            "result": result,
+            "priority": priority,
+            "in_flight": grant.in_flight,
+            "soft_limit": grant.limits.soft,
+            "hard_limit": grant.limits.hard,
+            "tenant_in_flight": grant.tenant_in_flight if quota is not None else None,
+            "tenant_quota": grant.limits.tenant_quota,
+            "store": grant.store.name,
+            "overloaded": self.overloaded,
+        }
+        self.metrics.admissions.labels(priority, result).inc()
         retry_after = self.cfg.retry_after_s
         if grant.result == "refuse_quota":
-            self.metrics.admissions.labels(priority, "refused_quota").inc()
+            self.metrics.admission_shed.labels("tenant_quota").inc()
             raise RateLimited(
                 f"too many concurrent requests for this tenant (quota {grant.limits.tenant_quota})",
                 retry_after=retry_after,
             )
         if grant.result == "refuse_overload":
-            self.metrics.admissions.labels(priority, "refused_overload").inc()
+            self.metrics.admission_shed.labels("overload").inc()
             raise Overloaded("the gateway is overloaded; retry later", retry_after=retry_after)
-        self.metrics.admissions.labels(
-            priority, "above_soft_limit" if ctx.load.above_soft_limit else "admitted"
-        ).inc()
         return Ticket(lease_id, tenant, grant.store)
+
+    def release(self, ctx: RequestContext) -> None:
+        """The request is over: give its slot back (once) and count it if it was shed to text-only."""
+        if ctx.admission is not None:
+            ctx.admission.release()
+        if DEGRADED_TEXT_ONLY in ctx.degraded:
+            self.metrics.admission_shed.labels("text_only").inc()
 
     # -- the overload control loop (off the request path) ------------------------------------------------------
     async def _monitor(self) -> None:

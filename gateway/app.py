@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import threading
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import AsyncIterator
 
 import structlog
@@ -11,9 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
-from gateway.api import admin, chat, ops
+from gateway.api import admin, admin_routing, admin_tenants, chat, ops
 from gateway.errors import InvalidRequest, OmnigateError
 from gateway.middleware import RequestIdMiddleware
 from gateway.services import Services
@@ -35,28 +39,54 @@ def error_response(exc: OmnigateError) -> JSONResponse:
     return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers())
 
 
+def _on_sighup(services: Services, config_path: str | Path | None) -> bool:
+    """Reload the config on SIGHUP (only in the main thread, where signal handlers can be set)."""
+    if config_path is None or threading.current_thread() is not threading.main_thread():
+        return False
+    from gateway.reload import reload_config
+
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task] = set()
+
+    def _reload() -> None:
+        task = loop.create_task(reload_config(services, config_path))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, _reload)
+    return True
+
+
 def create_app(
     settings: Settings,
     *,
     registry: CollectorRegistry | None = None,
     plugins: dict[str, type] | None = None,
+    config_path: str | Path | None = None,
 ) -> FastAPI:
+    """``config_path`` is the file a reload (SIGHUP, ``POST /admin/config/reload``) reads again."""
     metrics = Metrics(registry)
     services = Services.build(settings, metrics, plugins)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await services.start()
+        hup = _on_sighup(services, config_path)
         try:
             yield
         finally:
+            if hup:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             await services.aclose()
 
     app = FastAPI(title="omnigate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.services = services
+    app.state.config_path = config_path
     app.include_router(chat.router)
     app.include_router(ops.router)
     app.include_router(admin.router)
+    app.include_router(admin_tenants.router)
+    app.include_router(admin_routing.router)
 
     @app.exception_handler(OmnigateError)
     async def _omnigate_error(request: Request, exc: OmnigateError) -> JSONResponse:
@@ -73,11 +103,24 @@ def create_app(
         err.type = etype
         return error_response(err)
 
+    @app.exception_handler(chat.ClientGone)
+    async def _client_gone(request: Request, exc: chat.ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the status is for access logs
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled_error", exc_info=exc)
         return error_response(OmnigateError("internal error; see the gateway log for this request id"))
 
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(chat.OPENAPI_COMPONENTS)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(RequestIdMiddleware)
     return app
 

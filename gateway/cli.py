@@ -1,4 +1,4 @@
-"""The ``omnigate`` command: ``serve`` and ``check-config``."""
+"""The ``omnigate`` command: ``serve``, ``check-config``, ``audit verify|export`` and ``keys new``."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ def check_config(path: str) -> int:
     try:
         settings = _load(path)
         chain = build_chain(settings.policies)
+        from gateway.services import build_policy_sets
+
+        sets = build_policy_sets(settings)
     except FileNotFoundError as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -50,6 +53,15 @@ def check_config(path: str) -> int:
     print("policy chain (in order):")
     for stage, names in chain.describe().items():
         print(f"  {stage}: {' -> '.join(names) if names else '(none)'}")
+    for name, c in sets.items():
+        print(f"policy set {name}:")
+        for stage, names in c.describe().items():
+            print(f"  {stage}: {' -> '.join(names) if names else '(none)'}")
+    if settings.tenants:
+        print(f"tenants: {', '.join(t.name for t in settings.tenants)} ({len(settings.api_keys)} keys)")
+    else:
+        print("tenants: none (authentication is off)")
+    print(f"audit: {settings.audit.store if settings.audit.enabled else 'disabled'}")
     t = settings.traffic
     if not t.enabled:
         print("traffic: admission off")
@@ -60,6 +72,35 @@ def check_config(path: str) -> int:
         classes = ", ".join(f"{c.name} {'/'.join(map(str, t.class_limits(c.name)))}" for c in t.priorities)
         print(f"  classes (soft/hard, highest first): {classes}")
     return 0
+
+
+class _DrainingServer:
+    """uvicorn's Server, with a drain phase before it stops listening.
+
+    The first SIGTERM/SIGINT fails readiness at once and keeps serving for
+    ``server.drain_delay_s`` (so load balancers move traffic away), then uvicorn's
+    graceful shutdown gives open streams ``server.graceful_shutdown_s``. A second
+    signal stops at once.
+    """
+
+    @staticmethod
+    def build(config, services):  # noqa: ANN001, ANN205
+        import asyncio
+
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:  # noqa: ANN001
+                if services.draining.is_set():
+                    super().handle_exit(sig, frame)
+                    return
+                loop = asyncio.get_event_loop()
+                loop.call_soon_threadsafe(services.begin_drain)
+                loop.call_soon_threadsafe(
+                    loop.call_later, services.settings.server.drain_delay_s, super().handle_exit, sig, frame
+                )
+
+        return Server(config)
 
 
 def serve(path: str | None, host: str | None, port: int | None) -> int:
@@ -75,8 +116,8 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         print(msg, file=sys.stderr)
         return 1
     configure_logging(settings.logging.level, settings.logging.json_output)
-    app = create_app(settings)
-    uvicorn.run(
+    app = create_app(settings, config_path=path)
+    config = uvicorn.Config(
         app,
         host=host or settings.server.host,
         port=port if port is not None else settings.server.port,
@@ -85,6 +126,87 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         timeout_graceful_shutdown=int(settings.server.graceful_shutdown_s),
         h11_max_incomplete_event_size=64 * 1024,
     )
+    _DrainingServer.build(config, app.state.services).run()
+    return 0
+
+
+def _audit_settings(args: argparse.Namespace):  # noqa: ANN202
+    settings = _load(args.config)
+    audit = settings.audit
+    if args.sqlite:
+        audit = audit.model_copy(update={"store": "sqlite", "sqlite_path": Path(args.sqlite)})
+    if args.postgres:
+        from pydantic import SecretStr
+
+        audit = audit.model_copy(update={"store": "postgres", "postgres_dsn": SecretStr(args.postgres)})
+    return audit
+
+
+def audit_command(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from observability.audit.chain import Signer
+    from observability.audit.store import build_store
+    from observability.audit.verify import export_store, verify_store
+
+    try:
+        audit = _audit_settings(args)
+    except (FileNotFoundError, ValidationError) as exc:
+        print(_format_validation(exc) if isinstance(exc, ValidationError) else str(exc), file=sys.stderr)
+        return 2
+    if audit.store == "sqlite" and not audit.sqlite_path.is_file():
+        print(f"no audit database at {audit.sqlite_path}", file=sys.stderr)
+        return 2
+    store = build_store(audit)
+
+    async def run() -> int:
+        await store.open()
+        try:
+            if args.audit_command == "verify":
+                signer = Signer.from_settings(audit.signing, getattr(args, "public_key", None))
+                report = await verify_store(store, signer)
+                doc = report.to_json()
+                if args.json:
+                    print(json.dumps(doc, indent=2))
+                elif report.ok:
+                    print(f"audit chain OK: {report.records} records (seq {report.first_seq or 0}.."
+                          f"{report.head_seq}), {report.checkpoints_signed} signed checkpoints verified, "
+                          f"{report.checkpoints_unchecked} not checkable, head {report.head_hash}")
+                    if report.anchored_at:
+                        print(f"  starts after a retention cut anchored by the checkpoint at record "
+                              f"{report.anchored_at}")
+                    if doc["uncovered_records"]:
+                        print(f"  {doc['uncovered_records']} records after the newest checkpoint are not yet "
+                              "covered by a signature")
+                    for g in report.gaps:
+                        print(f"  gap record at seq {g[0]}: {g[1]} records were not written (buffer full)")
+                else:
+                    p = report.problem
+                    assert p is not None
+                    print(f"audit chain BROKEN at record {p.seq} ({p.kind}): {p.message}")
+                return 0 if report.ok else 1
+            out = open(args.out, "wb") if args.out and args.out != "-" else sys.stdout.buffer
+            try:
+                n = await export_store(store, out, args.after)
+            finally:
+                if out is not sys.stdout.buffer:
+                    out.close()
+            print(f"exported {n} records", file=sys.stderr)
+            return 0
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def keys_new(tenant: str) -> int:
+    from gateway.tenants import mint_key
+
+    minted = mint_key()
+    print(f"key (shown once): {minted.key}", file=sys.stderr)
+    print("config entry (api_keys:):")
+    print(f"  - id: {minted.id}\n    tenant: {tenant}\n    sha256: {minted.sha256}")
     return 0
 
 
@@ -97,9 +219,31 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--port", type=int, default=None, help="port (default 8080)")
     p_check = sub.add_parser("check-config", help="validate a config file and print what it resolves to")
     p_check.add_argument("file", type=Path)
+    p_audit = sub.add_parser("audit", help="verify or export the audit trail")
+    audit_sub = p_audit.add_subparsers(dest="audit_command", required=True)
+    for name, text in (("verify", "re-walk the hash chain and check the signed checkpoints"),
+                       ("export", "write the records as JSON lines (for a SIEM)")):
+        p = audit_sub.add_parser(name, help=text)
+        p.add_argument("--config", help="the gateway's config file (names the store and the signing key)")
+        p.add_argument("--sqlite", help="verify/export this SQLite file instead of the configured store")
+        p.add_argument("--postgres", help="verify/export this PostgreSQL DSN instead of the configured store")
+        if name == "verify":
+            p.add_argument("--public-key", help="Ed25519 public key (base64) to check checkpoints with")
+            p.add_argument("--json", action="store_true", help="print the report as JSON")
+        else:
+            p.add_argument("--after", type=int, default=0, help="only records with seq greater than this")
+            p.add_argument("--out", default="-", help="output file (default: standard output)")
+    p_keys = sub.add_parser("keys", help="API keys")
+    keys_sub = p_keys.add_subparsers(dest="keys_command", required=True)
+    p_new = keys_sub.add_parser("new", help="mint a key: prints it once, and the config entry with its digest")
+    p_new.add_argument("--tenant", required=True)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args.config, args.host, args.port)
+    if args.command == "audit":
+        return audit_command(args)
+    if args.command == "keys":
+        return keys_new(args.tenant)
     return check_config(str(args.file))
 
 

@@ -1,17 +1,21 @@
 """Per-request state: one :class:`RequestContext` per request, never shared.
 
 Policies, the pipeline and the observability layer write what happened here; the
-access log event and (later) the audit record are built from it.
+access log event and the audit record are built from it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 if TYPE_CHECKING:
+    from engines.base import Completion
     from gateway.admission import LoadSnapshot, Ticket
+    from gateway.schemas import ChatCompletionRequest
+    from gateway.settings import TenantConfig
+    from observability.audit.record import OutputDigest
 
 Outcome = Literal["served", "degraded", "refused", "failed", "cancelled"]
 
@@ -29,20 +33,76 @@ class PolicyRun:
 
 
 @dataclass(slots=True)
+class MediaRecord:
+    """One media content part as the media policies found it and what they did to it (audit)."""
+
+    part: str  # where the client put it, e.g. "messages.0.content.1"
+    kind: str  # image | audio | video
+    source: str  # url | data
+    host: str | None = None  # the URL's host (never the full URL: it may carry tokens)
+    bytes: int = 0
+    format: str | None = None
+    width: int | None = None
+    height: int | None = None
+    duration_s: float | None = None
+    frames: int | None = None
+    modal_tokens: int = 0
+    actions: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Screening:
+    """One classifier verdict on a part as the engine receives it (e.g. NSFW score)."""
+
+    policy: str
+    part: str
+    score: float
+    flagged: bool
+
+
+@dataclass(slots=True)
+class Segmentation:
+    """A long input cut into consecutive segments: one engine call per segment, in order.
+
+    The request the pre-policies return carries segment 0; ``build(request, i)``
+    returns the request for segment ``i`` from it. ``boundaries`` are seconds
+    into the original part, kept for the audit record.
+    """
+
+    part: str
+    boundaries: list[tuple[float, float]]
+    build: Callable[["ChatCompletionRequest", int], "ChatCompletionRequest"]
+    separator: str = "\n\n"
+
+
+@dataclass(slots=True)
 class RequestContext:
     request_id: str
     body_bytes: int = 0
     tenant: str | None = None
-    #: the tenant's request class, set by authentication; None: traffic.default_priority
+    #: the resolved tenant (models, policy set, limits); None when authentication is off
+    tenant_config: "TenantConfig | None" = None
+    #: the API key's public id (never the key); None when authentication is off or failed
+    key_id: str | None = None
+    #: priority class and concurrency quota of the tenant, read by admission
+    #: (priority None: unauthenticated, the class is traffic.default_priority)
     priority: str | None = None
+    tenant_max_concurrency: int | None = None
     #: the class the client asked for with the priority header (it may only lower its own)
     requested_priority: str | None = None
-    #: the tenant's concurrency quota across the gateway; None: no quota
-    tenant_max_concurrency: int | None = None
     #: the admission slot this request holds, released once when the request finishes
     admission: "Ticket | None" = None
     #: the load the request was admitted under (what load shedding decides on)
     load: "LoadSnapshot | None" = None
+    #: the tenant's policy set (None: the default chain) and what the audit keeps of content
+    policy_set: str | None = None
+    audit_content: str = "digests"
+    #: shedding and rollback state when the request was served, written by the readers of the control loops
+    control_state: dict[str, Any] = field(default_factory=dict)
+    #: what the audit record is built from: the request as received and what was released
+    received: "ChatCompletionRequest | None" = None
+    output: "OutputDigest | None" = None
+    completion: "Completion | None" = None
     started: float = field(default_factory=time.perf_counter)
     public_model: str | None = None
     stream: bool = False
@@ -59,6 +119,9 @@ class RequestContext:
     first_audio_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    media: list[MediaRecord] = field(default_factory=list)
+    screenings: list[Screening] = field(default_factory=list)
+    segmentation: Segmentation | None = None
 
     def degrade(self, reason: str) -> None:
         if reason not in self.degraded:

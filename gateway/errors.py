@@ -8,8 +8,20 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     OmnigateError                       500 internal_error
     ├── InvalidRequest                  400 invalid_request_error
     │   ├── PayloadTooLarge             413
+    │   ├── RequestTimeout              408 (the body did not arrive in time)
     │   ├── ContentPolicyViolation      400 content_policy_violation
-    │   └── ModelNotFound               404 model_not_found
+    │   ├── ModelNotFound               404 model_not_found
+    │   ├── NotFound                    404 not_found             (admin resources)
+    │   ├── Conflict                    409 conflict              (admin resources)
+    │   └── ConfigInvalid               422 invalid_config        (a reload that was refused)
+    │   │   └── MediaTooLarge           413 media_too_large
+    │   ├── ContentPolicyViolation      400 content_policy_violation
+    │   ├── ModelNotFound               404 model_not_found
+    │   ├── InvalidMedia                400 invalid_media            (undecodable, malformed data URI, over a limit)
+    │   ├── MediaURLForbidden           400 media_url_forbidden      (scheme or address the fetcher refuses)
+    │   ├── MediaFetchFailed            400 media_fetch_failed       (unreachable, timeout, HTTP error)
+    │   ├── ModalBudgetExceeded         400 modal_budget_exceeded
+    │   └── ContextLengthExceeded       400 context_length_exceeded
     ├── AuthenticationFailed            401 authentication_error
     ├── PermissionDenied                403 permission_error
     ├── RateLimited                     429 rate_limit_exceeded   (Retry-After)
@@ -17,6 +29,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     │   └── EngineBusy                  503 engine_busy           (Retry-After; every engine for the model is full)
     ├── GroundingFailed                 422 grounding_failed
     └── EngineError                     502 engine_error
+        ├── EngineFailed                502 engine_error          (retryable before first byte: its 5xx)
         ├── EngineUnavailable           503 engine_unavailable    (retryable before first byte)
         ├── EngineTimeout               504 engine_timeout        (retryable before first byte)
         ├── EngineRejected              4xx/502 passed on when the engine refused the request
@@ -82,6 +95,11 @@ class PayloadTooLarge(InvalidRequest):
     code = "payload_too_large"
 
 
+class RequestTimeout(InvalidRequest):
+    status = 408
+    code = "request_timeout"
+
+
 class ContentPolicyViolation(InvalidRequest):
     code = "content_policy_violation"
 
@@ -89,6 +107,49 @@ class ContentPolicyViolation(InvalidRequest):
 class ModelNotFound(InvalidRequest):
     status = 404
     code = "model_not_found"
+
+
+class NotFound(InvalidRequest):
+    status = 404
+    code = "not_found"
+
+
+class Conflict(InvalidRequest):
+    status = 409
+    code = "conflict"
+
+
+class ConfigInvalid(InvalidRequest):
+    status = 422
+    code = "invalid_config"
+class MediaTooLarge(PayloadTooLarge):
+    code = "media_too_large"
+
+
+class InvalidMedia(InvalidRequest):
+    """A media part that cannot be decoded, is malformed, or breaks a configured limit."""
+
+    code = "invalid_media"
+
+
+class MediaURLForbidden(InvalidRequest):
+    """A media URL whose scheme or address the fetcher never contacts (SSRF guard)."""
+
+    code = "media_url_forbidden"
+
+
+class MediaFetchFailed(InvalidRequest):
+    """A media URL that could not be fetched: the client's URL is at fault, not the gateway."""
+
+    code = "media_fetch_failed"
+
+
+class ModalBudgetExceeded(InvalidRequest):
+    code = "modal_budget_exceeded"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
 
 
 class AuthenticationFailed(OmnigateError):
@@ -139,6 +200,13 @@ class EngineError(OmnigateError):
     def __init__(self, message: str, *, engine: str | None = None, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.engine = engine
+
+
+class EngineFailed(EngineError):
+    """The engine answered with a server error (500, 502, 504 ...)."""
+
+    kind = "upstream_5xx"
+    retryable = True
 
 
 class EngineUnavailable(EngineError):

@@ -1,23 +1,33 @@
 """How one chat completion request is served, top to bottom.
 
-    admission → pre-policies → engine choice → first upstream chunk (commit point)
-      → stream filters → post-policies (retry while nothing was sent) → accounting
+    admission (audit room, tenant rate limits, model access, a concurrency slot: gateway/admission.py)
+      → pre-policies (the tenant's chain; load-shedding first)
+      → engine choice → first upstream chunk (commit point) → stream filters
+      → post-policies (retry while nothing was sent) → accounting → audit record
+      (committed before the response is complete)
 
 Nothing here knows about HTTP: the transport renders what :meth:`Pipeline.stream`
 and :meth:`Pipeline.complete` return. Everything before the commit point may
 fail over to the next engine; after it, a failure ends the stream with an error.
+
+A segmented input (``ctx.segmentation``, set by a pre-policy for audio too long
+for one call) is served as one engine call per segment, in order, concatenated
+into one response: the first segment's first chunk is the commit point; later
+segments may still fail over before their own first chunk; only the last
+segment's ``finish_reason`` is released and usage is summed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import structlog
 
-from engines.base import Completion, Delta, Engine
-from engines.limits import EngineSlot
+from engines.base import Completion, Delta, Engine, Usage
 from engines.pool import EnginePool
 from gateway.audio import STREAMABLE_FORMATS
 from gateway.context import RequestContext
@@ -30,7 +40,10 @@ from gateway.errors import (
     OmnigateError,
     Overloaded,
 )
+from gateway.ratelimit import RateLimiter
 from gateway.schemas import ChatCompletionRequest
+from observability.audit.log import AuditLog
+from observability.audit.record import OutputDigest, RequestSnapshot
 from observability.metrics import Metrics
 from policies.base import Accept, Reject, Retry, StreamFilter
 from policies.registry import LoadedPolicy, PolicyChain
@@ -49,19 +62,6 @@ class Attempt:
     request: ChatCompletionRequest
     upstream: AsyncIterator[Delta]
     first: Delta
-    slot: EngineSlot | None = None
-
-    async def close(self) -> None:
-        """Close the upstream request and give the engine's slot back; idempotent."""
-        await _close_upstream(self.upstream, self.slot)
-
-
-async def _close_upstream(upstream: AsyncIterator[Delta], slot: EngineSlot | None) -> None:
-    try:
-        await upstream.aclose()  # type: ignore[attr-defined]
-    finally:
-        if slot is not None:
-            slot.release()
 
 
 @dataclass(slots=True)
@@ -93,18 +93,30 @@ class ResponseStream:
         if self._gen is None:
             # Never iterated (the client left before the response began).
             self._gen = _closed()
-            try:
-                await self.attempt.close()
-            finally:
-                self.pipeline._finish(self.ctx, GeneratorExit())
+            await self._abandon()
         else:
             try:
                 await self._gen.aclose()  # type: ignore[attr-defined]
             finally:
                 if self.ctx.outcome is None:
-                    # Created but never started: its finally never ran.
-                    await self.attempt.close()
-                    self.pipeline._finish(self.ctx, GeneratorExit())
+                    # Created but never started: closing it did not run its finally.
+                    await self._abandon()
+
+    async def _abandon(self) -> None:
+        fut = self.pipeline._finish(self.ctx, GeneratorExit())
+        await self.attempt.upstream.aclose()
+        await self.pipeline._durable(self.ctx, fut)
+
+
+def _join(parts: list[Completion], separator: str) -> Completion:
+    """Completions of consecutive segments as one answer."""
+    out = Completion(finish_reason=parts[-1].finish_reason, sample_rate=parts[0].sample_rate,
+                     channels=parts[0].channels)
+    out.text = separator.join(p.text for p in parts if p.text)
+    out.transcript = separator.join(p.transcript for p in parts if p.transcript)
+    out.audio = b"".join(p.audio for p in parts)
+    out.usage = Usage(sum(p.usage.prompt_tokens for p in parts), sum(p.usage.completion_tokens for p in parts))
+    return out
 
 
 async def _closed() -> AsyncIterator[Delta]:
@@ -114,12 +126,32 @@ async def _closed() -> AsyncIterator[Delta]:
 
 class Pipeline:
     def __init__(
-        self, pool: EnginePool, chain: PolicyChain, metrics: Metrics, admission: "AdmissionGate | None" = None
+        self,
+        pool: EnginePool,
+        chain: PolicyChain,
+        metrics: Metrics,
+        *,
+        audit: AuditLog | None = None,
+        limiter: RateLimiter | None = None,
+        chains: dict[str, PolicyChain] | None = None,
+        sentinel: Any = None,
+        admission: "AdmissionGate | None" = None,
     ) -> None:
         self.pool = pool
         self.chain = chain
         self.metrics = metrics
+        self.audit = audit
+        self.limiter = limiter
+        #: the tenants' policy sets by name; a tenant without one gets ``chain``
+        self.chains: dict[str, PolicyChain] = chains or {}
+        #: the accuracy sentinel (``offer(engine, variant, completion)``), or None
+        self.sentinel = sentinel
+        #: the admission gate (gateway/admission.py); None: traffic control is off
         self.admission = admission
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _chain(self, ctx: RequestContext) -> PolicyChain:
+        return self.chains.get(ctx.policy_set, self.chain) if ctx.policy_set else self.chain
 
     # -- the two entry points ----------------------------------------------
     async def stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> ResponseStream:
@@ -129,7 +161,7 @@ class Pipeline:
             request = await self._prepare(request, ctx)
             attempt = await self._open(request, ctx)
         except BaseException as exc:
-            self._finish(ctx, exc)
+            await self._settle(ctx, exc)
             raise
         return ResponseStream(self, attempt.request, ctx, attempt)
 
@@ -139,31 +171,47 @@ class Pipeline:
             request = await self._prepare(request, ctx)
             result = await self._complete(request, ctx)
         except BaseException as exc:
-            self._finish(ctx, exc)
+            await self._settle(ctx, exc)
             raise
-        self._finish(ctx, None)
+        ctx.completion = result.completion
+        await self._settle(ctx, None)
         return result
+
+    async def refused(self, ctx: RequestContext, error: OmnigateError) -> None:
+        """A request the transport refused before the pipeline (its key, its body): counted and audited."""
+        self.metrics.in_flight.inc()
+        await self._settle(ctx, error)
 
     # -- stages --------------------------------------------------------------
     def _begin(self, ctx: RequestContext, request: ChatCompletionRequest) -> None:
         ctx.public_model = request.model if self.pool.serves(request.model) else None
         ctx.stream = request.stream
+        ctx.received = request
         self.metrics.in_flight.inc()
         if request.ignored_fields:
             log.info("request_fields_ignored", fields=request.ignored_fields)
 
     async def _prepare(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
-        if not self.pool.serves(request.model):
-            raise ModelNotFound(f"the model {request.model!r} does not exist", param="model")
+        if self.audit is not None:
+            self.audit.admit()
+        tenant = ctx.tenant_config
+        if tenant is not None and self.limiter is not None:
+            await self.limiter.admit(tenant)
+        if not self.pool.serves(request.model) or (
+            tenant is not None and tenant.models is not None and request.model not in tenant.models
+        ):
+            raise ModelNotFound(
+                f"the model {request.model!r} does not exist or you do not have access to it", param="model"
+            )
         if request.stream and request.wants_audio and request.audio is not None:
             if request.audio.format not in STREAMABLE_FORMATS:
                 raise InvalidRequest(
                     f"streamed audio must be wav or pcm16, not {request.audio.format}", param="audio.format"
                 )
         if self.admission is not None:
-            # Admission: the slot is held until _finish, whatever the way out.
+            # The slot is held until _finish, whatever the way out.
             ctx.admission = await self.admission.admit(ctx)
-        for policy in self.chain.pre:
+        for policy in self._chain(ctx).pre:
             request = await self._run_pre(policy, request, ctx)
         return request
 
@@ -172,7 +220,8 @@ class Pipeline:
     ) -> ChatCompletionRequest:
         t0 = time.perf_counter()
         verdict, detail = "accept", None
-        degraded = len(ctx.degraded)
+        if policy.shadow:
+            degraded, control = len(ctx.degraded), set(ctx.control_state)
         try:
             out = await policy.impl.pre(request, ctx)
             if out is not request:
@@ -185,7 +234,10 @@ class Pipeline:
         finally:
             self._record(policy, ctx, verdict, time.perf_counter() - t0, detail)
         if policy.shadow:
-            del ctx.degraded[degraded:]  # a shadow policy's rewrite is not served, so it is not announced
+            # A shadow policy's rewrite is not served, so it is neither announced nor audited as done.
+            del ctx.degraded[degraded:]
+            for key in set(ctx.control_state) - control:
+                del ctx.control_state[key]
             return request
         return out
 
@@ -226,18 +278,19 @@ class Pipeline:
     async def _open(self, request: ChatCompletionRequest, ctx: RequestContext) -> Attempt:
         """Call engines in order until one yields its first chunk.
 
-        Each try first takes a concurrency slot on the first engine left that has one (waiting boundedly
-        when all are full, see engines/limits.py); a failed engine is dropped from the list.
+        Each try first claims a slot on the first engine left that has one (waiting boundedly
+        when all are at their cap, see engines/pool.py); a failed engine is dropped from the list.
         """
         engines = self._engines_for(request)
         last: EngineError | None = None
         while engines:
-            slot = await self.pool.acquire(engines, request.model)
-            engine = slot.engine
+            engine = await self.pool.claim(engines, request.model)
+            if engine is None:
+                break
             engines = [e for e in engines if e is not engine]
             adapted = self._adapt(engine, request, ctx)
             if adapted is None:
-                slot.release()
+                self.pool.release(engine, settled=False)
                 continue
             ctx.attempts += 1
             upstream = engine.stream(adapted)
@@ -248,25 +301,38 @@ class Pipeline:
             except EngineError as exc:
                 last = exc
             except BaseException:
-                await _close_upstream(upstream, slot)
+                self.pool.release(engine, settled=False)
                 raise
             else:
                 ctx.engine, ctx.variant = engine.name, engine.config.variant
-                return Attempt(engine, adapted, upstream, first, slot)
-            await _close_upstream(upstream, slot)
+                return Attempt(engine, adapted, upstream, first)
+            await upstream.aclose()
             self._engine_failed(engine, last, ctx, more=bool(engines))
+            self.pool.release(engine, settled=last.retryable)
             if not last.retryable:
                 raise last
-        raise last or EngineUnavailable(f"no engine can serve {request.model!r}")
+        raise last or self._no_engine(request)
+
+    def _no_engine(self, request: ChatCompletionRequest) -> EngineError:
+        # Engines at their cap are waited for (or refused with engine_busy) by pool.claim; here none
+        # could be claimed at all (e.g. half-open with its trials taken, the others unavailable).
+        return EngineUnavailable(f"no engine can serve {request.model!r} now")
+
+    def _unbind(self, ctx: RequestContext) -> None:
+        """Give back the engine slot of an attempt being replaced (post-policy retry, next segment)."""
+        if ctx.engine is not None:
+            self.pool.release(ctx.engine, settled=False)
+            ctx.engine = None
 
     async def _complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
-        budget = self.chain.max_retries
+        budget = self._chain(ctx).max_retries
         while True:
-            completion, served = await self._complete_once(request, ctx)
+            completion, served = await self._complete_segments(request, ctx)
             verdict = await self._post(served, completion, ctx)
             if isinstance(verdict, Retry) and budget > 0:
                 budget -= 1
                 request = self._retry(request, verdict, ctx)
+                self._unbind(ctx)
                 continue
             if isinstance(verdict, Reject):
                 raise verdict.error
@@ -280,12 +346,13 @@ class Pipeline:
         engines = self._engines_for(request)
         last: EngineError | None = None
         while engines:
-            slot = await self.pool.acquire(engines, request.model)
-            engine = slot.engine
+            engine = await self.pool.claim(engines, request.model)
+            if engine is None:
+                break
             engines = [e for e in engines if e is not engine]
             adapted = self._adapt(engine, request, ctx)
             if adapted is None:
-                slot.release()
+                self.pool.release(engine, settled=False)
                 continue
             ctx.attempts += 1
             try:
@@ -293,16 +360,35 @@ class Pipeline:
             except EngineError as exc:
                 last = exc
                 self._engine_failed(engine, exc, ctx, more=bool(engines))
+                self.pool.release(engine, settled=exc.retryable)
                 if not exc.retryable:
                     raise
                 continue
-            finally:
-                slot.release()
+            except BaseException:
+                self.pool.release(engine, settled=False)
+                raise
             ctx.engine, ctx.variant = engine.name, engine.config.variant
             ctx.ttft_s = ctx.elapsed()
             self._account(ctx, completion)
             return completion, adapted
-        raise last or EngineUnavailable(f"no engine can serve {request.model!r}")
+        raise last or self._no_engine(request)
+
+    async def _complete_segments(
+        self, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> tuple[Completion, ChatCompletionRequest]:
+        completion, served = await self._complete_once(request, ctx)
+        seg = ctx.segmentation
+        if seg is None or len(seg.boundaries) < 2:
+            return completion, served
+        parts = [completion]
+        for i in range(1, len(seg.boundaries)):
+            self.metrics.segments.inc()
+            self._unbind(ctx)  # the previous segment's engine slot: one slot per request at a time
+            more, _ = await self._complete_once(seg.build(served, i), ctx)
+            parts.append(more)
+        joined = _join(parts, seg.separator)
+        self._account(ctx, joined)
+        return joined, served
 
     def _retry(self, request: ChatCompletionRequest, verdict: Retry, ctx: RequestContext) -> ChatCompletionRequest:
         ctx.retries += 1
@@ -311,7 +397,7 @@ class Pipeline:
         return request.model_copy(update=verdict.update) if verdict.update else request
 
     async def _post(self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext) -> Any:
-        for policy in self.chain.post:
+        for policy in self._chain(ctx).post:
             t0 = time.perf_counter()
             verdict = await policy.impl.post(request, completion, ctx)
             name = type(verdict).__name__.lower()
@@ -327,20 +413,28 @@ class Pipeline:
     async def _run_stream(self, rs: ResponseStream) -> AsyncIterator[Delta]:
         """Relay one stream through the filters; retry (post-policy) only while nothing was released."""
         ctx, attempt = rs.ctx, rs.attempt
-        budget = self.chain.max_retries
+        chain = self._chain(ctx)
+        budget = chain.max_retries
         error: BaseException | None = None
+        released = ctx.output = OutputDigest(ctx.audit_content != "digests") if self.audit is not None else None
         try:
             while True:
-                filters = [(p, p.impl.open_stream(attempt.request, ctx)) for p in self.chain.stream]
+                filters = [(p, p.impl.open_stream(attempt.request, ctx)) for p in chain.stream]
                 completion = Completion()
-                async for delta in self._relay(attempt, filters, completion, ctx):
+                relayed = attempt
+                if ctx.segmentation is not None and len(ctx.segmentation.boundaries) > 1:
+                    joined = self._concat(attempt, ctx)
+                    relayed = Attempt(attempt.engine, attempt.request, joined, await anext(joined))
+                async for delta in self._relay(relayed, filters, completion, ctx):
                     rs._released = True
+                    if released is not None:
+                        released.add(delta)
                     yield delta
                 verdict = await self._post(attempt.request, completion, ctx)
                 if isinstance(verdict, Retry) and budget > 0 and not rs._released:
                     budget -= 1
                     request = self._retry(attempt.request, verdict, ctx)
-                    await attempt.close()
+                    self._unbind(ctx)
                     attempt = await self._open(request, ctx)
                     continue
                 if isinstance(verdict, Reject):
@@ -349,6 +443,8 @@ class Pipeline:
                     ctx.degrade("retries-exhausted")
                 for out in self._flush(filters):
                     rs._released = True
+                    if released is not None:
+                        released.add(out)
                     yield out
                 self._account(ctx, completion)
                 return
@@ -356,10 +452,13 @@ class Pipeline:
             error = exc
             raise
         finally:
+            # Finished (and the record handed to the audit) before any await a cancelled task may not complete.
+            fut = self._finish(ctx, error)
             try:
-                await attempt.close()
+                await attempt.upstream.aclose()
             finally:
-                self._finish(ctx, error)
+                # The audit record is committed before the stream's last frame and [DONE] go out.
+                await self._durable(ctx, fut)
 
     async def _relay(
         self,
@@ -396,9 +495,50 @@ class Pipeline:
                     yield d
         except EngineError as exc:
             self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
+            self.pool.report_failure(engine)
             raise
         finally:
-            await attempt.close()  # the engine's slot is free as soon as its stream is
+            await upstream.aclose()
+
+    async def _concat(self, attempt: Attempt, ctx: RequestContext) -> AsyncIterator[Delta]:
+        """One engine call per segment, in order, as one stream (see the module docstring)."""
+        seg = ctx.segmentation
+        assert seg is not None
+        n = len(seg.boundaries)
+        total = Usage()
+        current = attempt
+        try:
+            for i in range(n):
+                last = i == n - 1
+                if i:
+                    self.metrics.segments.inc()
+                    self._unbind(ctx)  # the previous segment's engine slot: one slot per request at a time
+                    current = await self._open(seg.build(attempt.request, i), ctx)
+                    if seg.separator:
+                        yield Delta(text=seg.separator)
+                sent_usage = False
+                delta: Delta | None = current.first
+                while delta is not None:
+                    if delta.usage is not None:
+                        total = Usage(total.prompt_tokens + delta.usage.prompt_tokens,
+                                      total.completion_tokens + delta.usage.completion_tokens)
+                    if not last:
+                        delta = dataclasses.replace(delta, finish_reason=None, usage=None, audio_done=False)
+                    elif delta.usage is not None:
+                        delta, sent_usage = dataclasses.replace(delta, usage=total), True
+                    if delta.text or delta.audio or delta.transcript or delta.finish_reason or delta.usage \
+                            or delta.audio_done:
+                        yield delta
+                    try:
+                        delta = await anext(current.upstream)
+                    except StopAsyncIteration:
+                        delta = None
+                if last and not sent_usage and (total.prompt_tokens or total.completion_tokens):
+                    yield Delta(usage=total)
+                if not last:
+                    await current.upstream.aclose()
+        finally:
+            await current.upstream.aclose()
 
     def _feed(self, filters: list[tuple[LoadedPolicy, StreamFilter]], delta: Delta) -> list[Delta]:
         batch = [delta]
@@ -428,19 +568,35 @@ class Pipeline:
     def _account(self, ctx: RequestContext, completion: Completion) -> None:
         ctx.prompt_tokens = completion.usage.prompt_tokens
         ctx.completion_tokens = completion.usage.completion_tokens
+        if completion.audio and self.sentinel is not None and ctx.engine is not None:
+            self.sentinel.offer(ctx.engine, ctx.variant, completion)
 
-    def _finish(self, ctx: RequestContext, error: BaseException | None) -> None:
-        """Account for the request and release its admission slot; runs once per request."""
+    async def _settle(self, ctx: RequestContext, error: BaseException | None) -> None:
+        await self._durable(ctx, self._finish(ctx, error))
+
+    async def _durable(self, ctx: RequestContext, fut: "asyncio.Future[int] | None") -> None:
+        """Unless the client left, wait (at most ``audit.ack_timeout_s``) until the audit record is committed."""
+        if fut is not None and self.audit is not None and ctx.outcome != "cancelled":
+            await self.audit.wait(fut)
+
+    def _finish(self, ctx: RequestContext, error: BaseException | None) -> "asyncio.Future[int] | None":
+        """Account for the request, release its slots and hand its record to the audit; once per request."""
         if ctx.outcome is not None:
-            return
-        if ctx.admission is not None:
-            ctx.admission.release()
+            return None
+        if self.admission is not None:
+            self.admission.release(ctx)
         self.metrics.in_flight.dec()
+        if ctx.engine is not None:
+            # One report per request (never per chunk): latency and outcome for its window and circuit.
+            if error is None:
+                self.pool.report_success(ctx.engine, ctx.ttft_s, ctx.first_audio_s, ctx.elapsed())
+            self.pool.release(ctx.engine, settled=error is None or isinstance(error, EngineError))
         if error is None:
             ctx.outcome = "degraded" if ctx.degraded else "served"
         elif isinstance(error, OmnigateError):
             ctx.status = error.status
             ctx.error_code = error.code
+            # Load refused on purpose (overload, engine busy, audit full) is a refusal, not a failure.
             refused = error.status < 500 or isinstance(error, Overloaded)
             ctx.outcome = "refused" if refused else "failed"
         elif isinstance(error, GeneratorExit) or type(error).__name__ == "CancelledError":
@@ -460,6 +616,7 @@ class Pipeline:
             m.first_audio.labels(engine, variant).observe(ctx.first_audio_s)
         log.info(
             "request_finished",
+            tenant=ctx.tenant,
             model=ctx.public_model,
             stream=ctx.stream,
             engine=ctx.engine,
@@ -478,3 +635,14 @@ class Pipeline:
             prompt_tokens=ctx.prompt_tokens,
             completion_tokens=ctx.completion_tokens,
         )
+        tenant = ctx.tenant_config
+        if tenant is not None and tenant.tokens_per_minute and self.limiter is not None:
+            used = ctx.prompt_tokens + ctx.completion_tokens
+            if used:
+                task = asyncio.get_running_loop().create_task(self.limiter.charge(tenant, used))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        if self.audit is None:
+            return None
+        snapshot = RequestSnapshot(ctx, ctx.received, ctx.output, ctx.completion, ctx.elapsed() * 1000)
+        return self.audit.submit("request", request_id=ctx.request_id, tenant=ctx.tenant, snapshot=snapshot)

@@ -2,18 +2,46 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
 
 import structlog
 
+from engines.controller import RolloutController
 from engines.pool import EnginePool, build_engine
+from engines.rollback import Transition
+from engines.sentinel import AccuracySentinel
+from engines.state_store import build_store as build_state_store
+from engines.telemetry import TelemetryCollector
 from gateway.admission import AdmissionGate
 from gateway.pipeline import Pipeline
-from gateway.settings import Settings
+from gateway.ratelimit import RateLimiter
+from gateway.settings import Settings, TenantConfig
+from gateway.tenants import Directory
+from observability.audit import AuditLog
+from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics
 from policies.registry import PolicyChain, build_chain
 
 log = structlog.get_logger(__name__)
+
+#: how often a replica re-reads the admin-managed tenants and keys written by the others
+DIRECTORY_REFRESH_S = 10.0
+
+
+def build_policy_sets(settings: Settings, plugins: dict[str, type] | None = None) -> dict[str, PolicyChain]:
+    """Every tenant policy set, built and checked like the default chain (a bad one names itself)."""
+    from policies.registry import PolicyConfigError
+
+    chains: dict[str, PolicyChain] = {}
+    for name, cfg in settings.policy_sets.items():
+        try:
+            chains[name] = build_chain(cfg, plugins)
+        except PolicyConfigError as exc:
+            raise PolicyConfigError(f"policy_sets.{name}: {exc}".replace("policies.", "")) from exc
+    return chains
 
 
 @dataclass(slots=True)
@@ -23,18 +51,57 @@ class Services:
     pool: EnginePool
     chain: PolicyChain
     pipeline: Pipeline
+    controller: RolloutController
+    #: set once shutdown begins: readiness fails, open streams get a deadline
+    draining: asyncio.Event = field(default_factory=asyncio.Event)
+    drain_deadline: float | None = None
+    audit: AuditLog | None = None
+    limiter: RateLimiter | None = None
+    directory: Directory = field(default_factory=Directory)
+    plugins: dict[str, type] | None = None
     admission: AdmissionGate | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
         chain = build_chain(settings.policies, plugins)
-        pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics)
+        chains = build_policy_sets(settings, plugins)
+        routing = settings.routing
+        pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics, routing=routing)
+        sentinel = AccuracySentinel(routing.sentinel, metrics, seed=routing.seed) if routing.sentinel.enabled else None
+        state = routing.state
+        state_store = build_state_store(state.backend, state.redis_url, state.key_prefix, state.replica_id)
+        controller: RolloutController
+        url_for = TelemetryCollector.metrics_url_for
+        targets = [
+            (e.name, url_for(str(e.base_url) if e.base_url else None, e.telemetry), e.telemetry)
+            for e in settings.engines
+        ]
+        telemetry = TelemetryCollector(targets, routing.signals, metrics, active=lambda: controller.is_leader)
+        controller = RolloutController(pool, routing, metrics, state_store, telemetry, sentinel)
+        audit = (
+            AuditLog(settings.audit, build_audit_store(settings.audit), metrics) if settings.audit.enabled else None
+        )
+        limiter = RateLimiter(settings.rate_limits, metrics)
         admission = (
-            AdmissionGate(settings.traffic, metrics, on_overload=pool.limits.set_overloaded)
+            AdmissionGate(settings.traffic, metrics, on_overload=pool.set_overloaded)
             if settings.traffic.enabled
             else None
         )
-        return cls(settings, metrics, pool, chain, Pipeline(pool, chain, metrics, admission), admission)
+        pipeline = Pipeline(
+            pool, chain, metrics, audit=audit, limiter=limiter, chains=chains, sentinel=sentinel,
+            admission=admission,
+        )
+        services = cls(settings, metrics, pool, chain, pipeline, controller, audit=audit, limiter=limiter,
+                       directory=Directory.build(settings), plugins=plugins, admission=admission)
+        if audit is not None:
+            # Every routing transition, automatic or manual, goes into the same tamper-evident chain.
+            controller.on_transition.append(services._audit_transition)
+        return services
+
+    async def _audit_transition(self, transition: Transition) -> None:
+        if self.audit is not None:
+            await self.audit.append_event("routing_transition", transition.to_dict())
 
     async def start(self) -> None:
         log.info(
@@ -44,15 +111,93 @@ class Services:
                 for e in self.settings.engines
             ],
             policies=self.chain.describe(),
+            policy_sets={name: c.describe() for name, c in self.pipeline.chains.items()},
         )
+        if self.audit is not None:
+            await self.audit.start()
+        else:
+            log.warning("audit_disabled")
+        await self.refresh_directory()
+        if self.directory.auth_enabled:
+            log.info("auth_enabled", tenants=len(self.directory.tenants), keys=len(self.directory.keys))
+        else:
+            log.warning("auth_disabled", reason="no tenants configured: every request is served, unauthenticated")
+        if self.limiter is not None:
+            await self.limiter.start()  # connects lazily, on the first limited request
+        if self.audit is not None:
+            self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory-refresh"))
+        # Policies load their models before traffic can arrive (the lifespan has not yielded yet).
+        for policy in self._policies():
+            start = getattr(policy.impl, "start", None)
+            if start is not None:
+                await start(self)
         if self.admission is not None:
-            if not any(p.name == "load-shedding" for p in self.chain.pre):
-                log.warning("load_shedding_not_in_chain",
-                            detail="admission limits apply, but speech is never shed above the soft limit")
+            chains = {"policies": self.chain}
+            chains.update({f"policy_sets.{n}": c for n, c in self.pipeline.chains.items()})
+            unshed = [w for w, c in chains.items() if not any(p.name == "load-shedding" for p in c.pre)]
+            if unshed:
+                log.warning("load_shedding_not_in_chain", chains=unshed,
+                            detail="admission limits apply, but speech is not shed there above the soft limit")
             await self.admission.start()
         await self.pool.start()
+        await self.controller.start()
+
+    def _policies(self) -> list:
+        """Every loaded policy instance once: the default chain and each tenant policy set."""
+        seen: dict[int, object] = {}
+        for chain in (self.chain, *self.pipeline.chains.values()):
+            for policy in chain.all():
+                seen.setdefault(id(policy.impl), policy)
+        return list(seen.values())
+
+    def begin_drain(self) -> None:
+        """Shutdown has begun: fail readiness now, and give open streams until the deadline."""
+        if self.draining.is_set():
+            return
+        server = self.settings.server
+        self.drain_deadline = time.monotonic() + server.drain_delay_s + max(0.0, server.graceful_shutdown_s - 1.0)
+        self.draining.set()
+        log.warning("gateway_draining", drain_delay_s=server.drain_delay_s, grace_s=server.graceful_shutdown_s)
+
+    async def refresh_directory(self) -> None:
+        """Rebuild the tenant and key directory from the config and the admin database."""
+        db_tenants: list[TenantConfig] = []
+        db_keys = []
+        if self.audit is not None:
+            db_tenants = [TenantConfig.model_validate_json(j) for j in await self.audit.store.tenants()]
+            db_keys = await self.audit.store.keys()
+        self.directory = Directory.build(self.settings, db_tenants, db_keys)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(DIRECTORY_REFRESH_S)
+            try:
+                await self.refresh_directory()
+            except Exception as exc:
+                log.warning("directory_refresh_failed", error=f"{type(exc).__name__}: {exc}")
 
     async def aclose(self) -> None:
         if self.admission is not None:
-            await self.admission.aclose()
-        await self.pool.aclose()
+            try:
+                await self.admission.aclose()
+            except Exception as exc:  # Redis gone at shutdown: the leases expire by themselves
+                log.warning("admission_close_failed", error=str(exc) or type(exc).__name__)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self.controller.aclose()
+        finally:
+            await self.pool.aclose()
+        if self.limiter is not None:
+            await self.limiter.aclose()
+        if self.audit is not None:
+            with contextlib.suppress(Exception):
+                await self.audit.aclose()
+        for policy in self._policies():
+            close = getattr(policy.impl, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception as exc:
+                    log.warning("policy_close_failed", policy=policy.name, error=str(exc))

@@ -19,6 +19,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from engines.control_settings import EngineTelemetry, RoutingSettings
+
 EngineKind = Literal["vllm-omni", "vllm", "litellm", "local"]
 Variant = Literal["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
 Modality = Literal["text", "image", "audio", "video"]
@@ -33,6 +35,11 @@ _DEFAULT_MODALITIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "litellm": (frozenset({"text", "image"}), frozenset({"text"})),
     "local": (frozenset({"text"}), frozenset({"text"})),
 }
+
+
+# How each kind takes video and input audio by default (see EngineConfig.video_input, audio_input_rate).
+_DEFAULT_VIDEO_INPUT: dict[str, str] = {"vllm-omni": "video", "vllm": "frames", "litellm": "frames", "local": "frames"}
+_DEFAULT_AUDIO_RATE: dict[str, int | None] = {"vllm-omni": 16000, "vllm": None, "litellm": None, "local": None}
 
 
 class _Strict(BaseModel):
@@ -61,13 +68,28 @@ class EngineConfig(_Strict):
     variant: Variant = "bf16"
     serves: Annotated[list[Name], Field(min_length=1)]
     role: Literal["primary", "fallback", "canary"] = "primary"
+    weight: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        default=None, description="share of new requests; default: 0.1 for a canary, primaries split the rest"
+    )
+    telemetry: EngineTelemetry = EngineTelemetry()
     api_key: SecretStr | None = None
     connect_timeout_s: Annotated[float, Field(gt=0, le=60)] = 3.0
     first_byte_timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
     read_timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
     max_connections: Annotated[int, Field(ge=1, le=10000)] = 256
+    keepalive_timeout_s: Annotated[float, Field(gt=0, le=300)] = 4.0
     input_modalities: list[Modality] | None = None
     output_modalities: list[Literal["text", "audio"]] | None = None
+    video_input: Literal["video", "frames"] | None = Field(
+        default=None,
+        description="video as a re-encoded short video or as sampled frames (image parts); default by kind",
+    )
+    audio_input_rate: Annotated[int, Field(ge=8000, le=48000)] | None = Field(
+        default=None, description="sample rate input audio is resampled to; default by kind (vllm-omni: 16000)"
+    )
+    max_context_tokens: Annotated[int, Field(ge=1024)] = Field(
+        default=65536, description="the engine's context window, for the media budget check"
+    )
     local: LocalEngineOptions = LocalEngineOptions()
     # Per-engine concurrency (see engines/limits.py); the seeds' max_num_seqs: 8, and 4 under overload.
     max_in_flight: Annotated[int, Field(ge=1, le=100000)] | None = Field(
@@ -113,6 +135,12 @@ class EngineConfig(_Strict):
             frozenset(self.output_modalities) if self.output_modalities else default_out,
         )
 
+    def video_form(self) -> str:
+        return self.video_input or _DEFAULT_VIDEO_INPUT[self.kind]
+
+    def audio_rate(self) -> int | None:
+        return self.audio_input_rate or _DEFAULT_AUDIO_RATE[self.kind]
+
 
 class PolicySpec(_Strict):
     name: Name = Field(description="the policy's entry-point name in group omnigate.policies")
@@ -124,7 +152,11 @@ class PolicyChainConfig(_Strict):
     """The order of each list is the order the policies run in."""
 
     pre: list[PolicySpec] = Field(
-        default_factory=lambda: [PolicySpec(name="load-shedding"), PolicySpec(name="request-limits")]
+        # Load shedding first: a request shed to text-only is decided before any work is spent on it.
+        default_factory=lambda: [
+            PolicySpec(name=n)
+            for n in ("load-shedding", "request-limits", "media-fetch", "media-limits", "nsfw-screen")
+        ]
     )
     stream: list[PolicySpec] = Field(default_factory=list)
     post: list[PolicySpec] = Field(default_factory=list)
@@ -134,9 +166,11 @@ class PolicyChainConfig(_Strict):
 class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
+    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     sse_keepalive_s: Annotated[float, Field(gt=0)] = 15.0
     graceful_shutdown_s: Annotated[float, Field(ge=0)] = 30.0
+    drain_delay_s: Annotated[float, Field(ge=0)] = 5.0
 
 
 class AdminSettings(_Strict):
@@ -153,10 +187,78 @@ class LoggingSettings(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
+# -- tenants, keys and rate limits ---------------------------------------------------------------------
+#: a request class of ``traffic.priorities`` (default: interactive, standard, batch)
+Priority = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+KeyId = Annotated[str, Field(pattern=r"^[a-z0-9]{8,32}$")]
+
+
+class TenantConfig(_Strict):
+    """A tenant: what its keys may use and how its requests are limited, prioritised and audited."""
+
+    name: Name
+    enabled: bool = True
+    models: list[Name] | None = Field(default=None, description="allowed public models; unset: all")
+    policy_set: Name | None = Field(default=None, description="a key of policy_sets; unset: policies")
+    priority: Priority = Field(default="standard", description="its request class, one of traffic.priorities")
+    requests_per_minute: Annotated[int, Field(ge=1)] | None = None
+    tokens_per_minute: Annotated[int, Field(ge=1)] | None = None
+    max_concurrency: Annotated[int, Field(ge=1)] | None = None
+    audit_content: Literal["digests", "redacted", "raw"] = Field(
+        default="digests", description="what the audit keeps of prompts and output besides digests"
+    )
+
+
+class ApiKeyConfig(_Strict):
+    """A key from the config: only its SHA-256 is written down (``omnigate keys new`` makes one)."""
+
+    id: KeyId
+    tenant: Name
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    enabled: bool = True
+
+
+class RateLimitSettings(_Strict):
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = "omnigate"
+    fail_open: bool = Field(default=True, description="serve unlimited while Redis is unreachable")
+
+
+# -- audit trail ---------------------------------------------------------------------------------------
+class AuditSigning(_Strict):
+    algorithm: Literal["hmac-sha256", "ed25519"] = "hmac-sha256"
+    key: SecretStr | None = Field(
+        default=None, description="hmac-sha256: the secret; ed25519: base64 of the 32-byte private key"
+    )
+    key_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "default"
+
+
+class AuditSettings(_Strict):
+    enabled: bool = True
+    store: Literal["sqlite", "postgres"] = "sqlite"
+    sqlite_path: Path = Path("var/omnigate-audit.db")
+    postgres_dsn: SecretStr | None = None
+    commit: Literal["sync", "group"] = "group"
+    group_commit_ms: Annotated[float, Field(ge=0, le=10)] = 2.0
+    buffer: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000
+    when_full: Literal["shed", "mark_gap"] = "shed"
+    ack_timeout_s: Annotated[float, Field(gt=0, le=60)] = 5.0
+    checkpoint_every: Annotated[int, Field(ge=1)] = 1000
+    checkpoint_interval_s: Annotated[float, Field(gt=0)] = 60.0
+    retention_days: Annotated[float, Field(gt=0)] | None = None
+    signing: AuditSigning = AuditSigning()
+
+    @model_validator(mode="after")
+    def _needs_dsn(self) -> "AuditSettings":
+        if self.enabled and self.store == "postgres" and self.postgres_dsn is None:
+            raise ValueError("audit.store postgres needs audit.postgres_dsn")
+        return self
+
+
 class PriorityClass(_Strict):
     """A request class. Its limits are shares of the gateway's, so they follow when those change."""
 
-    name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+    name: Priority
     soft_share: Annotated[float, Field(ge=0, le=64)] = Field(
         default=1.0, description="its soft limit: this share of traffic.soft_limit (at most its hard limit)"
     )
@@ -167,7 +269,7 @@ class PriorityClass(_Strict):
 
 def _default_priorities() -> list[PriorityClass]:
     return [
-        PriorityClass(name="critical", soft_share=2.0),
+        PriorityClass(name="interactive", soft_share=2.0),
         PriorityClass(name="standard"),
         PriorityClass(name="batch", soft_share=0.5, hard_share=0.75),
     ]
@@ -297,6 +399,12 @@ class Settings(BaseSettings):
     policies: PolicyChainConfig = PolicyChainConfig()
     logging: LoggingSettings = LoggingSettings()
     admin: AdminSettings = AdminSettings()
+    policy_sets: dict[Name, PolicyChainConfig] = Field(default_factory=dict)
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)
+    rate_limits: RateLimitSettings = RateLimitSettings()
+    audit: AuditSettings = AuditSettings()
+    routing: RoutingSettings = RoutingSettings()
     traffic: TrafficSettings = TrafficSettings()
 
     @model_validator(mode="after")
@@ -306,6 +414,38 @@ class Settings(BaseSettings):
             if e.name in seen:
                 raise ValueError(f"engine name {e.name!r} is used twice")
             seen.add(e.name)
+        return self
+
+    @model_validator(mode="after")
+    def _tenants_consistent(self) -> "Settings":
+        names: set[str] = set()
+        for i, t in enumerate(self.tenants):
+            if t.name in names:
+                raise ValueError(f"tenants[{i}].name: tenant {t.name!r} is defined twice")
+            names.add(t.name)
+            if t.policy_set is not None and t.policy_set not in self.policy_sets:
+                raise ValueError(f"tenants[{i}].policy_set: no policy set named {t.policy_set!r}")
+            classes = [c.name for c in self.traffic.priorities]
+            if t.priority not in classes:
+                raise ValueError(
+                    f"tenants[{i}].priority: no request class named {t.priority!r} "
+                    f"(traffic.priorities: {', '.join(classes)})"
+                )
+        ids: set[str] = set()
+        for i, k in enumerate(self.api_keys):
+            if k.id in ids:
+                raise ValueError(f"api_keys[{i}].id: key id {k.id!r} is used twice")
+            ids.add(k.id)
+            if k.tenant not in names:
+                raise ValueError(f"api_keys[{i}].tenant: no tenant named {k.tenant!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _weights(self) -> "Settings":
+        for model in {m for e in self.engines for m in e.serves}:
+            fixed = [e for e in self.engines if model in e.serves and e.role != "primary" and e.weight]
+            if sum(e.weight or 0 for e in fixed) > 1 + 1e-9:
+                raise ValueError(f"the weights of {model!r}'s canaries and fallbacks add up to more than 1")
         return self
 
     @classmethod

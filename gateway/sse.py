@@ -3,17 +3,23 @@
 The frame iterator advances only after ``send`` returns (backpressure). A
 listener races the body against ``http.disconnect``; when the client leaves,
 the body is cancelled and ``on_close`` runs shielded, which closes the upstream
-request. Idle streams get keep-alive comments.
+request. Idle streams get keep-alive comments. When the gateway drains for
+shutdown, a stream still open at the drain deadline ends with an error frame and
+``[DONE]`` instead of being cut off.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
 import structlog
 from starlette.responses import Response
+
+from gateway.errors import Overloaded
+from gateway.render import error_frame
 
 log = structlog.get_logger(__name__)
 
@@ -31,6 +37,8 @@ class SSEResponse(Response):
         on_close: Callable[[], Awaitable[None]],
         headers: dict[str, str] | None = None,
         keepalive_s: float = 15.0,
+        drain: asyncio.Event | None = None,
+        drain_deadline: Callable[[], float | None] | None = None,
     ) -> None:
         self._frames = frames
         self._on_close = on_close
@@ -46,16 +54,28 @@ class SSEResponse(Response):
         self.background = None
         self.raw_headers = self._headers
         self._last_send = 0.0
+        self._drain = drain
+        self._drain_deadline = drain_deadline
+        self._cut = False
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI callables
-        lock = anyio.Lock()
+        # asyncio's Lock costs nothing uncontended; anyio's yields to the loop on every acquire.
+        lock = asyncio.Lock()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._listen_for_disconnect, receive, tg.cancel_scope)
                 tg.start_soon(self._keepalive, send, lock)
                 try:
                     await send({"type": "http.response.start", "status": 200, "headers": self._headers})
-                    await self._pump(send, lock)
+                    with anyio.CancelScope() as pump_scope:
+                        if self._drain is not None:
+                            tg.start_soon(self._cut_at_drain_deadline, pump_scope)
+                        await self._pump(send, lock)
+                    if self._cut:
+                        shutting_down = Overloaded("the gateway is shutting down; retry the request", code="shutting_down")
+                        async with lock:
+                            await send({"type": "http.response.body", "body": error_frame(shutting_down),
+                                        "more_body": False})
                 except OSError:
                     log.info("client_gone_during_send")
                 finally:
@@ -64,7 +84,7 @@ class SSEResponse(Response):
             with anyio.move_on_after(_CLEANUP_TIMEOUT_S, shield=True):
                 await self._on_close()
 
-    async def _pump(self, send, lock: anyio.Lock) -> None:  # noqa: ANN001
+    async def _pump(self, send, lock: asyncio.Lock) -> None:  # noqa: ANN001
         async for frame in self._frames:
             async with lock:
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
@@ -72,7 +92,7 @@ class SSEResponse(Response):
         async with lock:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _keepalive(self, send, lock: anyio.Lock) -> None:  # noqa: ANN001
+    async def _keepalive(self, send, lock: asyncio.Lock) -> None:  # noqa: ANN001
         self._last_send = time.monotonic()
         while True:
             await anyio.sleep(self._keepalive_s)
@@ -80,6 +100,15 @@ class SSEResponse(Response):
                 async with lock:
                     await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
                 self._last_send = time.monotonic()
+
+    async def _cut_at_drain_deadline(self, pump_scope: anyio.CancelScope) -> None:
+        assert self._drain is not None and self._drain_deadline is not None
+        await self._drain.wait()
+        deadline = self._drain_deadline()
+        if deadline is not None:
+            await anyio.sleep(max(0.0, deadline - time.monotonic()))
+        self._cut = True
+        pump_scope.cancel()
 
     @staticmethod
     async def _listen_for_disconnect(receive, scope: anyio.CancelScope) -> None:  # noqa: ANN001

@@ -13,7 +13,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.6, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _ADMISSION = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_AUDIT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+_WER = (0.0, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+#: the values of the ``state`` label of ``omnigate_engine_state`` (one of them is 1 per engine)
+ENGINE_STATES = ("serving", "standby", "half_open", "ejected", "down")
+#: the values of the ``reason`` label of ``omnigate_admission_shed_total``
+SHED_REASONS = ("text_only", "tenant_quota", "overload", "engine_busy")
 _POLICY = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_MEDIA_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BYTES = tuple(float(1 << k) for k in range(10, 31, 2))  # 1 KiB .. 1 GiB
+_TOKENS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_SCORE = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 
 class Metrics:
@@ -96,12 +106,153 @@ class Metrics:
         self.client_disconnects = Counter(
             "omnigate_client_disconnects_total", "Streams the client left before the end", registry=r
         )
+        # -- identity, limits, audit, config (enterprise front door) --------------------------------
+        self.auth_failures = Counter(
+            "omnigate_auth_failures_total", "Requests refused for their API key, by reason", ["reason"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "omnigate_rate_limited_total", "Requests refused by a tenant rate limit, by limit", ["limit"],
+            registry=r,
+        )
+        self.rate_limiter_errors = Counter(
+            "omnigate_rate_limiter_errors_total", "Rate limit checks that could not reach Redis", registry=r
+        )
+        self.audit_written = Counter(
+            "omnigate_audit_records_written_total", "Audit records committed to the store, by kind", ["kind"],
+            registry=r,
+        )
+        self.audit_buffered = Gauge(
+            "omnigate_audit_buffer_records", "Audit records waiting to be committed", registry=r
+        )
+        self.audit_dropped = Counter(
+            "omnigate_audit_records_dropped_total",
+            "Audit records not written because the buffer was full (shed: request refused; gap: served)",
+            ["reason"],
+            registry=r,
+        )
+        self.audit_buffer_full = Counter(
+            "omnigate_audit_buffer_full_total", "Times the audit buffer filled up", registry=r
+        )
+        self.audit_commit = Histogram(
+            "omnigate_audit_commit_seconds", "Time to commit one batch of audit records", ["store"],
+            buckets=_AUDIT, registry=r,
+        )
+        self.audit_batch = Histogram(
+            "omnigate_audit_batch_records", "Records per audit commit", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
+        self.audit_ack_timeouts = Counter(
+            "omnigate_audit_ack_timeouts_total",
+            "Responses released before their audit record was committed (store slower than ack_timeout_s)",
+            registry=r,
+        )
+        self.audit_store_errors = Counter(
+            "omnigate_audit_store_errors_total", "Failed audit store operations (retried)", registry=r
+        )
+        self.config_reloads = Counter(
+            "omnigate_config_reloads_total", "Config reloads by result", ["result"], registry=r
+        )
+        # -- media pre-filters (outcome, kind, source and policy are bounded sets)
+        self.media_fetches = Counter(
+            "omnigate_media_fetches_total",
+            "Media URL fetches by outcome (ok, forbidden, too_large, timeout, http_error, failed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.media_fetch_bytes = Histogram(
+            "omnigate_media_fetch_bytes", "Bytes read per successful media fetch", buckets=_BYTES, registry=r
+        )
+        self.media_parts = Counter(
+            "omnigate_media_parts_total",
+            "Media content parts by kind and outcome (passed, rewritten, refused)",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.media_seconds = Histogram(
+            "omnigate_media_processing_seconds",
+            "Time to probe and normalise one media part (off the event loop)",
+            ["kind"],
+            buckets=_MEDIA_S,
+            registry=r,
+        )
+        self.modal_tokens = Histogram(
+            "omnigate_modal_tokens", "Estimated modal tokens per engine call", buckets=_TOKENS, registry=r
+        )
+        self.screen_scores = Histogram(
+            "omnigate_screen_score",
+            "Scores of content classifiers by policy and source (image, video, audio)",
+            ["policy", "source"],
+            buckets=_SCORE,
+            registry=r,
+        )
+        self.segments = Counter(
+            "omnigate_segment_calls_total", "Engine calls made for the segments of long inputs", registry=r
+        )
+        # -- engine pool and rollback controller
+        self.engine_state = Gauge(
+            "omnigate_engine_state",
+            "1 for the engine's current state (serving, standby, half_open, ejected, down)",
+            ["engine", "state"], registry=r,
+        )
+        self.engine_weight = Gauge(
+            "omnigate_engine_traffic_weight",
+            "Largest share of new requests the routing table gives the engine",
+            ["engine"], registry=r,
+        )
+        self.engine_limit = Gauge(
+            "omnigate_engine_concurrency_limit",
+            "Requests in flight this replica allows the engine (-1: no limit)",
+            ["engine"], registry=r,
+        )
+        self.routing_transitions = Counter(
+            "omnigate_routing_transitions_total",
+            "Routing and engine state transitions by action, reason (rule name or fixed word) and source",
+            ["action", "reason", "source"], registry=r,
+        )
+        self.routing_holds = Counter(
+            "omnigate_routing_actions_held_total",
+            "Rule actions due but held back (cooldown, min-dwell, switch-limit, frozen, pinned, no-target)",
+            ["rule", "reason"], registry=r,
+        )
+        self.routing_version = Gauge(
+            "omnigate_routing_table_version", "Version of the routing table this replica applies", registry=r
+        )
+        self.controller_leader = Gauge(
+            "omnigate_controller_leader", "1 while this replica holds the controller lease", registry=r
+        )
+        self.controller_frozen = Gauge(
+            "omnigate_controller_frozen", "1 while the controller is frozen", registry=r
+        )
+        self.controller_errors = Counter(
+            "omnigate_controller_errors_total", "Controller failures, by stage", ["stage"], registry=r
+        )
+        self.scrape_errors = Counter(
+            "omnigate_telemetry_scrape_errors_total", "Failed telemetry reads by engine and source",
+            ["engine", "source"], registry=r,
+        )
+        self.sentinel_wer = Histogram(
+            "omnigate_sentinel_wer",
+            "Word error rate of sampled speech answers (whisper vs the engine's transcript)",
+            ["engine", "variant"], buckets=_WER, registry=r,
+        )
+        self.sentinel_samples = Counter(
+            "omnigate_sentinel_samples_total", "Speech answers offered to the accuracy sentinel, by outcome",
+            ["engine", "outcome"], registry=r,
+        )
         # -- traffic control: admission, load shedding, per-engine limits ------------------------
         self.admissions = Counter(
             "omnigate_admission_total",
             "Admission decisions by priority class and result "
             "(admitted, above_soft_limit, refused_quota, refused_overload)",
             ["priority", "result"],
+            registry=r,
+        )
+        self.admission_shed = Counter(
+            "omnigate_admission_shed_total",
+            "Requests shed for load, by reason: text_only (speech dropped above the soft limit), "
+            "tenant_quota (429), overload (503 above the hard limit), engine_busy (503, every engine full)",
+            ["reason"],
             registry=r,
         )
         self.admission_duration = Histogram(
@@ -145,20 +296,10 @@ class Metrics:
         self.engine_waiting = Gauge(
             "omnigate_engine_waiting", "Requests waiting for a slot on the engine", ["engine"], registry=r
         )
-        self.engine_limit = Gauge(
-            "omnigate_engine_concurrency_limit", "The engine's current concurrency limit (-1: none)", ["engine"],
-            registry=r,
-        )
         self.engine_queue_wait = Histogram(
             "omnigate_engine_queue_wait_seconds",
             "Time a request waited for a slot on the engine it was given",
             ["engine"],
             buckets=_LATENCY,
-            registry=r,
-        )
-        self.engine_busy = Counter(
-            "omnigate_engine_busy_total",
-            "Requests refused because every engine for their public model was full",
-            ["model"],
             registry=r,
         )

@@ -10,7 +10,17 @@ A policy *plugin* is a class registered in the entry-point group
 ``Config``
     a pydantic model for its ``config:`` block, validated at start-up.
 
-and is constructed once as ``Plugin(config)``. Then, by stage:
+and may declare:
+
+``runs_after``
+    names of policies that must run earlier in the same stage, not in shadow
+    mode (the media policies need ``media-fetch`` to have turned every URL
+    into data first); the chain is refused at start-up otherwise.
+``async start(services)`` and ``async aclose()``
+    called once by the app's lifespan: load models, open sessions, read the
+    engine configuration (``services`` is :class:`gateway.services.Services`).
+
+It is constructed once as ``Plugin(config)``. Then, by stage:
 
 pre
     ``async pre(request, ctx) -> ChatCompletionRequest``: returns the request,

@@ -13,7 +13,7 @@ from policies.base import PolicyConfig
 
 
 class RequestLimitsConfig(PolicyConfig):
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 32 * 1024 * 1024
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
     max_messages: Annotated[int, Field(ge=1)] = 256
     max_output_tokens: Annotated[int, Field(ge=1)] = 8192
     max_content_parts: Annotated[int, Field(ge=1)] = 64

@@ -46,6 +46,9 @@ class PolicyChain:
 
         return {"pre": names(self.pre), "stream": names(self.stream), "post": names(self.post)}
 
+    def all(self) -> tuple[LoadedPolicy, ...]:
+        return self.pre + self.stream + self.post
+
 
 def available_plugins() -> dict[str, type]:
     found: dict[str, type] = {}
@@ -84,6 +87,17 @@ def _load_one(spec: PolicySpec, stage: str, where: str, plugins: dict[str, type]
     return LoadedPolicy(name=spec.name, stage=stage, shadow=spec.shadow, impl=impl, config=config)
 
 
+def _check_order(stage: str, loaded: tuple[LoadedPolicy, ...]) -> None:
+    for i, policy in enumerate(loaded):
+        acting_before = {p.name for p in loaded[:i] if not p.shadow}
+        for needed in getattr(type(policy.impl), "runs_after", ()):
+            if needed not in acting_before:
+                raise PolicyConfigError(
+                    f"policies.{stage}[{i}].name: policy {policy.name!r} needs {needed!r} earlier in the "
+                    f"{stage} chain (and not in shadow mode)"
+                )
+
+
 def build_chain(cfg: PolicyChainConfig, plugins: dict[str, type] | None = None) -> PolicyChain:
     plugins = available_plugins() if plugins is None else plugins
     stages: dict[str, tuple[LoadedPolicy, ...]] = {}
@@ -92,4 +106,5 @@ def build_chain(cfg: PolicyChainConfig, plugins: dict[str, type] | None = None) 
         stages[stage] = tuple(
             _load_one(spec, stage, f"policies.{stage}[{i}]", plugins) for i, spec in enumerate(specs)
         )
+        _check_order(stage, stages[stage])
     return PolicyChain(max_retries=cfg.max_retries, **stages)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Literal
 
+from gateway.admission import DEGRADED_TEXT_ONLY
 from gateway.context import RequestContext
 from gateway.schemas import ChatCompletionRequest
 from policies.base import PolicyConfig
@@ -41,6 +42,7 @@ class LoadShedding:
 
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         if decide(ctx.load, request.wants_audio) == "text-only":
-            ctx.degrade("load-text-only")
+            ctx.degrade(DEGRADED_TEXT_ONLY)
+            ctx.control_state["shedding"] = {"action": "text-only", "reason": DEGRADED_TEXT_ONLY}
             return request.model_copy(update={"modalities": ["text"], "audio": None})
         return request

@@ -86,7 +86,11 @@ def gateway_settings(ups: Upstreams, policies: PolicyChainConfig | None = None, 
         ],
         policies=policies or PolicyChainConfig(pre=[PolicySpec(name="request-limits")]),
         logging={"level": "warning"},
-        **extra,
+        **{
+            # The wire tests must not see traffic shifted by the rollback controller; its own tests enable it.
+            "routing": {"controller": {"enabled": False}},
+            **extra,
+        },
     )
 
 
@@ -101,5 +105,12 @@ def gateway(bg: BackgroundLoop, upstreams: Upstreams) -> GatewayServer:
 def ups(upstreams: Upstreams, gateway: GatewayServer) -> Upstreams:
     """The upstreams, reset to their default scripts, with every engine marked healthy again."""
     upstreams.reset()
-    gateway.bg.run(gateway.services.pool.probe_now())
+    pool = gateway.services.pool
+
+    async def _heal() -> None:
+        await pool.probe_now()
+        for name in pool.engines:
+            pool.readmit(name)  # close circuits a previous test's faults opened
+
+    gateway.bg.run(_heal())
     return upstreams

@@ -51,10 +51,11 @@ class GatewayServer:
         settings: Settings,
         registry: CollectorRegistry | None = None,
         plugins: dict[str, type] | None = None,
+        config_path: str | None = None,
     ) -> None:
         self.bg = bg
         self.registry = registry or CollectorRegistry()
-        self.app = create_app(settings, registry=self.registry, plugins=plugins)
+        self.app = create_app(settings, registry=self.registry, plugins=plugins, config_path=config_path)
         config = uvicorn.Config(
             self.app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on",
             timeout_graceful_shutdown=2,

@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 import orjson
+import soundfile as sf
 from aiohttp import web
 
 Flavour = Literal["vllm", "omni"]
@@ -46,7 +47,8 @@ class Script:
     """How to answer one chat request.
 
     `fault_after_chunks` counts `data:` frames, the opening role frame included. `status_body` replaces the
-    JSON body of the scripted 500 and 503 replies.
+    JSON body of the scripted 500 and 503 replies. `audio_wav` names a mono 16-bit WAV file whose speech is sent
+    as the answer's audio (at the file's sample rate) instead of the synthetic voice.
     """
 
     flavour: Flavour = "vllm"
@@ -62,6 +64,7 @@ class Script:
     fault_after_chunks: int = 3
     prompt_tokens: int = 11
     status_body: dict | None = None
+    audio_wav: str | None = None
 
     def __post_init__(self) -> None:
         if self.flavour not in _FLAVOURS:
@@ -87,6 +90,9 @@ class Script:
 
     @property
     def n_audio_chunks(self) -> int:
+        if self.audio_wav is not None:
+            pcm, rate = _wav_file(self.audio_wav)
+            return max(1, math.ceil(len(pcm) / (rate * self.audio_seconds_per_chunk) - 1e-9))
         if self.audio_chunks is not None:
             return max(0, self.audio_chunks)
         total_s = _SECONDS_PER_CHAR * len(self.spoken)
@@ -156,6 +162,25 @@ def _audio_deltas(sample_rate: int, seconds: float, count: int) -> tuple[bytes, 
         meta = orjson.dumps(
             {"format": "wav", "sample_rate_hz": sample_rate, "frame_count": len(pcm), "channels": 1}
         )
+        out.append((b'{"content":"' + b64 + b'"}', b',"audio_metadata":' + meta))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=16)
+def _wav_file(path: str) -> tuple[np.ndarray, int]:
+    data, rate = sf.read(path, dtype="int16", always_2d=True)
+    return np.ascontiguousarray(data[:, 0]), int(rate)
+
+
+@functools.lru_cache(maxsize=16)
+def _file_audio_deltas(path: str, seconds: float) -> tuple[tuple[bytes, bytes], ...]:
+    pcm, rate = _wav_file(path)
+    step = max(1, round(seconds * rate))
+    out = []
+    for i in range(0, len(pcm), step):
+        piece = pcm[i : i + step]
+        b64 = base64.b64encode(_wav(piece, rate))
+        meta = orjson.dumps({"format": "wav", "sample_rate_hz": rate, "frame_count": len(piece), "channels": 1})
         out.append((b'{"content":"' + b64 + b'"}', b',"audio_metadata":' + meta))
     return tuple(out)
 
@@ -243,6 +268,7 @@ class ScriptedUpstream:
         self.completed = 0
         self.aborts = 0
         self.abort_event = asyncio.Event()
+        self.abort_times: list[float] = []  # time.monotonic() of each abort, for latency figures
         self.errors = 0  # scripted 500/503 replies
         self.resets = 0  # scripted connection resets
         self.in_flight = 0
@@ -251,6 +277,9 @@ class ScriptedUpstream:
         self.num_requests_running: float | None = None
         self.num_requests_waiting: float = 0.0
         self.kv_cache_usage_perc: float = 0.0
+        # A DCGM exporter's framebuffer gauges (MiB) for GPU "0", served on /metrics when set.
+        self.gpu_fb_used_mib: float | None = None
+        self.gpu_fb_free_mib: float | None = None
         self._queue: list[Script] = []
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
@@ -333,6 +362,7 @@ class ScriptedUpstream:
         self.request_count = self.completed = self.aborts = self.errors = self.resets = 0
         self.max_in_flight = self.in_flight
         self.abort_event.clear()
+        self.abort_times.clear()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -371,6 +401,7 @@ class ScriptedUpstream:
         if not state.aborted:
             state.aborted = True
             self.aborts += 1
+            self.abort_times.append(time.monotonic())
             self.abort_event.set()
 
     async def _serve_chat(self, request: web.Request, state: _Progress) -> web.StreamResponse:
@@ -460,7 +491,10 @@ class ScriptedUpstream:
         frames.append(head + deltas[-1] + last + text_tail)
         if plan.n_audio:
             audio_tail = b'}],"modality":"audio"}\n\n'
-            chunks = _audio_deltas(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio)
+            if script.audio_wav is not None:
+                chunks = _file_audio_deltas(script.audio_wav, script.audio_seconds_per_chunk)
+            else:
+                chunks = _audio_deltas(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio)
             for i, (delta, meta) in enumerate(chunks):
                 finish = b'"stop"' if i == plan.n_audio - 1 else b"null"
                 finish = b',"logprobs":null,"finish_reason":' + finish
@@ -561,7 +595,11 @@ class ScriptedUpstream:
             }
         ]
         if plan.n_audio:
-            wav = _audio_full_b64(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio)
+            if script.audio_wav is not None:
+                pcm, rate = _wav_file(script.audio_wav)
+                wav = base64.b64encode(_wav(pcm, rate)).decode()
+            else:
+                wav = _audio_full_b64(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio)
             audio = {"id": f"audio-{plan.rid}", "data": wav, "expires_at": plan.created + 3600}
             audio["transcript"] = ""  # vLLM-Omni leaves it empty
             choices.append(
@@ -609,6 +647,13 @@ class ScriptedUpstream:
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv),
         ):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{label} {float(value)!r}"]
+        gpu = '{gpu="0",UUID="GPU-scripted",device="nvidia0",Hostname="scripted"}'
+        for name, help_, value in (
+            ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", self.gpu_fb_used_mib),
+            ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", self.gpu_fb_free_mib),
+        ):
+            if value is not None:
+                lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{gpu} {float(value)!r}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
     async def _set_script(self, request: web.Request) -> web.Response:
@@ -629,7 +674,8 @@ class ScriptedUpstream:
 
     async def _set_metrics(self, request: web.Request) -> web.Response:
         data = await request.json(loads=orjson.loads)
-        for key in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        for key in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_fb_used_mib",
+                    "gpu_fb_free_mib"):
             if key in data:
                 setattr(self, key, data[key])
         return web.json_response({"ok": True})

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 import orjson
 import structlog
@@ -11,8 +12,9 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
+from gateway.api.auth import authenticate
 from gateway.context import RequestContext
-from gateway.errors import InvalidRequest, OmnigateError, PayloadTooLarge
+from gateway.errors import InvalidRequest, OmnigateError, PayloadTooLarge, RequestTimeout
 from gateway.pipeline import ResponseStream
 from gateway.render import ChunkRenderer, completion_body, error_frame
 from gateway.schemas import ChatCompletionRequest
@@ -21,11 +23,17 @@ from gateway.sse import SSEResponse
 
 log = structlog.get_logger(__name__)
 router = APIRouter()
+T = TypeVar("T")
 
+# The body is parsed by hand (size cap, one error shape), so its schema is declared here;
+# the nested models go to the document's components (see ``app.openapi``).
+_BODY_SCHEMA = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+OPENAPI_COMPONENTS: dict[str, Any] = _BODY_SCHEMA.pop("$defs", {})
+OPENAPI_COMPONENTS["ChatCompletionRequest"] = _BODY_SCHEMA
 _OPENAPI_BODY = {
     "requestBody": {
         "required": True,
-        "content": {"application/json": {"schema": ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")}},
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
     }
 }
 
@@ -48,17 +56,22 @@ def validation_to_error(errors: Sequence[Any]) -> InvalidRequest:
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        # A client trickling its body (slowloris) holds a connection; bound the whole read.
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
     return b"".join(chunks)
 
 
@@ -82,16 +95,22 @@ def _headers(ctx: RequestContext) -> dict[str, str]:
 @router.post("/v1/chat/completions", openapi_extra=_OPENAPI_BODY, response_model=None)
 async def chat_completions(request: Request) -> Response:
     services: Services = request.app.state.services
-    body = await _read_body(request, services.settings.server.max_body_bytes)
     ctx = RequestContext(
         request_id=request.scope["state"]["request_id"],
-        body_bytes=len(body),
         requested_priority=request.headers.get(services.settings.traffic.priority_header),
     )
-    chat = _parse(body)
+    try:
+        authenticate(request, ctx)
+        server = services.settings.server
+        body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
+        ctx.body_bytes = len(body)
+        chat = _parse(body)
+    except OmnigateError as exc:
+        await services.pipeline.refused(ctx, exc)
+        raise
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     if not chat.stream:
-        result = await services.pipeline.complete(chat, ctx)
+        result = await _unless_client_leaves(request, services.pipeline.complete(chat, ctx))
         content = completion_body(result.request, result.completion, ctx, completion_id)
         return Response(orjson.dumps(content), media_type="application/json", headers=_headers(ctx))
     stream = await services.pipeline.stream(chat, ctx)
@@ -101,7 +120,32 @@ async def chat_completions(request: Request) -> Response:
         on_close=stream.aclose,
         headers=_headers(ctx),
         keepalive_s=services.settings.server.sse_keepalive_s,
+        drain=services.draining,
+        drain_deadline=lambda: services.drain_deadline,
     )  # type: ignore[return-value]
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``, cancelling it (and so the engine call) if the client disconnects first.
+
+    The body has been read, so the next ASGI message can only be ``http.disconnect``.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready; nobody is left to answer."""
 
 
 async def _frames(stream: ResponseStream, renderer: ChunkRenderer) -> AsyncIterator[bytes]:

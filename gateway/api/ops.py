@@ -8,6 +8,8 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
+from gateway.api.auth import authenticate
+from gateway.context import RequestContext
 from gateway.services import Services
 
 router = APIRouter()
@@ -17,7 +19,12 @@ _STARTED = int(time.time())
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     services: Services = request.app.state.services
-    data = [{"id": m, "object": "model", "created": _STARTED, "owned_by": "omnigate"} for m in services.pool.models()]
+    ctx = RequestContext(request_id=request.scope["state"]["request_id"])
+    principal = authenticate(request, ctx)
+    models = services.pool.models()
+    if principal is not None and principal.tenant.models is not None:
+        models = [m for m in models if m in principal.tenant.models]
+    data = [{"id": m, "object": "model", "created": _STARTED, "owned_by": "omnigate"} for m in models]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -30,9 +37,11 @@ async def healthz() -> JSONResponse:
 async def readyz(request: Request) -> JSONResponse:
     services: Services = request.app.state.services
     engines = services.pool.health_report()
-    ready = services.pool.ready
+    draining = services.draining.is_set()
+    ready = services.pool.ready and not draining
+    status = "draining" if draining else "ready" if ready else "not_ready"
     return JSONResponse(
-        {"status": "ready" if ready else "not_ready", "engines": engines, "policies": services.chain.describe()},
+        {"status": status, "engines": engines, "policies": services.chain.describe()},
         status_code=200 if ready else 503,
     )
 

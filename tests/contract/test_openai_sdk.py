@@ -244,3 +244,12 @@ def test_models_health_ready_metrics(gateway, ups, client):
     for name in ("omnigate_requests_total", "omnigate_time_to_first_token_seconds", "omnigate_requests_in_flight",
                  "omnigate_policy_decisions_total", "omnigate_request_duration_seconds"):
         assert name in text
+
+
+def test_client_disconnect_aborts_upstream_when_not_streaming(gateway, ups):
+    ups.omni_a.default = Script(flavour="omni", chunk_delay_s=0.3)  # the answer takes seconds
+    body = {"model": OMNI_MODEL, "messages": _user()}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=0.5)
+    assert wait_until(lambda: ups.omni_a.aborts == 1, timeout=3)
+    assert ups.omni_a.completed == 0

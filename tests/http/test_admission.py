@@ -1,25 +1,27 @@
 """Admission and load shedding through a real gateway and scripted engines: N streams really open at once,
-speech shed above the soft limit, 503/429 with Retry-After above the limits, per-engine limits, and every
-slot given back on every way out (completion, errors, client disconnects)."""
+speech shed above the soft limit, 503/429 with Retry-After above the limits (429: a real tenant's key),
+per-engine caps, the audit record of each decision, and every slot given back on every way out
+(completion, errors, client disconnects)."""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 
 import httpx
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.app import error_response
 from gateway.context import RequestContext
-from gateway.errors import RateLimited
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import PolicyChainConfig, PolicySpec, Settings
+from gateway.tenants import mint_key
 from policies.registry import available_plugins
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, eventually
 from tests.plugins import PLUGINS
+from tests.stores import redis_prefix
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(90)
@@ -31,8 +33,8 @@ CHAIN = PolicyChainConfig(pre=[PolicySpec(name="load-shedding"), PolicySpec(name
 
 
 def _settings(upstreams, traffic: dict, engines: dict[str, dict] | None = None,
-              chain: PolicyChainConfig = CHAIN) -> Settings:
-    base = gateway_settings(upstreams, chain, traffic=traffic)
+              chain: PolicyChainConfig = CHAIN, **extra) -> Settings:
+    base = gateway_settings(upstreams, chain, traffic=traffic, **extra)
     if engines:
         base = base.model_copy(update={"engines": [
             e.model_copy(update=engines.get(e.name, {})) for e in base.engines]})
@@ -40,18 +42,21 @@ def _settings(upstreams, traffic: dict, engines: dict[str, dict] | None = None,
 
 
 @pytest.fixture
-def serve(bg, upstreams):
+def serve(bg, upstreams, tmp_path):
     servers: list[GatewayServer] = []
 
-    def _make(traffic: dict, engines: dict[str, dict] | None = None, chain: PolicyChainConfig = CHAIN):
+    def _make(traffic: dict, engines: dict[str, dict] | None = None, chain: PolicyChainConfig = CHAIN, **extra):
         upstreams.reset()
         upstreams.bg.call(lambda: setattr(upstreams.omni_a, "default",
                                           Script(flavour="omni", text=LONG, chunk_delay_s=0.05)))
         upstreams.bg.call(lambda: setattr(upstreams.omni_b, "default",
                                           Script(flavour="omni", text=LONG, chunk_delay_s=0.05)))
         plugins = {**available_plugins(), **PLUGINS}
-        server = GatewayServer(bg, _settings(upstreams, traffic, engines, chain), CollectorRegistry(),
+        db = tmp_path / f"audit-{len(servers)}.db"
+        extra = {"audit": {"sqlite_path": str(db)}, "rate_limits": {"key_prefix": redis_prefix()}, **extra}
+        server = GatewayServer(bg, _settings(upstreams, traffic, engines, chain, **extra), CollectorRegistry(),
                                plugins=plugins).start()
+        server.db = db
         servers.append(server)
         return server
 
@@ -67,7 +72,7 @@ def _metric(server: GatewayServer, name: str, labels: dict | None = None) -> flo
 def _idle(server: GatewayServer) -> bool:
     def check() -> bool:
         svc = server.services
-        engines = svc.pool.limits.snapshot().values()
+        engines = svc.pool.concurrency().values()
         return (
             svc.admission.store.count == 0
             and all(v["in_flight"] == 0 and v["waiting"] == 0 for v in engines)
@@ -79,7 +84,7 @@ def _idle(server: GatewayServer) -> bool:
 
 async def assert_no_leak(server: GatewayServer) -> None:
     assert await eventually(lambda: _idle(server), timeout=10), (
-        server.bg.call(lambda: (server.services.admission.store.count, server.services.pool.limits.snapshot()))
+        server.bg.call(lambda: (server.services.admission.store.count, server.services.pool.concurrency()))
     )
 
 
@@ -88,6 +93,16 @@ async def _open(client: httpx.AsyncClient, server: GatewayServer, body: dict | N
     """Send a streamed request and return once its status line is in (after the engine's first chunk)."""
     req = client.build_request("POST", server.url + "/v1/chat/completions", json=body or SPEECH, headers=headers)
     return await client.send(req, stream=True)
+
+
+def _record(server: GatewayServer, rid: str) -> dict | None:
+    """The request's audit payload, read from the store through its own connection (what an auditor sees)."""
+    db = sqlite3.connect(server.db)
+    try:
+        row = db.execute("SELECT data FROM audit_log WHERE request_id = ?", (rid,)).fetchone()
+    finally:
+        db.close()
+    return None if row is None else orjson.loads(row[0])["payload"]
 
 
 def _is_openai_error(resp: httpx.Response, status: int, code: str) -> dict:
@@ -128,6 +143,8 @@ async def test_levels_in_order_serve_shed_refuse(serve, upstreams):
     assert (m("admitted"), m("above_soft_limit"), m("refused_overload")) == (2, 2, 2)
     assert _metric(server, "omnigate_degradations_total", {"reason": "load-text-only"}) == 2
     assert _metric(server, "omnigate_requests_total", {"model": OMNI_MODEL, "outcome": "refused"}) == 2
+    shed = lambda reason: _metric(server, "omnigate_admission_shed_total", {"reason": reason})  # noqa: E731
+    assert (shed("text_only"), shed("overload"), shed("tenant_quota"), shed("engine_busy")) == (2, 2, 0, 0)
 
 
 async def test_many_streams_at_once_split_exactly_at_the_limits(serve, upstreams):
@@ -168,8 +185,8 @@ async def test_no_slot_leaks_on_any_way_out(serve, upstreams):
         for _ in range(2):
             upstreams.omni_a.enqueue(Script(flavour="omni", fault="500_before_headers"))
             upstreams.omni_b.enqueue(Script(flavour="omni", fault="500_before_headers"))
-        _is_openai_error(await client.post(url, json=SPEECH), 503, "engine_unavailable")
-        _is_openai_error(await client.post(url, json={**SPEECH, "stream": False}), 503, "engine_unavailable")
+        _is_openai_error(await client.post(url, json=SPEECH), 502, "engine_error")
+        _is_openai_error(await client.post(url, json={**SPEECH, "stream": False}), 502, "engine_error")
         await assert_no_leak(server)
 
         # A pre-policy refuses after admission.
@@ -182,7 +199,8 @@ async def test_no_slot_leaks_on_any_way_out(serve, upstreams):
         await anext(r.aiter_lines())
         await r.aclose()
         await assert_no_leak(server)
-        upstreams.omni_a.enqueue(Script(flavour="omni", first_byte_delay_s=0.8))
+        slow = Script(flavour="omni", first_byte_delay_s=0.8, text=LONG, chunk_delay_s=0.05)
+        upstreams.omni_a.enqueue(slow)
         with pytest.raises(httpx.ReadTimeout):
             await client.post(url, json=SPEECH, timeout=0.2)
         assert server.bg.call(lambda: server.services.admission.store.count) == 1  # held while it waits
@@ -230,37 +248,76 @@ async def test_priority_header_classes(serve, upstreams):
                                 headers={"x-omnigate-priority": "vip"})
         assert _is_openai_error(bad, 400, "invalid_priority")["type"] == "invalid_request_error"
         higher = await client.post(server.url + "/v1/chat/completions", json=SPEECH,
-                                   headers={"x-omnigate-priority": "critical"})
+                                   headers={"x-omnigate-priority": "interactive"})
         _is_openai_error(higher, 403, "permission_denied")
         for r in (first, s2, b2, s3):
             await r.aclose()
     await assert_no_leak(server)
 
 
-async def test_tenant_quota_429_in_openai_shape(serve, upstreams):
-    # Authentication fills in the tenant and its quota; here the pipeline is driven with them directly.
-    server = serve({"soft_limit": 8, "hard_limit": 16})
-    pipeline = server.services.pipeline
-    request = ChatCompletionRequest.model_validate(SPEECH)
+async def test_tenant_quota_429_over_http_with_a_real_key_and_the_header_only_lowers(serve, upstreams):
+    keys = {name: mint_key() for name in ("acme", "globex")}
+    server = serve(
+        {"soft_limit": 8, "hard_limit": 16},
+        tenants=[{"name": "acme", "priority": "interactive", "max_concurrency": 2}, {"name": "globex"}],
+        api_keys=[{"id": k.id, "tenant": name, "sha256": k.sha256} for name, k in keys.items()],
+    )
+    acme = {"authorization": f"Bearer {keys['acme'].key}"}
+    globex = {"authorization": f"Bearer {keys['globex'].key}"}
+    url = server.url + "/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=20) as client:
+        held = [await _open(client, server, headers=acme) for _ in range(2)]
+        assert [r.status_code for r in held] == [200, 200]
+        refused = await client.post(url, json=SPEECH, headers={**acme, "x-request-id": "over-quota"})
+        err = _is_openai_error(refused, 429, "rate_limit_exceeded")
+        assert err["type"] == "rate_limit_error" and refused.headers["retry-after"] == "1"
+        assert "quota 2" in err["message"]
+        # Another tenant is not held back by acme's quota.
+        other = await _open(client, server, headers=globex)
+        assert other.status_code == 200
+        # acme runs as interactive; its key may ask for a lower class, a standard tenant not for a higher one.
+        await held[0].aclose()
+        assert await eventually(lambda: server.bg.call(lambda: server.services.admission.store.count) == 2)
+        upstreams.omni_a.enqueue(Script(flavour="omni", text="Short answer."))
+        lowered = await client.post(url, json={**SPEECH, "stream": False},
+                                    headers={**acme, "x-omnigate-priority": "batch",
+                                             "x-request-id": "lowered"})
+        assert lowered.status_code == 200
+        raised = await client.post(url, json=SPEECH, headers={**globex, "x-omnigate-priority": "interactive"})
+        _is_openai_error(raised, 403, "permission_denied")
+        for r in (*held[1:], other):
+            await r.aclose()
+    await assert_no_leak(server)
+    assert upstreams.omni_a.request_count + upstreams.omni_b.request_count == 4  # refusals never reached one
+    assert _metric(server, "omnigate_admission_shed_total", {"reason": "tenant_quota"}) == 1
+    labels = {"priority": "interactive", "result": "refused_quota"}
+    assert _metric(server, "omnigate_admission_total", labels) == 1
+    record = _record(server, "over-quota")
+    assert (record["outcome"], record["status"], record["priority"]) == ("refused", 429, "interactive")
+    assert record["control"]["admission"] == {
+        "result": "refused_quota", "priority": "interactive", "in_flight": 2, "soft_limit": 16,
+        "hard_limit": 16, "tenant_in_flight": 2, "tenant_quota": 2, "store": "local", "overloaded": False,
+    }
+    assert _record(server, "lowered")["control"]["admission"]["priority"] == "batch"
 
-    async def run():
-        held = [await pipeline.stream(request, RequestContext(request_id=f"r{i}", tenant="acme",
-                                                               tenant_max_concurrency=2)) for i in range(2)]
-        try:
-            await pipeline.stream(request, RequestContext(request_id="r3", tenant="acme", tenant_max_concurrency=2))
-        except RateLimited as exc:
-            refused = exc
-        other = await pipeline.stream(request, RequestContext(request_id="r4", tenant="globex",
-                                                              tenant_max_concurrency=2))
-        for s in (*held, other):
-            await s.aclose()
-        return refused
 
-    exc = server.bg.run(run())
-    resp = error_response(exc)
-    assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
-    assert orjson.loads(resp.body) == {"error": {
-        "message": exc.message, "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}}
+async def test_a_shed_requests_audit_record_says_so(serve, upstreams):
+    server = serve({"soft_limit": 0, "hard_limit": 4})
+    upstreams.omni_a.enqueue(Script(flavour="omni", text="Text only."))
+    async with httpx.AsyncClient(timeout=20) as client:
+        r = await client.post(server.url + "/v1/chat/completions", json=SPEECH,
+                              headers={"x-request-id": "shed-1"})
+        assert r.status_code == 200 and r.headers["x-omnigate-degraded"] == "load-text-only"
+    record = _record(server, "shed-1")
+    assert record["outcome"] == "degraded" and record["degraded"] == ["load-text-only"]
+    assert record["control"] == {
+        "admission": {"result": "above_soft_limit", "priority": "standard", "in_flight": 0, "soft_limit": 0,
+                      "hard_limit": 4, "tenant_in_flight": None, "tenant_quota": None, "store": "local",
+                      "overloaded": False},
+        "shedding": {"action": "text-only", "reason": "load-text-only"},
+    }
+    assert [(p["name"], p["verdict"]) for p in record["policies"]][:1] == [("load-shedding", "rewrite")]
+    assert _metric(server, "omnigate_admission_shed_total", {"reason": "text_only"}) == 1
     await assert_no_leak(server)
 
 
@@ -273,7 +330,7 @@ async def test_per_engine_limits_spill_over_then_queue_then_refuse(serve, upstre
         assert (upstreams.omni_a.in_flight, upstreams.omni_b.in_flight) == (2, 1)  # the third spilled over
         waiting = asyncio.create_task(_open(client, server))
         assert await eventually(lambda: server.bg.call(
-            lambda: server.services.pool.limits.snapshot()["omni-int4"]["waiting"]) == 1)
+            lambda: server.services.pool.concurrency()["omni-int4"]["waiting"]) == 1)
         busy = await client.post(server.url + "/v1/chat/completions", json=SPEECH)
         _is_openai_error(busy, 503, "engine_busy")
         assert busy.headers["retry-after"] == "1"
@@ -285,7 +342,7 @@ async def test_per_engine_limits_spill_over_then_queue_then_refuse(serve, upstre
         for r in (*opened[1:], fourth):
             await r.aclose()
     await assert_no_leak(server)
-    assert _metric(server, "omnigate_engine_busy_total", {"model": OMNI_MODEL}) == 1
+    assert _metric(server, "omnigate_admission_shed_total", {"reason": "engine_busy"}) == 1
 
 
 async def test_overload_lowers_engine_limits_and_recovery_restores_them(serve, upstreams):
@@ -312,8 +369,13 @@ async def test_shadow_shedding_records_but_serves_speech(serve, upstreams):
     server = serve({"soft_limit": 0, "hard_limit": 4}, chain=chain)
     upstreams.omni_a.enqueue(Script(flavour="omni", text="Kept speech.", audio_chunks=1))
     async with httpx.AsyncClient(timeout=20) as client:
-        r = await client.post(server.url + "/v1/chat/completions", json=SPEECH)
+        r = await client.post(server.url + "/v1/chat/completions", json=SPEECH,
+                              headers={"x-request-id": "shadow"})
     assert r.status_code == 200 and "x-omnigate-degraded" not in r.headers
+    record = _record(server, "shadow")
+    assert record["degraded"] == [] and "shedding" not in record["control"]
+    assert record["control"]["admission"]["result"] == "above_soft_limit"
+    assert _metric(server, "omnigate_admission_shed_total", {"reason": "text_only"}) == 0
     assert '"audio":{"id"' in r.text and '"data":' in r.text
     assert upstreams.omni_a.requests[-1]["modalities"] == ["text", "audio"]
     assert _metric(server, "omnigate_policy_decisions_total",

@@ -41,8 +41,8 @@ def test_too_many_messages(gateway, ups):
     assert ups.vllm.request_count == 0
 
 
-def test_body_over_policy_limit_is_413(gateway, ups):
-    big = "x" * (33 * 1024 * 1024)
+def test_body_over_the_limit_is_413(gateway, ups):
+    big = "x" * (17 * 1024 * 1024)
     resp = _post(gateway, {"model": TEXT_MODEL, "messages": [{"role": "user", "content": big}]})
     assert resp.status_code == 413
     assert resp.json()["error"]["code"] == "payload_too_large"

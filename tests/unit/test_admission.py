@@ -103,9 +103,9 @@ async def test_local_gate_counts_sheds_and_refuses_by_class():
 
 async def test_lower_classes_are_shed_and_refused_first():
     gate = _gate(soft_limit=4, hard_limit=8, priorities=[
-        {"name": "critical", "soft_share": 1.5}, {"name": "standard"},
+        {"name": "interactive", "soft_share": 1.5}, {"name": "standard"},
         {"name": "batch", "soft_share": 0.5, "hard_share": 0.5}])
-    assert gate._limits == {"critical": (6, 8), "standard": (4, 8), "batch": (2, 4)}
+    assert gate._limits == {"interactive": (6, 8), "standard": (4, 8), "batch": (2, 4)}
     held = [await gate.admit(_ctx()) for _ in range(4)]
     batch = _ctx(requested_priority="batch")
     with pytest.raises(Overloaded):
@@ -113,9 +113,9 @@ async def test_lower_classes_are_shed_and_refused_first():
     std = _ctx()
     held.append(await gate.admit(std))
     assert std.load.above_soft_limit  # standard sheds from 4
-    crit = _ctx(priority="critical")
-    held.append(await gate.admit(crit))
-    assert not crit.load.above_soft_limit  # critical keeps speech up to 6
+    top = _ctx(priority="interactive")
+    held.append(await gate.admit(top))
+    assert not top.load.above_soft_limit  # interactive keeps speech up to 6
     for t in held:
         t.release()
 
@@ -127,6 +127,7 @@ async def test_tenant_quota_is_a_429():
         await gate.admit(_ctx(tenant="acme", tenant_max_concurrency=1))
     assert info.value.status == 429 and info.value.code == "rate_limit_exceeded"
     assert info.value.headers()["Retry-After"] == "1"
+    assert gate.metrics.registry.get_sample_value("omnigate_admission_shed_total", {"reason": "tenant_quota"}) == 1
     other = await gate.admit(_ctx(tenant="globex", tenant_max_concurrency=1))  # other tenants unaffected
     a1.release()
     again = await gate.admit(_ctx(tenant="acme", tenant_max_concurrency=1))
@@ -140,11 +141,11 @@ def test_priority_header_may_only_lower_the_class():
     assert gate.priority_of(_ctx()) == "standard"
     assert gate.priority_of(_ctx(requested_priority="batch")) == "batch"
     assert gate.priority_of(_ctx(requested_priority=" Batch ")) == "batch"
-    assert gate.priority_of(_ctx(priority="critical", requested_priority="standard")) == "standard"
-    assert gate.priority_of(_ctx(priority="critical", requested_priority="critical")) == "critical"
-    assert gate.priority_of(_ctx(priority="critical")) == "critical"
+    assert gate.priority_of(_ctx(priority="interactive", requested_priority="standard")) == "standard"
+    assert gate.priority_of(_ctx(priority="interactive", requested_priority="interactive")) == "interactive"
+    assert gate.priority_of(_ctx(priority="interactive")) == "interactive"
     with pytest.raises(PermissionDenied):
-        gate.priority_of(_ctx(requested_priority="critical"))  # not a header class
+        gate.priority_of(_ctx(requested_priority="interactive"))  # not a header class
     with pytest.raises(PermissionDenied):
         gate.priority_of(_ctx(priority="batch", requested_priority="standard"))  # above its own
     with pytest.raises(InvalidRequest) as info:
@@ -189,9 +190,9 @@ def test_bad_traffic_settings_name_the_problem(traffic, message):
 
 def test_class_limits_follow_the_gateway_limits():
     t = TrafficSettings()
-    assert [t.class_limits(n) for n in ("critical", "standard", "batch")] == [(32, 64), (16, 64), (8, 48)]
+    assert [t.class_limits(n) for n in ("interactive", "standard", "batch")] == [(32, 64), (16, 64), (8, 48)]
     t = TrafficSettings(soft_limit=2, hard_limit=4)
-    assert [t.class_limits(n) for n in ("critical", "standard", "batch")] == [(4, 4), (2, 4), (1, 3)]
+    assert [t.class_limits(n) for n in ("interactive", "standard", "batch")] == [(4, 4), (2, 4), (1, 3)]
     assert t.header_classes() == ["standard", "batch"]
     assert TrafficSettings(priorities=[{"name": "standard"}]).header_classes() == ["standard"]
 

@@ -26,7 +26,7 @@ def test_check_config_prints_engines_and_chain():
     assert "serves: qwen3-omni-flash" in out.stdout
     assert "pre: load-shedding -> request-limits" in out.stdout
     assert "traffic: soft limit 16, hard limit 64 in flight; in-process" in out.stdout
-    assert "critical 32/64, standard 16/64, batch 8/48" in out.stdout
+    assert "interactive 32/64, standard 16/64, batch 8/48" in out.stdout
 
 
 @pytest.mark.parametrize(

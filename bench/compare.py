@@ -1,0 +1,198 @@
+"""Side by side: the scripted upstream directly, a minimal relay, omnigate, and LiteLLM's proxy.
+
+    python -m bench.compare [--levels 1,16,64,256] [--chunks 64] [--targets relay,omnigate-off,omnigate,litellm]
+
+Every proxy runs alone on core 0; the upstream and this load generator share
+core 1. For each target and level: added TTFT p50/p99 over the direct run,
+added inter-chunk gap, requests/s, the proxy's CPU seconds per 1,000 requests
+and per streamed 64-chunk request; then RSS per open stream with 256 streams
+held open, and idle RSS. LiteLLM's proxy is installed on first use into
+``.bench/litellm-venv`` (``litellm[proxy]==1.100.0``, the newest release whose proxy extra installs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from bench.common import ROOT, cpu_seconds, free_port, pct, pin_self, rss_kib, spawn, stream_load, wait_http
+
+LITELLM_VENV = ROOT / ".bench" / "litellm-venv"
+# litellm 1.101 and later move the proxy into a package `litellm-proxy` that PyPI does not serve;
+# 1.100.0 is the newest release whose `[proxy]` extra installs.
+LITELLM_VERSION = "1.100.0"
+
+
+def _litellm_bin() -> Path:
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if not exe.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", f"litellm[proxy]=={LITELLM_VERSION}"],
+                       check=True)
+    return exe
+
+
+def _omnigate(up_port: int, port: int, chain: str) -> list[str]:
+    cfg = {
+        "engines": [{"name": "bench-vllm", "kind": "vllm", "base_url": f"http://127.0.0.1:{up_port}/v1",
+                     "model": "scripted", "variant": "fp16", "serves": ["bench"]}],
+        "policies": {"pre": [] if chain == "off" else [{"name": "request-limits"}]},
+        "logging": {"level": "warning"},
+    }
+    path = Path(tempfile.mkdtemp()) / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return ["-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)]
+
+
+def _start(target: str, up_port: int, port: int) -> tuple[subprocess.Popen, str]:
+    """Start a proxy on core 0; return it and its readiness URL."""
+    if target == "relay":
+        args = ["-m", "bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{up_port}/v1"]
+        return spawn(args, cpu=0), f"http://127.0.0.1:{port}/health"
+    if target in ("omnigate", "omnigate-off"):
+        return spawn(_omnigate(up_port, port, "off" if target.endswith("off") else "default"), cpu=0), \
+            f"http://127.0.0.1:{port}/readyz"
+    if target == "litellm":
+        exe = _litellm_bin()
+        cfg = {"model_list": [{"model_name": "bench", "litellm_params": {
+            "model": "hosted_vllm/scripted", "api_base": f"http://127.0.0.1:{up_port}/v1", "api_key": "x"}}],
+            "litellm_settings": {"drop_params": True, "telemetry": False}}
+        path = Path(tempfile.mkdtemp()) / "litellm.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+        proc = subprocess.Popen(["taskset", "-c", "0", str(exe), "--config", str(path), "--port", str(port),
+                                 "--num_workers", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return proc, f"http://127.0.0.1:{port}/health/liveliness"
+    raise ValueError(target)
+
+
+async def _set_script(up_port: int, **script) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{up_port}/_script", json=script) as r:
+            r.raise_for_status()
+
+
+async def _hold_open(url: str, body: dict, n: int, seconds: float) -> int:
+    """Open ``n`` streams, read their first chunk, hold them ``seconds``; return how many were open."""
+    opened = 0
+    release = asyncio.Event()
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        nonlocal opened
+        async with session.post(url, json=body) as resp:
+            await resp.content.readline()
+            opened += 1
+            await release.wait()
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [asyncio.create_task(one(session)) for _ in range(n)]
+        deadline = time.monotonic() + 60
+        while opened < n and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(seconds)
+        count = opened
+        release.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return count
+
+
+async def run(args: argparse.Namespace) -> dict:
+    pin_self(1)
+    up_port = free_port()
+    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", str(args.chunks),
+                      "--chunk-delay-ms", str(args.chunk_delay_ms)], cpu=1)
+    body = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4096}
+    out: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
+                 "chunks_per_request": args.chunks, "chunk_delay_ms": args.chunk_delay_ms, "targets": {}}
+    try:
+        await wait_http(f"http://127.0.0.1:{up_port}/health")
+        direct_url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
+        direct = {}
+        for c in args.levels:
+            direct[c] = await stream_load(direct_url, {**body, "model": "scripted"}, c, max(args.min_requests, c * 2))
+        out["direct"] = {c: {"ttft_p50_ms": pct(r.ttft, 50) * 1e3, "ttft_p99_ms": pct(r.ttft, 99) * 1e3,
+                             "requests_per_s": r.requests / r.wall} for c, r in direct.items()}
+        for target in args.targets:
+            port = free_port()
+            proc, ready = _start(target, up_port, port)
+            try:
+                await wait_http(ready, timeout=180)
+                url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                await stream_load(url, body, 4, 20)  # warm-up
+                await asyncio.sleep(1)
+                idle = rss_kib(proc.pid)
+                levels = {}
+                for c in args.levels:
+                    n = max(args.min_requests, c * 2)
+                    cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
+                    r = await stream_load(url, body, c, n)
+                    wall, cpu = time.perf_counter() - t0, cpu_seconds(proc.pid) - cpu0
+                    d = direct[c]
+                    levels[c] = {
+                        "requests": r.requests, "errors": r.errors,
+                        "added_ttft_p50_ms": (pct(r.ttft, 50) - pct(d.ttft, 50)) * 1e3,
+                        "added_ttft_p99_ms": (pct(r.ttft, 99) - pct(d.ttft, 99)) * 1e3,
+                        "added_gap_p50_ms": (pct(r.gaps, 50) - pct(d.gaps, 50)) * 1e3,
+                        "requests_per_s": r.requests / wall,
+                        "cpu_s_per_1000_requests": cpu / max(1, r.requests) * 1000,
+                        "cpu_ms_per_request": cpu / max(1, r.requests) * 1e3,
+                    }
+                # RSS per open stream: 256 streams held open on a slow upstream.
+                await _set_script(up_port, flavour="vllm", chunk_delay_s=0.5, text=" ".join(["w"] * 40))
+                before = rss_kib(proc.pid)
+                held = asyncio.create_task(_hold_open(url, body, args.hold, 3.0))
+                peak = before
+                while not held.done():
+                    peak = max(peak, rss_kib(proc.pid))
+                    await asyncio.sleep(0.2)
+                opened = held.result()
+                await _set_script(up_port, flavour="vllm", chunk_delay_s=args.chunk_delay_ms / 1000,
+                                  text=" ".join(["w"] * args.chunks))
+                out["targets"][target] = {
+                    "idle_rss_mib": idle / 1024, "levels": levels,
+                    "held_streams": opened, "rss_kib_per_open_stream": (peak - before) / max(1, opened),
+                }
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        return out
+    finally:
+        upstream.terminate()
+        upstream.wait(10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--levels", default="1,16,64,256", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--targets", default="relay,omnigate-off,omnigate,litellm", type=lambda s: s.split(","))
+    ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--chunk-delay-ms", type=float, default=0.0)
+    ap.add_argument("--min-requests", type=int, default=200)
+    ap.add_argument("--hold", type=int, default=256)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    result = asyncio.run(run(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+"""Incident replay: drive scripted engines into six incidents under steady load and time the rollback.
+
+    python -m bench.incidents [--rate 20] [--only spike,noise]
+
+Three scripted vLLM-Omni engines (INT4 primary, INT8 and BF16 fallbacks), each its
+own process (``python -m tests.upstream``), behind a fresh gateway process per
+scenario with the seeds' thresholds (P99 TTFT 600 ms, VRAM 90 %, WER 5 %) and time
+constants divided by ten (for 3 s instead of 30 s, a 10 s window), so a scenario
+takes seconds. An open-loop load generator sends ``--rate`` streamed requests a
+second. Per scenario it reports:
+
+* time to detect: fault injected -> the controller first saw the condition
+  (the transition's ``detected_at``; for a crash, the circuit's ejection);
+* time to switch: fault injected -> the routing table changed;
+* failed requests: non-200 answers and error frames while the scenario ran;
+* switches: automatic routing transitions during the scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import orjson
+import yaml
+
+from bench.common import free_port, spawn, wait_http
+
+ADMIN_KEY = "bench-admin"
+MODEL = "qwen3-omni-flash"
+VARIANTS = ("int4", "int8", "bf16")
+
+
+@dataclass
+class Result:
+    scenario: str
+    expected: str
+    requests: int = 0
+    failed: int = 0
+    detect_s: float | None = None
+    switch_s: float | None = None
+    switches: int = 0
+    actions: list[str] = field(default_factory=list)
+    after_switch_to_int4: int | None = None
+    #: the highest INT4 signal the controller saw during the scenario (the one the rule watches)
+    peak_signal: float | None = None
+    trigger_value: float | None = None
+    note: str = ""
+
+
+class Upstreams:
+    def __init__(self) -> None:
+        self.ports = {v: free_port() for v in VARIANTS}
+        self.procs: dict[str, Any] = {}
+
+    def start(self, variant: str) -> None:
+        self.procs[variant] = spawn(
+            ["-m", "tests.upstream", "--flavour", "omni", "--port", str(self.ports[variant])], cpu=1
+        )
+
+    async def start_all(self) -> None:
+        for v in VARIANTS:
+            self.start(v)
+        for v in VARIANTS:
+            await wait_http(self.url(v) + "/health")
+
+    def url(self, v: str) -> str:
+        return f"http://127.0.0.1:{self.ports[v]}"
+
+    def kill(self, v: str) -> None:
+        p = self.procs.pop(v)
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+
+    def stop_all(self) -> None:
+        for v in list(self.procs):
+            p = self.procs.pop(v)
+            p.terminate()
+            p.wait(10)
+
+    async def post(self, s: aiohttp.ClientSession, v: str, path: str, body: Any) -> None:
+        async with s.post(self.url(v) + path, data=orjson.dumps(body)) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{v}{path}: {r.status} {await r.text()}")
+
+    async def script(self, s: aiohttp.ClientSession, v: str, **fields: Any) -> None:
+        await self.post(s, v, "/_script", {"flavour": "omni", **fields})
+
+    async def reset(self, s: aiohttp.ClientSession, speech: list | None = None) -> None:
+        for v in VARIANTS:
+            extra = {}
+            if speech:
+                said, own, _ = speech[0]
+                extra = {"text": said, "audio_wav": str(own)}
+            await self.script(s, v, first_byte_delay_s=0.2, **extra)
+            await self.post(s, v, "/_metrics", {"kv_cache_usage_perc": 0.3, "num_requests_running": None})
+
+
+def gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
+    engines = []
+    for v, role in zip(VARIANTS, ("primary", "fallback", "fallback")):
+        engines.append(
+            {
+                "name": f"omni-{v}",
+                "kind": "vllm-omni",
+                "base_url": ups.url(v) + "/v1",
+                "model": f"qwen3-omni-{v}",
+                "variant": v,
+                "role": role,
+                "serves": [MODEL],
+                "first_byte_timeout_s": 10,
+                "read_timeout_s": 10,
+            }
+        )
+    # The seeds' thresholds; durations divided by ten.
+    rules = [
+        {
+            "name": "int4-latency",
+            "select": {"variants": ["int4"]},
+            "signal": "ttft_p99",
+            "above": 0.6,
+            "for_s": 3,
+            "min_samples": 20,
+            "recover_below": 0.45,
+            "recover_for_s": 30,
+            "action": {"kind": "shift", "to_variants": ["fp16", "bf16"], "trickle_weight": 0.05},
+        },
+        {
+            "name": "vram-pressure",
+            "signal": "vram_usage",
+            "above": 0.9,
+            "for_s": 3,
+            "min_samples": 0,
+            "recover_below": 0.8,
+            "recover_for_s": 6,
+            "action": {"kind": "limit_concurrency", "concurrency_factor": 0.5},
+        },
+        {
+            "name": "wer-drift",
+            "select": {"variants": ["int4"]},
+            "signal": "wer",
+            "above": 0.05,
+            "for_s": 0,
+            "min_samples": 5,
+            "recover_below": 0.03,
+            "recover_for_s": 60,
+            "action": {"kind": "shift", "to_variants": ["int8", "fp16", "bf16"], "trickle_weight": 0.1},
+        },
+    ]
+    return {
+        "server": {"host": "127.0.0.1", "port": port},
+        "engines": engines,
+        "admin": {"api_key": ADMIN_KEY},
+        "logging": {"level": "warning", "json": True},
+        "routing": {
+            "probe_interval_s": 1.0,
+            "circuit": {"consecutive_failures": 5, "base_ejection_s": 5, "max_ejection_s": 30},
+            "signals": {"window_s": 10, "scrape_interval_s": 0.5, "scrape_timeout_s": 1},
+            "sentinel": {"enabled": sentinel, "sample_share": 0.25, "queue_size": 2, "window_s": 60},
+            "controller": {
+                "interval_s": 0.25,
+                "min_dwell_s": 6,
+                "cooldown_s": 12,
+                "max_switches_per_hour": 6,
+                "rules": rules,
+            },
+            "seed": 7,
+        },
+    }
+
+
+class Load:
+    """Open loop: one streamed request every 1/rate seconds, whatever the answers do."""
+
+    def __init__(self, url: str, rate: float, speech: bool) -> None:
+        self.url = url + "/v1/chat/completions"
+        self.rate = rate
+        body: dict = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hello"}]}
+        if speech:
+            body |= {"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
+        self.body = orjson.dumps(body)
+        self.records: list[tuple[float, bool]] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._stop = asyncio.Event()
+
+    async def _one(self, s: aiohttp.ClientSession) -> None:
+        t0 = time.time()
+        ok = True
+        try:
+            async with s.post(self.url, data=self.body, headers={"content-type": "application/json"}) as r:
+                if r.status != 200:
+                    ok = False
+                    await r.read()
+                else:
+                    async for line in r.content:
+                        if line.startswith(b'data: {"error"'):
+                            ok = False
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        self.records.append((t0, ok))
+
+    async def run(self, s: aiohttp.ClientSession) -> None:
+        interval = 1.0 / self.rate
+        nxt = time.monotonic()
+        while not self._stop.is_set():
+            t = asyncio.create_task(self._one(s))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+            nxt += interval
+            await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=30)
+
+    def between(self, t0: float, t1: float) -> tuple[int, int]:
+        rs = [ok for t, ok in self.records if t0 <= t <= t1]
+        return len(rs), sum(1 for ok in rs if not ok)
+
+
+async def admin_status(s: aiohttp.ClientSession, url: str) -> dict:
+    async with s.get(url + "/admin/routing", headers={"authorization": f"Bearer {ADMIN_KEY}"}) as r:
+        return await r.json()
+
+
+async def upstream_count(s: aiohttp.ClientSession, ups: Upstreams, v: str) -> int | None:
+    if v not in ups.procs:
+        return None  # crashed
+    async with s.get(ups.url(v) + "/_stats") as r:
+        return (await r.json())["requests"]
+
+
+Inject = Callable[[aiohttp.ClientSession, Upstreams, float], Awaitable[None]]
+
+
+async def run_scenario(
+    name: str,
+    expected: str,
+    ups: Upstreams,
+    inject: Inject,
+    *,
+    rate: float,
+    warmup_s: float = 12.0,
+    observe_s: float = 40.0,
+    until_switch: bool = True,
+    speech: list | None = None,
+    after_s: float = 5.0,
+    restart: str | None = None,
+    watch: str = "ttft_p99",
+) -> Result:
+    res = Result(name, expected)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(gateway_config(ups, port, sentinel=speech is not None), f)
+        cfg_path = f.name
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        await ups.reset(s, speech)
+        gw = spawn(["-m", "gateway.cli", "serve", "--config", cfg_path], cpu=0)
+        try:
+            await wait_http(url + "/readyz", timeout=120)
+            load = Load(url, rate, speech=speech is not None)
+            runner = asyncio.create_task(load.run(s))
+            await asyncio.sleep(warmup_s)
+            t0 = time.time()
+            await inject(s, ups, t0)
+            deadline = t0 + observe_s
+            switched_at = None
+            while time.time() < deadline:
+                await asyncio.sleep(0.25)
+                st = await admin_status(s, url)
+                int4 = next(e for e in st["engines"] if e["name"] == "omni-int4")
+                seen = int4["signals"].get(watch)
+                if isinstance(seen, (int, float)) and (res.peak_signal is None or seen > res.peak_signal):
+                    res.peak_signal = round(seen, 4)
+                auto = [t for t in st["recent_transitions"] if t["source"] == "auto" and t["at"] >= t0 - 1]
+                if auto and switched_at is None:
+                    switched_at = time.time()
+                    if until_switch:
+                        deadline = min(deadline, switched_at + after_s)
+            if switched_at is not None:
+                base = await upstream_count(s, ups, "int4")
+                await asyncio.sleep(2.0)
+                later = await upstream_count(s, ups, "int4")
+                res.after_switch_to_int4 = None if base is None or later is None else later - base
+            t1 = time.time()
+            await load.stop()
+            runner.cancel()
+            st = await admin_status(s, url)
+            auto = [t for t in st["recent_transitions"] if t["source"] == "auto" and t["at"] >= t0 - 1]
+            routing = [
+                t
+                for t in auto
+                if t["action"] in ("shift", "set_weight", "limit_concurrency", "restore", "eject")
+            ]
+            res.switches = len(routing)
+            res.actions = [f"{t['action']}({t['reason']})" for t in auto]
+            if routing:
+                first = routing[0]
+                res.switch_s = round(first["at"] - t0, 2)
+                detected = first["detail"].get("detected_at", first["at"])
+                res.detect_s = round(detected - t0, 2)
+                if isinstance(first["detail"].get("value"), (int, float)):
+                    res.trigger_value = round(first["detail"]["value"], 4)
+            res.requests, res.failed = load.between(t0, t1)
+        finally:
+            gw.send_signal(signal.SIGINT)
+            try:
+                gw.wait(20)
+            except Exception:
+                gw.kill()
+            os.unlink(cfg_path)
+            if restart is not None:
+                ups.start(restart)
+                await wait_http(ups.url(restart) + "/health")
+    return res
+
+
+# -- the incidents --------------------------------------------------------------------------------
+
+
+async def spike(s, ups, t0):  # noqa: ANN001
+    await ups.script(s, "int4", first_byte_delay_s=0.9)
+
+
+async def vram(s, ups, t0):  # noqa: ANN001
+    await ups.post(s, "int4", "/_metrics", {"kv_cache_usage_perc": 0.95, "num_requests_running": 16})
+
+
+async def crash(s, ups, t0):  # noqa: ANN001
+    ups.kill("int4")
+
+
+def drift_task(ups: Upstreams, start: float, end: float, seconds: float) -> Inject:
+    async def inject(s, ups_, t0):  # noqa: ANN001
+        async def ramp() -> None:
+            while True:
+                frac = min(1.0, (time.time() - t0) / seconds)
+                await ups.script(s, "int4", first_byte_delay_s=start + (end - start) * frac)
+                await asyncio.sleep(0.5)
+
+        task = asyncio.create_task(ramp())
+        _background.add(task)
+
+    return inject
+
+
+def noise_task(ups: Upstreams, base: float, jitter: float) -> Inject:
+    rng = random.Random(5)
+
+    async def inject(s, ups_, t0):  # noqa: ANN001
+        async def jitterer() -> None:
+            while True:
+                await ups.script(s, "int4", first_byte_delay_s=base * rng.uniform(1 - jitter, 1 + jitter))
+                await asyncio.sleep(0.05)
+
+        task = asyncio.create_task(jitterer())
+        _background.add(task)
+
+    return inject
+
+
+def wer_task(speech: list) -> Inject:
+    async def inject(s, ups, t0):  # noqa: ANN001
+        said, _, drifted = speech[0]
+        await ups.script(s, "int4", first_byte_delay_s=0.2, text=said, audio_wav=str(drifted))
+
+    return inject
+
+
+_background: set[asyncio.Task] = set()
+
+
+async def _cancel_background() -> None:
+    for t in list(_background):
+        t.cancel()
+    await asyncio.gather(*_background, return_exceptions=True)
+    _background.clear()
+
+
+async def main_async(args: argparse.Namespace) -> list[Result]:
+    ups = Upstreams()
+    await ups.start_all()
+    results: list[Result] = []
+    only = set(args.only.split(",")) if args.only else None
+    try:
+        plan = [
+            ("spike", "latency spike on INT4 (TTFT 0.2 -> 0.9 s)", dict(inject=spike)),
+            (
+                "vram",
+                "VRAM pressure in INT4's metrics (KV cache 95 %)",
+                dict(inject=vram, watch="vram_usage"),
+            ),
+            ("crash", "INT4 engine crash (SIGKILL)", dict(inject=crash, restart="int4")),
+            (
+                "drift",
+                "slow drift on INT4 (TTFT 0.3 -> 0.9 s over 40 s)",
+                dict(inject=drift_task(ups, 0.3, 0.9, 40.0), observe_s=60.0),
+            ),
+            (
+                "noise",
+                "noise: INT4 TTFT 0.40 s +-20 % for 60 s",
+                dict(inject=noise_task(ups, 0.40, 0.2), observe_s=60.0, until_switch=False),
+            ),
+            (
+                "noise-near",
+                "noise near the line: INT4 TTFT 0.45 s +-20 % for 60 s",
+                dict(inject=noise_task(ups, 0.45, 0.2), observe_s=60.0, until_switch=False),
+            ),
+            (
+                "wer",
+                "WER drift: INT4's speech stops matching its transcript",
+                dict(inject=None, speech=True, watch="wer"),
+            ),
+        ]
+        speech = None
+        for key, title, kw in plan:
+            if only and key not in only:
+                continue
+            rate = args.rate
+            if kw.pop("speech", False):
+                from tests.speech import speech_set
+
+                speech = speech_set(Path(tempfile.mkdtemp(prefix="omnigate-speech-")))
+                kw["inject"] = wer_task(speech)
+                kw["speech"] = speech
+                rate = args.speech_rate
+            print(f"-- {key}: {title}", file=sys.stderr, flush=True)
+            res = await run_scenario(key, title, ups, rate=rate, **kw)
+            await _cancel_background()
+            results.append(res)
+            print(json.dumps(asdict(res)), file=sys.stderr, flush=True)
+    finally:
+        await _cancel_background()
+        ups.stop_all()
+    return results
+
+
+def table(results: list[Result]) -> str:
+    lines = [
+        "| scenario | requests | failed | time to detect | time to switch | switches | signal at the switch "
+        "/ peak seen | INT4 requests in the 2 s after |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        fmt = lambda x: "—" if x is None else f"{x:.2f} s"  # noqa: E731
+        lines.append(
+            f"| {r.expected} | {r.requests} | {r.failed} | {fmt(r.detect_s)} | {fmt(r.switch_s)} | "
+            f"{r.switches} {', '.join(r.actions) if r.actions else ''} | "
+            f"{'—' if r.trigger_value is None else r.trigger_value} / "
+            f"{'—' if r.peak_signal is None else r.peak_signal} | "
+            f"{'—' if r.after_switch_to_int4 is None else r.after_switch_to_int4} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.incidents",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--rate", type=float, default=20.0, help="requests per second (text scenarios)")
+    p.add_argument("--speech-rate", type=float, default=4.0, help="requests per second (WER scenario)")
+    p.add_argument("--only", default="", help="comma-separated: spike,vram,crash,drift,noise,noise-near,wer")
+    args = p.parse_args()
+    results = asyncio.run(main_async(args))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

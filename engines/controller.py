@@ -1,0 +1,419 @@
+"""The rollback controller's loop: measure, decide, publish the routing table; off the request path.
+
+Every replica runs one, each tick (``routing.controller.interval_s``):
+
+1. it publishes a summary of its own measurements (latency histograms, outcomes, WER);
+2. it tries to take or renew the leader lease;
+3. the leader merges every replica's summary with the scraped telemetry into a
+   :class:`~engines.rollback.Snapshot`, calls :func:`~engines.rollback.decide`, and
+   writes the new state and routing table in one fenced update;
+4. the others read the table when its version changes and apply it.
+
+Manual overrides (pin, unpin, freeze, resume, clear, readmit) go through the same
+store from whichever replica the admin call reached. Every transition, automatic or
+manual, is counted (``omnigate_routing_transitions_total``), logged as one
+``routing_transition`` event, kept in :attr:`RolloutController.recent`, and passed to
+each callback in :attr:`RolloutController.on_transition` (the audit trail hooks in
+there: ``controller.on_transition.append(fn)``, ``fn(transition)`` sync or async).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections import deque
+from typing import Any, Awaitable, Callable
+
+import structlog
+
+from engines.control_settings import RoutingSettings
+from engines.pool import EnginePool
+from engines.rollback import (
+    ControllerState,
+    Decision,
+    EngineSignals,
+    Snapshot,
+    Transition,
+    clear_incident,
+    decide,
+    freeze,
+    pin,
+    resume,
+    route,
+    unpin,
+)
+from engines.routing import RoutingTable
+from engines.sentinel import AccuracySentinel
+from engines.signals import EngineSummary
+from engines.state_store import Doc, NotLeader, StateStore
+from engines.telemetry import TelemetryCollector
+from observability.metrics import Metrics
+
+log = structlog.get_logger("omnigate.routing")
+
+TransitionHook = Callable[[Transition], "Awaitable[None] | None"]
+
+
+class RolloutController:
+    def __init__(
+        self,
+        pool: EnginePool,
+        settings: RoutingSettings,
+        metrics: Metrics,
+        store: StateStore,
+        telemetry: TelemetryCollector | None = None,
+        sentinel: AccuracySentinel | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.metrics = metrics
+        self.store = store
+        self.telemetry = telemetry
+        self.sentinel = sentinel
+        self._clock = clock
+        #: callbacks given every transition this replica makes (the audit trail registers here)
+        self.on_transition: list[TransitionHook] = []
+        self.recent: deque[Transition] = deque(maxlen=200)
+        self.is_leader = False
+        self.last_snapshot: Snapshot | None = None
+        self.state = ControllerState()
+        self._hook_tasks: set[asyncio.Task[Any]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._tick_lock = asyncio.Lock()
+        pool.transition_sink = self.emit
+
+    @property
+    def replica_id(self) -> str:
+        return self.store.replica_id
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        try:
+            await self._load_or_seed()
+        except Exception as exc:
+            # Serving with the configured split beats not serving; the loop keeps trying the store.
+            self.metrics.controller_errors.labels("store").inc()
+            log.error("controller_store_unavailable", error=str(exc) or type(exc).__name__)
+        if self.telemetry is not None:
+            await self.telemetry.start()
+        if self.sentinel is not None and self.settings.sentinel.enabled:
+            await self.sentinel.start()
+        self._task = asyncio.create_task(self._run(), name="rollout-controller")
+
+    async def _load_or_seed(self) -> None:
+        await self.store.start()
+        doc = await self.store.load()
+        if not doc.table:
+            # The first replica seeds the document with the configured split.
+            seed = (ControllerState().to_dict(), self._table(ControllerState()).to_dict())
+            await self.store.update(lambda d: None if d.table else seed)
+            doc = await self.store.load()
+        self._apply(doc)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for closer in (self.telemetry, self.sentinel):
+            if closer is not None:
+                await closer.aclose()
+        try:
+            await self.store.withdraw()
+            if self.is_leader:
+                await self.store.release_lease()
+        except Exception as exc:  # Redis gone at shutdown: the lease expires by itself
+            log.warning("controller_release_failed", error=str(exc))
+        self._set_leader(False)
+        if self._hook_tasks:
+            await asyncio.gather(*self._hook_tasks, return_exceptions=True)
+        await self.store.aclose()
+
+    async def _run(self) -> None:
+        interval = self.settings.controller.interval_s
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.metrics.controller_errors.labels("tick").inc()
+                log.warning("controller_tick_failed", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(interval)
+
+    # -- one tick ---------------------------------------------------------------------------
+    async def tick(self) -> Decision | None:
+        async with self._tick_lock:
+            await self.store.publish_summary(self._local_summary(), ttl_s=self._summary_ttl())
+            leader = self.settings.controller.enabled and await self.store.acquire_lease(
+                self.settings.state.lease_ttl_s
+            )
+            self._set_leader(leader)
+            if not leader:
+                await self._follow()
+                return None
+            try:
+                return await self._lead()
+            except NotLeader:
+                self._set_leader(False)
+                return None
+
+    def _summary_ttl(self) -> float:
+        return max(3 * self.settings.controller.interval_s, 1.0)
+
+    def _local_summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, summary in self.pool.summaries().items():
+            if self.sentinel is not None:
+                summary.wer_errors, summary.wer_words, summary.wer_samples = self.sentinel.totals(name)
+            d = summary.to_dict()
+            d["in_flight"] = self.pool.in_flight(name)
+            out[name] = d
+        return out
+
+    async def _lead(self) -> Decision:
+        parts = await self.store.summaries(max_age_s=self._summary_ttl())
+        snapshot = self.snapshot(parts)
+        self.last_snapshot = snapshot
+        holder: dict[str, Decision] = {}
+
+        def update(doc: Doc) -> tuple[dict[str, Any], dict[str, Any]] | None:
+            state = ControllerState.from_dict(doc.state)
+            decision = decide(snapshot, state, self.settings.controller)
+            holder["d"] = decision
+            new_state = decision.state.to_dict()
+            table = self._table(decision.state)
+            if new_state == doc.state and doc.table and table.same_routing(RoutingTable.from_dict(doc.table)):
+                return None
+            return new_state, table.to_dict()
+
+        doc, _ = await self.store.update(update, fenced=True)
+        decision = holder["d"]
+        self._apply(doc)
+        for hold in decision.holds:
+            rule = hold.key.split("@", 1)[0]
+            self.metrics.routing_holds.labels(rule, hold.reason).inc()
+            log.info("routing_action_held", incident=hold.key, reason=hold.reason)
+        for t in decision.transitions:
+            self.emit(t)
+        return decision
+
+    async def _follow(self) -> None:
+        if await self.store.version() != self.pool.table.version:
+            self._apply(await self.store.load())
+
+    def snapshot(self, parts: dict[str, dict[str, Any]]) -> Snapshot:
+        """Every replica's measurements merged, plus telemetry, health and circuit state, at one instant."""
+        merged: dict[str, EngineSummary] = {name: EngineSummary() for name in self.pool.infos}
+        in_flight: dict[str, float] = {name: 0.0 for name in self.pool.infos}
+        for part in parts.values():
+            for name, d in part.items():
+                if name in merged:
+                    merged[name] = merged[name].merge(EngineSummary.from_dict(d))
+                    in_flight[name] += float(d.get("in_flight", 0))
+        engines: dict[str, EngineSignals] = {}
+        for name, info in self.pool.infos.items():
+            values, samples = merged[name].values()
+            values["in_flight"] = in_flight[name]
+            if self.telemetry is not None:
+                values.update(self.telemetry.latest(name))
+            engines[name] = EngineSignals(
+                info=info,
+                healthy=self.pool.is_healthy(name),
+                circuit=self.pool.circuit_state(name),
+                values=values,
+                samples=samples,
+            )
+        return Snapshot(now=self._clock(), engines=engines, replicas=max(1, len(parts)))
+
+    # -- applying --------------------------------------------------------------------------------
+    def _table(self, state: ControllerState) -> RoutingTable:
+        return route(self.pool.infos, state)
+
+    def _apply(self, doc: Doc) -> None:
+        self.state = ControllerState.from_dict(doc.state)
+        table = RoutingTable.from_dict(doc.table) if doc.table else self._table(self.state)
+        table = RoutingTable(version=doc.version, weights=table.weights, limits=table.limits, pins=table.pins)
+        if table.version != self.pool.table.version:
+            self.pool.set_table(table)
+            self.metrics.routing_version.set(table.version)
+            log.debug("routing_table_applied", version=table.version, leader=self.is_leader)
+        self.metrics.controller_frozen.set(1 if self.state.frozen else 0)
+
+    def _set_leader(self, leader: bool) -> None:
+        if leader != self.is_leader:
+            log.info("controller_leadership", replica=self.replica_id, leader=leader)
+        self.is_leader = leader
+        self.metrics.controller_leader.set(1 if leader else 0)
+
+    def emit(self, t: Transition) -> None:
+        """Record one transition: metric, one log event, the recent list, and the hooks (audit)."""
+        self.metrics.routing_transitions.labels(t.action, t.reason, t.source).inc()
+        log.info("routing_transition", replica=self.replica_id, **t.to_dict())
+        self.recent.append(t)
+        for hook in list(self.on_transition):
+            try:
+                out = hook(t)
+                if inspect.isawaitable(out):
+                    task = asyncio.ensure_future(out)
+                    self._hook_tasks.add(task)
+                    task.add_done_callback(self._hook_done)
+            except Exception as exc:
+                self.metrics.controller_errors.labels("hook").inc()
+                log.warning("transition_hook_failed", error=str(exc))
+
+    def _hook_done(self, task: asyncio.Task[Any]) -> None:
+        self._hook_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.metrics.controller_errors.labels("hook").inc()
+            log.warning("transition_hook_failed", error=str(task.exception()))
+
+    # -- manual overrides --------------------------------------------------------------------------
+    async def _override(
+        self,
+        change: Callable[[ControllerState, float], ControllerState | None],
+        action: str,
+        reason: str,
+        actor: str | None,
+        note: str | None,
+        engine: str | None = None,
+        models: tuple[str, ...] = (),
+        detail: dict[str, Any] | None = None,
+    ) -> Transition | None:
+        now = self._clock()
+        before: dict[str, RoutingTable] = {}
+
+        def update(doc: Doc) -> tuple[dict[str, Any], dict[str, Any]] | None:
+            state = ControllerState.from_dict(doc.state)
+            before["t"] = RoutingTable.from_dict(doc.table) if doc.table else self._table(state)
+            new = change(state, now)
+            if new is None or new == state:
+                return None
+            return new.to_dict(), self._table(new).to_dict()
+
+        doc, changed = await self.store.update(update)
+        self._apply(doc)
+        if not changed:
+            return None
+        info = dict(detail or {})
+        if actor:
+            info["actor"] = actor
+        if note:
+            info["note"] = note
+        if models:
+            info["weights_before"] = {m: dict(before["t"].weights.get(m, {})) for m in models}
+            info["weights"] = {m: dict(self.pool.table.weights.get(m, {})) for m in models}
+        t = Transition(
+            at=now, action=action, reason=reason, source="manual", engine=engine, models=models, detail=info
+        )
+        self.emit(t)
+        return t
+
+    async def pin(
+        self, model: str, variant: str, actor: str | None = None, note: str | None = None
+    ) -> Transition | None:
+        def change(s: ControllerState, now: float) -> ControllerState | None:
+            return None if s.pins.get(model) == variant else pin(s, model, variant, now)
+
+        return await self._override(
+            change, "pin", "manual", actor, note, models=(model,), detail={"variant": variant}
+        )
+
+    async def unpin(self, model: str, actor: str | None = None, note: str | None = None) -> Transition | None:
+        def change(s: ControllerState, now: float) -> ControllerState | None:
+            return unpin(s, model, now) if model in s.pins else None
+
+        return await self._override(change, "unpin", "manual", actor, note, models=(model,))
+
+    async def freeze(self, actor: str | None = None, note: str | None = None) -> Transition | None:
+        return await self._override(lambda s, now: freeze(s), "freeze", "manual", actor, note)
+
+    async def resume(
+        self, actor: str | None = None, note: str | None = None, clear: bool = False
+    ) -> Transition | None:
+        models = tuple(self.pool.models())
+        return await self._override(
+            lambda s, now: resume(s, now, clear=clear),
+            "resume",
+            "manual",
+            actor,
+            note,
+            models=models if clear else (),
+            detail={"cleared_incidents": clear},
+        )
+
+    async def clear(self, key: str, actor: str | None = None, note: str | None = None) -> Transition | None:
+        inc = self.state.incidents.get(key)
+        engine = inc.engine if inc is not None else None
+        models = self.pool.infos[engine].serves if engine in self.pool.infos else ()
+        return await self._override(
+            lambda s, now: clear_incident(s, key, now),
+            "restore",
+            "manual",
+            actor,
+            note,
+            engine=engine,
+            models=models,
+            detail={"incident": key},
+        )
+
+    def readmit(self, engine: str) -> bool:
+        """Close an engine's circuit on this replica (circuits are per replica)."""
+        return self.pool.readmit(engine)
+
+    # -- status ------------------------------------------------------------------------------------
+    async def status(self) -> dict[str, Any]:
+        try:
+            leader = await self.store.leader()
+        except Exception as exc:
+            leader = None
+            log.warning("controller_store_unavailable", error=str(exc) or type(exc).__name__)
+        table = self.pool.table
+        snap = self.last_snapshot
+        now = self._clock()
+        engines = []
+        local = self.pool.summaries()
+        for name, info in self.pool.infos.items():
+            if snap is not None and self.is_leader:
+                sig = snap.engines[name]
+                values, samples = dict(sig.values), dict(sig.samples)
+            else:
+                values, samples = local[name].values()
+                if self.telemetry is not None:
+                    values.update(self.telemetry.latest(name))
+            engines.append(
+                {
+                    "name": name,
+                    "variant": info.variant,
+                    "role": info.role,
+                    "serves": list(info.serves),
+                    "state": self.pool.engine_state(name),
+                    "healthy": self.pool.is_healthy(name),
+                    "circuit": self.pool.circuit_state(name),
+                    "weight": round(table.engine_weight(name), 4),
+                    "limit": table.limits.get(name),
+                    "in_flight": self.pool.in_flight(name),
+                    "signals": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in values.items()},
+                    "samples": samples,
+                }
+            )
+        st = self.state
+        return {
+            "replica": self.replica_id,
+            "leader": leader,
+            "is_leader": self.is_leader,
+            "enabled": self.settings.controller.enabled,
+            "frozen": st.frozen,
+            "pins": dict(st.pins),
+            "version": table.version,
+            "weights": {m: {e: round(w, 4) for e, w in ws.items()} for m, ws in table.weights.items()},
+            "limits": dict(table.limits),
+            "incidents": {k: i.to_dict() for k, i in st.incidents.items()},
+            "breaches": {k: round(now - since, 3) for k, since in st.breaches.items()},
+            "holds": dict(st.holds),
+            "switches_last_hour": sum(1 for t in st.switches if now - t < 3600),
+            "max_switches_per_hour": self.settings.controller.max_switches_per_hour,
+            "engines": engines,
+            "recent_transitions": [t.to_dict() for t in list(self.recent)[-20:]],
+        }

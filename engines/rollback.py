@@ -1,0 +1,476 @@
+"""The rollback controller's pure core: ``decide(snapshot, state, config)`` and the routing it implies.
+
+Nothing here does I/O or reads a clock: a :class:`Snapshot` carries the time and
+the signals, :class:`ControllerState` carries everything remembered between ticks
+(breach timers, active incidents, the switch history, freeze and pins), and
+:func:`decide` returns the next state with the transitions it made. That is what
+the unit tests drive with scripted signal series, and what the background loop in
+:mod:`engines.controller` calls once per tick.
+
+Anti-flapping, in the order it is applied:
+
+* a condition must hold for the rule's ``for_s`` (an unknown signal resets the timer);
+* the way back needs the signal below ``recover_below`` (hysteresis) for ``recover_for_s``,
+  and the incident at least ``min_dwell_s`` old;
+* after any switch on a model, no automatic switch on it for ``cooldown_s``;
+* at most ``max_switches_per_hour`` automatic switches in any hour;
+* a frozen controller, or a model with a pinned variant, takes no automatic action.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from engines.control_settings import SAMPLED_SIGNALS, ControllerSettings, Rule
+from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
+
+HOUR_S = 3600.0
+
+
+# -- inputs ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSignals:
+    """One engine as the controller sees it at one tick."""
+
+    info: EngineInfo
+    healthy: bool = True
+    circuit: str = "closed"
+    #: signal name -> value (None: not measured); see ``control_settings.Signal``
+    values: Mapping[str, float | None] = field(default_factory=dict)
+    #: signal name -> how many samples the value rests on (sampled signals only)
+    samples: Mapping[str, int] = field(default_factory=dict)
+
+    def reading(self, signal: str, min_samples: int) -> float | None:
+        value = self.values.get(signal)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return None
+        if signal in SAMPLED_SIGNALS and self.samples.get(signal, 0) < max(1, min_samples):
+            return None
+        return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    now: float
+    engines: Mapping[str, EngineSignals]
+    replicas: int = 1
+
+    @property
+    def infos(self) -> dict[str, EngineInfo]:
+        return {n: e.info for n, e in self.engines.items()}
+
+
+# -- state ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Incident:
+    """A rule's action in force on one engine."""
+
+    rule: str
+    engine: str
+    action: str
+    since: float
+    detected_at: float
+    value: float
+    #: public model -> engines that took the traffic (shift)
+    targets: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    weight: float = 0.0
+    keep: float = 0.0
+    limit: int | None = None
+    clear_since: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "engine": self.engine,
+            "action": self.action,
+            "since": self.since,
+            "detected_at": self.detected_at,
+            "value": self.value,
+            "targets": {m: list(t) for m, t in self.targets.items()},
+            "weight": self.weight,
+            "keep": self.keep,
+            "limit": self.limit,
+            "clear_since": self.clear_since,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Incident":
+        return cls(
+            rule=d["rule"],
+            engine=d["engine"],
+            action=d["action"],
+            since=float(d["since"]),
+            detected_at=float(d.get("detected_at", d["since"])),
+            value=float(d.get("value", 0.0)),
+            targets={m: tuple(t) for m, t in (d.get("targets") or {}).items()},
+            weight=float(d.get("weight", 0.0)),
+            keep=float(d.get("keep", 0.0)),
+            limit=d.get("limit"),
+            clear_since=d.get("clear_since"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerState:
+    incidents: Mapping[str, Incident] = field(default_factory=dict)
+    #: "rule@engine" -> since when its condition has held (not acted on yet)
+    breaches: Mapping[str, float] = field(default_factory=dict)
+    #: "rule@engine" -> why an action that is due is held back (logged once per change)
+    holds: Mapping[str, str] = field(default_factory=dict)
+    #: times of automatic switches within the last hour
+    switches: tuple[float, ...] = ()
+    #: public model -> time of its last switch (automatic or manual)
+    last_switch: Mapping[str, float] = field(default_factory=dict)
+    frozen: bool = False
+    pins: Mapping[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "incidents": {k: i.to_dict() for k, i in self.incidents.items()},
+            "breaches": dict(self.breaches),
+            "holds": dict(self.holds),
+            "switches": list(self.switches),
+            "last_switch": dict(self.last_switch),
+            "frozen": self.frozen,
+            "pins": dict(self.pins),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "ControllerState":
+        if not d:
+            return cls()
+        return cls(
+            incidents={k: Incident.from_dict(v) for k, v in (d.get("incidents") or {}).items()},
+            breaches={k: float(v) for k, v in (d.get("breaches") or {}).items()},
+            holds=dict(d.get("holds") or {}),
+            switches=tuple(float(t) for t in d.get("switches") or ()),
+            last_switch={k: float(v) for k, v in (d.get("last_switch") or {}).items()},
+            frozen=bool(d.get("frozen", False)),
+            pins=dict(d.get("pins") or {}),
+        )
+
+
+# -- outputs -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One change of routing or engine state, automatic or manual: what goes to metrics, the log and audit.
+
+    ``action`` is one of shift, set_weight, limit_concurrency, restore, pin, unpin,
+    freeze, resume, eject, half_open, readmit, down, up; ``reason`` is a rule name or
+    a fixed word (manual, outlier-ejection, health-probe, ...); ``source`` is auto or manual.
+    """
+
+    at: float
+    action: str
+    reason: str
+    source: str
+    engine: str | None = None
+    models: tuple[str, ...] = ()
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at": self.at,
+            "action": self.action,
+            "reason": self.reason,
+            "source": self.source,
+            "engine": self.engine,
+            "models": list(self.models),
+            "detail": dict(self.detail),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    state: ControllerState
+    transitions: tuple[Transition, ...] = ()
+    #: newly held actions (a hold is reported once, when its reason first appears)
+    holds: tuple[Hold, ...] = ()
+
+
+# -- routing -------------------------------------------------------------------------------------------------
+
+
+def route(infos: Mapping[str, EngineInfo], state: ControllerState, version: int = 0) -> RoutingTable:
+    """The table implied by the configuration, the incidents in force (oldest first) and the pins."""
+    weights = base_weights(infos.values())
+    limits: dict[str, int] = {}
+    for inc in sorted(state.incidents.values(), key=lambda i: (i.since, i.rule, i.engine)):
+        if inc.engine not in infos:
+            continue
+        if inc.action == "limit_concurrency" and inc.limit is not None:
+            limits[inc.engine] = min(limits.get(inc.engine, inc.limit), inc.limit)
+            continue
+        for model in infos[inc.engine].serves:
+            w = weights.get(model)
+            if w is None:
+                continue
+            if inc.action == "shift":
+                targets = [t for t in inc.targets.get(model, ()) if t in w]
+                move_share(w, inc.engine, inc.keep, targets)
+            elif inc.action == "set_weight":
+                set_share(w, inc.engine, inc.weight, infos)
+    for model, variant in state.pins.items():
+        w = weights.get(model)
+        if w is None:
+            continue
+        chosen = [n for n in w if infos[n].variant == variant]
+        if chosen:
+            weights[model] = {n: (1.0 / len(chosen) if n in chosen else 0.0) for n in w}
+    return RoutingTable(
+        version=version,
+        weights={m: normalise(w) for m, w in weights.items()},
+        limits=limits,
+        pins=dict(state.pins),
+    )
+
+
+# -- decide --------------------------------------------------------------------------------------------------
+
+
+def _key(rule: Rule, engine: str) -> str:
+    return f"{rule.name}@{engine}"
+
+
+def _shift_targets(rule: Rule, src: EngineSignals, snap: Snapshot) -> dict[str, tuple[str, ...]]:
+    """Per model, the engines of the first wanted variant that serve it and are up."""
+    out: dict[str, tuple[str, ...]] = {}
+    for model in src.info.serves:
+        for variant in rule.action.to_variants:
+            found = tuple(
+                sorted(
+                    n
+                    for n, e in snap.engines.items()
+                    if n != src.info.name
+                    and model in e.info.serves
+                    and e.info.variant == variant
+                    and e.healthy
+                    and e.circuit != "open"
+                )
+            )
+            if found:
+                out[model] = found
+                break
+    return out
+
+
+def _new_incident(
+    rule: Rule, sig: EngineSignals, value: float, since: float, snap: Snapshot
+) -> Incident | None:
+    a = rule.action
+    base = dict(
+        rule=rule.name, engine=sig.info.name, action=a.kind, since=snap.now, detected_at=since, value=value
+    )
+    if a.kind == "shift":
+        targets = _shift_targets(rule, sig, snap)
+        return Incident(**base, targets=targets, keep=a.trickle_weight) if targets else None
+    if a.kind == "set_weight":
+        return Incident(**base, weight=a.weight)
+    running = sig.values.get("requests_running") or sig.values.get("in_flight") or 0.0
+    per_replica = a.concurrency_factor * float(running) / max(1, snap.replicas)
+    return Incident(**base, limit=max(a.min_concurrency, int(math.floor(per_replica))))
+
+
+def _gate(
+    model_list: Iterable[str],
+    state: ControllerState,
+    cfg: ControllerSettings,
+    now: float,
+    switches: tuple[float, ...],
+) -> str | None:
+    if state.frozen:
+        return "frozen"
+    for m in model_list:
+        if m in state.pins:
+            return "pinned"
+        last = state.last_switch.get(m)
+        if last is not None and now - last < cfg.cooldown_s:
+            return "cooldown"
+    if len(switches) >= cfg.max_switches_per_hour:
+        return "switch-limit"
+    return None
+
+
+def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSettings) -> Decision:
+    """One tick of the controller. Pure: the same inputs give the same output."""
+    now = snapshot.now
+    infos = snapshot.infos
+    incidents = dict(state.incidents)
+    breaches = dict(state.breaches)
+    holds: dict[str, str] = {}
+    switches = tuple(t for t in state.switches if now - t < HOUR_S)
+    last_switch = dict(state.last_switch)
+    transitions: list[Transition] = []
+    new_holds: list[Hold] = []
+    current = route(infos, state)
+
+    def held(key: str, reason: str) -> None:
+        holds[key] = reason
+        if state.holds.get(key) != reason:
+            new_holds.append(Hold(key, reason))
+
+    # Incidents whose engine left the configuration end quietly.
+    for key in [k for k, i in incidents.items() if i.engine not in infos]:
+        incidents.pop(key)
+
+    for rule in config.rules:
+        for name, sig in snapshot.engines.items():
+            if not rule.select.matches(name, sig.info.variant, sig.info.role):
+                continue
+            key = _key(rule, name)
+            value = sig.reading(rule.signal, rule.min_samples)
+            inc = incidents.get(key)
+            models = sig.info.serves
+            if inc is None:
+                if value is None or value <= rule.above:
+                    breaches.pop(key, None)
+                    continue
+                since = breaches.setdefault(key, now)
+                if now - since < rule.for_s:
+                    continue
+                reason = _gate(models, replace(state, last_switch=last_switch), config, now, switches)
+                if reason in ("frozen", "pinned"):
+                    held(key, reason)
+                    continue
+                probe = _new_incident(rule, sig, value, since, snapshot)
+                if probe is None:
+                    held(key, "no-target")
+                    continue
+                trial = replace(state, incidents={**incidents, key: probe})
+                after = route(infos, trial)
+                if after.same_routing(current):
+                    continue  # the action would change nothing (e.g. the engine has no traffic left)
+                if reason is not None:
+                    held(key, reason)
+                    continue
+                incidents[key] = probe
+                breaches.pop(key, None)
+                switches = switches + (now,)
+                for m in models:
+                    last_switch[m] = now
+                transitions.append(_fired(rule, probe, value, current, after))
+                current = after
+                continue
+            # An incident in force: watch for the way back.
+            if value is not None:
+                assert rule.recover_below is not None
+                if value < rule.recover_below:
+                    if inc.clear_since is None:
+                        inc = replace(inc, clear_since=now)
+                elif inc.clear_since is not None:
+                    inc = replace(inc, clear_since=None)
+                incidents[key] = inc
+            if not rule.auto_recover or inc.clear_since is None or now - inc.clear_since < rule.recover_for_s:
+                continue
+            if now - inc.since < config.min_dwell_s:
+                held(key, "min-dwell")
+                continue
+            reason = _gate(models, replace(state, last_switch=last_switch), config, now, switches)
+            if reason is not None:
+                held(key, reason)
+                continue
+            incidents.pop(key)
+            after = route(infos, replace(state, incidents=incidents))
+            switches = switches + (now,)
+            for m in models:
+                last_switch[m] = now
+            transitions.append(
+                Transition(
+                    at=now,
+                    action="restore",
+                    reason=rule.name,
+                    source="auto",
+                    engine=name,
+                    models=tuple(models),
+                    detail={
+                        "signal": rule.signal,
+                        "value": value,
+                        "recover_below": rule.recover_below,
+                        "incident_since": inc.since,
+                        "undoes": inc.action,
+                        "weights": _weights_of(after, models),
+                    },
+                )
+            )
+            current = after
+
+    new_state = replace(
+        state, incidents=incidents, breaches=breaches, holds=holds, switches=switches, last_switch=last_switch
+    )
+    return Decision(new_state, tuple(transitions), tuple(new_holds))
+
+
+def _weights_of(table: RoutingTable, models: Iterable[str]) -> dict[str, dict[str, float]]:
+    return {m: {e: round(w, 4) for e, w in table.weights.get(m, {}).items()} for m in models}
+
+
+def _fired(rule: Rule, inc: Incident, value: float, before: RoutingTable, after: RoutingTable) -> Transition:
+    models = tuple(m for m in after.weights if inc.engine in after.weights[m])
+    detail: dict[str, Any] = {
+        "signal": rule.signal,
+        "value": value,
+        "above": rule.above,
+        "for_s": rule.for_s,
+        "detected_at": inc.detected_at,
+        "weights_before": _weights_of(before, models),
+        "weights": _weights_of(after, models),
+    }
+    if inc.targets:
+        detail["targets"] = {m: list(t) for m, t in inc.targets.items()}
+    if inc.limit is not None:
+        detail["limit"] = inc.limit
+    return Transition(
+        at=inc.since,
+        action=inc.action,
+        reason=rule.name,
+        source="auto",
+        engine=inc.engine,
+        models=models,
+        detail=detail,
+    )
+
+
+# -- manual overrides ----------------------------------------------------------------------------------------
+
+
+def pin(state: ControllerState, model: str, variant: str, now: float) -> ControllerState:
+    return replace(state, pins={**state.pins, model: variant}, last_switch={**state.last_switch, model: now})
+
+
+def unpin(state: ControllerState, model: str, now: float) -> ControllerState:
+    pins = {m: v for m, v in state.pins.items() if m != model}
+    return replace(state, pins=pins, last_switch={**state.last_switch, model: now})
+
+
+def freeze(state: ControllerState) -> ControllerState:
+    return replace(state, frozen=True)
+
+
+def resume(state: ControllerState, now: float, *, clear: bool = False) -> ControllerState:
+    """Unfreeze; with ``clear``, also end every incident (traffic goes back to the configured split)."""
+    if clear:
+        return replace(state, frozen=False, incidents={}, breaches={}, holds={})
+    return replace(state, frozen=False)
+
+
+def clear_incident(state: ControllerState, key: str, now: float) -> ControllerState:
+    """End one incident by hand (a canary set to 0 % stays there until someone does this)."""
+    inc = state.incidents.get(key)
+    if inc is None:
+        return state
+    incidents = {k: i for k, i in state.incidents.items() if k != key}
+    return replace(state, incidents=incidents)

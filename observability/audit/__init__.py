@@ -1,0 +1,6 @@
+"""The tamper-evident audit trail: one hash-chained record per request, signed checkpoints, two stores."""
+
+from observability.audit.log import AuditLog
+from observability.audit.store import AuditStore, build_store
+
+__all__ = ["AuditLog", "AuditStore", "build_store"]

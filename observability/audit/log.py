@@ -1,0 +1,328 @@
+"""The audit writer: a bounded buffer in front of the store, group commits, checkpoints and retention.
+
+The request path calls :meth:`AuditLog.submit` (never blocks: it appends to a
+bounded buffer and returns a future) and awaits :meth:`AuditLog.wait` before it
+acknowledges the response as complete, for at most ``ack_timeout_s``. One writer
+task drains the buffer: it encodes records on a worker thread (digests,
+redaction, canonical JSON) and commits them in batches, each batch one
+transaction (``commit: group`` gathers what arrives within ``group_commit_ms``;
+``commit: sync`` writes one record per transaction).
+
+When the buffer is full the configured choice applies, loudly (a log event when
+it fills and when it recovers, ``omnigate_audit_buffer_full_total``,
+``omnigate_audit_records_dropped_total``): ``shed`` refuses new requests with 503
+until there is room; ``mark_gap`` keeps serving, and the chain gets a ``gap``
+record saying how many records are missing there. A store that fails is retried
+with backoff; its records stay in the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import structlog
+
+from gateway.errors import Overloaded
+from gateway.settings import AuditSettings
+from observability.audit.chain import Checkpoint, Row, Signer, canonical, checkpoint_message
+from observability.audit.record import RequestSnapshot, request_payload
+from observability.audit.store import AuditStore, Entry
+from observability.metrics import Metrics
+
+log = structlog.get_logger("omnigate.audit")
+
+MAX_BATCH = 256
+_CLOSE_DRAIN_S = 10.0
+_WARN_EVERY_S = 10.0
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@dataclass(slots=True)
+class Pending:
+    ts: str
+    kind: str
+    request_id: str | None
+    tenant: str | None
+    payload: dict[str, Any] | None
+    snapshot: RequestSnapshot | None
+    future: asyncio.Future[int] | None
+
+
+class AuditLog:
+    def __init__(self, settings: AuditSettings, store: AuditStore, metrics: Metrics) -> None:
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.signer = Signer.from_settings(settings.signing)
+        self._queue: deque[Pending] = deque()
+        self._writing = 0
+        self._wake = asyncio.Event()
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-encode")
+        self._task: asyncio.Task[None] | None = None
+        self._retention: asyncio.Task[None] | None = None
+        self._closing = False
+        self._full = False
+        self._lost = 0
+        self._lost_reason = ""
+        self._lost_since = ""
+        self._since_checkpoint = 0
+        self._last_checkpoint = time.monotonic()
+        self._head: tuple[int, str] = (0, "")
+        self._last_warning = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.store.open()
+        self._head = await self.store.head()
+        if not self.signer.can_sign:
+            log.warning("audit_checkpoints_unsigned", reason="audit.signing.key is not set")
+        log.info("audit_started", store=self.store.name, head_seq=self._head[0], commit=self.settings.commit,
+                 when_full=self.settings.when_full, buffer=self.settings.buffer)
+        self._task = asyncio.create_task(self._run(), name="audit-writer")
+        if self.settings.retention_days is not None:
+            self._retention = asyncio.create_task(self._retain_forever(), name="audit-retention")
+
+    async def aclose(self) -> None:
+        """Drain what is buffered (bounded), sign the head, close the store."""
+        self._closing = True
+        self._wake.set()
+        if self._retention is not None:
+            self._retention.cancel()
+            await asyncio.gather(self._retention, return_exceptions=True)
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), _CLOSE_DRAIN_S)
+            except (asyncio.TimeoutError, Exception):
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+                log.error("audit_close_incomplete", unwritten=len(self._queue))
+        with contextlib.suppress(Exception):
+            if self._since_checkpoint:
+                await self._checkpoint()
+        await self.store.close()
+        self._encoder.shutdown(wait=False)
+
+    # -- the request path -------------------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        return len(self._queue) + self._writing
+
+    def admit(self) -> None:
+        """In ``shed`` mode, refuse new requests while the buffer is full."""
+        if self.settings.when_full == "shed" and self.depth >= self.settings.buffer:
+            self._mark_full()
+            raise Overloaded("the audit trail is behind; try again shortly", retry_after=1)
+
+    def submit(
+        self,
+        kind: str,
+        *,
+        request_id: str | None = None,
+        tenant: str | None = None,
+        payload: dict[str, Any] | None = None,
+        snapshot: RequestSnapshot | None = None,
+    ) -> asyncio.Future[int] | None:
+        """Buffer one record; None when the buffer is full (the record is counted into the next gap)."""
+        if self.depth >= self.settings.buffer or self._closing:
+            self._drop()
+            return None
+        if self._lost:
+            self._queue.append(self._gap_record())
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._queue.append(Pending(now_iso(), kind, request_id, tenant, payload, snapshot, fut))
+        self.metrics.audit_buffered.set(self.depth)
+        self._wake.set()
+        return fut
+
+    async def wait(self, fut: asyncio.Future[int] | None) -> int | None:
+        """Wait until the record is committed, at most ``ack_timeout_s``; its ``seq``, or None."""
+        if fut is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.settings.ack_timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.audit_ack_timeouts.inc()
+            self._warn("audit_ack_timeout", timeout_s=self.settings.ack_timeout_s, buffered=self.depth)
+            return None
+
+    async def append_event(self, kind: str, payload: dict[str, Any]) -> int | None:
+        """Append a non-request event (a routing transition, an admin change, ...) to the same chain.
+
+        Returns the record's ``seq`` once it is committed, or None if it could not be
+        written within ``ack_timeout_s`` (it is then counted in the next gap record).
+        """
+        deadline = time.monotonic() + self.settings.ack_timeout_s
+        while self.depth >= self.settings.buffer and time.monotonic() < deadline and not self._closing:
+            await asyncio.sleep(0.01)
+        return await self.wait(self.submit(kind, payload=payload))
+
+    # -- full buffer ------------------------------------------------------------------------------------
+    def _mark_full(self) -> None:
+        if not self._full:
+            self._full = True
+            self.metrics.audit_buffer_full.inc()
+            log.error("audit_buffer_full", buffered=self.depth, when_full=self.settings.when_full)
+
+    def _drop(self) -> None:
+        self._mark_full()
+        reason = "shed" if self.settings.when_full == "shed" else "gap"
+        self.metrics.audit_dropped.labels(reason).inc()
+        if not self._lost:
+            self._lost_since = now_iso()
+            self._lost_reason = reason
+        self._lost += 1
+
+    def _gap_record(self) -> Pending:
+        payload = {"lost": self._lost, "reason": self._lost_reason, "from": self._lost_since, "to": now_iso()}
+        log.error("audit_gap_recorded", **payload)
+        self._lost = 0
+        return Pending(now_iso(), "gap", None, None, payload, None, None)
+
+    # -- the writer -------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        s = self.settings
+        linger = s.group_commit_ms / 1000.0 if s.commit == "group" else 0.0
+        limit = MAX_BATCH if s.commit == "group" else 1
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                if self._full and self.depth < s.buffer:
+                    self._full = False
+                    log.warning("audit_buffer_recovered", lost=self._lost)
+                    if self._lost:
+                        self._queue.append(self._gap_record())
+                        continue
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), s.checkpoint_interval_s)
+                if not self._queue:
+                    await self._maybe_checkpoint()
+                    continue
+            if linger and len(self._queue) < limit and not self._closing:
+                await asyncio.sleep(linger)
+            batch = [self._queue.popleft() for _ in range(min(limit, len(self._queue)))]
+            self._writing = len(batch)
+            try:
+                await self._write(batch)
+            finally:
+                self._writing = 0
+                self.metrics.audit_buffered.set(self.depth)
+            await self._maybe_checkpoint()
+
+    def _encode(self, batch: list[Pending]) -> list[Entry]:
+        out = []
+        for p in batch:
+            try:
+                payload = request_payload(p.snapshot) if p.snapshot is not None else (p.payload or {})
+            except Exception as exc:  # a record must never be lost to a bug in its builder
+                payload = {"encode_error": type(exc).__name__}
+            data = canonical({"ts": p.ts, "kind": p.kind, "request_id": p.request_id, "tenant": p.tenant,
+                              "payload": payload})
+            out.append(Entry(p.ts, p.kind, p.request_id, p.tenant, data))
+        return out
+
+    async def _write(self, batch: list[Pending]) -> None:
+        entries = await asyncio.get_running_loop().run_in_executor(self._encoder, self._encode, batch)
+        delay = 0.05
+        while True:
+            t0 = time.perf_counter()
+            try:
+                rows = await self.store.append(entries)
+                break
+            except Exception as exc:
+                self.metrics.audit_store_errors.inc()
+                self._warn("audit_store_failed", error=f"{type(exc).__name__}: {exc}", buffered=self.depth)
+                if self._closing and delay > 1.0:
+                    for p in batch:
+                        if p.future is not None and not p.future.done():
+                            p.future.set_exception(exc)
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self.metrics.audit_commit.labels(self.store.name).observe(time.perf_counter() - t0)
+        self.metrics.audit_batch.observe(len(rows))
+        for p, row in zip(batch, rows):
+            self.metrics.audit_written.labels(p.kind).inc()
+            if p.future is not None and not p.future.done():
+                p.future.set_result(row.seq)
+        self._head = (rows[-1].seq, rows[-1].hash)
+        self._since_checkpoint += len(rows)
+
+    # -- checkpoints and retention ----------------------------------------------------------------------
+    async def _maybe_checkpoint(self) -> None:
+        due = self._since_checkpoint >= self.settings.checkpoint_every or (
+            self._since_checkpoint and time.monotonic() - self._last_checkpoint >= self.settings.checkpoint_interval_s
+        )
+        if due:
+            try:
+                await self._checkpoint()
+            except Exception as exc:
+                self.metrics.audit_store_errors.inc()
+                self._warn("audit_checkpoint_failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _checkpoint(self) -> Checkpoint:
+        seq, head = self._head
+        created = now_iso()
+        sig = self.signer.sign(checkpoint_message(seq, head, created, self.signer.key_id))
+        algorithm = self.signer.algorithm if self.signer.can_sign else "none"
+        cp = Checkpoint(seq, head, created, algorithm, self.signer.key_id, sig)
+        await self.store.add_checkpoint(cp)
+        self._since_checkpoint = 0
+        self._last_checkpoint = time.monotonic()
+        # The log pipeline keeps a copy: a witness outside the store against truncation.
+        log.info("audit_checkpoint", seq=seq, hash=head, created_at=created, algorithm=algorithm,
+                 key_id=cp.key_id, signature=sig)
+        return cp
+
+    async def retain(self) -> Checkpoint | None:
+        """Delete records older than ``retention_days`` up to a checkpoint, which anchors what remains."""
+        days = self.settings.retention_days
+        if days is None:
+            return None
+        cutoff = (datetime.now(timezone.utc) - timedelta(days=days)).isoformat(timespec="microseconds")
+        cutoff = cutoff.replace("+00:00", "Z")
+        cp = await self.store.cut_before(cutoff)
+        if cp is not None:
+            log.info("audit_retention_cut", through_seq=cp.seq, anchor_hash=cp.hash, cutoff=cutoff)
+            await self.append_event("retention_cut", {"through_seq": cp.seq, "anchor_hash": cp.hash,
+                                                      "cutoff": cutoff})
+        return cp
+
+    async def _retain_forever(self) -> None:
+        assert self.settings.retention_days is not None
+        every = min(3600.0, max(1.0, self.settings.retention_days * 86400 / 10))
+        while True:
+            try:
+                await self.retain()
+            except Exception as exc:
+                self._warn("audit_retention_failed", error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(every)
+
+    def _warn(self, event: str, **fields: Any) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            log.error(event, **fields)
+
+    # -- reading ----------------------------------------------------------------------------------------
+    async def rows_for(self, request_id: str) -> list[Row]:
+        """Records of one request (tests and support)."""
+        found: list[Row] = []
+        after = 0
+        while True:
+            rows = await self.store.rows(after, 1000)
+            if not rows:
+                return found
+            found.extend(r for r in rows if r.request_id == request_id)
+            after = rows[-1].seq

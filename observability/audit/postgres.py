@@ -1,0 +1,142 @@
+"""The PostgreSQL audit store (asyncpg). Commits are synchronous (the server's default ``synchronous_commit``).
+
+Appends take a transaction-scoped advisory lock before reading the head, so every
+gateway sharing the database extends one chain.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+
+from gateway.tenants import KeyEntry
+from observability.audit.chain import GENESIS, Checkpoint, Row
+from observability.audit.store import Entry, chain_rows
+
+_LOCK = 0x6F6D6E6961756469  # "omniaudi": the advisory lock that serialises appends
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS audit_log (
+    seq BIGINT PRIMARY KEY, ts TEXT NOT NULL, kind TEXT NOT NULL, request_id TEXT, tenant TEXT,
+    data TEXT NOT NULL, prev_hash TEXT NOT NULL, hash TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS audit_log_hash ON audit_log (hash);
+CREATE INDEX IF NOT EXISTS audit_log_request ON audit_log (request_id);
+CREATE TABLE IF NOT EXISTS audit_checkpoints (
+    seq BIGINT PRIMARY KEY, hash TEXT NOT NULL, created_at TEXT NOT NULL, algorithm TEXT NOT NULL,
+    key_id TEXT NOT NULL, signature TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tenants (
+    name TEXT PRIMARY KEY, config TEXT NOT NULL, updated_at TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, sha256 TEXT NOT NULL, enabled BOOLEAN NOT NULL,
+    created_at TEXT NOT NULL);
+"""
+_ROW = "SELECT seq, ts, kind, request_id, tenant, data, prev_hash, hash FROM audit_log"
+
+
+class PostgresStore:
+    name = "postgres"
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self._pool: asyncpg.Pool | None = None
+
+    async def open(self) -> None:
+        self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=4, command_timeout=30)
+        async with self.pool.acquire() as conn:
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
+                await conn.execute(_SCHEMA)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise RuntimeError("the audit store is not open")
+        return self._pool
+
+    @staticmethod
+    async def _head_in(conn: asyncpg.Connection) -> tuple[int, str]:
+        row = await conn.fetchrow("SELECT seq, hash FROM audit_log ORDER BY seq DESC LIMIT 1")
+        if row is not None:
+            return int(row[0]), row[1]
+        cp = await conn.fetchrow("SELECT seq, hash FROM audit_checkpoints ORDER BY seq DESC LIMIT 1")
+        return (int(cp[0]), cp[1]) if cp is not None else (0, GENESIS)
+
+    async def append(self, entries: list[Entry]) -> list[Row]:
+        async with self.pool.acquire() as conn:
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
+                rows = chain_rows(entries, *await self._head_in(conn))
+                await conn.copy_records_to_table(
+                    "audit_log",
+                    records=[(r.seq, r.ts, r.kind, r.request_id, r.tenant, r.data, r.prev_hash, r.hash)
+                             for r in rows],
+                    columns=["seq", "ts", "kind", "request_id", "tenant", "data", "prev_hash", "hash"],
+                )
+        return rows
+
+    async def head(self) -> tuple[int, str]:
+        async with self.pool.acquire() as conn:
+            return await self._head_in(conn)
+
+    async def rows(self, after_seq: int, limit: int) -> list[Row]:
+        recs = await self.pool.fetch(_ROW + " WHERE seq > $1 ORDER BY seq LIMIT $2", after_seq, limit)
+        return [Row(*r) for r in recs]
+
+    async def seq_of_hash(self, digest: str) -> int | None:
+        return await self.pool.fetchval("SELECT seq FROM audit_log WHERE hash = $1 LIMIT 1", digest)
+
+    async def add_checkpoint(self, cp: Checkpoint) -> None:
+        await self.pool.execute(
+            "INSERT INTO audit_checkpoints (seq, hash, created_at, algorithm, key_id, signature) "
+            "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (seq) DO NOTHING",
+            cp.seq, cp.hash, cp.created_at, cp.algorithm, cp.key_id, cp.signature,
+        )
+
+    async def checkpoints(self) -> list[Checkpoint]:
+        recs = await self.pool.fetch(
+            "SELECT seq, hash, created_at, algorithm, key_id, signature FROM audit_checkpoints ORDER BY seq")
+        return [Checkpoint(*r) for r in recs]
+
+    async def cut_before(self, cutoff_ts: str) -> Checkpoint | None:
+        async with self.pool.acquire() as conn:
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
+                r = await conn.fetchrow(
+                    "SELECT c.seq, c.hash, c.created_at, c.algorithm, c.key_id, c.signature "
+                    "FROM audit_checkpoints c JOIN audit_log l ON l.seq = c.seq WHERE l.ts < $1 "
+                    "ORDER BY c.seq DESC LIMIT 1", cutoff_ts,
+                )
+                if r is None:
+                    return None
+                cp = Checkpoint(*r)
+                await conn.execute("DELETE FROM audit_log WHERE seq <= $1", cp.seq)
+                await conn.execute("DELETE FROM audit_checkpoints WHERE seq < $1", cp.seq)
+        return cp
+
+    async def tenants(self) -> list[str]:
+        return [r[0] for r in await self.pool.fetch("SELECT config FROM tenants ORDER BY name")]
+
+    async def put_tenant(self, name: str, config_json: str, now: str) -> None:
+        await self.pool.execute(
+            "INSERT INTO tenants (name, config, updated_at) VALUES ($1, $2, $3) "
+            "ON CONFLICT (name) DO UPDATE SET config = EXCLUDED.config, updated_at = EXCLUDED.updated_at",
+            name, config_json, now,
+        )
+
+    async def keys(self) -> list[KeyEntry]:
+        recs = await self.pool.fetch("SELECT id, tenant, sha256, enabled, created_at FROM api_keys ORDER BY id")
+        return [KeyEntry(r[0], r[1], r[2], bool(r[3]), "admin", r[4]) for r in recs]
+
+    async def add_key(self, key: KeyEntry) -> None:
+        await self.pool.execute(
+            "INSERT INTO api_keys (id, tenant, sha256, enabled, created_at) VALUES ($1, $2, $3, $4, $5)",
+            key.id, key.tenant, key.sha256, key.enabled, key.created_at,
+        )
+
+    async def set_key_enabled(self, key_id: str, enabled: bool) -> bool:
+        status = await self.pool.execute("UPDATE api_keys SET enabled = $1 WHERE id = $2", enabled, key_id)
+        return status.endswith(" 1")

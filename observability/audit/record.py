@@ -1,0 +1,156 @@
+"""What one request's audit record says, built off the request path from its :class:`RequestContext`.
+
+The pipeline only keeps references (the request as received, the completion, a
+running digest of what it released); hashing the input parts, redacting and
+serialising happen in the audit writer's worker thread.
+
+Digests are SHA-256 of each input part as the client sent it (the text; the URL
+or ``data:`` URI; the base64 of ``input_audio``) and of the output released to
+the client: its text, its 16-bit PCM audio and its spoken transcript.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from observability.audit.redact import redact
+
+if TYPE_CHECKING:
+    from engines.base import Completion, Delta
+    from gateway.context import RequestContext
+    from gateway.schemas import ChatCompletionRequest
+
+
+class OutputDigest:
+    """A running digest of what a stream released; fed once per released delta (a few microseconds)."""
+
+    __slots__ = ("_text", "_audio", "_transcript", "text_chars", "audio_bytes", "keep", "kept")
+
+    def __init__(self, keep_text: bool = False) -> None:
+        self._text = hashlib.sha256()
+        self._audio = hashlib.sha256()
+        self._transcript = hashlib.sha256()
+        self.text_chars = 0
+        self.audio_bytes = 0
+        self.keep = keep_text
+        self.kept: list[str] = []
+
+    def add(self, d: "Delta") -> None:
+        if d.text:
+            self._text.update(d.text.encode())
+            self.text_chars += len(d.text)
+            if self.keep:
+                self.kept.append(d.text)
+        if d.audio:
+            self._audio.update(d.audio)
+            self.audio_bytes += len(d.audio)
+        if d.transcript:
+            self._transcript.update(d.transcript.encode())
+
+    @classmethod
+    def of(cls, completion: "Completion", keep_text: bool = False) -> "OutputDigest":
+        from engines.base import Delta
+
+        out = cls(keep_text)
+        out.add(Delta(text=completion.text, audio=completion.audio, transcript=completion.transcript))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "text_sha256": self._text.hexdigest(), "text_chars": self.text_chars,
+            "audio_sha256": self._audio.hexdigest(), "audio_bytes": self.audio_bytes,
+            "transcript_sha256": self._transcript.hexdigest(),
+        }
+
+    def text(self) -> str:
+        return "".join(self.kept)
+
+
+@dataclass(slots=True)
+class RequestSnapshot:
+    """The fields of a finished request, copied on the request path (cheap), encoded later."""
+
+    ctx: "RequestContext"
+    received: "ChatCompletionRequest | None"
+    output: OutputDigest | None
+    completion: "Completion | None"
+    duration_ms: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _sha(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+def _part_digest(role: str, part: Any) -> dict[str, Any]:
+    kind = part.type
+    if kind == "text":
+        raw = part.text
+    elif kind == "image_url":
+        raw = part.image_url.url
+    elif kind == "input_audio":
+        raw = part.input_audio.data
+    elif kind == "audio_url":
+        raw = part.audio_url.url
+    else:
+        raw = part.video_url.url
+    return {"role": role, "type": kind, "sha256": _sha(raw), "chars": len(raw)}
+
+
+def _content(req: "ChatCompletionRequest", mode: str) -> list[dict[str, Any]]:
+    """The prompt as kept: text redacted (``redacted``) or as sent with media (``raw``)."""
+    kept: list[dict[str, Any]] = []
+    for m in req.messages:
+        if mode == "raw":
+            kept.append(m.model_dump(mode="json", exclude_none=True))
+        else:
+            kept.append({"role": m.role, "text": redact(m.text())})
+    return kept
+
+
+def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
+    ctx = snap.ctx
+    payload: dict[str, Any] = {
+        "key_id": ctx.key_id,
+        "priority": ctx.priority,
+        "max_concurrency": ctx.tenant_max_concurrency,
+        "policy_set": ctx.policy_set,
+        "public_model": ctx.public_model,
+        "stream": ctx.stream,
+        "engine": ctx.engine,
+        "variant": ctx.variant,
+        "outcome": ctx.outcome,
+        "status": ctx.status,
+        "error_code": ctx.error_code,
+        "policies": [
+            {"name": p.name, "stage": p.stage, "verdict": p.verdict, "duration_ms": round(p.duration_ms, 3),
+             "shadow": p.shadow, "detail": p.detail}
+            for p in ctx.policy_runs
+        ],
+        "degraded": list(ctx.degraded),
+        "control": dict(ctx.control_state),
+        "attempts": ctx.attempts,
+        "retries": ctx.retries,
+        "usage": {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens},
+        "duration_ms": round(snap.duration_ms, 3),
+        "ttft_ms": round(ctx.ttft_s * 1000, 3) if ctx.ttft_s is not None else None,
+        "body_bytes": ctx.body_bytes,
+    }
+    req = snap.received
+    if req is not None:
+        payload["input"] = [_part_digest(m.role, p) for m in req.messages for p in m.parts()]
+    output = snap.output
+    if output is None and snap.completion is not None:
+        output = OutputDigest.of(snap.completion, keep_text=ctx.audit_content != "digests")
+    if output is not None:
+        payload["output"] = output.to_json()
+    if ctx.audit_content != "digests" and req is not None:
+        kept: dict[str, Any] = {"mode": ctx.audit_content, "messages": _content(req, ctx.audit_content)}
+        if output is not None:
+            text = output.text()
+            kept["output_text"] = text if ctx.audit_content == "raw" else redact(text)
+        payload["content"] = kept
+    payload.update(snap.extra)
+    return payload

@@ -1,0 +1,85 @@
+"""What an audit store does; SQLite (:mod:`.sqlite`) and PostgreSQL (:mod:`.postgres`) implement it.
+
+A store appends a batch in one transaction that holds the store's write lock
+while it reads the chain's head, links the batch to it and inserts it, so several
+gateways may share one store and still form a single chain. It also keeps the
+admin-managed tenants and API keys (key digests only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.settings import AuditSettings
+from gateway.tenants import KeyEntry
+from observability.audit.chain import GENESIS, Checkpoint, Row, link
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A record ready to be chained: its canonical JSON and the indexed copies of its fields."""
+
+    ts: str
+    kind: str
+    request_id: str | None
+    tenant: str | None
+    data: str
+
+
+def chain_rows(entries: list[Entry], head_seq: int, head_hash: str) -> list[Row]:
+    rows: list[Row] = []
+    seq, prev = head_seq, head_hash or GENESIS
+    for e in entries:
+        seq += 1
+        h = link(prev, e.data)
+        rows.append(Row(seq, e.ts, e.kind, e.request_id, e.tenant, e.data, prev, h))
+        prev = h
+    return rows
+
+
+class AuditStore(Protocol):
+    name: str
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def append(self, entries: list[Entry]) -> list[Row]: ...
+
+    async def head(self) -> tuple[int, str]: ...
+
+    async def rows(self, after_seq: int, limit: int) -> list[Row]: ...
+
+    async def seq_of_hash(self, digest: str) -> int | None: ...
+
+    async def add_checkpoint(self, cp: Checkpoint) -> None: ...
+
+    async def checkpoints(self) -> list[Checkpoint]: ...
+
+    async def cut_before(self, cutoff_ts: str) -> Checkpoint | None:
+        """Delete the records up to the newest checkpoint older than ``cutoff_ts``; return that anchor."""
+        ...
+
+    async def tenants(self) -> list[str]:
+        """The admin-managed tenants' configs, as JSON."""
+        ...
+
+    async def put_tenant(self, name: str, config_json: str, now: str) -> None: ...
+
+    async def keys(self) -> list[KeyEntry]: ...
+
+    async def add_key(self, key: KeyEntry) -> None: ...
+
+    async def set_key_enabled(self, key_id: str, enabled: bool) -> bool: ...
+
+
+def build_store(settings: AuditSettings) -> AuditStore:
+    if settings.store == "postgres":
+        from observability.audit.postgres import PostgresStore
+
+        assert settings.postgres_dsn is not None
+        return PostgresStore(settings.postgres_dsn.get_secret_value())
+    from observability.audit.sqlite import SQLiteStore
+
+    return SQLiteStore(settings.sqlite_path)

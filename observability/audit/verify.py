@@ -1,0 +1,38 @@
+"""``omnigate audit verify`` and ``omnigate audit export``: walk a store's chain, or write it as JSON lines."""
+
+from __future__ import annotations
+
+from typing import IO
+
+import orjson
+
+from observability.audit.chain import ChainVerifier, Report, Signer
+from observability.audit.store import AuditStore
+
+PAGE = 5000
+
+
+async def verify_store(store: AuditStore, signer: Signer | None) -> Report:
+    verifier = ChainVerifier(await store.checkpoints(), signer, store.seq_of_hash)
+    after = 0
+    while not verifier.failed:
+        rows = await store.rows(after, PAGE)
+        if not rows:
+            break
+        for row in rows:
+            if not await verifier.feed(row):
+                break
+        after = rows[-1].seq
+    return verifier.finish()
+
+
+async def export_store(store: AuditStore, out: IO[bytes], after_seq: int = 0) -> int:
+    """Write records with ``seq > after_seq`` as JSON lines (each with its hashes); return how many."""
+    n = 0
+    while True:
+        rows = await store.rows(after_seq, PAGE)
+        if not rows:
+            return n
+        out.write(b"".join(orjson.dumps(r.to_json()) + b"\n" for r in rows))
+        n += len(rows)
+        after_seq = rows[-1].seq

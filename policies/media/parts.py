@@ -1,0 +1,148 @@
+"""Finding the media parts of a request, and data URIs in and out.
+
+A media part is named by its JSON path (``messages.0.content.1``); every error
+about it carries that path as ``param`` so a client knows which part was refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from gateway.errors import InvalidMedia
+from gateway.schemas import (
+    AudioURLPart,
+    ChatCompletionRequest,
+    ImagePart,
+    InputAudio,
+    InputAudioPart,
+    Message,
+    URLRef,
+    VideoURLPart,
+)
+
+_KIND = {"image_url": "image", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
+_MEDIATYPE = re.compile(r"^[a-z0-9][a-z0-9!#$&^_.+-]{0,126}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}$")
+_B64_CHARS = re.compile(rb"^[A-Za-z0-9+/]*={0,2}$")
+
+
+@dataclass(frozen=True, slots=True)
+class MediaRef:
+    """One media part: where it is, what it is, and its URL or base64 payload as the client sent it."""
+
+    message: int
+    index: int
+    kind: str  # image | audio | video
+    type: str  # the content-part type
+    value: str  # the URL / data URI (or, for input_audio, base64 or a data URI)
+    declared_format: str | None = None  # input_audio.format
+
+    @property
+    def path(self) -> str:
+        return f"messages.{self.message}.content.{self.index}"
+
+    @property
+    def param(self) -> str:
+        field = {
+            "image_url": "image_url.url",
+            "audio_url": "audio_url.url",
+            "video_url": "video_url.url",
+            "input_audio": "input_audio.data",
+        }[self.type]
+        return f"{self.path}.{field}"
+
+    @property
+    def is_remote(self) -> bool:
+        return self.type != "input_audio" and not self.value.startswith("data:")
+
+
+def media_parts(request: ChatCompletionRequest) -> Iterator[MediaRef]:
+    for mi, message in enumerate(request.messages):
+        if not isinstance(message.content, list):
+            continue
+        for pi, part in enumerate(message.content):
+            kind = _KIND.get(part.type)
+            if kind is None:
+                continue
+            if isinstance(part, InputAudioPart):
+                yield MediaRef(mi, pi, kind, part.type, part.input_audio.data, part.input_audio.format)
+            else:
+                yield MediaRef(mi, pi, kind, part.type, getattr(part, part.type).url)
+
+
+def decode_payload(ref: MediaRef) -> bytes:
+    """The bytes of a data URI (or of input_audio's plain base64); a 400 naming the part otherwise."""
+    value = ref.value
+    if ref.type == "input_audio" and not value.startswith("data:"):
+        return _b64(value, ref.param)
+    return parse_data_uri(value, ref.param)[1]
+
+
+def parse_data_uri(uri: str, param: str) -> tuple[str, bytes]:
+    """``data:<type>[;params];base64,<payload>`` -> (media type, bytes). Only base64 payloads are media."""
+    if not uri.startswith("data:"):
+        raise InvalidMedia(f"{param}: expected a data URI", param=param)
+    header, sep, payload = uri[5:].partition(",")
+    if not sep:
+        raise InvalidMedia(f"{param}: malformed data URI (no comma)", param=param)
+    fields = header.split(";")
+    mediatype = fields[0].strip().lower() or "application/octet-stream"
+    if not _MEDIATYPE.match(mediatype):
+        raise InvalidMedia(f"{param}: malformed data URI media type {mediatype[:40]!r}", param=param)
+    if "base64" not in (f.strip().lower() for f in fields[1:]):
+        raise InvalidMedia(f"{param}: media data URIs must be base64-encoded", param=param)
+    return mediatype, _b64(payload, param)
+
+
+def _b64(text: str, param: str) -> bytes:
+    raw = text.encode("ascii", "strict") if text.isascii() else None
+    if raw is None or len(raw) % 4 != 0 or not _B64_CHARS.match(raw):
+        raise InvalidMedia(f"{param}: malformed base64", param=param)
+    try:
+        data = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidMedia(f"{param}: malformed base64", param=param) from None
+    if not data:
+        raise InvalidMedia(f"{param}: the media is empty", param=param)
+    return data
+
+
+def data_uri(mediatype: str, data: bytes) -> str:
+    return f"data:{mediatype};base64," + base64.b64encode(data).decode("ascii")
+
+
+def make_part(ref_type: str, uri: str, audio_format: str | None = None) -> Any:
+    """A content part of the client's type carrying ``uri`` (input_audio takes plain base64 and a format)."""
+    if ref_type == "image_url":
+        return ImagePart(type="image_url", image_url=URLRef(url=uri))
+    if ref_type == "audio_url":
+        return AudioURLPart(type="audio_url", audio_url=URLRef(url=uri))
+    if ref_type == "video_url":
+        return VideoURLPart(type="video_url", video_url=URLRef(url=uri))
+    if ref_type == "input_audio":
+        payload = uri.partition(",")[2] if uri.startswith("data:") else uri
+        return InputAudioPart(
+            type="input_audio", input_audio=InputAudio(data=payload, format=audio_format or "wav")
+        )
+    raise ValueError(ref_type)
+
+
+def replace_parts(
+    request: ChatCompletionRequest, new: dict[tuple[int, int], list[Any]]
+) -> ChatCompletionRequest:
+    """The request with each (message, index) part replaced by the given list of parts."""
+    if not new:
+        return request
+    messages: list[Message] = []
+    for mi, message in enumerate(request.messages):
+        if not isinstance(message.content, list) or not any(k[0] == mi for k in new):
+            messages.append(message)
+            continue
+        content: list[Any] = []
+        for pi, part in enumerate(message.content):
+            content.extend(new.get((mi, pi), [part]))
+        messages.append(message.model_copy(update={"content": content}))
+    return request.model_copy(update={"messages": messages})

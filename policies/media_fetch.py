@@ -1,0 +1,85 @@
+"""Built-in pre-policy ``media-fetch``: every media URL becomes data, fetched the safe way.
+
+After it, no ``http(s)`` URL is left in the request: the engine never fetches a
+client's URL itself, and the media policies after it work on bytes. Data URIs
+and ``input_audio`` base64 are checked here too, so a malformed one is a 400
+naming its part before anything else runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+from gateway.context import MediaRecord, RequestContext
+from gateway.errors import OmnigateError
+from gateway.schemas import ChatCompletionRequest
+from policies.base import PolicyConfig
+from policies.media.fetch import FetchConfig, SafeFetcher
+from policies.media.parts import (
+    MediaRef,
+    _MEDIATYPE,
+    data_uri,
+    decode_payload,
+    make_part,
+    media_parts,
+    replace_parts,
+)
+
+
+class MediaFetch:
+    name: ClassVar[str] = "media-fetch"
+    stage: ClassVar[str] = "pre"
+    Config: ClassVar[type[PolicyConfig]] = FetchConfig
+
+    def __init__(self, config: FetchConfig) -> None:
+        self.config = config
+        self.fetcher = SafeFetcher(config)
+
+    async def start(self, services: Any) -> None:
+        self.fetcher = SafeFetcher(self.config, services.metrics)
+        await self.fetcher.start()
+
+    async def aclose(self) -> None:
+        await self.fetcher.aclose()
+
+    async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
+        refs = list(media_parts(request))
+        if not refs:
+            return request
+        new: dict[tuple[int, int], list[Any]] = {}
+        remote = [r for r in refs if r.is_remote]
+        for ref in refs:
+            if not ref.is_remote:
+                data = decode_payload(ref)
+                ctx.media.append(MediaRecord(part=ref.path, kind=ref.kind, source="data", bytes=len(data)))
+        if remote:
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    tasks = [
+                        (ref, tg.create_task(self.fetcher.fetch(ref.value, ref.kind, ref.param)))
+                        for ref in remote
+                    ]
+            except* OmnigateError as group:
+                raise group.exceptions[0] from None
+            for ref, task in tasks:
+                got = task.result()
+                mediatype = (got.content_type or "").split(";")[0].strip().lower()
+                if not _MEDIATYPE.match(mediatype):
+                    mediatype = "application/octet-stream"
+                new[(ref.message, ref.index)] = [make_part(ref.type, data_uri(mediatype, got.data))]
+                ctx.media.append(
+                    MediaRecord(
+                        part=ref.path, kind=ref.kind, source="url", host=got.host, bytes=len(got.data)
+                    )
+                )
+        ctx.media.sort(key=lambda r: _order(r.part))
+        return replace_parts(request, new)
+
+
+def _order(path: str) -> tuple[int, int]:
+    _, m, _, p = path.split(".")
+    return int(m), int(p)
+
+
+__all__ = ["MediaFetch", "MediaRef"]

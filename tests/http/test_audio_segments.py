@@ -1,0 +1,143 @@
+"""A 45-minute recording: two engine calls in order, one response, segment boundaries on the request context."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import orjson
+import pytest
+import soundfile as sf
+from prometheus_client import CollectorRegistry
+
+from gateway.context import RequestContext
+from gateway.schemas import ChatCompletionRequest
+from gateway.settings import PolicyChainConfig, PolicySpec
+from policies.media_limits import MediaLimits, MediaLimitsConfig
+from tests.conftest import OMNI_MODEL, gateway_settings
+from tests.harness import GatewayServer, wait_until
+from tests.media import long_flac
+from tests.upstream import Script
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def recording() -> bytes:
+    return long_flac(45.0)
+
+
+@pytest.fixture(scope="module")
+def gw(bg, upstreams):
+    chain = PolicyChainConfig(
+        pre=[
+            PolicySpec(name="request-limits"),
+            PolicySpec(name="media-fetch"),
+            PolicySpec(name="media-limits"),
+        ]
+    )
+    server = GatewayServer(bg, gateway_settings(upstreams, chain), CollectorRegistry()).start()
+    yield server
+    server.stop()
+
+
+def _body(recording: bytes, **extra) -> dict:
+    return {
+        "model": OMNI_MODEL,
+        **extra,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Transcribe this meeting."},
+                    {
+                        "type": "input_audio",
+                        "input_audio": {"data": base64.b64encode(recording).decode(), "format": "flac"},
+                    },
+                ],
+            }
+        ],
+    }
+
+
+def _slots_given_back(gw: GatewayServer) -> bool:
+    """Every engine slot a segmented request claimed is free again (one slot per request at a time)."""
+    slots = gw.services.pool.concurrency
+    return wait_until(lambda: all(v["in_flight"] == 0 for v in gw.bg.call(slots).values()))
+
+
+def _sent_seconds(request: dict) -> float:
+    part = request["messages"][0]["content"][1]
+    pcm, rate = sf.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])), dtype="int16")
+    assert rate == 16000
+    return len(pcm) / rate
+
+
+def test_45_minute_audio_streams_two_segments_in_order_as_one_response(gw, ups, recording):
+    ups.omni_a.enqueue(
+        Script(flavour="omni", text="first part said."), Script(flavour="omni", text="second part said.")
+    )
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/chat/completions",
+        timeout=120,
+        json=_body(recording, stream=True, stream_options={"include_usage": True}),
+    ) as resp:
+        assert resp.status_code == 200
+        assert "audio-split" in resp.headers["x-omnigate-degraded"]
+        frames = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    chunks = [orjson.loads(f) for f in frames[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "first part said.\n\nsecond part said."
+    finishes = [
+        c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]
+    ]
+    assert finishes == ["stop"]  # one response: the first segment's finish is not released
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage == [{"prompt_tokens": 22, "completion_tokens": 6, "total_tokens": 28}]  # both calls summed
+    assert ups.omni_a.request_count == 2
+    assert [round(_sent_seconds(r)) for r in ups.omni_a.requests] == [2400, 300]
+    assert _slots_given_back(gw)
+
+
+def test_45_minute_audio_without_streaming_joins_the_answers(gw, ups, recording):
+    ups.omni_a.enqueue(Script(flavour="omni", text="alpha."), Script(flavour="omni", text="beta."))
+    resp = httpx.post(gw.url + "/v1/chat/completions", json=_body(recording), timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == "alpha.\n\nbeta."
+    assert resp.json()["usage"]["prompt_tokens"] == 22
+    assert [round(_sent_seconds(r)) for r in ups.omni_a.requests] == [2400, 300]
+    assert _slots_given_back(gw)
+
+
+def test_a_later_segment_fails_over_before_its_first_chunk(gw, ups, recording):
+    ups.omni_a.enqueue(
+        Script(flavour="omni", text="from primary."), Script(flavour="omni", fault="500_before_headers")
+    )
+    ups.omni_b.default = Script(flavour="omni", text="from fallback.")
+    resp = httpx.post(gw.url + "/v1/chat/completions", json=_body(recording, stream=True), timeout=120)
+    assert resp.status_code == 200
+    chunks = [orjson.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "from primary.\n\nfrom fallback."
+    assert round(_sent_seconds(ups.omni_b.requests[-1])) == 300
+    assert _slots_given_back(gw)
+
+
+async def test_segment_boundaries_are_recorded_on_the_context(recording):
+    policy = MediaLimits(MediaLimitsConfig())
+    ctx = RequestContext(request_id="r")
+    request = ChatCompletionRequest.model_validate(_body(recording))
+    try:
+        first = await policy.pre(request, ctx)
+    finally:
+        await policy.aclose()
+    seg = ctx.segmentation
+    assert seg is not None and seg.part == "messages.0.content.1"
+    assert seg.boundaries == [(0.0, 2400.0), (2400.0, 2700.0)]
+    assert "audio-split" in ctx.degraded and ctx.media[0].duration_s == 2700.0
+    second = seg.build(first, 1)
+    assert _sent_seconds(orjson.loads(second.model_dump_json())) == pytest.approx(300.0)
+    assert second.messages[0].content[0] == first.messages[0].content[0]  # the prompt goes with every segment

@@ -1,0 +1,193 @@
+"""ops/compose.yaml, validated by the real ``docker compose config`` (no Docker engine needed) and
+checked against the files it mounts: gateway configs, vLLM-Omni deploy configs, Prometheus, the proxy."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from gateway.cli import check_config
+from tests.ops.catalogue import OPS, ROOT
+from tests.ops.tools import run, venv_tool
+
+COMPOSE = OPS / "compose.yaml"
+SHARED = {"redis", "postgres", "prometheus", "grafana", "proxy"}
+PROFILES = {"gpu": SHARED | {"gateway", "omni-int4", "omni-bf16"}, "cpu": SHARED | {"gateway-cpu"}}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    # Only what compose needs: nothing from the caller's environment leaks into the result.
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
+    env.update(extra)
+    return env
+
+
+def compose_config(profile: str) -> dict:
+    result = run(
+        [venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", profile, "config", "--format", "json"],
+        env=_env(OMNIGATE_ADMIN_KEY="k" * 32),
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module", params=sorted(PROFILES))
+def profile(request) -> tuple[str, dict]:
+    return request.param, compose_config(request.param)
+
+
+def test_docker_compose_config_validates_each_profile(profile):
+    name, config = profile
+    assert set(config["services"]) == PROFILES[name]
+    result = run(
+        [venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", name, "config", "--quiet"],
+        env=_env(OMNIGATE_ADMIN_KEY="k" * 32),
+    )
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+
+
+def test_the_admin_key_is_required():
+    result = run(
+        [venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", "cpu", "config", "--quiet"], env=_env()
+    )
+    assert result.returncode != 0
+    assert "OMNIGATE_ADMIN_KEY" in result.stderr
+
+
+def test_every_bind_mount_exists(profile):
+    _, config = profile
+    for name, svc in config["services"].items():
+        for v in svc.get("volumes", []):
+            if v["type"] == "bind":
+                assert Path(v["source"]).exists(), f"{name} mounts missing {v['source']}"
+                assert v.get("read_only"), f"{name} mounts {v['source']} writable"
+
+
+def _gateway(config: dict) -> tuple[str, dict]:
+    return next((n, s) for n, s in config["services"].items() if n.startswith("gateway"))
+
+
+def _mounted(svc: dict, target: str) -> Path:
+    return Path(next(v["source"] for v in svc["volumes"] if v["target"] == target))
+
+
+def test_gateway_config_is_valid_and_reachable_by_proxy_and_prometheus(profile, capsys):
+    name, config = profile
+    gw_name, gw = _gateway(config)
+    assert gw["command"][:3] == ["serve", "--config", "/etc/omnigate/omnigate.yaml"]
+    config_file = _mounted(gw, "/etc/omnigate/omnigate.yaml")
+    assert check_config(str(config_file)) == 0, capsys.readouterr().err
+    settings = yaml.safe_load(config_file.read_text())
+    port = settings["server"]["port"]
+    assert gw["networks"]["default"]["aliases"] == ["omnigate"]
+    assert gw["environment"]["OMNIGATE_ADMIN__API_KEY"] == "k" * 32
+    assert str(port) in gw["expose"]
+    assert config["services"]["proxy"]["environment"]["OMNIGATE_UPSTREAM"] == f"omnigate:{port}"
+    prom = yaml.safe_load((OPS / "prometheus" / "prometheus.yml").read_text())
+    job = next(j for j in prom["scrape_configs"] if j["job_name"] == "omnigate")
+    assert job["static_configs"][0]["targets"] == [f"omnigate:{port}"]
+    # Grace period for open streams: compose waits longer than the gateway does.
+    assert float(gw["stop_grace_period"].rstrip("s")) > settings["server"]["graceful_shutdown_s"]
+    build = gw["build"]
+    assert (Path(build["context"]) / build["dockerfile"]).resolve() == (OPS / "Dockerfile").resolve()
+
+
+def _deploy_config(svc: dict) -> dict:
+    arg = next(a for a in svc["command"] if a.startswith("--deploy-config="))
+    inside = Path(arg.split("=", 1)[1])
+    mount = next(v for v in svc["volumes"] if inside.is_relative_to(v["target"]))
+    return yaml.safe_load((Path(mount["source"]) / inside.relative_to(mount["target"])).read_text())
+
+
+def test_gpu_engines_carry_the_serving_flags():
+    config = compose_config("gpu")
+    gw = yaml.safe_load((OPS / "config" / "compose-gpu.yaml").read_text())
+    engines = {urlparse(e["base_url"]).hostname: e for e in gw["engines"]}
+    assert set(engines) == {"omni-int4", "omni-bf16"}
+    expected_tp = {"omni-int4": 1, "omni-bf16": 2}
+    for name, engine in engines.items():
+        svc = config["services"][name]
+        assert svc["entrypoint"] == ["vllm", "serve"]
+        args = svc["command"]
+        assert "--omni" in args
+        assert f"--served-model-name={engine['model']}" in args
+        assert f"--port={urlparse(engine['base_url']).port}" in args
+        assert svc["ipc"] == "host"
+        deploy = _deploy_config(svc)
+        assert deploy["enable_prefix_caching"] is True
+        stages = {s["stage_id"]: s for s in deploy["stages"]}
+        assert set(stages) == {0, 1, 2}
+        thinker = stages[0]
+        assert thinker["tensor_parallel_size"] == expected_tp[name]
+        assert thinker["max_model_len"] == 65536
+        assert all(s["max_num_seqs"] == 8 for s in stages.values())
+        # The GPUs the stages use are the ones the service reserves, none more.
+        reserved = svc["deploy"]["resources"]["reservations"]["devices"][0]
+        assert reserved["capabilities"] == ["gpu"] and reserved["driver"] == "nvidia"
+        per_gpu: dict[int, float] = defaultdict(float)
+        for s in stages.values():
+            for d in s["devices"].split(","):
+                per_gpu[int(d)] += s["gpu_memory_utilization"]
+        assert sorted(per_gpu) == list(range(len(reserved["device_ids"])))
+        assert len(thinker["devices"].split(",")) == thinker["tensor_parallel_size"]
+        # Headroom under the 90 % VRAM alert.
+        assert max(per_gpu.values()) <= 0.85 + 1e-9, per_gpu
+        # Connectors named by stages are defined.
+        for s in stages.values():
+            for connector in (s.get("input_connectors") or {}).values():
+                assert connector in deploy["connectors"]
+    assert engines["omni-int4"]["variant"] == "int4" and engines["omni-bf16"]["variant"] == "bf16"
+    assert engines["omni-bf16"]["role"] == "fallback"
+    # Prometheus scrapes each engine's own metrics where compose runs it.
+    prom = yaml.safe_load((OPS / "prometheus" / "prometheus.yml").read_text())
+    job = next(j for j in prom["scrape_configs"] if j["job_name"] == "vllm-omni")
+    targets = {t for sc in job["static_configs"] for t in sc["targets"]}
+    assert targets == {f"{h}:{urlparse(e['base_url']).port}" for h, e in engines.items()}
+
+
+def test_gpu_reservations_do_not_overlap():
+    config = compose_config("gpu")
+    ids = [
+        i
+        for n in ("omni-int4", "omni-bf16")
+        for i in config["services"][n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+    ]
+    assert len(ids) == len(set(ids)) == 3
+
+
+def test_proxy_template_variables_are_all_set():
+    config = compose_config("cpu")
+    proxy = config["services"]["proxy"]
+    template = _mounted(proxy, "/etc/nginx/templates/omnigate.conf.template").read_text()
+    wanted = set(re.findall(r"\$\{([A-Z0-9_]+)\}", template))
+    assert wanted and wanted <= set(proxy["environment"]), wanted - set(proxy["environment"])
+    assert all(v.startswith("OMNIGATE_") for v in wanted)
+    # The image's envsubst step touches only these, never nginx's own $variables.
+    assert proxy["environment"]["NGINX_ENVSUBST_FILTER"] == "^OMNIGATE_"
+    published = {p["target"] for p in proxy["ports"]}
+    assert published == {int(proxy["environment"]["OMNIGATE_PROXY_PORT"])}
+
+
+def test_images_are_pinned():
+    for name, svc in compose_config("gpu")["services"].items():
+        image = svc["image"]
+        assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest"), f"{name}: {image}"
+
+
+def test_env_example_names_every_variable_without_a_default():
+    text = COMPOSE.read_text()
+    required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", text))
+    example = {
+        line.split("=", 1)[0]
+        for line in (OPS / "env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    assert required and required <= example
+    assert (ROOT / ".dockerignore").is_file()

@@ -1,0 +1,228 @@
+"""The Helm chart: ``helm lint`` and ``helm template`` through Helm's own Go SDK (helm-python-sdk),
+rendered objects validated against the Kubernetes schemas (kubernetes-validate), and the
+cross-references between them checked (selectors, ports, probes, secrets, rules, dashboard)."""
+
+from __future__ import annotations
+
+import json
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from gateway.cli import check_config
+from tests.ops.catalogue import CHART, DASHBOARD, EXPORTED, RULES_DIR
+from tests.ops.tools import promtool, run
+
+KUBE_VERSIONS = (
+    "1.27.0",
+    "1.37.0",
+)  # the oldest the chart declares (Chart.yaml kubeVersion) and the newest schemas
+CORE_KINDS = {
+    "Deployment",
+    "Service",
+    "ConfigMap",
+    "Secret",
+    "ServiceAccount",
+    "HorizontalPodAutoscaler",
+    "PodDisruptionBudget",
+}
+
+
+def render(values: dict | None = None, namespace: str = "llm") -> dict[tuple[str, str], dict]:
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values or {}, name="omnigate", namespace=namespace)
+    objects: dict[tuple[str, str], dict] = {}
+    for path, text in manifests.items():
+        if not path.endswith(".yaml"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                key = (doc["kind"], doc["metadata"]["name"])
+                assert key not in objects, key
+                objects[key] = doc
+    return objects
+
+
+def one(objects: dict, kind: str) -> dict:
+    found = [o for (k, _), o in objects.items() if k == kind]
+    assert len(found) == 1, (kind, len(found))
+    return found[0]
+
+
+def test_helm_lint_strict_is_clean():
+    report = helm.lint(str(CHART), strict=True, namespace="llm")
+    assert report["total_charts_linted"] == 1
+    assert report["errors"] == []
+    # Only informational notes (severity 1), no warnings or errors.
+    assert all(m["severity"] <= 1 for m in report["messages"]), report["messages"]
+
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"admin": {"apiKey": "too-short"}}, "apiKey"),
+        ({"autoscaling": {"inFlightTarget": 0}}, "inFlightTarget"),
+        ({"no_such_key": 1}, "no_such_key"),
+        ({"config": {"server": {"port": 8080}, "engines": []}}, "engines"),
+    ],
+)
+def test_values_schema_refuses_bad_values(values, needle):
+    report = helm.lint(str(CHART), values, strict=True)
+    problems = " ".join(report["errors"] + [m["error"] for m in report["messages"] if m["severity"] >= 2])
+    assert problems and needle in problems, report
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_rendered_objects_are_valid_kubernetes(kube_version):
+    objects = render()
+    assert {k for k, _ in objects} == CORE_KINDS | {"ServiceMonitor", "PrometheusRule"}
+    for (kind, _name), obj in objects.items():
+        if kind in CORE_KINDS:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+
+
+def test_workload_wiring():
+    objects = render()
+    dep, svc, pdb, hpa = (
+        one(objects, k) for k in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler")
+    )
+    selector = dep["spec"]["selector"]["matchLabels"]
+    pod = dep["spec"]["template"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert svc["spec"]["selector"] == selector == pdb["spec"]["selector"]["matchLabels"]
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert svc["spec"]["ports"][0]["targetPort"] in ports
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
+    # The HPA owns the replica count and scales on a gauge the gateway really exports.
+    assert "replicas" not in dep["spec"]
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": dep["metadata"]["name"],
+    }
+    metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    assert metric == "omnigate_requests_in_flight" and metric in EXPORTED
+    assert hpa["spec"]["minReplicas"] >= 2 and pdb["spec"]["maxUnavailable"] == 1
+    # Hardened pod with writable scratch space under the read-only root.
+    sc = container["securityContext"]
+    assert (
+        sc["readOnlyRootFilesystem"]
+        and not sc["allowPrivilegeEscalation"]
+        and sc["capabilities"]["drop"] == ["ALL"]
+    )
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert {"/tmp", "/var/cache/omnigate", "/var/lib/omnigate"} <= {
+        m["mountPath"] for m in container["volumeMounts"]
+    }
+
+
+def test_config_map_holds_a_valid_gateway_config(tmp_path, capsys):
+    objects = render()
+    cm = objects[("ConfigMap", "omnigate")]
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(cm["data"]["omnigate.yaml"])
+    assert check_config(str(path)) == 0, capsys.readouterr().err
+    config = yaml.safe_load(cm["data"]["omnigate.yaml"])
+    dep = one(objects, "Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert container["ports"][0]["containerPort"] == config["server"]["port"]
+    assert container["args"][:3] == ["serve", "--config", "/etc/omnigate/omnigate.yaml"]
+    # Streams get their grace period: preStop pause + graceful shutdown < termination grace.
+    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert (
+        pre_stop + config["server"]["graceful_shutdown_s"]
+        < dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    )
+    # A changed config rolls the pods.
+    assert dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    changed = render({"config": {**config, "logging": {"level": "debug", "json": True}}})
+    assert (
+        one(changed, "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+        != dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    )
+
+
+def test_admin_key_comes_from_a_secret():
+    objects = render()
+    dep = one(objects, "Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    ref = next(e for e in container["env"] if e["name"] == "OMNIGATE_ADMIN__API_KEY")["valueFrom"][
+        "secretKeyRef"
+    ]
+    secret = objects[("Secret", ref["name"])]
+    assert ref["key"] in secret["data"]
+    assert len(secret["data"][ref["key"]]) >= 48  # base64 of 48 generated characters at least
+    # A given key is used as is; an existing Secret replaces the chart's.
+    given = render({"admin": {"apiKey": "a" * 40}})
+    assert one(given, "Secret")["data"]["admin-api-key"] == __import__("base64").b64encode(b"a" * 40).decode()
+    existing = render({"admin": {"existingSecret": "ops-admin", "existingSecretKey": "token"}})
+    assert not [k for k in existing if k[0] == "Secret"]
+    (c2,) = one(existing, "Deployment")["spec"]["template"]["spec"]["containers"]
+    ref2 = next(e for e in c2["env"] if e["name"] == "OMNIGATE_ADMIN__API_KEY")["valueFrom"]["secretKeyRef"]
+    assert ref2 == {"name": "ops-admin", "key": "token"}
+
+
+def test_service_monitor_scrapes_the_service_as_job_omnigate():
+    objects = render()
+    sm, svc = one(objects, "ServiceMonitor"), one(objects, "Service")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] == svc["spec"]["ports"][0]["name"] and endpoint["path"] == "/metrics"
+    # The alert rules select job="omnigate".
+    assert svc["metadata"]["labels"][sm["spec"]["jobLabel"]] == "omnigate"
+
+
+def test_prometheus_rule_is_the_canonical_rule_set_and_promtool_accepts_it(tmp_path):
+    base = "https://runbooks.example.internal/omnigate/"
+    rule = one(render({"prometheusRule": {"runbookBaseUrl": base}}), "PrometheusRule")
+    canonical = []
+    for p in sorted(RULES_DIR.glob("*.yaml"), key=lambda p: "0" if "recording" in p.name else "1"):
+        canonical.extend(yaml.safe_load(p.read_text().replace("ops/runbooks/", base))["groups"])
+    assert rule["spec"]["groups"] == canonical
+    urls = [
+        r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r
+    ]
+    assert urls and all(u.startswith(base) for u in urls)
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    result = run([promtool(), "check", "rules", str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboard_config_map_is_the_canonical_dashboard():
+    cm = one({k: v for k, v in render().items() if k[1].endswith("-dashboard")}, "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["omnigate.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def test_chart_copies_match_the_canonical_files():
+    """The chart cannot read outside its directory, so it carries copies (`make ops-sync` refreshes them)."""
+    for canonical in [*RULES_DIR.glob("*.yaml"), DASHBOARD]:
+        copy = CHART / "files" / canonical.name
+        assert copy.read_bytes() == canonical.read_bytes(), f"{copy} is stale: run make ops-sync"
+
+
+def test_optional_parts_switch_off():
+    objects = render(
+        {
+            "autoscaling": {"enabled": False},
+            "podDisruptionBudget": {"enabled": False},
+            "serviceMonitor": {"enabled": False},
+            "prometheusRule": {"enabled": False},
+            "grafanaDashboard": {"enabled": False},
+            "replicaCount": 3,
+        }
+    )
+    kinds = {k for k, _ in objects}
+    assert not kinds & {"HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule"}
+    assert not [n for _, n in objects if n.endswith("-dashboard")]
+    assert one(objects, "Deployment")["spec"]["replicas"] == 3
+    for obj in objects.values():
+        kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
