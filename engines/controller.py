@@ -393,7 +393,10 @@ class RolloutController:
                     "circuit": self.pool.circuit_state(name),
                     "weight": round(table.engine_weight(name), 4),
                     "limit": table.limits.get(name),
+                    # the cap in force on this replica: the routing limit, the configured one, overload
+                    "cap": self.pool.limit(name),
                     "in_flight": self.pool.in_flight(name),
+                    "waiting": self.pool.waiting(name),
                     "signals": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in values.items()},
                     "samples": samples,
                 }

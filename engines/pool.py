@@ -108,6 +108,10 @@ class EnginePool:
         }
         self._in_flight: dict[str, int] = {name: 0 for name in self.engines}
         self._waiters: dict[str, deque[_Waiter]] = {name: deque() for name in self.engines}
+        #: configured caps per engine: (normal, while overloaded); None: no cap
+        self._caps: dict[str, tuple[int | None, int | None]] = {
+            e.name: (e.config.max_in_flight, e.config.overload_limit()) for e in self.engines.values()
+        }
         #: set by the admission gate's overload loop: engines run at their max_in_flight_overloaded
         self.overloaded = False
         self._rng = random.Random(self.routing.seed)
@@ -185,10 +189,12 @@ class EnginePool:
     def limit(self, name: str) -> int | None:
         """The engine's concurrency cap now: the lowest of its configured cap (normal or overloaded) and the
         routing table's; None: no cap."""
-        cfg = self.engines[name].config
-        caps = [cfg.overload_limit() if self.overloaded else cfg.max_in_flight, self.table.limits.get(name)]
-        live = [c for c in caps if c is not None]
-        return min(live) if live else None
+        normal, overloaded = self._caps[name]
+        own = overloaded if self.overloaded else normal
+        routed = self.table.limits.get(name)
+        if own is None or routed is None:
+            return routed if own is None else own
+        return min(own, routed)
 
     def waiting(self, name: str) -> int:
         return sum(1 for w in self._waiters[name] if not w.future.done())
@@ -276,9 +282,7 @@ class EnginePool:
                 continue
 
     async def _wait(self, full: list[Engine], model: str | None, deadline: float) -> Engine:
-        queues = [
-            e for e in full if e.config.max_wait_s > 0 and len(self._waiters[e.name]) < e.config.max_waiting
-        ]
+        queues = [e for e in full if e.config.max_wait_s > 0 and self.waiting(e.name) < e.config.max_waiting]
         if not queues:
             self._metrics.admission_shed.labels("engine_busy").inc()
             raise EngineBusy(

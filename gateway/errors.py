@@ -122,6 +122,8 @@ class Conflict(InvalidRequest):
 class ConfigInvalid(InvalidRequest):
     status = 422
     code = "invalid_config"
+
+
 class MediaTooLarge(PayloadTooLarge):
     code = "media_too_large"
 

@@ -40,7 +40,9 @@ async def _scenario(tmp_path, upstream_script: Script, drain_delay: float, grace
         cfg = tmp_path / "gw.yaml"
         cfg.write_text(yaml.safe_dump({
             "server": {"drain_delay_s": drain_delay, "graceful_shutdown_s": grace},
-            "engines": [{"name": "e", "kind": "vllm", "base_url": up.base_url, "model": "scripted", "serves": ["m"]}],
+            # Every stream on the engine at once (its default cap, 8, would queue half of them).
+            "engines": [{"name": "e", "kind": "vllm", "base_url": up.base_url, "model": "scripted", "serves": ["m"],
+                         "max_in_flight": STREAMS}],
             "logging": {"level": "warning"},
         }))
         proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port",

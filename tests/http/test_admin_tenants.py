@@ -65,6 +65,8 @@ def test_tenants_and_keys_through_the_admin_api(setup):
     assert _admin(server, "POST", "/tenants", json={"name": "newco"}).status_code == 409
     bad_set = _admin(server, "POST", "/tenants", json={"name": "x", "policy_set": "nope"})
     assert bad_set.status_code == 422 and bad_set.json()["error"]["param"] == "policy_set"
+    bad_class = _admin(server, "POST", "/tenants", json={"name": "z", "priority": "vip"})
+    assert bad_class.status_code == 422 and bad_class.json()["error"]["param"] == "priority"
     bad_value = _admin(server, "POST", "/tenants", json={"name": "y", "requests_per_minute": 0})
     assert bad_value.status_code == 400 and bad_value.json()["error"]["param"] == "requests_per_minute"
     assert _admin(server, "PUT", "/tenants/base", json={"name": "base"}).status_code == 409
@@ -107,6 +109,10 @@ def test_reload_validates_first_and_keeps_the_old_config(setup):
     err = refused.json()["error"]
     assert err["code"] == "invalid_config" and "tenants[1].policy_set" in err["message"]
     assert _chat(server, base.key).status_code == 200  # still the old config
+    unknown_class = {**doc, "tenants": [{"name": "base", "priority": "vip"}]}
+    path.write_text(yaml.safe_dump(unknown_class))
+    err = _admin(server, "POST", "/config/reload").json()["error"]
+    assert err["code"] == "invalid_config" and "tenants[0].priority" in err["message"]
 
     path.write_text("engines: [unclosed")
     assert _admin(server, "POST", "/config/reload").status_code == 422
@@ -122,6 +128,6 @@ def test_reload_validates_first_and_keeps_the_old_config(setup):
     assert ok.json()["restart_required"] == ["engines"]
     assert _chat(server, later.key).status_code == 200
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'omnigate_config_reloads_total{result="failed"} 2.0' in metrics
+    assert 'omnigate_config_reloads_total{result="failed"} 3.0' in metrics
     assert 'omnigate_config_reloads_total{result="ok"} 1.0' in metrics
 
