@@ -33,6 +33,7 @@ Fault = Literal[
     "hang_before_first_byte",
     "hang_mid_stream",
     "malformed_json",
+    "error_mid_stream",
     "drip",
 ]
 _FLAVOURS = frozenset(get_args(Flavour))
@@ -257,7 +258,9 @@ class ScriptedUpstream:
         *,
         models: list[str] | None = None,
         record: bool = True,
+        keepalive_timeout: float = 75.0,
     ) -> None:
+        self.keepalive_timeout = keepalive_timeout  # idle keep-alive connections are closed after this
         self.default: Script = default or Script()
         self.models: list[str] = list(models or ["scripted"])
         self.record = record
@@ -307,7 +310,8 @@ class ScriptedUpstream:
         # handler_cancellation: aiohttp then cancels a handler the moment its connection is lost, which is
         # what lets abort_event fire while the handler sleeps between chunks (no polling needed).
         self._runner = web.AppRunner(
-            self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+            self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+            keepalive_timeout=self.keepalive_timeout,
         )
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -518,7 +522,7 @@ class ScriptedUpstream:
         fault = script.fault
         delay = _DRIP_INTERVAL_S if fault == "drip" else script.chunk_delay_s
         fault_at = min(max(0, script.fault_after_chunks), len(frames))
-        mid_fault = fault in ("reset_mid_stream", "hang_mid_stream", "malformed_json")
+        mid_fault = fault in ("reset_mid_stream", "hang_mid_stream", "malformed_json", "error_mid_stream")
 
         resp = web.StreamResponse(
             status=200,
@@ -554,6 +558,12 @@ class ScriptedUpstream:
         self, request: web.Request, state: _Progress, resp: web.StreamResponse, fault: str
     ) -> bool:
         """Apply a mid-stream fault; True when the stream must end here."""
+        if fault == "error_mid_stream":
+            # What vLLM sends when generation fails after the stream began: an error event, then the end.
+            await resp.write(b'data: ' + _error_body("engine failure mid-stream", "InternalServerError", 500)
+                             + b"\n\ndata: [DONE]\n\n")
+            state.finished = True
+            return True
         if fault == "malformed_json":
             await resp.write(b"data: {not json\n\n")
             return False
