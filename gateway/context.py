@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Outcome = Literal["served", "degraded", "refused", "failed", "cancelled"]
 
@@ -23,6 +23,8 @@ class PolicyRun:
     duration_ms: float
     shadow: bool = False
     detail: str | None = None
+    attempt: int = 1
+    score: float | None = None
 
 
 @dataclass(slots=True)
@@ -46,6 +48,14 @@ class RequestContext:
     first_audio_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: retries the pipeline can still make for this request (a streaming check reads it)
+    retries_left: int = 0
+    #: headers verdicts added before the response started (``x-omnigate-grounding``, ...)
+    response_headers: dict[str, str] = field(default_factory=dict)
+    #: facts policies report (audit record; sent as the stream's final event)
+    notes: dict[str, Any] = field(default_factory=dict)
+    #: text of input audio, where a pre-policy transcribed it (part of the grounding premise)
+    input_transcripts: list[str] = field(default_factory=list)
 
     def degrade(self, reason: str) -> None:
         if reason not in self.degraded:

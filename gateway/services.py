@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -10,6 +11,7 @@ from engines.pool import EnginePool, build_engine
 from gateway.pipeline import Pipeline
 from gateway.settings import Settings
 from observability.metrics import Metrics
+from policies.base import PolicyResources
 from policies.registry import PolicyChain, build_chain
 
 log = structlog.get_logger(__name__)
@@ -22,14 +24,32 @@ class Services:
     pool: EnginePool
     chain: PolicyChain
     pipeline: Pipeline
+    #: the grounding scorer, built only when a policy lists "scorer" in ``uses``
+    scorer: Any = None
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
         chain = build_chain(settings.policies, plugins)
         pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics)
-        return cls(settings, metrics, pool, chain, Pipeline(pool, chain, metrics))
+        scorer = None
+        if any("scorer" in getattr(p.impl, "uses", ()) for p in chain.all()):
+            from policies.grounding.scorer import build_scorer
+
+            scorer = build_scorer(settings.grounding, metrics)
+        return cls(settings, metrics, pool, chain, Pipeline(pool, chain, metrics), scorer)
+
+    def describe_scorer(self) -> dict[str, Any] | None:
+        return self.scorer.describe() if self.scorer is not None else None
 
     async def start(self) -> None:
+        if self.scorer is not None:
+            # Loaded before the gateway serves: a configured model that cannot load fails the boot.
+            await self.scorer.start()
+        resources = PolicyResources(metrics=self.metrics, scorer=self.scorer)
+        for policy in self.chain.all():
+            start = getattr(policy.impl, "start", None)
+            if start is not None:
+                await start(resources)
         log.info(
             "gateway_starting",
             engines=[
@@ -37,8 +57,11 @@ class Services:
                 for e in self.settings.engines
             ],
             policies=self.chain.describe(),
+            grounding_scorer=self.describe_scorer(),
         )
         await self.pool.start()
 
     async def aclose(self) -> None:
         await self.pool.aclose()
+        if self.scorer is not None:
+            await self.scorer.aclose()

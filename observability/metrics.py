@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.6, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _POLICY = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_SCORE = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 class Metrics:
@@ -94,4 +95,32 @@ class Metrics:
         )
         self.client_disconnects = Counter(
             "omnigate_client_disconnects_total", "Streams the client left before the end", registry=r
+        )
+        # Grounding guard (policies/grounding): scorer cost, verdicts, and what holding back costs clients.
+        self.grounding_scorer_seconds = Histogram(
+            "omnigate_grounding_scorer_seconds",
+            "Time one grounding scoring call took (queueing in the scorer's batcher included)",
+            ["scorer"],
+            buckets=_POLICY,
+            registry=r,
+        )
+        self.grounding_verdicts = Counter(
+            "omnigate_grounding_verdicts_total",
+            "Grounding verdicts per attempt: pass, fail; and per request: served_low, refused, terminated",
+            ["mode", "verdict"],
+            registry=r,
+        )
+        self.grounding_score = Histogram(
+            "omnigate_grounding_score",
+            "Grounding score of each judged attempt (minimum over its claim sentences)",
+            ["mode"],
+            buckets=_SCORE,
+            registry=r,
+        )
+        self.holdback_wait = Histogram(
+            "omnigate_holdback_wait_seconds",
+            "How long released output waited in the gateway for the grounding check (per release)",
+            ["mode"],
+            buckets=_LATENCY,
+            registry=r,
         )

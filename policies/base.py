@@ -26,6 +26,18 @@ post
     :class:`Retry` (the pipeline retries while nothing has been sent and budget
     remains) or :class:`Reject`.
 
+    A post policy may also *watch a stream* (a streaming post-check): it then
+    declares ``stream_mode(request, ctx) -> StreamMode`` and
+    ``open_check(request, ctx) -> StreamCheck``. For streamed requests the
+    pipeline feeds the check what the stream filters release, releases only
+    what the check clears, and takes the check's ``finish()`` verdict instead of
+    calling ``post``. ``hold`` and ``window`` checks can block or retry (until
+    their first release); a ``passthrough`` check can only record and terminate.
+
+A plugin that needs a shared resource (the grounding scorer, ...) lists it in
+``uses`` and receives a :class:`PolicyResources` in ``async start(resources)``,
+called once by the lifespan before the gateway serves.
+
 Per-stream state lives only in the object ``open_stream`` returns, never on the
 plugin instance, which all requests share.
 """
@@ -33,7 +45,7 @@ plugin instance, which all requests share.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Protocol, Union, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -42,6 +54,7 @@ if TYPE_CHECKING:
     from gateway.context import RequestContext
     from gateway.errors import OmnigateError
     from gateway.schemas import ChatCompletionRequest
+    from observability.metrics import Metrics
 
 Stage = Literal["pre", "stream", "post"]
 StreamMode = Literal["passthrough", "window", "hold"]
@@ -55,15 +68,34 @@ class PolicyConfig(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class Accept:
+    """Serve the answer.
+
+    ``headers`` are response headers the pipeline adds when it acts on this
+    verdict while the response has not started; ``notes`` are facts for the
+    audit record and for the stream's final event (see README, "Grounding").
+    """
+
     detail: str | None = None
+    score: float | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    notes: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Retry:
-    """Ask for another attempt; ``update`` is merged into the request for it."""
+    """Ask for another attempt; ``update`` is merged into the request for it.
+
+    ``score`` ranks attempts. ``exhausted`` says what to do when no retry is
+    possible (budget spent, or something was already released): ``Reject`` ends
+    the request with its error; ``Accept`` serves the best-scoring attempt with
+    that verdict's headers and notes; ``None`` serves the last attempt flagged
+    ``retries-exhausted``.
+    """
 
     reason: str
     update: dict[str, Any] = field(default_factory=dict)
+    score: float | None = None
+    exhausted: "Accept | Reject | None" = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +104,26 @@ class Reject:
 
 
 Verdict = Union[Accept, Retry, Reject]
+
+
+class Halt(Exception):
+    """Raised by a :class:`StreamCheck`'s ``feed``: this attempt is judged before its end.
+
+    The pipeline stops reading the attempt's upstream and acts on ``verdict``
+    exactly as on a verdict at the end of the stream.
+    """
+
+    def __init__(self, verdict: "Retry | Reject") -> None:
+        super().__init__(type(verdict).__name__)
+        self.verdict = verdict
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyResources:
+    """Shared resources a plugin may ask for through ``uses``; built once per gateway."""
+
+    metrics: "Metrics"
+    scorer: Any = None
 
 
 class Policy(Protocol):
@@ -104,6 +156,31 @@ class PostPolicy(Protocol):
     async def post(
         self, request: "ChatCompletionRequest", completion: "Completion", ctx: "RequestContext"
     ) -> Verdict: ...
+
+
+@runtime_checkable
+class StreamCheck(Protocol):
+    """The per-attempt object of a streaming post-check.
+
+    ``feed`` returns the deltas cleared for release now (it may raise
+    :class:`Halt`); ``finish`` gives the verdict on the whole answer once the
+    upstream ended; ``release`` hands over what is still held back, which the
+    pipeline sends only after every verdict accepted (or when it serves this
+    attempt anyway).
+    """
+
+    async def feed(self, delta: "Delta") -> list["Delta"]: ...
+
+    async def finish(self) -> Verdict: ...
+
+    def release(self) -> list["Delta"]: ...
+
+
+@runtime_checkable
+class StreamingPostPolicy(Protocol):
+    def stream_mode(self, request: "ChatCompletionRequest", ctx: "RequestContext") -> StreamMode: ...
+
+    def open_check(self, request: "ChatCompletionRequest", ctx: "RequestContext") -> StreamCheck: ...
 
 
 STAGE_PROTOCOL: dict[str, type] = {"pre": PrePolicy, "stream": StreamPolicy, "post": PostPolicy}

@@ -40,6 +40,9 @@ class PolicyChain:
     post: tuple[LoadedPolicy, ...]
     max_retries: int
 
+    def all(self) -> tuple[LoadedPolicy, ...]:
+        return self.pre + self.stream + self.post
+
     def describe(self) -> dict[str, list[str]]:
         def names(ps: tuple[LoadedPolicy, ...]) -> list[str]:
             return [p.name + (" (shadow)" if p.shadow else "") for p in ps]

@@ -32,7 +32,12 @@ async def readyz(request: Request) -> JSONResponse:
     engines = services.pool.health_report()
     ready = services.pool.ready
     return JSONResponse(
-        {"status": "ready" if ready else "not_ready", "engines": engines, "policies": services.chain.describe()},
+        {
+            "status": "ready" if ready else "not_ready",
+            "engines": engines,
+            "policies": services.chain.describe(),
+            "grounding_scorer": services.describe_scorer(),
+        },
         status_code=200 if ready else 503,
     )
 
