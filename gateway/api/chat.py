@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
@@ -94,7 +95,9 @@ async def chat_completions(request: Request) -> Response:
         content = completion_body(result.request, result.completion, ctx, completion_id)
         return Response(orjson.dumps(content), media_type="application/json", headers=_headers(ctx))
     # Returns once the first chunk is released: a held-back answer can still be refused with a status.
-    stream = await services.pipeline.stream(chat, ctx)
+    stream = await _unless_client_leaves(request, services.pipeline.stream(chat, ctx))
+    if stream is None:
+        return Response(status_code=499)  # nobody is listening any more
     renderer = ChunkRenderer(stream.request, ctx, completion_id)
     return SSEResponse(
         _frames(stream, renderer),
@@ -102,6 +105,40 @@ async def chat_completions(request: Request) -> Response:
         headers=_headers(ctx),
         keepalive_s=services.settings.server.sse_keepalive_s,
     )  # type: ignore[return-value]
+
+
+async def _unless_client_leaves(request: Request, work: Any) -> Any:
+    """Await ``work``; None, with ``work`` cancelled, if the client disconnects first.
+
+    Before the response starts, a held-back answer may take the whole generation
+    time; a client that leaves meanwhile must still abort the upstream request.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        gone.cancel()
+    if not task.done() or task.cancelled():
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # noqa: BLE001 - it failed while the client left: nobody to tell
+            pass
+        log.info("client_left_before_response")
+        return None
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read, so the next ASGI message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 async def _frames(stream: ResponseStream, renderer: ChunkRenderer) -> AsyncIterator[bytes]:

@@ -95,7 +95,7 @@ class SpeechGate:
                 out.append(d)
                 self.released_s += seconds
             else:
-                frames = int((allowed - self.released_s) * d.sample_rate)
+                frames = int((allowed - self.released_s) * d.sample_rate + 1e-6)  # float noise, not a sample
                 if frames <= 0:
                     break
                 cut = frames * frame

@@ -260,6 +260,7 @@ class CrossEncoderScorer(_BaseScorer):
     def load(self) -> None:
         from sentence_transformers import CrossEncoder
 
+        _quiet_loading()
         cfg = self.settings
         try:
             model = CrossEncoder(cfg.model, device=cfg.device, max_length=cfg.max_length)
@@ -364,6 +365,7 @@ class FallbackScorer(_BaseScorer):
     def load(self) -> None:
         from sentence_transformers import SentenceTransformer
 
+        _quiet_loading()
         path = self.settings.embedding_model
         if path is None:
             try:
@@ -448,6 +450,13 @@ def _missing_fact(claim: str, nums: set[str], dates: set[Any], words: set[str]) 
         if name not in words:
             return f"name {name!r} is not in the premise"
     return None
+
+
+def _quiet_loading() -> None:
+    # Weight-loading progress bars are noise in a server log.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _clip(x: float) -> float:

@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from gateway.settings import PolicyChainConfig, PolicySpec
 from policies.grounding.policy import DEFAULT_INSTRUCTION
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
-from tests.harness import GatewayServer
+from tests.harness import GatewayServer, wait_until
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(120)
@@ -319,3 +319,35 @@ def test_window_mode_speech_passes_whole_when_grounded(serve, upstreams):
     got = _collect(_speech(client))
     assert got["text"] == RIGHT
     assert _seconds(got["audio"]) == pytest.approx(6 * 0.2)
+
+
+def test_a_client_leaving_during_the_hold_aborts_the_upstream(serve, upstreams):
+    server, _ = serve("hold")
+    upstreams.vllm.default = Script(flavour="vllm", text=RIGHT, chunk_delay_s=0.3)
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=httpx.Timeout(5, read=0.5),
+                          json={"model": TEXT_MODEL, "messages": _messages(), "stream": True}) as r:
+            r.read()
+    assert wait_until(lambda: upstreams.vllm.aborts == 1, timeout=10)
+    assert upstreams.vllm.completed == 0
+
+
+def test_a_configured_cross_encoder_boots_the_gateway(bg, upstreams, tmp_path):
+    from tests.unit.test_grounding_scorer import tiny_cross_encoder
+
+    path = tiny_cross_encoder(tmp_path / "nli", (-4.0, 4.0, -4.0))
+    chain = PolicyChainConfig(post=[PolicySpec(name="grounding")])
+    settings = gateway_settings(upstreams, chain, grounding={"model": str(path)})
+    server = GatewayServer(bg, settings, CollectorRegistry()).start()
+    try:
+        upstreams.reset()
+        ready = httpx.get(server.url + "/readyz").json()
+        assert ready["grounding_scorer"]["kind"] == "cross-encoder"
+        assert ready["grounding_scorer"]["entailment_label"] == "entailment"
+        upstreams.vllm.default = Script(flavour="vllm", text=RIGHT)
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            got = _collect(client.chat.completions.create(model=TEXT_MODEL, messages=_messages(), stream=True))
+        assert got["text"] == RIGHT
+        assert got["notes"]["grounding"]["scorer"] == "cross-encoder"
+    finally:
+        server.stop()
