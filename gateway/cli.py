@@ -50,6 +50,10 @@ def check_config(path: str) -> int:
     print("policy chain (in order):")
     for stage, names in chain.describe().items():
         print(f"  {stage}: {' -> '.join(names) if names else '(none)'}")
+    if any("scorer" in getattr(p.impl, "uses", ()) for p in chain.all()):
+        g = settings.grounding
+        which = f"cross-encoder {g.model}" if g.model else "fallback (numbers, dates, names + all-MiniLM-L6-v2)"
+        print(f"grounding scorer: {which} on {g.device}")
     return 0
 
 

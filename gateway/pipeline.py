@@ -428,6 +428,8 @@ class Pipeline:
                     if isinstance(verdict.exhausted, Reject):
                         raise verdict.exhausted.error
                     ctx.degrade("retries-exhausted")
+                    if isinstance(verdict.exhausted, Accept):
+                        self._apply([verdict.exhausted], ctx, committed=True)
                     for out in release():
                         yield self._mark(ctx, out)
                     self._account(ctx, completion)

@@ -351,3 +351,19 @@ def test_a_configured_cross_encoder_boots_the_gateway(bg, upstreams, tmp_path):
         assert got["notes"]["grounding"]["scorer"] == "cross-encoder"
     finally:
         server.stop()
+
+
+def test_shadow_grounding_records_but_never_holds_or_retries(bg, upstreams):
+    chain = PolicyChainConfig(post=[PolicySpec(name="grounding", shadow=True, config={"mode": "hold"})])
+    server = GatewayServer(bg, gateway_settings(upstreams, chain), CollectorRegistry()).start()
+    try:
+        upstreams.reset()
+        upstreams.vllm.default = Script(flavour="vllm", text=WRONG)
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            got = _collect(client.chat.completions.create(model=TEXT_MODEL, messages=_messages(), stream=True))
+        assert got["text"] == WRONG
+        assert upstreams.vllm.request_count == 1
+        assert _metric(server, "omnigate_policy_decisions_total", policy="grounding", shadow="true", stage="post",
+                       verdict="retry") == 1
+    finally:
+        server.stop()
