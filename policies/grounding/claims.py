@@ -175,6 +175,10 @@ def dates_in(text: str) -> set[DateKey]:
     """
     from dateparser.search import search_dates
 
+    # Only sentences with a digit can hold a date this check counts; the rest need no parsing.
+    text = " ".join(s.strip() for s in split_sentences(text) if any(c.isdigit() for c in s))
+    if not text:
+        return set()
     found = search_dates(text, languages=["en"], settings={"RELATIVE_BASE": _BASES[0]["RELATIVE_BASE"]}) or []
     keys: set[DateKey] = set()
     a, b = _date_parsers()
