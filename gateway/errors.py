@@ -14,6 +14,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     ├── PermissionDenied                403 permission_error
     ├── RateLimited                     429 rate_limit_exceeded   (Retry-After)
     ├── Overloaded                      503 overloaded            (Retry-After)
+    ├── GuardUnavailable                503 guard_unavailable     (a policy's model failed; fail closed)
     ├── AnswerWithheld                  422 answer_withheld       (a post-policy kept every attempt back)
     │   └── GroundingFailed             422 grounding_failed
     └── EngineError                     502 engine_error
@@ -113,6 +114,14 @@ class Overloaded(OmnigateError):
     status = 503
     type = "overloaded_error"
     code = "overloaded"
+
+
+class GuardUnavailable(OmnigateError):
+    """A policy could not judge the answer (its model failed): the answer is not served unjudged."""
+
+    status = 503
+    type = "api_error"
+    code = "guard_unavailable"
 
 
 class AnswerWithheld(OmnigateError):

@@ -353,8 +353,7 @@ class Grounding:
         return _CHECKS[self.stream_mode(request, ctx)](self, request, ctx)
 
     async def post(self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext) -> Verdict:
-        check = HoldCheck(self, request, ctx)
-        check.mode = "hold"
+        check = HoldCheck(self, request, ctx)  # a whole answer is judged as a held one
         return check._verdict(await check.judge_text(completion.text or completion.transcript))
 
     # -- pieces the checks share ---------------------------------------------

@@ -29,6 +29,7 @@ from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar, runtime_
 import numpy as np
 import structlog
 
+from gateway.errors import GuardUnavailable
 from gateway.settings import GroundingSettings
 from observability.metrics import Metrics
 from policies.grounding.claims import (
@@ -208,6 +209,9 @@ class _BaseScorer:
         t0 = time.perf_counter()
         try:
             return await self._batcher.submit((premise, tuple(claims)))
+        except Exception as exc:  # the model failed: fail closed, with the cause in the log
+            log.error("grounding_scorer_failed", scorer=self.kind, error=str(exc), exc_info=exc)
+            raise GuardUnavailable("the grounding check failed; the answer was not served unjudged") from exc
         finally:
             if self._metrics is not None:
                 self._metrics.grounding_scorer_seconds.labels(self.kind).observe(time.perf_counter() - t0)

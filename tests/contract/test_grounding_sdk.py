@@ -367,3 +367,45 @@ def test_shadow_grounding_records_but_never_holds_or_retries(bg, upstreams):
                        verdict="retry") == 1
     finally:
         server.stop()
+
+
+def test_window_mode_last_attempt_is_held_whole_and_served_flagged(serve, upstreams):
+    server, client = serve("window", "flag", 1)
+    upstreams.vllm.default = Script(flavour="vllm", text=WRONG)
+    raw = client.chat.completions.with_raw_response.create(model=TEXT_MODEL, messages=_messages(), stream=True)
+    got = _collect(raw.parse())
+    # Attempt 1 was cut at its first failing sentence; attempt 2, the last, was held to its end and served.
+    assert raw.headers["x-omnigate-grounding"] == "low"
+    assert got["text"] == WRONG
+    assert got["notes"]["grounding"]["verdict"] == "low" and got["notes"]["grounding"]["attempt"] == 2
+    assert upstreams.vllm.request_count == 2
+
+
+def test_window_mode_refuses_before_any_release(serve, upstreams):
+    server, client = serve("window", "refuse", 0)
+    upstreams.vllm.default = Script(flavour="vllm", text=WRONG)
+    with pytest.raises(openai.UnprocessableEntityError) as err:
+        client.chat.completions.create(model=TEXT_MODEL, messages=_messages(), stream=True)
+    assert err.value.body["code"] == "grounding_failed"
+    assert upstreams.vllm.request_count == 1
+
+
+def test_a_failing_scorer_is_a_503_not_an_unjudged_answer(bg, upstreams, tmp_path):
+    from tests.unit.test_grounding_scorer import tiny_cross_encoder
+
+    path = tiny_cross_encoder(tmp_path / "overflows", (-4.0, 4.0, -4.0))  # 128 positions, fed 512
+    chain = PolicyChainConfig(post=[PolicySpec(name="grounding")])
+    server = GatewayServer(bg, gateway_settings(upstreams, chain, grounding={"model": str(path)}),
+                           CollectorRegistry()).start()
+    try:
+        upstreams.reset()
+        upstreams.vllm.default = Script(flavour="vllm", text=RIGHT)
+        long_context = "The Eiffel Tower is 330 metres tall. " * 60
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            with pytest.raises(openai.InternalServerError) as err:
+                client.chat.completions.create(model=TEXT_MODEL, stream=True, messages=[
+                    {"role": "system", "content": long_context}, {"role": "user", "content": QUESTION}])
+        assert err.value.status_code == 503
+        assert err.value.body["code"] == "guard_unavailable"
+    finally:
+        server.stop()

@@ -205,3 +205,44 @@ def test_fallback_score_mapping_is_on_the_threshold_scale(fallback):
 def test_fallback_with_a_missing_embedding_directory_fails_loading(tmp_path):
     with pytest.raises(ScorerLoadError, match="grounding.embedding_model"):
         FallbackScorer(GroundingSettings(embedding_model=str(tmp_path / "nope"))).load()
+
+
+async def test_a_failing_model_fails_closed_with_guard_unavailable(tmp_path):
+    from gateway.errors import GuardUnavailable
+
+    # The tiny model has 128 positions; allowing 512-token inputs makes a long premise overflow them.
+    path = tiny_cross_encoder(tmp_path / "short", (-4.0, 4.0, -4.0))
+    scorer = CrossEncoderScorer(GroundingSettings(model=str(path), max_length=512))
+    await scorer.start()
+    long_premise = premise_of(ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "the eiffel tower is 330 metres tall . " * 60}]}))
+    try:
+        with pytest.raises(GuardUnavailable) as err:
+            await scorer.judge(long_premise, ["It is 330 metres tall."])
+        assert err.value.status == 503 and err.value.code == "guard_unavailable"
+        # The scorer keeps serving after a failed batch.
+        assert (await scorer.judge(PREMISE, ["It is 330 metres tall."])).score > 0.99
+    finally:
+        await scorer.aclose()
+
+
+async def test_a_scorer_that_cannot_load_fails_the_gateway_start(tmp_path):
+    from gateway.services import Services
+    from gateway.settings import PolicyChainConfig, PolicySpec, Settings
+
+    settings = Settings(
+        policies=PolicyChainConfig(post=[PolicySpec(name="grounding")]),
+        grounding={"model": str(tmp_path / "no-such-model")},
+    )
+    services = Services.build(settings, Metrics())
+    assert services.describe_scorer()["kind"] == "cross-encoder"
+    with pytest.raises(ScorerLoadError, match="grounding.model"):
+        await services.start()
+    await services.aclose()
+
+
+def test_no_scorer_is_built_without_a_policy_that_uses_it():
+    from gateway.services import Services
+    from gateway.settings import Settings
+
+    assert Services.build(Settings(), Metrics()).scorer is None
