@@ -213,7 +213,9 @@ class Pipeline:
         from gateway.context import PolicyRun
 
         ctx.policy_runs.append(
-            PolicyRun(policy.name, policy.stage, verdict, seconds * 1000, policy.shadow, detail, ctx.retries + 1, score)
+            PolicyRun(
+                policy.name, policy.stage, verdict, seconds * 1000, policy.shadow, detail, ctx.retries + 1, score
+            )
         )
         self.metrics.policy_decisions.labels(policy.name, policy.stage, verdict, str(policy.shadow).lower()).inc()
         self.metrics.policy_duration.labels(policy.name, policy.stage).observe(seconds)
@@ -402,7 +404,9 @@ class Pipeline:
                     verdict: Verdict = halted.verdict
                     release: Callable[[], list[Delta]] = list
                 elif checks:
-                    verdict, release, accepted = await self._end_checks(attempt.request, completion, ctx, filters, checks)
+                    verdict, release, accepted = await self._end_checks(
+                        attempt.request, completion, ctx, filters, checks
+                    )
                 else:
                     verdict, accepted = await self._post(attempt.request, completion, ctx)
                     release = lambda filters=filters: self._flush(filters)  # noqa: E731
@@ -461,7 +465,9 @@ class Pipeline:
             ctx.first_audio_s = ctx.elapsed()
         return d
 
-    def _open_checks(self, request: ChatCompletionRequest, ctx: RequestContext) -> list[tuple[LoadedPolicy, Any]]:
+    def _open_checks(
+        self, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> list[tuple[LoadedPolicy, Any]]:
         """One entry per post-policy, in order: its stream check, or None for a plain post-policy."""
         out: list[tuple[LoadedPolicy, Any]] = []
         for p in self.chain.post:
@@ -532,7 +538,11 @@ class Pipeline:
                     batch = batch if policy.shadow else out + check.release()
                 continue
             held: StreamCheck | None = check
-            return acting, (lambda out=out, held=held: out + (held.release() if held is not None else [])), accepted
+
+            def release(out: list[Delta] = out, held: StreamCheck | None = held) -> list[Delta]:
+                return out + (held.release() if held is not None else [])
+
+            return acting, release, accepted
         return Accept(), (lambda batch=batch: batch), accepted
 
     async def _relay(

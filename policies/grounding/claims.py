@@ -67,7 +67,9 @@ def split_sentences(text: str) -> list[str]:
     return list(_segmenter().segment(text))
 
 
-def premise_of(request: ChatCompletionRequest, transcripts: Iterable[str] = (), exclude: Iterable[str] = ()) -> Premise:
+def premise_of(
+    request: ChatCompletionRequest, transcripts: Iterable[str] = (), exclude: Iterable[str] = ()
+) -> Premise:
     """The premise of ``request``; texts in ``exclude`` (the guard's own retry instruction) are left out."""
     skip = {e.strip() for e in exclude if e}
     parts: list[str] = []
@@ -188,7 +190,8 @@ def dates_in(text: str) -> set[DateKey]:
         da, db = a.get_date_data(span).date_obj, b.get_date_data(span).date_obj  # type: ignore[attr-defined]
         if da is None or db is None:
             continue
-        keys.add(tuple(x if x == y else None for x, y in ((da.year, db.year), (da.month, db.month), (da.day, db.day))))  # type: ignore[arg-type]
+        pairs = ((da.year, db.year), (da.month, db.month), (da.day, db.day))
+        keys.add(tuple(x if x == y else None for x, y in pairs))  # type: ignore[arg-type]
     return {k for k in keys if any(p is not None for p in k)}
 
 

