@@ -346,7 +346,8 @@ class Pipeline:
     def _retry(self, request: ChatCompletionRequest, verdict: Retry, ctx: RequestContext) -> ChatCompletionRequest:
         ctx.retries += 1
         self.metrics.retries.labels(verdict.reason).inc()
-        log.info("request_retry", reason=verdict.reason, attempt=ctx.retries)
+        log.info("request_retry", reason=verdict.reason, attempt=ctx.retries, engine=ctx.engine,
+                 score=verdict.score, adjusted=sorted(verdict.update) or None)
         return request.model_copy(update=verdict.update) if verdict.update else request
 
     async def _post(

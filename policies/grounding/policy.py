@@ -129,7 +129,7 @@ class _Check:
         self.request = request
         self.attempt = ctx.retries + 1
         self.premise = policy.premise(request, ctx)
-        self.text = ""
+        self._text: list[str] = []  # the answer so far (joined once, at the end)
 
     # -- verdict helpers --------------------------------------------------
     def _notes(self, j: Judgement, verdict: str) -> dict[str, Any]:
@@ -176,12 +176,12 @@ class HoldCheck(_Check):
     async def feed(self, delta: Delta) -> list[Delta]:
         if self._since is None:
             self._since = time.perf_counter()
-        self.text += delta.text or delta.transcript
+        self._text.append(delta.text or delta.transcript)
         self._held.append(delta)
         return []
 
     async def finish(self) -> Verdict:
-        return self._verdict(await self.judge_text(self.text))
+        return self._verdict(await self.judge_text("".join(self._text)))
 
     def release(self) -> list[Delta]:
         out, self._held = self._held, []
@@ -193,11 +193,11 @@ class PassthroughCheck(_Check):
     mode: StreamMode = "passthrough"
 
     async def feed(self, delta: Delta) -> list[Delta]:
-        self.text += delta.text or delta.transcript
+        self._text.append(delta.text or delta.transcript)
         return [delta]
 
     async def finish(self) -> Verdict:
-        j = await self.judge_text(self.text)
+        j = await self.judge_text("".join(self._text))
         ok = self._judged(j)
         notes = self._notes(j, "pass" if ok else "fail")
         notes["grounding"]["blocked"] = False
@@ -225,7 +225,6 @@ class WindowCheck(_Check):
     async def feed(self, delta: Delta) -> list[Delta]:
         text = delta.text or delta.transcript
         if text:
-            self.text += text
             if self._pending_since is None:
                 self._pending_since = time.perf_counter()
             self._pending += text
