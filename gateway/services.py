@@ -12,7 +12,7 @@ from gateway.pipeline import Pipeline
 from gateway.settings import Settings
 from observability.metrics import Metrics
 from policies.base import PolicyResources
-from policies.registry import PolicyChain, build_chain
+from policies.registry import PolicyChain, available_plugins, build_chain, resources_used
 
 log = structlog.get_logger(__name__)
 
@@ -24,19 +24,20 @@ class Services:
     pool: EnginePool
     chain: PolicyChain
     pipeline: Pipeline
-    #: the grounding scorer, built only when a policy lists "scorer" in ``uses``
-    scorer: Any = None
+    #: what policy plugins share (the grounding scorer, built only when a configured policy uses it)
+    resources: PolicyResources | None = None
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
-        chain = build_chain(settings.policies, plugins)
+        plugins = available_plugins() if plugins is None else plugins
+        resources = build_resources(settings, metrics, resources_used(settings.policies, plugins))
+        chain = build_chain(settings.policies, plugins, resources)
         pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics)
-        scorer = None
-        if any("scorer" in getattr(p.impl, "uses", ()) for p in chain.all()):
-            from policies.grounding.scorer import build_scorer
+        return cls(settings, metrics, pool, chain, Pipeline(pool, chain, metrics), resources)
 
-            scorer = build_scorer(settings.grounding, metrics)
-        return cls(settings, metrics, pool, chain, Pipeline(pool, chain, metrics), scorer)
+    @property
+    def scorer(self) -> Any:
+        return self.resources.scorer if self.resources is not None else None
 
     def describe_scorer(self) -> dict[str, Any] | None:
         return self.scorer.describe() if self.scorer is not None else None
@@ -45,11 +46,6 @@ class Services:
         if self.scorer is not None:
             # Loaded before the gateway serves: a configured model that cannot load fails the boot.
             await self.scorer.start()
-        resources = PolicyResources(metrics=self.metrics, scorer=self.scorer)
-        for policy in self.chain.all():
-            start = getattr(policy.impl, "start", None)
-            if start is not None:
-                await start(resources)
         log.info(
             "gateway_starting",
             engines=[
@@ -65,3 +61,13 @@ class Services:
         await self.pool.aclose()
         if self.scorer is not None:
             await self.scorer.aclose()
+
+
+def build_resources(settings: Settings, metrics: Metrics, used: set[str]) -> PolicyResources:
+    """The resources policies share; a model-backed one only when a configured policy uses it."""
+    scorer = None
+    if "scorer" in used:
+        from policies.grounding.scorer import build_scorer
+
+        scorer = build_scorer(settings.grounding, metrics)
+    return PolicyResources(metrics=metrics, scorer=scorer)

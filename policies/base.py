@@ -34,12 +34,11 @@ post
     calling ``post``. ``hold`` and ``window`` checks can block or retry (until
     their first release); a ``passthrough`` check can only record and terminate.
 
-A plugin that needs a shared resource (the grounding scorer, ...) lists it in
-``uses`` and receives a :class:`PolicyResources` in ``async start(resources)``,
-called once by the lifespan before the gateway serves.
-
-Per-stream state lives only in the object ``open_stream`` returns, never on the
-plugin instance, which all requests share.
+A plugin that needs a shared resource (the grounding scorer, ...) names it in
+``uses`` and implements ``bind(resources)``: whoever builds a chain to serve
+with (the lifespan, a config reload) passes one :class:`PolicyResources`, and
+the registry binds each such plugin as it is built. Resources are created once
+per gateway (models are loaded by the lifespan, off the request path).
 """
 
 from __future__ import annotations

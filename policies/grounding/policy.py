@@ -320,16 +320,16 @@ class Grounding:
         self._scorer: Scorer | None = None
         self._metrics: Metrics | None = None
 
-    async def start(self, resources: PolicyResources) -> None:
+    def bind(self, resources: PolicyResources) -> None:
         if resources.scorer is None:
-            raise RuntimeError("the grounding policy needs a scorer")
+            raise ValueError("the grounding policy needs the grounding scorer")
         self._scorer = resources.scorer
         self._metrics = resources.metrics
 
     @property
     def scorer(self) -> Scorer:
         if self._scorer is None:
-            raise RuntimeError("the grounding policy was not started")
+            raise RuntimeError("the grounding policy was built without resources (bind) and cannot serve")
         return self._scorer
 
     @property

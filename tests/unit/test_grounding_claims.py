@@ -132,3 +132,24 @@ def test_retry_adjustment_lowers_temperature_and_adds_the_instruction_once():
     assert "messages" not in again
     cold = impl.adjust(req.model_copy(update={"temperature": 0.1}))
     assert cold["temperature"] == 0.1
+
+
+def test_chains_built_to_serve_bind_the_shared_scorer():
+    from gateway.settings import GroundingSettings
+    from observability.metrics import Metrics
+    from policies.base import PolicyResources
+    from policies.grounding.scorer import FallbackScorer
+    from policies.registry import resources_used
+
+    cfg = PolicyChainConfig(post=[PolicySpec(name="grounding")])
+    assert resources_used(cfg) == {"scorer"}
+    assert resources_used(PolicyChainConfig()) == set()
+    metrics = Metrics()
+    scorer = FallbackScorer(GroundingSettings(), metrics)  # built, not loaded: binding needs no model
+    chain = build_chain(cfg, resources=PolicyResources(metrics=metrics, scorer=scorer))
+    assert chain.post[0].impl.scorer is scorer
+    with pytest.raises(PolicyConfigError, match="needs the grounding scorer"):
+        build_chain(cfg, resources=PolicyResources(metrics=metrics, scorer=None))
+    checked_only = build_chain(cfg)  # check-config: validated, not bound
+    with pytest.raises(RuntimeError, match="built without resources"):
+        checked_only.post[0].impl.scorer
