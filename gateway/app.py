@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from gateway.api import admin, chat, ops
 from gateway.errors import InvalidRequest, OmnigateError
@@ -72,6 +72,10 @@ def create_app(
         err = OmnigateError(str(exc.detail), status=exc.status_code, code=code)
         err.type = etype
         return error_response(err)
+
+    @app.exception_handler(chat.ClientGone)
+    async def _client_gone(request: Request, exc: chat.ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the status is for access logs
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 import orjson
 import structlog
@@ -22,6 +22,7 @@ from gateway.sse import SSEResponse
 
 log = structlog.get_logger(__name__)
 router = APIRouter()
+T = TypeVar("T")
 
 _OPENAPI_BODY = {
     "requestBody": {
@@ -96,8 +97,6 @@ async def chat_completions(request: Request) -> Response:
         return Response(orjson.dumps(content), media_type="application/json", headers=_headers(ctx))
     # Returns once the first chunk is released: a held-back answer can still be refused with a status.
     stream = await _unless_client_leaves(request, services.pipeline.stream(chat, ctx))
-    if stream is None:
-        return Response(status_code=499)  # nobody is listening any more
     renderer = ChunkRenderer(stream.request, ctx, completion_id)
     return SSEResponse(
         _frames(stream, renderer),
@@ -107,38 +106,27 @@ async def chat_completions(request: Request) -> Response:
     )  # type: ignore[return-value]
 
 
-async def _unless_client_leaves(request: Request, work: Any) -> Any:
-    """Await ``work``; None, with ``work`` cancelled, if the client disconnects first.
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``, cancelling it (and so the engine call) if the client disconnects first.
 
-    Before the response starts, a held-back answer may take the whole generation
-    time; a client that leaves meanwhile must still abort the upstream request.
+    The body has been read, so the next ASGI message can only be ``http.disconnect``.
     """
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(request.receive())
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
+        watcher.cancel()
         if not task.done():
             task.cancel()
-        gone.cancel()
-    if not task.done() or task.cancelled():
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        except Exception:  # noqa: BLE001 - it failed while the client left: nobody to tell
-            pass
-        log.info("client_left_before_response")
-        return None
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
     return task.result()
 
 
-async def _disconnected(request: Request) -> None:
-    # The body is read, so the next ASGI message can only be the disconnect.
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready; nobody is left to answer."""
 
 
 async def _frames(stream: ResponseStream, renderer: ChunkRenderer) -> AsyncIterator[bytes]:
