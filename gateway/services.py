@@ -11,7 +11,6 @@ from engines.pool import EnginePool, build_engine
 from gateway.pipeline import Pipeline
 from gateway.settings import Settings
 from observability.metrics import Metrics
-from policies.base import PolicyResources
 from policies.registry import PolicyChain, available_plugins, build_chain, resources_used
 
 log = structlog.get_logger(__name__)
@@ -24,20 +23,16 @@ class Services:
     pool: EnginePool
     chain: PolicyChain
     pipeline: Pipeline
-    #: what policy plugins share (the grounding scorer, built only when a configured policy uses it)
-    resources: PolicyResources | None = None
+    #: the grounding scorer, built only when a configured policy ``uses`` it; loaded by :meth:`start`
+    scorer: Any = None
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
         plugins = available_plugins() if plugins is None else plugins
-        resources = build_resources(settings, metrics, resources_used(settings.policies, plugins))
-        chain = build_chain(settings.policies, plugins, resources)
+        chain = build_chain(settings.policies, plugins)
         pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics)
-        return cls(settings, metrics, pool, chain, Pipeline(pool, chain, metrics), resources)
-
-    @property
-    def scorer(self) -> Any:
-        return self.resources.scorer if self.resources is not None else None
+        scorer = build_scorer_if_used(settings, metrics, resources_used(settings.policies, plugins))
+        return cls(settings, metrics, pool, chain, Pipeline(pool, chain, metrics), scorer)
 
     def describe_scorer(self) -> dict[str, Any] | None:
         return self.scorer.describe() if self.scorer is not None else None
@@ -46,6 +41,11 @@ class Services:
         if self.scorer is not None:
             # Loaded before the gateway serves: a configured model that cannot load fails the boot.
             await self.scorer.start()
+        # Policies take their models and shared resources before traffic can arrive.
+        for policy in self.chain.all():
+            start = getattr(policy.impl, "start", None)
+            if start is not None:
+                await start(self)
         log.info(
             "gateway_starting",
             engines=[
@@ -63,11 +63,10 @@ class Services:
             await self.scorer.aclose()
 
 
-def build_resources(settings: Settings, metrics: Metrics, used: set[str]) -> PolicyResources:
-    """The resources policies share; a model-backed one only when a configured policy uses it."""
-    scorer = None
-    if "scorer" in used:
-        from policies.grounding.scorer import build_scorer
+def build_scorer_if_used(settings: Settings, metrics: Metrics, used: set[str]) -> Any:
+    """The grounding scorer when a configured policy uses it (not loaded yet), else None."""
+    if "scorer" not in used:
+        return None
+    from policies.grounding.scorer import build_scorer
 
-        scorer = build_scorer(settings.grounding, metrics)
-    return PolicyResources(metrics=metrics, scorer=scorer)
+    return build_scorer(settings.grounding, metrics)

@@ -10,7 +10,17 @@ A policy *plugin* is a class registered in the entry-point group
 ``Config``
     a pydantic model for its ``config:`` block, validated at start-up.
 
-and is constructed once as ``Plugin(config)``. Then, by stage:
+and may declare:
+
+``async start(services)`` and ``async aclose()``
+    called once by the app's lifespan: load models, open sessions, take shared
+    resources such as the grounding scorer (``services`` is
+    :class:`gateway.services.Services`).
+``uses``
+    the shared resources it needs (``{"scorer"}``), so the gateway builds and
+    loads them only when a configured policy asks.
+
+It is constructed once as ``Plugin(config)``. Then, by stage:
 
 pre
     ``async pre(request, ctx) -> ChatCompletionRequest``: returns the request,
@@ -33,12 +43,6 @@ post
     what the check clears, and takes the check's ``finish()`` verdict instead of
     calling ``post``. ``hold`` and ``window`` checks can block or retry (until
     their first release); a ``passthrough`` check can only record and terminate.
-
-A plugin that needs a shared resource (the grounding scorer, ...) names it in
-``uses`` and implements ``bind(resources)``: whoever builds a chain to serve
-with (the lifespan, a config reload) passes one :class:`PolicyResources`, and
-the registry binds each such plugin as it is built. Resources are created once
-per gateway (models are loaded by the lifespan, off the request path).
 """
 
 from __future__ import annotations
@@ -53,7 +57,6 @@ if TYPE_CHECKING:
     from gateway.context import RequestContext
     from gateway.errors import OmnigateError
     from gateway.schemas import ChatCompletionRequest
-    from observability.metrics import Metrics
 
 Stage = Literal["pre", "stream", "post"]
 StreamMode = Literal["passthrough", "window", "hold"]
@@ -115,14 +118,6 @@ class Halt(Exception):
     def __init__(self, verdict: "Retry | Reject") -> None:
         super().__init__(type(verdict).__name__)
         self.verdict = verdict
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyResources:
-    """Shared resources a plugin may ask for through ``uses``; built once per gateway."""
-
-    metrics: "Metrics"
-    scorer: Any = None
 
 
 class Policy(Protocol):

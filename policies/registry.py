@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway.settings import PolicyChainConfig, PolicySpec
-from policies.base import STAGE_PROTOCOL, PolicyConfig, PolicyResources
+from policies.base import STAGE_PROTOCOL, PolicyConfig
 
 ENTRY_POINT_GROUP = "omnigate.policies"
 
@@ -68,7 +68,7 @@ def _check_plugin(name: str, cls: Any) -> None:
 
 
 def resources_used(cfg: PolicyChainConfig, plugins: dict[str, type] | None = None) -> set[str]:
-    """The shared resources (``uses``) the plugins a chain names ask for; unknown names are build_chain's to report."""
+    """The shared resources (``uses``) the plugins a chain names ask for (unknown names: build_chain reports)."""
     plugins = available_plugins() if plugins is None else plugins
     out: set[str] = set()
     for stage in ("pre", "stream", "post"):
@@ -77,9 +77,7 @@ def resources_used(cfg: PolicyChainConfig, plugins: dict[str, type] | None = Non
     return out
 
 
-def _load_one(
-    spec: PolicySpec, stage: str, where: str, plugins: dict[str, type], resources: PolicyResources | None
-) -> LoadedPolicy:
+def _load_one(spec: PolicySpec, stage: str, where: str, plugins: dict[str, type]) -> LoadedPolicy:
     cls = plugins.get(spec.name)
     if cls is None:
         known = ", ".join(sorted(plugins)) or "none"
@@ -96,23 +94,15 @@ def _load_one(
     impl = cls(config)
     if not isinstance(impl, STAGE_PROTOCOL[stage]):
         raise PolicyConfigError(f"policy {spec.name!r} does not implement the {stage} hook")
-    if resources is not None and getattr(cls, "uses", None):
-        try:
-            impl.bind(resources)
-        except (AttributeError, ValueError) as exc:
-            raise PolicyConfigError(f"{where}.name: policy {spec.name!r} cannot be bound: {exc}") from exc
     return LoadedPolicy(name=spec.name, stage=stage, shadow=spec.shadow, impl=impl, config=config)
 
 
-def build_chain(
-    cfg: PolicyChainConfig, plugins: dict[str, type] | None = None, resources: PolicyResources | None = None
-) -> PolicyChain:
-    """The chain ``cfg`` names. Pass ``resources`` for a chain that will serve; without, it is only checked."""
+def build_chain(cfg: PolicyChainConfig, plugins: dict[str, type] | None = None) -> PolicyChain:
     plugins = available_plugins() if plugins is None else plugins
     stages: dict[str, tuple[LoadedPolicy, ...]] = {}
     for stage in ("pre", "stream", "post"):
         specs: list[PolicySpec] = getattr(cfg, stage)
         stages[stage] = tuple(
-            _load_one(spec, stage, f"policies.{stage}[{i}]", plugins, resources) for i, spec in enumerate(specs)
+            _load_one(spec, stage, f"policies.{stage}[{i}]", plugins) for i, spec in enumerate(specs)
         )
     return PolicyChain(max_retries=cfg.max_retries, **stages)

@@ -37,7 +37,7 @@ from gateway.context import RequestContext
 from gateway.errors import GroundingFailed
 from gateway.schemas import ChatCompletionRequest, Message
 from observability.metrics import Metrics
-from policies.base import Accept, Halt, PolicyConfig, PolicyResources, Reject, Retry, StreamMode, Verdict
+from policies.base import Accept, Halt, PolicyConfig, Reject, Retry, StreamMode, Verdict
 from policies.grounding.claims import Premise, claims_of, premise_of, split_sentences
 from policies.grounding.scorer import Judgement, Scorer
 
@@ -320,16 +320,17 @@ class Grounding:
         self._scorer: Scorer | None = None
         self._metrics: Metrics | None = None
 
-    def bind(self, resources: PolicyResources) -> None:
-        if resources.scorer is None:
-            raise ValueError("the grounding policy needs the grounding scorer")
-        self._scorer = resources.scorer
-        self._metrics = resources.metrics
+    async def start(self, services: Any) -> None:
+        """Take the gateway's scorer (built and loaded by the lifespan because this policy ``uses`` it)."""
+        if services.scorer is None:
+            raise RuntimeError("the grounding policy needs the grounding scorer")
+        self._scorer = services.scorer
+        self._metrics = services.metrics
 
     @property
     def scorer(self) -> Scorer:
         if self._scorer is None:
-            raise RuntimeError("the grounding policy was built without resources (bind) and cannot serve")
+            raise RuntimeError("the grounding policy was not started")
         return self._scorer
 
     @property

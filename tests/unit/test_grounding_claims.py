@@ -134,22 +134,19 @@ def test_retry_adjustment_lowers_temperature_and_adds_the_instruction_once():
     assert cold["temperature"] == 0.1
 
 
-def test_chains_built_to_serve_bind_the_shared_scorer():
-    from gateway.settings import GroundingSettings
+async def test_the_policy_takes_the_gateway_scorer_when_started():
+    from gateway.services import Services
+    from gateway.settings import Settings
     from observability.metrics import Metrics
-    from policies.base import PolicyResources
-    from policies.grounding.scorer import FallbackScorer
     from policies.registry import resources_used
 
     cfg = PolicyChainConfig(post=[PolicySpec(name="grounding")])
     assert resources_used(cfg) == {"scorer"}
     assert resources_used(PolicyChainConfig()) == set()
-    metrics = Metrics()
-    scorer = FallbackScorer(GroundingSettings(), metrics)  # built, not loaded: binding needs no model
-    chain = build_chain(cfg, resources=PolicyResources(metrics=metrics, scorer=scorer))
-    assert chain.post[0].impl.scorer is scorer
-    with pytest.raises(PolicyConfigError, match="needs the grounding scorer"):
-        build_chain(cfg, resources=PolicyResources(metrics=metrics, scorer=None))
-    checked_only = build_chain(cfg)  # check-config: validated, not bound
-    with pytest.raises(RuntimeError, match="built without resources"):
-        checked_only.post[0].impl.scorer
+    services = Services.build(Settings(policies=cfg), Metrics())
+    policy = services.chain.post[0].impl
+    with pytest.raises(RuntimeError, match="not started"):
+        policy.scorer
+    await policy.start(services)  # the lifespan does this after loading the scorer
+    assert policy.scorer is services.scorer
+    assert Services.build(Settings(), Metrics()).scorer is None

@@ -239,10 +239,3 @@ async def test_a_scorer_that_cannot_load_fails_the_gateway_start(tmp_path):
     with pytest.raises(ScorerLoadError, match="grounding.model"):
         await services.start()
     await services.aclose()
-
-
-def test_no_scorer_is_built_without_a_policy_that_uses_it():
-    from gateway.services import Services
-    from gateway.settings import Settings
-
-    assert Services.build(Settings(), Metrics()).scorer is None
