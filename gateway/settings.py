@@ -146,6 +146,27 @@ class AdminSettings(_Strict):
     api_key: SecretStr | None = Field(default=None, description="Bearer key for /admin; unset disables it")
 
 
+class GroundingSettings(_Strict):
+    """The grounding scorer (policy ``grounding``), built and loaded once at start-up when a policy uses it."""
+
+    model: str | None = Field(
+        default=None,
+        description="NLI cross-encoder: a model name in the local model cache or a local path; unset: the fallback",
+    )
+    entailment_label: str | int | None = Field(
+        default=None, description="the entailment label's name or index; default: the one named *entail*"
+    )
+    embedding_model: str | None = Field(
+        default=None, description="fallback scorer: a local sentence-transformers directory; default: all-MiniLM-L6-v2"
+    )
+    similarity_floor: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.35
+    device: str = "cpu"
+    batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
+    max_length: Annotated[int, Field(ge=16, le=8192)] = 512
+    max_wait_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = 2.0
+    premise_chunk_chars: Annotated[int, Field(ge=200, le=20000)] = 1200
+
+
 class LoggingSettings(_Strict):
     level: Literal["debug", "info", "warning", "error"] = "info"
     json_output: bool = Field(default=True, alias="json")
@@ -248,6 +269,7 @@ class Settings(BaseSettings):
     policies: PolicyChainConfig = PolicyChainConfig()
     logging: LoggingSettings = LoggingSettings()
     admin: AdminSettings = AdminSettings()
+    grounding: GroundingSettings = GroundingSettings()
     policy_sets: dict[Name, PolicyChainConfig] = Field(default_factory=dict)
     tenants: list[TenantConfig] = Field(default_factory=list)
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)

@@ -66,6 +66,11 @@ class Script:
     prompt_tokens: int = 11
     status_body: dict | None = None
     audio_wav: str | None = None
+    # An engine that ignores max_tokens (the gateway must cut the stream itself).
+    ignore_max_tokens: bool = False
+    # Speech interleaved with text, as an engine whose talker runs alongside its thinker sends it:
+    # one audio frame after every N text frames (0: all text first, then all audio).
+    audio_interleave: int = 0
 
     def __post_init__(self) -> None:
         if self.flavour not in _FLAVOURS:
@@ -466,7 +471,10 @@ class ScriptedUpstream:
         pieces = _text_pieces(script.text, script.chunk_words)
         text_finish = "stop"
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
-        if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < len(pieces):
+        if (
+            isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < len(pieces)
+            and not script.ignore_max_tokens
+        ):
             pieces, text_finish = pieces[:limit], "length"
         plan = _Plan(
             script=script,
@@ -499,10 +507,18 @@ class ScriptedUpstream:
                 chunks = _file_audio_deltas(script.audio_wav, script.audio_seconds_per_chunk)
             else:
                 chunks = _audio_deltas(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio)
+            audio = []
             for i, (delta, meta) in enumerate(chunks):
                 finish = b'"stop"' if i == plan.n_audio - 1 else b"null"
                 finish = b',"logprobs":null,"finish_reason":' + finish
-                frames.append(head + delta + finish + meta + audio_tail)
+                audio.append(head + delta + finish + meta + audio_tail)
+            if script.audio_interleave > 0:
+                text, frames = frames, [frames[0]]
+                for i, frame in enumerate(text[1:], start=1):
+                    frames.append(frame)
+                    if i % script.audio_interleave == 0 and audio and i < len(text) - 1:
+                        frames.append(audio.pop(0))
+            frames += audio
         return frames
 
     async def _stream(
