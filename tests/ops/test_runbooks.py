@@ -1,4 +1,4 @@
-"""ops/runbooks: one page per alert, each complete, with queries, admin routes and request bodies that work."""
+"""ops/runbooks: one page per alert, each complete, with queries, admin calls and bodies that work."""
 
 from __future__ import annotations
 
