@@ -253,6 +253,18 @@ class Metrics:
         self.controller_errors = Counter(
             "omnigate_controller_errors_total", "Controller failures, by stage", ["stage"], registry=r
         )
+        self.engine_vram = Gauge(
+            "omnigate_engine_vram_usage_ratio",
+            "GPU memory the engine uses, 0..1, as the controller reads it (DCGM, PromQL or NVML; "
+            "without one of those, vLLM's KV-cache usage); exported by the controller's leader",
+            ["engine"], registry=r,
+        )
+        self.engine_kv_cache = Gauge(
+            "omnigate_engine_kv_cache_usage_ratio",
+            "KV-cache usage the engine reports (vllm:kv_cache_usage_perc), 0..1; "
+            "exported by the controller's leader",
+            ["engine"], registry=r,
+        )
         self.scrape_errors = Counter(
             "omnigate_telemetry_scrape_errors_total", "Failed telemetry reads by engine and source",
             ["engine", "source"], registry=r,
