@@ -107,6 +107,16 @@ EXPORTED: frozenset[str] = frozenset(
         "omnigate_sentinel_wer_count",
         "omnigate_sentinel_wer_sum",
         "omnigate_sentinel_samples_total",
+        "omnigate_grounding_verdicts_total",
+        "omnigate_grounding_score_bucket",
+        "omnigate_grounding_score_count",
+        "omnigate_grounding_score_sum",
+        "omnigate_grounding_scorer_seconds_bucket",
+        "omnigate_grounding_scorer_seconds_count",
+        "omnigate_grounding_scorer_seconds_sum",
+        "omnigate_holdback_wait_seconds_bucket",
+        "omnigate_holdback_wait_seconds_count",
+        "omnigate_holdback_wait_seconds_sum",
     }
 )
 
