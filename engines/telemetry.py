@@ -12,6 +12,11 @@ Per engine, every ``scrape_interval_s``:
 ``vram_usage`` is the GPU memory ratio when one of those sources is configured;
 otherwise it falls back to vLLM's KV-cache usage, since vLLM reserves its share of
 GPU memory up front and pressure inside it shows as KV-cache use.
+
+Only the controller's leader scrapes. It exports what it read as the gauges
+``omnigate_engine_vram_usage_ratio`` and ``omnigate_engine_kv_cache_usage_ratio``;
+a reading the controller no longer trusts (see :meth:`TelemetryCollector.latest`),
+or a replica that stops leading, removes them rather than leave a stale value.
 """
 
 from __future__ import annotations
@@ -198,6 +203,8 @@ class TelemetryCollector:
         while True:
             if self._active():
                 await self.collect_once()
+            else:
+                self._unexport()
             await asyncio.sleep(self.settings.scrape_interval_s)
 
     def latest(self, name: str) -> dict[str, float]:
@@ -258,6 +265,22 @@ class TelemetryCollector:
             values["vram_usage"] = values["kv_cache_usage"]
         if values:
             self._latest[t.name] = (time.monotonic(), values)
+        self._export(t.name)
+
+    def _export(self, name: str) -> None:
+        """The readings the controller sees now, as gauges; one it would not use is removed, not left stale."""
+        values = self.latest(name)
+        m = self._metrics
+        for gauge, key in ((m.engine_vram, "vram_usage"), (m.engine_kv_cache, "kv_cache_usage")):
+            if key in values:
+                gauge.labels(name).set(values[key])
+            else:
+                gauge.remove(name)
+
+    def _unexport(self) -> None:
+        for t in self._targets:
+            self._metrics.engine_vram.remove(t.name)
+            self._metrics.engine_kv_cache.remove(t.name)
 
     def _failed(self, engine: str, source: str, exc: Exception) -> None:
         self._metrics.scrape_errors.labels(engine, source).inc()

@@ -62,6 +62,10 @@ def check_config(path: str) -> int:
     else:
         print("tenants: none (authentication is off)")
     print(f"audit: {settings.audit.store if settings.audit.enabled else 'disabled'}")
+    if any("scorer" in getattr(p.impl, "uses", ()) for c in (chain, *sets.values()) for p in c.all()):
+        g = settings.grounding
+        which = f"cross-encoder {g.model}" if g.model else "fallback (numbers, dates, names + all-MiniLM-L6-v2)"
+        print(f"grounding scorer: {which} on {g.device}")
     t = settings.traffic
     if not t.enabled:
         print("traffic: admission off")

@@ -30,6 +30,8 @@ class PolicyRun:
     duration_ms: float
     shadow: bool = False
     detail: str | None = None
+    attempt: int = 1
+    score: float | None = None
 
 
 @dataclass(slots=True)
@@ -122,6 +124,14 @@ class RequestContext:
     media: list[MediaRecord] = field(default_factory=list)
     screenings: list[Screening] = field(default_factory=list)
     segmentation: Segmentation | None = None
+    #: retries the pipeline can still make for this request (a streaming check reads it)
+    retries_left: int = 0
+    #: headers verdicts added before the response started (``x-omnigate-grounding``, ...)
+    response_headers: dict[str, str] = field(default_factory=dict)
+    #: facts policies report (audit record; sent as the stream's final event)
+    notes: dict[str, Any] = field(default_factory=dict)
+    #: text of input audio, where a pre-policy transcribed it (part of the grounding premise)
+    input_transcripts: list[str] = field(default_factory=list)
 
     def degrade(self, reason: str) -> None:
         if reason not in self.degraded:

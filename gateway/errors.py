@@ -27,7 +27,9 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     ├── RateLimited                     429 rate_limit_exceeded   (Retry-After)
     ├── Overloaded                      503 overloaded            (Retry-After)
     │   └── EngineBusy                  503 engine_busy           (Retry-After; every engine for the model is full)
-    ├── GroundingFailed                 422 grounding_failed
+    ├── GuardUnavailable                503 guard_unavailable     (a policy's model failed; fail closed)
+    ├── AnswerWithheld                  422 answer_withheld       (a post-policy kept every attempt back)
+    │   └── GroundingFailed             422 grounding_failed
     └── EngineError                     502 engine_error
         ├── EngineFailed                502 engine_error          (retryable before first byte: its 5xx)
         ├── EngineUnavailable           503 engine_unavailable    (retryable before first byte)
@@ -185,9 +187,25 @@ class EngineBusy(Overloaded):
     code = "engine_busy"
 
 
-class GroundingFailed(OmnigateError):
+class GuardUnavailable(OmnigateError):
+    """A policy could not judge the answer (its model failed): the answer is not served unjudged."""
+
+    status = 503
+    type = "api_error"
+    code = "guard_unavailable"
+
+
+class AnswerWithheld(OmnigateError):
+    """No attempt's answer could be served: a post-policy held each one back and no retry is left."""
+
     status = 422
     type = "invalid_response_error"
+    code = "answer_withheld"
+
+
+class GroundingFailed(AnswerWithheld):
+    """The answer is not supported by the request's premise (policy ``grounding``)."""
+
     code = "grounding_failed"
 
 

@@ -2,13 +2,18 @@
 
     admission (audit room, tenant rate limits, model access, a concurrency slot: gateway/admission.py)
       → pre-policies (the tenant's chain; load-shedding first)
-      → engine choice → first upstream chunk (commit point) → stream filters
+      → engine choice → first upstream chunk (failover point) → stream filters
+      → streaming post-checks → first released chunk (commit point)
       → post-policies (retry while nothing was sent) → accounting → audit record
       (committed before the response is complete)
 
 Nothing here knows about HTTP: the transport renders what :meth:`Pipeline.stream`
-and :meth:`Pipeline.complete` return. Everything before the commit point may
-fail over to the next engine; after it, a failure ends the stream with an error.
+and :meth:`Pipeline.complete` return. Before the first upstream chunk a failing
+engine is replaced by the next one. :meth:`Pipeline.stream` returns only once the
+first chunk is *released* to the client (or the stream ended), so everything a
+held-back check decides before that (a retry, a refusal, a header such as
+``x-omnigate-grounding``) still shapes the HTTP response; after it, a failure
+ends the stream with an error frame.
 
 A segmented input (``ctx.segmentation``, set by a pre-policy for audio too long
 for one call) is served as one engine call per segment, in order, concatenated
@@ -22,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import structlog
 
@@ -32,6 +37,7 @@ from engines.pool import EnginePool
 from gateway.audio import STREAMABLE_FORMATS
 from gateway.context import RequestContext
 from gateway.errors import (
+    AnswerWithheld,
     EngineError,
     EngineProtocolError,
     EngineUnavailable,
@@ -45,7 +51,7 @@ from gateway.schemas import ChatCompletionRequest
 from observability.audit.log import AuditLog
 from observability.audit.record import OutputDigest, RequestSnapshot
 from observability.metrics import Metrics
-from policies.base import Accept, Reject, Retry, StreamFilter
+from policies.base import Accept, Halt, Reject, Retry, StreamCheck, StreamFilter, StreamingPostPolicy, Verdict
 from policies.registry import LoadedPolicy, PolicyChain
 
 if TYPE_CHECKING:
@@ -73,7 +79,12 @@ class CompletionResult:
 
 @dataclass(slots=True)
 class ResponseStream:
-    """A committed stream. Iterate :meth:`deltas` once, then always :meth:`aclose`."""
+    """A committed stream. Iterate :meth:`deltas` once, then always :meth:`aclose`.
+
+    :meth:`Pipeline.stream` primes it: it has already run up to the first
+    released delta (held in ``_head``), so ``request`` is the attempt being
+    served and ``ctx.response_headers`` holds what the verdicts added.
+    """
 
     pipeline: "Pipeline"
     request: ChatCompletionRequest
@@ -81,31 +92,44 @@ class ResponseStream:
     attempt: Attempt
     _released: bool = False
     _gen: AsyncIterator[Delta] | None = None
+    _head: Delta | None = None
+    _ended: bool = False
+    _iterated: bool = False
+
+    async def _prime(self) -> None:
+        """Run until the first released delta or the end; errors before that reach the caller."""
+        self._gen = self.pipeline._run_stream(self)
+        try:
+            self._head = await anext(self._gen)
+        except StopAsyncIteration:
+            self._ended = True
+        except BaseException:
+            await self._gen.aclose()  # type: ignore[attr-defined]
+            raise
 
     def deltas(self) -> AsyncIterator[Delta]:
-        if self._gen is not None:
-            raise RuntimeError("a response stream is iterated once")
-        self._gen = self.pipeline._run_stream(self)
-        return self._gen
+        if self._iterated or self._gen is None:
+            raise RuntimeError("a response stream is primed, then iterated once")
+        self._iterated = True
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[Delta]:
+        assert self._gen is not None
+        if self._head is not None:
+            head, self._head = self._head, None
+            yield head
+        if not self._ended:
+            async for d in self._gen:
+                yield d
 
     async def aclose(self) -> None:
         """Release the upstream; safe to call whether or not iteration started or ended."""
         if self._gen is None:
-            # Never iterated (the client left before the response began).
             self._gen = _closed()
-            await self._abandon()
+            await self.attempt.upstream.aclose()
+            self.pipeline._finish(self.ctx, GeneratorExit())
         else:
-            try:
-                await self._gen.aclose()  # type: ignore[attr-defined]
-            finally:
-                if self.ctx.outcome is None:
-                    # Created but never started: closing it did not run its finally.
-                    await self._abandon()
-
-    async def _abandon(self) -> None:
-        fut = self.pipeline._finish(self.ctx, GeneratorExit())
-        await self.attempt.upstream.aclose()
-        await self.pipeline._durable(self.ctx, fut)
+            await self._gen.aclose()  # type: ignore[attr-defined]
 
 
 def _join(parts: list[Completion], separator: str) -> Completion:
@@ -122,6 +146,19 @@ def _join(parts: list[Completion], separator: str) -> Completion:
 async def _closed() -> AsyncIterator[Delta]:
     return
     yield  # pragma: no cover
+
+
+_DEAD: Any = object()  # a shadow check that halted: not fed any more
+
+
+@dataclass(slots=True)
+class _Candidate:
+    """A complete attempt that a post-policy wanted retried: served if it scores best when retries run out."""
+
+    verdict: Retry
+    request: ChatCompletionRequest
+    completion: Completion
+    release: Callable[[], list[Delta]]
 
 
 class Pipeline:
@@ -163,7 +200,9 @@ class Pipeline:
         except BaseException as exc:
             await self._settle(ctx, exc)
             raise
-        return ResponseStream(self, attempt.request, ctx, attempt)
+        rs = ResponseStream(self, attempt.request, ctx, attempt)
+        await rs._prime()  # the stream's own teardown accounts for errors from here on
+        return rs
 
     async def complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
         self._begin(ctx, request)
@@ -241,10 +280,22 @@ class Pipeline:
             return request
         return out
 
-    def _record(self, policy: LoadedPolicy, ctx: RequestContext, verdict: str, seconds: float, detail: str | None) -> None:
+    def _record(
+        self,
+        policy: LoadedPolicy,
+        ctx: RequestContext,
+        verdict: str,
+        seconds: float,
+        detail: str | None,
+        score: float | None = None,
+    ) -> None:
         from gateway.context import PolicyRun
 
-        ctx.policy_runs.append(PolicyRun(policy.name, policy.stage, verdict, seconds * 1000, policy.shadow, detail))
+        ctx.policy_runs.append(
+            PolicyRun(
+                policy.name, policy.stage, verdict, seconds * 1000, policy.shadow, detail, ctx.retries + 1, score
+            )
+        )
         self.metrics.policy_decisions.labels(policy.name, policy.stage, verdict, str(policy.shadow).lower()).inc()
         self.metrics.policy_duration.labels(policy.name, policy.stage).observe(seconds)
 
@@ -326,19 +377,51 @@ class Pipeline:
 
     async def _complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
         budget = self._chain(ctx).max_retries
+        candidates: list[_Candidate] = []
         while True:
+            ctx.retries_left = budget
             completion, served = await self._complete_segments(request, ctx)
-            verdict = await self._post(served, completion, ctx)
-            if isinstance(verdict, Retry) and budget > 0:
+            verdict, accepted = await self._post(served, completion, ctx)
+            if isinstance(verdict, Accept):
+                self._apply(accepted, ctx, committed=False)
+                return CompletionResult(served, completion, ctx)
+            if isinstance(verdict, Reject):
+                raise verdict.error
+            candidates.append(_Candidate(verdict, served, completion, lambda: []))
+            if budget > 0:
                 budget -= 1
                 request = self._retry(request, verdict, ctx)
                 self._unbind(ctx)
                 continue
-            if isinstance(verdict, Reject):
-                raise verdict.error
-            if isinstance(verdict, Retry):
-                ctx.degrade("retries-exhausted")
-            return CompletionResult(served, completion, ctx)
+            best = self._exhausted(candidates, ctx)
+            self._account(ctx, best.completion)
+            return CompletionResult(best.request, best.completion, ctx)
+
+    def _exhausted(self, candidates: list[_Candidate], ctx: RequestContext) -> _Candidate:
+        """No retry left: serve the best-scoring attempt as its verdict says, or raise its refusal."""
+        ctx.degrade("retries-exhausted")
+        best = max(
+            enumerate(candidates),
+            key=lambda ic: (ic[1].verdict.score if ic[1].verdict.score is not None else float("-inf"), ic[0]),
+        )[1]
+        outcome = best.verdict.exhausted
+        policy = next((p for p in self._chain(ctx).post if p.name == best.verdict.reason), None)
+        if policy is not None:
+            kind = "exhausted_reject" if isinstance(outcome, Reject) else "exhausted_serve"
+            self._record(policy, ctx, kind, 0.0, None, best.verdict.score)
+        if isinstance(outcome, Reject):
+            raise outcome.error
+        if isinstance(outcome, Accept):
+            self._apply([outcome], ctx, committed=False)
+        return best
+
+    def _apply(self, accepted: list[Accept], ctx: RequestContext, committed: bool) -> None:
+        """Headers and notes of the verdicts acted on; headers only while the response has not started."""
+        for v in accepted:
+            if v.headers and not committed:
+                ctx.response_headers.update(v.headers)
+            if v.notes:
+                ctx.notes.update(v.notes)
 
     async def _complete_once(
         self, request: ChatCompletionRequest, ctx: RequestContext
@@ -393,60 +476,118 @@ class Pipeline:
     def _retry(self, request: ChatCompletionRequest, verdict: Retry, ctx: RequestContext) -> ChatCompletionRequest:
         ctx.retries += 1
         self.metrics.retries.labels(verdict.reason).inc()
-        log.info("request_retry", reason=verdict.reason, attempt=ctx.retries)
+        log.info("request_retry", reason=verdict.reason, attempt=ctx.retries, engine=ctx.engine,
+                 score=verdict.score, adjusted=sorted(verdict.update) or None)
         return request.model_copy(update=verdict.update) if verdict.update else request
 
-    async def _post(self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext) -> Any:
+    async def _post(
+        self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext
+    ) -> tuple[Verdict, list[Accept]]:
+        """Post-policies in order; the first acting non-Accept verdict wins. Also returns the Accepts seen."""
+        accepted: list[Accept] = []
         for policy in self._chain(ctx).post:
             t0 = time.perf_counter()
             verdict = await policy.impl.post(request, completion, ctx)
-            name = type(verdict).__name__.lower()
-            self._record(policy, ctx, name, time.perf_counter() - t0, getattr(verdict, "reason", None))
-            if policy.shadow or isinstance(verdict, Accept):
-                continue
-            if isinstance(verdict, Retry):
-                verdict = Retry(reason=policy.name, update=verdict.update)
-            return verdict
-        return Accept()
+            out = self._judged(policy, ctx, verdict, t0, accepted)
+            if out is not None:
+                return out, accepted
+        return Accept(), accepted
+
+    def _judged(
+        self, policy: LoadedPolicy, ctx: RequestContext, verdict: Verdict, t0: float, accepted: list[Accept]
+    ) -> Verdict | None:
+        """Record one post verdict; the verdict to act on, or None to go on with the next policy."""
+        name = type(verdict).__name__.lower()
+        self._record(policy, ctx, name, time.perf_counter() - t0, getattr(verdict, "reason", None) or getattr(
+            verdict, "detail", None), getattr(verdict, "score", None))
+        if policy.shadow:
+            return None
+        if isinstance(verdict, Accept):
+            accepted.append(verdict)
+            return None
+        if isinstance(verdict, Retry):
+            return replace(verdict, reason=policy.name)
+        return verdict
 
     # -- the committed stream ------------------------------------------------
     async def _run_stream(self, rs: ResponseStream) -> AsyncIterator[Delta]:
-        """Relay one stream through the filters; retry (post-policy) only while nothing was released."""
+        """Relay one stream through filters and checks; retry only while nothing was released."""
         ctx, attempt = rs.ctx, rs.attempt
         chain = self._chain(ctx)
         budget = chain.max_retries
+        candidates: list[_Candidate] = []
         error: BaseException | None = None
         released = ctx.output = OutputDigest(ctx.audit_content != "digests") if self.audit is not None else None
         try:
             while True:
+                ctx.retries_left = budget
+                rs.attempt, rs.request = attempt, attempt.request
                 filters = [(p, p.impl.open_stream(attempt.request, ctx)) for p in chain.stream]
+                checks = self._open_checks(attempt.request, ctx)
                 completion = Completion()
                 relayed = attempt
                 if ctx.segmentation is not None and len(ctx.segmentation.boundaries) > 1:
                     joined = self._concat(attempt, ctx)
                     relayed = Attempt(attempt.engine, attempt.request, joined, await anext(joined))
-                async for delta in self._relay(relayed, filters, completion, ctx):
-                    rs._released = True
-                    if released is not None:
-                        released.add(delta)
-                    yield delta
-                verdict = await self._post(attempt.request, completion, ctx)
-                if isinstance(verdict, Retry) and budget > 0 and not rs._released:
+                halted: Halt | None = None
+                try:
+                    async for delta in self._relay(relayed, filters, checks, completion, ctx):
+                        rs._released = True
+                        if released is not None:
+                            released.add(delta)
+                        yield delta
+                except Halt as h:
+                    halted = h
+                accepted: list[Accept] = []
+                if halted is not None:
+                    verdict: Verdict = halted.verdict
+                    release: Callable[[], list[Delta]] = list
+                elif checks:
+                    verdict, release, accepted = await self._end_checks(
+                        attempt.request, completion, ctx, filters, checks
+                    )
+                else:
+                    verdict, accepted = await self._post(attempt.request, completion, ctx)
+                    release = lambda filters=filters: self._flush(filters)  # noqa: E731
+                if isinstance(verdict, Reject):
+                    raise verdict.error
+                if isinstance(verdict, Accept):
+                    self._apply(accepted, ctx, committed=rs._released)
+                    for out in release():
+                        rs._released = True
+                        yield self._mark(ctx, out)
+                    self._account(ctx, completion)
+                    return
+                # Retry. Only a whole attempt can be served later; a halted one was cut short.
+                if halted is None and not rs._released:
+                    candidates.append(_Candidate(verdict, attempt.request, completion, release))
+                if budget > 0 and not rs._released:
                     budget -= 1
                     request = self._retry(attempt.request, verdict, ctx)
                     self._unbind(ctx)
                     attempt = await self._open(request, ctx)
                     continue
-                if isinstance(verdict, Reject):
-                    raise verdict.error
-                if isinstance(verdict, Retry):
+                if rs._released:
+                    # Too late to hold anything back: terminate if the policy says so, else finish flagged.
+                    if isinstance(verdict.exhausted, Reject):
+                        raise verdict.exhausted.error
                     ctx.degrade("retries-exhausted")
-                for out in self._flush(filters):
+                    if isinstance(verdict.exhausted, Accept):
+                        self._apply([verdict.exhausted], ctx, committed=True)
+                    for out in release():
+                        yield self._mark(ctx, out)
+                    self._account(ctx, completion)
+                    return
+                if not candidates:
+                    if isinstance(verdict.exhausted, Reject):
+                        raise verdict.exhausted.error
+                    raise AnswerWithheld(f"policy {verdict.reason} held the answer back and no retry is left")
+                best = self._exhausted(candidates, ctx)
+                rs.request = best.request
+                for out in best.release():
                     rs._released = True
-                    if released is not None:
-                        released.add(out)
-                    yield out
-                self._account(ctx, completion)
+                    yield self._mark(ctx, out)
+                self._account(ctx, best.completion)
                 return
         except BaseException as exc:
             error = exc
@@ -460,10 +601,102 @@ class Pipeline:
                 # The audit record is committed before the stream's last frame and [DONE] go out.
                 await self._durable(ctx, fut)
 
+    @staticmethod
+    def _mark(ctx: RequestContext, d: Delta) -> Delta:
+        """A delta released at the end of an attempt (held back until then): first text/audio, audit digest."""
+        if ctx.output is not None:
+            ctx.output.add(d)
+        if ctx.ttft_s is None and (d.text or d.audio):
+            ctx.ttft_s = ctx.elapsed()
+        if ctx.first_audio_s is None and d.audio:
+            ctx.first_audio_s = ctx.elapsed()
+        return d
+
+    def _open_checks(
+        self, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> list[tuple[LoadedPolicy, Any]]:
+        """One entry per post-policy, in order: its stream check, or None for a plain post-policy."""
+        out: list[tuple[LoadedPolicy, Any]] = []
+        for p in self._chain(ctx).post:
+            impl = p.impl
+            out.append((p, impl.open_check(request, ctx) if isinstance(impl, StreamingPostPolicy) else None))
+        return out if any(c is not None for _, c in out) else []
+
+    async def _feed_checks(
+        self, checks: list[tuple[LoadedPolicy, Any]], batch: list[Delta], ctx: RequestContext
+    ) -> list[Delta]:
+        for i, (policy, check) in enumerate(checks):
+            if check is None or check is _DEAD or not batch:
+                continue
+            released: list[Delta] = []
+            for d in batch:
+                t0 = time.perf_counter()
+                try:
+                    out = await check.feed(d)
+                except Halt as h:
+                    v = h.verdict
+                    self._record(policy, ctx, type(v).__name__.lower(), time.perf_counter() - t0, "halted",
+                                 getattr(v, "score", None))
+                    if not policy.shadow:
+                        if isinstance(v, Retry):
+                            h.verdict = replace(v, reason=policy.name)
+                        raise
+                    checks[i] = (policy, _DEAD)
+                    released = batch
+                    break
+                released.extend([d] if policy.shadow else out)
+            batch = released
+        return batch
+
+    async def _end_checks(
+        self,
+        request: ChatCompletionRequest,
+        completion: Completion,
+        ctx: RequestContext,
+        filters: list[tuple[LoadedPolicy, StreamFilter]],
+        checks: list[tuple[LoadedPolicy, Any]],
+    ) -> tuple[Verdict, Callable[[], list[Delta]], list[Accept]]:
+        """End of an attempt: the filters' tails go through the checks, then each post verdict in order.
+
+        A check's held deltas move on to the next check only after it accepted,
+        so every check judges all that would reach the client.
+        """
+        batch = self._flush(filters)
+        accepted: list[Accept] = []
+        for policy, check in checks:
+            if check is _DEAD:
+                continue
+            t0 = time.perf_counter()
+            if check is None:
+                verdict: Verdict = await policy.impl.post(request, completion, ctx)
+                out = batch
+            else:
+                out = []
+                try:
+                    for d in batch:
+                        out.extend(await check.feed(d))
+                except Halt as h:
+                    verdict = h.verdict
+                else:
+                    verdict = await check.finish()
+            acting = self._judged(policy, ctx, verdict, t0, accepted)
+            if acting is None:
+                if check is not None:
+                    batch = batch if policy.shadow else out + check.release()
+                continue
+            held: StreamCheck | None = check
+
+            def release(out: list[Delta] = out, held: StreamCheck | None = held) -> list[Delta]:
+                return out + (held.release() if held is not None else [])
+
+            return acting, release, accepted
+        return Accept(), (lambda batch=batch: batch), accepted
+
     async def _relay(
         self,
         attempt: Attempt,
         filters: list[tuple[LoadedPolicy, StreamFilter]],
+        checks: list[tuple[LoadedPolicy, Any]],
         completion: Completion,
         ctx: RequestContext,
     ) -> AsyncIterator[Delta]:
@@ -472,6 +705,8 @@ class Pipeline:
         upstream = attempt.upstream
         first: Delta | None = attempt.first
         last_t = 0.0
+        cap = attempt.request.output_token_limit
+        pieces = 0
         try:
             while True:
                 if first is not None:
@@ -481,8 +716,20 @@ class Pipeline:
                         delta = await anext(upstream)
                     except StopAsyncIteration:
                         break
+                cut = False
+                if delta.text and cap is not None:
+                    # The engine ignored max_tokens: each streamed text piece carries at least one token,
+                    # so more pieces than the cap means more tokens than the cap. Cut it there.
+                    pieces += 1
+                    if pieces > cap:
+                        ctx.degrade("output-capped")
+                        delta = Delta(finish_reason="length")
+                        completion.usage = Usage(completion.usage.prompt_tokens, cap)
+                        cut = True
                 completion.add(delta)
                 out = [delta] if not filters else self._feed(filters, delta)
+                if checks:
+                    out = await self._feed_checks(checks, out, ctx)
                 for d in out:
                     now = time.perf_counter()
                     if last_t:
@@ -493,6 +740,8 @@ class Pipeline:
                     if ctx.first_audio_s is None and d.audio:
                         ctx.first_audio_s = now - ctx.started
                     yield d
+                if cut:
+                    break
         except EngineError as exc:
             self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
             self.pool.report_failure(engine)
@@ -630,6 +879,11 @@ class Pipeline:
             priority=ctx.load.priority if ctx.load is not None else None,
             admitted_at_in_flight=ctx.load.in_flight if ctx.load is not None else None,
             policies=[(p.name, p.verdict) for p in ctx.policy_runs] or None,
+            attempt_log=[
+                {"attempt": p.attempt, "policy": p.name, "verdict": p.verdict, "score": p.score}
+                for p in ctx.policy_runs if p.stage == "post"
+            ] or None,
+            notes=ctx.notes or None,
             ttft_ms=round(ctx.ttft_s * 1000, 2) if ctx.ttft_s is not None else None,
             duration_ms=round(ctx.elapsed() * 1000, 2),
             prompt_tokens=ctx.prompt_tokens,

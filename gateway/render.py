@@ -83,8 +83,13 @@ class ChunkRenderer:
         )
 
     def final(self) -> bytes:
+        """The finishing chunk (carrying the policies' notes as a top-level ``omnigate`` field), usage, [DONE]."""
         out = self._role() if self._first else b""
-        out += self._head + b'[{"index":0,"delta":{},"finish_reason":' + orjson.dumps(self._finish or "stop") + b"}]}\n\n"
+        notes = b',"omnigate":' + orjson.dumps(self._ctx.notes) if self._ctx.notes else b""
+        out += (
+            self._head + b'[{"index":0,"delta":{},"finish_reason":' + orjson.dumps(self._finish or "stop") + b"}]"
+            + notes + b"}\n\n"
+        )
         if self._include_usage:
             ctx = self._ctx
             usage = {
@@ -109,7 +114,7 @@ def completion_body(
             "expires_at": int(time.time()) + AUDIO_TTL_S,
             "transcript": completion.transcript or completion.text,
         }
-    return {
+    body: dict[str, Any] = {
         "id": completion_id,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -117,3 +122,6 @@ def completion_body(
         "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
         "usage": completion.usage.to_dict(),
     }
+    if ctx.notes:
+        body["omnigate"] = ctx.notes
+    return body

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -23,7 +24,7 @@ from gateway.tenants import Directory
 from observability.audit import AuditLog
 from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics
-from policies.registry import PolicyChain, build_chain
+from policies.registry import PolicyChain, available_plugins, build_chain, resources_used
 
 log = structlog.get_logger(__name__)
 
@@ -61,9 +62,12 @@ class Services:
     plugins: dict[str, type] | None = None
     admission: AdmissionGate | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    #: the grounding scorer, built only when a configured policy ``uses`` it; loaded by :meth:`start`
+    scorer: Any = None
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
+        plugins = available_plugins() if plugins is None else plugins
         chain = build_chain(settings.policies, plugins)
         chains = build_policy_sets(settings, plugins)
         routing = settings.routing
@@ -92,18 +96,28 @@ class Services:
             pool, chain, metrics, audit=audit, limiter=limiter, chains=chains, sentinel=sentinel,
             admission=admission,
         )
+        used = resources_used(settings.policies, plugins).union(
+            *(resources_used(c, plugins) for c in settings.policy_sets.values())
+        )
         services = cls(settings, metrics, pool, chain, pipeline, controller, audit=audit, limiter=limiter,
-                       directory=Directory.build(settings), plugins=plugins, admission=admission)
+                       directory=Directory.build(settings), plugins=plugins, admission=admission,
+                       scorer=build_scorer_if_used(settings, metrics, used))
         if audit is not None:
             # Every routing transition, automatic or manual, goes into the same tamper-evident chain.
             controller.on_transition.append(services._audit_transition)
         return services
+
+    def describe_scorer(self) -> dict[str, Any] | None:
+        return self.scorer.describe() if self.scorer is not None else None
 
     async def _audit_transition(self, transition: Transition) -> None:
         if self.audit is not None:
             await self.audit.append_event("routing_transition", transition.to_dict())
 
     async def start(self) -> None:
+        if self.scorer is not None:
+            # Loaded before the gateway serves: a configured model that cannot load fails the boot.
+            await self.scorer.start()
         log.info(
             "gateway_starting",
             engines=[
@@ -111,6 +125,7 @@ class Services:
                 for e in self.settings.engines
             ],
             policies=self.chain.describe(),
+            grounding_scorer=self.describe_scorer(),
             policy_sets={name: c.describe() for name, c in self.pipeline.chains.items()},
         )
         if self.audit is not None:
@@ -201,3 +216,14 @@ class Services:
                     await close()
                 except Exception as exc:
                     log.warning("policy_close_failed", policy=policy.name, error=str(exc))
+        if self.scorer is not None:
+            await self.scorer.aclose()
+
+
+def build_scorer_if_used(settings: Settings, metrics: Metrics, used: set[str]) -> Any:
+    """The grounding scorer when a configured policy uses it (not loaded yet), else None."""
+    if "scorer" not in used:
+        return None
+    from policies.grounding.scorer import build_scorer
+
+    return build_scorer(settings.grounding, metrics)

@@ -91,7 +91,7 @@ class EngineConfig(_Strict):
         default=65536, description="the engine's context window, for the media budget check"
     )
     local: LocalEngineOptions = LocalEngineOptions()
-    # Per-engine concurrency (see engines/limits.py); the seeds' max_num_seqs: 8, and 4 under overload.
+    # Per-engine concurrency caps (see engines/pool.py); the seeds' max_num_seqs: 8, and 4 under overload.
     max_in_flight: Annotated[int, Field(ge=1, le=100000)] | None = Field(
         default=8, description="requests this engine serves at once; null: no limit"
     )
@@ -177,6 +177,27 @@ class AdminSettings(_Strict):
     """The admin API under ``/admin``: off the public OpenAPI schema, and 404 unless a key is set."""
 
     api_key: SecretStr | None = Field(default=None, description="Bearer key for /admin; unset disables it")
+
+
+class GroundingSettings(_Strict):
+    """The grounding scorer (policy ``grounding``), built and loaded once at start-up when a policy uses it."""
+
+    model: str | None = Field(
+        default=None,
+        description="NLI cross-encoder: a model name in the local model cache or a local path; unset: the fallback",
+    )
+    entailment_label: str | int | None = Field(
+        default=None, description="the entailment label's name or index; default: the one named *entail*"
+    )
+    embedding_model: str | None = Field(
+        default=None, description="fallback scorer: a local sentence-transformers directory; default: all-MiniLM-L6-v2"
+    )
+    similarity_floor: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.35
+    device: str = "cpu"
+    batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
+    max_length: Annotated[int, Field(ge=16, le=8192)] = 512
+    max_wait_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = 2.0
+    premise_chunk_chars: Annotated[int, Field(ge=200, le=20000)] = 1200
 
 
 class LoggingSettings(_Strict):
@@ -399,6 +420,7 @@ class Settings(BaseSettings):
     policies: PolicyChainConfig = PolicyChainConfig()
     logging: LoggingSettings = LoggingSettings()
     admin: AdminSettings = AdminSettings()
+    grounding: GroundingSettings = GroundingSettings()
     policy_sets: dict[Name, PolicyChainConfig] = Field(default_factory=dict)
     tenants: list[TenantConfig] = Field(default_factory=list)
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)

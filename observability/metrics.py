@@ -24,6 +24,7 @@ _MEDIA_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 _BYTES = tuple(float(1 << k) for k in range(10, 31, 2))  # 1 KiB .. 1 GiB
 _TOKENS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _SCORE = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+_GROUNDING_SCORE = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 class Metrics:
@@ -189,6 +190,34 @@ class Metrics:
         self.segments = Counter(
             "omnigate_segment_calls_total", "Engine calls made for the segments of long inputs", registry=r
         )
+        # Grounding guard (policies/grounding): scorer cost, verdicts, and what holding back costs clients.
+        self.grounding_scorer_seconds = Histogram(
+            "omnigate_grounding_scorer_seconds",
+            "Time one grounding scoring call took (queueing in the scorer's batcher included)",
+            ["scorer"],
+            buckets=_POLICY,
+            registry=r,
+        )
+        self.grounding_verdicts = Counter(
+            "omnigate_grounding_verdicts_total",
+            "Grounding verdicts per attempt: pass, fail; and per request: served_low, refused, terminated",
+            ["mode", "verdict"],
+            registry=r,
+        )
+        self.grounding_score = Histogram(
+            "omnigate_grounding_score",
+            "Grounding score of each judged attempt (minimum over its claim sentences)",
+            ["mode"],
+            buckets=_GROUNDING_SCORE,
+            registry=r,
+        )
+        self.holdback_wait = Histogram(
+            "omnigate_holdback_wait_seconds",
+            "How long released output waited in the gateway for the grounding check (per release)",
+            ["mode"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         # -- engine pool and rollback controller
         self.engine_state = Gauge(
             "omnigate_engine_state",
@@ -226,6 +255,18 @@ class Metrics:
         )
         self.controller_errors = Counter(
             "omnigate_controller_errors_total", "Controller failures, by stage", ["stage"], registry=r
+        )
+        self.engine_vram = Gauge(
+            "omnigate_engine_vram_usage_ratio",
+            "GPU memory the engine uses, 0..1, as the controller reads it (DCGM, PromQL or NVML; "
+            "without one of those, vLLM's KV-cache usage); exported by the controller's leader",
+            ["engine"], registry=r,
+        )
+        self.engine_kv_cache = Gauge(
+            "omnigate_engine_kv_cache_usage_ratio",
+            "KV-cache usage the engine reports (vllm:kv_cache_usage_perc), 0..1; "
+            "exported by the controller's leader",
+            ["engine"], registry=r,
         )
         self.scrape_errors = Counter(
             "omnigate_telemetry_scrape_errors_total", "Failed telemetry reads by engine and source",

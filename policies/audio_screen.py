@@ -73,6 +73,7 @@ class AudioScreen:
         loop = asyncio.get_running_loop()
         for ref in refs:
             transcript = await loop.run_in_executor(self._pool, self._transcribe, ref)
+            ctx.input_transcripts.append(transcript)  # part of the grounding premise
             match = next((p for p in self._patterns if p.search(transcript)), None)
             ctx.screenings.append(Screening(self.name, ref.path, 1.0 if match else 0.0, match is not None))
             if self._metrics is not None:

@@ -18,7 +18,11 @@ and may declare:
     into data first); the chain is refused at start-up otherwise.
 ``async start(services)`` and ``async aclose()``
     called once by the app's lifespan: load models, open sessions, read the
-    engine configuration (``services`` is :class:`gateway.services.Services`).
+    engine configuration, take shared resources such as the grounding scorer
+    (``services`` is :class:`gateway.services.Services`).
+``uses``
+    the shared resources it needs (``{"scorer"}``), so the gateway builds and
+    loads them only when a configured policy asks.
 
 It is constructed once as ``Plugin(config)``. Then, by stage:
 
@@ -36,14 +40,19 @@ post
     :class:`Retry` (the pipeline retries while nothing has been sent and budget
     remains) or :class:`Reject`.
 
-Per-stream state lives only in the object ``open_stream`` returns, never on the
-plugin instance, which all requests share.
+    A post policy may also *watch a stream* (a streaming post-check): it then
+    declares ``stream_mode(request, ctx) -> StreamMode`` and
+    ``open_check(request, ctx) -> StreamCheck``. For streamed requests the
+    pipeline feeds the check what the stream filters release, releases only
+    what the check clears, and takes the check's ``finish()`` verdict instead of
+    calling ``post``. ``hold`` and ``window`` checks can block or retry (until
+    their first release); a ``passthrough`` check can only record and terminate.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Protocol, Union, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -65,15 +74,34 @@ class PolicyConfig(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class Accept:
+    """Serve the answer.
+
+    ``headers`` are response headers the pipeline adds when it acts on this
+    verdict while the response has not started; ``notes`` are facts for the
+    audit record and for the stream's final event (see README, "Grounding").
+    """
+
     detail: str | None = None
+    score: float | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    notes: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Retry:
-    """Ask for another attempt; ``update`` is merged into the request for it."""
+    """Ask for another attempt; ``update`` is merged into the request for it.
+
+    ``score`` ranks attempts. ``exhausted`` says what to do when no retry is
+    possible (budget spent, or something was already released): ``Reject`` ends
+    the request with its error; ``Accept`` serves the best-scoring attempt with
+    that verdict's headers and notes; ``None`` serves the last attempt flagged
+    ``retries-exhausted``.
+    """
 
     reason: str
     update: dict[str, Any] = field(default_factory=dict)
+    score: float | None = None
+    exhausted: "Accept | Reject | None" = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +110,18 @@ class Reject:
 
 
 Verdict = Union[Accept, Retry, Reject]
+
+
+class Halt(Exception):
+    """Raised by a :class:`StreamCheck`'s ``feed``: this attempt is judged before its end.
+
+    The pipeline stops reading the attempt's upstream and acts on ``verdict``
+    exactly as on a verdict at the end of the stream.
+    """
+
+    def __init__(self, verdict: "Retry | Reject") -> None:
+        super().__init__(type(verdict).__name__)
+        self.verdict = verdict
 
 
 class Policy(Protocol):
@@ -114,6 +154,31 @@ class PostPolicy(Protocol):
     async def post(
         self, request: "ChatCompletionRequest", completion: "Completion", ctx: "RequestContext"
     ) -> Verdict: ...
+
+
+@runtime_checkable
+class StreamCheck(Protocol):
+    """The per-attempt object of a streaming post-check.
+
+    ``feed`` returns the deltas cleared for release now (it may raise
+    :class:`Halt`); ``finish`` gives the verdict on the whole answer once the
+    upstream ended; ``release`` hands over what is still held back, which the
+    pipeline sends only after every verdict accepted (or when it serves this
+    attempt anyway).
+    """
+
+    async def feed(self, delta: "Delta") -> list["Delta"]: ...
+
+    async def finish(self) -> Verdict: ...
+
+    def release(self) -> list["Delta"]: ...
+
+
+@runtime_checkable
+class StreamingPostPolicy(Protocol):
+    def stream_mode(self, request: "ChatCompletionRequest", ctx: "RequestContext") -> StreamMode: ...
+
+    def open_check(self, request: "ChatCompletionRequest", ctx: "RequestContext") -> StreamCheck: ...
 
 
 STAGE_PROTOCOL: dict[str, type] = {"pre": PrePolicy, "stream": StreamPolicy, "post": PostPolicy}

@@ -40,6 +40,9 @@ class PolicyChain:
     post: tuple[LoadedPolicy, ...]
     max_retries: int
 
+    def all(self) -> tuple[LoadedPolicy, ...]:
+        return self.pre + self.stream + self.post
+
     def describe(self) -> dict[str, list[str]]:
         def names(ps: tuple[LoadedPolicy, ...]) -> list[str]:
             return [p.name + (" (shadow)" if p.shadow else "") for p in ps]
@@ -65,6 +68,16 @@ def _check_plugin(name: str, cls: Any) -> None:
         raise PolicyConfigError(f"policy plugin {name!r} declares unknown stage {cls.stage!r}")
     if not (isinstance(cls.Config, type) and issubclass(cls.Config, PolicyConfig)):
         raise PolicyConfigError(f"policy plugin {name!r}: Config must subclass PolicyConfig")
+
+
+def resources_used(cfg: PolicyChainConfig, plugins: dict[str, type] | None = None) -> set[str]:
+    """The shared resources (``uses``) the plugins a chain names ask for (unknown names: build_chain reports)."""
+    plugins = available_plugins() if plugins is None else plugins
+    out: set[str] = set()
+    for stage in ("pre", "stream", "post"):
+        for spec in getattr(cfg, stage):
+            out |= set(getattr(plugins.get(spec.name), "uses", ()) or ())
+    return out
 
 
 def _load_one(spec: PolicySpec, stage: str, where: str, plugins: dict[str, type]) -> LoadedPolicy:

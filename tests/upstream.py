@@ -33,6 +33,7 @@ Fault = Literal[
     "hang_before_first_byte",
     "hang_mid_stream",
     "malformed_json",
+    "error_mid_stream",
     "drip",
 ]
 _FLAVOURS = frozenset(get_args(Flavour))
@@ -65,6 +66,11 @@ class Script:
     prompt_tokens: int = 11
     status_body: dict | None = None
     audio_wav: str | None = None
+    # An engine that ignores max_tokens (the gateway must cut the stream itself).
+    ignore_max_tokens: bool = False
+    # Speech interleaved with text, as an engine whose talker runs alongside its thinker sends it:
+    # one audio frame after every N text frames (0: all text first, then all audio).
+    audio_interleave: int = 0
 
     def __post_init__(self) -> None:
         if self.flavour not in _FLAVOURS:
@@ -257,7 +263,9 @@ class ScriptedUpstream:
         *,
         models: list[str] | None = None,
         record: bool = True,
+        keepalive_timeout: float = 75.0,
     ) -> None:
+        self.keepalive_timeout = keepalive_timeout  # idle keep-alive connections are closed after this
         self.default: Script = default or Script()
         self.models: list[str] = list(models or ["scripted"])
         self.record = record
@@ -307,7 +315,8 @@ class ScriptedUpstream:
         # handler_cancellation: aiohttp then cancels a handler the moment its connection is lost, which is
         # what lets abort_event fire while the handler sleeps between chunks (no polling needed).
         self._runner = web.AppRunner(
-            self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+            self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+            keepalive_timeout=self.keepalive_timeout,
         )
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -462,7 +471,10 @@ class ScriptedUpstream:
         pieces = _text_pieces(script.text, script.chunk_words)
         text_finish = "stop"
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
-        if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < len(pieces):
+        if (
+            isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < len(pieces)
+            and not script.ignore_max_tokens
+        ):
             pieces, text_finish = pieces[:limit], "length"
         plan = _Plan(
             script=script,
@@ -495,10 +507,18 @@ class ScriptedUpstream:
                 chunks = _file_audio_deltas(script.audio_wav, script.audio_seconds_per_chunk)
             else:
                 chunks = _audio_deltas(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio)
+            audio = []
             for i, (delta, meta) in enumerate(chunks):
                 finish = b'"stop"' if i == plan.n_audio - 1 else b"null"
                 finish = b',"logprobs":null,"finish_reason":' + finish
-                frames.append(head + delta + finish + meta + audio_tail)
+                audio.append(head + delta + finish + meta + audio_tail)
+            if script.audio_interleave > 0:
+                text, frames = frames, [frames[0]]
+                for i, frame in enumerate(text[1:], start=1):
+                    frames.append(frame)
+                    if i % script.audio_interleave == 0 and audio and i < len(text) - 1:
+                        frames.append(audio.pop(0))
+            frames += audio
         return frames
 
     async def _stream(
@@ -518,7 +538,7 @@ class ScriptedUpstream:
         fault = script.fault
         delay = _DRIP_INTERVAL_S if fault == "drip" else script.chunk_delay_s
         fault_at = min(max(0, script.fault_after_chunks), len(frames))
-        mid_fault = fault in ("reset_mid_stream", "hang_mid_stream", "malformed_json")
+        mid_fault = fault in ("reset_mid_stream", "hang_mid_stream", "malformed_json", "error_mid_stream")
 
         resp = web.StreamResponse(
             status=200,
@@ -554,6 +574,12 @@ class ScriptedUpstream:
         self, request: web.Request, state: _Progress, resp: web.StreamResponse, fault: str
     ) -> bool:
         """Apply a mid-stream fault; True when the stream must end here."""
+        if fault == "error_mid_stream":
+            # What vLLM sends when generation fails after the stream began: an error event, then the end.
+            await resp.write(b'data: ' + _error_body("engine failure mid-stream", "InternalServerError", 500)
+                             + b"\n\ndata: [DONE]\n\n")
+            state.finished = True
+            return True
         if fault == "malformed_json":
             await resp.write(b"data: {not json\n\n")
             return False

@@ -89,7 +89,10 @@ def _parse(body: bytes) -> ChatCompletionRequest:
 
 
 def _headers(ctx: RequestContext) -> dict[str, str]:
-    return {"x-omnigate-degraded": ",".join(ctx.degraded)} if ctx.degraded else {}
+    headers = dict(ctx.response_headers)
+    if ctx.degraded:
+        headers["x-omnigate-degraded"] = ",".join(ctx.degraded)
+    return headers
 
 
 @router.post("/v1/chat/completions", openapi_extra=_OPENAPI_BODY, response_model=None)
@@ -113,7 +116,8 @@ async def chat_completions(request: Request) -> Response:
         result = await _unless_client_leaves(request, services.pipeline.complete(chat, ctx))
         content = completion_body(result.request, result.completion, ctx, completion_id)
         return Response(orjson.dumps(content), media_type="application/json", headers=_headers(ctx))
-    stream = await services.pipeline.stream(chat, ctx)
+    # Returns once the first chunk is released: a held-back answer can still be refused with a status.
+    stream = await _unless_client_leaves(request, services.pipeline.stream(chat, ctx))
     renderer = ChunkRenderer(stream.request, ctx, completion_id)
     return SSEResponse(
         _frames(stream, renderer),

@@ -41,7 +41,12 @@ async def readyz(request: Request) -> JSONResponse:
     ready = services.pool.ready and not draining
     status = "draining" if draining else "ready" if ready else "not_ready"
     return JSONResponse(
-        {"status": status, "engines": engines, "policies": services.chain.describe()},
+        {
+            "status": status,
+            "engines": engines,
+            "policies": services.chain.describe(),
+            "grounding_scorer": services.describe_scorer(),
+        },
         status_code=200 if ready else 503,
     )
 

@@ -126,10 +126,11 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
         "error_code": ctx.error_code,
         "policies": [
             {"name": p.name, "stage": p.stage, "verdict": p.verdict, "duration_ms": round(p.duration_ms, 3),
-             "shadow": p.shadow, "detail": p.detail}
+             "shadow": p.shadow, "detail": p.detail, "attempt": p.attempt, "score": p.score}
             for p in ctx.policy_runs
         ],
         "degraded": list(ctx.degraded),
+        "notes": dict(ctx.notes),
         "control": dict(ctx.control_state),
         "attempts": ctx.attempts,
         "retries": ctx.retries,

@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
-from engines.control_settings import CircuitSettings, Rule, RuleAction, RuleSelector, SentinelSettings
+from engines.control_settings import (
+    CircuitSettings,
+    EngineTelemetry,
+    Rule,
+    RuleAction,
+    RuleSelector,
+    SentinelSettings,
+    SignalSettings,
+)
+from engines.telemetry import TelemetryCollector
+from observability.metrics import Metrics
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import MODEL, Trio, admin, chat, engines, settings
 from tests.speech import speech_set
@@ -210,6 +221,78 @@ def test_gpu_memory_from_a_dcgm_exporter_is_the_vram_signal(bg, fresh):
         assert got["kv_cache_usage"] == 0.1 and got["requests_waiting"] == 3.0
     finally:
         server.stop()
+
+
+def test_the_engines_vram_and_kv_cache_readings_are_exported_as_gauges_while_fresh(bg, fresh):
+    engine_list = engines(fresh)
+    engine_list[0] = engine_list[0].model_copy(
+        update={
+            "telemetry": engine_list[0].telemetry.model_copy(
+                update={"dcgm_url": fresh.int4.base_url[:-3] + "/metrics", "gpus": ["0"]}
+            )
+        }
+    )
+    registry = CollectorRegistry()
+    server = _start(bg, settings(engine_list, []), registry)
+    port = fresh.int4.port
+
+    def gauges(engine: str) -> tuple[float | None, float | None]:
+        return (
+            registry.get_sample_value("omnigate_engine_vram_usage_ratio", {"engine": engine}),
+            registry.get_sample_value("omnigate_engine_kv_cache_usage_ratio", {"engine": engine}),
+        )
+
+    try:
+        # INT4: GPU memory from its DCGM gauges; INT8: no GPU source, so VRAM is its KV-cache usage.
+        fresh.set(fresh.int4, kv_cache_usage_perc=0.25, gpu_fb_used_mib=76000.0, gpu_fb_free_mib=4000.0)
+        fresh.set(fresh.int8, kv_cache_usage_perc=0.6)
+        fresh.set(fresh.bf16, kv_cache_usage_perc=0.125)
+        assert wait_until(lambda: gauges("omni-int4") == (0.95, 0.25), timeout=30)
+        assert wait_until(lambda: gauges("omni-int8") == (0.6, 0.6), timeout=30)
+        assert gauges("omni-bf16") == (0.125, 0.125)
+        scrape = httpx.get(server.url + "/metrics", timeout=10).text
+        assert 'omnigate_engine_vram_usage_ratio{engine="omni-int4"} 0.95' in scrape
+        assert 'omnigate_engine_kv_cache_usage_ratio{engine="omni-int8"} 0.6' in scrape
+
+        # The engine's /metrics stops answering: once the reading is stale its gauges go, not stay put.
+        bg.run(fresh.int4.stop())
+        assert wait_until(lambda: gauges("omni-int4") == (None, None), timeout=30)
+        assert gauges("omni-int8") == (0.6, 0.6)
+        assert registry.get_sample_value(
+            "omnigate_telemetry_scrape_errors_total", {"engine": "omni-int4", "source": "engine"}
+        )
+    finally:
+        server.stop()
+        if bg.call(lambda: fresh.int4._runner is None):
+            bg.run(fresh.int4.start(port=port))
+
+
+def test_a_replica_that_stops_leading_stops_exporting_the_readings(bg, fresh):
+    leading = {"now": True}
+    metrics = Metrics(CollectorRegistry())
+    url = fresh.int4.base_url[:-3] + "/metrics"
+    collector = TelemetryCollector(
+        [("omni-int4", url, EngineTelemetry())],
+        SignalSettings(scrape_interval_s=0.05, scrape_timeout_s=1),
+        metrics,
+        active=lambda: leading["now"],
+    )
+    fresh.set(fresh.int4, kv_cache_usage_perc=0.5)
+
+    def gauges() -> tuple[float | None, float | None]:
+        labels = {"engine": "omni-int4"}
+        return (
+            metrics.registry.get_sample_value("omnigate_engine_vram_usage_ratio", labels),
+            metrics.registry.get_sample_value("omnigate_engine_kv_cache_usage_ratio", labels),
+        )
+
+    bg.run(collector.start())
+    try:
+        assert wait_until(lambda: gauges() == (0.5, 0.5), timeout=30)
+        leading["now"] = False  # another replica took the lease: it exports the readings now
+        assert wait_until(lambda: gauges() == (None, None), timeout=30)
+    finally:
+        bg.run(collector.aclose())
 
 
 def test_wer_drift_on_sampled_speech_degrades_int4_to_int8(bg, fresh, tmp_path):

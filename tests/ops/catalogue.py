@@ -56,10 +56,12 @@ EXPORTED: frozenset[str] = frozenset(
         "omnigate_retries_total",
         "omnigate_engine_healthy",
         "omnigate_client_disconnects_total",
-        # identity, rate limits, audit trail, config reload
+        # -- API keys, tenants, rate limits, config reloads
         "omnigate_auth_failures_total",
         "omnigate_rate_limited_total",
         "omnigate_rate_limiter_errors_total",
+        "omnigate_config_reloads_total",
+        # -- audit trail
         "omnigate_audit_records_written_total",
         "omnigate_audit_buffer_records",
         "omnigate_audit_records_dropped_total",
@@ -72,8 +74,7 @@ EXPORTED: frozenset[str] = frozenset(
         "omnigate_audit_batch_records_sum",
         "omnigate_audit_ack_timeouts_total",
         "omnigate_audit_store_errors_total",
-        "omnigate_config_reloads_total",
-        # media pre-filters
+        # -- media pre-filters
         "omnigate_media_fetches_total",
         "omnigate_media_fetch_bytes_bucket",
         "omnigate_media_fetch_bytes_count",
@@ -89,21 +90,34 @@ EXPORTED: frozenset[str] = frozenset(
         "omnigate_screen_score_count",
         "omnigate_screen_score_sum",
         "omnigate_segment_calls_total",
-        # engine pool, rollback controller, accuracy sentinel
+        # -- engine pool, rollback controller, engine telemetry, accuracy sentinel
         "omnigate_engine_state",
         "omnigate_engine_traffic_weight",
         "omnigate_engine_concurrency_limit",
+        "omnigate_routing_transitions_total",
         "omnigate_routing_actions_held_total",
         "omnigate_routing_table_version",
         "omnigate_controller_leader",
         "omnigate_controller_frozen",
         "omnigate_controller_errors_total",
         "omnigate_telemetry_scrape_errors_total",
+        "omnigate_engine_vram_usage_ratio",
+        "omnigate_engine_kv_cache_usage_ratio",
         "omnigate_sentinel_wer_bucket",
         "omnigate_sentinel_wer_count",
         "omnigate_sentinel_wer_sum",
         "omnigate_sentinel_samples_total",
-        # traffic control: admission, shedding, per-engine slots
+        "omnigate_grounding_verdicts_total",
+        "omnigate_grounding_score_bucket",
+        "omnigate_grounding_score_count",
+        "omnigate_grounding_score_sum",
+        "omnigate_grounding_scorer_seconds_bucket",
+        "omnigate_grounding_scorer_seconds_count",
+        "omnigate_grounding_scorer_seconds_sum",
+        "omnigate_holdback_wait_seconds_bucket",
+        "omnigate_holdback_wait_seconds_count",
+        "omnigate_holdback_wait_seconds_sum",
+        # -- traffic control: admission, shedding, per-engine caps
         "omnigate_admission_total",
         "omnigate_admission_duration_seconds_bucket",
         "omnigate_admission_duration_seconds_count",
@@ -125,11 +139,6 @@ EXPORTED: frozenset[str] = frozenset(
 PLANNED: dict[str, str] = {
     # name -> the work stream adding it
     "omnigate_admission_shed_total": "admission and load shedding (counter, label reason)",
-    "omnigate_routing_transitions_total": "routing controller (counter, labels model, reason)",
-    "omnigate_engine_vram_usage_ratio": "engine signal scraping (gauge 0..1, label engine)",
-    "omnigate_engine_kv_cache_usage_ratio": "engine signal scraping (gauge 0..1, label engine)",
-    "omnigate_sentinel_wer": "accuracy sentinel (gauge, label engine)",
-    "omnigate_audit_write_failures_total": "audit store (counter)",
 }
 
 # Series Prometheus makes itself rather than scraping them.
@@ -152,11 +161,7 @@ PENDING_GROUP_SUFFIX = "-pending-metrics"
 PENDING_PANEL_MARKER = "Pending metric:"
 
 # -- admin routes the runbooks use ----------------------------------------------------------------
-ADMIN_ROUTES_PLANNED: dict[str, str] = {
-    "POST /admin/routing/pin": "routing controller",
-    "POST /admin/routing/freeze": "routing controller",
-    "POST /admin/routing/resume": "routing controller",
-}
+ADMIN_ROUTES_PLANNED: dict[str, str] = {}
 
 
 def sample_names(registry: CollectorRegistry) -> set[str]:

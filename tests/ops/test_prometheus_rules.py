@@ -156,5 +156,8 @@ def test_thresholds_are_the_documented_ones():
     assert threshold("OmnigateRollbackNotTaken") == ({ttft.format("p99")}, 0.6)
     assert threshold("OmnigateEngineVRAMHigh") == ({"omnigate_engine_vram_usage_ratio"}, 0.9)
     assert alerts["OmnigateEngineVRAMHigh"]["for"] == "30s"
-    assert threshold("OmnigateSentinelWERHigh") == ({"omnigate_sentinel_wer"}, 0.05)
+    wer = "engine_variant:omnigate_sentinel_wer:mean15m"
+    assert threshold("OmnigateSentinelWERHigh") == ({wer}, 0.05)
+    # The windowed mean of the sentinel's histogram: rate of its sum over rate of its count.
+    assert resolve({wer}) == {"omnigate_sentinel_wer_sum", "omnigate_sentinel_wer_count"}
     assert threshold("OmnigateRequestFailuresHigh") == ({"omnigate:request_failures:ratio_rate5m"}, 0.05)

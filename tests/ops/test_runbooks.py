@@ -1,7 +1,8 @@
-"""ops/runbooks: one page per alert, each complete, with queries and admin calls that exist."""
+"""ops/runbooks: one page per alert, each complete, with queries, admin calls and bodies that work."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -10,6 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from gateway.app import create_app
 from gateway.settings import Settings
+from tests.conftest import gateway_settings
+from tests.harness import GatewayServer
 from tests.ops.catalogue import (
     ADMIN_ROUTES_PLANNED,
     ENGINE_METRICS,
@@ -26,6 +29,7 @@ SECTIONS = ("## Meaning", "## Confirm", "## Mitigate", "## Recover")
 PAGES = sorted(p for p in RUNBOOKS.glob("*.md") if p.name != "README.md")
 _BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.S)
 _ADMIN_CALL = re.compile(r"(?:-X (GET|POST|PUT|DELETE) )?\"\$GW(/admin/[a-z/_-]+)\"")
+_ADMIN_KEY = "k" * 32
 
 
 def _blocks(text: str, lang: str) -> list[str]:
@@ -40,13 +44,33 @@ def _admin_calls(text: str) -> set[str]:
     return calls
 
 
+def _admin_requests(text: str) -> list[tuple[str, str, dict | None]]:
+    """Each admin call of the page's shell blocks: method, path, and the JSON body it sends."""
+    out = []
+    for body in _blocks(text, "sh"):
+        for line in body.replace("\\\n", " ").splitlines():
+            path = re.search(r"\"\$GW(/admin/[a-z/_-]+)\"", line)
+            if path is None:
+                continue
+            method = re.search(r"-X (GET|POST|PUT|DELETE) ", line)
+            data = re.search(r"-d '([^']*)'", line)
+            sent = json.loads(data.group(1)) if data else None
+            out.append((method.group(1) if method else "GET", path.group(1), sent))
+    return out
+
+
 async def _route_exists(call: str) -> bool:
-    """Ask the app itself: a route that does not exist gets Starlette's plain 404 (or a 405)."""
+    """Ask the app itself: a route that does not exist gets Starlette's plain 404 (or a 405).
+
+    The app runs without its lifespan here, so a route that exists may fail (500) on the
+    resources it would have had; only its existence is asked.
+    """
     method, path = call.split(" ", 1)
-    settings = Settings(admin={"api_key": "k" * 32})
+    settings = Settings(admin={"api_key": _ADMIN_KEY})
     app = create_app(settings, registry=CollectorRegistry())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
-        r = await client.request(method, path, headers={"authorization": "Bearer " + "k" * 32}, json={})
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        r = await client.request(method, path, headers={"authorization": "Bearer " + _ADMIN_KEY}, json={})
     if r.status_code == 405:
         return False
     return not (
@@ -105,3 +129,35 @@ async def test_admin_calls_name_routes_that_exist_or_are_planned():
                 f"{call} exists now: remove it from ADMIN_ROUTES_PLANNED in tests/ops/catalogue.py "
                 "and check the runbooks' request bodies against it"
             )
+
+
+def test_routing_calls_are_accepted_as_written_by_a_running_gateway(bg, upstreams):
+    """Every pin, freeze, unpin, resume, clear and readmit of the runbooks, body as written, against a
+    gateway serving the runbooks' model (qwen3-omni-flash on omni-int4 and omni-bf16)."""
+    calls = [
+        (method, path, body)
+        for page in [*PAGES, RUNBOOKS / "README.md"]
+        for method, path, body in _admin_requests(page.read_text())
+        if path.startswith("/admin/routing/")
+    ]
+    assert {path for _, path, _ in calls} == {
+        f"/admin/routing/{name}" for name in ("pin", "unpin", "freeze", "resume", "clear", "readmit")
+    }
+    settings = gateway_settings(upstreams, admin={"api_key": _ADMIN_KEY}, audit={"enabled": False})
+    server = GatewayServer(bg, settings).start()
+    headers = {"authorization": "Bearer " + _ADMIN_KEY}
+    try:
+        for method, path, body in calls:
+            assert body is not None, f"{path} is called without a body"
+            r = httpx.request(method, server.url + path, json=body, headers=headers, timeout=10)
+            if path == "/admin/routing/clear" and r.status_code == 400:
+                # The body was understood; no such incident is in force on this gateway.
+                error = r.json()["error"]
+                assert error["param"] == "incident" and "is in force" in error["message"], error
+                continue
+            assert r.status_code == 200, (path, body, r.text)
+        status = httpx.get(server.url + "/admin/routing", headers=headers, timeout=10).json()
+        manual = {t["action"] for t in status["recent_transitions"] if t["source"] == "manual"}
+        assert {"pin", "unpin", "freeze", "resume"} <= manual
+    finally:
+        server.stop()

@@ -47,7 +47,7 @@ def test_digests_of_every_input_part_and_the_output():
                            "audio_sha256": _sha(b"\x01\x02" * 10), "audio_bytes": 20,
                            "transcript_sha256": _sha("Sure")}
     assert p["policies"] == [{"name": "request-limits", "stage": "pre", "verdict": "accept",
-                              "duration_ms": 0.012, "shadow": False, "detail": None}]
+                              "duration_ms": 0.012, "shadow": False, "detail": None, "attempt": 1, "score": None}]
     assert p["control"] == {"shedding": "speech-off"}
     assert p["usage"] == {"prompt_tokens": 7, "completion_tokens": 3}
     assert "content" not in p

@@ -1,0 +1,1 @@
+"""The grounding guard: an NLI (or fallback) check that the answer is supported by the request."""

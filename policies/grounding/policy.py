@@ -1,0 +1,398 @@
+"""Built-in post-policy ``grounding``: is the answer supported by what the request says?
+
+A scorer (:mod:`policies.grounding.scorer`) judges the answer's claim sentences
+against the request's premise (:mod:`policies.grounding.claims`). At or above
+``threshold`` the answer is served; below, the pipeline retries with the
+configured adjustment while its budget (``policies.max_retries``) lasts; then,
+per ``on_exhausted``, the best-scoring answer is served flagged
+(``x-omnigate-grounding: low``) or the request is refused (422 ``grounding_failed``).
+
+For streams the policy is a streaming post-check; its mode is chosen per tenant,
+then per public model, then ``mode``:
+
+``hold``
+    nothing (text or audio) reaches the client before the whole answer passed;
+    every retry is possible.
+``window``
+    text is released sentence by sentence once each sentence passed; a text
+    window longer than ``window_chars`` without a sentence end is judged as it
+    is. Audio is released only as far as the passed text can account for (see
+    :class:`SpeechGate`). A failing sentence before the first release retries
+    at once; after it, the stream ends with an error frame.
+``passthrough``
+    everything is released at once; the verdict is recorded and sent as the
+    stream's final event. It never claims to have blocked anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from engines.base import Completion, Delta
+from gateway.context import RequestContext
+from gateway.errors import GroundingFailed
+from gateway.schemas import ChatCompletionRequest, Message
+from observability.metrics import Metrics
+from policies.base import Accept, Halt, PolicyConfig, Reject, Retry, StreamMode, Verdict
+from policies.grounding.claims import Premise, claims_of, premise_of, split_sentences
+from policies.grounding.scorer import Judgement, Scorer
+
+DEFAULT_INSTRUCTION = (
+    "Answer only with facts stated in this conversation and the documents it contains. "
+    "Do not add names, numbers or dates that are not stated there; if the answer is not there, say so."
+)
+HEADER = "x-omnigate-grounding"
+
+
+class GroundingConfig(PolicyConfig):
+    threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+    mode: StreamMode = "hold"
+    modes_by_model: dict[str, StreamMode] = Field(default_factory=dict)
+    modes_by_tenant: dict[str, StreamMode] = Field(default_factory=dict)
+    on_exhausted: Literal["flag", "refuse"] = "flag"
+    retry_temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 0.0
+    retry_instruction: str | None = DEFAULT_INSTRUCTION
+    window_chars: Annotated[int, Field(ge=40, le=20000)] = 400
+    speech_chars_per_second: Annotated[float, Field(gt=0.0, le=200.0)] = 30.0
+
+
+class SpeechGate:
+    """Audio may only reach the client once the text it speaks has passed.
+
+    The bound: after ``passed`` characters of text passed the check, at most
+    ``passed / chars_per_second`` seconds of audio are released, the audio's
+    duration taken from its PCM length (``bytes / (2 * channels * rate)``).
+    ``chars_per_second`` is the fastest speaking rate assumed (30 by default:
+    about 330 words a minute, faster than fast conversational speech), so audio
+    released under the bound cannot run ahead of the passed text unless the
+    engine speaks faster than that. A delta that crosses the bound is split at
+    the sample where the bound falls.
+    """
+
+    def __init__(self, chars_per_second: float) -> None:
+        self.rate = chars_per_second
+        self.released_s = 0.0
+        self._queue: deque[tuple[float, Delta]] = deque()
+
+    def hold(self, delta: Delta) -> None:
+        self._queue.append((time.perf_counter(), delta))
+
+    def release(self, passed_chars: int) -> tuple[list[Delta], float | None]:
+        """Deltas within the bound, and when the oldest of them arrived."""
+        allowed = passed_chars / self.rate
+        out: list[Delta] = []
+        oldest: float | None = None
+        while self._queue:
+            t, d = self._queue[0]
+            frame = 2 * max(1, d.channels)
+            seconds = len(d.audio) / (frame * d.sample_rate) if d.sample_rate else 0.0
+            if self.released_s + seconds <= allowed + 1e-9:
+                self._queue.popleft()
+                out.append(d)
+                self.released_s += seconds
+            else:
+                frames = int((allowed - self.released_s) * d.sample_rate + 1e-6)  # float noise, not a sample
+                if frames <= 0:
+                    break
+                cut = frames * frame
+                head = Delta(audio=d.audio[:cut], sample_rate=d.sample_rate, channels=d.channels)
+                tail = Delta(audio=d.audio[cut:], sample_rate=d.sample_rate, channels=d.channels,
+                             audio_done=d.audio_done, transcript=d.transcript)
+                self._queue[0] = (t, tail)
+                out.append(head)
+                self.released_s += frames / d.sample_rate
+            oldest = t if oldest is None else min(oldest, t)
+            if self.released_s >= allowed:
+                break
+        return out, oldest
+
+    def drain(self) -> tuple[list[Delta], float | None]:
+        out = [d for _, d in self._queue]
+        oldest = self._queue[0][0] if self._queue else None
+        self._queue.clear()
+        return out, oldest
+
+
+class _Check:
+    """State shared by the three modes; one object per attempt."""
+
+    mode: StreamMode = "hold"
+
+    def __init__(self, policy: "Grounding", request: ChatCompletionRequest, ctx: RequestContext) -> None:
+        self.policy = policy
+        self.cfg = policy.config
+        self.ctx = ctx
+        self.request = request
+        self.attempt = ctx.retries + 1
+        self.premise = policy.premise(request, ctx)
+        self._text: list[str] = []  # the answer so far (joined once, at the end)
+
+    # -- verdict helpers --------------------------------------------------
+    def _notes(self, j: Judgement, verdict: str) -> dict[str, Any]:
+        weakest = j.weakest
+        return {
+            "grounding": {
+                "mode": self.mode,
+                "scorer": self.policy.scorer_kind,
+                "verdict": verdict,
+                "score": round(j.score, 4),
+                "threshold": self.cfg.threshold,
+                "attempt": self.attempt,
+                "claims": len(j.claims),
+                "weakest": weakest.reason if weakest is not None and j.score < self.cfg.threshold else None,
+            }
+        }
+
+    def _judged(self, j: Judgement) -> bool:
+        ok = j.score >= self.cfg.threshold
+        self.policy.observe(self.mode, j.score, "pass" if ok else "fail")
+        return ok
+
+    def _verdict(self, j: Judgement) -> Verdict:
+        if self._judged(j):
+            return Accept(score=j.score, notes=self._notes(j, "pass"))
+        return self.policy.retry(self.request, j, self._notes(j, "low"))
+
+    def _holdback(self, since: float | None) -> None:
+        if since is not None:
+            self.policy.metrics.holdback_wait.labels(self.mode).observe(time.perf_counter() - since)
+
+    async def judge_text(self, text: str) -> Judgement:
+        return await self.policy.scorer.judge(self.premise, claims_of(split_sentences(text)))
+
+
+class HoldCheck(_Check):
+    mode: StreamMode = "hold"
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        self._held: list[Delta] = []
+        self._since: float | None = None
+
+    async def feed(self, delta: Delta) -> list[Delta]:
+        if self._since is None:
+            self._since = time.perf_counter()
+        self._text.append(delta.text or delta.transcript)
+        self._held.append(delta)
+        return []
+
+    async def finish(self) -> Verdict:
+        return self._verdict(await self.judge_text("".join(self._text)))
+
+    def release(self) -> list[Delta]:
+        out, self._held = self._held, []
+        self._holdback(self._since)
+        return out
+
+
+class PassthroughCheck(_Check):
+    mode: StreamMode = "passthrough"
+
+    async def feed(self, delta: Delta) -> list[Delta]:
+        self._text.append(delta.text or delta.transcript)
+        return [delta]
+
+    async def finish(self) -> Verdict:
+        j = await self.judge_text("".join(self._text))
+        ok = self._judged(j)
+        notes = self._notes(j, "pass" if ok else "fail")
+        notes["grounding"]["blocked"] = False
+        return Accept(score=j.score, notes=notes)
+
+    def release(self) -> list[Delta]:
+        return []
+
+
+class WindowCheck(_Check):
+    mode: StreamMode = "window"
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        self._pending = ""
+        self._pending_since: float | None = None
+        self._passed_chars = 0
+        self._speech = SpeechGate(self.cfg.speech_chars_per_second)
+        self._meta: list[Delta] = []
+        self._released = False
+        self._text_done = False
+        self._judgement = Judgement.of(())
+        self._failed: Judgement | None = None  # last attempt, flagged: hold the rest, serve it whole
+
+    async def feed(self, delta: Delta) -> list[Delta]:
+        text = delta.text or delta.transcript
+        if text:
+            if self._pending_since is None:
+                self._pending_since = time.perf_counter()
+            self._pending += text
+        if delta.audio:
+            self._speech.hold(delta)
+        elif delta.finish_reason is not None or delta.usage is not None:
+            self._meta.append(Delta(finish_reason=delta.finish_reason, usage=delta.usage))
+        if delta.finish_reason is not None:
+            self._text_done = True
+        if self._failed is not None:
+            return []
+        out = await self._judge_ready()
+        audio, since = self._speech.release(self._passed_chars)
+        self._holdback(since)
+        out.extend(audio)
+        if out:
+            self._released = True
+        return out
+
+    async def _judge_ready(self) -> list[Delta]:
+        sentences = split_sentences(self._pending)
+        if not sentences:
+            return []
+        ready = sentences if self._text_done else sentences[:-1]
+        if not ready and len(self._pending) > self.cfg.window_chars:
+            ready = sentences  # the window is full without a sentence end: judge what is held
+        if not ready:
+            return []
+        j = await self.judge_text("".join(ready))
+        self._judgement = self._judgement.merge(j)
+        if j.score < self.cfg.threshold:
+            self._fail(j)
+            return []
+        self._judged(j)
+        out = [Delta(text=s) for s in ready]
+        n = sum(len(s) for s in ready)
+        self._pending = self._pending[n:]
+        self._passed_chars += n
+        self._holdback(self._pending_since)
+        self._pending_since = time.perf_counter() if self._pending else None
+        return out
+
+    def _fail(self, j: Judgement) -> None:
+        self._judged(j)
+        whole = self._judgement
+        if self._released:
+            self.policy.metrics.grounding_verdicts.labels(self.mode, "terminated").inc()
+            raise Halt(Reject(GroundingFailed(
+                f"the rest of the answer is not supported by the conversation (grounding score "
+                f"{j.score:.2f} < {self.cfg.threshold}); the stream was ended",
+            )))
+        if self.ctx.retries_left > 0:
+            raise Halt(self.policy.retry(self.request, whole, self._notes(whole, "low")))
+        if self.cfg.on_exhausted == "refuse":
+            raise Halt(Reject(self.policy.refusal(whole)))
+        self._failed = whole  # the last attempt, to be served flagged: hold the rest until the end
+
+    async def finish(self) -> Verdict:
+        self._text_done = True
+        if self._failed is not None:
+            return self.policy.retry(self.request, self._failed, self._notes(self._failed, "low"))
+        try:
+            await self._judge_ready()
+        except Halt as halt:
+            return halt.verdict
+        if self._failed is not None:
+            return self.policy.retry(self.request, self._failed, self._notes(self._failed, "low"))
+        j = self._judgement
+        return Accept(score=j.score, notes=self._notes(j, "pass"))
+
+    def release(self) -> list[Delta]:
+        out: list[Delta] = [Delta(text=self._pending)] if self._pending else []
+        self._pending = ""
+        self._holdback(self._pending_since)
+        audio, since = self._speech.drain()
+        self._holdback(since)
+        return out + audio + self._meta
+
+
+_CHECKS: dict[str, type[_Check]] = {"hold": HoldCheck, "window": WindowCheck, "passthrough": PassthroughCheck}
+
+
+class Grounding:
+    """The grounding guard. Shared by all requests: per-attempt state lives in the check objects."""
+
+    name: ClassVar[str] = "grounding"
+    stage: ClassVar[str] = "post"
+    Config: ClassVar[type[PolicyConfig]] = GroundingConfig
+    uses: ClassVar[frozenset[str]] = frozenset({"scorer"})
+
+    def __init__(self, config: GroundingConfig) -> None:
+        self.config = config
+        self._scorer: Scorer | None = None
+        self._metrics: Metrics | None = None
+
+    async def start(self, services: Any) -> None:
+        """Take the gateway's scorer (built and loaded by the lifespan because this policy ``uses`` it)."""
+        if services.scorer is None:
+            raise RuntimeError("the grounding policy needs the grounding scorer")
+        self._scorer = services.scorer
+        self._metrics = services.metrics
+
+    @property
+    def scorer(self) -> Scorer:
+        if self._scorer is None:
+            raise RuntimeError("the grounding policy was not started")
+        return self._scorer
+
+    @property
+    def metrics(self) -> Metrics:
+        assert self._metrics is not None
+        return self._metrics
+
+    @property
+    def scorer_kind(self) -> str:
+        return self.scorer.kind
+
+    # -- the two hooks ------------------------------------------------------
+    def stream_mode(self, request: ChatCompletionRequest, ctx: RequestContext) -> StreamMode:
+        cfg = self.config
+        if ctx.tenant is not None and ctx.tenant in cfg.modes_by_tenant:
+            return cfg.modes_by_tenant[ctx.tenant]
+        return cfg.modes_by_model.get(request.model, cfg.mode)
+
+    def open_check(self, request: ChatCompletionRequest, ctx: RequestContext) -> _Check:
+        return _CHECKS[self.stream_mode(request, ctx)](self, request, ctx)
+
+    async def post(
+        self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext
+    ) -> Verdict:
+        check = HoldCheck(self, request, ctx)  # a whole answer is judged as a held one
+        return check._verdict(await check.judge_text(completion.text or completion.transcript))
+
+    # -- pieces the checks share ---------------------------------------------
+    def premise(self, request: ChatCompletionRequest, ctx: RequestContext) -> Premise:
+        return premise_of(request, ctx.input_transcripts, exclude=[self.config.retry_instruction or ""])
+
+    def observe(self, mode: str, score: float, verdict: str) -> None:
+        self.metrics.grounding_score.labels(mode).observe(score)
+        self.metrics.grounding_verdicts.labels(mode, verdict).inc()
+
+    def refusal(self, j: Judgement) -> GroundingFailed:
+        weakest = j.weakest
+        why = f": {weakest.reason}" if weakest is not None and weakest.reason else ""
+        return GroundingFailed(
+            f"the answer is not supported by the conversation (grounding score {j.score:.2f} < "
+            f"{self.config.threshold}){why}"
+        )
+
+    def retry(self, request: ChatCompletionRequest, j: Judgement, notes: dict[str, Any]) -> Retry:
+        cfg = self.config
+        exhausted: Accept | Reject
+        if cfg.on_exhausted == "refuse":
+            exhausted = Reject(self.refusal(j))
+        else:
+            exhausted = Accept(score=j.score, headers={HEADER: "low"}, notes=notes)
+        return Retry(reason=self.name, update=self.adjust(request), score=j.score, exhausted=exhausted)
+
+    def adjust(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """The retry's request: a lower temperature and the grounding instruction as the first system message."""
+        cfg = self.config
+        update: dict[str, Any] = {}
+        if cfg.retry_temperature is not None:
+            current = request.temperature
+            colder = cfg.retry_temperature
+            update["temperature"] = colder if current is None else min(current, colder)
+        if cfg.retry_instruction and not any(
+            m.role == "system" and m.text().strip() == cfg.retry_instruction.strip() for m in request.messages
+        ):
+            update["messages"] = [Message(role="system", content=cfg.retry_instruction), *request.messages]
+        return update

@@ -1,0 +1,241 @@
+"""Grounding scorers on real models: the fallback (packaged MiniLM) and a cross-encoder built and saved here.
+
+No model hub is reachable, so the cross-encoder is a tiny BERT classifier made
+in the test (random weights; its classifier bias set so the outcome is known),
+saved with ``save_pretrained`` and loaded through the same code path a
+configured NLI model takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+from gateway.schemas import ChatCompletionRequest
+from gateway.settings import GroundingSettings
+from observability.metrics import Metrics
+from policies.grounding.claims import claims_of, premise_of, split_sentences
+from policies.grounding.scorer import (
+    CrossEncoderScorer,
+    FallbackScorer,
+    Judgement,
+    ScorerLoadError,
+    _Batcher,
+    build_scorer,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+PREMISE = premise_of(ChatCompletionRequest.model_validate({"model": "m", "messages": [
+    {"role": "system", "content": "The Eiffel Tower in Paris was completed on 31 March 1889. It is 330 metres tall."},
+    {"role": "user", "content": "Tell me about the tower."},
+]}))
+
+LABELS = {0: "contradiction", 1: "entailment", 2: "neutral"}
+
+
+def tiny_cross_encoder(path: Path, bias: tuple[float, ...], labels: dict[int, str] = LABELS) -> Path:
+    words = "the eiffel tower in paris was completed on 31 march 1889 it is 330 metres tall 1925 . ,".split()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True)
+    config = BertConfig(
+        vocab_size=len(words) + 5, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, num_labels=len(labels),
+        id2label=labels, label2id={v: k for k, v in labels.items()},
+    )
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    with torch.no_grad():
+        model.classifier.weight.zero_()
+        model.classifier.bias.copy_(torch.tensor(bias))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fallback() -> FallbackScorer:
+    scorer = FallbackScorer(GroundingSettings())
+    scorer.load()
+    return scorer
+
+
+def _judge(scorer, answer: str) -> Judgement:
+    return scorer.judge_sync(PREMISE, claims_of(split_sentences(answer)))
+
+
+# --- cross-encoder ------------------------------------------------------------------------------------
+
+
+def test_cross_encoder_loads_from_a_local_path_and_reads_the_entailment_column(tmp_path):
+    path = tiny_cross_encoder(tmp_path / "entails", (-4.0, 4.0, -4.0))
+    scorer = build_scorer(GroundingSettings(model=str(path), max_length=64))
+    assert isinstance(scorer, CrossEncoderScorer)
+    scorer.load()
+    assert scorer.describe()["entailment_label"] == "entailment"
+    j = _judge(scorer, "It is 330 metres tall. It was completed in 1889.")
+    assert len(j.claims) == 2
+    assert j.score > 0.99
+
+
+def test_cross_encoder_contradiction_scores_low_and_min_aggregates(tmp_path):
+    path = tiny_cross_encoder(tmp_path / "contradicts", (4.0, -4.0, -4.0))
+    scorer = CrossEncoderScorer(GroundingSettings(model=str(path)))
+    scorer.load()
+    j = _judge(scorer, "It is 330 metres tall.")
+    assert j.score < 0.01
+
+
+def test_cross_encoder_entailment_label_by_name_and_index(tmp_path):
+    labels = {0: "supported", 1: "unsupported"}
+    path = tiny_cross_encoder(tmp_path / "binary", (3.0, -3.0), labels)
+    with pytest.raises(ScorerLoadError, match="set grounding.entailment_label"):
+        CrossEncoderScorer(GroundingSettings(model=str(path))).load()
+    by_name = CrossEncoderScorer(GroundingSettings(model=str(path), entailment_label="supported"))
+    by_name.load()
+    assert _judge(by_name, "It is 330 metres tall.").score > 0.99
+    by_index = CrossEncoderScorer(GroundingSettings(model=str(path), entailment_label=1))
+    by_index.load()
+    assert _judge(by_index, "It is 330 metres tall.").score < 0.01
+    with pytest.raises(ScorerLoadError, match="not one of the model's 2 labels"):
+        CrossEncoderScorer(GroundingSettings(model=str(path), entailment_label=5)).load()
+
+
+def test_cross_encoder_bad_path_fails_loading_with_the_field_named(tmp_path):
+    with pytest.raises(ScorerLoadError, match="grounding.model"):
+        CrossEncoderScorer(GroundingSettings(model=str(tmp_path / "missing"))).load()
+
+
+async def test_cross_encoder_runs_off_the_event_loop_and_batches(tmp_path):
+    path = tiny_cross_encoder(tmp_path / "async", (-4.0, 4.0, -4.0))
+    metrics = Metrics()
+    scorer = CrossEncoderScorer(GroundingSettings(model=str(path), max_wait_ms=50), metrics)
+    await scorer.start()
+    try:
+        results = await asyncio.gather(*(scorer.judge(PREMISE, [f"It is {n} metres tall."]) for n in range(6)))
+    finally:
+        await scorer.aclose()
+    assert all(r.score > 0.99 for r in results)
+    count = metrics.registry.get_sample_value("omnigate_grounding_scorer_seconds_count", {"scorer": "cross-encoder"})
+    assert count == 6
+
+
+# --- batching -----------------------------------------------------------------------------------------
+
+
+async def test_batcher_gathers_concurrent_jobs_into_one_call():
+    calls: list[list[int]] = []
+
+    def run(jobs: list[int]) -> list[int]:
+        calls.append(list(jobs))
+        return [j * 10 for j in jobs]
+
+    batcher: _Batcher[int, int] = _Batcher(run, lambda j: 1, max_items=4, max_wait_s=0.2, name="t")
+    batcher.start()
+    try:
+        out = await asyncio.gather(*(batcher.submit(i) for i in range(6)))
+    finally:
+        await batcher.aclose()
+    assert out == [0, 10, 20, 30, 40, 50]
+    assert [len(c) for c in calls] == [4, 2]
+
+
+async def test_batcher_reports_model_failures_to_every_waiting_job():
+    def run(jobs: list[int]) -> list[int]:
+        raise RuntimeError("model broke")
+
+    batcher: _Batcher[int, int] = _Batcher(run, lambda j: 1, max_items=8, max_wait_s=0.05, name="t")
+    batcher.start()
+    try:
+        results = await asyncio.gather(*(batcher.submit(i) for i in range(3)), return_exceptions=True)
+    finally:
+        await batcher.aclose()
+    assert all(isinstance(r, RuntimeError) for r in results)
+
+
+# --- fallback -----------------------------------------------------------------------------------------
+
+
+def test_fallback_accepts_a_supported_answer(fallback):
+    j = _judge(fallback, "The Eiffel Tower is 330 metres tall and was completed on March 31, 1889.")
+    assert j.score >= 0.8
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        ("The Eiffel Tower was completed in 1925.", "number 1925"),
+        ("The Eiffel Tower is 300 metres tall.", "number 300"),
+        ("The Eiffel Tower was completed on 31 May 1889.", "date 1889-5-31"),
+        ("The Eiffel Tower in Paris was designed by Frank Lloyd Wright.", "name 'frank'"),
+    ],
+)
+def test_fallback_refuses_facts_missing_from_the_premise(fallback, answer, reason):
+    j = _judge(fallback, answer)
+    assert j.score == 0.0
+    assert j.weakest is not None and reason in (j.weakest.reason or "")
+
+
+def test_fallback_similarity_floor_catches_unrelated_claims(fallback):
+    j = _judge(fallback, "Bananas are an excellent source of potassium for athletes.")
+    assert j.score < 0.8
+    assert "similarity" in (j.weakest.reason or "")
+
+
+def test_fallback_minimum_over_claims_and_no_claims_pass(fallback):
+    mixed = _judge(fallback, "The Eiffel Tower is 330 metres tall. It was completed in 1925.")
+    assert [c.score >= 0.8 for c in mixed.claims] == [True, False]
+    assert mixed.score == min(c.score for c in mixed.claims)
+    assert _judge(fallback, "I hope this helps!").score == 1.0
+
+
+def test_fallback_score_mapping_is_on_the_threshold_scale(fallback):
+    floor = fallback.settings.similarity_floor
+    assert fallback._map(floor) == pytest.approx(0.8)
+    assert fallback._map(1.0) == pytest.approx(1.0)
+    assert fallback._map(floor / 2) == pytest.approx(0.4)
+    assert fallback._map(-0.3) == 0.0
+
+
+def test_fallback_with_a_missing_embedding_directory_fails_loading(tmp_path):
+    with pytest.raises(ScorerLoadError, match="grounding.embedding_model"):
+        FallbackScorer(GroundingSettings(embedding_model=str(tmp_path / "nope"))).load()
+
+
+async def test_a_failing_model_fails_closed_with_guard_unavailable(tmp_path):
+    from gateway.errors import GuardUnavailable
+
+    # The tiny model has 128 positions; allowing 512-token inputs makes a long premise overflow them.
+    path = tiny_cross_encoder(tmp_path / "short", (-4.0, 4.0, -4.0))
+    scorer = CrossEncoderScorer(GroundingSettings(model=str(path), max_length=512))
+    await scorer.start()
+    long_premise = premise_of(ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "the eiffel tower is 330 metres tall . " * 60}]}))
+    try:
+        with pytest.raises(GuardUnavailable) as err:
+            await scorer.judge(long_premise, ["It is 330 metres tall."])
+        assert err.value.status == 503 and err.value.code == "guard_unavailable"
+        # The scorer keeps serving after a failed batch.
+        assert (await scorer.judge(PREMISE, ["It is 330 metres tall."])).score > 0.99
+    finally:
+        await scorer.aclose()
+
+
+async def test_a_scorer_that_cannot_load_fails_the_gateway_start(tmp_path):
+    from gateway.services import Services
+    from gateway.settings import PolicyChainConfig, PolicySpec, Settings
+
+    settings = Settings(
+        policies=PolicyChainConfig(post=[PolicySpec(name="grounding")]),
+        grounding={"model": str(tmp_path / "no-such-model")},
+    )
+    services = Services.build(settings, Metrics())
+    assert services.describe_scorer()["kind"] == "cross-encoder"
+    with pytest.raises(ScorerLoadError, match="grounding.model"):
+        await services.start()
+    await services.aclose()
