@@ -50,9 +50,6 @@ class PolicyChain:
 
         return {"pre": names(self.pre), "stream": names(self.stream), "post": names(self.post)}
 
-    def all(self) -> tuple[LoadedPolicy, ...]:
-        return self.pre + self.stream + self.post
-
 
 class PluginIndex(Mapping[str, type]):
     """The installed plugins by name, each imported only when asked for.
