@@ -84,7 +84,6 @@ def bench_nsfw(assets: Path, batches: list[int], repeat: int) -> dict:
 
 
 def _cross_encoder(vocab: Path, hidden: int, layers: int, heads: int, inter: int, where: Path):
-    from sentence_transformers import CrossEncoder
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
     tok = BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True)

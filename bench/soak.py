@@ -31,7 +31,7 @@ async def run(args: argparse.Namespace) -> dict:
     cfg = Path(tempfile.mkdtemp()) / "soak.yaml"
     cfg.write_text(yaml.safe_dump({
         "engines": [{"name": "soak", "kind": "vllm", "base_url": f"http://127.0.0.1:{up_port}/v1",
-                     "model": "scripted", "serves": ["soak"], "max_concurrency": args.streams * 2}],
+                     "model": "scripted", "serves": ["soak"]}],
         "logging": {"level": "warning"},
     }))
     gateway = spawn(["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(gw_port)], cpu=0)

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -177,6 +177,14 @@ class AdminSettings(_Strict):
     """The admin API under ``/admin``: off the public OpenAPI schema, and 404 unless a key is set."""
 
     api_key: SecretStr | None = Field(default=None, description="Bearer key for /admin; unset disables it")
+
+    @field_validator("api_key")
+    @classmethod
+    def _long_enough(cls, v: SecretStr | None) -> SecretStr | None:
+        # An empty or short key would let "Authorization: Bearer " (or a guess) through.
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError("admin.api_key must be at least 16 characters (unset it to disable /admin)")
+        return v
 
 
 class GroundingSettings(_Strict):

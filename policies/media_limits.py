@@ -34,8 +34,17 @@ from policies.base import PolicyConfig
 from policies.media import budget as tokens
 from policies.media.audio import AudioConfig, AudioResult, normalise_audio
 from policies.media.budget import BudgetConfig
+from policies.media.container import check_declared, check_one_file
 from policies.media.image import ImageConfig, normalise_image
-from policies.media.parts import MediaRef, data_uri, decode_payload, make_part, media_parts, replace_parts
+from policies.media.parts import (
+    MediaRef,
+    data_uri,
+    declared_type,
+    decode_payload,
+    make_part,
+    media_parts,
+    replace_parts,
+)
 from policies.media.video import VideoConfig, encode_jpeg, encode_mp4, plan_frames, probe_video, sample_frames
 
 
@@ -114,13 +123,17 @@ class MediaLimits:
             return request
         target = self.target(request.model)
         loop = asyncio.get_running_loop()
+        # A client's own data URI declares a type the bytes must match; a fetched part's type is a
+        # server's label, which media-fetch passed on and which is not held against the client.
+        from_client = {r.part for r in ctx.media if r.source == "data"}
         jobs = []
         for ref in refs:
             if ref.is_remote:
                 raise MediaURLForbidden(
                     f"{ref.param}: remote media must be fetched by media-fetch first", param=ref.param
                 )
-            jobs.append(loop.run_in_executor(self._pool, self._process, ref, target))
+            declared = declared_type(ref) if ref.path in from_client else None
+            jobs.append(loop.run_in_executor(self._pool, self._process, ref, target, declared))
         results = await asyncio.gather(*jobs, return_exceptions=True)
         for ref, res in zip(refs, results):
             if isinstance(res, BaseException):
@@ -139,21 +152,22 @@ class MediaLimits:
         return self._one_modality(out, ctx)
 
     # -- per part, on the pool ------------------------------------------------------------------------------
-    def _process(self, ref: MediaRef, target: MediaTarget) -> _Done:
+    def _process(self, ref: MediaRef, target: MediaTarget, declared: str | None) -> _Done:
         t0 = time.perf_counter()
         data = decode_payload(ref)
+        check_one_file(data, ref.kind, ref.param)
         if ref.kind == "image":
-            done = self._image(ref, data)
+            done = self._image(ref, data, declared)
         elif ref.kind == "audio":
-            done = self._audio(ref, data, target)
+            done = self._audio(ref, data, target, declared)
         else:
-            done = self._video(ref, data, target)
+            done = self._video(ref, data, target, declared)
         if self._metrics is not None:
             self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)
         return done
 
-    def _image(self, ref: MediaRef, data: bytes) -> _Done:
-        r = normalise_image(data, self.config.image, ref.param)
+    def _image(self, ref: MediaRef, data: bytes, declared: str | None) -> _Done:
+        r = normalise_image(data, self.config.image, ref.param, declared)
         # Unchanged bytes still get the media type they really have, whatever the client or server claimed.
         part = make_part(ref.type, data_uri(r.mediatype, r.data))
         return _Done(
@@ -164,8 +178,8 @@ class MediaLimits:
             {"format": r.source_format.lower(), "width": r.source_width, "height": r.source_height},
         )
 
-    def _audio(self, ref: MediaRef, data: bytes, target: MediaTarget) -> _Done:
-        r = normalise_audio(data, self.config.audio, target.audio_rate, ref.param)
+    def _audio(self, ref: MediaRef, data: bytes, target: MediaTarget, declared: str | None) -> _Done:
+        r = normalise_audio(data, self.config.audio, target.audio_rate, ref.param, declared)
         longest = max(end - start for start, end in r.boundaries)
         part = make_part(ref.type, data_uri(r.mediatype, r.data), r.fmt)
         return _Done(
@@ -177,9 +191,10 @@ class MediaLimits:
             r if r.pcm is not None else None,
         )
 
-    def _video(self, ref: MediaRef, data: bytes, target: MediaTarget) -> _Done:
+    def _video(self, ref: MediaRef, data: bytes, target: MediaTarget, declared: str | None) -> _Done:
         cfg, budget = self.config.video, self.config.budget
         info = probe_video(data, ref.param)
+        check_declared("video", declared, info.container, ref.param)
         if info.width * info.height > cfg.max_input_pixels:
             raise InvalidMedia(
                 f"{ref.param}: the video is {info.width}x{info.height}; the limit is {cfg.max_input_pixels:,} pixels",

@@ -32,7 +32,7 @@ _SIZE = (256, 256)  # what the model's own preprocessing resizes to first
 class NSFWConfig(PolicyConfig):
     threshold: Annotated[float, Field(gt=0, le=1)] = 0.8
     max_video_frames: Annotated[int, Field(ge=1, le=240)] = 16
-    batch_size: Annotated[int, Field(ge=1, le=64)] = 8
+    batch_size: Annotated[int, Field(ge=1, le=64)] = 4
     threads: Annotated[int, Field(ge=1, le=16)] = 1
 
 

@@ -6,6 +6,7 @@ not on first call, so a broken plugin fails the boot with its name.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -49,15 +50,32 @@ class PolicyChain:
 
         return {"pre": names(self.pre), "stream": names(self.stream), "post": names(self.post)}
 
-    def all(self) -> tuple[LoadedPolicy, ...]:
-        return self.pre + self.stream + self.post
+
+class PluginIndex(Mapping[str, type]):
+    """The installed plugins by name, each imported only when asked for.
+
+    Importing every plugin would pull in every policy's libraries (image and video
+    codecs, NLI tooling) whether the configured chain uses them or not.
+    """
+
+    def __init__(self) -> None:
+        self._eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+        self._loaded: dict[str, type] = {}
+
+    def __getitem__(self, name: str) -> type:
+        if name not in self._loaded:
+            self._loaded[name] = self._eps[name].load()
+        return self._loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._eps)
+
+    def __len__(self) -> int:
+        return len(self._eps)
 
 
-def available_plugins() -> dict[str, type]:
-    found: dict[str, type] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        found[ep.name] = ep.load()
-    return found
+def available_plugins() -> PluginIndex:
+    return PluginIndex()
 
 
 def _check_plugin(name: str, cls: Any) -> None:

@@ -17,6 +17,8 @@ loaded per gateway, in the lifespan (:mod:`gateway.services`).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import asyncio
 import math
 import time
@@ -182,7 +184,7 @@ class _Batcher(Generic[J, R]):
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-class _BaseScorer:
+class _BaseScorer(ABC):
     kind = "base"
 
     def __init__(self, settings: GroundingSettings, metrics: Metrics | None = None) -> None:
@@ -223,15 +225,15 @@ class _BaseScorer:
         """Score on the calling thread (benchmarks, tests of the model path)."""
         return self._judge_batch([(premise, tuple(c for c in claims if c.strip()))])[0]
 
-    # subclasses
-    def load(self) -> None:
-        raise NotImplementedError
+    # what each scorer supplies
+    @abstractmethod
+    def load(self) -> None: ...
 
-    def _job_size(self, job: tuple[Premise, tuple[str, ...]]) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def _job_size(self, job: tuple[Premise, tuple[str, ...]]) -> int: ...
 
-    def _judge_batch(self, jobs: list[tuple[Premise, tuple[str, ...]]]) -> list[Judgement]:
-        raise NotImplementedError
+    @abstractmethod
+    def _judge_batch(self, jobs: list[tuple[Premise, tuple[str, ...]]]) -> list[Judgement]: ...
 
 
 class CrossEncoderScorer(_BaseScorer):

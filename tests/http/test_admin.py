@@ -19,13 +19,13 @@ def test_admin_is_404_without_a_configured_key(gateway):
 
 
 def test_admin_needs_the_key_and_stays_out_of_the_schema(bg, upstreams):
-    settings = gateway_settings(upstreams, admin={"api_key": "adm-secret"})
+    settings = gateway_settings(upstreams, admin={"api_key": "adm-secret-0123456789"})
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
     try:
         assert httpx.get(server.url + "/admin/engines").status_code == 401
         wrong = httpx.get(server.url + "/admin/engines", headers={"authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
-        ok = httpx.get(server.url + "/admin/engines", headers={"authorization": "Bearer adm-secret"})
+        ok = httpx.get(server.url + "/admin/engines", headers={"authorization": "Bearer adm-secret-0123456789"})
         assert ok.status_code == 200
         names = {e["name"] for e in ok.json()["engines"]}
         assert names == {"omni-int4", "omni-bf16", "text-vllm", "via-litellm"}
@@ -34,3 +34,13 @@ def test_admin_needs_the_key_and_stays_out_of_the_schema(bg, upstreams):
         assert not any(p.startswith("/admin") for p in schema["paths"])
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("key", ["", "short"])
+def test_an_empty_or_short_admin_key_is_refused_at_start(key):
+    from pydantic import ValidationError
+
+    from gateway.settings import Settings
+
+    with pytest.raises(ValidationError, match="at least 16 characters"):
+        Settings(admin={"api_key": key})

@@ -174,6 +174,6 @@ def test_a_body_that_is_not_json_is_a_400(server):
     r = httpx.post(
         server.url + "/admin/routing/freeze",
         content=b"{not json",
-        headers={"authorization": "Bearer adm-rollout"},
+        headers={"authorization": "Bearer adm-rollout-0123456789"},
     )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

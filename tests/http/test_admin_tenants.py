@@ -14,14 +14,14 @@ from tests.harness import GatewayServer
 from tests.stores import redis_prefix
 
 pytestmark = pytest.mark.timeout(60)
-ADMIN = {"authorization": "Bearer adm-secret"}
+ADMIN = {"authorization": "Bearer adm-secret-0123456789"}
 
 
 def _config(base_url, tmp_path, tenants, keys, *, policy_sets=None, read_timeout_s=5) -> dict:
     return {
         "engines": [{"name": "text-vllm", "kind": "vllm", "base_url": base_url, "model": "scripted",
                      "variant": "fp16", "serves": [TEXT_MODEL], "read_timeout_s": read_timeout_s}],
-        "admin": {"api_key": "adm-secret"},
+        "admin": {"api_key": "adm-secret-0123456789"},
         "policy_sets": policy_sets or {"plain": {"pre": [{"name": "request-limits"}]}},
         "tenants": tenants,
         "api_keys": keys,

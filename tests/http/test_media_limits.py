@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import zipfile
 
 import httpx
 import pytest
@@ -161,6 +162,28 @@ def test_extension_and_content_type_that_lie_are_ignored(gw, ups, media):
     (sent,) = [p for p in _sent_parts(ups.omni_a) if p["type"] == "image_url"]
     mediatype, data = decode_data_uri(sent["image_url"]["url"])
     assert mediatype == "image/jpeg" and Image.open(io.BytesIO(data)).format == "JPEG"
+
+
+def test_a_data_uri_declaring_another_format_is_refused(gw, ups):
+    """The client wrote the type itself: a mismatch is refused; octet-stream declares nothing."""
+    photo_bytes = jpeg(photo(640, 480))
+    resp = _post(gw, [_image(data_uri("image/png", photo_bytes))])
+    assert resp.status_code == 400
+    err = _err(resp)
+    assert err["code"] == "invalid_media" and err["param"] == "messages.0.content.1.image_url.url"
+    assert "declares image/png but the bytes are a JPEG image" in err["message"]
+    assert ups.omni_a.request_count == 0
+    assert _post(gw, [_image(data_uri("application/octet-stream", photo_bytes))]).status_code == 200
+
+
+def test_an_image_that_is_also_a_zip_archive_is_refused(gw, ups):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("payload.sh", "#!/bin/sh\n")
+    resp = _post(gw, [_image(data_uri("image/jpeg", jpeg(photo(320, 240)) + buf.getvalue()))])
+    assert resp.status_code == 400
+    assert "also a ZIP archive" in _err(resp)["message"]
+    assert ups.omni_a.request_count == 0
 
 
 def test_audio_posing_as_an_image_is_refused(gw, ups, media):

@@ -58,7 +58,7 @@ def _config(upstream_port: int, audit: dict, tenants: list, keys: list) -> dict:
                      "model": "scripted", "variant": "fp16", "serves": [MODEL]}],
         "tenants": tenants,
         "api_keys": keys,
-        "admin": {"api_key": "kill9-admin"},
+        "admin": {"api_key": "kill9-admin-0123456789"},
         "rate_limits": {"key_prefix": redis_prefix()},
         "audit": {**audit, "signing": {"key": CHECKPOINT_KEY}, "checkpoint_every": 25},
         "logging": {"level": "info", "json": True},
@@ -167,7 +167,7 @@ def _run(tmp_path: Path, audit: dict, reload_with_sighup: bool) -> None:
                 time.sleep(0.05)
             assert httpx.get(url + "/v1/models", headers=probe).status_code == 200  # old config kept
             minted = httpx.post(url + "/admin/keys", json={"tenant": "acme"},
-                                headers={"authorization": "Bearer kill9-admin"}).json()["key"]
+                                headers={"authorization": "Bearer kill9-admin-0123456789"}).json()["key"]
             assert httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {minted}"}).status_code == 200
         acked = asyncio.run(_kill_under_load(url, key.key, gateway))
     finally:
