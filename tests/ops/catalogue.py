@@ -31,6 +31,7 @@ CHART = OPS / "helm" / "omnigate"
 # -- metrics ------------------------------------------------------------------------------------
 EXPORTED: frozenset[str] = frozenset(
     {
+        "omnigate_admission_shed_total",
         "omnigate_build_info",
         "omnigate_requests_total",
         "omnigate_requests_in_flight",
@@ -137,8 +138,7 @@ EXPORTED: frozenset[str] = frozenset(
 )
 
 PLANNED: dict[str, str] = {
-    # name -> the work stream adding it
-    "omnigate_admission_shed_total": "admission and load shedding (counter, label reason)",
+    # name -> the work stream adding it (none pending now)
 }
 
 # Series Prometheus makes itself rather than scraping them.
