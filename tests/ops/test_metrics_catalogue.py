@@ -27,11 +27,11 @@ def test_every_gateway_metric_is_catalogued():
     )
 
 
-@pytest.mark.parametrize("name", sorted(PLANNED))
-def test_planned_names_are_not_exported_yet(name):
-    assert name not in gateway_sample_names(), (
-        f"{name} is exported now: move it from PLANNED to EXPORTED in tests/ops/catalogue.py, move its "
-        "rules out of the *-pending-metrics groups and drop the 'Pending metric:' note from its panels"
+def test_planned_names_are_not_exported_yet():
+    landed = sorted(set(PLANNED) & gateway_sample_names())
+    assert not landed, (
+        f"{landed} are exported now: move them from PLANNED to EXPORTED in tests/ops/catalogue.py, move their "
+        "rules out of the *-pending-metrics groups and drop the 'Pending metric:' note from their panels"
     )
 
 
