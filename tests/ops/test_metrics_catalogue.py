@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import OMNI_MODEL, TEXT_MODEL
