@@ -21,9 +21,11 @@ serve: install
 	$(VENV)/bin/omnigate serve $(if $(CONFIG),--config $(CONFIG))
 
 test: install
+	bash scripts/test-env.sh
 	$(PY) -m pytest -q
 
 test-fast: install
+	bash scripts/test-env.sh
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install
