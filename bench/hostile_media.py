@@ -180,9 +180,11 @@ def send(client: httpx.Client, rig: Rig, sample: Sample, timeout: float = 60.0) 
     }
 
 
-def warm_up(client: httpx.Client, rig: Rig) -> None:
+def warm_up(client: httpx.Client, rig: Rig, parts: tuple[str, ...] | None = None) -> None:
     """Clean images, audio and video first, so lazily built decoders and models are in the baseline."""
     for sample in hostile_corpus.benign():
+        if parts is not None and sample.part not in parts:
+            continue
         resp = client.post(rig.url + "/v1/chat/completions", json=request_body(sample), timeout=120)
         if resp.status_code != 200:
             raise RuntimeError(f"warm-up {sample.name}: {resp.status_code} {resp.text[:300]}")

@@ -41,7 +41,11 @@ def run() -> Run:
     rig = Rig.start()
     try:
         with httpx.Client() as client:
-            warm_up(client, rig)
+            # Images and audio warm the lazily built decoders and models. Clean video is left out: one
+            # ordinary clip's decode and re-encode raises the process peak by 50-100 MB on its own
+            # (bench/RESULTS.md), and this suite measures what hostile input costs, which is refused
+            # before any frame is decoded.
+            warm_up(client, rig, parts=("image_url", "input_audio", "audio_url"))
             rows = {}
             for sample in CORPUS:
                 try:
