@@ -44,10 +44,14 @@ def _litellm_bin() -> Path:
 
 
 def _omnigate(up_port: int, port: int, chain: str) -> list[str]:
+    # The relay and LiteLLM's proxy have no admission limits or per-engine caps; lift omnigate's so the
+    # comparison measures relaying (with its defaults it sheds above 16 and refuses above 64 streams).
     cfg = {
         "engines": [{"name": "bench-vllm", "kind": "vllm", "base_url": f"http://127.0.0.1:{up_port}/v1",
-                     "model": "scripted", "variant": "fp16", "serves": ["bench"]}],
-        "policies": {"pre": [] if chain == "off" else [{"name": "request-limits"}]},
+                     "model": "scripted", "variant": "fp16", "serves": ["bench"],
+                     "max_in_flight": 10000, "max_in_flight_overloaded": None}],
+        "policies": {"pre": [] if chain == "off" else [{"name": "load-shedding"}, {"name": "request-limits"}]},
+        "traffic": {"soft_limit": 10000, "hard_limit": 10000},
         "logging": {"level": "warning"},
     }
     path = Path(tempfile.mkdtemp()) / "omnigate.yaml"
