@@ -10,26 +10,12 @@ import asyncpg
 
 from gateway.tenants import KeyEntry
 from observability.audit.chain import GENESIS, Checkpoint, Row
-from observability.audit.store import Entry, chain_rows
+from observability.audit.store import ROW_SELECT, Entry, chain_rows, schema
 
 _LOCK = 0x6F6D6E6961756469  # "omniaudi": the advisory lock that serialises appends
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS audit_log (
-    seq BIGINT PRIMARY KEY, ts TEXT NOT NULL, kind TEXT NOT NULL, request_id TEXT, tenant TEXT,
-    data TEXT NOT NULL, prev_hash TEXT NOT NULL, hash TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS audit_log_hash ON audit_log (hash);
-CREATE INDEX IF NOT EXISTS audit_log_request ON audit_log (request_id);
-CREATE TABLE IF NOT EXISTS audit_checkpoints (
-    seq BIGINT PRIMARY KEY, hash TEXT NOT NULL, created_at TEXT NOT NULL, algorithm TEXT NOT NULL,
-    key_id TEXT NOT NULL, signature TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS tenants (
-    name TEXT PRIMARY KEY, config TEXT NOT NULL, updated_at TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS api_keys (
-    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, sha256 TEXT NOT NULL, enabled BOOLEAN NOT NULL,
-    created_at TEXT NOT NULL);
-"""
-_ROW = "SELECT seq, ts, kind, request_id, tenant, data, prev_hash, hash FROM audit_log"
+_SCHEMA = schema("BIGINT", "BOOLEAN")
+_ROW = ROW_SELECT
 
 
 class PostgresStore:

@@ -16,6 +16,29 @@ from gateway.tenants import KeyEntry
 from observability.audit.chain import GENESIS, Checkpoint, Row, link
 
 
+def schema(int_type: str, bool_type: str) -> str:
+    """The tables every store keeps, in the dialect's integer and boolean types."""
+    return f"""
+CREATE TABLE IF NOT EXISTS audit_log (
+    seq {int_type} PRIMARY KEY, ts TEXT NOT NULL, kind TEXT NOT NULL, request_id TEXT, tenant TEXT,
+    data TEXT NOT NULL, prev_hash TEXT NOT NULL, hash TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS audit_log_hash ON audit_log (hash);
+CREATE INDEX IF NOT EXISTS audit_log_request ON audit_log (request_id);
+CREATE TABLE IF NOT EXISTS audit_checkpoints (
+    seq {int_type} PRIMARY KEY, hash TEXT NOT NULL, created_at TEXT NOT NULL, algorithm TEXT NOT NULL,
+    key_id TEXT NOT NULL, signature TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tenants (
+    name TEXT PRIMARY KEY, config TEXT NOT NULL, updated_at TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, sha256 TEXT NOT NULL, enabled {bool_type} NOT NULL,
+    created_at TEXT NOT NULL);
+"""
+
+
+#: the columns of one chain row, in the order ``Row`` takes them
+ROW_SELECT = "SELECT seq, ts, kind, request_id, tenant, data, prev_hash, hash FROM audit_log"
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """A record ready to be chained: its canonical JSON and the indexed copies of its fields."""
