@@ -21,8 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-import soundfile as sf
 import structlog
 
 from engines.base import Completion
@@ -81,6 +79,9 @@ class WerScorer:
         return " ".join(self._normalise(text).split())
 
     def transcribe(self, pcm: bytes, sample_rate: int, channels: int = 1) -> str:
+        import numpy as np
+        import soundfile as sf
+
         samples = np.frombuffer(pcm[: len(pcm) - len(pcm) % (2 * channels)], dtype="<i2")
         if channels > 1:
             samples = samples.reshape(-1, channels)

@@ -11,28 +11,28 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from bisect import bisect_left
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
-
-import numpy as np
 
 # Buckets: 1 ms to ~2 min, each 2 % wider than the last; values outside are clamped.
 _GROWTH = 1.02
 _MIN_S = 0.001
 _N_BUCKETS = int(math.ceil(math.log(120.0 / _MIN_S) / math.log(_GROWTH))) + 1
-_UPPER = _MIN_S * _GROWTH ** np.arange(1, _N_BUCKETS + 1)
+_UPPER = [_MIN_S * _GROWTH**k for k in range(1, _N_BUCKETS + 1)]
 
 LATENCIES = ("ttft", "first_audio", "e2e")
 
 
-def bucket_counts(values: np.ndarray) -> dict[int, int]:
-    """Sparse bucket counts of latency values in seconds."""
-    if values.size == 0:
-        return {}
-    idx = np.searchsorted(_UPPER, np.clip(values, 0.0, _UPPER[-1]), side="left")
-    uniq, counts = np.unique(idx, return_counts=True)
-    return {int(i): int(c) for i, c in zip(uniq, counts)}
+def bucket_index(value: float) -> int:
+    """The bucket of one latency in seconds: the first whose upper edge is at or above it (clamped)."""
+    return bisect_left(_UPPER, min(max(value, 0.0), _UPPER[-1]))
+
+
+def bucket_counts(values: Iterable[float]) -> dict[int, int]:
+    """Sparse bucket counts of latency values in seconds (NaNs are skipped)."""
+    return dict(Counter(bucket_index(v) for v in values if v == v))
 
 
 def quantile(buckets: Mapping[int, int], q: float) -> float | None:
@@ -45,8 +45,8 @@ def quantile(buckets: Mapping[int, int], q: float) -> float | None:
     for i in sorted(buckets):
         seen += buckets[i]
         if seen >= rank - 1e-9:
-            return float(_UPPER[min(i, _N_BUCKETS - 1)])
-    return float(_UPPER[max(buckets)])
+            return _UPPER[min(i, _N_BUCKETS - 1)]
+    return _UPPER[min(max(buckets), _N_BUCKETS - 1)]
 
 
 def merge_buckets(parts: Iterable[Mapping[int, int]]) -> dict[int, int]:
@@ -187,23 +187,26 @@ class OutcomeWindow:
         batch = []
         while self._q:
             batch.append(self._q.popleft())
-        arr = np.asarray(batch, dtype=np.float64)
-        slot_ids = np.floor(arr[:, 0] / self._slot_s)
-        for sid in np.unique(slot_ids):
-            part = arr[slot_ids == sid]
-            start = float(sid) * self._slot_s
-            slot = self._slots[-1] if self._slots and self._slots[-1].start == start else None
-            if slot is None:
-                slot = _Slot(start)
-                self._slots.append(slot)
-            failed = part[:, 3] < 0
-            ok = part[~failed]
-            slot.ok += int(ok.shape[0])
-            slot.errors += int(failed.sum())
-            for col, name in ((1, "ttft"), (2, "first_audio"), (3, "e2e")):
-                v = ok[:, col]
-                for i, c in bucket_counts(v[~np.isnan(v)]).items():
-                    slot.latency[name][i] = slot.latency[name].get(i, 0) + c
+        for at, ttft, first_audio, e2e in batch:
+            start = math.floor(at / self._slot_s) * self._slot_s
+            slot = self._slot_at(start)
+            if e2e < 0:
+                slot.errors += 1
+                continue
+            slot.ok += 1
+            for name, value in (("ttft", ttft), ("first_audio", first_audio), ("e2e", e2e)):
+                if value == value:  # not NaN
+                    buckets = slot.latency[name]
+                    i = bucket_index(value)
+                    buckets[i] = buckets.get(i, 0) + 1
+
+    def _slot_at(self, start: float) -> _Slot:
+        """The slot that starts at ``start``; outcomes arrive in time order, so only the newest can match."""
+        if self._slots and self._slots[-1].start == start:
+            return self._slots[-1]
+        slot = _Slot(start)
+        self._slots.append(slot)
+        return slot
 
     def summary(self, window_s: float | None = None) -> EngineSummary:
         """The outcomes of the last ``window_s`` (at most the window this was built with), to a slot's precision."""

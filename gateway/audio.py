@@ -5,9 +5,6 @@ from __future__ import annotations
 import io
 import struct
 
-import numpy as np
-import soundfile as sf
-
 from gateway.errors import EngineProtocolError
 
 # A streamed WAV cannot know its length up front; 0xFFFFFFFF is the convention
@@ -60,6 +57,8 @@ def split_wav(blob: bytes) -> tuple[bytes, int, int]:
 
 
 def _decode_other(blob: bytes) -> tuple[bytes, int, int]:
+    import soundfile as sf  # numpy and libsndfile only when audio needs transcoding
+
     try:
         data, rate = sf.read(io.BytesIO(blob), dtype="int16", always_2d=True)
     except (sf.LibsndfileError, RuntimeError) as exc:
@@ -73,6 +72,9 @@ def encode(pcm: bytes, sample_rate: int, channels: int, fmt: str) -> bytes:
         return pcm
     if fmt == "wav":
         return wav_header(sample_rate, channels, len(pcm)) + pcm
+    import numpy as np
+    import soundfile as sf
+
     samples = np.frombuffer(pcm, dtype="<i2").reshape(-1, channels)
     out = io.BytesIO()
     if fmt == "flac":

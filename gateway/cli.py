@@ -129,6 +129,7 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         access_log=False,
         timeout_graceful_shutdown=int(settings.server.graceful_shutdown_s),
         h11_max_incomplete_event_size=64 * 1024,
+        ws="none",  # no WebSocket routes: do not load a WebSocket implementation
     )
     _DrainingServer.build(config, app.state.services).run()
     return 0

@@ -10,17 +10,17 @@ past the limit (an overdraft then blocks the tenant until the window resets).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-import redis.asyncio as redis_asyncio
 import structlog
-from limits import RateLimitItemPerMinute
-from limits.aio.storage import RedisStorage
-from limits.aio.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
-from redis.exceptions import RedisError
 
 from gateway.errors import Overloaded, RateLimited
 from gateway.settings import RateLimitSettings, TenantConfig
 from observability.metrics import Metrics
+
+if TYPE_CHECKING:
+    import redis.asyncio as redis_asyncio
+    from limits.aio.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
 
 log = structlog.get_logger(__name__)
 
@@ -35,8 +35,21 @@ class RateLimiter:
         self._requests: MovingWindowRateLimiter | None = None
         self._tokens: FixedWindowRateLimiter | None = None
         self._last_warning = 0.0
+        # Redis's error class once started; a gateway without rate limits never imports redis or limits.
+        self._errors: tuple[type[BaseException], ...] = (OSError,)
 
-    async def start(self) -> None:
+    def _connect(self) -> None:
+        """Build the Redis pool and the two limiters on the first limited request.
+
+        Tenants (and their limits) can arrive at run time through the admin API, so the
+        limiter always exists; a gateway whose tenants have no limits never imports redis.
+        """
+        import redis.asyncio as redis_asyncio
+        from limits.aio.storage import RedisStorage
+        from limits.aio.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
+        from redis.exceptions import RedisError
+
+        self._errors = (RedisError, OSError)
         s = self.settings
         self._pool = redis_asyncio.ConnectionPool.from_url(
             s.redis_url, socket_connect_timeout=1.0, socket_timeout=1.0
@@ -54,8 +67,13 @@ class RateLimiter:
 
     async def admit(self, tenant: TenantConfig) -> None:
         """Take one request slot and check the token budget; raise :class:`RateLimited` when spent."""
-        if self._requests is None or self._tokens is None:
+        if not (tenant.requests_per_minute or tenant.tokens_per_minute):
             return
+        if self._requests is None or self._tokens is None:
+            self._connect()
+        assert self._requests is not None and self._tokens is not None
+        from limits import RateLimitItemPerMinute
+
         try:
             if tenant.requests_per_minute:
                 item = RateLimitItemPerMinute(tenant.requests_per_minute)
@@ -77,16 +95,21 @@ class RateLimiter:
                         f"Please try again in {_wait(stats.reset_time):.0f}s.",
                         retry_after=_wait(stats.reset_time),
                     )
-        except (RedisError, OSError) as exc:
+        except self._errors as exc:
             self._unreachable(exc)
 
     async def charge(self, tenant: TenantConfig, tokens: int) -> None:
-        if self._tokens is None or not tenant.tokens_per_minute or tokens <= 0:
+        if not tenant.tokens_per_minute or tokens <= 0:
             return
+        if self._tokens is None:
+            self._connect()
+        assert self._tokens is not None
+        from limits import RateLimitItemPerMinute
+
         try:
             await self._tokens.hit(RateLimitItemPerMinute(tenant.tokens_per_minute), "tokens", tenant.name,
                                    cost=tokens)
-        except (RedisError, OSError) as exc:
+        except self._errors as exc:
             self._unreachable(exc)
 
     def _unreachable(self, exc: Exception) -> None:

@@ -137,8 +137,6 @@ class Services:
             log.info("auth_enabled", tenants=len(self.directory.tenants), keys=len(self.directory.keys))
         else:
             log.warning("auth_disabled", reason="no tenants configured: every request is served, unauthenticated")
-        if self.limiter is not None:
-            await self.limiter.start()  # connects lazily, on the first limited request
         if self.audit is not None:
             self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory-refresh"))
         # Policies load their models before traffic can arrive (the lifespan has not yielded yet).
