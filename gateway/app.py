@@ -82,7 +82,7 @@ def create_app(
     app = FastAPI(title="omnigate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.services = services
     app.state.config_path = config_path
-    app.include_router(chat.router)
+    app.router.routes.extend(chat.routes)
     app.include_router(ops.router)
     app.include_router(admin.router)
     app.include_router(admin_tenants.router)
@@ -117,6 +117,7 @@ def create_app(
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = base_openapi()
+            schema["paths"] = {**chat.OPENAPI_PATHS, **schema.get("paths", {})}
             schema.setdefault("components", {}).setdefault("schemas", {}).update(chat.OPENAPI_COMPONENTS)
         return app.openapi_schema
 

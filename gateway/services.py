@@ -20,6 +20,7 @@ from gateway.admission import AdmissionGate
 from gateway.pipeline import Pipeline
 from gateway.ratelimit import RateLimiter
 from gateway.settings import Settings, TenantConfig
+from gateway.sse import OpenStreams
 from gateway.tenants import Directory
 from observability.audit import AuditLog
 from observability.audit import build_store as build_audit_store
@@ -56,6 +57,8 @@ class Services:
     #: set once shutdown begins: readiness fails, open streams get a deadline
     draining: asyncio.Event = field(default_factory=asyncio.Event)
     drain_deadline: float | None = None
+    #: the open SSE responses, ended at the drain deadline
+    streams: OpenStreams = field(default_factory=OpenStreams)
     audit: AuditLog | None = None
     limiter: RateLimiter | None = None
     directory: Directory = field(default_factory=Directory)
@@ -170,6 +173,7 @@ class Services:
         server = self.settings.server
         self.drain_deadline = time.monotonic() + server.drain_delay_s + max(0.0, server.graceful_shutdown_s - 1.0)
         self.draining.set()
+        self.streams.cut_at(self.drain_deadline)
         log.warning("gateway_draining", drain_delay_s=server.drain_delay_s, grace_s=server.graceful_shutdown_s)
 
     async def refresh_directory(self) -> None:
