@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway import heap
 from gateway.api import admin, admin_routing, admin_tenants, chat, ops
 from gateway.errors import InvalidRequest, OmnigateError
 from gateway.middleware import RequestIdMiddleware
@@ -63,14 +64,21 @@ def create_app(
     registry: CollectorRegistry | None = None,
     plugins: dict[str, type] | None = None,
     config_path: str | Path | None = None,
+    freeze_heap: bool = False,
 ) -> FastAPI:
-    """``config_path`` is the file a reload (SIGHUP, ``POST /admin/config/reload``) reads again."""
+    """``config_path`` is the file a reload (SIGHUP, ``POST /admin/config/reload``) reads again.
+
+    ``freeze_heap`` (the server process sets it; see gateway/heap.py) freezes what is alive
+    once startup is done, so garbage collections during requests stay short.
+    """
     metrics = Metrics(registry)
     services = Services.build(settings, metrics, plugins)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await services.start()
+        if freeze_heap:
+            heap.freeze()
         hup = _on_sighup(services, config_path)
         try:
             yield

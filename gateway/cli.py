@@ -120,7 +120,7 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         print(msg, file=sys.stderr)
         return 1
     configure_logging(settings.logging.level, settings.logging.json_output)
-    app = create_app(settings, config_path=path)
+    app = create_app(settings, config_path=path, freeze_heap=True)
     config = uvicorn.Config(
         app,
         host=host or settings.server.host,

@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
+from gateway import heap
 from gateway.services import Services, build_policy_sets
 from gateway.settings import TenantConfig, load_settings
 from policies.registry import PolicyConfigError, build_chain
@@ -81,5 +82,6 @@ async def reload_config(services: Services, path: str | Path) -> ReloadResult:
             "path": str(path), "restart_required": pending, "policies": chain.describe(),
             "policy_sets": sorted(chains), "tenants": sorted(services.directory.tenants),
         })
+    heap.refreeze()
     message = "reloaded" + (f"; restart to apply: {', '.join(pending)}" if pending else "")
     return ReloadResult(True, message, pending)
