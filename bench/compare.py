@@ -3,7 +3,8 @@
     python -m bench.compare [--levels 1,16,64,256] [--chunks 64] [--targets relay,omnigate-off,omnigate,litellm]
 
 Every proxy runs alone on core 0; the upstream and this load generator share
-core 1. For each target and level: added TTFT p50/p99 over the direct run,
+core 1. For each target and level, direct and proxied runs alternate in rounds
+(``--rounds``) and the figures are against the direct runs of the same rounds: added TTFT p50/p99,
 added inter-chunk gap, requests/s, the proxy's CPU seconds per 1,000 requests
 and per streamed 64-chunk request; then RSS per open stream with 256 streams
 held open, and idle RSS. LiteLLM's proxy is installed on first use into
@@ -26,12 +27,22 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from bench.common import ROOT, cpu_seconds, free_port, pct, pin_self, rss_kib, spawn, stream_load, wait_http
+from bench.common import (ROOT, LoadResult, cpu_seconds, free_port, pct, pin_self, rss_kib, spawn, stream_load,
+                          wait_http)
 
 LITELLM_VENV = ROOT / ".bench" / "litellm-venv"
 # litellm 1.101 and later move the proxy into a package `litellm-proxy` that PyPI does not serve;
 # 1.100.0 is the newest release whose `[proxy]` extra installs.
 LITELLM_VERSION = "1.100.0"
+
+
+def _merge(into: LoadResult, part: LoadResult) -> None:
+    into.ttft += part.ttft
+    into.gaps += part.gaps
+    into.chunks += part.chunks
+    into.errors += part.errors
+    into.requests += part.requests
+    into.wall += part.wall
 
 
 def _litellm_bin() -> Path:
@@ -124,11 +135,8 @@ async def run(args: argparse.Namespace) -> dict:
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         direct_url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
-        direct = {}
-        for c in args.levels:
-            direct[c] = await stream_load(direct_url, {**body, "model": "scripted"}, c, max(args.min_requests, c * 2))
-        out["direct"] = {c: {"ttft_p50_ms": pct(r.ttft, 50) * 1e3, "ttft_p99_ms": pct(r.ttft, 99) * 1e3,
-                             "requests_per_s": r.requests / r.wall} for c, r in direct.items()}
+        direct_body = {**body, "model": "scripted"}
+        out["direct"] = {}
         for target in args.targets:
             port = free_port()
             proc, ready = _start(target, up_port, port)
@@ -140,17 +148,27 @@ async def run(args: argparse.Namespace) -> dict:
                 idle = rss_kib(proc.pid)
                 levels = {}
                 for c in args.levels:
+                    # Direct and proxied runs alternate in rounds, so drift in the machine's speed over the
+                    # minutes of a run shows in both and cancels out of the added figures.
                     n = max(args.min_requests, c * 2)
-                    cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
-                    r = await stream_load(url, body, c, n)
-                    wall, cpu = time.perf_counter() - t0, cpu_seconds(proc.pid) - cpu0
-                    d = direct[c]
+                    per_round = max(c, n // args.rounds)
+                    d, r = LoadResult(), LoadResult()
+                    cpu = 0.0
+                    for _ in range(args.rounds):
+                        _merge(d, await stream_load(direct_url, direct_body, c, per_round))
+                        cpu0 = cpu_seconds(proc.pid)
+                        _merge(r, await stream_load(url, body, c, per_round))
+                        cpu += cpu_seconds(proc.pid) - cpu0
+                    out["direct"].setdefault(target, {})[c] = {
+                        "ttft_p50_ms": pct(d.ttft, 50) * 1e3, "ttft_p99_ms": pct(d.ttft, 99) * 1e3,
+                        "requests_per_s": d.requests / d.wall}
                     levels[c] = {
                         "requests": r.requests, "errors": r.errors,
+                        "ttft_p50_ms": pct(r.ttft, 50) * 1e3, "ttft_p99_ms": pct(r.ttft, 99) * 1e3,
                         "added_ttft_p50_ms": (pct(r.ttft, 50) - pct(d.ttft, 50)) * 1e3,
                         "added_ttft_p99_ms": (pct(r.ttft, 99) - pct(d.ttft, 99)) * 1e3,
                         "added_gap_p50_ms": (pct(r.gaps, 50) - pct(d.gaps, 50)) * 1e3,
-                        "requests_per_s": r.requests / wall,
+                        "requests_per_s": r.requests / r.wall,
                         "cpu_s_per_1000_requests": cpu / max(1, r.requests) * 1000,
                         "cpu_ms_per_request": cpu / max(1, r.requests) * 1e3,
                     }
@@ -188,6 +206,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--chunk-delay-ms", type=float, default=0.0)
     ap.add_argument("--min-requests", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=4, help="direct and proxied runs alternate this many times")
     ap.add_argument("--hold", type=int, default=256)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
