@@ -6,7 +6,11 @@ acknowledges the response as complete, for at most ``ack_timeout_s``. One writer
 task drains the buffer: it encodes records on a worker thread (digests,
 redaction, canonical JSON) and commits them in batches, each batch one
 transaction (``commit: group`` gathers what arrives within ``group_commit_ms``;
-``commit: sync`` writes one record per transaction).
+``commit: sync`` writes one record per transaction). Like PostgreSQL's
+``commit_delay`` with ``commit_siblings``, the group-commit wait applies only when
+records come in company: when the previous batch held more than one, or more than
+one is already waiting. A lone request's record is written at once, since waiting
+for company that is not coming only adds latency.
 
 When the buffer is full the configured choice applies, loudly (a log event when
 it fills and when it recovers, ``omnigate_audit_buffer_full_total``,
@@ -79,6 +83,7 @@ class AuditLog:
         self._last_checkpoint = time.monotonic()
         self._head: tuple[int, str] = (0, "")
         self._last_warning = 0.0
+        self._last_batch = 0
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -209,9 +214,10 @@ class AuditLog:
                 if not self._queue:
                     await self._maybe_checkpoint()
                     continue
-            if linger and len(self._queue) < limit and not self._closing:
+            if linger and self._in_company(limit):
                 await asyncio.sleep(linger)
             batch = [self._queue.popleft() for _ in range(min(limit, len(self._queue)))]
+            self._last_batch = len(batch)
             self._writing = len(batch)
             try:
                 await self._write(batch)
@@ -219,6 +225,11 @@ class AuditLog:
                 self._writing = 0
                 self.metrics.audit_buffered.set(self.depth)
             await self._maybe_checkpoint()
+
+    def _in_company(self, limit: int) -> bool:
+        """Whether waiting ``group_commit_ms`` for more records is worth it (see the module docstring)."""
+        waiting = len(self._queue)
+        return not self._closing and waiting < limit and (waiting > 1 or self._last_batch > 1)
 
     def _encode(self, batch: list[Pending]) -> list[Entry]:
         out = []
