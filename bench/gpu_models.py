@@ -1,6 +1,6 @@
 """The policy models on a GPU against the CPU, batched, to size deployments.
 
-    python bench/gpu_models.py --assets DIR [--out FILE] [--quick]
+    python -m bench.gpu_models --assets DIR [--whisper-weights DIR] [--out FILE] [--quick]
 
 Three models, each timed per batch on CUDA (fp32 and fp16) and on the host's CPU:
 
@@ -20,6 +20,7 @@ real models'. ``DIR`` holds ``open_nsfw.onnx`` and a BERT WordPiece ``vocab.txt`
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -123,36 +124,51 @@ def bench_nli(assets: Path, batches: list[int], repeat: int, cpu_threads: int) -
     return out
 
 
-def bench_whisper(batches: list[int], repeat: int, steps: int = 48) -> dict:
+def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: int = 48) -> dict:
+    """Encoder over 30 s of features, then ``steps`` greedy decoder steps with the KV cache.
+
+    With ``weights`` (``python -m bench.whisper_weights --out DIR --check``): the real tiny.en
+    weights and the features of a spoken sentence, and each device's transcription of it is
+    recorded; without, the published shape with random weights and random features.
+    """
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-    # whisper tiny.en's published shape
-    cfg = WhisperConfig(vocab_size=51864, num_mel_bins=80, encoder_layers=4, decoder_layers=4,
-                        encoder_attention_heads=6, decoder_attention_heads=6, d_model=384,
-                        encoder_ffn_dim=1536, decoder_ffn_dim=1536, max_source_positions=1500,
-                        max_target_positions=448, decoder_start_token_id=50257)
+    from bench.whisper_weights import TINY_EN, decoder_step, load_model, suppressed, transcribe
+
     torch.manual_seed(0)
-    base = WhisperForConditionalGeneration(cfg).eval()
+    if weights is not None:
+        base = load_model(weights)
+        one = torch.from_numpy(np.load(weights / "speech-features.npy"))[None]
+    else:
+        base = WhisperForConditionalGeneration(WhisperConfig(**TINY_EN)).eval()
+        one = torch.randn(1, 80, 3000)
+    start = TINY_EN["decoder_start_token_id"]
 
     def decode(model, feats):
         enc = model.model.encoder(input_features=feats).last_hidden_state
-        ids = torch.full((feats.shape[0], 1), cfg.decoder_start_token_id, device=feats.device)
-        past = None
+        ids = torch.full((feats.shape[0], 1), start, device=feats.device)
+        cache = None
         for _ in range(steps):
-            dec = model.model.decoder(input_ids=ids[:, -1:], encoder_hidden_states=enc, past_key_values=past,
-                                      use_cache=True)
-            past = dec.past_key_values
+            dec, cache = decoder_step(model, ids[:, -1:], enc, cache)
             nxt = model.proj_out(dec.last_hidden_state[:, -1]).argmax(-1, keepdim=True)
             ids = torch.cat([ids, nxt], dim=1)
         return ids
 
-    out: dict = {"decoder_steps": steps, "cpu": {}, "cuda_fp32": {}, "cuda_fp16": {}}
-    gpu = WhisperForConditionalGeneration(cfg).eval().cuda()
-    gpu.load_state_dict(base.state_dict())
-    gpu16 = WhisperForConditionalGeneration(cfg).eval().cuda().half()
-    gpu16.load_state_dict({k: v.half() for k, v in base.state_dict().items()})
+    out: dict = {"weights": "tiny.en (converted from faster-whisper's model)" if weights else "random",
+                 "decoder_steps": steps, "cpu": {}, "cuda_fp32": {}, "cuda_fp16": {}}
+    gpu = copy.deepcopy(base).cuda()
+    gpu16 = copy.deepcopy(base).cuda().half()
+    if weights is not None:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(weights / "tokenizer.json"))
+        suppress = suppressed(weights / "ct2-config.json")
+        out["transcripts"] = {
+            name: tokenizer.decode(transcribe(model, one, suppress)).strip()
+            for name, model in (("cpu", base), ("cuda_fp32", gpu), ("cuda_fp16", gpu16))
+        }
     for b in batches:
-        feats = torch.randn(b, 80, 3000)
+        feats = one.repeat(b, 1, 1)
         with torch.inference_mode():
             if b <= 8:
                 out["cpu"][b] = _time(lambda: decode(base, feats), _nothing, max(2, repeat // 5))
@@ -169,6 +185,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true", help="small batches and few repeats (a smoke run)")
     ap.add_argument("--only", default="nsfw,nli,whisper", help="comma-separated sections to run")
+    ap.add_argument("--whisper-weights", type=Path, default=None,
+                    help="Whisper tiny.en's real weights (python -m bench.whisper_weights --out DIR --check)")
     args = ap.parse_args()
     repeat = 3 if args.quick else 20
     cpu_threads = os.cpu_count() or 1
@@ -181,7 +199,7 @@ def main() -> None:
     sections = {
         "nsfw": lambda: bench_nsfw(args.assets, [1, 8] if args.quick else [1, 8, 32, 128], repeat),
         "nli": lambda: bench_nli(args.assets, [1, 8] if args.quick else [1, 8, 32, 128], repeat, cpu_threads),
-        "whisper": lambda: bench_whisper([1, 4] if args.quick else [1, 8, 32], repeat),
+        "whisper": lambda: bench_whisper([1, 4] if args.quick else [1, 8, 32], repeat, args.whisper_weights),
     }
     for name, fn in sections.items():
         if name not in args.only.split(","):
