@@ -30,8 +30,12 @@ async def run(args: argparse.Namespace) -> dict:
                       "--chunk-delay-ms", "50"], cpu=1)
     cfg = Path(tempfile.mkdtemp()) / "soak.yaml"
     cfg.write_text(yaml.safe_dump({
+        # 64 streams really open at once: the per-engine cap (8, 4 under overload) and the admission limits
+        # (shed above 16, refuse above 64) would otherwise hold most of them in the engine's wait queue and
+        # refuse the rest with 503 engine_busy, which is admission working, not the streaming path soaking.
         "engines": [{"name": "soak", "kind": "vllm", "base_url": f"http://127.0.0.1:{up_port}/v1",
-                     "model": "scripted", "serves": ["soak"]}],
+                     "model": "scripted", "serves": ["soak"], "max_in_flight": None, "max_in_flight_overloaded": None}],
+        "traffic": {"soft_limit": 1000, "hard_limit": 1000},
         "logging": {"level": "warning"},
     }))
     gateway = spawn(["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(gw_port)], cpu=0)
