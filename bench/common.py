@@ -33,6 +33,14 @@ def spawn(args: list[str], cpu: int | None, env: dict[str, str] | None = None) -
     )
 
 
+def emit(result: dict, out: Path | None) -> None:
+    """Print a benchmark's result as JSON and, with ``--out``, write it there too."""
+    text = orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+
+
 def pin_self(cpu: int) -> None:
     if hasattr(os, "sched_setaffinity") and cpu < (os.cpu_count() or 1):
         os.sched_setaffinity(0, {cpu})

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from bench.common import (ROOT, LoadResult, cpu_seconds, free_port, pct, pin_self, rss_kib, spawn, stream_load,
+from bench.common import (ROOT, LoadResult, cpu_seconds, emit, free_port, pct, pin_self, rss_kib, spawn, stream_load,
                           wait_http)
 
 LITELLM_VENV = ROOT / ".bench" / "litellm-venv"
@@ -210,11 +209,7 @@ def main() -> None:
     ap.add_argument("--hold", type=int, default=256)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    result = asyncio.run(run(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(asyncio.run(run(args)), args.out)
 
 
 if __name__ == "__main__":

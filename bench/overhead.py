@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import tempfile
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import cpu_seconds, free_port, pct, pin_self, rss_kib, spawn, stream_load, wait_http
+from bench.common import cpu_seconds, emit, free_port, pct, pin_self, rss_kib, spawn, stream_load, wait_http
 
 
 def _config(upstream_port: int, chain: str) -> dict:
@@ -104,11 +103,7 @@ def main() -> None:
     ap.add_argument("--chain", choices=["off", "default"], default="default")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    result = asyncio.run(run(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(asyncio.run(run(args)), args.out)
 
 
 if __name__ == "__main__":

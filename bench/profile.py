@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import shutil
 import subprocess
@@ -26,7 +25,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from bench.common import free_port, pin_self, spawn, stream_load, wait_http
+from bench.common import emit, free_port, pin_self, spawn, stream_load, wait_http
 from bench.compare import _omnigate
 
 # (layer, substrings of a frame's "function (file:line)"), first match from the innermost frame wins.
@@ -120,11 +119,7 @@ def main() -> None:
     ap.add_argument("--chain", choices=["default", "off"], default="default")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    result = asyncio.run(run(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(asyncio.run(run(args)), args.out)
 
 
 if __name__ == "__main__":
