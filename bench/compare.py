@@ -1,13 +1,16 @@
 """Side by side: the scripted upstream directly, a minimal relay, omnigate, and LiteLLM's proxy.
 
-    python -m bench.compare [--levels 1,16,64,256] [--chunks 64] [--targets relay,omnigate-off,omnigate,litellm]
+    python -m bench.compare [--levels 1,16,64,256] [--chunks 64]
+                            [--targets relay,omnigate-off,omnigate-noaudit,omnigate,litellm]
 
 Every proxy runs alone on core 0; the upstream and this load generator share
 core 1. For each target and level, direct and proxied runs alternate in rounds
 (``--rounds``) and the figures are against the direct runs of the same rounds: added TTFT p50/p99,
 added inter-chunk gap, requests/s, the proxy's CPU seconds per 1,000 requests
 and per streamed 64-chunk request; then RSS per open stream with 256 streams
-held open, and idle RSS. LiteLLM's proxy is installed on first use into
+held open, and idle RSS. ``omnigate-off`` has an empty policy chain, ``omnigate`` the
+default one, ``omnigate-noaudit`` an empty chain and no audit trail (what the durable
+audit costs). LiteLLM's proxy is installed on first use into
 ``.bench/litellm-venv`` (``litellm[proxy]==1.100.0``, the newest release whose proxy extra installs).
 """
 
@@ -53,7 +56,7 @@ def _litellm_bin() -> Path:
     return exe
 
 
-def _omnigate(up_port: int, port: int, chain: str) -> list[str]:
+def _omnigate(up_port: int, port: int, chain: str, audit: bool = True) -> list[str]:
     # The relay and LiteLLM's proxy have no admission limits or per-engine caps; lift omnigate's so the
     # comparison measures relaying (with its defaults it sheds above 16 and refuses above 64 streams).
     cfg = {
@@ -63,6 +66,7 @@ def _omnigate(up_port: int, port: int, chain: str) -> list[str]:
         "policies": {"pre": [] if chain == "off" else [{"name": "load-shedding"}, {"name": "request-limits"}]},
         "traffic": {"soft_limit": 10000, "hard_limit": 10000},
         "logging": {"level": "warning"},
+        "audit": {"enabled": audit},
     }
     path = Path(tempfile.mkdtemp()) / "omnigate.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -74,8 +78,10 @@ def _start(target: str, up_port: int, port: int) -> tuple[subprocess.Popen, str]
     if target == "relay":
         args = ["-m", "bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{up_port}/v1"]
         return spawn(args, cpu=0), f"http://127.0.0.1:{port}/health"
-    if target in ("omnigate", "omnigate-off"):
-        return spawn(_omnigate(up_port, port, "off" if target.endswith("off") else "default"), cpu=0), \
+    if target in ("omnigate", "omnigate-off", "omnigate-noaudit"):
+        # omnigate-noaudit: policies off and no audit trail, to see what the durable audit costs.
+        chain = "default" if target == "omnigate" else "off"
+        return spawn(_omnigate(up_port, port, chain, audit=target != "omnigate-noaudit"), cpu=0), \
             f"http://127.0.0.1:{port}/readyz"
     if target == "litellm":
         exe = _litellm_bin()
@@ -149,7 +155,9 @@ async def run(args: argparse.Namespace) -> dict:
                 for c in args.levels:
                     # Direct and proxied runs alternate in rounds, so drift in the machine's speed over the
                     # minutes of a run shows in both and cancels out of the added figures.
-                    n = max(args.min_requests, c * 2)
+                    # A p99 over a few hundred samples is one of the largest handful; the TTFT target is at one
+                    # stream, so that level gets enough requests for its p99 to mean something.
+                    n = max(args.min_requests, c * 2, args.one_stream_requests if c == 1 else 0)
                     per_round = max(c, n // args.rounds)
                     d, r = LoadResult(), LoadResult()
                     cpu = 0.0
@@ -201,10 +209,12 @@ async def run(args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", default="1,16,64,256", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--targets", default="relay,omnigate-off,omnigate,litellm", type=lambda s: s.split(","))
+    ap.add_argument("--targets", default="relay,omnigate-off,omnigate-noaudit,omnigate,litellm", type=lambda s: s.split(","))
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--chunk-delay-ms", type=float, default=0.0)
     ap.add_argument("--min-requests", type=int, default=200)
+    ap.add_argument("--one-stream-requests", type=int, default=1200,
+                    help="requests at one stream (where the TTFT target is), per target and side")
     ap.add_argument("--rounds", type=int, default=4, help="direct and proxied runs alternate this many times")
     ap.add_argument("--hold", type=int, default=256)
     ap.add_argument("--out", type=Path)
