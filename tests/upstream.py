@@ -71,6 +71,9 @@ class Script:
     # Speech interleaved with text, as an engine whose talker runs alongside its thinker sends it:
     # one audio frame after every N text frames (0: all text first, then all audio).
     audio_interleave: int = 0
+    # A pause between the [DONE] frame and the end of the chunked body (its terminator), as a server
+    # that writes them separately shows it to a client reading fast.
+    eof_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.flavour not in _FLAVOURS:
@@ -281,6 +284,7 @@ class ScriptedUpstream:
         self.resets = 0  # scripted connection resets
         self.in_flight = 0
         self.max_in_flight = 0
+        self.connections: set[tuple[str, int]] = set()  # client (host, port) pairs chat requests came on
         # /metrics gauges; num_requests_running None means "report in_flight".
         self.num_requests_running: float | None = None
         self.num_requests_waiting: float = 0.0
@@ -370,6 +374,7 @@ class ScriptedUpstream:
         self.voices.clear()
         self.request_count = self.completed = self.aborts = self.errors = self.resets = 0
         self.max_in_flight = self.in_flight
+        self.connections.clear()
         self.abort_event.clear()
         self.abort_times.clear()
 
@@ -382,6 +387,7 @@ class ScriptedUpstream:
             "resets": self.resets,
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
+            "connections": len(self.connections),
             "queued": len(self._queue),
             "last_voice": self.voices[-1] if self.voices else None,
         }
@@ -395,6 +401,9 @@ class ScriptedUpstream:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         state = _Progress()
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        if peer is not None:
+            self.connections.add(tuple(peer[:2]))
         try:
             return await self._serve_chat(request, state)
         except asyncio.CancelledError:
@@ -563,6 +572,8 @@ class ScriptedUpstream:
             await resp.write(tail)
             state.finished = True
             self.completed += 1
+            if script.eof_delay_s > 0:
+                await asyncio.sleep(script.eof_delay_s)
             await resp.write_eof()
         except ConnectionResetError:
             # The client left between our last await and this write; aiohttp has not cancelled us yet.
