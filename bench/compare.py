@@ -3,9 +3,10 @@
     python -m bench.compare [--levels 1,16,64,256] [--chunks 64]
                             [--targets relay,omnigate-off,omnigate-noaudit,omnigate,litellm]
 
-Every proxy runs alone on core 0; the upstream and this load generator share
-core 1. For each target and level, direct and proxied runs alternate in rounds
-(``--rounds``) and the figures are against the direct runs of the same rounds: added TTFT p50/p99,
+The proxies run on core 0 (started together, idle but for their turn); the
+upstream and this load generator share core 1. For each level, the targets take
+turns in ``--rounds`` rounds, each turn a run straight at the upstream and one
+through the target, and the figures are against the direct runs of the same turns: added TTFT p50/p99,
 added inter-chunk gap, requests/s, the proxy's CPU seconds per 1,000 requests
 and per streamed 64-chunk request; then RSS per open stream with 256 streams
 held open, and idle RSS. ``omnigate-off`` has an empty policy chain, ``omnigate`` the
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -129,6 +131,23 @@ async def _hold_open(url: str, body: dict, n: int, seconds: float) -> int:
     return count
 
 
+async def _held_rss(proc: subprocess.Popen, url: str, body: dict, up_port: int, args: argparse.Namespace) -> dict:
+    """RSS per open stream: ``args.hold`` streams held open on a slow upstream."""
+    await _set_script(up_port, flavour="vllm", chunk_delay_s=0.5, text=" ".join(["w"] * 40))
+    try:
+        before = rss_kib(proc.pid)
+        held = asyncio.create_task(_hold_open(url, body, args.hold, 3.0))
+        peak = before
+        while not held.done():
+            peak = max(peak, rss_kib(proc.pid))
+            await asyncio.sleep(0.2)
+        opened = held.result()
+    finally:
+        await _set_script(up_port, flavour="vllm", chunk_delay_s=args.chunk_delay_ms / 1000,
+                          text=" ".join(["w"] * args.chunks))
+    return {"held_streams": opened, "rss_kib_per_open_stream": (peak - before) / max(1, opened)}
+
+
 async def run(args: argparse.Namespace) -> dict:
     pin_self(1)
     up_port = free_port()
@@ -136,72 +155,67 @@ async def run(args: argparse.Namespace) -> dict:
                       "--chunk-delay-ms", str(args.chunk_delay_ms)], cpu=1)
     body = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4096}
     out: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
-                 "chunks_per_request": args.chunks, "chunk_delay_ms": args.chunk_delay_ms, "targets": {}}
+                 "chunks_per_request": args.chunks, "chunk_delay_ms": args.chunk_delay_ms, "targets": {},
+                 "direct": {}}
+    procs: dict[str, subprocess.Popen] = {}
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         direct_url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
         direct_body = {**body, "model": "scripted"}
-        out["direct"] = {}
+        # Every proxy is started up front (idle ones cost nothing), so the targets can take turns within
+        # each round: this VM's speed drifts by tens of percent over minutes, and measuring one target
+        # after another would charge that drift to whichever ran in a slow spell.
+        urls: dict[str, str] = {}
         for target in args.targets:
             port = free_port()
-            proc, ready = _start(target, up_port, port)
-            try:
-                await wait_http(ready, timeout=180)
-                url = f"http://127.0.0.1:{port}/v1/chat/completions"
-                await stream_load(url, body, 4, 20)  # warm-up
-                await asyncio.sleep(1)
-                idle = rss_kib(proc.pid)
-                levels = {}
-                for c in args.levels:
-                    # Direct and proxied runs alternate in rounds, so drift in the machine's speed over the
-                    # minutes of a run shows in both and cancels out of the added figures.
-                    # A p99 over a few hundred samples is one of the largest handful; the TTFT target is at one
-                    # stream, so that level gets enough requests for its p99 to mean something.
-                    n = max(args.min_requests, c * 2, args.one_stream_requests if c == 1 else 0)
-                    per_round = max(c, n // args.rounds)
-                    d, r = LoadResult(), LoadResult()
-                    cpu = 0.0
-                    for _ in range(args.rounds):
-                        _merge(d, await stream_load(direct_url, direct_body, c, per_round))
-                        cpu0 = cpu_seconds(proc.pid)
-                        _merge(r, await stream_load(url, body, c, per_round))
-                        cpu += cpu_seconds(proc.pid) - cpu0
-                    out["direct"].setdefault(target, {})[c] = {
-                        "ttft_p50_ms": pct(d.ttft, 50) * 1e3, "ttft_p99_ms": pct(d.ttft, 99) * 1e3,
-                        "requests_per_s": d.requests / d.wall}
-                    levels[c] = {
-                        "requests": r.requests, "errors": r.errors,
-                        "ttft_p50_ms": pct(r.ttft, 50) * 1e3, "ttft_p99_ms": pct(r.ttft, 99) * 1e3,
-                        "added_ttft_p50_ms": (pct(r.ttft, 50) - pct(d.ttft, 50)) * 1e3,
-                        "added_ttft_p99_ms": (pct(r.ttft, 99) - pct(d.ttft, 99)) * 1e3,
-                        "added_gap_p50_ms": (pct(r.gaps, 50) - pct(d.gaps, 50)) * 1e3,
-                        "requests_per_s": r.requests / r.wall,
-                        "cpu_s_per_1000_requests": cpu / max(1, r.requests) * 1000,
-                        "cpu_ms_per_request": cpu / max(1, r.requests) * 1e3,
-                    }
-                # RSS per open stream: 256 streams held open on a slow upstream.
-                await _set_script(up_port, flavour="vllm", chunk_delay_s=0.5, text=" ".join(["w"] * 40))
-                before = rss_kib(proc.pid)
-                held = asyncio.create_task(_hold_open(url, body, args.hold, 3.0))
-                peak = before
-                while not held.done():
-                    peak = max(peak, rss_kib(proc.pid))
-                    await asyncio.sleep(0.2)
-                opened = held.result()
-                await _set_script(up_port, flavour="vllm", chunk_delay_s=args.chunk_delay_ms / 1000,
-                                  text=" ".join(["w"] * args.chunks))
-                out["targets"][target] = {
-                    "idle_rss_mib": idle / 1024, "levels": levels,
-                    "held_streams": opened, "rss_kib_per_open_stream": (peak - before) / max(1, opened),
+            procs[target], ready = _start(target, up_port, port)
+            await wait_http(ready, timeout=180)
+            urls[target] = f"http://127.0.0.1:{port}/v1/chat/completions"
+            await stream_load(urls[target], body, 4, 20)  # warm-up
+        await asyncio.sleep(1)
+        for target, proc in procs.items():
+            out["targets"][target] = {"idle_rss_mib": rss_kib(proc.pid) / 1024, "levels": {}}
+        for c in args.levels:
+            # A p99 over a few hundred samples is one of the largest handful; the TTFT target is at one
+            # stream, so that level gets enough requests for its p99 to mean something.
+            n = max(args.min_requests, c * 2, args.one_stream_requests if c == 1 else 0)
+            per_round = max(c, n // args.rounds)
+            direct = {t: LoadResult() for t in args.targets}
+            proxied = {t: LoadResult() for t in args.targets}
+            cpu = dict.fromkeys(args.targets, 0.0)
+            for i in range(args.rounds):
+                # Direct and proxied runs alternate, and the targets take turns in a rotating order.
+                for target in args.targets[i % len(args.targets):] + args.targets[:i % len(args.targets)]:
+                    _merge(direct[target], await stream_load(direct_url, direct_body, c, per_round))
+                    cpu0 = cpu_seconds(procs[target].pid)
+                    _merge(proxied[target], await stream_load(urls[target], body, c, per_round))
+                    cpu[target] += cpu_seconds(procs[target].pid) - cpu0
+            for target in args.targets:
+                d, r = direct[target], proxied[target]
+                out["direct"].setdefault(target, {})[c] = {
+                    "ttft_p50_ms": pct(d.ttft, 50) * 1e3, "ttft_p99_ms": pct(d.ttft, 99) * 1e3,
+                    "requests_per_s": d.requests / d.wall}
+                out["targets"][target]["levels"][c] = {
+                    "requests": r.requests, "errors": r.errors,
+                    "ttft_p50_ms": pct(r.ttft, 50) * 1e3, "ttft_p99_ms": pct(r.ttft, 99) * 1e3,
+                    "added_ttft_p50_ms": (pct(r.ttft, 50) - pct(d.ttft, 50)) * 1e3,
+                    "added_ttft_p99_ms": (pct(r.ttft, 99) - pct(d.ttft, 99)) * 1e3,
+                    "added_gap_p50_ms": (pct(r.gaps, 50) - pct(d.gaps, 50)) * 1e3,
+                    "requests_per_s": r.requests / r.wall,
+                    "cpu_s_per_1000_requests": cpu[target] / max(1, r.requests) * 1000,
+                    "cpu_ms_per_request": cpu[target] / max(1, r.requests) * 1e3,
                 }
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        for target in args.targets:
+            out["targets"][target].update(await _held_rss(procs[target], urls[target], body, up_port, args))
         return out
     finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         upstream.terminate()
         upstream.wait(10)
 
@@ -217,9 +231,37 @@ def main() -> None:
                     help="requests at one stream (where the TTFT target is), per target and side")
     ap.add_argument("--rounds", type=int, default=4, help="direct and proxied runs alternate this many times")
     ap.add_argument("--hold", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="whole runs, each with fresh processes; the summary gives each figure's median and range")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    emit(asyncio.run(run(args)), args.out)
+    if args.repeats == 1:
+        emit(asyncio.run(run(args)), args.out)
+        return
+    runs = [asyncio.run(run(args)) for _ in range(args.repeats)]
+    emit({"machine": runs[0]["machine"], "repeats": args.repeats, "summary": summarize(runs), "runs": runs}, args.out)
+
+
+_SUMMARIZED = ("added_ttft_p50_ms", "added_ttft_p99_ms", "cpu_ms_per_request", "requests_per_s")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per target and level, each figure's median over the runs and its range (this VM drifts between runs)."""
+    out: dict = {}
+    for target, first in runs[0]["targets"].items():
+        for level in first["levels"]:
+            for key in _SUMMARIZED:
+                values = sorted(r["targets"][target]["levels"][level][key] for r in runs)
+                out.setdefault(target, {}).setdefault(level, {})[key] = {
+                    "median": statistics.median(values), "min": values[0], "max": values[-1]}
+            # Against the relay of the same run: what the issue's ratios compare.
+            if target != "relay" and "relay" in runs[0]["targets"]:
+                ratios = sorted(
+                    r["targets"][target]["levels"][level]["added_ttft_p50_ms"]
+                    / r["targets"]["relay"]["levels"][level]["added_ttft_p50_ms"] for r in runs)
+                out[target][level]["added_ttft_p50_to_relay"] = {
+                    "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+    return out
 
 
 if __name__ == "__main__":

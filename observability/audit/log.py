@@ -3,8 +3,9 @@
 The request path calls :meth:`AuditLog.submit` (never blocks: it appends to a
 bounded buffer and returns a future) and awaits :meth:`AuditLog.wait` before it
 acknowledges the response as complete, for at most ``ack_timeout_s``. One writer
-task drains the buffer: it encodes records on a worker thread (digests,
-redaction, canonical JSON) and commits them in batches, each batch one
+task drains the buffer: it hands each batch to the store, which encodes the
+records off the event loop (digests, redaction, canonical JSON; SQLite on its own
+thread, in the same hand-off as the write) and commits them, each batch one
 transaction (``commit: group`` gathers what arrives within ``group_commit_ms``;
 ``commit: sync`` writes one record per transaction). Like PostgreSQL's
 ``commit_delay`` with ``commit_siblings``, the group-commit wait applies only when
@@ -26,7 +27,6 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -71,7 +71,6 @@ class AuditLog:
         self._queue: deque[Pending] = deque()
         self._writing = 0
         self._wake = asyncio.Event()
-        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-encode")
         self._task: asyncio.Task[None] | None = None
         self._retention: asyncio.Task[None] | None = None
         self._closing = False
@@ -115,7 +114,6 @@ class AuditLog:
             if self._since_checkpoint:
                 await self._checkpoint()
         await self.store.close()
-        self._encoder.shutdown(wait=False)
 
     # -- the request path -------------------------------------------------------------------------------
     @property
@@ -154,8 +152,9 @@ class AuditLog:
         if fut is None:
             return None
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.settings.ack_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.settings.ack_timeout_s):
+                return await asyncio.shield(fut)
+        except TimeoutError:
             self.metrics.audit_ack_timeouts.inc()
             self._warn("audit_ack_timeout", timeout_s=self.settings.ack_timeout_s, buffered=self.depth)
             return None
@@ -209,8 +208,9 @@ class AuditLog:
                         self._queue.append(self._gap_record())
                         continue
                 self._wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), s.checkpoint_interval_s)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(s.checkpoint_interval_s):
+                        await self._wake.wait()
                 if not self._queue:
                     await self._maybe_checkpoint()
                     continue
@@ -244,12 +244,19 @@ class AuditLog:
         return out
 
     async def _write(self, batch: list[Pending]) -> None:
-        entries = await asyncio.get_running_loop().run_in_executor(self._encoder, self._encode, batch)
+        encoded: list[Entry] = []
+
+        def encode() -> list[Entry]:
+            # Once per batch: a retry after a store failure appends the same entries.
+            if not encoded:
+                encoded.extend(self._encode(batch))
+            return encoded
+
         delay = 0.05
         while True:
             t0 = time.perf_counter()
             try:
-                rows = await self.store.append(entries)
+                rows = await self.store.append_encoded(encode)
                 break
             except Exception as exc:
                 self.metrics.audit_store_errors.inc()

@@ -6,6 +6,10 @@ gateway sharing the database extends one chain.
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
 import asyncpg
 
 from gateway.tenants import KeyEntry
@@ -24,6 +28,8 @@ class PostgresStore:
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
         self._pool: asyncpg.Pool | None = None
+        # asyncpg talks to the server from the event loop; records are encoded on a thread of their own.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-encode")
 
     async def open(self) -> None:
         self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=4, command_timeout=30)
@@ -36,6 +42,7 @@ class PostgresStore:
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
+        self._encoder.shutdown(wait=False)
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -63,6 +70,9 @@ class PostgresStore:
                     columns=["seq", "ts", "kind", "request_id", "tenant", "data", "prev_hash", "hash"],
                 )
         return rows
+
+    async def append_encoded(self, encode: Callable[[], list[Entry]]) -> list[Row]:
+        return await self.append(await asyncio.get_running_loop().run_in_executor(self._encoder, encode))
 
     async def head(self) -> tuple[int, str]:
         async with self.pool.acquire() as conn:

@@ -85,6 +85,9 @@ class SQLiteStore:
     async def append(self, entries: list[Entry]) -> list[Row]:
         return await self._run(self._append, entries)
 
+    async def append_encoded(self, encode: Callable[[], list[Entry]]) -> list[Row]:
+        return await self._run(lambda: self._append(encode()))
+
     async def head(self) -> tuple[int, str]:
         return await self._run(self._head)
 

@@ -9,7 +9,7 @@ admin-managed tenants and API keys (key digests only).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from gateway.settings import AuditSettings
 from gateway.tenants import KeyEntry
@@ -69,6 +69,13 @@ class AuditStore(Protocol):
     async def close(self) -> None: ...
 
     async def append(self, entries: list[Entry]) -> list[Row]: ...
+
+    async def append_encoded(self, encode: Callable[[], list[Entry]]) -> list[Row]:
+        """Run ``encode`` (CPU-bound: digests, redaction, canonical JSON) off the event loop, append its entries.
+
+        A store with a thread of its own runs both there, one hand-off per batch.
+        """
+        ...
 
     async def head(self) -> tuple[int, str]: ...
 
