@@ -30,7 +30,7 @@ from bench.compare import _omnigate
 
 # (layer, substrings of a frame's "function (file:line)"), first match from the innermost frame wins.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("audit (encoder and SQLite threads)", ("observability/audit/",)),
+    ("audit (writer task, SQLite thread)", ("observability/audit/",)),
     ("metrics (prometheus_client)", ("prometheus_client/",)),
     ("logging (structlog)", ("structlog/",)),
     ("engine client (aiohttp, SSE parsing)", ("aiohttp/", "engines/openai_compat.py", "engines/vllm_omni.py")),
