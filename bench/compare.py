@@ -223,7 +223,8 @@ async def run(args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", default="1,16,64,256", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--targets", default="relay,omnigate-off,omnigate-noaudit,omnigate,litellm", type=lambda s: s.split(","))
+    ap.add_argument("--targets", default="relay,omnigate-off,omnigate-noaudit,omnigate,litellm",
+                    type=lambda s: s.split(","))
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--chunk-delay-ms", type=float, default=0.0)
     ap.add_argument("--min-requests", type=int, default=200)

@@ -71,7 +71,7 @@ class AuditStore(Protocol):
     async def append(self, entries: list[Entry]) -> list[Row]: ...
 
     async def append_encoded(self, encode: Callable[[], list[Entry]]) -> list[Row]:
-        """Run ``encode`` (CPU-bound: digests, redaction, canonical JSON) off the event loop, append its entries.
+        """Run ``encode`` (CPU-bound: digests, redaction, canonical JSON) off the loop; append what it returns.
 
         A store with a thread of its own runs both there, one hand-off per batch.
         """

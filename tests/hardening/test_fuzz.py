@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -62,11 +63,13 @@ def gateway_process(upstreams, tmp_path_factory):
     proc.wait(15)
 
 
-def test_schema_driven_cases_never_5xx(gateway_process, ups):
+def test_schema_driven_cases_never_5xx(gateway_process, ups, figures):
     proc, url = gateway_process
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     operation = schema["/v1/chat/completions"]["POST"]
     seen = {"cases": 0, "ok": 0}
+    statuses: Counter[int] = Counter()
+    started = time.monotonic()
 
     with httpx.Client(base_url=url, timeout=20) as http:
         for _ in range(20):  # warm the process up before taking the baseline
@@ -85,12 +88,16 @@ def test_schema_driven_cases_never_5xx(gateway_process, ups):
             resp = http.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
             seen["cases"] += 1
             seen["ok"] += resp.status_code == 200
+            statuses[resp.status_code] += 1
             _assert_openai_error(resp)
 
         check()
+    growth_mib = (rss_kib(proc.pid) - rss_before) / 1024
+    figures(cases=seen["cases"], statuses=dict(sorted(statuses.items())), rss_growth_mib=growth_mib,
+            seconds=time.monotonic() - started)
     assert seen["cases"] >= CASES
     assert seen["ok"] > 0  # the generator did reach the engine, not only refusals
-    assert (rss_kib(proc.pid) - rss_before) / 1024 < 50
+    assert growth_mib < 50
 
 
 json_values = st.recursive(
@@ -118,23 +125,82 @@ request_doc = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=PARSER_EXAMPLES, deadline=None, database=None)
-@given(doc=st.one_of(request_doc, json_values))
-def test_parser_accepts_or_names_the_field(doc):
-    try:
+# Well-formed requests (every field in range), so acceptance is exercised as much as refusal.
+url = st.sampled_from(["https://example.com/a.png", "data:image/png;base64,iVBORw0KGgo=", "http://10.0.0.1/x.mp4"])
+valid_part = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=40)}),
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": url})}),
+    st.fixed_dictionaries({"type": st.just("input_audio"), "input_audio": st.fixed_dictionaries(
+        {"data": st.text(min_size=1, max_size=40), "format": st.sampled_from(["wav", "mp3"])})}),
+    st.fixed_dictionaries({"type": st.just("audio_url"), "audio_url": st.fixed_dictionaries({"url": url})}),
+    st.fixed_dictionaries({"type": st.just("video_url"), "video_url": st.fixed_dictionaries({"url": url})}),
+)
+valid_message = st.fixed_dictionaries({
+    "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
+    "content": st.one_of(st.text(max_size=50), st.lists(valid_part, min_size=1, max_size=3)),
+})
+valid_doc = st.fixed_dictionaries(
+    {"model": st.text(min_size=1, max_size=30), "messages": st.lists(valid_message, min_size=1, max_size=4)},
+    optional={
+        "stream": st.booleans(), "max_tokens": st.integers(1, 1 << 20),
+        "temperature": st.floats(0.0, 2.0), "top_p": st.floats(0.01, 1.0),
+        "stop": st.one_of(st.text(max_size=10), st.lists(st.text(max_size=10), max_size=4)),
+        "modalities": st.sampled_from([["text"], ["text", "audio"]]),
+        "audio": st.fixed_dictionaries({"voice": st.sampled_from(["Chelsie", "Ethan"]),
+                                        "format": st.sampled_from(["wav", "mp3", "pcm16"])}),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+        "seed": st.integers(-(1 << 31), 1 << 31),
+    },
+)
+
+
+def test_parser_accepts_or_names_the_field(figures):
+    seen = Counter()
+
+    @settings(max_examples=PARSER_EXAMPLES, deadline=None, database=None)
+    @given(doc=st.one_of(request_doc, valid_doc, json_values))
+    def check(doc) -> None:
+        try:
+            parsed = _parse(json.dumps(doc).encode())
+        except InvalidRequest as exc:
+            seen["refused"] += 1
+            assert exc.status == 400 and exc.message
+            err = exc.to_dict()["error"]
+            assert err["type"] == "invalid_request_error"
+            return
+        seen["accepted"] += 1
+        assert parsed.messages and parsed.model
+
+    check()
+    figures(examples=seen.total(), **seen)
+    assert seen.total() >= PARSER_EXAMPLES
+
+
+def test_parser_survives_arbitrary_bytes(figures):
+    seen = Counter()
+
+    @settings(max_examples=PARSER_EXAMPLES // 3, deadline=None, database=None)
+    @given(raw=st.binary(max_size=200))
+    def check(raw) -> None:
+        try:
+            _parse(raw)
+            seen["accepted"] += 1
+        except InvalidRequest:
+            seen["refused"] += 1
+
+    check()
+    figures(examples=seen.total(), **seen)
+
+
+def test_well_formed_requests_are_accepted(figures):
+    seen = Counter()
+
+    @settings(max_examples=PARSER_EXAMPLES // 3, deadline=None, database=None)
+    @given(doc=valid_doc)
+    def check(doc) -> None:
         parsed = _parse(json.dumps(doc).encode())
-    except InvalidRequest as exc:
-        assert exc.status == 400 and exc.message
-        err = exc.to_dict()["error"]
-        assert err["type"] == "invalid_request_error"
-        return
-    assert parsed.messages and parsed.model
+        assert parsed.model == doc["model"] and len(parsed.messages) == len(doc["messages"])
+        seen["accepted"] += 1
 
-
-@settings(max_examples=PARSER_EXAMPLES // 3, deadline=None, database=None)
-@given(raw=st.binary(max_size=200))
-def test_parser_survives_arbitrary_bytes(raw):
-    try:
-        _parse(raw)
-    except InvalidRequest:
-        pass
+    check()
+    figures(examples=seen.total(), **seen)

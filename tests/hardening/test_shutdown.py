@@ -65,21 +65,38 @@ async def _scenario(tmp_path, upstream_script: Script, drain_delay: float, grace
                     await asyncio.wait_for(first.get(), 20)
                 t0 = time.monotonic()
                 os.kill(proc.pid, signal.SIGTERM)
-                await asyncio.sleep(0.2)
-                async with s.get(base + "/readyz") as r:
-                    ready_status, ready_body = r.status, await r.json()
+                # Readiness must turn 503 at once: poll it until it does (at most 1 s).
+                ready_status, ready_body, ready_after = 200, {}, None
+                while time.monotonic() - t0 < 1.0:
+                    async with s.get(base + "/readyz") as r:
+                        ready_status, ready_body = r.status, await r.json()
+                    if ready_status == 503:
+                        ready_after = time.monotonic() - t0
+                        break
+                    await asyncio.sleep(0.005)
                 results = await asyncio.gather(*tasks, return_exceptions=True)
+                streams_done = time.monotonic() - t0
             rc = await asyncio.to_thread(proc.wait, 30)
-            return {"ready_status": ready_status, "ready_body": ready_body, "results": results, "rc": rc,
+            return {"ready_status": ready_status, "ready_body": ready_body, "ready_after_s": ready_after,
+                    "results": results, "rc": rc, "streams_done_after_s": streams_done,
                     "exit_after_s": time.monotonic() - t0}
         finally:
             if proc.poll() is None:
                 proc.kill()
 
 
-def test_streams_that_finish_within_the_grace_period_complete(tmp_path):
+def _figures(out: dict) -> dict:
+    frames = [f for f in out["results"] if not isinstance(f, BaseException)]
+    return {"streams": STREAMS, "ended_with_done": sum(1 for f in frames if f and f[-1] == b"[DONE]"),
+            "terminal_error_events": sum(1 for f in frames if len(f) > 1 and b'"error"' in f[-2]),
+            "ready_503_after_s": out["ready_after_s"], "streams_done_after_s": out["streams_done_after_s"],
+            "exit_after_s": out["exit_after_s"]}
+
+
+def test_streams_that_finish_within_the_grace_period_complete(tmp_path, figures):
     # 20 chunks, 0.1 s apart: about 2 s, well inside drain (1 s) + grace (5 s).
     out = asyncio.run(_scenario(tmp_path, Script(text=" ".join(["w"] * 20), chunk_delay_s=0.1), 1.0, 5.0))
+    figures(drain_delay_s=1.0, grace_s=5.0, **_figures(out))
     assert out["ready_status"] == 503 and out["ready_body"]["status"] == "draining"
     for frames in out["results"]:
         assert not isinstance(frames, BaseException), frames
@@ -88,9 +105,10 @@ def test_streams_that_finish_within_the_grace_period_complete(tmp_path):
     assert out["rc"] in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught once it has stopped
 
 
-def test_streams_past_the_grace_period_get_a_terminal_event(tmp_path):
+def test_streams_past_the_grace_period_get_a_terminal_event(tmp_path, figures):
     # 100 chunks, 0.2 s apart: 20 s, far past drain (0.5 s) + grace (2 s).
     out = asyncio.run(_scenario(tmp_path, Script(text=" ".join(["w"] * 100), chunk_delay_s=0.2), 0.5, 2.0))
+    figures(drain_delay_s=0.5, grace_s=2.0, **_figures(out))
     assert out["ready_status"] == 503
     for frames in out["results"]:
         assert not isinstance(frames, BaseException), frames
