@@ -14,13 +14,14 @@ pytestmark = pytest.mark.timeout(300)
 ROUNDS = int(os.environ.get("OMNIGATE_CANCEL_ROUNDS", "200"))
 
 
-def test_every_cancel_aborts_the_engine(bg):
+def test_every_cancel_aborts_the_engine(bg, figures):
     gateway, up = start(bg)
     try:
         out = asyncio.run(run_cancels(bg, gateway, up, ROUNDS))
     finally:
         gateway.stop()
         bg.run(up.stop())
+    figures(**{f"{mode}_{k}": v for mode, row in out.items() for k, v in row.items()})
     for mode in ("stream", "json"):
         assert out[mode]["cancels"] == ROUNDS // 2
         assert out[mode]["aborts_seen"] == out[mode]["cancels"], out

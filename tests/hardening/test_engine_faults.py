@@ -24,8 +24,9 @@ def rig(bg):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_every_stream_ends_cleanly(rig, mode):
+def test_every_stream_ends_cleanly(rig, mode, figures):
     out = asyncio.run(run_mode(*rig, mode, ROUNDS, 16))
+    figures(**{k: v for k, v in out.items() if k != "failures"})
     assert out["requests"] == ROUNDS
     assert out["non_200"] == 0
     assert out["clean"] == ROUNDS, out["failures"]
@@ -35,6 +36,7 @@ def test_every_stream_ends_cleanly(rig, mode):
         assert out["ended_with_error_frame"] == 0  # a fault before the first byte is invisible to clients
 
 
-def test_idle_keepalive_connections_closed_by_the_engine_cost_nothing(rig):
+def test_idle_keepalive_connections_closed_by_the_engine_cost_nothing(rig, figures):
     out = asyncio.run(run_keepalive(*rig))
+    figures(**{k: v for k, v in out.items() if isinstance(v, (int, float, str))})
     assert out["clean"] == out["requests"]

@@ -91,7 +91,12 @@ def test_each_file_is_refused_with_an_openai_error(run, sample):
     assert row["param"] in row["message"]
 
 
-def test_peak_rss_stays_under_300_mb_and_the_gateway_keeps_serving(run):
+def test_peak_rss_stays_under_300_mb_and_the_gateway_keeps_serving(run, figures):
+    refused = [r for r in run.rows.values() if 400 <= r.get("status", 0) < 500]
+    times = sorted(r["ms"] for r in refused if "ms" in r)
+    figures(files=len(run.rows), refused=len(refused), peak_rss_mib=run.peak_kib / MiB,
+            refusal_p50_ms=times[len(times) // 2] if times else None, refusal_max_ms=times[-1] if times else None,
+            served_after=run.clean_after)
     assert run.alive
     assert run.clean_after == 200
     assert run.peak_kib < 300 * MiB, f"peak RSS {run.peak_kib / MiB:.0f} MiB"
