@@ -45,10 +45,11 @@ async def test_lone_records_commit_alone_and_a_burst_shares_commits(tmp_path) ->
 
 
 async def test_a_failed_append_is_retried_and_its_records_land_once() -> None:
-    """PostgreSQL drops the writer's connection: the batch is retried with backoff and written once, in order."""
+    """PostgreSQL drops the writer's connection mid-append: the batch is retried and written once, in order."""
     import asyncpg
 
     from observability.audit.chain import Signer
+    from observability.audit.postgres import _LOCK
     from observability.audit.verify import verify_store
     from tests.stores import fresh_pg_database_async
 
@@ -57,20 +58,33 @@ async def test_a_failed_append_is_retried_and_its_records_land_once() -> None:
         registry = CollectorRegistry()
         audit = AuditLog(settings, build_audit_store(settings), Metrics(registry))
         await audit.start()
+        holder = await asyncpg.connect(dsn)
+        watcher = await asyncpg.connect(dsn)
         try:
             assert await audit.append_event("before", {"n": 1}) == 1
-            admin = await asyncpg.connect(dsn)
-            try:
-                dropped = await admin.fetchval(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE datname = current_database() AND pid <> pg_backend_pid()")
-            finally:
-                await admin.close()
-            assert dropped >= 1
+            # Another gateway holds the append lock, so the writer's next append waits inside its
+            # transaction; its connection is terminated there.
+            hold = holder.transaction()
+            await hold.start()
+            await holder.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
             futures = [audit.submit("request", request_id=f"r{i}", payload={"i": i}) for i in range(3)]
+            waiting: list = []
+            for _ in range(500):
+                waiting = await watcher.fetch(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND pid <> $1", holder.get_server_pid())
+                if waiting:
+                    break
+                await asyncio.sleep(0.01)
+            assert waiting, "the writer never waited for the lock"
+            for row in waiting:
+                await watcher.execute("SELECT pg_terminate_backend($1)", row["pid"])
+            await hold.rollback()
             assert [await audit.wait(f) for f in futures] == [2, 3, 4]
             assert (registry.get_sample_value("omnigate_audit_store_errors_total") or 0) >= 1
         finally:
+            await holder.close()
+            await watcher.close()
             await audit.aclose()
         store = build_audit_store(settings)
         await store.open()
