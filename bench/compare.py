@@ -246,24 +246,24 @@ def main() -> None:
 _SUMMARIZED = ("added_ttft_p50_ms", "added_ttft_p99_ms", "cpu_ms_per_request", "requests_per_s")
 
 
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def summarize(runs: list[dict]) -> dict:
     """Per target and level, each figure's median over the runs and its range (this VM drifts between runs)."""
     out: dict = {}
     for target, first in runs[0]["targets"].items():
         for level in first["levels"]:
+            row = out.setdefault(target, {}).setdefault(level, {})
             for key in _SUMMARIZED:
-                values = sorted(r["targets"][target]["levels"][level][key] for r in runs)
-                out.setdefault(target, {}).setdefault(level, {})[key] = {
-                    "median": statistics.median(values), "min": values[0], "max": values[-1]}
+                row[key] = _spread([r["targets"][target]["levels"][level][key] for r in runs])
             # Against the relay of the same run: what the issue's ratios compare.
             if target != "relay" and "relay" in runs[0]["targets"]:
-                ratios = sorted(
+                row["added_ttft_p50_to_relay"] = _spread([
                     r["targets"][target]["levels"][level]["added_ttft_p50_ms"]
-                    / r["targets"]["relay"]["levels"][level]["added_ttft_p50_ms"] for r in runs)
-                out[target][level]["added_ttft_p50_to_relay"] = {
-                    "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+                    / r["targets"]["relay"]["levels"][level]["added_ttft_p50_ms"] for r in runs])
     return out
-
 
 if __name__ == "__main__":
     main()

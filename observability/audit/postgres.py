@@ -58,7 +58,7 @@ class PostgresStore:
         cp = await conn.fetchrow("SELECT seq, hash FROM audit_checkpoints ORDER BY seq DESC LIMIT 1")
         return (int(cp[0]), cp[1]) if cp is not None else (0, GENESIS)
 
-    async def append(self, entries: list[Entry]) -> list[Row]:
+    async def _append(self, entries: list[Entry]) -> list[Row]:
         async with self.pool.acquire() as conn:
             async with conn.transaction():
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
@@ -72,7 +72,7 @@ class PostgresStore:
         return rows
 
     async def append_encoded(self, encode: Callable[[], list[Entry]]) -> list[Row]:
-        return await self.append(await asyncio.get_running_loop().run_in_executor(self._encoder, encode))
+        return await self._append(await asyncio.get_running_loop().run_in_executor(self._encoder, encode))
 
     async def head(self) -> tuple[int, str]:
         async with self.pool.acquire() as conn:

@@ -82,9 +82,6 @@ class SQLiteStore:
             raise
         return rows
 
-    async def append(self, entries: list[Entry]) -> list[Row]:
-        return await self._run(self._append, entries)
-
     async def append_encoded(self, encode: Callable[[], list[Entry]]) -> list[Row]:
         return await self._run(lambda: self._append(encode()))
 

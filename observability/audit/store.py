@@ -68,8 +68,6 @@ class AuditStore(Protocol):
 
     async def close(self) -> None: ...
 
-    async def append(self, entries: list[Entry]) -> list[Row]: ...
-
     async def append_encoded(self, encode: Callable[[], list[Entry]]) -> list[Row]:
         """Run ``encode`` (CPU-bound: digests, redaction, canonical JSON) off the loop; append what it returns.
 
