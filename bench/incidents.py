@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import signal
 import sys
 import tempfile
@@ -37,7 +38,7 @@ import yaml
 
 from bench.common import free_port, spawn, wait_http
 
-ADMIN_KEY = "bench-admin"
+ADMIN_KEY = secrets.token_hex(32)  # the boot refuses typed keys
 MODEL = "qwen3-omni-flash"
 VARIANTS = ("int4", "int8", "bf16")
 
@@ -162,6 +163,7 @@ def gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
         "server": {"host": "127.0.0.1", "port": port},
         "engines": engines,
         "admin": {"api_key": ADMIN_KEY},
+        "auth": {"required": False},  # this bench drives routing, not the front door
         "logging": {"level": "warning", "json": True},
         "routing": {
             "probe_interval_s": 1.0,

@@ -24,10 +24,12 @@ def _load(path: str | None):  # noqa: ANN202
 
 
 def check_config(path: str) -> int:
+    from gateway.secret_check import WeakSecret, check
     from policies.registry import PolicyConfigError, build_chain
 
     try:
         settings = _load(path)
+        check(settings)
         chain = build_chain(settings.policies)
         from gateway.services import build_policy_sets
 
@@ -37,6 +39,9 @@ def check_config(path: str) -> int:
         return 2
     except ValidationError as exc:
         print(_format_validation(exc), file=sys.stderr)
+        return 1
+    except WeakSecret as exc:
+        print("invalid configuration:\n" + "\n".join(f"  {p}" for p in exc.problems), file=sys.stderr)
         return 1
     except PolicyConfigError as exc:
         print(f"invalid configuration:\n  {exc}", file=sys.stderr)
@@ -57,10 +62,8 @@ def check_config(path: str) -> int:
         print(f"policy set {name}:")
         for stage, names in c.describe().items():
             print(f"  {stage}: {' -> '.join(names) if names else '(none)'}")
-    if settings.tenants:
-        print(f"tenants: {', '.join(t.name for t in settings.tenants)} ({len(settings.api_keys)} keys)")
-    else:
-        print("tenants: none (authentication is off)")
+    for line in auth_banner(settings):
+        print(line)
     print(f"audit: {settings.audit.store if settings.audit.enabled else 'disabled'}")
     if any("scorer" in getattr(p.impl, "uses", ()) for c in (chain, *sets.values()) for p in c.all()):
         g = settings.grounding
@@ -76,6 +79,28 @@ def check_config(path: str) -> int:
         classes = ", ".join(f"{c.name} {'/'.join(map(str, t.class_limits(c.name)))}" for c in t.priorities)
         print(f"  classes (soft/hard, highest first): {classes}")
     return 0
+
+
+def auth_banner(settings) -> list[str]:  # noqa: ANN001
+    """What the start-up banner and ``check-config`` say about authentication (decided here, at boot)."""
+    d = settings.auth.directory
+    where = ("shared PostgreSQL" if d.shared else f"SQLite {d.sqlite_path}, this process only")
+    if not settings.auth_required:
+        why = "auth.required: false" if settings.auth.required is False else (
+            "no config names tenants, API keys, an admin key or a shared directory")
+        return [f"authentication: OFF ({why}): every request is served, unauthenticated"]
+    lines = [f"authentication: required (keys checked on every /v1 request); directory: {where}, "
+             f"changes honoured on every replica within {d.bound_s:g} s, directory keys refused after "
+             f"{d.fail_closed_after_s:g} s without a read"]
+    if settings.tenants:
+        lines.append(f"tenants: {', '.join(t.name for t in settings.tenants)} ({len(settings.api_keys)} keys)"
+                     " in the config, plus those of the directory")
+    else:
+        lines.append("tenants: none in the config; until the directory has some, every request gets 401")
+    if settings.auth.replicas > 1 and not d.shared:
+        lines.append(f"admin writes to tenants and keys: refused (auth.replicas is {settings.auth.replicas} "
+                     "and the directory is per process; use auth.directory.backend: postgres)")
+    return lines
 
 
 class _DrainingServer:
@@ -119,8 +144,16 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         msg = _format_validation(exc) if isinstance(exc, ValidationError) else str(exc)
         print(msg, file=sys.stderr)
         return 1
+    from gateway.secret_check import WeakSecret
+
     configure_logging(settings.logging.level, settings.logging.json_output)
-    app = create_app(settings, config_path=path, freeze_heap=True)
+    try:
+        app = create_app(settings, config_path=path, freeze_heap=True)
+    except WeakSecret as exc:
+        print("refusing to start:\n" + "\n".join(f"  {p}" for p in exc.problems), file=sys.stderr)
+        return 1
+    for line in auth_banner(settings):
+        print(f"omnigate: {line}", file=sys.stderr)
     config = uvicorn.Config(
         app,
         host=host or settings.server.host,

@@ -28,6 +28,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     ├── Overloaded                      503 overloaded            (Retry-After)
     │   └── EngineBusy                  503 engine_busy           (Retry-After; every engine for the model is full)
     ├── GuardUnavailable                503 guard_unavailable     (a policy's model failed; fail closed)
+    ├── DirectoryUnavailable            503 directory_unavailable (Retry-After; a directory key, the directory unread too long)
     ├── AnswerWithheld                  422 answer_withheld       (a post-policy kept every attempt back)
     │   └── GroundingFailed             422 grounding_failed
     └── EngineError                     502 engine_error
@@ -193,6 +194,14 @@ class GuardUnavailable(OmnigateError):
     status = 503
     type = "api_error"
     code = "guard_unavailable"
+
+
+class DirectoryUnavailable(OmnigateError):
+    """The key is the directory's, and the directory has not been read for too long: fail closed."""
+
+    status = 503
+    type = "api_error"
+    code = "directory_unavailable"
 
 
 class AnswerWithheld(OmnigateError):

@@ -4,9 +4,11 @@ A file that does not validate (settings, policy chains, policy sets, tenants) is
 refused as a whole and the running config stays; the reason is logged
 (``config_reload_failed``) and returned to the admin caller. Tenants, keys,
 policy chains and policy sets, rate limits and the admin key take effect at once;
-``server``, ``engines``, ``audit``, ``logging``, ``rate_limits`` (the Redis connection)
-and ``traffic`` (the admission gate and its store) need a restart, and a reload that
-changes them says so (``restart_required``).
+``server``, ``engines``, ``audit``, ``logging``, ``rate_limits`` (the Redis connection),
+``traffic`` (the admission gate and its store), ``auth`` and ``metrics`` need a restart,
+and a reload that changes them says so (``restart_required``). Whether a key is required
+is decided at boot: a reload that removes the last tenant or the admin key does not
+open the gateway (it reports ``auth`` as needing a restart).
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from gateway import heap
+from gateway import heap, secret_check
 from gateway.services import Services, build_policy_sets
-from gateway.settings import TenantConfig, load_settings
+from gateway.settings import load_settings
 from policies.registry import PolicyConfigError, build_chain
 
 log = structlog.get_logger(__name__)
 
-RESTART_ONLY = ("server", "engines", "audit", "rate_limits", "logging", "traffic")
+RESTART_ONLY = ("server", "engines", "audit", "rate_limits", "logging", "traffic", "auth", "metrics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,18 +49,19 @@ def format_config_error(exc: Exception) -> str:
             where = ".".join(str(x) for x in e["loc"])
             parts.append(f"{where}: {msg}" if where else msg)
         return "; ".join(parts)
-    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, (PolicyConfigError, FileNotFoundError)) else str(exc)
+    plain = (PolicyConfigError, FileNotFoundError, secret_check.WeakSecret)
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, plain) else str(exc)
 
 
 async def reload_config(services: Services, path: str | Path) -> ReloadResult:
     old = services.settings
     try:
         new = load_settings(path)
+        secret_check.check(new)
         chain = build_chain(new.policies, services.plugins)
         chains = build_policy_sets(new, services.plugins)
-        if services.audit is not None:
-            for raw in await services.audit.store.tenants():
-                t = TenantConfig.model_validate_json(raw)
+        if services.live is not None:
+            for t in services.live.tenants:
                 if t.policy_set is not None and t.policy_set not in chains:
                     raise PolicyConfigError(
                         f"policy_sets: tenant {t.name!r} (admin) uses the policy set {t.policy_set!r}, "
@@ -70,6 +73,9 @@ async def reload_config(services: Services, path: str | Path) -> ReloadResult:
         log.error("config_reload_failed", path=str(path), error=message)
         return ReloadResult(False, message)
     pending = [k for k in RESTART_ONLY if getattr(new, k) != getattr(old, k)]
+    if new.auth_required != services.auth_required and "auth" not in pending:
+        # Decided at boot: removing the last tenant or the admin key by reload never opens the gateway.
+        pending.append("auth")
     services.settings = new.model_copy(update={k: getattr(old, k) for k in RESTART_ONLY})
     services.chain = services.pipeline.chain = chain
     services.pipeline.chains = chains

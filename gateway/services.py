@@ -17,6 +17,9 @@ from engines.sentinel import AccuracySentinel
 from engines.state_store import build_store as build_state_store
 from engines.telemetry import TelemetryCollector
 from gateway.admission import AdmissionGate
+from gateway.auth_failures import AuthFailures
+from gateway.directory.live import LiveDirectory
+from gateway.metrics_server import MetricsServer
 from gateway.pipeline import Pipeline
 from gateway.ratelimit import RateLimiter
 from gateway.settings import Settings, TenantConfig
@@ -28,10 +31,6 @@ from observability.metrics import Metrics
 from policies.registry import PolicyChain, available_plugins, build_chain, resources_used
 
 log = structlog.get_logger(__name__)
-
-#: how often a replica re-reads the admin-managed tenants and keys written by the others
-DIRECTORY_REFRESH_S = 10.0
-
 
 def build_policy_sets(settings: Settings, plugins: dict[str, type] | None = None) -> dict[str, PolicyChain]:
     """Every tenant policy set, built and checked like the default chain (a bad one names itself)."""
@@ -62,6 +61,14 @@ class Services:
     audit: AuditLog | None = None
     limiter: RateLimiter | None = None
     directory: Directory = field(default_factory=Directory)
+    #: the tenant directory's store and this process's last read of it
+    live: LiveDirectory | None = None
+    #: failed authentications: the per-address limit and the interval's counts
+    auth_failures: AuthFailures | None = None
+    #: decided once, from the config the process booted with; a reload never changes it
+    auth_required: bool = True
+    #: the listener of ``metrics.port`` when one is set
+    metrics_server: MetricsServer | None = None
     plugins: dict[str, type] | None = None
     admission: AdmissionGate | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -70,6 +77,9 @@ class Services:
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
+        from gateway import secret_check
+
+        secret_check.check(settings)  # a placeholder or typed key never boots
         plugins = available_plugins() if plugins is None else plugins
         chain = build_chain(settings.policies, plugins)
         chains = build_policy_sets(settings, plugins)
@@ -104,7 +114,11 @@ class Services:
         )
         services = cls(settings, metrics, pool, chain, pipeline, controller, audit=audit, limiter=limiter,
                        directory=Directory.build(settings), plugins=plugins, admission=admission,
-                       scorer=build_scorer_if_used(settings, metrics, used))
+                       scorer=build_scorer_if_used(settings, metrics, used),
+                       live=LiveDirectory(settings.auth.directory, metrics),
+                       auth_failures=build_auth_failures(settings, metrics),
+                       auth_required=settings.auth_required,
+                       metrics_server=MetricsServer(settings, metrics) if settings.metrics.port is not None else None)
         if audit is not None:
             # Every routing transition, automatic or manual, goes into the same tamper-evident chain.
             controller.on_transition.append(services._audit_transition)
@@ -136,12 +150,16 @@ class Services:
         else:
             log.warning("audit_disabled")
         await self.refresh_directory()
-        if self.directory.auth_enabled:
-            log.info("auth_enabled", tenants=len(self.directory.tenants), keys=len(self.directory.keys))
+        auth = self.describe_auth()
+        if not self.auth_required:
+            log.warning("auth_disabled", reason=auth["reason"])
+        elif not self.directory.tenants:
+            log.warning("auth_required_no_tenants", reason=auth["reason"], directory=auth["directory"])
         else:
-            log.warning("auth_disabled", reason="no tenants configured: every request is served, unauthenticated")
-        if self.audit is not None:
-            self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory-refresh"))
+            log.info("auth_required", tenants=len(self.directory.tenants), keys=len(self.directory.keys),
+                     directory=auth["directory"])
+        self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory-refresh"))
+        self._tasks.append(asyncio.create_task(self._summarise_failures_forever(), name="auth-failure-summary"))
         # Policies load their models before traffic can arrive (the lifespan has not yielded yet).
         for policy in self._policies():
             start = getattr(policy.impl, "start", None)
@@ -157,6 +175,8 @@ class Services:
             await self.admission.start()
         await self.pool.start()
         await self.controller.start()
+        if self.metrics_server is not None:
+            self.metrics_server.start()
 
     def _policies(self) -> list:
         """Every loaded policy instance once: the default chain and each tenant policy set."""
@@ -176,24 +196,78 @@ class Services:
         self.streams.cut_at(self.drain_deadline)
         log.warning("gateway_draining", drain_delay_s=server.drain_delay_s, grace_s=server.graceful_shutdown_s)
 
+    def describe_auth(self) -> dict[str, Any]:
+        """Whether keys are required and why; what ``/readyz`` (to the admin), the banner and the log say."""
+        from gateway.directory.live import write_refusal
+
+        s = self.settings
+        d = s.auth.directory
+        shared = self.live.store.shared if self.live is not None else d.shared
+        if s.auth.required is not None:
+            origin = "auth.required"
+        elif self.auth_required:
+            origin = "the config names tenants, API keys, an admin key or a shared directory"
+        else:
+            origin = "no config names tenants, API keys, an admin key or a shared directory"
+        tenants = len(self.directory.tenants)
+        if not self.auth_required:
+            reason = f"authentication is off ({origin}): every request is served, unauthenticated"
+        elif tenants == 0:
+            reason = f"authentication is required ({origin}) and no tenant exists: every request gets 401"
+        else:
+            reason = f"authentication is required ({origin})"
+        return {
+            "required": self.auth_required, "reason": reason, "tenants": tenants, "keys": len(self.directory.keys),
+            "directory": {"backend": d.backend, "shared": shared, "replicas": s.auth.replicas,
+                          "fresh": not self.directory.stale(), "refresh_s": d.refresh_s,
+                          "fail_closed_after_s": d.fail_closed_after_s,
+                          "admin_writes": write_refusal(s, self.auth_required, shared) or "allowed"},
+        }
+
     async def refresh_directory(self) -> None:
-        """Rebuild the tenant and key directory from the config and the admin database."""
-        db_tenants: list[TenantConfig] = []
-        db_keys = []
-        if self.audit is not None:
-            db_tenants = [TenantConfig.model_validate_json(j) for j in await self.audit.store.tenants()]
-            db_keys = await self.audit.store.keys()
-        self.directory = Directory.build(self.settings, db_tenants, db_keys)
+        """Rebuild the tenant and key directory from the config and the directory store."""
+        tenants: list[TenantConfig] = []
+        keys = []
+        read_at = None
+        if self.live is not None:
+            await self.live.read()
+            tenants, keys, read_at = self.live.tenants, self.live.keys, self.live.read_at
+        self.directory = Directory.build(self.settings, tenants, keys, read_at)
 
     async def _refresh_forever(self) -> None:
         while True:
-            await asyncio.sleep(DIRECTORY_REFRESH_S)
+            await asyncio.sleep(self.settings.auth.directory.refresh_s)
             try:
                 await self.refresh_directory()
-            except Exception as exc:
+            except Exception as exc:  # a bug must not end the loop: the snapshot would freeze, then fail closed
                 log.warning("directory_refresh_failed", error=f"{type(exc).__name__}: {exc}")
 
+    async def summarise_failures(self) -> dict[str, Any] | None:
+        """One aggregated record and log line for the interval's refused requests (none when there were none)."""
+        summary = self.auth_failures.take_summary() if self.auth_failures is not None else None
+        if summary is None:
+            return None
+        log.warning("auth_failures_summary", **summary)
+        if self.audit is not None:
+            await self.audit.append_event("auth_failures", summary)
+        return summary
+
+    async def _summarise_failures_forever(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.settings.auth.failures.summary_interval_s)
+                try:
+                    await self.summarise_failures()
+                except Exception as exc:
+                    log.warning("auth_failure_summary_failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            # The last interval's counts are not lost at shutdown.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.summarise_failures())
+
     async def aclose(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         if self.admission is not None:
             try:
                 await self.admission.aclose()
@@ -208,6 +282,12 @@ class Services:
             await self.pool.aclose()
         if self.limiter is not None:
             await self.limiter.aclose()
+        if self.live is not None:
+            with contextlib.suppress(Exception):
+                await self.live.aclose()
+        if self.auth_failures is not None:
+            with contextlib.suppress(Exception):
+                await self.auth_failures.aclose()
         if self.audit is not None:
             with contextlib.suppress(Exception):
                 await self.audit.aclose()
@@ -220,6 +300,14 @@ class Services:
                     log.warning("policy_close_failed", policy=policy.name, error=str(exc))
         if self.scorer is not None:
             await self.scorer.aclose()
+
+
+def build_auth_failures(settings: Settings, metrics: Metrics) -> AuthFailures:
+    """The failure limit, shared through Redis where traffic limits are (``store: auto``)."""
+    f = settings.auth.failures
+    shared = f.store == "redis" or (f.store == "auto" and settings.traffic.redis_url is not None)
+    rl = settings.rate_limits
+    return AuthFailures(f, metrics, redis_url=rl.redis_url if shared else None, key_prefix=f"{rl.key_prefix}:auth")
 
 
 def build_scorer_if_used(settings: Settings, metrics: Metrics, used: set[str]) -> Any:

@@ -20,6 +20,7 @@ from pydantic_settings import (
 )
 
 from engines.control_settings import EngineTelemetry, RoutingSettings
+from gateway.auth_settings import AdminKey, AuthSettings, MetricsSettings
 
 EngineKind = Literal["vllm-omni", "vllm", "litellm", "local"]
 Variant = Literal["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
@@ -176,7 +177,14 @@ class ServerSettings(_Strict):
 class AdminSettings(_Strict):
     """The admin API under ``/admin``: off the public OpenAPI schema, and 404 unless a key is set."""
 
-    api_key: SecretStr | None = Field(default=None, description="Bearer key for /admin; unset disables it")
+    api_key: SecretStr | None = Field(
+        default=None, description="Bearer key for /admin (recorded as credential api_key); unset with no keys: off"
+    )
+    keys: list[AdminKey] = Field(default_factory=list, description="named admin credentials (SHA-256 only)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.api_key is not None or bool(self.keys)
 
     @field_validator("api_key")
     @classmethod
@@ -436,6 +444,32 @@ class Settings(BaseSettings):
     audit: AuditSettings = AuditSettings()
     routing: RoutingSettings = RoutingSettings()
     traffic: TrafficSettings = TrafficSettings()
+    auth: AuthSettings = AuthSettings()
+    metrics: MetricsSettings = MetricsSettings()
+
+    @property
+    def auth_required(self) -> bool:
+        """Decided from the config alone: never from how many tenants exist at run time."""
+        if self.auth.required is not None:
+            return self.auth.required
+        return bool(self.tenants or self.api_keys or self.admin.enabled or self.auth.directory.shared)
+
+    @model_validator(mode="after")
+    def _directory_path(self) -> "Settings":
+        d = self.auth.directory
+        if d.sqlite_path is None:
+            d.sqlite_path = self.audit.sqlite_path.with_name("omnigate-directory.db")
+        return self
+
+    @model_validator(mode="after")
+    def _auth_cannot_be_off_with_keys(self) -> "Settings":
+        if self.auth.required is False:
+            named = [what for what, present in (("tenants", self.tenants), ("api_keys", self.api_keys),
+                                                ("a shared directory", self.auth.directory.shared)) if present]
+            if named:
+                raise ValueError(f"auth.required is false, but the config names {' and '.join(named)}: "
+                                 "keys that nothing checks would only look like protection")
+        return self
 
     @model_validator(mode="after")
     def _unique_engines(self) -> "Settings":

@@ -6,10 +6,12 @@ slow password hash (scrypt, argon2) buys nothing here: it protects guessable
 passwords, while a 256-bit random secret cannot be guessed from its digest, and
 a fast digest keeps authentication in microseconds.
 
-The :class:`Directory` is an immutable snapshot (config plus admin database)
-swapped whole on reload or after an admin change; the request path only reads it.
-Authentication is on as soon as one tenant exists anywhere; with none the
-gateway is open (local development) and says so loudly at start-up.
+The :class:`Directory` is an immutable snapshot (config plus the tenant directory,
+see :mod:`gateway.directory`) swapped whole on reload, after an admin change or a
+refresh; the request path only reads it. Whether a key is required at all is the
+config's decision (``Settings.auth_required``), never the number of tenants: with
+none, every request is refused. A directory key is refused once the directory has
+not been read for ``fail_closed_after_s`` (config keys keep working).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import hashlib
 import hmac
 import secrets
 import string
+import time
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-from gateway.errors import AuthenticationFailed
+from gateway.errors import AuthenticationFailed, DirectoryUnavailable
 from gateway.settings import ApiKeyConfig, Settings, TenantConfig
 
 KEY_PREFIX = "og_"
@@ -97,10 +100,10 @@ class Principal:
 class Directory:
     tenants: Mapping[str, TenantEntry] = field(default_factory=dict)
     keys: Mapping[str, KeyEntry] = field(default_factory=dict)
-
-    @property
-    def auth_enabled(self) -> bool:
-        return bool(self.tenants)
+    #: when the directory store was last read successfully (time.monotonic); None: never
+    read_at: float | None = None
+    #: directory keys are refused once ``read_at`` is older than this
+    fail_closed_after_s: float = 30.0
 
     @classmethod
     def build(
@@ -108,15 +111,22 @@ class Directory:
         settings: Settings,
         db_tenants: list[TenantConfig] = (),  # type: ignore[assignment]
         db_keys: list[KeyEntry] = (),  # type: ignore[assignment]
+        read_at: float | None = None,
     ) -> "Directory":
         """Config entries win over database ones of the same name (the file is the operator's word)."""
         tenants: dict[str, TenantEntry] = {t.name: TenantEntry(t, "admin") for t in db_tenants}
         tenants.update({t.name: TenantEntry(t, "config") for t in settings.tenants})
         keys: dict[str, KeyEntry] = {k.id: k for k in db_keys if k.tenant in tenants}
         keys.update({k.id: _from_config(k) for k in settings.api_keys})
-        return cls(tenants, keys)
+        return cls(tenants, keys, read_at, settings.auth.directory.fail_closed_after_s)
 
-    def authenticate(self, authorization: str | None) -> Principal:
+    def stale(self, now: float | None = None) -> bool:
+        """True when directory keys are refused: the store has not been read for too long."""
+        if self.read_at is None:
+            return True
+        return (time.monotonic() if now is None else now) - self.read_at > self.fail_closed_after_s
+
+    def authenticate(self, authorization: str | None, now: float | None = None) -> Principal:
         """Resolve an ``Authorization`` header; raise :class:`KeyRefused` otherwise."""
         if not authorization:
             raise KeyRefused("missing")
@@ -133,6 +143,11 @@ class Directory:
         tenant = self.tenants.get(entry.tenant)
         if not entry.enabled or tenant is None or not tenant.config.enabled:
             raise KeyRefused("disabled", key_id=entry.id)
+        if entry.source == "admin" and self.stale(now):
+            # Only after the secret matched: a revocation this replica cannot see may be pending.
+            raise DirectoryUnavailable(
+                "the tenant directory cannot be read right now; try again shortly", retry_after=5
+            )
         return Principal(tenant.config, entry.id)
 
 

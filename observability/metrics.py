@@ -112,6 +112,23 @@ class Metrics:
             "omnigate_auth_failures_total", "Requests refused for their API key, by reason", ["reason"],
             registry=r,
         )
+        # -- the tenant directory and unauthenticated traffic (gateway/directory, gateway/api/auth.py)
+        self.directory_fresh = Gauge(
+            "omnigate_directory_fresh",
+            "1 while directory keys are accepted; 0 once the directory went unread past fail_closed_after_s",
+            registry=r,
+        )
+        self.directory_read_age = Gauge(
+            "omnigate_directory_read_age_seconds", "Seconds since the tenant directory was last read", registry=r
+        )
+        self.directory_read_errors = Counter(
+            "omnigate_directory_read_errors_total", "Failed or timed-out reads of the tenant directory", registry=r
+        )
+        self.auth_throttled = Counter(
+            "omnigate_auth_throttled_total",
+            "Requests refused with 429 because their client address failed authentication too often",
+            registry=r,
+        )
         self.rate_limited = Counter(
             "omnigate_rate_limited_total", "Requests refused by a tenant rate limit, by limit", ["limit"],
             registry=r,

@@ -1,18 +1,24 @@
 """The admin API: a router of its own under ``/admin``, never in the public schema.
 
-Every route depends on :func:`require_admin`. With no ``admin.api_key`` configured
-the whole surface answers 404, as if it did not exist.
+Every route depends on :func:`require_admin`. With no admin credential configured
+(``admin.api_key`` or ``admin.keys``) the whole surface answers 404, as if it did not
+exist. The credential that made a call is what the audit trail and the log record
+for it (``admin_credential``); a name a caller writes in a body is never taken for it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from dataclasses import dataclass
 
+import structlog
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse
 
 from gateway.errors import AuthenticationFailed, OmnigateError
 from gateway.services import Services
+from gateway.settings import Settings
 
 
 class AdminDisabled(OmnigateError):
@@ -21,15 +27,54 @@ class AdminDisabled(OmnigateError):
     code = "not_found"
 
 
-async def require_admin(request: Request) -> None:
+@dataclass(frozen=True, slots=True)
+class AdminCredential:
+    """Which admin credential made a call: its configured name and the first 12 hex digits of its digest."""
+
+    name: str
+    fingerprint: str
+
+    @property
+    def label(self) -> str:
+        return f"admin:{self.name}"
+
+    def to_json(self) -> dict[str, str]:
+        return {"credential": self.name, "fingerprint": self.fingerprint}
+
+
+def admin_credential(settings: Settings, authorization: str | None) -> AdminCredential | None:
+    """The admin credential an ``Authorization`` header carries, or None."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    found: AdminCredential | None = None
+    key = settings.admin.api_key
+    # Every candidate is compared, so the time taken says nothing about which one matched.
+    if key is not None and hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
+        found = AdminCredential("api_key", digest[:12])
+    for k in settings.admin.keys:
+        if hmac.compare_digest(digest, k.sha256) and found is None:
+            found = AdminCredential(k.name, digest[:12])
+    return found
+
+
+async def require_admin(request: Request) -> AdminCredential:
     services: Services = request.app.state.services
-    key = services.settings.admin.api_key
-    if key is None:
+    if not services.settings.admin.enabled:
         raise AdminDisabled("Not Found")
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
+    cred = admin_credential(services.settings, request.headers.get("authorization"))
+    if cred is None:
         raise AuthenticationFailed("invalid admin key")
+    request.state.admin_credential = cred
+    structlog.contextvars.bind_contextvars(admin_credential=cred.name)
+    return cred
+
+
+def credential_of(request: Request) -> AdminCredential:
+    """The credential :func:`require_admin` found for this request."""
+    return request.state.admin_credential
 
 
 router = APIRouter(prefix="/admin", include_in_schema=False, dependencies=[Depends(require_admin)])

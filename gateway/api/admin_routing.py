@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
 from engines.control_settings import Variant
-from gateway.api.admin import require_admin
+from gateway.api.admin import credential_of, require_admin
 from gateway.api.chat import validation_to_error
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.services import Services
@@ -27,6 +27,7 @@ Note = Annotated[str, Field(max_length=500)]
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
     note: Note | None = None
+    #: what the caller says it is; recorded as a claim beside the credential that made the call
     actor: Annotated[str, Field(max_length=100)] | None = None
 
 
@@ -57,6 +58,12 @@ async def _body(request: Request, model: type[_Body]) -> _Body:
         return model.model_validate_json(raw or b"{}")
     except ValidationError as exc:
         raise validation_to_error(exc.errors()) from None
+
+
+def _actor(request: Request, body: _Body) -> str:
+    """Who made the call: the admin credential; a body's ``actor`` is kept only as what the caller claimed."""
+    actor = credential_of(request).label
+    return f"{actor} (claimed: {body.actor})" if body.actor else actor
 
 
 def _services(request: Request) -> Services:
@@ -95,7 +102,7 @@ async def pin(request: Request) -> JSONResponse:
             f"no engine serves {body.model!r} as {body.variant}; variants: {sorted(variants)}",
             param="variant",
         )
-    t = await services.controller.pin(body.model, body.variant, actor=body.actor, note=body.note)
+    t = await services.controller.pin(body.model, body.variant, actor=_actor(request, body), note=body.note)
     return _result(services, t)
 
 
@@ -106,14 +113,14 @@ async def unpin(request: Request) -> JSONResponse:
     assert isinstance(body, UnpinBody)
     if not services.pool.serves(body.model):
         raise ModelNotFound(f"the model {body.model!r} does not exist", param="model")
-    return _result(services, await services.controller.unpin(body.model, actor=body.actor, note=body.note))
+    return _result(services, await services.controller.unpin(body.model, actor=_actor(request, body), note=body.note))
 
 
 @router.post("/freeze")
 async def freeze(request: Request) -> JSONResponse:
     services = _services(request)
     body = await _body(request, _Body)
-    return _result(services, await services.controller.freeze(actor=body.actor, note=body.note))
+    return _result(services, await services.controller.freeze(actor=_actor(request, body), note=body.note))
 
 
 @router.post("/resume")
@@ -121,7 +128,7 @@ async def resume(request: Request) -> JSONResponse:
     services = _services(request)
     body = await _body(request, ResumeBody)
     assert isinstance(body, ResumeBody)
-    t = await services.controller.resume(actor=body.actor, note=body.note, clear=body.clear_incidents)
+    t = await services.controller.resume(actor=_actor(request, body), note=body.note, clear=body.clear_incidents)
     return _result(services, t)
 
 
@@ -133,7 +140,7 @@ async def clear(request: Request) -> JSONResponse:
     assert isinstance(body, ClearBody)
     if body.incident not in services.controller.state.incidents:
         raise InvalidRequest(f"no incident {body.incident!r} is in force", param="incident")
-    return _result(services, await services.controller.clear(body.incident, actor=body.actor, note=body.note))
+    return _result(services, await services.controller.clear(body.incident, actor=_actor(request, body), note=body.note))
 
 
 @router.post("/readmit")

@@ -1,9 +1,11 @@
 """Admin endpoints for tenants, API keys, config reload and audit verification (under ``/admin``).
 
-Tenants and keys created here live in the audit database; those from the config
-file are listed but read-only. A new key is returned once, in the response that
+Tenants and keys created here live in the tenant directory (:mod:`gateway.directory`);
+those from the config file are listed but read-only. A write is refused (409) where it
+could not hold on every replica: a per-process store while ``auth.replicas`` is above
+one, or authentication turned off. A new key is returned once, in the response that
 creates it; only its SHA-256 is stored and it is never logged. Every change is
-appended to the audit chain.
+appended to the audit chain with the admin credential that made it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import JSONResponse
 
-from gateway.api.admin import require_admin
+from gateway.api.admin import credential_of, require_admin
+from gateway.directory.live import LiveDirectory
 from gateway.errors import ConfigInvalid, Conflict, NotFound
 from gateway.reload import reload_config
 from gateway.services import Services
@@ -41,8 +44,20 @@ def _services(request: Request) -> Services:
 
 def _audit(services: Services) -> AuditLog:
     if services.audit is None:
-        raise Conflict("tenants and keys are managed in the audit database, and audit is disabled")
+        raise Conflict("audit verification needs the audit trail, and audit is disabled")
     return services.audit
+
+
+def _live(services: Services) -> LiveDirectory:
+    assert services.live is not None
+    return services.live
+
+
+async def _record(request: Request, services: Services, event: dict[str, Any]) -> None:
+    """The change, with who made it (the credential, never a name from the body), on the chain and in the log."""
+    event = {**event, "by": credential_of(request).to_json()}
+    if services.audit is not None:
+        await services.audit.append_event("admin_change", event)
 
 
 def _tenant_json(services: Services, name: str) -> dict[str, Any]:
@@ -71,13 +86,13 @@ async def list_tenants(request: Request) -> JSONResponse:
 @router.post("/tenants", status_code=201)
 async def create_tenant(request: Request, tenant: TenantConfig) -> JSONResponse:
     services = _services(request)
-    audit = _audit(services)
     if tenant.name in services.directory.tenants:
         raise Conflict(f"tenant {tenant.name!r} already exists", param="name")
     _check_tenant(services, tenant)
-    await audit.store.put_tenant(tenant.name, tenant.model_dump_json(), now_iso())
+    await _live(services).write(services.settings, services.auth_required,
+                                lambda st: st.put_tenant(tenant.name, tenant.model_dump_json(), now_iso()))
     await services.refresh_directory()
-    await audit.append_event("admin_change", {"action": "tenant_created", "tenant": tenant.model_dump(mode="json")})
+    await _record(request, services, {"action": "tenant_created", "tenant": tenant.model_dump(mode="json")})
     log.info("tenant_created", tenant=tenant.name)
     return JSONResponse(_tenant_json(services, tenant.name), status_code=201)
 
@@ -85,7 +100,6 @@ async def create_tenant(request: Request, tenant: TenantConfig) -> JSONResponse:
 @router.put("/tenants/{name}")
 async def update_tenant(request: Request, name: str, tenant: TenantConfig) -> JSONResponse:
     services = _services(request)
-    audit = _audit(services)
     entry = services.directory.tenants.get(name)
     if entry is None:
         raise NotFound(f"no tenant named {name!r}")
@@ -94,9 +108,10 @@ async def update_tenant(request: Request, name: str, tenant: TenantConfig) -> JS
     if tenant.name != name:
         raise ConfigInvalid("a tenant cannot be renamed", param="name")
     _check_tenant(services, tenant)
-    await audit.store.put_tenant(name, tenant.model_dump_json(), now_iso())
+    await _live(services).write(services.settings, services.auth_required,
+                                lambda st: st.put_tenant(name, tenant.model_dump_json(), now_iso()))
     await services.refresh_directory()
-    await audit.append_event("admin_change", {"action": "tenant_updated", "tenant": tenant.model_dump(mode="json")})
+    await _record(request, services, {"action": "tenant_updated", "tenant": tenant.model_dump(mode="json")})
     log.info("tenant_updated", tenant=name)
     return JSONResponse(_tenant_json(services, name))
 
@@ -113,14 +128,15 @@ async def list_keys(request: Request) -> JSONResponse:
 @router.post("/keys", status_code=201)
 async def create_key(request: Request, body: NewKey) -> JSONResponse:
     services = _services(request)
-    audit = _audit(services)
     if body.tenant not in services.directory.tenants:
         raise NotFound(f"no tenant named {body.tenant!r}", param="tenant")
     minted = mint_key()
     created = now_iso()
-    await audit.store.add_key(KeyEntry(minted.id, body.tenant, minted.sha256, True, "admin", created))
+    entry = KeyEntry(minted.id, body.tenant, minted.sha256, True, "admin", created)
+    by = credential_of(request).name
+    await _live(services).write(services.settings, services.auth_required, lambda st: st.add_key(entry, by))
     await services.refresh_directory()
-    await audit.append_event("admin_change", {"action": "key_created", "key_id": minted.id, "tenant": body.tenant})
+    await _record(request, services, {"action": "key_created", "key_id": minted.id, "tenant": body.tenant})
     log.info("api_key_created", key_id=minted.id, tenant=body.tenant)
     return JSONResponse(
         {"id": minted.id, "key": minted.key, "tenant": body.tenant, "created_at": created,
@@ -132,15 +148,15 @@ async def create_key(request: Request, body: NewKey) -> JSONResponse:
 @router.delete("/keys/{key_id}")
 async def revoke_key(request: Request, key_id: str) -> JSONResponse:
     services = _services(request)
-    audit = _audit(services)
     entry = services.directory.keys.get(key_id)
     if entry is None:
         raise NotFound(f"no key with id {key_id!r}")
     if entry.source == "config":
         raise Conflict(f"key {key_id!r} is defined in the config file; remove or disable it there and reload")
-    await audit.store.set_key_enabled(key_id, False)
+    await _live(services).write(services.settings, services.auth_required,
+                                lambda st: st.set_key_enabled(key_id, False))
     await services.refresh_directory()
-    await audit.append_event("admin_change", {"action": "key_revoked", "key_id": key_id, "tenant": entry.tenant})
+    await _record(request, services, {"action": "key_revoked", "key_id": key_id, "tenant": entry.tenant})
     log.info("api_key_revoked", key_id=key_id, tenant=entry.tenant)
     return JSONResponse({"id": key_id, "tenant": entry.tenant, "enabled": False})
 

@@ -10,17 +10,25 @@ from gateway.services import Services
 from gateway.tenants import KeyRefused, Principal
 
 
-def authenticate(request: Request, ctx: RequestContext) -> Principal | None:
-    """Bind the caller's tenant to ``ctx``; None when authentication is off (no tenants configured)."""
+def client_address(request: Request) -> str:
+    """The peer address (uvicorn already applied X-Forwarded-For from the proxies it trusts)."""
+    return request.client.host if request.client is not None else "unknown"
+
+
+async def authenticate(request: Request, ctx: RequestContext) -> Principal | None:
+    """Bind the caller's tenant to ``ctx``; None only when the config turned authentication off.
+
+    A refused key raises :class:`KeyRefused` (401), or 429 once its address failed too often.
+    """
     services: Services = request.app.state.services
-    directory = services.directory
-    if not directory.auth_enabled:
+    if not services.auth_required:
         return None
     try:
-        principal = directory.authenticate(request.headers.get("authorization"))
+        principal = services.directory.authenticate(request.headers.get("authorization"))
     except KeyRefused as exc:
         services.metrics.auth_failures.labels(exc.reason).inc()
         ctx.key_id = exc.key_id
+        await services.auth_failures.failed(client_address(request), exc.reason)
         raise
     tenant = principal.tenant
     ctx.tenant, ctx.tenant_config, ctx.key_id = tenant.name, tenant, principal.key_id

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api.auth import authenticate
+from gateway.auth_failures import TooManyAuthFailures
 from gateway.context import RequestContext
 from gateway.errors import InvalidRequest, OmnigateError, PayloadTooLarge, RequestTimeout
 from gateway.pipeline import ResponseStream
@@ -27,6 +28,7 @@ from gateway.render import ChunkRenderer, completion_body, error_frame
 from gateway.schemas import ChatCompletionRequest
 from gateway.services import Services
 from gateway.sse import SSEResponse
+from gateway.tenants import KeyRefused
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -124,7 +126,14 @@ async def chat_completions(request: Request) -> Response:
         requested_priority=request.headers.get(services.settings.traffic.priority_header),
     )
     try:
-        authenticate(request, ctx)
+        await authenticate(request, ctx)
+    except (KeyRefused, TooManyAuthFailures):
+        # Counted and audited in aggregate (gateway/auth_failures.py), never one record each.
+        raise
+    except OmnigateError as exc:
+        await services.pipeline.refused(ctx, exc)
+        raise
+    try:
         server = services.settings.server
         body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
         ctx.body_bytes = len(body)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
+from gateway.api.admin import admin_credential
 from gateway.api.auth import authenticate
 from gateway.context import RequestContext
+from gateway.errors import NotFound
 from gateway.services import Services
 
 router = APIRouter()
@@ -20,7 +23,7 @@ _STARTED = int(time.time())
 async def list_models(request: Request) -> JSONResponse:
     services: Services = request.app.state.services
     ctx = RequestContext(request_id=request.scope["state"]["request_id"])
-    principal = authenticate(request, ctx)
+    principal = await authenticate(request, ctx)
     models = services.pool.models()
     if principal is not None and principal.tenant.models is not None:
         models = [m for m in models if m in principal.tenant.models]
@@ -35,23 +38,27 @@ async def healthz() -> JSONResponse:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
+    """Status for anyone (a load balancer's probe); engine names, the chain and auth detail to the admin only."""
     services: Services = request.app.state.services
-    engines = services.pool.health_report()
     draining = services.draining.is_set()
     ready = services.pool.ready and not draining
     status = "draining" if draining else "ready" if ready else "not_ready"
-    return JSONResponse(
-        {
-            "status": status,
-            "engines": engines,
+    body: dict[str, Any] = {"status": status}
+    settings = services.settings
+    if settings.admin.enabled and admin_credential(settings, request.headers.get("authorization")) is not None:
+        body.update({
+            "engines": services.pool.health_report(),
             "policies": services.chain.describe(),
             "grounding_scorer": services.describe_scorer(),
-        },
-        status_code=200 if ready else 503,
-    )
+            "auth": services.describe_auth(),
+        })
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     services: Services = request.app.state.services
+    if services.settings.metrics.port is not None:
+        # Served on the metrics port only (see gateway/metrics_server.py); here it does not exist.
+        raise NotFound("Not Found")
     return Response(generate_latest(services.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
@@ -10,6 +12,7 @@ from tests.conftest import gateway_settings
 from tests.harness import GatewayServer
 
 pytestmark = pytest.mark.timeout(60)
+KEY = secrets.token_hex(32)  # the boot refuses typed keys
 
 
 def test_admin_is_404_without_a_configured_key(gateway):
@@ -19,13 +22,13 @@ def test_admin_is_404_without_a_configured_key(gateway):
 
 
 def test_admin_needs_the_key_and_stays_out_of_the_schema(bg, upstreams):
-    settings = gateway_settings(upstreams, admin={"api_key": "adm-secret-0123456789"})
+    settings = gateway_settings(upstreams, admin={"api_key": KEY})
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
     try:
         assert httpx.get(server.url + "/admin/engines").status_code == 401
         wrong = httpx.get(server.url + "/admin/engines", headers={"authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
-        ok = httpx.get(server.url + "/admin/engines", headers={"authorization": "Bearer adm-secret-0123456789"})
+        ok = httpx.get(server.url + "/admin/engines", headers={"authorization": f"Bearer {KEY}"})
         assert ok.status_code == 200
         names = {e["name"] for e in ok.json()["engines"]}
         assert names == {"omni-int4", "omni-bf16", "text-vllm", "via-litellm"}

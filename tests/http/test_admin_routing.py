@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from engines.control_settings import Rule, RuleAction, RuleSelector
 from tests.harness import GatewayServer, wait_until
-from tests.http.rollout_helpers import MODEL, Trio, admin, chat, engines, settings
+from tests.http.rollout_helpers import ADMIN_KEY, MODEL, Trio, admin, chat, engines, settings
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,7 +79,8 @@ def test_pin_moves_all_traffic_to_the_variant_until_unpinned(server, trio):
     assert r.json()["weights"][MODEL] == {"omni-int4": 0.0, "omni-int8": 0.0, "omni-bf16": 1.0}
     [t] = server.audit
     assert (t.action, t.reason, t.source, t.models) == ("pin", "manual", "manual", (MODEL,))
-    assert t.detail["variant"] == "bf16" and t.detail["actor"] == "oncall-ana"
+    # Who did it is the credential that made the call; the body's name is only recorded as a claim.
+    assert t.detail["variant"] == "bf16" and t.detail["actor"] == "admin:api_key (claimed: oncall-ana)"
     assert t.detail["note"] == "INT4 build under review"
     assert t.detail["weights_before"][MODEL]["omni-int4"] == 1.0
     assert [e["action"] for e in logs if e["event"] == "routing_transition"] == ["pin"]
@@ -174,6 +175,6 @@ def test_a_body_that_is_not_json_is_a_400(server):
     r = httpx.post(
         server.url + "/admin/routing/freeze",
         content=b"{not json",
-        headers={"authorization": "Bearer adm-rollout-0123456789"},
+        headers={"authorization": f"Bearer {ADMIN_KEY}"},
     )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 import httpx
 import pytest
 import yaml
@@ -14,19 +16,21 @@ from tests.harness import GatewayServer
 from tests.stores import redis_prefix
 
 pytestmark = pytest.mark.timeout(60)
-ADMIN = {"authorization": "Bearer adm-secret-0123456789"}
+ADMIN_KEY = secrets.token_hex(32)  # the boot refuses typed keys
+SIGNING_KEY = secrets.token_hex(32)
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def _config(base_url, tmp_path, tenants, keys, *, policy_sets=None, read_timeout_s=5) -> dict:
     return {
         "engines": [{"name": "text-vllm", "kind": "vllm", "base_url": base_url, "model": "scripted",
                      "variant": "fp16", "serves": [TEXT_MODEL], "read_timeout_s": read_timeout_s}],
-        "admin": {"api_key": "adm-secret-0123456789"},
+        "admin": {"api_key": ADMIN_KEY},
         "policy_sets": policy_sets or {"plain": {"pre": [{"name": "request-limits"}]}},
         "tenants": tenants,
         "api_keys": keys,
         "rate_limits": {"key_prefix": redis_prefix()},
-        "audit": {"sqlite_path": str(tmp_path / "audit.db"), "signing": {"key": "cp-secret"}},
+        "audit": {"sqlite_path": str(tmp_path / "audit.db"), "signing": {"key": SIGNING_KEY}},
         "logging": {"level": "warning"},
     }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -29,7 +30,8 @@ pytestmark = pytest.mark.timeout(180)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "text-model"
-CHECKPOINT_KEY = "kill9-checkpoint-secret"
+CHECKPOINT_KEY = secrets.token_hex(32)  # the boot refuses typed keys
+ADMIN_KEY = secrets.token_hex(32)
 
 
 def _port() -> int:
@@ -58,7 +60,7 @@ def _config(upstream_port: int, audit: dict, tenants: list, keys: list) -> dict:
                      "model": "scripted", "variant": "fp16", "serves": [MODEL]}],
         "tenants": tenants,
         "api_keys": keys,
-        "admin": {"api_key": "kill9-admin-0123456789"},
+        "admin": {"api_key": ADMIN_KEY},
         "rate_limits": {"key_prefix": redis_prefix()},
         "audit": {**audit, "signing": {"key": CHECKPOINT_KEY}, "checkpoint_every": 25},
         "logging": {"level": "info", "json": True},
@@ -167,7 +169,7 @@ def _run(tmp_path: Path, audit: dict, reload_with_sighup: bool) -> None:
                 time.sleep(0.05)
             assert httpx.get(url + "/v1/models", headers=probe).status_code == 200  # old config kept
             minted = httpx.post(url + "/admin/keys", json={"tenant": "acme"},
-                                headers={"authorization": "Bearer kill9-admin-0123456789"}).json()["key"]
+                                headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()["key"]
             assert httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {minted}"}).status_code == 200
         acked = asyncio.run(_kill_under_load(url, key.key, gateway))
     finally:

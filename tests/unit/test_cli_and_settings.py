@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,15 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           timeout=60, env=env)
 
 
-def test_check_config_prints_engines_and_chain():
-    out = _cli("check-config", str(EXAMPLE))
+def test_check_config_prints_engines_and_chain(tmp_path):
+    # The example's placeholder secrets do not boot (tests/unit/test_front_door_settings.py); generated ones do.
+    text = EXAMPLE.read_text()
+    for placeholder in ("sk-replace-me", "replace-with-the-output-of-openssl-rand-hex-32"):
+        assert placeholder in text, placeholder
+        text = text.replace(placeholder, secrets.token_hex(32))
+    cfg = tmp_path / "omnigate.yaml"
+    cfg.write_text(text)
+    out = _cli("check-config", str(cfg))
     assert out.returncode == 0, out.stderr
     assert "omni-int4: kind=vllm-omni variant=int4" in out.stdout
     assert "serves: qwen3-omni-flash" in out.stdout

@@ -31,8 +31,8 @@ def test_directory_resolves_keys_and_refuses_alike():
                   {"id": off.id, "tenant": "acme", "sha256": off.sha256, "enabled": False},
                   {"id": dormant.id, "tenant": "sleepy", "sha256": dormant.sha256}],
     )
-    d = Directory.build(settings)
-    assert d.auth_enabled
+    d = Directory.build(settings, read_at=0.0)
+    assert settings.auth_required
     p = d.authenticate(f"Bearer {k.key}")
     assert (p.tenant.name, p.tenant.priority, p.key_id) == ("acme", "batch", k.id)
     assert d.authenticate(f"bearer   {k.key}").key_id == k.id
@@ -48,8 +48,11 @@ def test_directory_resolves_keys_and_refuses_alike():
     assert len(messages) == 1
 
 
-def test_no_tenants_means_authentication_is_off():
-    assert not Directory.build(_settings()).auth_enabled
+def test_no_config_means_authentication_is_off_and_any_key_material_means_on():
+    # The embedded default (nothing configured) is open; naming a tenant, a key or an admin key is not.
+    assert not _settings().auth_required
+    assert _settings(tenants=[{"name": "a"}]).auth_required
+    assert _settings(admin={"api_key": "x" * 32}).auth_required
 
 
 @pytest.mark.parametrize(
