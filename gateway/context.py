@@ -79,7 +79,10 @@ class Segmentation:
 
 @dataclass(slots=True)
 class RequestContext:
+    #: made by the gateway for every request; a client cannot choose it
     request_id: str
+    #: the id the client sent (``x-client-request-id`` or ``x-request-id``), sanitised; recorded beside it
+    client_request_id: str | None = None
     body_bytes: int = 0
     tenant: str | None = None
     #: the resolved tenant (models, policy set, limits); None when authentication is off

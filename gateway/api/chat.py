@@ -123,6 +123,7 @@ async def chat_completions(request: Request) -> Response:
     services: Services = request.app.state.services
     ctx = RequestContext(
         request_id=request.scope["state"]["request_id"],
+        client_request_id=request.scope["state"].get("client_request_id"),
         requested_priority=request.headers.get(services.settings.traffic.priority_header),
     )
     try:

@@ -113,6 +113,8 @@ def _content(req: "ChatCompletionRequest", mode: str) -> list[dict[str, Any]]:
 def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
     ctx = snap.ctx
     payload: dict[str, Any] = {
+        # the id the client sent (sanitised), beside the gateway's own request_id of the record
+        "client_request_id": ctx.client_request_id,
         "key_id": ctx.key_id,
         "priority": ctx.priority,
         "max_concurrency": ctx.tenant_max_concurrency,

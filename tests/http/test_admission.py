@@ -99,7 +99,8 @@ def _record(server: GatewayServer, rid: str) -> dict | None:
     """The request's audit payload, read from the store through its own connection (what an auditor sees)."""
     db = sqlite3.connect(server.db)
     try:
-        row = db.execute("SELECT data FROM audit_log WHERE request_id = ?", (rid,)).fetchone()
+        # The gateway makes request ids; the id a client sent is kept as client_request_id.
+        row = db.execute("SELECT data FROM audit_log WHERE json_extract(data, '$.payload.client_request_id') = ?", (rid,)).fetchone()
     finally:
         db.close()
     return None if row is None else orjson.loads(row[0])["payload"]

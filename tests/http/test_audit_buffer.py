@@ -25,7 +25,9 @@ def _chat(server, rid: str) -> httpx.Response:
 def _rows(db) -> list[tuple]:
     conn = sqlite3.connect(db)
     try:
-        return conn.execute("SELECT seq, kind, request_id, data FROM audit_log ORDER BY seq").fetchall()
+        # The id each request was sent with (the gateway's own request_id is not the client's to choose).
+        return conn.execute("SELECT seq, kind, json_extract(data, '$.payload.client_request_id'), data "
+                            "FROM audit_log ORDER BY seq").fetchall()
     finally:
         conn.close()
 

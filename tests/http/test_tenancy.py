@@ -81,7 +81,8 @@ def _record(server, rid: str) -> dict | None:
     """Read the store directly, through its own connection (what an auditor would see)."""
     db = sqlite3.connect(server.db)
     try:
-        row = db.execute("SELECT data FROM audit_log WHERE request_id = ?", (rid,)).fetchone()
+        # The gateway makes request ids; the id a client sent is kept as client_request_id.
+        row = db.execute("SELECT data FROM audit_log WHERE json_extract(data, '$.payload.client_request_id') = ?", (rid,)).fetchone()
     finally:
         db.close()
     return None if row is None else orjson.loads(row[0])

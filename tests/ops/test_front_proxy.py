@@ -182,11 +182,14 @@ def test_requests_pass_through_with_a_request_id(proxy, ups):
         json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "Hi"}]},
     )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-    assert len(r.headers["x-request-id"]) == 32  # made by the proxy, echoed by the gateway
+    assert len(r.headers["x-request-id"]) == 32  # made by the gateway
+    assert len(r.headers["x-client-request-id"]) == 32  # the proxy's id, kept beside it
     r = httpx.get(
         proxy.url + "/v1/models", headers={"x-request-id": "client-chosen-id"}, timeout=HANG_GUARD_S
     )
-    assert r.status_code == 200 and r.headers["x-request-id"] == "client-chosen-id"
+    # A client cannot choose the gateway's id; its own is echoed as x-client-request-id.
+    assert r.status_code == 200 and r.headers["x-request-id"] != "client-chosen-id"
+    assert r.headers["x-client-request-id"] == "client-chosen-id"
 
 
 def test_streams_are_relayed_frame_by_frame_and_disconnects_reach_the_engine(proxy, ups):

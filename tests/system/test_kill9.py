@@ -6,6 +6,7 @@ Also: SIGHUP reloads the config of the running process, and no API key reaches i
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import signal
@@ -124,7 +125,8 @@ async def _records(audit: AuditSettings) -> tuple[set[str], object]:
         ids: set[str] = set()
         after = 0
         while rows := await store.rows(after, 1000):
-            ids.update(r.request_id for r in rows if r.kind == "request")
+            # The id each request was sent with; the record's request_id is the gateway's own.
+            ids.update(json.loads(r.data)["payload"]["client_request_id"] for r in rows if r.kind == "request")
             after = rows[-1].seq
         report = await verify_store(store, Signer.from_settings(audit.signing))
     finally:
