@@ -25,6 +25,7 @@ from gateway.tenants import Directory
 from observability.audit import AuditLog
 from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics
+from policies.media.sandbox import MediaRuntime
 from policies.registry import PolicyChain, available_plugins, build_chain, resources_used
 
 log = structlog.get_logger(__name__)
@@ -67,6 +68,8 @@ class Services:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     #: the grounding scorer, built only when a configured policy ``uses`` it; loaded by :meth:`start`
     scorer: Any = None
+    #: the media sandbox and byte budgets every chain's media steps share (policies/media/sandbox.py)
+    media: MediaRuntime | None = None
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
@@ -104,7 +107,7 @@ class Services:
         )
         services = cls(settings, metrics, pool, chain, pipeline, controller, audit=audit, limiter=limiter,
                        directory=Directory.build(settings), plugins=plugins, admission=admission,
-                       scorer=build_scorer_if_used(settings, metrics, used))
+                       scorer=build_scorer_if_used(settings, metrics, used), media=MediaRuntime(settings.media))
         if audit is not None:
             # Every routing transition, automatic or manual, goes into the same tamper-evident chain.
             controller.on_transition.append(services._audit_transition)
@@ -142,6 +145,8 @@ class Services:
             log.warning("auth_disabled", reason="no tenants configured: every request is served, unauthenticated")
         if self.audit is not None:
             self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory-refresh"))
+        if self.media is not None:
+            await self.media.start()
         # Policies load their models before traffic can arrive (the lifespan has not yielded yet).
         for policy in self._policies():
             start = getattr(policy.impl, "start", None)
@@ -220,6 +225,8 @@ class Services:
                     log.warning("policy_close_failed", policy=policy.name, error=str(exc))
         if self.scorer is not None:
             await self.scorer.aclose()
+        if self.media is not None:
+            await self.media.aclose()
 
 
 def build_scorer_if_used(settings: Settings, metrics: Metrics, used: set[str]) -> Any:
