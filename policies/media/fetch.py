@@ -94,6 +94,8 @@ def refusal(ip: IPAddress) -> str | None:
         return "loopback"
     if ip.is_link_local:
         return "link-local"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
+        return "site-local"  # fec0::/10: deprecated, but routed inside some networks still
     if ip.is_multicast:
         return "multicast"
     if ip.is_reserved:
@@ -379,6 +381,9 @@ class SafeFetcher:
             raise refused(param, url.raw_host or "", reason, outcome=None if cause else "failed") from exc
         except aiohttp.InvalidURL as exc:
             raise MediaURLForbidden(f"{param}: not a valid URL", param=param) from exc
+        except aiohttp.ConnectionTimeoutError as exc:
+            # A port that does not answer must read like one that refuses, or one never tried.
+            raise refused(param, url.raw_host or "", "connect timeout", outcome="timeout") from exc
         except (aiohttp.ClientError, OSError) as exc:
             cause = _refused_cause(exc)
             if cause is not None:
