@@ -942,6 +942,25 @@ def clean_video(seconds: float) -> Sample:
     )
 
 
+def _demuxer_tricks() -> Iterator[Sample]:
+    """Text that FFmpeg's probe takes for a demuxer that opens other files or URLs (issue 15)."""
+    concat = b"ffconcat version 1.0\nfile recording-1.wav\n"  # 42 bytes: a file in the working directory
+    yield Sample("ffconcat-as-audio", "demuxer_trick", "input_audio", "audio/wav", concat,
+                 what="concat demuxer reading a file from the gateway's working directory")
+    yield Sample("ffconcat-as-video", "demuxer_trick", "video_url", "video/mp4", concat)
+    yield Sample("concat-absolute-path", "demuxer_trick", "audio_url", "audio/wav",
+                 b"ffconcat version 1.0\nfile /etc/hostname\n")
+    hls = b"#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1,\nhttp://169.254.169.254/latest\n#EXT-X-ENDLIST\n"
+    yield Sample("hls-playlist-as-video", "demuxer_trick", "video_url", "video/mp4", hls)
+    yield Sample("hls-playlist-as-audio", "demuxer_trick", "audio_url", "audio/mpeg", hls)
+    dash = b'<?xml version="1.0"?><MPD xmlns="urn:mpeg:dash:schema:mpd:2011"><Period/></MPD>'
+    yield Sample("dash-manifest-as-video", "demuxer_trick", "video_url", "video/mp4", dash)
+    sdp = b"v=0\no=- 0 0 IN IP4 127.0.0.1\ns=x\nc=IN IP4 127.0.0.1\nt=0 0\nm=audio 5004 RTP/AVP 0\n"
+    yield Sample("sdp-as-audio", "demuxer_trick", "audio_url", "audio/wav", sdp)
+    # A FLAC declaring 192 kHz: refused from its header (FLAC allows up to 655 kHz).
+    yield Sample("flac-192khz", "audio_header", "audio_url", "audio/flac", _flac(1.0, 192000))
+
+
 def build() -> list[Sample]:
     samples = [
         *_pixel_bombs(),
@@ -950,6 +969,7 @@ def build() -> list[Sample]:
         *_polyglots(),
         *_audio_headers(),
         *_video_headers(),
+        *_demuxer_tricks(),
     ]
     names = [s.name for s in samples]
     assert len(names) == len(set(names)), "sample names must be unique"

@@ -10,7 +10,9 @@ adapter that meets them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkable
+
+from gateway.errors import MediaURLForbidden
 
 if TYPE_CHECKING:
     from gateway.schemas import ChatCompletionRequest
@@ -113,3 +115,30 @@ class Engine(Protocol):
     async def health(self) -> bool: ...
 
     async def aclose(self) -> None: ...
+
+
+# -- what leaves for an engine ----------------------------------------------------------------------------
+_URL_FIELDS = {"image_url": "image_url", "audio_url": "audio_url", "video_url": "video_url"}
+#: The only media an engine is sent: base64 data URIs, which the gateway's media steps produced.
+_DATA_PREFIX = "data:"
+
+
+def wire_messages(request: "ChatCompletionRequest") -> list[dict[str, Any]]:
+    """The request's messages as every adapter sends them, refusing any media part that is not data.
+
+    This is the last check before bytes leave for an engine and it cannot be configured away: an
+    engine that fetches a URL itself bypasses the gateway's SSRF rules, so any part still carrying
+    one (whatever the chain or tenant policy set did) is refused with a 400 naming the part.
+    """
+    for mi, message in enumerate(request.messages):
+        if not isinstance(message.content, list):
+            continue
+        for pi, part in enumerate(message.content):
+            field_name = _URL_FIELDS.get(part.type)
+            if field_name is None:
+                continue
+            url = getattr(part, field_name).url
+            if not url[:5].lower() == _DATA_PREFIX:
+                param = f"messages.{mi}.content.{pi}.{field_name}.url"
+                raise MediaURLForbidden(f"{param}: media must be sent as data; this URL is not allowed", param=param)
+    return [m.model_dump(exclude_none=True) for m in request.messages]

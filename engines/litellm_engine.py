@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, AsyncIterator
 
-from engines.base import Capabilities, Completion, Delta, Usage
+from engines.base import Capabilities, Completion, Delta, Usage, wire_messages
 from gateway.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import EngineConfig
@@ -48,7 +48,7 @@ class LiteLLMEngine:
     def _kwargs(self, request: ChatCompletionRequest, stream: bool) -> dict[str, Any]:
         kw: dict[str, Any] = {
             "model": self.config.model,
-            "messages": [m.model_dump(exclude_none=True) for m in request.messages],
+            "messages": wire_messages(request),
             "stream": stream,
             "timeout": self.config.first_byte_timeout_s + self.config.read_timeout_s,
             "num_retries": 0,

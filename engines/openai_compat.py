@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 import structlog
 
-from engines.base import Capabilities, Completion, Delta, Usage
+from engines.base import Capabilities, Completion, Delta, Usage, wire_messages
 from gateway.errors import (
     EngineError,
     EngineFailed,
@@ -148,7 +148,7 @@ class OpenAICompatEngine:
         """The allow-listed body sent upstream; nothing else from the client passes."""
         body: dict[str, Any] = {
             "model": self.config.model,
-            "messages": [m.model_dump(exclude_none=True) for m in request.messages],
+            "messages": wire_messages(request),
             "stream": stream,
         }
         if stream:

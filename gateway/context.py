@@ -127,6 +127,8 @@ class RequestContext:
     media: list[MediaRecord] = field(default_factory=list)
     screenings: list[Screening] = field(default_factory=list)
     segmentation: Segmentation | None = None
+    #: the media bytes this request holds (policies/media/sandbox.RequestBudget); released by the pipeline
+    media_budget: Any = None
     #: retries the pipeline can still make for this request (a streaming check reads it)
     retries_left: int = 0
     #: headers verdicts added before the response started (``x-omnigate-grounding``, ...)

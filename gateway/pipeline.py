@@ -834,6 +834,8 @@ class Pipeline:
             return None
         if self.admission is not None:
             self.admission.release(ctx)
+        if ctx.media_budget is not None:
+            ctx.media_budget.release()
         self.metrics.in_flight.dec()
         if ctx.engine is not None:
             # One report per request (never per chunk): latency and outcome for its window and circuit.

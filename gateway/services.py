@@ -28,6 +28,7 @@ from gateway.tenants import Directory
 from observability.audit import AuditLog
 from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics
+from policies.media.sandbox import MediaRuntime
 from policies.registry import PolicyChain, available_plugins, build_chain, resources_used
 
 log = structlog.get_logger(__name__)
@@ -74,6 +75,8 @@ class Services:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     #: the grounding scorer, built only when a configured policy ``uses`` it; loaded by :meth:`start`
     scorer: Any = None
+    #: the media sandbox and byte budgets every chain's media steps share (policies/media/sandbox.py)
+    media: MediaRuntime | None = None
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
@@ -114,7 +117,7 @@ class Services:
         )
         services = cls(settings, metrics, pool, chain, pipeline, controller, audit=audit, limiter=limiter,
                        directory=Directory.build(settings), plugins=plugins, admission=admission,
-                       scorer=build_scorer_if_used(settings, metrics, used),
+                       scorer=build_scorer_if_used(settings, metrics, used), media=MediaRuntime(settings.media),
                        live=LiveDirectory(settings.auth.directory, metrics),
                        auth_failures=build_auth_failures(settings, metrics),
                        auth_required=settings.auth_required,
@@ -160,6 +163,8 @@ class Services:
                      directory=auth["directory"])
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory-refresh"))
         self._tasks.append(asyncio.create_task(self._summarise_failures_forever(), name="auth-failure-summary"))
+        if self.media is not None:
+            await self.media.start()
         # Policies load their models before traffic can arrive (the lifespan has not yielded yet).
         for policy in self._policies():
             start = getattr(policy.impl, "start", None)
@@ -300,6 +305,8 @@ class Services:
                     log.warning("policy_close_failed", policy=policy.name, error=str(exc))
         if self.scorer is not None:
             await self.scorer.aclose()
+        if self.media is not None:
+            await self.media.aclose()
 
 
 def build_auth_failures(settings: Settings, metrics: Metrics) -> AuthFailures:

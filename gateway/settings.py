@@ -421,6 +421,44 @@ def _default_engines() -> list[EngineConfig]:
     ]
 
 
+class MediaSettings(_Strict):
+    """Process-wide bounds on media work: bytes in flight, and the sandboxed decoding workers.
+
+    They apply to every chain and tenant policy set (the media steps are fixed steps of each).
+    """
+
+    max_request_bytes: Annotated[int, Field(ge=1024)] = Field(
+        default=256 * 1024 * 1024,
+        description="media bytes one request may hold: inline and fetched parts as they stream in, plus "
+        "what decoding produces (413 naming the part that crosses it)",
+    )
+    max_inflight_bytes: Annotated[int, Field(ge=1024)] = Field(
+        default=1024 * 1024 * 1024, description="media bytes all requests of this process may hold together"
+    )
+    inflight_wait_s: Annotated[float, Field(ge=0, le=60)] = Field(
+        default=5.0, description="how long a request waits for room under max_inflight_bytes (then 503)"
+    )
+    decode_workers: Annotated[int, Field(ge=1, le=64)] = 2
+    decode_memory_mb: Annotated[int, Field(ge=64)] = Field(
+        default=1536, description="address space a decoding worker may map beyond its loaded libraries"
+    )
+    decode_cpu_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=60.0, description="CPU seconds one part may cost its worker (the kernel kills it past that)"
+    )
+    decode_deadline_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=30.0, description="wall-clock seconds one part may take to decode (400 past that)"
+    )
+    decode_tasks_per_child: Annotated[int, Field(ge=1)] = Field(
+        default=64, description="parts a worker decodes before it is replaced by a fresh one"
+    )
+
+    @model_validator(mode="after")
+    def _request_fits(self) -> "MediaSettings":
+        if self.max_request_bytes > self.max_inflight_bytes:
+            raise ValueError("media.max_request_bytes: larger than media.max_inflight_bytes")
+        return self
+
+
 _yaml_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("omnigate_yaml", default=None)
 
 
@@ -446,6 +484,7 @@ class Settings(BaseSettings):
     traffic: TrafficSettings = TrafficSettings()
     auth: AuthSettings = AuthSettings()
     metrics: MetricsSettings = MetricsSettings()
+    media: MediaSettings = MediaSettings()
 
     @property
     def auth_required(self) -> bool:

@@ -14,7 +14,9 @@ from typing import Any, ClassVar
 from gateway.context import MediaRecord, RequestContext
 from gateway.errors import OmnigateError
 from gateway.schemas import ChatCompletionRequest
+from gateway.settings import MediaSettings
 from policies.base import PolicyConfig
+from policies.media.sandbox import MediaRuntime
 from policies.media.fetch import FetchConfig, SafeFetcher
 from policies.media.parts import (
     MediaRef,
@@ -25,6 +27,7 @@ from policies.media.parts import (
     media_parts,
     replace_parts,
 )
+from policies.media_limits import check_modalities, targets_from
 
 
 class MediaFetch:
@@ -35,10 +38,14 @@ class MediaFetch:
     def __init__(self, config: FetchConfig) -> None:
         self.config = config
         self.fetcher = SafeFetcher(config)
+        self._runtime: MediaRuntime | None = None
+        self._targets: dict[str, Any] = {}
 
     async def start(self, services: Any) -> None:
         self.fetcher = SafeFetcher(self.config, services.metrics)
         await self.fetcher.start()
+        self._runtime = getattr(services, "media", None)
+        self._targets = targets_from(services.settings.engines)
 
     async def aclose(self) -> None:
         await self.fetcher.aclose()
@@ -47,17 +54,23 @@ class MediaFetch:
         refs = list(media_parts(request))
         if not refs:
             return request
+        # Nothing is fetched for a request no engine of the model could take.
+        check_modalities(request, self._targets.get(request.model))
+        if ctx.media_budget is None:
+            runtime = self._runtime or MediaRuntime(MediaSettings())
+            ctx.media_budget = runtime.request_budget()
         new: dict[tuple[int, int], list[Any]] = {}
         remote = [r for r in refs if r.is_remote]
         for ref in refs:
             if not ref.is_remote:
                 data = decode_payload(ref)
+                await ctx.media_budget.take(len(data), ref.param)
                 ctx.media.append(MediaRecord(part=ref.path, kind=ref.kind, source="data", bytes=len(data)))
         if remote:
             try:
                 async with asyncio.TaskGroup() as tg:
                     tasks = [
-                        (ref, tg.create_task(self.fetcher.fetch(ref.value, ref.kind, ref.param)))
+                        (ref, tg.create_task(self.fetcher.fetch(ref.value, ref.kind, ref.param, ctx.media_budget)))
                         for ref in remote
                     ]
             except* OmnigateError as group:

@@ -6,7 +6,9 @@ to the engine's rate and cut into 2,400 s segments above 40 minutes; video is
 probed, trimmed or refused beyond 120 s, sampled at 2 fps (at most 240 frames)
 and handed over as a short MP4 or as frames, as the engines serving the model
 take it. Then the one-modality-per-message rule and the modal-token budget.
-Decoding runs on a small thread pool, off the event loop. Every rewrite is a
+Every probe and decode runs in a confined worker process (policies/media/sandbox.py), headers
+of every part first, so budgets and context are checked before anything is decoded; decoded output
+counts against the request's media budget. Every rewrite is a
 degradation reason (``x-omnigate-degraded``) and is listed on the part's
 :class:`gateway.context.MediaRecord`.
 """
@@ -15,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
@@ -30,22 +30,18 @@ from gateway.errors import (
     ModalBudgetExceeded,
 )
 from gateway.schemas import PART_MODALITY, ChatCompletionRequest, Message
+from gateway.settings import MediaSettings
 from policies.base import PolicyConfig
 from policies.media import budget as tokens
-from policies.media.audio import AudioConfig, AudioResult, normalise_audio
+from policies.media.audio import AudioConfig
 from policies.media.budget import BudgetConfig
-from policies.media.container import check_declared, check_one_file
-from policies.media.image import ImageConfig, normalise_image
-from policies.media.parts import (
-    MediaRef,
-    data_uri,
-    declared_type,
-    decode_payload,
-    make_part,
-    media_parts,
-    replace_parts,
-)
-from policies.media.video import VideoConfig, encode_jpeg, encode_mp4, plan_frames, probe_video, sample_frames
+from policies.media.image import ImageConfig
+from policies.media.parts import MediaRef, data_uri, declared_type, make_part, media_parts, replace_parts
+from policies.media.process import Done as _Done
+from policies.media.process import MediaTarget, Probed, probe_part, process_part
+from policies.media.process import Settings as PartSettings
+from policies.media.sandbox import MediaRuntime
+from policies.media.video import VideoConfig
 
 
 class MediaLimitsConfig(PolicyConfig):
@@ -56,26 +52,9 @@ class MediaLimitsConfig(PolicyConfig):
     one_modality_per_message: Literal["split", "refuse", "off"] = Field(
         default="split", description="Qwen-Omni takes one non-text modality per message: split it or refuse"
     )
-    workers: Annotated[int, Field(ge=1, le=32)] = 2
-
-
-@dataclass(frozen=True, slots=True)
-class MediaTarget:
-    """What the engines behind one public model take."""
-
-    video_form: str = "video"  # video | frames
-    audio_rate: int | None = 16000
-    context_tokens: int = 65536
-
-
-@dataclass(slots=True)
-class _Done:
-    ref: MediaRef
-    parts: list[Any]
-    tokens: int  # per engine call (the longest segment for a segmented part)
-    actions: list[str] = field(default_factory=list)
-    facts: dict[str, Any] = field(default_factory=dict)
-    audio: AudioResult | None = None
+    workers: Annotated[int, Field(ge=1, le=32)] = Field(
+        default=2, description="deprecated: decoding runs in the process-wide sandbox (media.decode_workers)"
+    )
 
 
 def targets_from(engines: list[Any]) -> dict[str, MediaTarget]:
@@ -90,8 +69,21 @@ def targets_from(engines: list[Any]) -> dict[str, MediaTarget]:
         cfgs = sorted(cfgs, key=lambda c: order[c.role])
         video = "video" if all(c.video_form() == "video" for c in cfgs) else "frames"
         rates = [c.audio_rate() for c in cfgs if c.audio_rate() is not None]
-        out[model] = MediaTarget(video, rates[0] if rates else None, min(c.max_context_tokens for c in cfgs))
+        accepts = tuple(c.modalities()[0] for c in cfgs)
+        out[model] = MediaTarget(
+            video, rates[0] if rates else None, min(c.max_context_tokens for c in cfgs), accepts
+        )
     return out
+
+
+def check_modalities(request: ChatCompletionRequest, target: MediaTarget | None) -> None:
+    """Refuse input no engine of the model takes, before any media is fetched or decoded."""
+    if target is None or not target.accepts:
+        return
+    wanted = request.input_modalities()
+    if not any(wanted <= accepts for accepts in target.accepts):
+        kinds = ", ".join(sorted(wanted - {"text"}))
+        raise InvalidRequest(f"the model {request.model!r} does not accept {kinds} input", param="messages")
 
 
 class MediaLimits:
@@ -102,19 +94,33 @@ class MediaLimits:
 
     def __init__(self, config: MediaLimitsConfig) -> None:
         self.config = config
-        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="omnigate-media")
+        self._part_settings = PartSettings(config.image, config.audio, config.video, config.budget)
         self._targets: dict[str, MediaTarget] = {}
         self._metrics: Any = None
+        self._runtime: MediaRuntime | None = None
+        self._own_runtime = False
 
     async def start(self, services: Any) -> None:
         self._targets = targets_from(services.settings.engines)
         self._metrics = services.metrics
+        self._runtime = getattr(services, "media", None)
+        if self._runtime is None:  # a chain started outside a gateway (tests): its own, closed with it
+            self._runtime = MediaRuntime(getattr(services.settings, "media", MediaSettings()))
+            self._own_runtime = True
 
     async def aclose(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_runtime and self._runtime is not None:
+            await self._runtime.aclose()
 
     def target(self, model: str) -> MediaTarget:
         return self._targets.get(model, MediaTarget())
+
+    @property
+    def runtime(self) -> MediaRuntime:
+        if self._runtime is None:
+            self._runtime = MediaRuntime(MediaSettings())
+            self._own_runtime = True
+        return self._runtime
 
     # -- the hook -------------------------------------------------------------------------------------------
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
@@ -122,28 +128,38 @@ class MediaLimits:
         if not refs:
             return request
         target = self.target(request.model)
-        loop = asyncio.get_running_loop()
-        # A client's own data URI declares a type the bytes must match; a fetched part's type is a
-        # server's label, which media-fetch passed on and which is not held against the client.
-        from_client = {r.part for r in ctx.media if r.source == "data"}
-        jobs = []
+        check_modalities(request, self._targets.get(request.model))
         for ref in refs:
             if ref.is_remote:
                 raise MediaURLForbidden(
                     f"{ref.param}: remote media must be fetched by media-fetch first", param=ref.param
                 )
-            declared = declared_type(ref) if ref.path in from_client else None
-            jobs.append(loop.run_in_executor(self._pool, self._process, ref, target, declared))
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        for ref, res in zip(refs, results):
-            if isinstance(res, BaseException):
-                self._count(ref.kind, "refused")
-                if isinstance(res, InvalidMedia) and res.param is None:
-                    res.param = ref.param
-                    res.message = f"{ref.param}: {res.message}"
-                raise res
-        done: list[_Done] = results  # type: ignore[assignment]
+        runtime = self.runtime
+        if ctx.media_budget is None:
+            ctx.media_budget = runtime.request_budget()
+        sandbox = runtime.sandbox
+        # Headers first, for every part: a request the budgets refuse costs no decode.
+        probes = await self._each(
+            refs, lambda ref: sandbox.run(probe_part, (ref, self._part_settings, target), param=ref.param)
+        )
+        self._check_probes(request, probes, target)
+        # A client's own data URI declares a type the bytes must match; a fetched part's type is a
+        # server's label, which media-fetch passed on and which is not held against the client.
+        from_client = {r.part for r in ctx.media if r.source == "data"}
+        room = ctx.media_budget.room
 
+        async def one(ref: MediaRef) -> _Done:
+            declared = declared_type(ref) if ref.path in from_client else None
+            t0 = time.perf_counter()
+            done: _Done = await sandbox.run(
+                process_part, (ref, self._part_settings, target, declared, room), param=ref.param
+            )
+            if self._metrics is not None:
+                self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)
+            await ctx.media_budget.take(done.out_bytes, ref.param)
+            return done
+
+        done = await self._each(refs, one)
         self._check_budget(request, done, target)
         new = {(d.ref.message, d.ref.index): d.parts for d in done}
         out = replace_parts(request, new)
@@ -151,87 +167,43 @@ class MediaLimits:
         out = self._segment(out, done, ctx)
         return self._one_modality(out, ctx)
 
-    # -- per part, on the pool ------------------------------------------------------------------------------
-    def _process(self, ref: MediaRef, target: MediaTarget, declared: str | None) -> _Done:
-        t0 = time.perf_counter()
-        data = decode_payload(ref)
-        check_one_file(data, ref.kind, ref.param)
-        if ref.kind == "image":
-            done = self._image(ref, data, declared)
-        elif ref.kind == "audio":
-            done = self._audio(ref, data, target, declared)
-        else:
-            done = self._video(ref, data, target, declared)
-        if self._metrics is not None:
-            self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)
-        return done
+    async def _each(self, refs: list[MediaRef], fn: Any) -> list[Any]:
+        """``fn`` for every part concurrently; the first part's error (in part order) is the answer."""
+        results = await asyncio.gather(*(fn(ref) for ref in refs), return_exceptions=True)
+        for ref, res in zip(refs, results):
+            if isinstance(res, BaseException):
+                self._count(ref.kind, "refused")
+                if isinstance(res, InvalidMedia) and res.param is None:
+                    res.param = ref.param
+                    res.message = f"{ref.param}: {res.message}"
+                raise res
+        return list(results)
 
-    def _image(self, ref: MediaRef, data: bytes, declared: str | None) -> _Done:
-        r = normalise_image(data, self.config.image, ref.param, declared)
-        # Unchanged bytes still get the media type they really have, whatever the client or server claimed.
-        part = make_part(ref.type, data_uri(r.mediatype, r.data))
-        return _Done(
-            ref,
-            [part],
-            tokens.image_tokens(r.width, r.height, self.config.budget),
-            r.actions,
-            {"format": r.source_format.lower(), "width": r.source_width, "height": r.source_height},
-        )
-
-    def _audio(self, ref: MediaRef, data: bytes, target: MediaTarget, declared: str | None) -> _Done:
-        r = normalise_audio(data, self.config.audio, target.audio_rate, ref.param, declared)
-        longest = max(end - start for start, end in r.boundaries)
-        part = make_part(ref.type, data_uri(r.mediatype, r.data), r.fmt)
-        return _Done(
-            ref,
-            [part],
-            tokens.audio_tokens(longest, self.config.budget),
-            r.actions,
-            {"format": r.info.container, "duration_s": round(r.info.duration_s, 3)},
-            r if r.pcm is not None else None,
-        )
-
-    def _video(self, ref: MediaRef, data: bytes, target: MediaTarget, declared: str | None) -> _Done:
-        cfg, budget = self.config.video, self.config.budget
-        info = probe_video(data, ref.param)
-        check_declared("video", declared, info.container, ref.param)
-        if info.width * info.height > cfg.max_input_pixels:
-            raise InvalidMedia(
-                f"{ref.param}: the video is {info.width}x{info.height}; the limit is {cfg.max_input_pixels:,} pixels",
-                param=ref.param,
+    def _check_probes(self, request: ChatCompletionRequest, probes: list[Probed], target: MediaTarget) -> None:
+        """The modal-token and context budgets from header facts alone (the estimate after decoding rules)."""
+        cfg = self.config.budget
+        counted = [p for p in probes if p.ref.kind in cfg.counted]
+        modal = sum(p.tokens for p in counted)
+        if modal > cfg.max_modal_tokens:
+            worst = max(counted, key=lambda p: p.tokens)
+            raise ModalBudgetExceeded(
+                f"{worst.ref.path} ({worst.ref.kind}) is estimated at {worst.tokens:,} modal tokens; the request's "
+                f"{modal:,} modal tokens are {modal - cfg.max_modal_tokens:,} over the limit of "
+                f"{cfg.max_modal_tokens:,}",
+                param=worst.ref.path,
             )
-        try:
-            used, count = plan_frames(info, cfg)
-        except InvalidMedia as exc:
-            raise InvalidMedia(f"{ref.param}: {exc.message}", param=ref.param) from None
-        video_budget = budget.max_modal_tokens if "video" in budget.counted else target.context_tokens // 2
-        size = tokens.frame_size_for(
-            count, info.width, info.height, video_budget, cfg.min_frame_pixels, cfg.max_frame_pixels, budget
-        )
-        frames = sample_frames(data, used, count, cfg.fps, size, ref.param)
-        actions: list[str] = []
-        if used < info.duration_s - 1e-3:
-            actions.append("video-trimmed")
-        if info.fps > cfg.fps + 0.01 or size != (info.width, info.height):
-            actions.append("video-resampled")
-        if info.has_audio:
-            actions.append("video-audio-dropped")
-        if target.video_form == "frames":
-            actions.append("video-as-frames")
-            parts = [
-                make_part("image_url", data_uri("image/jpeg", encode_jpeg(f, cfg.frame_quality)))
-                for f in frames
-            ]
-        else:
-            parts = [make_part(ref.type, data_uri("video/mp4", encode_mp4(frames, cfg.fps, cfg.crf)))]
-        facts = {
-            "format": info.container,
-            "width": info.width,
-            "height": info.height,
-            "duration_s": round(info.duration_s, 3),
-            "frames": len(frames),
-        }
-        return _Done(ref, parts, tokens.video_tokens(len(frames), size[0], size[1], budget), actions, facts)
+        text = tokens.text_tokens(sum(len(m.text()) for m in request.messages), cfg)
+        media = sum(p.tokens for p in probes)
+        output = request.output_token_limit or 0
+        total = text + media + output
+        if total > target.context_tokens:
+            worst = max(probes, key=lambda p: p.tokens)
+            raise ContextLengthExceeded(
+                f"the request needs about {total:,} tokens (text {text:,}, media {media:,}, output {output:,}), "
+                f"{total - target.context_tokens:,} more than the engine's context of {target.context_tokens:,}; "
+                f"the largest part is {worst.ref.path} ({worst.ref.kind}, about {worst.tokens:,} tokens)",
+                param=worst.ref.path,
+            )
 
     # -- request-level rules --------------------------------------------------------------------------------
     def _check_budget(self, request: ChatCompletionRequest, done: list[_Done], target: MediaTarget) -> None:

@@ -129,13 +129,51 @@ def _check_order(stage: str, loaded: tuple[LoadedPolicy, ...]) -> None:
                 )
 
 
+#: Pre-policies every chain runs, acting: the first turns every media URL into bytes fetched the safe way,
+#: the second sandboxes, bounds and normalises every part. Without them an engine would fetch a client's
+#: URL itself, or decode whatever it is sent, so no chain or tenant policy set may go without them.
+FIXED_MEDIA_STEPS = ("media-fetch", "media-limits")
+#: What may run before the media steps when they are added: decisions that cost no media work.
+_BEFORE_MEDIA = frozenset({"load-shedding", "request-limits"})
+
+
+def with_media_steps(specs: list[PolicySpec]) -> list[tuple[int | None, PolicySpec]]:
+    """The pre chain with the fixed media steps: refused in shadow mode, added (defaults) where missing.
+
+    A missing step is inserted after the leading policies that do no media work (load shedding,
+    request limits), ``media-fetch`` before ``media-limits``; ``check-config`` and the start-up log
+    show the resolved chain.
+    """
+    for i, spec in enumerate(specs):
+        if spec.name in FIXED_MEDIA_STEPS and spec.shadow:
+            raise PolicyConfigError(
+                f"policies.pre[{i}].shadow: {spec.name!r} is a fixed step of every chain and cannot run in "
+                "shadow mode (media would reach the engine unfetched or unchecked)"
+            )
+    out: list[tuple[int | None, PolicySpec]] = list(enumerate(specs))  # None: added here
+    names = [s.name for _, s in out]
+    at = 0
+    while at < len(out) and out[at][1].name in _BEFORE_MEDIA:
+        at += 1
+    if "media-fetch" not in names:
+        limits = names.index("media-limits") if "media-limits" in names else len(out)
+        out.insert(min(at, limits), (None, PolicySpec(name="media-fetch")))
+    names = [s.name for _, s in out]
+    if "media-limits" not in names:
+        out.insert(names.index("media-fetch") + 1, (None, PolicySpec(name="media-limits")))
+    return out
+
+
 def build_chain(cfg: PolicyChainConfig, plugins: dict[str, type] | None = None) -> PolicyChain:
     plugins = available_plugins() if plugins is None else plugins
     stages: dict[str, tuple[LoadedPolicy, ...]] = {}
     for stage in ("pre", "stream", "post"):
         specs: list[PolicySpec] = getattr(cfg, stage)
+        placed = with_media_steps(specs) if stage == "pre" else list(enumerate(specs))
         stages[stage] = tuple(
-            _load_one(spec, stage, f"policies.{stage}[{i}]", plugins) for i, spec in enumerate(specs)
+            _load_one(spec, stage, f"policies.{stage}[{i}]" if i is not None else f"policies.{stage} (fixed step)",
+                      plugins)
+            for i, spec in placed
         )
         _check_order(stage, stages[stage])
     return PolicyChain(max_retries=cfg.max_retries, **stages)

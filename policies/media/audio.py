@@ -21,13 +21,15 @@ from typing import Annotated, Literal
 import av
 import numpy as np
 import soundfile as sf
+import structlog
 from pydantic import Field
 
 from gateway.audio import wav_header
-from gateway.errors import InvalidMedia
+from gateway.errors import InvalidMedia, MediaTooLarge
 from policies.base import PolicyConfig
-from policies.media.container import check_declared, check_isobmff
+from policies.media.container import check_declared, check_isobmff, open_av
 
+log = structlog.get_logger(__name__)
 _SF_CONTAINERS = {"WAV": "wav", "FLAC": "flac", "OGG": "ogg", "MP3": "mp3"}
 _PASS_MIME = {"wav": "audio/wav", "flac": "audio/flac", "ogg": "audio/ogg", "mp3": "audio/mpeg"}
 #: Data sizes that streaming writers put in a header they cannot seek back to: FFmpeg writes 0xFFFFFFFF,
@@ -40,6 +42,12 @@ _PCM_TAGS = frozenset({1, 3, 6, 7, 0xFFFE})
 
 class AudioConfig(PolicyConfig):
     max_duration_s: Annotated[float, Field(gt=0)] = 3 * 3600.0
+    max_sample_rate: Annotated[int, Field(ge=8000, le=768000)] = Field(
+        default=96000, description="sources declaring a higher rate are refused before decoding"
+    )
+    max_output_rate: Annotated[int, Field(ge=8000, le=192000)] = Field(
+        default=48000, description="audio is resampled to at most this rate while decoding"
+    )
     segment_s: Annotated[float, Field(ge=10)] = 2400.0
     encoding: Literal["flac", "wav"] = "flac"
     segment_separator: str = "\n\n"
@@ -157,7 +165,7 @@ def _reads_to_the_end(data: bytes, tail: int = 256) -> bool:
 def _probe_av(data: bytes, param: str) -> AudioInfo:
     check_isobmff(data, param)
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with open_av(data, "audio", param) as container:
             if not container.streams.audio:
                 raise InvalidMedia(f"{param}: no audio stream in the file", param=param)
             stream = container.streams.audio[0]
@@ -180,41 +188,60 @@ def _probe_av(data: bytes, param: str) -> AudioInfo:
     except InvalidMedia:
         raise
     except (av.FFmpegError, ValueError, OSError, IndexError) as exc:
-        raise InvalidMedia(
-            f"{param}: not audio in a supported format ({type(exc).__name__})", param=param
-        ) from None
+        log.info("media_probe_failed", param=param, error=type(exc).__name__)
+        raise InvalidMedia(f"{param}: not audio in a supported format", param=param) from None
     if not duration or duration <= 0 or rate <= 0:
         raise InvalidMedia(f"{param}: the audio has no duration", param=param)
     return AudioInfo({"mov": "mp4"}.get(name, name), duration, rate, channels)
 
 
-def decode_pcm(data: bytes, rate: int | None, param: str, max_s: float) -> tuple[np.ndarray, int]:
-    """The whole stream as 16-bit mono PCM at ``rate`` (the source's own when None)."""
-    chunks: list[np.ndarray] = []
+def decode_pcm(
+    data: bytes, rate: int, param: str, max_s: float, max_bytes: int | None = None
+) -> tuple[np.ndarray, int]:
+    """The whole stream as 16-bit mono PCM, resampled to ``rate`` frame by frame as it decodes.
+
+    The source-rate samples are never held whole: each decoded frame is resampled and copied into
+    one buffer sized for ``max_s`` at the output rate (or ``max_bytes``, the request's room, if less),
+    and a stream that runs past it is refused.
+    """
+    cap = int(max_s * rate) + rate
+    if max_bytes is not None and max_bytes // 2 < cap:
+        cap = max_bytes // 2
+    # One buffer at the bound: the kernel maps its pages only as samples are written, so an honest
+    # header costs what it decodes to, a lying one at most the cap, and nothing is copied to grow.
+    pcm = np.empty(cap, np.int16)
+    total = 0
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with open_av(data, "audio", param) as container:
             stream = container.streams.audio[0]
-            out_rate = rate or stream.codec_context.sample_rate
-            resampler = av.AudioResampler(format="s16", layout="mono", rate=out_rate)
-            limit = int(max_s * out_rate) + out_rate
-            total = 0
-            for frame in container.decode(stream):
-                for out in resampler.resample(frame):
+            resampler = av.AudioResampler(format="s16", layout="mono", rate=rate)
+
+            def put(frames: list[av.AudioFrame]) -> None:
+                nonlocal total
+                for out in frames:
                     arr = out.to_ndarray().reshape(-1)
-                    chunks.append(arr)
+                    if total + arr.size > cap:
+                        if max_bytes is not None and cap == max_bytes // 2:
+                            raise MediaTooLarge(
+                                f"{param}: the decoded audio exceeds the {max_bytes:,} bytes the request may "
+                                "still hold",
+                                param=param,
+                            )
+                        raise InvalidMedia(f"{param}: the audio is longer than its header says", param=param)
+                    pcm[total : total + arr.size] = arr
                     total += arr.size
-                if total > limit:
-                    raise InvalidMedia(f"{param}: the audio is longer than its header says", param=param)
-            for out in resampler.resample(None):
-                chunks.append(out.to_ndarray().reshape(-1))
-    except InvalidMedia:
+
+            for frame in container.decode(stream):
+                put(resampler.resample(frame))
+            put(resampler.resample(None))
+    except (InvalidMedia, MediaTooLarge):
         raise
     except (av.FFmpegError, ValueError, OSError, IndexError) as exc:
-        raise InvalidMedia(f"{param}: the audio is corrupt ({type(exc).__name__})", param=param) from None
-    pcm = np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
-    if pcm.size == 0:
+        log.info("media_decode_failed", param=param, error=type(exc).__name__)
+        raise InvalidMedia(f"{param}: the audio could not be decoded", param=param) from None
+    if total == 0:
         raise InvalidMedia(f"{param}: the audio decodes to no samples", param=param)
-    return pcm.astype(np.int16, copy=False), out_rate
+    return pcm[:total], rate
 
 
 def encode_pcm(pcm: np.ndarray, rate: int, encoding: str) -> bytes:
@@ -232,14 +259,27 @@ def split_points(duration: float, segment_s: float) -> list[tuple[float, float]]
 
 
 def normalise_audio(
-    data: bytes, cfg: AudioConfig, target_rate: int | None, param: str, declared: str | None = None
+    data: bytes,
+    cfg: AudioConfig,
+    target_rate: int | None,
+    param: str,
+    declared: str | None = None,
+    max_bytes: int | None = None,
 ) -> AudioResult:
     """Probe, check and (only when needed) decode and re-encode one audio part.
 
     ``declared`` is the media type the client gave the part; a type naming another format is refused.
+    ``max_bytes`` bounds the decoded PCM (the bytes the request may still hold).
     """
     info = probe_audio(data, param)
     check_declared("audio", declared, info.container, param)
+    if info.sample_rate > cfg.max_sample_rate:
+        raise InvalidMedia(
+            f"{param}: the audio declares {info.sample_rate:,} Hz; the limit is {cfg.max_sample_rate:,} Hz",
+            param=param,
+        )
+    if target_rate is None and info.sample_rate > cfg.max_output_rate:
+        target_rate = cfg.max_output_rate
     if info.duration_s > cfg.max_duration_s:
         raise InvalidMedia(
             f"{param}: the audio lasts {info.duration_s:.0f} s; the limit is {cfg.max_duration_s:.0f} s",
@@ -259,7 +299,9 @@ def normalise_audio(
         return AudioResult(
             info, data, _PASS_MIME[info.container], info.container, info.sample_rate, [(0.0, info.duration_s)]
         )
-    pcm, rate = decode_pcm(data, target_rate, param, cfg.max_duration_s)
+    pcm, rate = decode_pcm(
+        data, target_rate or info.sample_rate, param, min(cfg.max_duration_s, info.duration_s + 1.0), max_bytes
+    )
     duration = pcm.size / rate
     actions: list[str] = []
     if resample:

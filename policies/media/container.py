@@ -12,12 +12,78 @@ samples the file really holds.
 
 from __future__ import annotations
 
+import io
 import re
 import struct
 
+import av
 import numpy as np
 
 from gateway.errors import InvalidMedia
+
+# -- which demuxer opens the bytes ---------------------------------------------------------------------------
+
+#: FFmpeg demuxers the gateway opens, by the kind of part. Nothing else is ever chosen: not by FFmpeg's
+#: probe (which would pick ``concat``/``ffconcat``, ``hls``, ``dash``, ``image2``, ``tty`` or ``sdp`` from a
+#: few text bytes, and those open other files or URLs), not by the client's declared type. The names are
+#: the ones ``container.format.name`` reports, checked again after the open.
+DEMUXERS: dict[str, frozenset[str]] = {
+    "audio": frozenset({"wav", "flac", "ogg", "mp3", "aac", "mov", "matroska"}),
+    "video": frozenset(
+        {"mov", "matroska", "avi", "mpegts", "flv", "mpeg", "mpegvideo", "ogg"}
+    ),
+}
+_ISOBMFF_BOXES = frozenset({b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot"})
+
+
+def sniff_demuxer(data: bytes) -> str | None:
+    """The allow-listed demuxer the bytes' magic number names, or None: no guessing beyond these."""
+    head = data[:16]
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        return "wav"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "avi"
+    if head[:4] == b"fLaC":
+        return "flac"
+    if head[:4] == b"OggS":
+        return "ogg"
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "matroska"
+    if len(head) >= 8 and head[4:8] in _ISOBMFF_BOXES:
+        return "mov"
+    if head[:3] == b"FLV":
+        return "flv"
+    if head[:4] == b"\x00\x00\x01\xba":
+        return "mpeg"
+    if head[:4] == b"\x00\x00\x01\xb3":
+        return "mpegvideo"
+    if len(data) > 376 and data[0] == data[188] == data[376] == 0x47:
+        return "mpegts"
+    if head[:3] == b"ID3":
+        return "mp3"
+    if len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0:
+        # ADTS (AAC) has layer bits 00, MPEG audio layers I-III never do.
+        return "aac" if head[1] & 0x06 == 0 else "mp3"
+    return None
+
+
+def open_av(data: bytes, kind: str, param: str) -> "av.container.InputContainer":
+    """Open in-memory bytes with an allow-listed demuxer chosen from their magic number, never by FFmpeg.
+
+    The container is read from a memory buffer only (no file name, so no protocol is involved), and the
+    demuxer FFmpeg really used is checked against the list too.
+    """
+    name = sniff_demuxer(data)
+    if name is None or name not in DEMUXERS[kind]:
+        raise InvalidMedia(f"{param}: not {kind} in a supported container", param=param)
+    try:
+        container = av.open(io.BytesIO(data), mode="r", format=name)
+    except (av.FFmpegError, ValueError, OSError, IndexError):
+        raise InvalidMedia(f"{param}: not {kind} in a supported container", param=param) from None
+    if container.format.name not in DEMUXERS[kind]:
+        container.close()
+        raise InvalidMedia(f"{param}: not {kind} in a supported container", param=param)
+    return container
 
 # -- declared type against content ---------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import aiohttp
+import structlog
 from aiohttp.abc import AbstractResolver, ResolveResult
 from pydantic import Field, field_validator
 from yarl import URL
@@ -35,6 +36,11 @@ from gateway.errors import MediaFetchFailed, MediaTooLarge, MediaURLForbidden
 from policies.base import PolicyConfig
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+log = structlog.get_logger(__name__)
+#: What a client is told about any address the fetcher will not or cannot reach: the same words whether
+#: the name does not resolve, resolves to an internal address, or its port is closed, so the answer cannot
+#: map the inside of the network. The reason goes to the log.
+REFUSED = "the media URL cannot be fetched"
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 _COMPAT = ipaddress.IPv6Network("::/96")
@@ -88,6 +94,8 @@ def refusal(ip: IPAddress) -> str | None:
         return "loopback"
     if ip.is_link_local:
         return "link-local"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
+        return "site-local"  # fec0::/10: deprecated, but routed inside some networks still
     if ip.is_multicast:
         return "multicast"
     if ip.is_reserved:
@@ -286,21 +294,22 @@ class SafeFetcher:
         ip = literal_ip(host)
         if ip is not None:
             reason = self.policy.check(host, port, ip)
+            if reason is None and ":" not in host and str(ip) != host:
+                reason = "ipv4-not-dotted-decimal"
             if reason is not None:
-                raise MediaURLForbidden(f"{param}: the address {ip} is not allowed ({reason})", param=param)
-            if ":" not in host and str(ip) != host:
-                raise MediaURLForbidden(f"{param}: write IPv4 addresses in dotted decimal", param=param)
+                raise refused(param, host, reason)
 
-    async def fetch(self, raw_url: str, kind: str, param: str) -> Fetched:
+    async def fetch(self, raw_url: str, kind: str, param: str, budget: Any = None) -> Fetched:
+        """Fetch one part; ``budget`` (a RequestBudget) is charged as the body streams in."""
         outcome = "failed"
         try:
-            result = await self._fetch(raw_url, kind, param)
+            result = await self._fetch(raw_url, kind, param, budget)
             outcome = "ok"
             if self._metrics is not None:
                 self._metrics.media_fetch_bytes.observe(len(result.data))
             return result
-        except MediaURLForbidden:
-            outcome = "forbidden"
+        except MediaURLForbidden as exc:
+            outcome = getattr(exc, "outcome", "forbidden")
             raise
         except MediaTooLarge:
             outcome = "too_large"
@@ -312,7 +321,7 @@ class SafeFetcher:
             if self._metrics is not None:
                 self._metrics.media_fetches.labels(outcome).inc()
 
-    async def _fetch(self, raw_url: str, kind: str, param: str) -> Fetched:
+    async def _fetch(self, raw_url: str, kind: str, param: str, budget: Any = None) -> Fetched:
         if self._session is None:
             raise RuntimeError("SafeFetcher.start() was not awaited")
         cap = self.config.cap(kind)
@@ -324,7 +333,7 @@ class SafeFetcher:
             async with asyncio.timeout(self.config.total_timeout_s):
                 for hop in range(self.config.max_redirects + 1):
                     self.check_url(url, param)
-                    location = await self._one_hop(url, cap, param)
+                    location = await self._one_hop(url, cap, param, budget)
                     if isinstance(location, Fetched):
                         return Fetched(location.data, location.content_type, url.host or "", hop)
                     try:
@@ -341,7 +350,7 @@ class SafeFetcher:
             ) from None
         raise MediaFetchFailed(f"{param}: more than {self.config.max_redirects} redirects", param=param)
 
-    async def _one_hop(self, url: URL, cap: int, param: str) -> Fetched | str:
+    async def _one_hop(self, url: URL, cap: int, param: str, budget: Any = None) -> Fetched | str:
         assert self._session is not None
         headers = {"User-Agent": self.config.user_agent, "Accept-Encoding": "identity"}
         try:
@@ -363,26 +372,32 @@ class SafeFetcher:
                     raise MediaTooLarge(
                         f"{param}: the media is {resp.content_length} bytes; the limit is {cap}", param=param
                     )
-                data = await _read_capped(resp, cap, param)
+                data = await _read_capped(resp, cap, param, budget)
                 return Fetched(data, resp.headers.get("Content-Type"), url.host or "", 0)
         except aiohttp.ClientConnectorError as exc:
-            refused = _refused_cause(exc)
-            if refused is not None:
-                raise MediaURLForbidden(
-                    f"{param}: {url.raw_host} resolves to an address that is not allowed ({refused.reason})",
-                    param=param,
-                ) from exc
-            raise MediaFetchFailed(f"{param}: could not connect to {url.host}", param=param) from exc
+            cause = _refused_cause(exc)
+            # Not resolving, resolving inside, refused or unanswered: all one answer to the client.
+            reason = f"{cause.ip} {cause.reason}" if cause is not None else f"connect: {type(exc.os_error).__name__}"
+            raise refused(param, url.raw_host or "", reason, outcome=None if cause else "failed") from exc
         except aiohttp.InvalidURL as exc:
             raise MediaURLForbidden(f"{param}: not a valid URL", param=param) from exc
+        except aiohttp.ConnectionTimeoutError as exc:
+            # A port that does not answer must read like one that refuses, or one never tried.
+            raise refused(param, url.raw_host or "", "connect timeout", outcome="timeout") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            refused = _refused_cause(exc)
-            if refused is not None:
-                raise MediaURLForbidden(
-                    f"{param}: {url.raw_host} resolves to an address that is not allowed ({refused.reason})",
-                    param=param,
-                ) from exc
+            cause = _refused_cause(exc)
+            if cause is not None:
+                raise refused(param, url.raw_host or "", f"{cause.ip} {cause.reason}") from exc
             raise MediaFetchFailed(f"{param}: fetching failed ({type(exc).__name__})", param=param) from exc
+
+
+def refused(param: str, host: str, reason: str, outcome: str | None = None) -> MediaURLForbidden:
+    """The one refusal a client sees for an address; what was refused, and why, is logged."""
+    log.info("media_fetch_refused", param=param, host=host, reason=reason)
+    exc = MediaURLForbidden(f"{param}: {REFUSED}", param=param)
+    if outcome is not None:
+        exc.outcome = outcome  # type: ignore[attr-defined]  # metric label only
+    return exc
 
 
 def _failed(message: str, param: str, outcome: str) -> MediaFetchFailed:
@@ -405,12 +420,15 @@ def _refused_cause(exc: BaseException) -> AddressRefused | None:
     return None
 
 
-async def _read_capped(resp: aiohttp.ClientResponse, cap: int, param: str) -> bytes:
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int, param: str, budget: Any = None) -> bytes:
     chunks: list[bytes] = []
     size = 0
     async for chunk in resp.content.iter_chunked(256 * 1024):
         size += len(chunk)
         if size > cap:
             raise MediaTooLarge(f"{param}: the media exceeds the limit of {cap} bytes", param=param)
+        if budget is not None:
+            # Counted as it arrives, so parts fetched side by side cannot together pass the request's budget.
+            await budget.take(len(chunk), param)
         chunks.append(chunk)
     return b"".join(chunks)

@@ -20,6 +20,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+import structlog
 from PIL import Image, ImageOps, UnidentifiedImageError
 from pydantic import Field
 
@@ -30,6 +31,7 @@ from policies.media.container import Truncated, check_declared, image_end, is_te
 # Pillow warns between MAX_IMAGE_PIXELS and twice that; a warning lets the decode go on, an error stops it.
 warnings.simplefilter("error", Image.DecompressionBombWarning)
 
+log = structlog.get_logger(__name__)
 _MIME = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp"}
 _ORIENTATION = 0x0112
 
@@ -74,7 +76,8 @@ def open_image(data: bytes, cfg: ImageConfig, param: str) -> Image.Image:
             f"{param}: not an image in a supported format ({', '.join(cfg.formats)})", param=param
         ) from None
     except (OSError, ValueError, SyntaxError) as exc:
-        raise InvalidMedia(f"{param}: the image header is corrupt ({exc})", param=param) from None
+        log.info("media_probe_failed", param=param, error=type(exc).__name__)
+        raise InvalidMedia(f"{param}: the image header is corrupt", param=param) from None
     w, h = im.size
     if w <= 0 or h <= 0:
         raise InvalidMedia(f"{param}: the image has no pixels", param=param)
@@ -127,7 +130,8 @@ def normalise_image(data: bytes, cfg: ImageConfig, param: str, declared: str | N
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise InvalidMedia(f"{param}: the image has too many pixels to decode safely", param=param) from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise InvalidMedia(f"{param}: the image is truncated or corrupt ({exc})", param=param) from None
+        log.info("media_decode_failed", param=param, error=type(exc).__name__)
+        raise InvalidMedia(f"{param}: the image is truncated or corrupt", param=param) from None
     finally:
         im.close()
 

@@ -18,13 +18,15 @@ from typing import Annotated, Literal
 
 import av
 import numpy as np
+import structlog
 from PIL import Image
 from pydantic import Field
 
 from gateway.errors import InvalidMedia
 from policies.base import PolicyConfig
-from policies.media.container import check_isobmff
+from policies.media.container import check_isobmff, open_av
 
+log = structlog.get_logger(__name__)
 _TOKEN_TILE = 28 * 28
 
 
@@ -33,6 +35,9 @@ class VideoConfig(PolicyConfig):
     over_limit: Literal["trim", "refuse"] = "trim"
     fps: Annotated[float, Field(gt=0, le=30)] = 2.0
     max_frames: Annotated[int, Field(ge=1, le=2048)] = 240
+    max_decoded_frames: Annotated[int, Field(ge=1)] = Field(
+        default=7200, description="frames decoded at most per part, whatever the container's timestamps say"
+    )
     min_frame_pixels: Annotated[int, Field(ge=_TOKEN_TILE)] = 128 * _TOKEN_TILE
     max_frame_pixels: Annotated[int, Field(ge=_TOKEN_TILE)] = 768 * _TOKEN_TILE
     max_input_pixels: Annotated[int, Field(ge=_TOKEN_TILE)] = 4096 * 2304
@@ -66,7 +71,7 @@ def probe_video(data: bytes, param: str) -> VideoInfo:
     """Header facts only; nothing is decoded. MP4 sample tables are checked against the bytes first."""
     check_isobmff(data, param)
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with open_av(data, "video", param) as container:
             if not container.streams.video:
                 raise InvalidMedia(f"{param}: no video stream in the file", param=param)
             stream = container.streams.video[0]
@@ -94,9 +99,8 @@ def probe_video(data: bytes, param: str) -> VideoInfo:
     except InvalidMedia:
         raise
     except (av.FFmpegError, ValueError, OSError, IndexError) as exc:
-        raise InvalidMedia(
-            f"{param}: not a video in a supported format ({type(exc).__name__})", param=param
-        ) from None
+        log.info("media_probe_failed", param=param, error=type(exc).__name__)
+        raise InvalidMedia(f"{param}: not a video in a supported format", param=param) from None
     if info.duration_s <= 0 or info.width <= 0 or info.height <= 0:
         raise InvalidMedia(f"{param}: the video has no duration or size in its header", param=param)
     return info
@@ -114,17 +118,32 @@ def plan_frames(info: VideoInfo, cfg: VideoConfig) -> tuple[float, int]:
 
 
 def sample_frames(
-    data: bytes, used_s: float, frames: int, fps: float, size: tuple[int, int], param: str
+    data: bytes,
+    used_s: float,
+    frames: int,
+    fps: float,
+    size: tuple[int, int],
+    param: str,
+    max_decoded: int = 7200,
+    stats: dict[str, int] | None = None,
 ) -> list[np.ndarray]:
-    """Decode once up to ``used_s``; keep one frame per 1/fps s, scaled to ``size``, as RGB arrays."""
+    """Decode once up to ``used_s``; keep one frame per 1/fps s, scaled to ``size``, as RGB arrays.
+
+    Decoding stops after ``max_decoded`` frames whatever the timestamps say: a stream whose frames
+    all claim the same instant (or go backwards) would otherwise be decoded to its end.
+    """
     step = 1.0 / fps
     kept: list[np.ndarray] = []
     next_t = 0.0
+    decoded = 0
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with open_av(data, "video", param) as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
             for frame in container.decode(stream):
+                decoded += 1
+                if decoded > max_decoded:
+                    break
                 t = frame.time if frame.time is not None else next_t
                 if t >= used_s or len(kept) >= frames:
                     break
@@ -136,7 +155,11 @@ def sample_frames(
                     next_t += step
     except (av.FFmpegError, ValueError, OSError) as exc:
         if not kept:
-            raise InvalidMedia(f"{param}: the video is corrupt ({type(exc).__name__})", param=param) from None
+            log.info("media_decode_failed", param=param, error=type(exc).__name__)
+            raise InvalidMedia(f"{param}: the video could not be decoded", param=param) from None
+    finally:
+        if stats is not None:
+            stats["decoded"] = min(decoded, max_decoded)
     if not kept:
         raise InvalidMedia(f"{param}: the video has no decodable frames", param=param)
     return kept

@@ -67,7 +67,8 @@ def run() -> Run:
 def test_the_corpus_is_the_one_the_issue_asks_for():
     names = {s.name for s in CORPUS}
     assert len(CORPUS) >= 60
-    assert {s.category for s in CORPUS} >= {"pixel_bomb", "lying_header", "truncated", "polyglot"}
+    assert {s.category for s in CORPUS} >= {"pixel_bomb", "lying_header", "truncated", "polyglot", "demuxer_trick"}
+    assert {"ffconcat-as-audio", "hls-playlist-as-video", "flac-192khz"} <= names
     assert {"png-50k-deflate-bomb", "mp4-declares-1e6-frames", "zip-in-mp4-free-box", "jpeg+zip"} <= names
     truncated = {s.name.split("-cut-")[0] for s in CORPUS if s.category == "truncated"}
     assert truncated >= {"png", "jpeg", "gif", "webp", "wav", "flac", "mp4"}

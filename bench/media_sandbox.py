@@ -1,0 +1,101 @@
+"""What the decoding sandbox costs, and what a hostile part costs others (issue 15).
+
+    python -m bench.media_sandbox [--repeat N]
+
+Per figure, the median of N runs of ``media-limits``' per-part work (probe, then decode and
+re-encode): in this process, and through the sandbox's worker processes (pickling the part
+there and the result back included). Then the peak RSS of the worker against the media bytes
+it was handed, and the latency of a small task submitted while another worker is stuck in a
+decoder made to hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import statistics
+import time
+
+from gateway.settings import MediaSettings
+from policies.media.audio import AudioConfig
+from policies.media.budget import BudgetConfig
+from policies.media.image import ImageConfig
+from policies.media.parts import media_parts
+from policies.media.process import MediaTarget, Settings, probe_part, process_part
+from policies.media.sandbox import Sandbox
+from policies.media.video import VideoConfig
+from tests import hostile_decoders
+from tests.media import data_uri, photo, tone, video, wav
+
+
+def _ref(kind: str, uri: str):
+    from gateway.schemas import ChatCompletionRequest
+
+    part = {"image": {"type": "image_url", "image_url": {"url": uri}},
+            "video": {"type": "video_url", "video_url": {"url": uri}},
+            "audio": {"type": "audio_url", "audio_url": {"url": uri}}}[kind]
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [part]}]})
+    return next(media_parts(req))
+
+
+def _worker_peak_kib() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+async def main(repeat: int) -> dict:
+    cfg = Settings(ImageConfig(), AudioConfig(), VideoConfig(), BudgetConfig())
+    target = MediaTarget()
+    buf = io.BytesIO()
+    photo(4000, 3000).save(buf, "JPEG", quality=90)
+    cases = {
+        "12 MP JPEG -> 2 MP": _ref("image", data_uri("image/jpeg", buf.getvalue())),
+        "120 s 320x240 4 fps H.264 -> 2 fps MP4": _ref("video", data_uri("video/mp4", video(120.0, fps=4))),
+        "10 min 16 kHz WAV (passed through)": _ref("audio", data_uri("audio/wav", wav(tone(600.0), 16000))),
+    }
+    box = Sandbox(MediaSettings(decode_workers=2))
+    await box.start()
+    out: dict = {"repeat": repeat, "figures": []}
+    try:
+        for name, ref in cases.items():
+            inproc, sandboxed = [], []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                probe_part(ref, cfg, target)
+                process_part(ref, cfg, target, None, 1 << 30)
+                inproc.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                await box.run(probe_part, (ref, cfg, target), param="p")
+                await box.run(process_part, (ref, cfg, target, None, 1 << 30), param="p")
+                sandboxed.append(time.perf_counter() - t0)
+            peak = await box.run(_worker_peak_kib, (), param="p")
+            a, b = statistics.median(inproc), statistics.median(sandboxed)
+            out["figures"].append({"case": name, "media_bytes": len(ref.value), "in_process_ms": a * 1000,
+                                   "sandboxed_ms": b * 1000, "overhead_ms": (b - a) * 1000,
+                                   "worker_peak_rss_mib": peak / 1024})
+        # A hostile part stuck in C in one worker; a clean part on the other worker meanwhile.
+        small = cases["12 MP JPEG -> 2 MP"]
+        hostile = asyncio.create_task(box.run(hostile_decoders.hangs_in_c, (), param="h"))
+        await asyncio.sleep(0.2)
+        waits = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            await box.run(probe_part, (small, cfg, target), param="p")
+            waits.append(time.perf_counter() - t0)
+        try:
+            await hostile
+        except Exception as exc:
+            out["hostile"] = type(exc).__name__
+        out["clean_probe_during_hang_ms"] = statistics.median(waits) * 1000
+    finally:
+        await box.aclose()
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=5)
+    print(json.dumps(asyncio.run(main(parser.parse_args().repeat)), indent=2))

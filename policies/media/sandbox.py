@@ -1,0 +1,235 @@
+"""Decoding in confined worker processes, and the byte budgets media holds while a request runs.
+
+:class:`Sandbox` is a ``concurrent.futures.ProcessPoolExecutor`` (forkserver, ``max_tasks_per_child``,
+an initializer that confines each worker: policies/media/worker.py) with a wall-clock deadline per
+part. A worker that crashes, is killed by its CPU limit or hangs past the deadline costs the part it
+was decoding a 400; the pool is replaced, and the other parts that were in flight in it are run once
+more in the new one (the culprit breaks the second pool too and is refused then).
+
+:class:`ByteBudget` is the process-wide budget on media bytes in flight (an async semaphore counted in
+bytes); :class:`RequestBudget` one request's share of it, taken as parts stream in, given back when
+the request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable
+
+import structlog
+
+from gateway import errors
+from gateway.errors import InvalidMedia, MediaTooLarge, Overloaded
+from gateway.settings import MediaSettings
+from policies.media import worker
+
+log = structlog.get_logger(__name__)
+
+#: what the parent waits beyond the worker's own alarm before it kills the worker
+_GRACE_S = 2.0
+
+
+class DecoderFailed(InvalidMedia):
+    """The worker decoding the part died or hung; the client is told no more than that."""
+
+
+class Sandbox:
+    def __init__(self, cfg: MediaSettings) -> None:
+        self.cfg = cfg
+        self._pool: ProcessPoolExecutor | None = None
+        self._generation = 0
+        self.replaced = 0  # pools replaced after a crash or hang (tests, metrics)
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(worker.PRELOAD)
+        return ProcessPoolExecutor(
+            self.cfg.decode_workers,
+            mp_context=ctx,
+            initializer=worker.init_worker,
+            initargs=(self.cfg.decode_memory_mb, self.cfg.decode_cpu_s, 1),
+            max_tasks_per_child=self.cfg.decode_tasks_per_child,
+        )
+
+    async def start(self) -> None:
+        """Start the workers now, so the first request does not pay for them; log their confinement."""
+        self._pool = self._new_pool()
+        loop = asyncio.get_running_loop()
+        seen = await asyncio.gather(
+            *(loop.run_in_executor(self._pool, worker.probe) for _ in range(self.cfg.decode_workers))
+        )
+        log.info("media_sandbox_started", workers=self.cfg.decode_workers,
+                 network=sorted({s["network"] for s in seen}), memory_mb=self.cfg.decode_memory_mb,
+                 cpu_s=self.cfg.decode_cpu_s, deadline_s=self.cfg.decode_deadline_s)
+
+    async def aclose(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            _kill(pool)
+
+    async def probe_worker(self) -> dict[str, Any]:
+        """One worker's view of its confinement."""
+        return await self.run(worker.probe, (), param="")
+
+    async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], *, param: str) -> Any:
+        """``fn(*args)`` in a worker: its result, the gateway error it raised, or a generic 400."""
+        for attempt in (1, 2):
+            if self._pool is None:
+                self._pool = self._new_pool()
+            pool, generation = self._pool, self._generation
+            loop = asyncio.get_running_loop()
+            future = loop.run_in_executor(pool, worker.run, fn, args, self.cfg.decode_deadline_s)
+            try:
+                status, value = await asyncio.wait_for(future, self.cfg.decode_deadline_s + _GRACE_S)
+            except TimeoutError:
+                # Stuck where its own alarm cannot reach (inside a C call): only killing it ends it.
+                log.warning("media_decoder_hung", param=param, deadline_s=self.cfg.decode_deadline_s)
+                self._replace(generation)
+                raise _too_slow(param) from None
+            except BrokenProcessPool:
+                log.warning("media_decoder_died", param=param, attempt=attempt)
+                self._replace(generation)
+                if attempt == 1:
+                    continue  # perhaps another part's worker died: this one gets one more try
+                raise DecoderFailed(f"{param}: the media could not be decoded", param=param or None) from None
+            return _result(status, value, param)
+        raise AssertionError("unreachable")
+
+    def _replace(self, generation: int) -> None:
+        if generation != self._generation or self._pool is None:
+            return  # another task already replaced this pool
+        old, self._pool = self._pool, self._new_pool()
+        self._generation += 1
+        self.replaced += 1
+        _kill(old)
+
+
+def _kill(pool: ProcessPoolExecutor) -> None:
+    # Python 3.14 adds ProcessPoolExecutor.terminate_workers(); until then its process map is the
+    # only handle on the workers, and a hung decoder ignores the polite shutdown.
+    processes = dict(getattr(pool, "_processes", None) or {})
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes.values():
+        try:
+            proc.kill()
+        except (OSError, AttributeError):
+            pass
+
+
+def _too_slow(param: str) -> DecoderFailed:
+    return DecoderFailed(f"{param}: the media took too long to decode", param=param or None)
+
+
+def _result(status: str, value: Any, param: str) -> Any:
+    if status == "ok":
+        return value
+    if status == "deadline":
+        log.info("media_decode_deadline", param=param)
+        raise _too_slow(param)
+    if status == "memory":
+        log.info("media_decode_memory", param=param)
+        raise DecoderFailed(f"{param}: the media needs too much memory to decode", param=param or None)
+    if status == "error":
+        name, message, p, code = value
+        cls = getattr(errors, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.OmnigateError)):
+            cls = InvalidMedia
+        exc = cls(message, param=p)
+        if code is not None:
+            exc.code = code
+        raise exc
+    name, trace = value
+    log.warning("media_decoder_error", param=param, error=name, trace=trace)
+    raise DecoderFailed(f"{param}: the media could not be decoded", param=param or None)
+
+
+class ByteBudget:
+    """Media bytes the whole process may hold at once; waiters are served in arrival order."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    async def take(self, n: int, wait_s: float) -> None:
+        if not self._waiters and self.used + n <= self.limit:
+            self.used += n
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (n, waiter)
+        self._waiters.append(entry)
+        try:
+            async with asyncio.timeout(wait_s):
+                await waiter
+        except BaseException as exc:  # timed out or cancelled: never keep, or lose, a grant
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+                self._wake()  # those queued behind may fit now
+            elif waiter.done() and not waiter.cancelled():
+                self.give(n)  # granted in the same tick as the give-up
+            if isinstance(exc, TimeoutError):
+                raise Overloaded(
+                    "the gateway is holding as much media as it may; retry shortly", retry_after=1
+                ) from None
+            raise
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.used + self._waiters[0][0] <= self.limit:
+            n, waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.used += n
+                waiter.set_result(None)
+
+
+class RequestBudget:
+    """One request's media bytes: capped per request, and drawn from the process-wide budget."""
+
+    def __init__(self, shared: ByteBudget, limit: int, wait_s: float) -> None:
+        self._shared = shared
+        self.limit = limit
+        self._wait_s = wait_s
+        self.held = 0
+
+    @property
+    def room(self) -> int:
+        return self.limit - self.held
+
+    async def take(self, n: int, param: str) -> None:
+        """Count ``n`` more bytes for the part at ``param``: 413 naming it when the request is over."""
+        if self.held + n > self.limit:
+            raise MediaTooLarge(
+                f"{param}: the request's media exceeds {self.limit:,} bytes", param=param
+            )
+        await self._shared.take(n, self._wait_s)
+        self.held += n
+
+    def release(self) -> None:
+        held, self.held = self.held, 0
+        if held:
+            self._shared.give(held)
+
+
+class MediaRuntime:
+    """The process's media resources, owned by the lifespan: the sandbox and the byte budget."""
+
+    def __init__(self, cfg: MediaSettings) -> None:
+        self.cfg = cfg
+        self.sandbox = Sandbox(cfg)
+        self.inflight = ByteBudget(cfg.max_inflight_bytes)
+
+    def request_budget(self) -> RequestBudget:
+        return RequestBudget(self.inflight, self.cfg.max_request_bytes, self.cfg.inflight_wait_s)
+
+    async def start(self) -> None:
+        await self.sandbox.start()
+
+    async def aclose(self) -> None:
+        await self.sandbox.aclose()

@@ -1,0 +1,117 @@
+"""What runs inside a decoding worker process: its confinement, set once, and one task at a time.
+
+A worker is forked from a server process that has already imported the decoders (so a replaced
+worker starts in milliseconds), then confines itself before it takes a task: an empty read-only
+working directory, no core dumps, no files written, an address-space cap above what the imports
+already mapped, a CPU-time limit reset for every task (the kernel kills a worker that spins past
+it), and, where the kernel allows an unprivileged user namespace, a network namespace of its own
+with no interface but a down loopback. A wall-clock alarm per task turns a slow decode into an
+error the parent maps to a 400; a decoder stuck where the alarm cannot reach it is killed by the
+parent (policies/media/sandbox.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+import tempfile
+import traceback
+from typing import Any, Callable
+
+#: what the forkserver imports once, so every worker starts with the decoders loaded
+PRELOAD = ["policies.media.worker", "policies.media.process"]
+
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_state: dict[str, Any] = {"cpu_s": 30.0, "network": "shared"}
+
+
+class DeadlineExceeded(Exception):
+    """The task ran past its wall-clock deadline inside the worker."""
+
+
+def _no_network() -> str:
+    """Enter a network namespace of our own (nothing reachable); what was achieved, for the parent's log."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0:
+            return "namespace"
+        if libc.unshare(_CLONE_NEWNET) == 0:  # already privileged (a root container)
+            return "namespace"
+    except (OSError, AttributeError):
+        pass
+    return "shared"
+
+
+def init_worker(memory_mb: int, cpu_s: float, threads: int) -> None:
+    """The ProcessPoolExecutor initializer: confine this process before it decodes anything."""
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    import policies.media.process  # noqa: F401  # already loaded from the forkserver; imported before the cap
+
+    _state["cpu_s"] = cpu_s
+    _state["network"] = _no_network()
+    workdir = tempfile.mkdtemp(prefix="omnigate-decode-")
+    os.chdir(workdir)
+    os.chmod(workdir, 0o500)  # empty and not writable: a decoder finds no file to read, none to write
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+    mapped = _address_space()
+    if memory_mb > 0 and mapped is not None:
+        cap = mapped + memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    signal.signal(signal.SIGALRM, _alarm)
+
+
+def _address_space() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise DeadlineExceeded
+
+
+def probe() -> dict[str, Any]:
+    """The worker's confinement as it sees it (tests and the start-up log)."""
+    return {
+        "pid": os.getpid(),
+        "cwd": os.getcwd(),
+        "cwd_entries": len(os.listdir(".")),
+        "network": _state["network"],
+        "rlimit_as": resource.getrlimit(resource.RLIMIT_AS)[0],
+        "rlimit_cpu": resource.getrlimit(resource.RLIMIT_CPU)[0],
+    }
+
+
+def run(fn: Callable[..., Any], args: tuple[Any, ...], deadline_s: float) -> tuple[str, Any]:
+    """Run one task under a fresh CPU limit and a wall-clock alarm; errors come back as values.
+
+    Exceptions do not pickle with their keyword fields (``param``), so a gateway error is sent back
+    as its parts, and anything else as its class name only (the parent logs it, the client gets a
+    generic message).
+    """
+    from gateway.errors import OmnigateError
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    used = usage.ru_utime + usage.ru_stime
+    soft = int(used + _state["cpu_s"]) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
+    signal.setitimer(signal.ITIMER_REAL, deadline_s)
+    try:
+        return "ok", fn(*args)
+    except DeadlineExceeded:
+        return "deadline", None
+    except MemoryError:
+        return "memory", None
+    except OmnigateError as exc:
+        return "error", (type(exc).__name__, exc.message, exc.param, exc.code)
+    except Exception as exc:
+        return "crash", (type(exc).__name__, traceback.format_exc(limit=5))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)

@@ -1,0 +1,182 @@
+"""Issue 15 end to end: whatever the chain, no client URL reaches an engine, and media work is bounded.
+
+One gateway is configured the way the issue found it unsafe: a default chain with no media policy at
+all, and a tenant policy set without ``media-fetch``. Every request goes over real sockets to the
+scripted engine; what that engine received is checked, and a canary server on 127.0.0.1 records
+whether anything reached it.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.services import Services
+from gateway.settings import PolicyChainConfig, PolicySpec, Settings
+from gateway.tenants import mint_key
+from observability.metrics import Metrics
+from policies.registry import PolicyConfigError
+from tests import hostile_decoders
+from tests.conftest import OMNI_MODEL, gateway_settings
+from tests.harness import GatewayServer
+from tests.media import Canary, data_uri, plain_image, png, tone, wav
+from tests.unit.test_media_sandbox import ffconcat_script
+
+pytestmark = pytest.mark.timeout(180)
+KEY_BARE, KEY_DEFAULT = mint_key(), mint_key()
+GENERIC = "the media URL cannot be fetched"
+
+
+@pytest.fixture(scope="module")
+def canary(bg):
+    c = bg.run(Canary().start())
+    yield c
+    bg.run(c.stop())
+
+
+def _settings(upstreams, **extra) -> Settings:
+    return gateway_settings(
+        upstreams,
+        PolicyChainConfig(pre=[PolicySpec(name="request-limits")]),  # no media-fetch, no media-limits
+        policy_sets={"bare": PolicyChainConfig(pre=[PolicySpec(name="request-limits")])},
+        tenants=[{"name": "bare-tenant", "policy_set": "bare"}, {"name": "plain-tenant"}],
+        api_keys=[
+            {"id": KEY_BARE.id, "tenant": "bare-tenant", "sha256": KEY_BARE.sha256},
+            {"id": KEY_DEFAULT.id, "tenant": "plain-tenant", "sha256": KEY_DEFAULT.sha256},
+        ],
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def gw(bg, upstreams, tmp_path_factory):
+    db = tmp_path_factory.mktemp("audit") / "audit.db"
+    media = {"max_request_bytes": 3 * 1024 * 1024, "decode_deadline_s": 3, "decode_workers": 2}
+    server = GatewayServer(
+        bg, _settings(upstreams, media=media, audit={"sqlite_path": str(db)}), CollectorRegistry()
+    ).start()
+    yield server
+    server.stop()
+
+
+def _post(server, parts: list[dict], key=KEY_DEFAULT, timeout: float = 60) -> httpx.Response:
+    body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}]}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=timeout,
+                      headers={"authorization": f"Bearer {key.key}"})
+
+
+def _sent(upstream) -> str:
+    return str(upstream.requests[-1]["messages"]) if upstream.requests else ""
+
+
+@pytest.mark.parametrize("key", [KEY_DEFAULT, KEY_BARE], ids=["default-chain", "tenant-policy-set"])
+@pytest.mark.parametrize("part", ["image_url", "audio_url", "video_url"])
+def test_a_chain_without_media_fetch_never_lets_an_engine_fetch_a_url(gw, upstreams, canary, key, part):
+    before = (upstreams.omni_a.request_count, len(canary.requests))
+    resp = _post(gw, [{"type": part, part: {"url": f"http://127.0.0.1:{canary.port}/internal"}}], key=key)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "media_url_forbidden"
+    assert err["param"] == f"messages.0.content.1.{part}.url"
+    assert (upstreams.omni_a.request_count, len(canary.requests)) == before
+
+
+def test_the_media_steps_are_in_every_resolved_chain(gw):
+    names = [p.name for p in gw.services.chain.pre]
+    assert names[:3] == ["request-limits", "media-fetch", "media-limits"]
+    assert [p.name for p in gw.services.pipeline.chains["bare"].pre][1:3] == ["media-fetch", "media-limits"]
+    assert all(not p.shadow for p in gw.services.chain.pre)
+
+
+@pytest.mark.parametrize("where", ["policies", "policy_sets"])
+@pytest.mark.parametrize("step", ["media-fetch", "media-limits"])
+def test_a_media_step_in_shadow_mode_fails_the_boot_naming_the_chain(upstreams, where, step):
+    shadow = PolicyChainConfig(pre=[PolicySpec(name=step, shadow=True)])
+    extra = {"policies": shadow} if where == "policies" else {"policy_sets": {"lax": shadow}}
+    settings = gateway_settings(upstreams, **extra)
+    with pytest.raises(PolicyConfigError) as err:
+        Services.build(settings, Metrics(CollectorRegistry()))
+    prefix = "policies.pre[0].shadow" if where == "policies" else "policy_sets.lax: pre[0].shadow"
+    assert str(err.value).startswith(prefix), err.value
+    assert "shadow mode" in str(err.value)
+
+
+def test_every_refused_address_gets_the_same_answer(gw, upstreams, canary):
+    urls = [
+        f"http://127.0.0.1:{canary.port}/",  # answers
+        "http://127.0.0.1:1/",  # closed port
+        "http://10.20.30.40/x.png",  # private
+        "http://169.254.169.254/latest/meta-data/",  # metadata service
+        "http://[fec0::1]/x",  # site-local
+        "http://2130706433/",  # loopback, decimal
+        "http://no-such-host.invalid/x.png",  # does not resolve
+    ]
+    answers = set()
+    for url in urls:
+        resp = _post(gw, [{"type": "image_url", "image_url": {"url": url}}])
+        assert resp.status_code == 400, (url, resp.text)
+        err = resp.json()["error"]
+        answers.add((err["code"], err["message"]))
+    assert answers == {("media_url_forbidden", f"messages.0.content.1.image_url.url: {GENERIC}")}
+    assert canary.requests == []
+
+
+def test_an_ffconcat_script_sent_as_audio_never_reads_a_host_file(gw, upstreams, tmp_path, monkeypatch):
+    """The attack of tests/unit/test_media_sandbox.py through the front door, from the gateway's own cwd."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recording-1.wav").write_bytes(wav(tone(2.0), 16000))
+    script = base64.b64encode(ffconcat_script("recording-1.wav")).decode()
+    before = upstreams.omni_a.request_count
+    for part in (
+        {"type": "input_audio", "input_audio": {"data": script, "format": "wav"}},
+        {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{script}"}},
+        {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{script}"}},
+    ):
+        resp = _post(gw, [part])
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["code"] == "invalid_media" and err["param"].startswith("messages.0.content.1.")
+        assert "recording" not in err["message"] and "concat" not in err["message"]
+    assert upstreams.omni_a.request_count == before
+
+
+def test_many_large_parts_in_one_request_are_413_naming_the_part(gw, upstreams):
+    """Eight 700 KB parts, each under every per-part cap; together over the request's 3 MiB."""
+    blob = data_uri("audio/wav", wav(tone(22.0), 16000))
+    before = upstreams.omni_a.request_count
+    resp = _post(gw, [{"type": "audio_url", "audio_url": {"url": blob}} for _ in range(8)])
+    assert resp.status_code == 413, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "media_too_large"
+    assert err["param"] == "messages.0.content.5.audio_url.url"  # the part that crossed the budget
+    assert upstreams.omni_a.request_count == before
+    assert gw.services.media.inflight.used == 0  # the request's bytes were given back
+
+
+def test_a_hanging_decoder_costs_its_request_a_400_while_others_are_served(gw, upstreams, monkeypatch):
+    """A decoder made to hang inside C: the request gets a 400, a concurrent small request is not held up."""
+    from policies import media_limits
+
+    monkeypatch.setattr(media_limits, "process_part", hostile_decoders.hangs_in_c)
+    image = {"type": "image_url", "image_url": {"url": data_uri("image/png", png(plain_image(64)))}}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        hostile = pool.submit(_post, gw, [image])
+        time.sleep(0.5)
+        started = time.monotonic()
+        clean = _post(gw, [])
+        clean_s = time.monotonic() - started
+        resp = hostile.result(timeout=60)
+    assert clean.status_code == 200
+    assert clean_s < 2.0, f"a clean request took {clean_s:.2f} s while a decoder hung"
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "invalid_media" and err["param"] == "messages.0.content.1.image_url.url"
+    assert err["message"].endswith("the media took too long to decode")
+    monkeypatch.undo()
+    # The pool was replaced; ordinary media is decoded again.
+    assert _post(gw, [image]).status_code == 200

@@ -1,0 +1,280 @@
+"""Issue 15, the decoder side: allow-listed demuxers, confined worker processes, bounded decodes.
+
+Every attack here is a real file the test builds (or a decoder made to misbehave), shown to work
+against plain FFmpeg first where that is the point, then refused or bounded by the gateway's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+import struct
+from fractions import Fraction
+
+import av
+import numpy as np
+import pytest
+import soundfile as sf
+
+from gateway.errors import InvalidMedia, MediaTooLarge, MediaURLForbidden, Overloaded
+from gateway.settings import MediaSettings
+from policies.media.audio import AudioConfig, decode_pcm, normalise_audio
+from policies.media.container import open_av, sniff_demuxer
+from policies.media.sandbox import ByteBudget, DecoderFailed, RequestBudget, Sandbox
+from policies.media.video import sample_frames
+from tests import hostile_decoders as bad
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _wav(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    buf = io.BytesIO()
+    t = np.arange(int(seconds * rate)) / rate
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def ffconcat_script(name: str) -> bytes:
+    return f"ffconcat version 1.0\nfile {name}\n".encode()
+
+
+# -- the demuxer is never FFmpeg's guess ------------------------------------------------------------------
+
+
+def test_the_ffconcat_attack_is_real_against_plain_ffmpeg(tmp_path, monkeypatch):
+    """The attack first: 42 bytes of text make FFmpeg's probe read a file from the working directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recording-1.wav").write_bytes(_wav(2.0))
+    script = ffconcat_script("recording-1.wav")
+    assert len(script) == 42
+    with av.open(io.BytesIO(script)) as container:
+        assert container.format.name == "concat"
+        samples = sum(f.samples for f in container.decode(audio=0))
+    assert samples == 32000  # the host's file, decoded as if the client had sent it
+
+
+def test_the_ffconcat_script_is_refused_as_audio(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recording-1.wav").write_bytes(_wav(2.0))
+    with pytest.raises(InvalidMedia) as err:
+        normalise_audio(ffconcat_script("recording-1.wav"), AudioConfig(), 16000, "p")
+    assert err.value.param == "p"
+    assert "recording" not in err.value.message
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1,\nsegment.ts\n#EXT-X-ENDLIST\n",  # hls
+        b'<?xml version="1.0"?><MPD xmlns="urn:mpeg:dash:schema:mpd:2011"></MPD>',  # dash
+        b"v=0\no=- 0 0 IN IP4 127.0.0.1\ns=x\nc=IN IP4 127.0.0.1\nt=0 0\nm=audio 5004 RTP/AVP 0\n",  # sdp
+        b"ffconcat version 1.0\nfile /etc/hostname\n",
+        b"\x89PNG\r\n\x1a\n" + b"\0" * 64,  # an image2-style guess
+        b"plain text that FFmpeg's tty demuxer would take",
+    ],
+    ids=["hls", "dash", "sdp", "concat-absolute", "image2", "tty"],
+)
+@pytest.mark.parametrize("kind", ["audio", "video"])
+def test_playlists_and_other_file_opening_demuxers_are_never_chosen(payload, kind):
+    assert sniff_demuxer(payload) is None
+    with pytest.raises(InvalidMedia):
+        open_av(payload, kind, "p")
+
+
+def test_the_opened_demuxer_is_checked_against_the_list():
+    data = _wav()
+    with open_av(data, "audio", "p") as c:
+        assert c.format.name == "wav"
+    with pytest.raises(InvalidMedia):
+        open_av(data, "video", "p")  # a WAV is not on the video list
+
+
+# -- bounded decodes ---------------------------------------------------------------------------------------
+
+
+def _flac_silence(seconds: float, rate: int) -> bytes:
+    buf = io.BytesIO()
+    with sf.SoundFile(buf, "w", rate, 1, format="FLAC", subtype="PCM_16") as f:
+        block = np.zeros(rate * 10, np.int16)
+        for _ in range(int(seconds // 10)):
+            f.write(block)
+    return buf.getvalue()
+
+
+def test_a_flac_declaring_a_high_rate_is_refused_before_decoding():
+    data = _flac_silence(10, 192000)
+    with pytest.raises(InvalidMedia, match="192,000 Hz"):
+        normalise_audio(data, AudioConfig(), 16000, "p")
+
+
+def test_high_rate_audio_is_resampled_while_decoding_and_bounded_by_the_room():
+    """96 kHz silence: small as FLAC, 1.1 GB at its own rate; decoded at 16 kHz, or refused past the room."""
+    data = _flac_silence(600, 96000)
+    assert len(data) < 2_000_000
+    pcm, rate = decode_pcm(data, 16000, "p", 700)
+    assert rate == 16000 and pcm.nbytes == 600 * 16000 * 2
+    with pytest.raises(MediaTooLarge) as err:
+        decode_pcm(data, 16000, "p", 700, max_bytes=4_000_000)
+    assert err.value.status == 413 and err.value.param == "p"
+    # No engine rate: at most max_output_rate, never the source's 96 kHz.
+    out = normalise_audio(data, AudioConfig(), None, "p")
+    assert out.sample_rate == 48000
+
+
+def _lying_mp4(frames: int = 600, claim_s: int = 120) -> bytes:
+    """Frames 1/6000 s apart whose header claims ``claim_s`` seconds: the timestamps never reach 1/fps."""
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        vs = out.add_stream("libx264", rate=Fraction(6000))
+        vs.width, vs.height, vs.pix_fmt = 64, 64, "yuv420p"
+        vs.options = {"preset": "ultrafast"}
+        for i in range(frames):
+            arr = np.full((64, 64, 3), i % 255, np.uint8)
+            for p in vs.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                out.mux(p)
+        for p in vs.encode(None):
+            out.mux(p)
+    data = bytearray(buf.getvalue())
+    for box in (b"mvhd", b"mdhd"):
+        i = data.find(box)
+        scale = struct.unpack_from(">I", data, i + 16)[0]
+        struct.pack_into(">I", data, i + 20, claim_s * scale)
+    return bytes(data)
+
+
+def test_video_decoding_stops_at_the_frame_budget_whatever_the_timestamps_say():
+    data = _lying_mp4()
+    unbounded: dict[str, int] = {}
+    sample_frames(data, 120.0, 240, 2.0, (64, 64), "p", max_decoded=10**6, stats=unbounded)
+    assert unbounded["decoded"] == 600  # without a budget every frame is decoded for one kept frame
+    stats: dict[str, int] = {}
+    kept = sample_frames(data, 120.0, 240, 2.0, (64, 64), "p", max_decoded=50, stats=stats)
+    assert stats["decoded"] == 50
+    assert 1 <= len(kept) <= 50
+
+
+# -- worker processes --------------------------------------------------------------------------------------
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _sandbox(**kw) -> Sandbox:
+    cfg = {"decode_workers": 1, "decode_deadline_s": 1.5, "decode_cpu_s": 2, "decode_memory_mb": 512, **kw}
+    return Sandbox(MediaSettings(**cfg))
+
+
+def test_a_worker_is_confined():
+    async def go():
+        box = _sandbox()
+        await box.start()
+        try:
+            seen = await box.probe_worker()
+            listing = await box.run(bad.reads_cwd, (), param="p")
+            listener = socket.socket()
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            try:
+                reached = await box.run(bad.connects, (listener.getsockname()[1],), param="p")
+            finally:
+                listener.close()
+            return seen, listing, reached
+        finally:
+            await box.aclose()
+
+    seen, listing, reached = _run(go())
+    assert listing == [] and seen["cwd_entries"] == 0
+    assert seen["rlimit_as"] > 0 and seen["rlimit_cpu"] > 0
+    if seen["network"] == "namespace":
+        assert reached != "connected"  # its own network namespace: the host's loopback is not there
+
+
+@pytest.mark.parametrize("culprit", [bad.sleeps, bad.hangs_in_c, bad.spins, bad.crashes, bad.allocates],
+                         ids=["sleeps", "hangs-in-c", "spins", "crashes", "allocates"])
+def test_a_misbehaving_decoder_costs_its_part_a_400_and_the_pool_goes_on(culprit):
+    async def go():
+        box = _sandbox()
+        await box.start()
+        try:
+            with pytest.raises(DecoderFailed) as err:
+                await box.run(culprit, (), param="messages.0.content.1.image_url.url")
+            after = await box.run(bad.reads_cwd, (), param="p")
+            return err.value, after
+        finally:
+            await box.aclose()
+
+    error, after = _run(go())
+    assert error.status == 400 and error.code == "invalid_media"
+    assert error.param == "messages.0.content.1.image_url.url"
+    assert error.message.split(": ", 1)[1] in (
+        "the media took too long to decode",
+        "the media could not be decoded",
+        "the media needs too much memory to decode",
+    )
+    assert after == []
+
+
+def test_gateway_errors_raised_in_a_worker_keep_their_status_and_param():
+    async def go():
+        box = _sandbox()
+        try:
+            return await box.run(normalise_audio, (b"RIFF\0\0\0\0WAVE", AudioConfig(), 16000, "x.y"), param="x.y")
+        finally:
+            await box.aclose()
+
+    with pytest.raises(InvalidMedia) as err:
+        _run(go())
+    assert err.value.param == "x.y"
+
+
+# -- byte budgets ------------------------------------------------------------------------------------------
+
+
+def test_the_request_budget_is_413_naming_the_part_that_crosses_it():
+    async def go():
+        shared = ByteBudget(10_000)
+        budget = RequestBudget(shared, 3_000, 0.1)
+        await budget.take(2_000, "messages.0.content.1.input_audio.data")
+        with pytest.raises(MediaTooLarge) as err:
+            await budget.take(2_000, "messages.0.content.2.input_audio.data")
+        held = shared.used
+        budget.release()
+        return err.value, held, shared.used
+
+    err, held, after = _run(go())
+    assert err.status == 413 and err.param == "messages.0.content.2.input_audio.data"
+    assert held == 2_000 and after == 0
+
+
+def test_the_process_budget_makes_requests_wait_then_503():
+    async def go():
+        shared = ByteBudget(5_000)
+        a = RequestBudget(shared, 5_000, 0.2)
+        b = RequestBudget(shared, 5_000, 0.2)
+        await a.take(4_000, "a")
+        with pytest.raises(Overloaded):
+            await b.take(2_000, "b")
+        waiter = asyncio.create_task(b.take(2_000, "b"))
+        await asyncio.sleep(0.01)
+        a.release()
+        await waiter
+        return shared.used
+
+    assert _run(go()) == 2_000
+
+
+def test_urls_never_reach_an_engine_adapter():
+    from engines.base import wire_messages
+    from gateway.schemas import ChatCompletionRequest
+
+    for url in ("https://example.com/a.png", "http://127.0.0.1/x", "file:///etc/passwd", "ftp://x/y"):
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "video_url", "video_url": {"url": url}}]}]})
+        with pytest.raises(MediaURLForbidden) as err:
+            wire_messages(req)
+        assert err.value.status == 400 and err.value.param == "messages.0.content.1.video_url.url"
+    ok = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    assert wire_messages(ok)[0]["content"][0]["image_url"]["url"].startswith("data:")
