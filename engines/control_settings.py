@@ -1,7 +1,7 @@
 """Configuration of the engine pool's routing and of the rollback controller (the ``routing`` key).
 
 The defaults are the operating rules the deployment started from: P99 time to first
-token above 600 ms rolls the INT4 engine back to FP16/BF16, VRAM above 90 % for 30 s
+token above 600 ms (the engine's, from the engine request to its first token) rolls the INT4 engine back to FP16/BF16, VRAM above 90 % for 30 s
 lowers the engine's concurrency, WER above 5 % on sampled speech degrades INT4 to
 INT8, and a canary takes 10 % of traffic unless its errors or latency say otherwise.
 """
@@ -27,6 +27,12 @@ Signal = Literal[
     "e2e_p50",
     "e2e_p95",
     "e2e_p99",
+    "upstream_ttft_p50",
+    "upstream_ttft_p95",
+    "upstream_ttft_p99",
+    "upstream_e2e_p50",
+    "upstream_e2e_p95",
+    "upstream_e2e_p99",
     "error_rate",
     "kv_cache_usage",
     "vram_usage",
@@ -47,6 +53,12 @@ SAMPLED_SIGNALS = frozenset(
         "e2e_p50",
         "e2e_p95",
         "e2e_p99",
+        "upstream_ttft_p50",
+        "upstream_ttft_p95",
+        "upstream_ttft_p99",
+        "upstream_e2e_p50",
+        "upstream_e2e_p95",
+        "upstream_e2e_p99",
         "error_rate",
         "wer",
     }
@@ -64,6 +76,10 @@ class EngineTelemetry(_Strict):
         default=None, description="the engine's Prometheus endpoint; default: <base_url without /v1>/metrics"
     )
     scrape: bool = Field(default=True, description="scrape vLLM's /metrics (kv-cache, queue, TTFT histogram)")
+    stage: Annotated[str, Field(min_length=1, max_length=64)] = Field(
+        default="thinker",
+        description="vLLM-Omni: the stage whose per-stage vllm:* series are read (the one that makes the text)",
+    )
     dcgm_url: AnyHttpUrl | None = Field(default=None, description="a DCGM exporter's /metrics URL")
     gpus: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
         default_factory=list, description="the engine's GPUs: DCGM 'gpu' label values or NVML device indices"
@@ -179,10 +195,12 @@ class Rule(_Strict):
 
 def default_rules() -> list[Rule]:
     return [
+        # The engine's own time to first token (from sending it the request), not the client's: a slow
+        # pre-policy, a held-back window or non-streamed requests are nothing BF16 could fix.
         Rule(
             name="int4-latency",
             select=RuleSelector(variants=["int4"]),
-            signal="ttft_p99",
+            signal="upstream_ttft_p99",
             above=0.6,
             for_s=30,
             min_samples=20,
@@ -224,7 +242,7 @@ def default_rules() -> list[Rule]:
         Rule(
             name="canary-latency",
             select=RuleSelector(roles=["canary"]),
-            signal="ttft_p99",
+            signal="upstream_ttft_p99",
             above=0.6,
             for_s=30,
             min_samples=20,

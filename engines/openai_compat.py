@@ -136,8 +136,10 @@ class OpenAICompatEngine:
         try:
             async with asyncio.timeout(self.config.connect_timeout_s + 2):
                 async with session.get(root + "/health", headers=self._headers) as resp:
-                    if resp.status == 200:
-                        return True
+                    # 503 is a dead engine even while /v1/models still answers; only a server without the
+                    # route (404) is judged by /v1/models.
+                    if resp.status != 404:
+                        return resp.status == 200
                 async with session.get(self._base + "/models", headers=self._headers) as resp:
                     return resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):

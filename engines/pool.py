@@ -394,11 +394,12 @@ class EnginePool:
         m.engine_limit.labels(name).set(-1 if limit is None else limit)
 
     def report_success(self, engine: Engine | str, ttft_s: float | None, first_audio_s: float | None,
-                       e2e_s: float) -> None:  # fmt: skip
+                       e2e_s: float, upstream_ttft_s: float | None = None,
+                       upstream_e2e_s: float | None = None) -> None:  # fmt: skip
         name = engine if isinstance(engine, str) else engine.name
         if name not in self._windows:
             return
-        self._windows[name].success(ttft_s, first_audio_s, e2e_s)
+        self._windows[name].success(ttft_s, first_audio_s, e2e_s, upstream_ttft_s, upstream_e2e_s)
         changed = self._circuits[name].success()
         if changed is not None:
             self._circuit_changed(name, changed)

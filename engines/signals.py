@@ -22,7 +22,10 @@ _MIN_S = 0.001
 _N_BUCKETS = int(math.ceil(math.log(120.0 / _MIN_S) / math.log(_GROWTH))) + 1
 _UPPER = [_MIN_S * _GROWTH**k for k in range(1, _N_BUCKETS + 1)]
 
-LATENCIES = ("ttft", "first_audio", "e2e")
+#: client-visible (from the request's arrival: body read, pre-policies and hold-back included) and, as
+#: ``upstream_*``, the engine's own share: from sending the engine request to its first token (streamed
+#: requests only) and to the end of its answer (streamed or not)
+LATENCIES = ("ttft", "first_audio", "e2e", "upstream_ttft", "upstream_e2e")
 
 
 def bucket_index(value: float) -> int:
@@ -158,13 +161,20 @@ class OutcomeWindow:
     def __init__(
         self, max_samples: int = 20_000, clock: Any = time.monotonic, window_s: float = 60.0, slots: int = 30
     ) -> None:
-        self._q: deque[tuple[float, float, float, float]] = deque(maxlen=max_samples)
+        self._q: deque[tuple[float, float, float, float, float, float]] = deque(maxlen=max_samples)
         self._clock = clock
         self._window_s = window_s
         self._slot_s = window_s / slots
         self._slots: deque[_Slot] = deque()
 
-    def success(self, ttft_s: float | None, first_audio_s: float | None, e2e_s: float) -> None:
+    def success(
+        self,
+        ttft_s: float | None,
+        first_audio_s: float | None,
+        e2e_s: float,
+        upstream_ttft_s: float | None = None,
+        upstream_e2e_s: float | None = None,
+    ) -> None:
         nan = math.nan
         self._q.append(
             (
@@ -172,11 +182,13 @@ class OutcomeWindow:
                 nan if ttft_s is None else ttft_s,
                 nan if first_audio_s is None else first_audio_s,
                 e2e_s,
+                nan if upstream_ttft_s is None else upstream_ttft_s,
+                nan if upstream_e2e_s is None else upstream_e2e_s,
             )
         )
 
     def failure(self) -> None:
-        self._q.append((self._clock(), math.nan, math.nan, -1.0))
+        self._q.append((self._clock(), math.nan, math.nan, -1.0, math.nan, math.nan))
 
     def __len__(self) -> int:
         return len(self._q) + sum(s.ok + s.errors for s in self._slots)
@@ -187,14 +199,14 @@ class OutcomeWindow:
         batch = []
         while self._q:
             batch.append(self._q.popleft())
-        for at, ttft, first_audio, e2e in batch:
+        for at, ttft, first_audio, e2e, up_ttft, up_e2e in batch:
             start = math.floor(at / self._slot_s) * self._slot_s
             slot = self._slot_at(start)
             if e2e < 0:
                 slot.errors += 1
                 continue
             slot.ok += 1
-            for name, value in (("ttft", ttft), ("first_audio", first_audio), ("e2e", e2e)):
+            for name, value in zip(LATENCIES, (ttft, first_audio, e2e, up_ttft, up_e2e)):
                 if value == value:  # not NaN
                     buckets = slot.latency[name]
                     i = bucket_index(value)

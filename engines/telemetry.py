@@ -42,6 +42,9 @@ KV_CACHE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 TTFT_HIST = "vllm:time_to_first_token_seconds"
+# vLLM-Omni (with --log-stats): its own pipeline-wide gauges, and vLLM's families once per stage and replica.
+OMNI_RUNNING = "vllm_omni:num_requests_running"
+OMNI_WAITING = "vllm_omni:num_requests_waiting"
 FB_USED = "DCGM_FI_DEV_FB_USED"
 FB_FREE = "DCGM_FI_DEV_FB_FREE"
 
@@ -58,23 +61,46 @@ class VllmReading:
     ttft_buckets: dict[float, float] | None = None
 
 
-def parse_vllm(text: str) -> VllmReading:
-    """vLLM's gauges (summed over label sets; KV-cache usage: the fullest) and its TTFT histogram."""
+def _of_stage(samples: list[Any], stage: str) -> list[Any]:
+    """vLLM-Omni labels vLLM's series per ``stage``: one request is counted once per stage it passes, and the
+    stages' latencies differ in kind, so only ``stage``'s series are read (summed over its replicas)."""
+    if not any("stage" in s.labels for s in samples):
+        return samples
+    return [s for s in samples if s.labels.get("stage") == stage]
+
+
+def _stage_sum(samples: list[Any], stage: str) -> float | None:
+    """The sum over ``stage``'s series; None when the series are per stage but ``stage`` is not among them."""
+    picked = _of_stage(samples, stage)
+    return sum(s.value for s in picked) if picked or not samples else None
+
+
+def parse_vllm(text: str, stage: str = "thinker") -> VllmReading:
+    """vLLM's gauges (summed over label sets; KV-cache usage: the fullest) and its TTFT histogram.
+
+    From vLLM-Omni: request counts from its ``vllm_omni:*`` gauges where it sends them, otherwise
+    (like the TTFT histogram) from the ``stage`` stage's series only; KV-cache usage is the fullest stage's.
+    """
     out = VllmReading()
+    omni: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
-        if fam.name == KV_CACHE:
+        if fam.name in (OMNI_RUNNING, OMNI_WAITING):
+            omni[fam.name] = sum(s.value for s in fam.samples)
+        elif fam.name == KV_CACHE:
             out.kv_cache_usage = max((s.value for s in fam.samples), default=None)
         elif fam.name == RUNNING:
-            out.requests_running = sum(s.value for s in fam.samples)
+            out.requests_running = _stage_sum(fam.samples, stage)
         elif fam.name == WAITING:
-            out.requests_waiting = sum(s.value for s in fam.samples)
+            out.requests_waiting = _stage_sum(fam.samples, stage)
         elif fam.name == TTFT_HIST and fam.type == "histogram":
             buckets: dict[float, float] = {}
-            for s in fam.samples:
+            for s in _of_stage(fam.samples, stage):
                 if s.name.endswith("_bucket"):
                     le = float(s.labels["le"])
                     buckets[le] = buckets.get(le, 0.0) + s.value
             out.ttft_buckets = buckets or None
+    out.requests_running = omni.get(OMNI_RUNNING, out.requests_running)
+    out.requests_waiting = omni.get(OMNI_WAITING, out.requests_waiting)
     return out
 
 
@@ -221,7 +247,7 @@ class TelemetryCollector:
         values: dict[str, float] = {}
         if t.metrics_url:
             try:
-                reading = parse_vllm(await self._get_text(t.metrics_url))
+                reading = parse_vllm(await self._get_text(t.metrics_url), t.telemetry.stage)
             except Exception as exc:
                 self._failed(t.name, "engine", exc)
             else:

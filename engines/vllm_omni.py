@@ -1,79 +1,162 @@
-"""Adapter for vLLM-Omni, whose wire shape differs from OpenAI's.
+"""Adapter for vLLM-Omni, whose wire shape differs from OpenAI's (see WIRE.md for the shapes it handles).
 
 Streaming: each chunk carries a top-level ``modality``; audio arrives as base64
-(WAV) in ``delta.content`` with ``audio_metadata`` on the choice, and text and
-audio end with their own ``finish_reason``. Not streaming: text and audio come
-as two choices. The voice is read from a top-level ``voice``. This adapter turns
-all of it into :class:`engines.base.Delta` so audio can never be taken for text.
+WAV in ``delta.content`` (a complete WAV file per piece in 0.30.0, a header on
+the first piece only in other builds, ``audio_metadata`` on the choice or not).
+With speech the text's last chunk has no ``finish_reason`` and the last audio
+chunk carries ``stop``, so a text cut at ``max_tokens`` is judged from usage
+against the cap. Not streaming: one merged choice (0.30.0) or two choices that
+both say ``index: 0`` (older builds), told apart by what they hold, never by
+position. The voice goes as top-level ``voice``/``speaker``, lowercased. All of
+it becomes :class:`engines.base.Delta` so audio can never be taken for text.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any
+import re
+from typing import Any, AsyncIterator
+
+import aiohttp
 
 from engines.base import Completion, Delta
 from engines.openai_compat import OpenAICompatEngine, _usage
 from gateway.audio import split_wav
-from gateway.errors import EngineProtocolError
+from gateway.errors import EngineProtocolError, EngineRejected
 from gateway.schemas import ChatCompletionRequest
+from gateway.settings import EngineConfig
 
-# vLLM-Omni takes these names; the gateway always asks for WAV (or raw PCM) so it
-# can re-frame the audio for the client's requested format itself.
-_ENGINE_FORMAT = {"pcm16": "pcm", "pcm": "pcm"}
+# vLLM-Omni's answer to a speaker its talker does not have (serving_chat.py), before any chunk.
+_INVALID_SPEAKER = re.compile(r"Invalid speaker '([^']*)'\. Supported: (.*)$", re.S)
 
 
 class VLLMOmniEngine(OpenAICompatEngine):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        #: the talker's speakers, lowercased: configured, or learned from the engine's first refusal;
+        #: None while unknown (the engine then judges the voice itself)
+        self.voices: frozenset[str] | None = (
+            frozenset(v.lower() for v in config.voices) if config.voices is not None else None
+        )
+
     def _add_audio(self, body: dict[str, Any], request: ChatCompletionRequest) -> None:
         assert request.audio is not None
-        fmt = _ENGINE_FORMAT.get(request.audio.format, "wav")
-        body["audio"] = {"voice": request.audio.voice, "format": fmt}
-        body["voice"] = request.audio.voice
+        voice = request.audio.voice.lower()
+        # vLLM-Omni reads the speaker from the top level only (audio.voice is ignored). WAV always: every
+        # piece then says its own rate and channels, and the gateway re-frames it for the client's format.
+        body["audio"] = {"voice": voice, "format": "wav"}
+        body["voice"] = body["speaker"] = voice
+
+    async def _check_status(self, resp: aiohttp.ClientResponse) -> None:
+        try:
+            await super()._check_status(resp)
+        except EngineRejected as exc:
+            found = _INVALID_SPEAKER.search(exc.message)
+            if found is None:
+                raise
+            supported = sorted({v.strip().lower() for v in found.group(2).split(",") if v.strip()})
+            if supported and self.config.voices is None:
+                self.voices = frozenset(supported)
+            refused = EngineRejected(
+                f"audio.voice {found.group(1)!r} is not one of this model's voices: {', '.join(supported)}",
+                engine=self.name, upstream_status=400, param="audio.voice",
+            )  # fmt: skip
+            refused.code = "invalid_voice"
+            raise refused from exc
+
+    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
+        """The base stream, with the finish reason vLLM-Omni leaves out when speech follows the text."""
+        inner = super().stream(request)
+        speech = request.wants_audio
+        cap = request.output_token_limit
+        text_finish: str | None = None
+        judged = False
+        pieces = 0
+        try:
+            async for d in inner:
+                if d.text:
+                    pieces += 1
+                if d.finish_reason is not None:
+                    text_finish = d.finish_reason
+                if speech and d.usage is not None and not (d.text or d.audio or d.finish_reason):
+                    judged = True  # the closing usage chunk (text tokens only)
+                    # The text stage's stop is not on the wire: completion_tokens (text only) at the cap means
+                    # the text was cut there, whatever the audio chunk's "stop" says.
+                    if cap is not None and d.usage.completion_tokens >= cap and text_finish in (None, "stop"):
+                        d = Delta(finish_reason="length", usage=d.usage)
+                yield d
+            if speech and not judged and cap is not None and pieces >= cap and text_finish in (None, "stop"):
+                yield Delta(finish_reason="length")  # no usage chunk: every text piece is at least one token
+        finally:
+            await inner.aclose()  # type: ignore[attr-defined]
 
     def _choice_delta(
         self, chunk: dict[str, Any], choice: dict[str, Any], usage: dict[str, Any] | None, state: dict[str, Any]
     ) -> Delta | None:
-        if chunk.get("modality") != "audio":
+        modality = chunk.get("modality")
+        if modality != "audio":
+            if modality is None and not (choice.get("delta") or {}).get("content"):
+                # A bare closing chunk (some builds): the stop of whatever came last, with no usage of its own.
+                finish = choice.get("finish_reason")
+                return Delta(finish_reason=finish, audio_done=bool(state.get("audio"))) if finish else None
+            # Usage on a text chunk counts text tokens; the choice's extras (token_ids, ...) are not read.
             return super()._choice_delta(chunk, choice, usage, state)
-        # Audio: base64 WAV (or PCM) in delta.content. It must never be read as text.
+        # Audio: base64 WAV in delta.content. It must never be read as text, and its usage (0 tokens) is not kept.
         content = (choice.get("delta") or {}).get("content") or ""
         finish = choice.get("finish_reason")
-        meta = choice.get("audio_metadata") or {}
-        rate = int(meta.get("sample_rate_hz") or state.get("rate", 24000))
-        channels = int(meta.get("channels") or state.get("channels", 1))
         pcm = b""
         if content:
-            pcm, rate, channels = _decode_audio(content, meta, rate, channels, self.name)
-        state["rate"], state["channels"] = rate, channels
+            pcm, state["rate"], state["channels"] = _decode_audio(
+                content, choice.get("audio_metadata") or {}, state.get("rate"), state.get("channels"), self.name
+            )
+            state["audio"] = True
         if not pcm and finish is None:
             return None
-        return Delta(audio=pcm, sample_rate=rate, channels=channels, audio_done=finish is not None)
+        return Delta(audio=pcm, sample_rate=state.get("rate") or 0, channels=state.get("channels") or 1,
+                     audio_done=finish is not None)  # fmt: skip
 
     def _completion(self, doc: dict[str, Any]) -> Completion:
-        usage = doc.get("usage") or {}
-        out = Completion(usage=_usage(usage))
+        out = Completion(usage=_usage(doc.get("usage") or {}))
+        text_finish: str | None = None
+        audio_finish: str | None = None
+        # One merged choice (0.30.0) or a text choice and an audio choice, both "index": 0, in the order the
+        # stages finished: each choice is read for what it holds.
         for choice in doc["choices"]:
             message = choice.get("message") or {}
             audio = message.get("audio")
-            if audio and audio.get("data"):
-                pcm, rate, channels = _decode_audio(audio["data"], {}, 24000, 1, self.name)
-                out.audio, out.sample_rate, out.channels = pcm, rate, channels
-                out.transcript = audio.get("transcript") or ""
-            elif message.get("content"):
-                out.text = message["content"]
-                out.finish_reason = choice.get("finish_reason") or "stop"
+            if isinstance(audio, dict) and audio.get("data"):
+                pcm, rate, channels = _decode_audio(audio["data"], choice.get("audio_metadata") or {}, None, None,
+                                                    self.name)  # fmt: skip
+                out.audio += pcm
+                out.sample_rate, out.channels = rate, channels
+                out.transcript += audio.get("transcript") or ""
+                audio_finish = choice.get("finish_reason") or audio_finish
+            content = message.get("content")
+            if isinstance(content, str) and content:
+                out.text += content
+                text_finish = choice.get("finish_reason") or text_finish
+        out.finish_reason = text_finish or audio_finish or "stop"
         return out
 
 
-def _decode_audio(b64: str, meta: dict[str, Any], rate: int, channels: int, engine: str) -> tuple[bytes, int, int]:
+def _decode_audio(
+    b64: str, meta: dict[str, Any], rate: int | None, channels: int | None, engine: str
+) -> tuple[bytes, int, int]:
+    """PCM16, sample rate and channels of one audio piece; a headerless piece takes the rate already known."""
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise EngineProtocolError(f"engine {engine} sent audio that is not base64", engine=engine) from exc
-    fmt = (meta.get("format") or "").lower()
-    if raw[:4] == b"RIFF" or fmt == "wav":
+    if raw[:4] == b"RIFF":
         return split_wav(raw)
-    if fmt in ("", "pcm", "pcm16"):
-        return raw, rate, channels
-    raise EngineProtocolError(f"engine {engine} sent audio as {fmt!r}; configure wav or pcm", engine=engine)
+    fmt = str(meta.get("format") or "").lower()
+    if fmt not in ("", "wav", "pcm", "pcm16"):
+        raise EngineProtocolError(f"engine {engine} sent audio as {fmt!r}; the gateway asks for wav", engine=engine)
+    # A build that sends the WAV header on the first piece only: the rest is bare PCM at the header's rate.
+    rate = int(meta.get("sample_rate_hz") or 0) or rate
+    channels = int(meta.get("channels") or 0) or channels or 1
+    if not rate:
+        raise EngineProtocolError(f"engine {engine} sent headerless audio without a sample rate", engine=engine)
+    return raw, rate, channels
+

@@ -12,6 +12,8 @@ from gateway.errors import EngineProtocolError
 _STREAMING_SIZE = 0xFFFFFFFF
 
 STREAMABLE_FORMATS = frozenset({"wav", "pcm16", "pcm"})
+#: what :func:`encode` can produce (libsndfile has no AAC encoder)
+ENCODABLE_FORMATS = frozenset({"wav", "pcm16", "pcm", "flac", "mp3", "opus"})
 
 
 def wav_header(sample_rate: int, channels: int = 1, data_bytes: int | None = None) -> bytes:
@@ -83,6 +85,6 @@ def encode(pcm: bytes, sample_rate: int, channels: int, fmt: str) -> bytes:
         sf.write(out, samples, sample_rate, format="MP3")
     elif fmt == "opus":
         sf.write(out, samples, sample_rate, format="OGG", subtype="OPUS")
-    else:  # aac has no encoder in libsndfile; schemas refuse it for engines that need transcoding
+    else:  # aac has no encoder in libsndfile; gateway.speech refuses it before any engine work
         raise ValueError(f"cannot encode audio as {fmt}")
     return out.getvalue()

@@ -124,6 +124,11 @@ class RequestContext:
     first_audio_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: the served engine call's own latencies: from sending it to its first token (streamed) and to its end
+    upstream_ttft_s: float | None = None
+    upstream_e2e_s: float | None = None
+    #: seconds of speech served (speech adds no completion tokens)
+    audio_seconds: float = 0.0
     media: list[MediaRecord] = field(default_factory=list)
     screenings: list[Screening] = field(default_factory=list)
     segmentation: Segmentation | None = None

@@ -34,7 +34,6 @@ import structlog
 
 from engines.base import Completion, Delta, Engine, Usage
 from engines.pool import EnginePool
-from gateway.audio import STREAMABLE_FORMATS
 from gateway.context import RequestContext
 from gateway.errors import (
     AnswerWithheld,
@@ -48,6 +47,7 @@ from gateway.errors import (
 )
 from gateway.ratelimit import RateLimiter
 from gateway.schemas import ChatCompletionRequest
+from gateway.speech import check_speech
 from observability.audit.log import AuditLog
 from observability.audit.record import OutputDigest, RequestSnapshot
 from observability.metrics import Metrics
@@ -68,6 +68,8 @@ class Attempt:
     request: ChatCompletionRequest
     upstream: AsyncIterator[Delta]
     first: Delta
+    #: perf_counter() when the engine request was sent (0: not one engine call, e.g. joined segments)
+    sent: float = 0.0
 
 
 @dataclass(slots=True)
@@ -242,11 +244,7 @@ class Pipeline:
             raise ModelNotFound(
                 f"the model {request.model!r} does not exist or you do not have access to it", param="model"
             )
-        if request.stream and request.wants_audio and request.audio is not None:
-            if request.audio.format not in STREAMABLE_FORMATS:
-                raise InvalidRequest(
-                    f"streamed audio must be wav or pcm16, not {request.audio.format}", param="audio.format"
-                )
+        check_speech(request, [e for e in self.pool.engines.values() if request.model in e.config.serves])
         if self.admission is not None:
             # The slot is held until _finish, whatever the way out.
             ctx.admission = await self.admission.admit(ctx)
@@ -345,6 +343,7 @@ class Pipeline:
                 continue
             ctx.attempts += 1
             upstream = engine.stream(adapted)
+            sent = time.perf_counter()
             try:
                 first = await anext(upstream)
             except StopAsyncIteration:
@@ -356,7 +355,9 @@ class Pipeline:
                 raise
             else:
                 ctx.engine, ctx.variant = engine.name, engine.config.variant
-                return Attempt(engine, adapted, upstream, first)
+                # The engine's own time to first token: no body read, pre-policy, slot wait or hold-back in it.
+                ctx.upstream_ttft_s, ctx.upstream_e2e_s = time.perf_counter() - sent, None
+                return Attempt(engine, adapted, upstream, first, sent)
             await upstream.aclose()
             self._engine_failed(engine, last, ctx, more=bool(engines))
             self.pool.release(engine, settled=last.retryable)
@@ -438,6 +439,7 @@ class Pipeline:
                 self.pool.release(engine, settled=False)
                 continue
             ctx.attempts += 1
+            sent = time.perf_counter()
             try:
                 completion = await engine.complete(adapted)
             except EngineError as exc:
@@ -452,6 +454,8 @@ class Pipeline:
                 raise
             ctx.engine, ctx.variant = engine.name, engine.config.variant
             ctx.ttft_s = ctx.elapsed()
+            # A whole answer has no first token to time: its engine latency is a signal of its own.
+            ctx.upstream_ttft_s, ctx.upstream_e2e_s = None, time.perf_counter() - sent
             self._account(ctx, completion)
             return completion, adapted
         raise last or self._no_engine(request)
@@ -715,6 +719,8 @@ class Pipeline:
                     try:
                         delta = await anext(upstream)
                     except StopAsyncIteration:
+                        if attempt.sent:
+                            ctx.upstream_e2e_s = time.perf_counter() - attempt.sent
                         break
                 cut = False
                 if delta.text and cap is not None:
@@ -817,6 +823,8 @@ class Pipeline:
     def _account(self, ctx: RequestContext, completion: Completion) -> None:
         ctx.prompt_tokens = completion.usage.prompt_tokens
         ctx.completion_tokens = completion.usage.completion_tokens
+        if completion.audio and completion.sample_rate:
+            ctx.audio_seconds = len(completion.audio) / (2 * completion.channels * completion.sample_rate)
         if completion.audio and self.sentinel is not None and ctx.engine is not None:
             self.sentinel.offer(ctx.engine, ctx.variant, completion)
 
@@ -840,7 +848,8 @@ class Pipeline:
         if ctx.engine is not None:
             # One report per request (never per chunk): latency and outcome for its window and circuit.
             if error is None:
-                self.pool.report_success(ctx.engine, ctx.ttft_s, ctx.first_audio_s, ctx.elapsed())
+                self.pool.report_success(ctx.engine, ctx.ttft_s, ctx.first_audio_s, ctx.elapsed(),
+                                         ctx.upstream_ttft_s, ctx.upstream_e2e_s)
             self.pool.release(ctx.engine, settled=error is None or isinstance(error, EngineError))
         if error is None:
             ctx.outcome = "degraded" if ctx.degraded else "served"
@@ -865,6 +874,12 @@ class Pipeline:
             m.ttft.labels(engine, variant).observe(ctx.ttft_s)
         if ctx.first_audio_s is not None and ctx.engine:
             m.first_audio.labels(engine, variant).observe(ctx.first_audio_s)
+        if ctx.upstream_ttft_s is not None and ctx.engine:
+            m.upstream_ttft.labels(engine, variant).observe(ctx.upstream_ttft_s)
+        if ctx.upstream_e2e_s is not None and ctx.engine:
+            m.upstream_duration.labels(engine, variant, str(ctx.stream).lower()).observe(ctx.upstream_e2e_s)
+        if ctx.audio_seconds and ctx.engine:
+            m.audio_output.labels(engine, variant).inc(ctx.audio_seconds)
         log.info(
             "request_finished",
             tenant=ctx.tenant,

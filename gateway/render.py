@@ -22,6 +22,8 @@ from gateway.schemas import ChatCompletionRequest
 
 DONE = b"data: [DONE]\n\n"
 AUDIO_TTL_S = 3600
+#: a usage extension: seconds of speech served, since speech adds no completion tokens (vLLM-Omni counts none)
+AUDIO_SECONDS = "output_audio_seconds"
 
 
 def error_frame(exc: OmnigateError) -> bytes:
@@ -92,11 +94,13 @@ class ChunkRenderer:
         )
         if self._include_usage:
             ctx = self._ctx
-            usage = {
+            usage: dict[str, Any] = {
                 "prompt_tokens": ctx.prompt_tokens,
                 "completion_tokens": ctx.completion_tokens,
                 "total_tokens": ctx.prompt_tokens + ctx.completion_tokens,
             }
+            if self._speech:
+                usage[AUDIO_SECONDS] = round(ctx.audio_seconds, 3)
             out += self._head + b'[],"usage":' + orjson.dumps(usage) + b"}\n\n"
         return out + DONE
 
@@ -122,6 +126,8 @@ def completion_body(
         "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
         "usage": completion.usage.to_dict(),
     }
+    if request.wants_audio:
+        body["usage"][AUDIO_SECONDS] = round(ctx.audio_seconds, 3)
     if ctx.notes:
         body["omnigate"] = ctx.notes
     return body

@@ -105,6 +105,11 @@ class EngineConfig(_Strict):
     max_wait_s: Annotated[float, Field(ge=0, le=600)] = Field(
         default=30.0, description="how long a request waits for a free slot before 503 engine_busy"
     )
+    voices: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        default=None,
+        description="vllm-omni: the talker's speakers (the model config's talker_config.speaker_id); an unknown "
+        "voice is refused with a 400 before any engine work. null: learned from the engine's first refusal",
+    )
 
     @model_validator(mode="after")
     def _needs_url(self) -> "EngineConfig":

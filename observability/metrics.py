@@ -48,6 +48,26 @@ class Metrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.upstream_ttft = Histogram(
+            "omnigate_engine_time_to_first_token_seconds",
+            "From sending the engine request to the engine's first token (streamed requests; what rollback reads)",
+            ["engine", "variant"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.upstream_duration = Histogram(
+            "omnigate_engine_request_seconds",
+            "From sending the engine request to the end of the engine's answer",
+            ["engine", "variant", "stream"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.audio_output = Counter(
+            "omnigate_audio_output_seconds_total",
+            "Seconds of speech served (vLLM-Omni counts no completion tokens for audio)",
+            ["engine", "variant"],
+            registry=r,
+        )
         self.first_audio = Histogram(
             "omnigate_time_to_first_audio_seconds",
             "From request arrival to the first audio packet released to the client",

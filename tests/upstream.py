@@ -74,6 +74,16 @@ class Script:
     # A pause between the [DONE] frame and the end of the chunked body (its terminator), as a server
     # that writes them separately shows it to a client reading fast.
     eof_delay_s: float = 0.0
+    # vLLM-Omni builds differ (see WIRE.md). "every": each streamed audio piece is a complete WAV file (0.30.0);
+    # "first": only the first piece has a RIFF header, the rest are bare PCM.
+    omni_wav_headers: Literal["every", "first"] = "every"
+    # False: the build sends no audio_metadata on audio choices.
+    omni_audio_metadata: bool = True
+    # Not streamed, text + audio: "merged" is 0.30.0's one choice; "split" the older two choices, both index 0,
+    # text first; "split_audio_first" the same with the audio stage finishing first.
+    omni_choices: Literal["merged", "split", "split_audio_first"] = "merged"
+    # A source version's bare {"delta": {}, "finish_reason": "stop"} closing chunk without a modality.
+    omni_bare_finish: bool = False
 
     def __post_init__(self) -> None:
         if self.flavour not in _FLAVOURS:
@@ -84,6 +94,10 @@ class Script:
             raise ValueError("chunk_words must be >= 1")
         if self.audio_seconds_per_chunk <= 0 or self.sample_rate <= 0:
             raise ValueError("audio_seconds_per_chunk and sample_rate must be positive")
+        if self.omni_wav_headers not in ("every", "first"):
+            raise ValueError("omni_wav_headers must be 'every' or 'first'")
+        if self.omni_choices not in ("merged", "split", "split_audio_first"):
+            raise ValueError("omni_choices must be 'merged', 'split' or 'split_audio_first'")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Script:
@@ -162,17 +176,35 @@ def _pcm_chunks(sample_rate: int, seconds: float, count: int) -> tuple[np.ndarra
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=32)
-def _audio_deltas(sample_rate: int, seconds: float, count: int) -> tuple[bytes, ...]:
-    """Per chunk: the delta, finish_reason slot and audio_metadata, minus the finish_reason value."""
+def _encode_pieces(
+    pieces: tuple[np.ndarray, ...], rate: int, mode: str, metadata: bool
+) -> tuple[tuple[bytes, bytes], ...]:
+    """Per audio piece: its delta and its ``audio_metadata`` member (empty without metadata).
+
+    ``mode``: "every" (each piece a complete WAV file, vLLM-Omni 0.30.0), "first" (a header on the first
+    piece only) or "pcm" (bare PCM16, what vLLM-Omni sends when asked for ``pcm``).
+    """
     out = []
-    for pcm in _pcm_chunks(sample_rate, seconds, count):
-        b64 = base64.b64encode(_wav(pcm, sample_rate))
-        meta = orjson.dumps(
-            {"format": "wav", "sample_rate_hz": sample_rate, "frame_count": len(pcm), "channels": 1}
-        )
-        out.append((b'{"content":"' + b64 + b'"}', b',"audio_metadata":' + meta))
+    for i, pcm in enumerate(pieces):
+        wav = mode == "every" or (mode == "first" and i == 0)
+        data = _wav(pcm, rate) if wav else pcm.astype("<i2").tobytes()
+        b64 = base64.b64encode(data)
+        meta = b""
+        if metadata:
+            fmt = "pcm" if mode == "pcm" else "wav"
+            meta = b',"audio_metadata":' + orjson.dumps(
+                {"format": fmt, "sample_rate_hz": rate, "frame_count": len(pcm), "channels": 1}
+            )
+        out.append((b'{"role":"assistant","content":"' + b64 + b'"}', meta))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=32)
+def _audio_deltas(
+    sample_rate: int, seconds: float, count: int, mode: str = "every", metadata: bool = True
+) -> tuple[tuple[bytes, bytes], ...]:
+    """Per chunk: the delta and its audio_metadata member (see :func:`_encode_pieces`)."""
+    return _encode_pieces(_pcm_chunks(sample_rate, seconds, count), sample_rate, mode, metadata)
 
 
 @functools.lru_cache(maxsize=16)
@@ -182,23 +214,12 @@ def _wav_file(path: str) -> tuple[np.ndarray, int]:
 
 
 @functools.lru_cache(maxsize=16)
-def _file_audio_deltas(path: str, seconds: float) -> tuple[tuple[bytes, bytes], ...]:
+def _file_audio_deltas(
+    path: str, seconds: float, mode: str = "every", metadata: bool = True
+) -> tuple[tuple[bytes, bytes], ...]:
     pcm, rate = _wav_file(path)
     step = max(1, round(seconds * rate))
-    out = []
-    for i in range(0, len(pcm), step):
-        piece = pcm[i : i + step]
-        b64 = base64.b64encode(_wav(piece, rate))
-        meta = orjson.dumps({"format": "wav", "sample_rate_hz": rate, "frame_count": len(piece), "channels": 1})
-        out.append((b'{"content":"' + b64 + b'"}', b',"audio_metadata":' + meta))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=32)
-def _audio_full_b64(sample_rate: int, seconds: float, count: int) -> str:
-    pcm = _pcm_chunks(sample_rate, seconds, count)
-    joined = np.concatenate(pcm) if pcm else np.zeros(0, np.int16)
-    return base64.b64encode(_wav(joined, sample_rate)).decode()
+    return _encode_pieces(tuple(pcm[i : i + step] for i in range(0, len(pcm), step)), rate, mode, metadata)
 
 
 # --- the server -----------------------------------------------------------------------------------------
@@ -226,6 +247,8 @@ class _Plan:
     pieces: tuple[str, ...]  # text pieces to send, already cut short by max_tokens
     text_finish: str
     n_audio: int
+    audio_mode: str = "every"  # see _encode_pieces
+    text_wanted: bool = True
 
     def chunk_head(self) -> bytes:
         """A chunk's JSON up to and including `"choices":`, shared by every chunk of the stream."""
@@ -292,6 +315,12 @@ class ScriptedUpstream:
         # A DCGM exporter's framebuffer gauges (MiB) for GPU "0", served on /metrics when set.
         self.gpu_fb_used_mib: float | None = None
         self.gpu_fb_free_mib: float | None = None
+        # vLLM-Omni: the talker's speakers (an unknown voice is a 400, as the model config's speaker_id decides);
+        # GET /health's status (503: the engine is dead while /v1/models still answers; 404: no such route);
+        # per-stage metrics as vLLM-Omni relabels vLLM's (stage -> {"running", "waiting", "ttft": [seconds]}).
+        self.speakers: list[str] = ["aiden", "chelsie", "ethan"]
+        self.health_status = 200
+        self.stage_metrics: dict[str, dict[str, Any]] | None = None
         self._queue: list[Script] = []
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
@@ -477,6 +506,17 @@ class ScriptedUpstream:
         model = body.get("model") if isinstance(body.get("model"), str) else self.models[0]
         modalities = body.get("modalities") or ["text"]
         want_audio = script.flavour == "omni" and isinstance(modalities, list) and "audio" in modalities
+        if script.flavour == "omni" and isinstance(voice, str) and voice.lower() not in self.speakers:
+            # vLLM-Omni checks the speaker before any generation, also for a stream: a JSON 400, no SSE.
+            return web.Response(
+                status=400,
+                body=_error_body(
+                    f"Invalid speaker '{voice}'. Supported: {', '.join(sorted(self.speakers))}", "BadRequestError", 400
+                ),
+                content_type="application/json",
+            )
+        asked = (body.get("audio") or {}).get("format") if isinstance(body.get("audio"), dict) else None
+        audio_mode = "pcm" if asked in ("pcm", "pcm16") else script.omni_wav_headers
         pieces = _text_pieces(script.text, script.chunk_words)
         text_finish = "stop"
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
@@ -493,6 +533,8 @@ class ScriptedUpstream:
             pieces=pieces,
             text_finish=text_finish,
             n_audio=script.n_audio_chunks if want_audio else 0,
+            audio_mode=audio_mode,
+            text_wanted=not isinstance(modalities, list) or "text" in modalities,
         )
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -502,24 +544,32 @@ class ScriptedUpstream:
     @staticmethod
     def _frames(plan: _Plan) -> list[bytes]:
         script = plan.script
+        omni = script.flavour == "omni"
         head = plan.chunk_head() + b'[{"index":0,"delta":'
-        text_tail = b"}]" + (b',"modality":"text"' if script.flavour == "omni" else b"") + b"}\n\n"
+        # vLLM's extras, which vLLM-Omni leaves on every chunk: on the choice, and at the top level.
+        choice_extra = b',"stop_reason":null,"token_ids":[0]' if omni else b""
+        top_extra = b',"prompt_token_ids":null,"metrics":{"num_tokens_out":1}' if omni else b""
+        text_tail = choice_extra + b"}]" + (b',"modality":"text"' + top_extra if omni else b"") + b"}\n\n"
         null = b',"logprobs":null,"finish_reason":null'
         deltas = _text_deltas(script.text, script.chunk_words)[: len(plan.pieces)] or (b'{"content":""}',)
         frames = [head + b'{"role":"assistant","content":""}' + null + text_tail]
         frames += [head + d + null + text_tail for d in deltas[:-1]]
-        last = b',"logprobs":null,"finish_reason":"' + plan.text_finish.encode() + b'"'
-        frames.append(head + deltas[-1] + last + text_tail)
+        # With speech, vLLM-Omni's last text chunk carries no finish_reason: the last audio chunk carries the stop.
+        text_finish = b"null" if omni and plan.n_audio else b'"' + plan.text_finish.encode() + b'"'
+        frames.append(head + deltas[-1] + b',"logprobs":null,"finish_reason":' + text_finish + text_tail)
         if plan.n_audio:
-            audio_tail = b'}],"modality":"audio"}\n\n'
+            p = script.prompt_tokens
+            usage = orjson.dumps({"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p})
+            audio_tail = choice_extra + b'}],"usage":' + usage + b',"modality":"audio"' + top_extra + b"}\n\n"
+            mode, meta_on = plan.audio_mode, script.omni_audio_metadata
             if script.audio_wav is not None:
-                chunks = _file_audio_deltas(script.audio_wav, script.audio_seconds_per_chunk)
+                chunks = _file_audio_deltas(script.audio_wav, script.audio_seconds_per_chunk, mode, meta_on)
             else:
-                chunks = _audio_deltas(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio)
+                chunks = _audio_deltas(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio, mode, meta_on)
             audio = []
             for i, (delta, meta) in enumerate(chunks):
-                finish = b'"stop"' if i == plan.n_audio - 1 else b"null"
-                finish = b',"logprobs":null,"finish_reason":' + finish
+                last = i == plan.n_audio - 1 and not script.omni_bare_finish
+                finish = b',"logprobs":null,"finish_reason":' + (b'"stop"' if last else b"null")
                 audio.append(head + delta + finish + meta + audio_tail)
             if script.audio_interleave > 0:
                 text, frames = frames, [frames[0]]
@@ -528,6 +578,8 @@ class ScriptedUpstream:
                     if i % script.audio_interleave == 0 and audio and i < len(text) - 1:
                         frames.append(audio.pop(0))
             frames += audio
+            if script.omni_bare_finish:
+                frames.append(head + b'{},"logprobs":null,"finish_reason":"stop"}]}\n\n')
         return frames
 
     async def _stream(
@@ -540,8 +592,8 @@ class ScriptedUpstream:
             n = len(plan.pieces)
             usage = {"prompt_tokens": script.prompt_tokens, "completion_tokens": n,
                      "total_tokens": script.prompt_tokens + n}  # fmt: skip
-            modality = b',"modality":"text"' if script.flavour == "omni" else b""
-            tail = plan.chunk_head() + b'[],"usage":' + orjson.dumps(usage) + modality + b"}\n\n"
+            # vLLM-Omni's usage chunk is the one chunk without a modality; it counts text tokens only.
+            tail = plan.chunk_head() + b'[],"usage":' + orjson.dumps(usage) + b"}\n\n"
         tail += b"data: [DONE]\n\n"
 
         fault = script.fault
@@ -634,19 +686,33 @@ class ScriptedUpstream:
         if plan.n_audio:
             if script.audio_wav is not None:
                 pcm, rate = _wav_file(script.audio_wav)
-                wav = base64.b64encode(_wav(pcm, rate)).decode()
             else:
-                wav = _audio_full_b64(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio)
-            audio = {"id": f"audio-{plan.rid}", "data": wav, "expires_at": plan.created + 3600}
-            audio["transcript"] = ""  # vLLM-Omni leaves it empty
-            choices.append(
-                {
-                    "index": 1,
-                    "message": {"role": "assistant", "content": None, "audio": audio},
-                    "logprobs": None,
-                    "finish_reason": "stop",
-                }
-            )
+                rate = script.sample_rate
+                pcm = np.concatenate(_pcm_chunks(rate, script.audio_seconds_per_chunk, plan.n_audio))
+            raw = pcm.astype("<i2").tobytes() if plan.audio_mode == "pcm" else _wav(pcm, rate)
+            audio = {"id": f"audio-{plan.rid}", "data": base64.b64encode(raw).decode(),
+                     "expires_at": plan.created + 3600, "transcript": ""}  # vLLM-Omni leaves it empty
+            meta = {"format": "pcm" if plan.audio_mode == "pcm" else "wav", "sample_rate_hz": rate,
+                    "frame_count": len(pcm), "channels": 1}
+            audio_choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": None, "audio": audio},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+            if script.omni_audio_metadata:
+                audio_choice["audio_metadata"] = meta
+            if not plan.text_wanted:
+                choices = [audio_choice]
+            elif script.omni_choices == "merged":
+                # 0.30.0: one choice, the text stage's finish_reason, the audio beside the content.
+                choices[0]["message"]["audio"] = audio
+                if script.omni_audio_metadata:
+                    choices[0]["audio_metadata"] = meta
+            elif script.omni_choices == "split":
+                choices.append(audio_choice)  # older builds: both index 0, in the order the stages finished
+            else:
+                choices.insert(0, audio_choice)
         payload = {
             "id": plan.rid,
             "object": "chat.completion",
@@ -671,14 +737,16 @@ class ScriptedUpstream:
         return web.json_response({"object": "list", "data": data}, dumps=lambda o: orjson.dumps(o).decode())
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.Response(status=self.health_status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         label = '{model_name="' + self.models[0].replace("\\", "\\\\").replace('"', '\\"') + '"}'
         running = self.in_flight if self.num_requests_running is None else self.num_requests_running
         waiting, kv = self.num_requests_waiting, self.kv_cache_usage_perc
         lines = []
-        for name, help_, value in (
+        if self.stage_metrics is not None:
+            lines += self._stage_lines(running, waiting, kv)
+        for name, help_, value in () if self.stage_metrics is not None else (
             ("vllm:num_requests_running", "Number of requests in model execution batches.", running),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv),
@@ -692,6 +760,40 @@ class ScriptedUpstream:
             if value is not None:
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{gpu} {float(value)!r}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
+    _TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+    def _stage_lines(self, running: float, waiting: float, kv: float) -> list[str]:
+        """vLLM-Omni's exposition (with --log-stats): its own vllm_omni:* series, and vLLM's per stage and replica."""
+        assert self.stage_metrics is not None
+        model = self.models[0].replace("\\", "\\\\").replace('"', '\\"')
+        lines = [
+            "# HELP vllm_omni:num_requests_running Requests in the omni pipeline.",
+            "# TYPE vllm_omni:num_requests_running gauge",
+            f'vllm_omni:num_requests_running{{model_name="{model}"}} {float(running)!r}',
+            "# HELP vllm_omni:num_requests_waiting Requests waiting to enter the omni pipeline.",
+            "# TYPE vllm_omni:num_requests_waiting gauge",
+            f'vllm_omni:num_requests_waiting{{model_name="{model}"}} {float(waiting)!r}',
+        ]
+        for name, key, default in (
+            ("vllm:num_requests_running", "running", running),
+            ("vllm:num_requests_waiting", "waiting", waiting),
+            ("vllm:kv_cache_usage_perc", "kv", kv),
+        ):
+            lines += [f"# HELP {name} {name}", f"# TYPE {name} gauge"]
+            for stage, values in self.stage_metrics.items():
+                labels = f'model_name="{model}",stage="{stage}",replica="0"'
+                lines.append(f"{name}{{{labels}}} {float(values.get(key, default))!r}")
+        hist = "vllm:time_to_first_token_seconds"
+        lines += [f"# HELP {hist} Histogram of time to first token in seconds.", f"# TYPE {hist} histogram"]
+        for stage, values in self.stage_metrics.items():
+            seen = [float(v) for v in values.get("ttft", [])]
+            labels = f'model_name="{model}",stage="{stage}",replica="0"'
+            for b in self._TTFT_BOUNDS:
+                lines.append(f'{hist}_bucket{{{labels},le="{b}"}} {float(sum(v <= b for v in seen))!r}')
+            lines.append(f'{hist}_bucket{{{labels},le="+Inf"}} {float(len(seen))!r}')
+            lines += [f"{hist}_count{{{labels}}} {float(len(seen))!r}", f"{hist}_sum{{{labels}}} {sum(seen)!r}"]
+        return lines
 
     async def _set_script(self, request: web.Request) -> web.Response:
         try:

@@ -136,7 +136,9 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
         "control": dict(ctx.control_state),
         "attempts": ctx.attempts,
         "retries": ctx.retries,
-        "usage": {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens},
+        "usage": {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens,
+                  # speech is metered in seconds: it adds no completion tokens
+                  **({"audio_seconds": round(ctx.audio_seconds, 3)} if ctx.audio_seconds else {})},
         "duration_ms": round(snap.duration_ms, 3),
         "ttft_ms": round(ctx.ttft_s * 1000, 3) if ctx.ttft_s is not None else None,
         "body_bytes": ctx.body_bytes,

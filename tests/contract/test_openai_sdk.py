@@ -77,7 +77,7 @@ def test_speech_streaming_reassembles_into_valid_wav(client, ups):
     assert len(data) == 6 * int(24000 * 0.2)
     assert abs(data).max() > 1000  # a real signal, not silence
     sent = ups.omni_a.requests[-1]
-    assert sent["voice"] == "Ethan"
+    assert sent["voice"] == sent["speaker"] == "ethan"  # top level, lowercased: vLLM-Omni ignores audio.voice
     assert sent["modalities"] == ["text", "audio"]
 
 

@@ -152,8 +152,10 @@ def test_thresholds_are_the_documented_ones():
     )
     assert threshold("OmnigateTTFTAboveTarget") == ({ttft.format("p50")}, 0.3)
     assert threshold("OmnigateLatencyP95ScaleOut") == ({ttft.format("p95")}, 0.5)
-    assert threshold("OmnigateLatencyP99RollbackExpected") == ({ttft.format("p99")}, 0.6)
-    assert threshold("OmnigateRollbackNotTaken") == ({ttft.format("p99")}, 0.6)
+    # The rollback alerts read the engine's own TTFT, as the int4-latency rule does.
+    engine_ttft = "engine_variant:omnigate_engine_time_to_first_token_seconds:p99_5m"
+    assert threshold("OmnigateLatencyP99RollbackExpected") == ({engine_ttft}, 0.6)
+    assert threshold("OmnigateRollbackNotTaken") == ({engine_ttft}, 0.6)
     assert threshold("OmnigateEngineVRAMHigh") == ({"omnigate_engine_vram_usage_ratio"}, 0.9)
     assert alerts["OmnigateEngineVRAMHigh"]["for"] == "30s"
     wer = "engine_variant:omnigate_sentinel_wer:mean15m"

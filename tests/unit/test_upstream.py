@@ -149,17 +149,20 @@ async def test_vllm_non_streaming(up, session):
 
 
 async def test_omni_stream_with_audio(up, session):
+    """vLLM-Omni 0.30.0's stream: text first, then audio pieces that are complete WAV files; the last audio
+    chunk carries the stop, the last text chunk none; audio chunks count 0 tokens; vLLM's extras everywhere."""
     up.default = Script(flavour="omni", text="Short reply here.", audio_chunks=4)
     resp = await post(
-        session, up, stream=True, modalities=["text", "audio"], voice="Cherry",
+        session, up, stream=True, modalities=["text", "audio"], voice="Chelsie",
         stream_options={"include_usage": True},
     )  # fmt: skip
     payloads = await read_sse(resp)
     assert payloads[-1] == "[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
-    assert all(c["modality"] in ("text", "audio") for c in chunks)
     *stream, usage_chunk = chunks
-    assert usage_chunk["choices"] == [] and usage_chunk["modality"] == "text"
+    assert usage_chunk["choices"] == [] and "modality" not in usage_chunk
+    assert usage_chunk["usage"]["completion_tokens"] == 3
+    assert all(c["modality"] in ("text", "audio") for c in stream)
 
     mods = [c["modality"] for c in stream]
     n_audio = mods.count("audio")
@@ -172,14 +175,17 @@ async def test_omni_stream_with_audio(up, session):
     for c in text_chunks:
         assert "audio_metadata" not in c["choices"][0]
         assert not c["choices"][0]["delta"]["content"].startswith("UklGR")  # base64 of "RIFF"
-    assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "stop"
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks] == [None] * len(text_chunks)
     assert [c["choices"][0]["finish_reason"] for c in audio_chunks] == [None] * 3 + ["stop"]
+    for c in stream:
+        assert {"metrics", "prompt_token_ids"} <= set(c) and {"token_ids", "stop_reason"} <= set(c["choices"][0])
 
     signals = []
     for c in audio_chunks:
         choice = c["choices"][0]
-        assert "audio" not in choice["delta"]
-        pcm, sr = decode_wav(choice["delta"]["content"])
+        assert "audio" not in choice["delta"] and choice["delta"]["role"] == "assistant"
+        assert c["usage"]["completion_tokens"] == 0
+        pcm, sr = decode_wav(choice["delta"]["content"])  # each piece a WAV file of its own
         meta = choice["audio_metadata"]
         assert meta == {"format": "wav", "sample_rate_hz": 24000, "frame_count": len(pcm), "channels": 1}
         assert sr == 24000 and pcm.ndim == 1
@@ -187,15 +193,49 @@ async def test_omni_stream_with_audio(up, session):
         assert np.abs(pcm).max() > 1000  # audible, not silence
         signals.append(pcm)
     assert all(not np.array_equal(a, b) for a, b in zip(signals, signals[1:]))
-    assert up.voices == ["Cherry"]
+    assert up.voices == ["Chelsie"]
+
+
+async def test_omni_build_variants_header_first_no_metadata_bare_finish(up, session):
+    up.default = Script(flavour="omni", text="Hi.", audio_chunks=3, omni_wav_headers="first",
+                        omni_audio_metadata=False, omni_bare_finish=True)  # fmt: skip
+    chunks = [json.loads(p) for p in (await read_sse(await post(
+        session, up, stream=True, modalities=["text", "audio"])))[:-1]]  # fmt: skip
+    audio = [c for c in chunks if c.get("modality") == "audio"]
+    raw = [base64.b64decode(c["choices"][0]["delta"]["content"]) for c in audio]
+    assert raw[0][:4] == b"RIFF" and all(r[:4] != b"RIFF" for r in raw[1:])
+    assert all("audio_metadata" not in c["choices"][0] for c in audio)
+    assert all(c["choices"][0]["finish_reason"] is None for c in audio)
+    bare = chunks[-1]
+    assert "modality" not in bare and bare["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                                              "finish_reason": "stop"}
+
+
+async def test_omni_asked_for_pcm_sends_bare_pcm(up, session):
+    up.default = Script(flavour="omni", text="Hi.", audio_chunks=2, sample_rate=16000)
+    chunks = [json.loads(p) for p in (await read_sse(await post(
+        session, up, stream=True, modalities=["text", "audio"], audio={"format": "pcm"})))[:-1]]  # fmt: skip
+    audio = [c["choices"][0] for c in chunks if c.get("modality") == "audio"]
+    assert all(base64.b64decode(a["delta"]["content"])[:4] != b"RIFF" for a in audio)
+    assert audio[0]["audio_metadata"]["format"] == "pcm" and audio[0]["audio_metadata"]["sample_rate_hz"] == 16000
 
 
 async def test_omni_voice_from_speaker_and_default_audio_length(up, session):
     up.default = Script(flavour="omni", transcript="x" * 50)  # 50 chars * 0.06 s = 3.0 s = 15 chunks of 0.2 s
     payloads = await read_sse(await post(session, up, stream=True, modalities=["audio"], speaker="Ethan"))
     chunks = [json.loads(p) for p in payloads[:-1]]
-    assert sum(c["modality"] == "audio" for c in chunks) == 15
+    assert sum(c.get("modality") == "audio" for c in chunks) == 15
     assert up.voices == ["Ethan"]
+
+
+async def test_omni_unknown_speaker_is_a_json_400_even_for_a_stream(up, session):
+    up.default = Script(flavour="omni")
+    resp = await post(session, up, stream=True, modalities=["text", "audio"], voice="Cherry")
+    assert resp.status == 400 and resp.content_type == "application/json"
+    err = (await resp.json())["error"]
+    assert err == {"message": "Invalid speaker 'Cherry'. Supported: aiden, chelsie, ethan",
+                   "type": "BadRequestError", "param": None, "code": 400}
+    assert up.completed == 0
 
 
 async def test_omni_text_only_has_no_audio(up, session):
@@ -205,25 +245,53 @@ async def test_omni_text_only_has_no_audio(up, session):
     assert {c["modality"] for c in chunks} == {"text"}
     assert all("audio_metadata" not in c["choices"][0] for c in chunks)
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == TEXT
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"  # text only: the text's own stop
 
     body = await (await post(session, up, modalities=["text"])).json()
     assert len(body["choices"]) == 1 and "audio" not in body["choices"][0]["message"]
 
 
-async def test_omni_non_streaming_two_choices(up, session):
-    up.default = Script(flavour="omni", text="Two choices.", audio_chunks=3, audio_seconds_per_chunk=0.1)
+async def test_omni_non_streaming_merged_choice(up, session):
+    up.default = Script(flavour="omni", text="One choice.", audio_chunks=3, audio_seconds_per_chunk=0.1)
     body = await (await post(session, up, modalities=["text", "audio"])).json()
     assert "modality" not in body
-    assert len(body["choices"]) == 2
-    text, audio = body["choices"]
-    assert text["index"] == 0 and text["message"]["content"] == "Two choices."
-    assert audio["index"] == 1
-    assert audio["message"]["role"] == "assistant"
-    assert audio["message"]["content"] in (None, "")
-    a = audio["message"]["audio"]
+    [choice] = body["choices"]
+    assert choice["index"] == 0 and choice["message"]["content"] == "One choice."
+    a = choice["message"]["audio"]
     assert set(a) == {"id", "data", "expires_at", "transcript"} and a["transcript"] == ""
     pcm, sr = decode_wav(a["data"])
     assert sr == 24000 and len(pcm) == 3 * 2400
+    assert choice["audio_metadata"]["sample_rate_hz"] == 24000
+
+
+@pytest.mark.parametrize("shape", ["split", "split_audio_first"])
+async def test_omni_non_streaming_two_choices_both_index_0(up, session, shape):
+    up.default = Script(flavour="omni", text="Two choices.", audio_chunks=3, audio_seconds_per_chunk=0.1,
+                        omni_choices=shape)  # fmt: skip
+    body = await (await post(session, up, modalities=["text", "audio"])).json()
+    assert len(body["choices"]) == 2 and [c["index"] for c in body["choices"]] == [0, 0]
+    audio_first = shape == "split_audio_first"
+    text, audio = body["choices"][::-1] if audio_first else body["choices"]
+    assert text["message"]["content"] == "Two choices." and "audio" not in text["message"]
+    assert audio["message"]["content"] is None
+    pcm, sr = decode_wav(audio["message"]["audio"]["data"])
+    assert sr == 24000 and len(pcm) == 3 * 2400
+
+
+async def test_omni_health_and_stage_metrics(up, session):
+    up.health_status = 503
+    async with session.get(up.base_url.removesuffix("/v1") + "/health") as resp:
+        assert resp.status == 503
+    async with session.get(up.base_url + "/models") as resp:
+        assert resp.status == 200  # what a dead vLLM-Omni still answers
+    up.stage_metrics = {"thinker": {"running": 2, "ttft": [0.07, 0.3]}, "talker": {"running": 2}}
+    async with session.get(up.base_url.removesuffix("/v1") + "/metrics") as resp:
+        text = await resp.text()
+    assert 'vllm:num_requests_running{model_name="scripted",stage="thinker",replica="0"} 2.0' in text
+    assert 'vllm:num_requests_running{model_name="scripted",stage="talker",replica="0"} 2.0' in text
+    assert 'vllm:time_to_first_token_seconds_bucket{model_name="scripted",stage="thinker",replica="0",le="0.1"} 1.0' \
+        in text
+    assert "vllm_omni:num_requests_running" in text
 
 
 # --- faults ------------------------------------------------------------------------------------------------
