@@ -1,7 +1,8 @@
 """The admin API: a router of its own under ``/admin``, never in the public schema.
 
 Every route depends on :func:`require_admin`. With no ``admin.api_key`` configured
-the whole surface answers 404, as if it did not exist.
+the whole surface answers 404, as if it did not exist. With the console on, a
+console session cookie is accepted in place of the Bearer key (gateway/console/session.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import hmac
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse
 
+from gateway.console import session as console_session
 from gateway.errors import AuthenticationFailed, OmnigateError
 from gateway.services import Services
 
@@ -27,6 +29,11 @@ async def require_admin(request: Request) -> None:
     if key is None:
         raise AdminDisabled("Not Found")
     header = request.headers.get("authorization", "")
+    if not header and services.settings.admin.console.enabled:
+        # The console's browser calls carry its session cookie instead (and a CSRF token on changes).
+        if console_session.from_request(request, key.get_secret_value()) is not None:
+            request.state.admin_credential = "console-session"
+            return
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
         raise AuthenticationFailed("invalid admin key")
