@@ -35,7 +35,8 @@ SECURITY_HEADERS = {
     "content-security-policy": CSP,
     "x-content-type-options": "nosniff",
     "x-frame-options": "DENY",
-    "referrer-policy": "no-referrer",
+    # no-referrer would make Chromium send "Origin: null" on the sign-in form, which same_origin refuses
+    "referrer-policy": "same-origin",
     "cross-origin-opener-policy": "same-origin",
 }
 _STATIC = {"console.js": "text/javascript; charset=utf-8", "console.css": "text/css; charset=utf-8"}

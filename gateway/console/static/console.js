@@ -334,7 +334,7 @@ function showVerify(res) {
       `${d.checkpoints_signed} signed checkpoints checked.`));
   } else {
     box.className = "result error";
-    box.append(el("p", `The chain breaks: ${d.problem.kind} at record ${d.problem.seq}. ${d.problem.message}`));
+    box.append(el("p", `The chain breaks at record ${d.problem.seq} (${d.problem.kind}): ${d.problem.message}.`));
     const link = el("a", `Show record ${d.problem.seq}`);
     link.id = "broken-record";
     link.href = "#record-" + d.problem.seq;
