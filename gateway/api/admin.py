@@ -29,11 +29,11 @@ async def require_admin(request: Request) -> None:
     if key is None:
         raise AdminDisabled("Not Found")
     header = request.headers.get("authorization", "")
-    if not header and services.settings.admin.console.enabled:
-        # The console's browser calls carry its session cookie instead (and a CSRF token on changes).
-        if console_session.from_request(request, key.get_secret_value()) is not None:
-            request.state.admin_credential = "console-session"
-            return
+    # The console's browser calls carry its session cookie instead (and a CSRF token on changes).
+    console = not header and services.settings.admin.console.enabled
+    if console and console_session.from_request(request, key.get_secret_value()) is not None:
+        request.state.admin_credential = "console-session"
+        return
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
         raise AuthenticationFailed("invalid admin key")

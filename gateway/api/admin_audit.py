@@ -9,8 +9,9 @@ the chain. The full-chain walk stays ``GET /admin/audit/verify``.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from typing import Annotated, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
@@ -35,8 +36,8 @@ Text = Annotated[str, Field(min_length=1, max_length=200)]
 def _stored_ts(value: datetime) -> str:
     """The ``ts`` column's own format (UTC, microseconds, ``Z``), so range filters compare as text."""
     if value.tzinfo is None:
-        value = value.replace(tzinfo=timezone.utc)
-    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        value = value.replace(tzinfo=UTC)
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class Filters(BaseModel):
@@ -55,7 +56,7 @@ class Filters(BaseModel):
     degraded: Text | None = Field(default=None, description="a degradation reason, e.g. load-text-only")
 
     @model_validator(mode="after")
-    def _range(self) -> "Filters":
+    def _range(self) -> Filters:
         if self.since is not None and self.until is not None and _stored_ts(self.since) >= _stored_ts(self.until):
             raise ValueError("since must be before until")
         return self
@@ -80,7 +81,7 @@ class RangeParams(BaseModel):
     to_seq: Annotated[int, Field(ge=1)]
 
     @model_validator(mode="after")
-    def _ordered(self) -> "RangeParams":
+    def _ordered(self) -> RangeParams:
         if self.to_seq < self.from_seq:
             raise ValueError("to_seq must not be below from_seq")
         return self

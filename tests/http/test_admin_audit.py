@@ -14,7 +14,7 @@ import orjson
 import pytest
 import yaml
 
-from tests.console_setup import ADMIN_KEY, OMNI, TEXT, Engines, admin, chat, config, start, tenant_keys
+from tests.console_setup import ADMIN_KEY, OMNI, Engines, admin, chat, config, start, tenant_keys
 from tests.harness import wait_until
 from tests.stores import fresh_pg_database
 
@@ -287,7 +287,7 @@ def test_traffic_shows_the_admission_state(gw):
 
 
 def test_config_view_and_check_swap_nothing(gw):
-    server, keys, doc, path = gw
+    server, _, doc, path = gw
     c = admin(server, "GET", "/config").json()
     assert [e["name"] for e in c["engines"]] == ["omni-int4", "omni-bf16", "text-vllm", "spare-vllm"]
     assert all("api_key" not in e for e in c["engines"])
