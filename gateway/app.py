@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import heap
-from gateway.api import admin, admin_routing, admin_tenants, chat, ops
+from gateway.api import admin, admin_audit, admin_routing, admin_state, admin_tenants, chat, ops
+from gateway.console import routes as console
 from gateway.errors import InvalidRequest, OmnigateError
 from gateway.middleware import RequestIdMiddleware
 from gateway.services import Services
@@ -95,6 +96,9 @@ def create_app(
     app.include_router(admin.router)
     app.include_router(admin_tenants.router)
     app.include_router(admin_routing.router)
+    app.include_router(admin_audit.router)
+    app.include_router(admin_state.router)
+    app.include_router(console.router)
 
     @app.exception_handler(OmnigateError)
     async def _omnigate_error(request: Request, exc: OmnigateError) -> JSONResponse:

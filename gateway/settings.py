@@ -179,6 +179,15 @@ class ServerSettings(_Strict):
     drain_delay_s: Annotated[float, Field(ge=0)] = 5.0
 
 
+class ConsoleSettings(_Strict):
+    """The operator console under ``/admin/console``: off by default, signed in with ``admin.api_key``."""
+
+    enabled: bool = Field(default=False, description="serve the browser console (needs admin.api_key)")
+    session_ttl_s: Annotated[float, Field(gt=0, le=86400)] = Field(
+        default=8 * 3600, description="how long a console sign-in lasts before the operator signs in again"
+    )
+
+
 class AdminSettings(_Strict):
     """The admin API under ``/admin``: off the public OpenAPI schema, and 404 unless a key is set."""
 
@@ -190,6 +199,14 @@ class AdminSettings(_Strict):
     @property
     def enabled(self) -> bool:
         return self.api_key is not None or bool(self.keys)
+    console: ConsoleSettings = ConsoleSettings()
+
+    @model_validator(mode="after")
+    def _console_needs_key(self) -> "AdminSettings":
+        # The console signs in with the admin key; enabled without one it would be a door with no lock.
+        if self.console.enabled and self.api_key is None:
+            raise ValueError("admin.console.enabled needs admin.api_key (the console signs in with it)")
+        return self
 
     @field_validator("api_key")
     @classmethod

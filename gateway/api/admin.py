@@ -4,6 +4,8 @@ Every route depends on :func:`require_admin`. With no admin credential configure
 (``admin.api_key`` or ``admin.keys``) the whole surface answers 404, as if it did not
 exist. The credential that made a call is what the audit trail and the log record
 for it (``admin_credential``); a name a caller writes in a body is never taken for it.
+With the console on, a console session cookie is accepted in place of the Bearer key
+(gateway/console/session.py) and recorded as the credential ``console-session``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import structlog
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse
 
+from gateway.console import session as console_session
 from gateway.errors import AuthenticationFailed, OmnigateError
 from gateway.services import Services
 from gateway.settings import Settings
@@ -64,7 +67,14 @@ async def require_admin(request: Request) -> AdminCredential:
     services: Services = request.app.state.services
     if not services.settings.admin.enabled:
         raise AdminDisabled("Not Found")
-    cred = admin_credential(services.settings, request.headers.get("authorization"))
+    header = request.headers.get("authorization", "")
+    key = services.settings.admin.api_key
+    # The console's browser calls carry its session cookie instead (and a CSRF token on changes).
+    console = not header and key is not None and services.settings.admin.console.enabled
+    if console and console_session.from_request(request, key.get_secret_value()) is not None:
+        cred: AdminCredential | None = AdminCredential("console-session", "session")
+    else:
+        cred = admin_credential(services.settings, header)
     if cred is None:
         raise AuthenticationFailed("invalid admin key")
     request.state.admin_credential = cred

@@ -14,6 +14,7 @@ import asyncpg
 
 from gateway.tenants import KeyEntry
 from observability.audit.chain import GENESIS, Checkpoint, Row
+from observability.audit.search import AuditQuery, select
 from observability.audit.store import ROW_SELECT, Entry, chain_rows, schema
 
 _LOCK = 0x6F6D6E6961756469  # "omniaudi": the advisory lock that serialises appends
@@ -81,6 +82,10 @@ class PostgresStore:
     async def rows(self, after_seq: int, limit: int) -> list[Row]:
         recs = await self.pool.fetch(_ROW + " WHERE seq > $1 ORDER BY seq LIMIT $2", after_seq, limit)
         return [Row(*r) for r in recs]
+
+    async def search(self, query: AuditQuery, limit: int) -> list[Row]:
+        sql, args = select(query, "postgres", _ROW, limit)
+        return [Row(*r) for r in await self.pool.fetch(sql, *args)]
 
     async def seq_of_hash(self, digest: str) -> int | None:
         return await self.pool.fetchval("SELECT seq FROM audit_log WHERE hash = $1 LIMIT 1", digest)

@@ -14,6 +14,7 @@ from typing import Any, Callable, TypeVar
 
 from gateway.tenants import KeyEntry
 from observability.audit.chain import GENESIS, Checkpoint, Row
+from observability.audit.search import AuditQuery, select
 from observability.audit.store import ROW_SELECT, Entry, chain_rows, schema
 
 T = TypeVar("T")
@@ -94,6 +95,10 @@ class SQLiteStore:
 
     async def rows(self, after_seq: int, limit: int) -> list[Row]:
         return await self._run(self._rows, after_seq, limit)
+
+    async def search(self, query: AuditQuery, limit: int) -> list[Row]:
+        sql, args = select(query, "sqlite", _ROW, limit)
+        return await self._run(lambda: [Row(*r) for r in self.db.execute(sql, args).fetchall()])
 
     async def seq_of_hash(self, digest: str) -> int | None:
         def q() -> int | None:

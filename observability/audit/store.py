@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 from gateway.settings import AuditSettings
 from gateway.tenants import KeyEntry
 from observability.audit.chain import GENESIS, Checkpoint, Row, link
+from observability.audit.search import AuditQuery
 
 
 def schema(int_type: str, bool_type: str) -> str:
@@ -80,6 +81,10 @@ class AuditStore(Protocol):
     async def rows(self, after_seq: int, limit: int) -> list[Row]: ...
 
     async def seq_of_hash(self, digest: str) -> int | None: ...
+
+    async def search(self, query: AuditQuery, limit: int) -> list[Row]:
+        """Records matching ``query`` (see :mod:`.search`), newest first unless it pages forward."""
+        ...
 
     async def add_checkpoint(self, cp: Checkpoint) -> None: ...
 

@@ -1,0 +1,330 @@
+"""The operator console in a real browser: Debian's headless Chromium driven by Selenium, a real gateway.
+
+The gateway runs under uvicorn on its own scripted engines (tests/console_setup.py),
+with tenants, keys, SQLite audit and the console on. Each test is one thing an
+operator or auditor does, checked on the page and, where it changes something,
+through the admin API or a client request. Screenshots go to a temporary folder,
+or to ``$OMNIGATE_CONSOLE_SCREENSHOTS`` (the documentation's pictures come from there).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select, WebDriverWait
+
+from tests.console_setup import ADMIN_KEY, OMNI, Engines, admin, chat, config, start, tenant_keys
+
+pytestmark = pytest.mark.timeout(180)
+
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+#: a generous bound for what the page shows after a change (it polls every 2 s)
+WAIT_S = 20
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    where = os.environ.get("OMNIGATE_CONSOLE_SCREENSHOTS")
+    path = Path(where) if where else tmp_path_factory.mktemp("console-shots")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def driver():
+    # Installed by scripts/test-env.sh; a missing browser is a failed test, not a skipped one.
+    assert os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER), "apt-get install chromium chromium-driver"
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1440,1000",
+                "--disable-extensions", "--no-first-run"):
+        opts.add_argument(arg)
+    d = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    yield d
+    d.quit()
+
+
+@pytest.fixture(scope="module")
+def eng(bg):
+    e = Engines(bg)
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(bg, eng, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("console")
+    keys = tenant_keys()
+    doc = config(eng, tmp, keys)
+    server = start(bg, doc, tmp / "omnigate.yaml")
+    yield server, keys, doc, tmp
+    server.stop()
+
+
+def wait(d, predicate, what: str):
+    return WebDriverWait(d, WAIT_S, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,)).until(
+        lambda _: predicate(), message=what)
+
+
+def by_id(d, id_: str):
+    return d.find_element(By.ID, id_)
+
+
+def table_rows(d, table: str) -> list[list[str]]:
+    # Read in one script call: the live pages re-render their tables every 2 s.
+    return d.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map(r => [...r.cells].map(c => c.innerText.trim()))",
+        f"#{table} tbody tr")
+
+
+def sign_in(d, url: str) -> None:
+    d.get(url + "/admin/console/overview")
+    if d.current_url.endswith("/login"):
+        by_id(d, "key").send_keys(ADMIN_KEY)
+        by_id(d, "sign-in").click()
+        wait(d, lambda: d.current_url.endswith("/overview"), "signed in")
+
+
+def open_page(d, url: str, page: str) -> None:
+    sign_in(d, url)
+    d.get(f"{url}/admin/console/{page}")
+    wait(d, lambda: d.execute_script("return document.readyState") == "complete", f"{page} loaded")
+
+
+def confirm(d) -> None:
+    wait(d, lambda: by_id(d, "confirm").is_displayed(), "the confirmation step")
+    by_id(d, "confirm-yes").click()
+
+
+def shot(d, shots: Path, name: str) -> None:
+    """The whole page, not just the window: grow the window to the page's height for the picture."""
+    height = d.execute_script("return document.documentElement.scrollHeight")
+    d.set_window_size(1440, min(max(height, 600) + 140, 4000))
+    d.execute_script("window.scrollTo(0, 0)")
+    d.save_screenshot(str(shots / f"console-{name}.png"))
+    d.set_window_size(1440, 1000)
+
+
+def test_sign_in_then_the_overview_lists_the_engines(driver, gw, shots):
+    server = gw[0]
+    driver.delete_all_cookies()
+    driver.get(server.url + "/admin/console/overview")
+    assert driver.current_url == server.url + "/admin/console/login"
+    shot(driver, shots, "login")
+    by_id(driver, "key").send_keys("this-is-not-the-admin-key")
+    by_id(driver, "sign-in").click()
+    wait(driver, lambda: driver.find_elements(By.ID, "login-error"), "the sign-in error")
+    assert by_id(driver, "login-error").text == "That is not the admin key."
+    by_id(driver, "key").send_keys(ADMIN_KEY)
+    by_id(driver, "sign-in").click()
+    wait(driver, lambda: driver.current_url.endswith("/admin/console/overview"), "the overview")
+    wait(driver, lambda: len(table_rows(driver, "engines")) == 4, "four engines")
+    names = [r[0] for r in table_rows(driver, "engines")]
+    assert names == ["omni-int4", "omni-bf16", "text-vllm", "spare-vllm"]
+    kinds = {r[0]: r[1] for r in table_rows(driver, "engines")}
+    assert kinds["omni-int4"] == "vllm-omni" and kinds["text-vllm"] == "vllm"
+    wait(driver, lambda: by_id(driver, "admission").text.count("Soft limit") == 1, "the admission state")
+    # the cookie is not readable from script (HttpOnly)
+    assert driver.execute_script("return document.cookie") == ""
+
+
+def test_an_engine_goes_unhealthy_when_its_upstream_stops(driver, gw, eng, shots, bg):
+    server = gw[0]
+    open_page(driver, server.url, "overview")
+
+    def spare() -> list[str]:
+        return next((r for r in table_rows(driver, "engines") if r[0] == "spare-vllm"), [""] * 11)
+
+    wait(driver, lambda: spare()[5] == "healthy", "spare healthy at first")
+    driver.execute_script("window.notReloaded = true")
+    port = eng.spare.port
+    bg.run(eng.spare.stop())
+    try:
+        wait(driver, lambda: spare()[5] == "unhealthy", "spare shown unhealthy")
+        row = driver.find_element(By.CSS_SELECTOR, '#engines tr[data-engine="spare-vllm"]')
+        assert "bad" in row.get_attribute("class")
+        assert driver.execute_script("return window.notReloaded") is True  # live update, no reload
+        shot(driver, shots, "overview")
+    finally:
+        bg.run(eng.spare.start(port=port))
+    wait(driver, lambda: spare()[5] == "healthy", "spare healthy again")
+
+
+def test_pin_a_variant_and_see_the_routing_table_change(driver, gw, shots):
+    server = gw[0]
+    open_page(driver, server.url, "rollback")
+
+    def omni_rows() -> dict[str, list[str]]:
+        return {r[1]: r for r in table_rows(driver, "routing") if r[0] == OMNI}
+
+    wait(driver, lambda: omni_rows().get("omni-int4", [None, None, ""])[2] == "1.00", "int4 serves omni")
+    Select(by_id(driver, "pin-model")).select_by_visible_text(OMNI)
+    Select(by_id(driver, "pin-variant")).select_by_visible_text("bf16")
+    note = "<b>int4 drill</b>"
+    by_id(driver, "pin-note").send_keys(note)
+    by_id(driver, "pin").click()
+    confirm(driver)
+    wait(driver, lambda: omni_rows().get("omni-bf16", [""] * 5)[2:4] == ["1.00", "bf16"],
+         "the routing table pinned to bf16")
+    assert omni_rows()["omni-int4"][2] == "0.00"
+    assert admin(server, "GET", "/routing").json()["pins"] == {OMNI: "bf16"}
+    wait(driver, lambda: table_rows(driver, "transitions") and table_rows(driver, "transitions")[0][2] == "pin",
+         "the pin in the history")
+    top = table_rows(driver, "transitions")[0]
+    assert top[1] == "manual" and top[5] == OMNI and top[8] == f"console: {note}"  # markup shown as text
+    assert driver.find_elements(By.CSS_SELECTOR, "#transitions b") == []
+
+    by_id(driver, "freeze").click()
+    confirm(driver)
+    wait(driver, lambda: by_id(driver, "controller-state").text == "frozen", "frozen")
+    assert admin(server, "GET", "/routing").json()["frozen"] is True
+    shot(driver, shots, "rollback")
+    by_id(driver, "resume").click()
+    confirm(driver)
+    wait(driver, lambda: by_id(driver, "controller-state").text != "frozen", "resumed")
+    by_id(driver, "unpin").click()
+    by_id(driver, "confirm-no").click()  # cancelled: nothing changes
+    assert admin(server, "GET", "/routing").json()["pins"] == {OMNI: "bf16"}
+    by_id(driver, "unpin").click()
+    confirm(driver)
+    wait(driver, lambda: omni_rows()["omni-int4"][2] == "1.00", "unpinned")
+    # every change went into the audit trail with its actor and note
+    actions = [t["action"] for t in admin(server, "GET", "/routing/transitions").json()["transitions"]]
+    assert actions[:4] == ["unpin", "resume", "freeze", "pin"]
+
+
+def test_create_and_revoke_a_key_and_see_a_request_with_it_refused(driver, gw, shots):
+    server = gw[0]
+    open_page(driver, server.url, "tenants")
+    wait(driver, lambda: [r[0] for r in table_rows(driver, "tenants")] == ["acme", "globex"], "the tenants")
+    assert by_id(driver, "new-key").is_displayed() is False
+    Select(by_id(driver, "key-tenant")).select_by_visible_text("acme")
+    by_id(driver, "create-key").click()
+    wait(driver, lambda: by_id(driver, "new-key").is_displayed(), "the new key, shown once")
+    key = by_id(driver, "new-key-value").text
+    assert key.startswith("og_")
+    key_id = key.split("_")[1]
+    wait(driver, lambda: any(r[0] == key_id for r in table_rows(driver, "keys")), "the key in the list")
+    assert key not in driver.find_element(By.ID, "keys").text  # the list shows ids, never keys
+    assert chat(server, key).status_code == 200
+    shot(driver, shots, "tenants")
+
+    driver.find_element(By.CSS_SELECTOR, f'#keys button[data-key="{key_id}"]').click()
+    confirm(driver)
+    wait(driver, lambda: [r[2] for r in table_rows(driver, "keys") if r[0] == key_id] == ["revoked"], "revoked")
+    refused = chat(server, key)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    driver.refresh()
+    wait(driver, lambda: table_rows(driver, "keys"), "keys after a reload of the page")
+    assert by_id(driver, "new-key").is_displayed() is False  # shown once, gone after the page reloads
+
+
+def test_find_a_requests_audit_record_by_its_id(driver, gw, shots):
+    server, keys = gw[0], gw[1]
+    rid = f"find-me-{uuid.uuid4().hex[:12]}"
+    assert chat(server, keys["acme"].key, request_id=rid).status_code == 200
+    open_page(driver, server.url, "audit")
+    by_id(driver, "f-request_id").send_keys(rid)
+    by_id(driver, "search-go").click()
+
+    def found() -> list[list[str]]:
+        return [r for r in table_rows(driver, "records") if len(r) > 3 and r[3] == rid]
+
+    wait(driver, lambda: len(table_rows(driver, "records")) == 1 and found(), "exactly the request's record")
+    row = found()[0]
+    assert row[2] == "request" and row[4] == "acme" and row[6] == "text-vllm" and row[7] == "served"
+    driver.find_element(By.CSS_SELECTOR, "#records tbody tr a").click()
+    wait(driver, lambda: by_id(driver, "detail").is_displayed(), "the record's detail")
+    assert by_id(driver, "detail-seq").text == row[0]
+    head = dict(r for r in table_rows(driver, "detail-head"))
+    assert head["Request id"] == rid and head["Key id"] == keys["acme"].id and len(head["Hash"]) == 64
+    policies = table_rows(driver, "detail-policies")
+    assert policies and policies[0][0] == "request-limits" and policies[0][1] == "pre"
+    assert '"admission"' in by_id(driver, "detail-control").text
+    assert "text_sha256" in by_id(driver, "detail-digests").text
+    export = by_id(driver, "export").get_attribute("href")
+    assert export.startswith(server.url + "/admin/audit/export?") and rid in export
+    shot(driver, shots, "audit")
+
+
+def _copy_and_break(live: Path, copy: Path, seq: int) -> None:
+    src = sqlite3.connect(live)
+    dst = sqlite3.connect(copy)
+    src.backup(dst)  # a consistent copy of the live, WAL-mode database
+    src.close()
+    dst.execute("UPDATE audit_log SET data = replace(data, '\"status\":200', '\"status\":204') WHERE seq = ?", (seq,))
+    dst.commit()
+    dst.close()
+
+
+def test_break_a_copy_of_the_chain_and_see_verify_point_at_the_record(driver, gw, shots, bg, eng):
+    server, keys, doc, tmp = gw
+    for _ in range(3):
+        assert chat(server, keys["globex"].key).status_code == 200
+    requests = admin(server, "GET", "/audit/records", params={"kind": "request", "tenant": "globex"}).json()
+    target = requests["records"][1]["seq"]
+    head = admin(server, "GET", "/audit/records", params={"limit": 1}).json()["records"][0]["seq"]
+    copy_dir = tmp / "copy"
+    copy_dir.mkdir()
+    _copy_and_break(Path(doc["audit"]["sqlite_path"]), copy_dir / "audit.db", target)
+    copy_doc = {**doc, "audit": {**doc["audit"], "sqlite_path": str(copy_dir / "audit.db")}}
+    auditor = start(bg, copy_doc, copy_dir / "omnigate.yaml")
+    try:
+        open_page(driver, auditor.url, "audit")
+        by_id(driver, "v-from").clear()
+        by_id(driver, "v-from").send_keys("1")
+        by_id(driver, "v-to").clear()
+        by_id(driver, "v-to").send_keys(str(head))
+        by_id(driver, "verify").click()
+        wait(driver, lambda: "breaks" in by_id(driver, "verify-result").text, "the verify result")
+        text = by_id(driver, "verify-result").text
+        assert f"breaks at record {target} (edited)" in text and f"record {target} was edited" in text
+        by_id(driver, "broken-record").click()
+        wait(driver, lambda: by_id(driver, "detail-seq").text == str(target), "the broken record's detail")
+        assert dict(table_rows(driver, "detail-head"))["Outcome"].startswith("served (204")  # the edit, on show
+        shot(driver, shots, "audit-verify")
+        # the range before the edit verifies, and the live chain is intact
+        by_id(driver, "v-to").clear()
+        by_id(driver, "v-to").send_keys(str(target - 1))
+        by_id(driver, "verify").click()
+        wait(driver, lambda: "intact" in by_id(driver, "verify-result").text, "the earlier range verifies")
+    finally:
+        auditor.stop()
+    assert admin(server, "GET", "/audit/verify").json()["ok"] is True
+
+
+def test_configuration_page_and_a_check_before_reload(driver, gw, shots):
+    server = gw[0]
+    open_page(driver, server.url, "config")
+    wait(driver, lambda: len(table_rows(driver, "chains")) == 2, "the policy chains")
+    chains = {r[0]: r for r in table_rows(driver, "chains")}
+    assert chains["policies (default)"][1] == "request-limits" and "policy_sets.strict" in chains
+    tenants = {r[0]: r[3] for r in table_rows(driver, "tenant-chains")}
+    assert tenants == {"acme": "policies (default)", "globex": "policy_sets.strict"}
+    assert [r[0] for r in table_rows(driver, "engine-config")] == ["omni-int4", "omni-bf16", "text-vllm",
+                                                                  "spare-vllm"]
+    by_id(driver, "check").click()
+    wait(driver, lambda: "Check:" in by_id(driver, "check-result").text, "the check result")
+    assert "the file is valid" in by_id(driver, "check-result").text
+    shot(driver, shots, "config")
+
+
+def test_sign_out(driver, gw):
+    server = gw[0]
+    open_page(driver, server.url, "overview")
+    by_id(driver, "sign-out").click()
+    wait(driver, lambda: driver.current_url.endswith("/login"), "the sign-in page")
+    driver.get(server.url + "/admin/console/audit")
+    assert driver.current_url.endswith("/login")
+    assert httpx.get(server.url + "/admin/engines", timeout=5).status_code == 401

@@ -1,0 +1,90 @@
+"""A gateway as the console's tests run it: its own scripted engines, tenants and keys, audit, admin key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from prometheus_client import CollectorRegistry
+
+from gateway.settings import load_settings
+from gateway.tenants import MintedKey, mint_key
+from tests.harness import BackgroundLoop, GatewayServer
+from tests.stores import redis_prefix
+from tests.upstream import Script, ScriptedUpstream
+
+ADMIN_KEY = "adm-console-0123456789abcdef"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+OMNI = "omni"
+TEXT = "text"
+SPARE = "spare"
+
+
+class Engines:
+    """Four scripted upstreams: an omni model in two variants, a text model, and a spare engine to stop."""
+
+    def __init__(self, bg: BackgroundLoop) -> None:
+        self.bg = bg
+        self.int4 = ScriptedUpstream(Script(flavour="omni"))
+        self.bf16 = ScriptedUpstream(Script(flavour="omni"))
+        self.text = ScriptedUpstream(Script(flavour="vllm"))
+        self.spare = ScriptedUpstream(Script(flavour="vllm"))
+        for u in self.all:
+            bg.run(u.start())
+
+    @property
+    def all(self) -> list[ScriptedUpstream]:
+        return [self.int4, self.bf16, self.text, self.spare]
+
+    def stop(self) -> None:
+        for u in self.all:
+            self.bg.run(u.stop())
+
+
+def config(eng: Engines, tmp_path: Path, keys: dict[str, MintedKey], *, console: bool = True,
+           audit: dict[str, Any] | None = None, admin_key: str = ADMIN_KEY) -> dict[str, Any]:
+    def engine(name: str, up: ScriptedUpstream, kind: str, variant: str, serves: str, **kw: Any) -> dict[str, Any]:
+        return {"name": name, "kind": kind, "base_url": up.base_url, "model": name, "variant": variant,
+                "serves": [serves], "first_byte_timeout_s": 5, "read_timeout_s": 5, **kw}
+
+    return {
+        "engines": [
+            engine("omni-int4", eng.int4, "vllm-omni", "int4", OMNI),
+            engine("omni-bf16", eng.bf16, "vllm-omni", "bf16", OMNI, role="fallback"),
+            engine("text-vllm", eng.text, "vllm", "fp16", TEXT),
+            engine("spare-vllm", eng.spare, "vllm", "fp8", SPARE),
+        ],
+        "admin": {"api_key": admin_key, "console": {"enabled": console}},
+        "policies": {"pre": [{"name": "request-limits"}]},
+        "policy_sets": {"strict": {"pre": [{"name": "request-limits", "config": {"max_messages": 8}}]}},
+        "tenants": [{"name": "acme", "priority": "interactive"}, {"name": "globex", "policy_set": "strict"}],
+        "api_keys": [{"id": k.id, "tenant": t, "sha256": k.sha256} for t, k in keys.items()],
+        "rate_limits": {"key_prefix": redis_prefix()},
+        "audit": audit or {"sqlite_path": str(tmp_path / "audit.db"), "signing": {"key": "cp-secret-console"}},
+        "routing": {"probe_interval_s": 0.2, "controller": {"enabled": False}},
+        "logging": {"level": "warning"},
+    }
+
+
+def start(bg: BackgroundLoop, doc: dict[str, Any], path: Path) -> GatewayServer:
+    path.write_text(yaml.safe_dump(doc))
+    return GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
+
+
+def tenant_keys() -> dict[str, MintedKey]:
+    return {"acme": mint_key(), "globex": mint_key()}
+
+
+def chat(server: GatewayServer, key: str, model: str = TEXT, request_id: str | None = None,
+         messages: int = 1) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"}
+    if request_id is not None:
+        headers["x-request-id"] = request_id
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}] * messages}
+    return httpx.post(server.url + "/v1/chat/completions", headers=headers, json=body, timeout=10)
+
+
+def admin(server: GatewayServer, method: str, path: str, **kw: Any) -> httpx.Response:
+    return httpx.request(method, server.url + "/admin" + path, headers=ADMIN, timeout=10, **kw)
