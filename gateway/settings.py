@@ -195,11 +195,11 @@ class AdminSettings(_Strict):
         default=None, description="Bearer key for /admin (recorded as credential api_key); unset with no keys: off"
     )
     keys: list[AdminKey] = Field(default_factory=list, description="named admin credentials (SHA-256 only)")
+    console: ConsoleSettings = ConsoleSettings()
 
     @property
     def enabled(self) -> bool:
         return self.api_key is not None or bool(self.keys)
-    console: ConsoleSettings = ConsoleSettings()
 
     @model_validator(mode="after")
     def _console_needs_key(self) -> "AdminSettings":
