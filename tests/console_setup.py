@@ -44,7 +44,8 @@ class Engines:
 
 
 def config(eng: Engines, tmp_path: Path, keys: dict[str, MintedKey], *, console: bool = True,
-           audit: dict[str, Any] | None = None, admin_key: str = ADMIN_KEY) -> dict[str, Any]:
+           audit: dict[str, Any] | None = None, admin_key: str = ADMIN_KEY,
+           controller: dict[str, Any] | None = None) -> dict[str, Any]:
     def engine(name: str, up: ScriptedUpstream, kind: str, variant: str, serves: str, **kw: Any) -> dict[str, Any]:
         return {"name": name, "kind": kind, "base_url": up.base_url, "model": name, "variant": variant,
                 "serves": [serves], "first_byte_timeout_s": 5, "read_timeout_s": 5, **kw}
@@ -63,7 +64,8 @@ def config(eng: Engines, tmp_path: Path, keys: dict[str, MintedKey], *, console:
         "api_keys": [{"id": k.id, "tenant": t, "sha256": k.sha256} for t, k in keys.items()],
         "rate_limits": {"key_prefix": redis_prefix()},
         "audit": audit or {"sqlite_path": str(tmp_path / "audit.db"), "signing": {"key": "cp-secret-console"}},
-        "routing": {"probe_interval_s": 0.2, "controller": {"enabled": False}},
+        "routing": {"probe_interval_s": 0.2, "controller": controller or {"enabled": False},
+                    "signals": {"window_s": 3.0, "scrape_interval_s": 0.1, "scrape_timeout_s": 1}},
         "logging": {"level": "warning"},
     }
 
@@ -84,6 +86,24 @@ def chat(server: GatewayServer, key: str, model: str = TEXT, request_id: str | N
         headers["x-request-id"] = request_id
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}] * messages}
     return httpx.post(server.url + "/v1/chat/completions", headers=headers, json=body, timeout=10)
+
+
+#: a rollback rule that fires fast: INT4's time to first token above 150 ms for 0.2 s moves omni to BF16
+FAST_RULE = {
+    "enabled": True, "interval_s": 0.1, "min_dwell_s": 0, "cooldown_s": 0, "max_switches_per_hour": 100,
+    "rules": [{"name": "int4-latency", "select": {"variants": ["int4"]}, "signal": "ttft_p99", "above": 0.15,
+               "for_s": 0.2, "min_samples": 3, "recover_below": 0.05, "recover_for_s": 600,
+               "action": {"kind": "shift", "to_variants": ["bf16"], "trickle_weight": 0.0}}],
+}
+
+
+def stream_chat(server: GatewayServer, key: str, model: str = OMNI) -> int:
+    """One streamed request read to the end (time to first token is measured on streams); its status."""
+    body = {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"authorization": f"Bearer {key}"}) as r:
+        r.read()
+        return r.status_code
 
 
 def admin(server: GatewayServer, method: str, path: str, **kw: Any) -> httpx.Response:

@@ -22,7 +22,19 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from tests.console_setup import ADMIN_KEY, OMNI, Engines, admin, chat, config, start, tenant_keys
+from tests.console_setup import (
+    ADMIN_KEY,
+    FAST_RULE,
+    OMNI,
+    Engines,
+    admin,
+    chat,
+    config,
+    start,
+    stream_chat,
+    tenant_keys,
+)
+from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -202,6 +214,34 @@ def test_pin_a_variant_and_see_the_routing_table_change(driver, gw, shots):
     # every change went into the audit trail with its actor and note
     actions = [t["action"] for t in admin(server, "GET", "/routing/transitions").json()["transitions"]]
     assert actions[:4] == ["unpin", "resume", "freeze", "pin"]
+
+
+def test_an_automatic_rollback_shows_its_rule_signal_and_timing(driver, bg, eng, tmp_path, shots):
+    keys = tenant_keys()
+    server = start(bg, config(eng, tmp_path, keys, controller=FAST_RULE), tmp_path / "omnigate.yaml")
+    try:
+        bg.call(lambda: setattr(eng.int4, "default", Script(flavour="omni", first_byte_delay_s=0.3)))
+        open_page(driver, server.url, "rollback")
+
+        def fired() -> bool:
+            assert stream_chat(server, keys["acme"].key) == 200
+            return admin(server, "GET", "/routing").json()["weights"][OMNI]["omni-bf16"] == 1.0
+
+        wait(driver, fired, "the rule moved omni to bf16")
+        driver.refresh()
+        wait(driver, lambda: any(r[3] == "int4-latency" for r in table_rows(driver, "transitions")),
+             "the automatic transition in the history")
+        row = next(r for r in table_rows(driver, "transitions") if r[3] == "int4-latency")
+        assert row[1] == "auto" and row[2] == "shift" and row[4] == "omni-int4" and row[5] == OMNI
+        signal, took = row[6], row[7]
+        assert signal.startswith("ttft_p99 = 0.") and signal.endswith("> 0.15")
+        assert float(signal.split()[2]) > 0.15 and took.endswith(" s") and float(took[:-2]) >= 0
+        wait(driver, lambda: {r[1]: r[2] for r in table_rows(driver, "routing") if r[0] == OMNI}
+             == {"omni-int4": "0.00", "omni-bf16": "1.00"}, "the table after the shift")
+        shot(driver, shots, "rollback-auto")
+    finally:
+        bg.call(lambda: setattr(eng.int4, "default", Script(flavour="omni")))
+        server.stop()
 
 
 def test_create_and_revoke_a_key_and_see_a_request_with_it_refused(driver, gw, shots):
