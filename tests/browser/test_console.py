@@ -114,6 +114,15 @@ def open_page(d, url: str, page: str) -> None:
     wait(d, lambda: d.execute_script("return document.readyState") == "complete", f"{page} loaded")
 
 
+def choose(d, id_: str, text: str) -> None:
+    """Pick an option, again if the page re-rendered the list under the click (it refreshes after changes)."""
+    def pick() -> bool:
+        Select(by_id(d, id_)).select_by_visible_text(text)
+        return Select(by_id(d, id_)).first_selected_option.text == text
+
+    wait(d, pick, f"{text} chosen in {id_}")
+
+
 def confirm(d) -> None:
     wait(d, lambda: by_id(d, "confirm").is_displayed(), "the confirmation step")
     by_id(d, "confirm-yes").click()
@@ -181,8 +190,8 @@ def test_pin_a_variant_and_see_the_routing_table_change(driver, gw, shots):
         return {r[1]: r for r in table_rows(driver, "routing") if r[0] == OMNI}
 
     wait(driver, lambda: omni_rows().get("omni-int4", [None, None, ""])[2] == "1.00", "int4 serves omni")
-    Select(by_id(driver, "pin-model")).select_by_visible_text(OMNI)
-    Select(by_id(driver, "pin-variant")).select_by_visible_text("bf16")
+    choose(driver, "pin-model", OMNI)
+    choose(driver, "pin-variant", "bf16")
     note = "<b>int4 drill</b>"
     by_id(driver, "pin-note").send_keys(note)
     by_id(driver, "pin").click()
@@ -248,8 +257,25 @@ def test_create_and_revoke_a_key_and_see_a_request_with_it_refused(driver, gw, s
     server = gw[0]
     open_page(driver, server.url, "tenants")
     wait(driver, lambda: [r[0] for r in table_rows(driver, "tenants")] == ["acme", "globex"], "the tenants")
+    by_id(driver, "tenant-name").send_keys("initech")
+    choose(driver, "tenant-priority", "batch")
+    choose(driver, "tenant-set", "strict")
+    by_id(driver, "tenant-rpm").send_keys("120")
+    by_id(driver, "tenant-concurrency").send_keys("4")
+    choose(driver, "tenant-audit", "redacted")
+    by_id(driver, "create-tenant").click()
+    wait(driver, lambda: len(table_rows(driver, "tenants")) == 3, "the new tenant listed")
+    initech = next(r for r in table_rows(driver, "tenants") if r[0] == "initech")
+    assert initech[1:5] == ["admin", "yes", "batch", "strict"] and initech[6] == "120" and initech[8:10] == [
+        "4", "redacted"]
+    made = {t["name"]: t for t in admin(server, "GET", "/tenants").json()["tenants"]}["initech"]
+    assert (made["priority"], made["policy_set"], made["max_concurrency"]) == ("batch", "strict", 4)
+    assert by_id(driver, "tenant-name").get_attribute("value") == ""  # the form is cleared after a create
+    by_id(driver, "tenant-name").send_keys("initech")  # again: the API's 409 is shown, nothing changes
+    by_id(driver, "create-tenant").click()
+    wait(driver, lambda: by_id(driver, "action-result").text.startswith("409"), "the conflict shown")
     assert by_id(driver, "new-key").is_displayed() is False
-    Select(by_id(driver, "key-tenant")).select_by_visible_text("acme")
+    choose(driver, "key-tenant", "acme")
     by_id(driver, "create-key").click()
     wait(driver, lambda: by_id(driver, "new-key").is_displayed(), "the new key, shown once")
     key = by_id(driver, "new-key-value").text
@@ -351,7 +377,7 @@ def test_configuration_page_and_a_check_before_reload(driver, gw, shots):
     chains = {r[0]: r for r in table_rows(driver, "chains")}
     assert chains["policies (default)"][1] == "request-limits" and "policy_sets.strict" in chains
     tenants = {r[0]: r[3] for r in table_rows(driver, "tenant-chains")}
-    assert tenants == {"acme": "policies (default)", "globex": "policy_sets.strict"}
+    assert tenants["acme"] == "policies (default)" and tenants["globex"] == "policy_sets.strict"
     assert [r[0] for r in table_rows(driver, "engine-config")] == ["omni-int4", "omni-bf16", "text-vllm",
                                                                   "spare-vllm"]
     by_id(driver, "check").click()

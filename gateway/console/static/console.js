@@ -207,7 +207,7 @@ async function tenantsPage() {
   if (!tenants.ok || !keys.ok) { status(errorText(tenants.ok ? keys : tenants), true); return; }
   fill("tenants", tenants.data.tenants.map((t) => row([t.name, t.source, t.enabled ? "yes" : "no", t.priority,
     t.policy_set || "(policies)", t.models ? t.models.join(", ") : "all", t.requests_per_minute || "",
-    t.max_concurrency || "", t.keys.length])));
+    t.tokens_per_minute || "", t.max_concurrency || "", t.audit_content, t.keys.length])));
   fill("keys", keys.data.keys.map((k) => {
     let action = "";
     if (k.enabled && k.source === "admin") {
@@ -247,8 +247,11 @@ function tenants() {
     const body = { name: $("tenant-name").value, priority: $("tenant-priority").value };
     if ($("tenant-set").value) body.policy_set = $("tenant-set").value;
     if ($("tenant-rpm").value) body.requests_per_minute = Number($("tenant-rpm").value);
+    if ($("tenant-concurrency").value) body.max_concurrency = Number($("tenant-concurrency").value);
+    body.audit_content = $("tenant-audit").value;
     const res = await api("POST", "/tenants", body);
     result("action-result", res.ok ? `tenant ${body.name} created` : errorText(res), !res.ok);
+    if (res.ok) $("tenant-form").reset();
     await tenantsPage();
   };
   $("key-form").onsubmit = async (ev) => {
