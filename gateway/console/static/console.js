@@ -236,11 +236,14 @@ async function tenantsPage() {
   }
 }
 
+let defaultPriority = "standard";
+
 function tenants() {
   api("GET", "/traffic").then((t) => {
     const classes = t.ok && t.data.enabled ? t.data.priorities.map((p) => p.name) : ["standard"];
     $("tenant-priority").replaceChildren(...classes.map((c) => el("option", c)));
-    $("tenant-priority").value = classes.includes("standard") ? "standard" : classes[0];
+    defaultPriority = classes.includes("standard") ? "standard" : classes[0];
+    $("tenant-priority").value = defaultPriority;
   });
   $("tenant-form").onsubmit = async (ev) => {
     ev.preventDefault();
@@ -251,7 +254,10 @@ function tenants() {
     body.audit_content = $("tenant-audit").value;
     const res = await api("POST", "/tenants", body);
     result("action-result", res.ok ? `tenant ${body.name} created` : errorText(res), !res.ok);
-    if (res.ok) $("tenant-form").reset();
+    if (res.ok) {
+      $("tenant-form").reset();
+      $("tenant-priority").value = defaultPriority;
+    }
     await tenantsPage();
   };
   $("key-form").onsubmit = async (ev) => {
@@ -321,7 +327,7 @@ async function detail(seq) {
   $("detail-digests").textContent = JSON.stringify({ input: p.input, output: p.output }, null, 2);
   const other = r.kind === "request" ? p.content : p;
   $("detail-content").textContent = other ? JSON.stringify(other, null, 2)
-    : "not kept (audit.content: digests)";
+    : "not kept (the tenant's audit_content is digests)";
   $("detail").scrollIntoView();
 }
 
