@@ -78,7 +78,7 @@ async def traffic(request: Request) -> JSONResponse:
 
 class TransitionParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    before_seq: Annotated[int, Field(ge=1)] | None = None
+    before_seq: Annotated[int, Field(ge=1, le=2**63 - 1)] | None = None
     limit: Annotated[int, Field(ge=1, le=500)] = 50
 
 
