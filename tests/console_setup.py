@@ -45,7 +45,7 @@ class Engines:
 
 def config(eng: Engines, tmp_path: Path, keys: dict[str, MintedKey], *, console: bool = True,
            audit: dict[str, Any] | None = None, admin_key: str = ADMIN_KEY,
-           controller: dict[str, Any] | None = None) -> dict[str, Any]:
+           controller: dict[str, Any] | None = None, state: dict[str, Any] | None = None) -> dict[str, Any]:
     def engine(name: str, up: ScriptedUpstream, kind: str, variant: str, serves: str, **kw: Any) -> dict[str, Any]:
         return {"name": name, "kind": kind, "base_url": up.base_url, "model": name, "variant": variant,
                 "serves": [serves], "first_byte_timeout_s": 5, "read_timeout_s": 5, **kw}
@@ -59,12 +59,17 @@ def config(eng: Engines, tmp_path: Path, keys: dict[str, MintedKey], *, console:
         ],
         "admin": {"api_key": admin_key, "console": {"enabled": console}},
         "policies": {"pre": [{"name": "request-limits"}]},
-        "policy_sets": {"strict": {"pre": [{"name": "request-limits", "config": {"max_messages": 8}}]}},
+        # strict enforces 8 messages and, in shadow mode, records what a limit of 1 would have refused
+        "policy_sets": {"strict": {"pre": [
+            {"name": "request-limits", "config": {"max_messages": 8}},
+            {"name": "request-limits", "shadow": True, "config": {"max_messages": 1}},
+        ]}},
         "tenants": [{"name": "acme", "priority": "interactive"}, {"name": "globex", "policy_set": "strict"}],
         "api_keys": [{"id": k.id, "tenant": t, "sha256": k.sha256} for t, k in keys.items()],
         "rate_limits": {"key_prefix": redis_prefix()},
         "audit": audit or {"sqlite_path": str(tmp_path / "audit.db"), "signing": {"key": "cp-secret-console"}},
         "routing": {"probe_interval_s": 0.2, "controller": controller or {"enabled": False},
+                    **({"state": state} if state else {}),
                     "signals": {"window_s": 3.0, "scrape_interval_s": 0.1, "scrape_timeout_s": 1}},
         "logging": {"level": "warning"},
     }
