@@ -323,7 +323,9 @@ async function detail(seq) {
   fill("detail-head", head.map(([k, v]) => { const x = row([k, v]); x.firstChild.className = "key"; return x; }));
   fill("detail-policies", (p.policies || []).map((x) => row([x.name, x.stage, x.verdict, x.duration_ms,
     x.shadow ? "shadow" : "", x.attempt, x.detail === null || x.detail === undefined ? "" : JSON.stringify(x.detail)])));
-  $("detail-control").textContent = JSON.stringify(p.control || {}, null, 2);
+  const control = { ...(p.control || {}), degraded: p.degraded, notes: p.notes, attempts: p.attempts,
+    retries: p.retries, ttft_ms: p.ttft_ms, priority: p.priority, policy_set: p.policy_set };
+  $("detail-control").textContent = JSON.stringify(control, null, 2);
   $("detail-digests").textContent = JSON.stringify({ input: p.input, output: p.output }, null, 2);
   const other = r.kind === "request" ? p.content : p;
   $("detail-content").textContent = other ? JSON.stringify(other, null, 2)
