@@ -90,6 +90,7 @@ async def login(request: Request) -> Response:
     given = (parse_qs(body.decode("utf-8", "replace")).get("key") or [""])[0]
     services: Services = request.app.state.services
     if not hmac.compare_digest(given.encode(), key.encode()):
+        services.metrics.auth_failures.labels("console_sign_in").inc()
         log.warning("console_sign_in_failed")
         return _render("login.html", status=401, error="That is not the admin key.")
     ttl = int(services.settings.admin.console.session_ttl_s)

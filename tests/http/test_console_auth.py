@@ -81,6 +81,7 @@ def test_sign_in_sets_a_strict_session_cookie(gw):
         wrong = _sign_in(c, "not-the-admin-key-at-all")
         assert wrong.status_code == 401 and "set-cookie" not in wrong.headers
         assert "That is not the admin key." in wrong.text and "not-the-admin-key" not in wrong.text
+        assert server.registry.get_sample_value("omnigate_auth_failures_total", {"reason": "console_sign_in"}) == 1
         ok = _sign_in(c)
         assert ok.status_code == 303 and ok.headers["location"] == "/admin/console/overview"
         cookie = ok.headers["set-cookie"]
