@@ -8,6 +8,7 @@ gateway whose console is off; a session surviving a change of the admin key.
 from __future__ import annotations
 
 import re
+import socket
 import time
 
 import httpx
@@ -276,5 +277,25 @@ def test_without_an_admin_key_every_admin_route_is_404(bg, eng, tmp_path):
             for method, path in _admin_routes(server):
                 r = c.request(method, path, headers=ADMIN)
                 assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, path)
+    finally:
+        server.stop()
+
+
+def test_a_trickled_sign_in_form_is_cut_off_with_408(bg, eng, tmp_path):
+    doc = config(eng, tmp_path, tenant_keys())
+    doc["server"] = {"body_timeout_s": 1.0}
+    server = start(bg, doc, tmp_path / "omnigate.yaml")
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=15) as s:
+            s.sendall(b"POST /admin/console/login HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 200\r\n\r\nkey=a")
+            reply = b""
+            while b"\r\n\r\n" not in reply:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"set-cookie" not in reply.lower()
     finally:
         server.stop()
