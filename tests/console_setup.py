@@ -84,13 +84,17 @@ def tenant_keys() -> dict[str, MintedKey]:
     return {"acme": mint_key(), "globex": mint_key()}
 
 
-def chat(server: GatewayServer, key: str, model: str = TEXT, request_id: str | None = None,
-         messages: int = 1) -> httpx.Response:
+def chat(server: GatewayServer, key: str, model: str = TEXT, messages: int = 1) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"}
-    if request_id is not None:
-        headers["x-request-id"] = request_id
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}] * messages}
     return httpx.post(server.url + "/v1/chat/completions", headers=headers, json=body, timeout=10)
+
+
+def request_id(server: GatewayServer, key: str, status: int = 200, **kw: Any) -> str:
+    """Send one request, check its status, return the request id the gateway gave it (its audit key)."""
+    r = chat(server, key, **kw)
+    assert r.status_code == status, r.text
+    return r.headers["x-request-id"]
 
 
 #: a rollback rule that fires fast: INT4's time to first token above 150 ms for 0.2 s moves omni to BF16

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import uuid
 from pathlib import Path
 
 import httpx
@@ -30,6 +29,7 @@ from tests.console_setup import (
     admin,
     chat,
     config,
+    request_id,
     start,
     stream_chat,
     tenant_keys,
@@ -298,8 +298,7 @@ def test_create_and_revoke_a_key_and_see_a_request_with_it_refused(driver, gw, s
 
 def test_find_a_requests_audit_record_by_its_id(driver, gw, shots):
     server, keys = gw[0], gw[1]
-    rid = f"find-me-{uuid.uuid4().hex[:12]}"
-    assert chat(server, keys["acme"].key, request_id=rid).status_code == 200
+    rid = request_id(server, keys["acme"].key)
     open_page(driver, server.url, "audit")
     by_id(driver, "f-request_id").send_keys(rid)
     by_id(driver, "search-go").click()

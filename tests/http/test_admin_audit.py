@@ -7,14 +7,13 @@ PostgreSQL (the two audit stores implement search in their own SQL).
 from __future__ import annotations
 
 import sqlite3
-import uuid
 
 import httpx
 import orjson
 import pytest
 import yaml
 
-from tests.console_setup import ADMIN_KEY, OMNI, Engines, admin, chat, config, start, tenant_keys
+from tests.console_setup import ADMIN_KEY, OMNI, Engines, admin, chat, config, request_id, start, tenant_keys
 from tests.harness import wait_until
 from tests.stores import fresh_pg_database
 
@@ -48,15 +47,12 @@ def gw(request, bg, eng, tmp_path):
 def _traffic(server, keys) -> dict[str, str]:
     """Three requests of acme, two of globex (one refused by its policy set); their request ids."""
     ids = {}
-    for i in range(3):
-        rid = f"acme-{i}-{uuid.uuid4().hex[:8]}"
-        assert chat(server, keys["acme"].key, request_id=rid).status_code == 200
+    for _ in range(3):
+        rid = request_id(server, keys["acme"].key)
         ids[rid] = "served"
-    rid = f"globex-ok-{uuid.uuid4().hex[:8]}"
-    assert chat(server, keys["globex"].key, request_id=rid).status_code == 200
+    rid = request_id(server, keys["globex"].key)
     ids[rid] = "served"
-    rid = f"globex-refused-{uuid.uuid4().hex[:8]}"
-    assert chat(server, keys["globex"].key, request_id=rid, messages=9).status_code == 400
+    rid = request_id(server, keys["globex"].key, 400, messages=9)
     ids[rid] = "refused"
     return ids
 
@@ -146,8 +142,7 @@ def test_records_need_the_admin_key(gw):
 
 def test_one_record_and_missing_ones(gw):
     server, keys, _, _ = gw
-    rid = f"one-{uuid.uuid4().hex[:8]}"
-    assert chat(server, keys["acme"].key, request_id=rid).status_code == 200
+    rid = request_id(server, keys["acme"].key)
     assert wait_until(lambda: _records(server, request_id=rid)["records"], timeout=10)
     seq = _records(server, request_id=rid)["records"][0]["seq"]
     r = admin(server, "GET", f"/audit/records/{seq}").json()

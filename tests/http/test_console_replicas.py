@@ -9,14 +9,13 @@ and shows the new config; a shadow policy's verdict is searchable and shown.
 from __future__ import annotations
 
 import re
-import uuid
 
 import httpx
 import pytest
 import yaml
 
 from gateway.console import session
-from tests.console_setup import ADMIN, ADMIN_KEY, OMNI, Engines, chat, config, start, tenant_keys
+from tests.console_setup import ADMIN, ADMIN_KEY, OMNI, Engines, config, request_id, start, tenant_keys
 from tests.harness import wait_until
 from tests.stores import fresh_pg_database, redis_prefix
 
@@ -73,8 +72,7 @@ def test_a_session_on_one_replica_pins_and_both_see_it(pair):
             pins = [t for t in history["transitions"] if t["action"] == "pin"]
             assert len(pins) == 1 and pins[0]["detail"]["actor"] == "console"
 
-        rid = f"via-b-{uuid.uuid4().hex[:8]}"
-        assert chat(b, keys["acme"].key, request_id=rid).status_code == 200
+        rid = request_id(b, keys["acme"].key)
         assert wait_until(lambda: ca.get("/admin/audit/records", params={"request_id": rid}).json()["records"],
                           timeout=10)
         head = ca.get("/admin/audit/records", params={"limit": 1}).json()["records"][0]["seq"]
@@ -99,9 +97,8 @@ def test_a_hot_reload_keeps_the_session_and_the_console_shows_the_new_config(pai
 
 def test_a_shadow_verdict_is_recorded_searchable_and_does_not_act(pair):
     (a, b), _, keys, _ = pair
-    rid = f"shadow-{uuid.uuid4().hex[:8]}"
     # two messages: strict's enforced limit (8) lets it through; its shadow limit (1) would have refused it
-    assert chat(b, keys["globex"].key, request_id=rid, messages=2).status_code == 200
+    rid = request_id(b, keys["globex"].key, messages=2)
 
     def record():
         found = httpx.get(a.url + "/admin/audit/records", params={"request_id": rid}, headers=ADMIN).json()
