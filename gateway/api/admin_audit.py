@@ -50,7 +50,8 @@ class Filters(BaseModel):
     until: datetime | None = Field(default=None, description="records before this time")
     kind: Text | None = Field(default=None, description="request, routing_transition, admin_change, ...")
     tenant: Text | None = None
-    request_id: Text | None = None
+    request_id: Text | None = Field(default=None, description="the id the gateway gave the request")
+    client_request_id: Text | None = Field(default=None, description="the id the client sent (x-request-id)")
     outcome: Text | None = Field(default=None, description="served, degraded, refused, failed, cancelled")
     engine: Text | None = None
     policy: Text | None = Field(default=None, description="a policy that ran on the request")

@@ -274,7 +274,7 @@ function tenants() {
 
 // -- Audit ----------------------------------------------------------------------------------------
 let recordsCursor = null;
-const FILTERS = ["since", "until", "request_id", "tenant", "kind", "outcome", "engine", "policy", "verdict", "degraded"];
+const FILTERS = ["since", "until", "request_id", "client_request_id", "tenant", "kind", "outcome", "engine", "policy", "verdict", "degraded"];
 
 function filterQuery() {
   const q = new URLSearchParams();
