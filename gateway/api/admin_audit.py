@@ -128,7 +128,8 @@ def summary(row: Row) -> dict[str, Any]:
         out.update({k: payload.get(k) for k in ("public_model", "engine", "variant", "outcome", "status",
                                                  "duration_ms")})
         out["degraded"] = payload.get("degraded") or []
-        out["policies"] = [f"{p.get('name')}:{p.get('verdict')}" for p in payload.get("policies") or []]
+        out["policies"] = [f"{p.get('name')}:{p.get('verdict')}" + (" (shadow)" if p.get("shadow") else "")
+                           for p in payload.get("policies") or []]
     else:
         out["action"] = payload.get("action")
     return out

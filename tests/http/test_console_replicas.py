@@ -114,3 +114,4 @@ def test_a_shadow_verdict_is_recorded_searchable_and_does_not_act(pair):
     hits = httpx.get(a.url + "/admin/audit/records", params={"policy": "request-limits", "verdict": verdict,
                                                               "tenant": "globex"}, headers=ADMIN).json()["records"]
     assert rid in [h["request_id"] for h in hits] and hits[0]["outcome"] == "served"
+    assert f"request-limits:{verdict} (shadow)" in hits[0]["policies"]
