@@ -9,6 +9,7 @@ or to ``$OMNIGATE_CONSOLE_SCREENSHOTS`` (the documentation's pictures come from 
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 from pathlib import Path
@@ -59,6 +60,7 @@ def driver():
     assert os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER), "apt-get install chromium chromium-driver"
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
+    opts.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1440,1000",
                 "--disable-extensions", "--no-first-run"):
         opts.add_argument(arg)
@@ -383,6 +385,29 @@ def test_configuration_page_and_a_check_before_reload(driver, gw, shots):
     wait(driver, lambda: "Check:" in by_id(driver, "check-result").text, "the check result")
     assert "the file is valid" in by_id(driver, "check-result").text
     shot(driver, shots, "config")
+
+
+def test_every_page_talks_only_to_the_gateway_and_breaks_no_policy(driver, gw):
+    """What the browser fetched on each page (its network log) and what it complained about (its console)."""
+    server = gw[0]
+    sign_in(driver, server.url)
+    driver.get_log("performance")
+    driver.get_log("browser")  # start both logs afresh
+    for page in ("overview", "rollback", "tenants", "audit", "config"):
+        open_page(driver, server.url, page)
+        driver.execute_script("return new Promise(r => setTimeout(r, 500))")  # let its first fetches finish
+    urls = []
+    for entry in driver.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent":
+            urls.append(msg["params"]["request"]["url"])
+    assert urls and any("/admin/routing" in u for u in urls) and any("/admin/audit/records" in u for u in urls)
+    # data: URLs are the browser's own (the date picker's icon), not requests to a host
+    elsewhere = [u for u in urls if not u.startswith((server.url + "/", "data:"))]
+    assert elsewhere == []
+    complaints = [e["message"] for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")
+                  and "favicon.ico" not in e["message"]]
+    assert complaints == []  # no Content-Security-Policy violation, no script error, no failed fetch
 
 
 def test_sign_out(driver, gw):
