@@ -249,7 +249,20 @@ def test_an_automatic_rollback_shows_its_rule_signal_and_timing(driver, bg, eng,
         assert float(signal.split()[2]) > 0.15 and took.endswith(" s") and float(took[:-2]) >= 0
         wait(driver, lambda: {r[1]: r[2] for r in table_rows(driver, "routing") if r[0] == OMNI}
              == {"omni-int4": "0.00", "omni-bf16": "1.00"}, "the table after the shift")
+        wait(driver, lambda: [r[0] for r in table_rows(driver, "incidents")] == ["int4-latency@omni-int4"],
+             "the incident in force")
         shot(driver, shots, "rollback-auto")
+        # freeze (so the rule's last slow samples cannot fire it again) and end it by hand: the rule's
+        # change is undone and the restore is in the history
+        by_id(driver, "freeze").click()
+        confirm(driver)
+        wait(driver, lambda: by_id(driver, "controller-state").text == "frozen", "frozen")
+        driver.find_element(By.CSS_SELECTOR, '#incidents button[data-incident="int4-latency@omni-int4"]').click()
+        confirm(driver)
+        wait(driver, lambda: table_rows(driver, "incidents") == [], "no incident left")
+        wait(driver, lambda: any(r[2] == "restore" and r[1] == "manual" for r in table_rows(driver, "transitions")),
+             "the manual restore in the history")
+        assert admin(server, "GET", "/routing").json()["incidents"] == {}
     finally:
         bg.call(lambda: setattr(eng.int4, "default", Script(flavour="omni")))
         server.stop()

@@ -156,6 +156,19 @@ async function rollbackState() {
   const pins = Object.entries(st.pins);
   $("pins").textContent = pins.length ? pins.map(([m, v]) => `${m} → ${v}`).join(", ") : "none";
   fill("routing", routingRows(st));
+  fill("incidents", Object.entries(st.incidents).map(([key, inc]) => {
+    const clear = el("button", "Clear", "danger");
+    clear.type = "button";
+    clear.dataset.incident = key;
+    clear.onclick = () => confirmThen(`Clear ${key}? Its rule's change to routing is undone now.`,
+      () => routingAction("/routing/clear", { incident: key, note: $("pin-note").value || undefined }, `clear ${key}`));
+    const tr = row([key, inc.rule, inc.engine, inc.action, time(inc.since),
+      typeof inc.value === "number" ? inc.value.toFixed(3) : inc.value, clear]);
+    tr.dataset.incident = key;
+    return tr;
+  }));
+  const holds = Object.entries(st.holds || {});
+  $("holds").textContent = holds.length ? "Held: " + holds.map(([k, why]) => `${k} (${why})`).join(", ") : "";
   const byModel = {};
   for (const e of st.engines) for (const m of e.serves) (byModel[m] = byModel[m] || new Set()).add(e.variant);
   if (Object.keys(variantsByModel).length === 0) {
