@@ -84,9 +84,9 @@ def tenant_keys() -> dict[str, MintedKey]:
     return {"acme": mint_key(), "globex": mint_key()}
 
 
-def chat(server: GatewayServer, key: str, model: str = TEXT, messages: int = 1) -> httpx.Response:
+def chat(server: GatewayServer, key: str, model: str = TEXT, messages: int = 1, content: str = "hi") -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"}
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}] * messages}
+    body = {"model": model, "messages": [{"role": "user", "content": content}] * messages}
     return httpx.post(server.url + "/v1/chat/completions", headers=headers, json=body, timeout=10)
 
 

@@ -338,6 +338,23 @@ def test_find_a_requests_audit_record_by_its_id(driver, gw, shots):
     shot(driver, shots, "audit")
 
 
+def test_redacted_content_is_shown_redacted_and_as_text(driver, gw):
+    server = gw[0]
+    assert admin(server, "POST", "/tenants", json={"name": "redactco", "audit_content": "redacted"}).status_code == 201
+    key = admin(server, "POST", "/keys", json={"tenant": "redactco"}).json()["key"]
+    prompt = 'mail ana@example.com <img src=x id=injected onerror="document.title=1">'
+    rid = request_id(server, key, content=prompt)
+    open_page(driver, server.url, "audit")
+    by_id(driver, "f-request_id").send_keys(rid)
+    by_id(driver, "search-go").click()
+    wait(driver, lambda: len(table_rows(driver, "records")) == 1, "the record")
+    driver.find_element(By.CSS_SELECTOR, "#records tbody tr a").click()
+    wait(driver, lambda: "[EMAIL]" in by_id(driver, "detail-content").text, "the redacted content")
+    kept = by_id(driver, "detail-content").text
+    assert "ana@example.com" not in kept and "<img src=x" in kept  # redacted, and markup shown as characters
+    assert driver.find_elements(By.ID, "injected") == [] and driver.title != "1"
+
+
 def _copy_and_break(live: Path, copy: Path, seq: int) -> None:
     src = sqlite3.connect(live)
     dst = sqlite3.connect(copy)
