@@ -335,6 +335,9 @@ def test_find_a_requests_audit_record_by_its_id(driver, gw, shots):
     assert "text_sha256" in by_id(driver, "detail-digests").text
     export = by_id(driver, "export").get_attribute("href")
     assert export.startswith(server.url + "/admin/audit/export?") and rid in export
+    # the export link works with the console's session: one JSON line, the record with its hashes
+    lines = driver.execute_script("return fetch(arguments[0]).then(r => r.text())", export).splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["request_id"] == rid and len(json.loads(lines[0])["hash"]) == 64
     shot(driver, shots, "audit")
 
 
