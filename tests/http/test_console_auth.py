@@ -299,3 +299,15 @@ def test_a_trickled_sign_in_form_is_cut_off_with_408(bg, eng, tmp_path):
         assert b"set-cookie" not in reply.lower()
     finally:
         server.stop()
+
+
+def test_a_reload_that_turns_the_console_off_ends_its_sessions_at_once(gw):
+    server, doc, path = gw
+    with _client(server) as c:
+        _sign_in(c)
+        assert c.get("/admin/engines").status_code == 200
+        path.write_text(yaml.safe_dump({**doc, "admin": {**doc["admin"], "console": {"enabled": False}}}))
+        assert httpx.post(server.url + "/admin/config/reload", headers=ADMIN, timeout=10).status_code == 200
+        assert c.get("/admin/console/overview").status_code == 404
+        assert c.get("/admin/engines").status_code == 401  # the cookie is no credential any more
+        assert httpx.get(server.url + "/admin/engines", headers=ADMIN, timeout=10).status_code == 200
