@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
@@ -418,6 +419,25 @@ def test_configuration_page_and_a_check_before_reload(driver, gw, shots):
     wait(driver, lambda: "Check:" in by_id(driver, "check-result").text, "the check result")
     assert "the file is valid" in by_id(driver, "check-result").text
     shot(driver, shots, "config")
+
+    # Reload shows the validation first: a broken file is refused before any dialog, nothing swapped
+    path = gw[3] / "omnigate.yaml"
+    good = path.read_text()
+    doc = yaml.safe_load(good)
+    path.write_text(yaml.safe_dump({**doc, "tenants": [*doc["tenants"], {"name": "bad", "priority": "vip"}]}))
+    by_id(driver, "reload").click()
+    wait(driver, lambda: "refused" in by_id(driver, "check-result").text, "the refusal")
+    assert "priority" in by_id(driver, "check-result").text and not by_id(driver, "confirm").is_displayed()
+    # a valid change: the dialog says what it applies, and only the confirmation swaps it in
+    path.write_text(yaml.safe_dump({**doc, "tenants": [*doc["tenants"], {"name": "umbrella"}]}))
+    by_id(driver, "reload").click()
+    wait(driver, lambda: by_id(driver, "confirm").is_displayed(), "the confirmation with the check's result")
+    assert "Applies at once: tenants" in by_id(driver, "confirm-text").text
+    assert "umbrella" not in {t["name"] for t in admin(server, "GET", "/tenants").json()["tenants"]}
+    by_id(driver, "confirm-yes").click()
+    wait(driver, lambda: "Reload: reloaded" in by_id(driver, "check-result").text, "the reload result")
+    wait(driver, lambda: "umbrella" in [r[0] for r in table_rows(driver, "tenant-chains")], "the new tenant")
+    path.write_text(good)
 
 
 def test_every_page_talks_only_to_the_gateway_and_breaks_no_policy(driver, gw):

@@ -413,8 +413,17 @@ function showCheck(res, what) {
 
 function config() {
   $("check").onclick = async () => showCheck(await api("POST", "/config/check"), "Check");
-  $("reload").onclick = () => confirmThen("Reload the config file on this replica? It is validated again first.",
-    async () => { showCheck(await api("POST", "/config/reload"), "Reload"); await configPage(); });
+  // Reload shows the check's verdict first; a file that does not validate is never offered for reload.
+  $("reload").onclick = async () => {
+    const checked = await api("POST", "/config/check");
+    showCheck(checked, "Check");
+    if (!checked.ok || !checked.data.ok) return;
+    const d = checked.data;
+    const now = d.applies_at_once.length ? d.applies_at_once.join(", ") : "nothing";
+    const later = d.restart_required.length ? ` Needs a restart: ${d.restart_required.join(", ")}.` : "";
+    confirmThen(`The file is valid. Applies at once: ${now}.${later} Reload it on this replica now?`,
+      async () => { showCheck(await api("POST", "/config/reload"), "Reload"); await configPage(); });
+  };
   configPage();
 }
 
