@@ -107,7 +107,7 @@ async function overview() {
   }));
   fill("routing", routingRows(st));
   const t = traffic.data || {};
-  const kv = t.enabled ? [
+  const kv = !traffic.ok ? [["Admission", errorText(traffic)]] : t.enabled ? [
     ["In flight", t.in_flight === null ? `unknown (${t.store_error})` : t.in_flight],
     ["Soft limit / hard limit", `${t.soft_limit} / ${t.hard_limit}`],
     ["Overloaded", t.overloaded ? "yes" : "no"],
