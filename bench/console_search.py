@@ -67,7 +67,7 @@ async def _fill(store: AuditStore, n: int) -> float:
     return time.perf_counter() - t0
 
 
-async def _time(fn, repeat: int) -> tuple[float, float]:  # noqa: ANN001
+async def _time(fn, repeat: int) -> tuple[float, float]:
     runs = []
     for _ in range(repeat):
         t0 = time.perf_counter()
