@@ -14,8 +14,8 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from fastapi import APIRouter, Depends, Path, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.responses import JSONResponse, StreamingResponse
 
 from gateway.api.admin import require_admin
@@ -31,6 +31,8 @@ router = APIRouter(prefix="/admin/audit", include_in_schema=False, dependencies=
 
 EXPORT_PAGE = 1000
 Text = Annotated[str, Field(min_length=1, max_length=200)]
+#: a record's place in the chain: the stores keep it in a signed 64-bit integer
+Seq = Annotated[int, Field(ge=1, le=2**63 - 1)]
 
 
 def _stored_ts(value: datetime) -> str:
@@ -48,12 +50,24 @@ class Filters(BaseModel):
     until: datetime | None = Field(default=None, description="records before this time")
     kind: Text | None = Field(default=None, description="request, routing_transition, admin_change, ...")
     tenant: Text | None = None
-    request_id: Text | None = None
+    request_id: Text | None = Field(default=None, description="the id the gateway gave the request")
+    client_request_id: Text | None = Field(default=None, description="the id the client sent (x-request-id)")
     outcome: Text | None = Field(default=None, description="served, degraded, refused, failed, cancelled")
     engine: Text | None = None
     policy: Text | None = Field(default=None, description="a policy that ran on the request")
     verdict: Text | None = Field(default=None, description="a verdict one of its policies returned")
     degraded: Text | None = Field(default=None, description="a degradation reason, e.g. load-text-only")
+
+    @field_validator("since", "until")
+    @classmethod
+    def _representable(cls, v: datetime | None) -> datetime | None:
+        # an offset that moves the time past year 1 or 9999 in UTC cannot be compared with the column
+        if v is not None:
+            try:
+                _stored_ts(v)
+            except OverflowError:
+                raise ValueError("the time is out of range in UTC") from None
+        return v
 
     @model_validator(mode="after")
     def _range(self) -> Filters:
@@ -71,14 +85,14 @@ class Filters(BaseModel):
 
 
 class SearchParams(Filters):
-    before_seq: Annotated[int, Field(ge=1)] | None = Field(default=None, description="the page cursor")
+    before_seq: Seq | None = Field(default=None, description="the page cursor")
     limit: Annotated[int, Field(ge=1, le=500)] = 50
 
 
 class RangeParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    from_seq: Annotated[int, Field(ge=1)]
-    to_seq: Annotated[int, Field(ge=1)]
+    from_seq: Seq
+    to_seq: Seq
 
     @model_validator(mode="after")
     def _ordered(self) -> RangeParams:
@@ -114,7 +128,8 @@ def summary(row: Row) -> dict[str, Any]:
         out.update({k: payload.get(k) for k in ("public_model", "engine", "variant", "outcome", "status",
                                                  "duration_ms")})
         out["degraded"] = payload.get("degraded") or []
-        out["policies"] = [f"{p.get('name')}:{p.get('verdict')}" for p in payload.get("policies") or []]
+        out["policies"] = [f"{p.get('name')}:{p.get('verdict')}" + (" (shadow)" if p.get("shadow") else "")
+                           for p in payload.get("policies") or []]
     else:
         out["action"] = payload.get("action")
     return out
@@ -137,7 +152,7 @@ async def search(request: Request) -> JSONResponse:
 
 
 @router.get("/records/{seq}")
-async def record(request: Request, seq: int) -> JSONResponse:
+async def record(request: Request, seq: Annotated[int, Path(le=2**63 - 1)]) -> JSONResponse:
     """One record in full: its payload as stored, and its place in the chain (``prev_hash``, ``hash``)."""
     audit = _audit(request)
     rows = await audit.store.rows(seq - 1, 1) if seq >= 1 else []

@@ -11,6 +11,7 @@ file as a reload would, and swaps nothing.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 import orjson
@@ -78,7 +79,7 @@ async def traffic(request: Request) -> JSONResponse:
 
 class TransitionParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    before_seq: Annotated[int, Field(ge=1)] | None = None
+    before_seq: Annotated[int, Field(ge=1, le=2**63 - 1)] | None = None
     limit: Annotated[int, Field(ge=1, le=500)] = 50
 
 
@@ -115,9 +116,22 @@ async def transitions(request: Request) -> JSONResponse:
     })
 
 
+_USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", re.IGNORECASE)
+
+
+def _no_userinfo(url: Any) -> Any:
+    return _USERINFO.sub(r"\1", url) if isinstance(url, str) else url
+
+
 def _engine_json(e: Any) -> dict[str, Any]:
-    # api_key and headers may carry credentials; base_url stays (the operator configured it).
-    return e.model_dump(mode="json", exclude={"api_key", "headers"})
+    """An engine as configured, without what may be a credential: its api_key and any user:password in a URL."""
+    doc = e.model_dump(mode="json", exclude={"api_key"})
+    doc["base_url"] = _no_userinfo(doc.get("base_url"))
+    telemetry = doc.get("telemetry") or {}
+    for k in ("metrics_url", "dcgm_url"):
+        if k in telemetry:
+            telemetry[k] = _no_userinfo(telemetry[k])
+    return doc
 
 
 @router.get("/config")

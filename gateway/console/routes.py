@@ -9,6 +9,7 @@ and fetches from this origin only, no inline script, no framing. With
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from importlib import resources
 from urllib.parse import parse_qs
@@ -20,7 +21,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 
 from gateway.api.admin import AdminDisabled
 from gateway.console import session
-from gateway.errors import AuthenticationFailed, PayloadTooLarge, PermissionDenied
+from gateway.errors import AuthenticationFailed, PayloadTooLarge, PermissionDenied, RequestTimeout
 from gateway.services import Services
 
 log = structlog.get_logger(__name__)
@@ -82,14 +83,20 @@ async def login(request: Request) -> Response:
     key = _admin_key(request)
     if not session.same_origin(request):
         raise PermissionDenied("sign-in from another origin is refused", code="csrf_failed")
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > _MAX_FORM:
-            raise PayloadTooLarge(f"the sign-in form is limited to {_MAX_FORM} bytes")
-    given = (parse_qs(body.decode("utf-8", "replace")).get("key") or [""])[0]
     services: Services = request.app.state.services
+    body = b""
+    timeout_s = services.settings.server.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):  # a form trickled in byte by byte holds no connection for long
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > _MAX_FORM:
+                    raise PayloadTooLarge(f"the sign-in form is limited to {_MAX_FORM} bytes")
+    except TimeoutError:
+        raise RequestTimeout(f"the sign-in form did not arrive within {timeout_s:g} s") from None
+    given = (parse_qs(body.decode("utf-8", "replace")).get("key") or [""])[0]
     if not hmac.compare_digest(given.encode(), key.encode()):
+        services.metrics.auth_failures.labels("console_sign_in").inc()
         log.warning("console_sign_in_failed")
         return _render("login.html", status=401, error="That is not the admin key.")
     ttl = int(services.settings.admin.console.session_ttl_s)

@@ -2,7 +2,8 @@
 
 Column filters (time range, kind, tenant, request id) use the table's own
 columns; the others look inside the record's canonical JSON (``payload.outcome``,
-``payload.engine``, ``payload.policies[*]``, ``payload.degraded[*]``), with
+``payload.engine``, ``payload.client_request_id``, ``payload.policies[*]``,
+``payload.degraded[*]``), with
 SQLite's JSON1 functions or PostgreSQL's ``jsonb``. Values are always bound as
 parameters, never formatted into the SQL. Paging is by ``seq``: newest first
 below a ``before_seq`` cursor, or oldest first above an ``after_seq`` one (export).
@@ -27,6 +28,7 @@ class AuditQuery:
     kind: str | None = None
     tenant: str | None = None
     request_id: str | None = None
+    client_request_id: str | None = None  # the id a client sent, kept beside the gateway's own
     outcome: str | None = None
     engine: str | None = None
     policy: str | None = None
@@ -64,7 +66,7 @@ def where(q: AuditQuery, dialect: Dialect) -> tuple[str, list[Any]]:
         value = getattr(q, column)
         if value is not None:
             clauses.append(f"{column} = {p(value)}")
-    for name in ("outcome", "engine"):
+    for name in ("client_request_id", "outcome", "engine"):
         value = getattr(q, name)
         if value is not None:
             clauses.append(f"{field_of(name)} = {p(value)}")

@@ -9,20 +9,34 @@ or to ``$OMNIGATE_CONSOLE_SCREENSHOTS`` (the documentation's pictures come from 
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from tests.console_setup import ADMIN_KEY, OMNI, Engines, admin, chat, config, start, tenant_keys
+from tests.console_setup import (
+    ADMIN_KEY,
+    FAST_RULE,
+    OMNI,
+    Engines,
+    admin,
+    chat,
+    config,
+    request_id,
+    start,
+    stream_chat,
+    tenant_keys,
+)
+from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,6 +61,7 @@ def driver():
     assert os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER), "apt-get install chromium chromium-driver"
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
+    opts.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1440,1000",
                 "--disable-extensions", "--no-first-run"):
         opts.add_argument(arg)
@@ -100,6 +115,15 @@ def open_page(d, url: str, page: str) -> None:
     sign_in(d, url)
     d.get(f"{url}/admin/console/{page}")
     wait(d, lambda: d.execute_script("return document.readyState") == "complete", f"{page} loaded")
+
+
+def choose(d, id_: str, text: str) -> None:
+    """Pick an option, again if the page re-rendered the list under the click (it refreshes after changes)."""
+    def pick() -> bool:
+        Select(by_id(d, id_)).select_by_visible_text(text)
+        return Select(by_id(d, id_)).first_selected_option.text == text
+
+    wait(d, pick, f"{text} chosen in {id_}")
 
 
 def confirm(d) -> None:
@@ -169,8 +193,8 @@ def test_pin_a_variant_and_see_the_routing_table_change(driver, gw, shots):
         return {r[1]: r for r in table_rows(driver, "routing") if r[0] == OMNI}
 
     wait(driver, lambda: omni_rows().get("omni-int4", [None, None, ""])[2] == "1.00", "int4 serves omni")
-    Select(by_id(driver, "pin-model")).select_by_visible_text(OMNI)
-    Select(by_id(driver, "pin-variant")).select_by_visible_text("bf16")
+    choose(driver, "pin-model", OMNI)
+    choose(driver, "pin-variant", "bf16")
     note = "<b>int4 drill</b>"
     by_id(driver, "pin-note").send_keys(note)
     by_id(driver, "pin").click()
@@ -204,12 +228,70 @@ def test_pin_a_variant_and_see_the_routing_table_change(driver, gw, shots):
     assert actions[:4] == ["unpin", "resume", "freeze", "pin"]
 
 
+def test_an_automatic_rollback_shows_its_rule_signal_and_timing(driver, bg, eng, tmp_path, shots):
+    keys = tenant_keys()
+    server = start(bg, config(eng, tmp_path, keys, controller=FAST_RULE), tmp_path / "omnigate.yaml")
+    try:
+        bg.call(lambda: setattr(eng.int4, "default", Script(flavour="omni", first_byte_delay_s=0.3)))
+        open_page(driver, server.url, "rollback")
+
+        def fired() -> bool:
+            assert stream_chat(server, keys["acme"].key) == 200
+            return admin(server, "GET", "/routing").json()["weights"][OMNI]["omni-bf16"] == 1.0
+
+        wait(driver, fired, "the rule moved omni to bf16")
+        driver.refresh()
+        wait(driver, lambda: any(r[3] == "int4-latency" for r in table_rows(driver, "transitions")),
+             "the automatic transition in the history")
+        row = next(r for r in table_rows(driver, "transitions") if r[3] == "int4-latency")
+        assert row[1] == "auto" and row[2] == "shift" and row[4] == "omni-int4" and row[5] == OMNI
+        signal, took = row[6], row[7]
+        assert signal.startswith("ttft_p99 = 0.") and signal.endswith("> 0.15")
+        assert float(signal.split()[2]) > 0.15 and took.endswith(" s") and float(took[:-2]) >= 0
+        wait(driver, lambda: {r[1]: r[2] for r in table_rows(driver, "routing") if r[0] == OMNI}
+             == {"omni-int4": "0.00", "omni-bf16": "1.00"}, "the table after the shift")
+        wait(driver, lambda: [r[0] for r in table_rows(driver, "incidents")] == ["int4-latency@omni-int4"],
+             "the incident in force")
+        shot(driver, shots, "rollback-auto")
+        # freeze (so the rule's last slow samples cannot fire it again) and end it by hand: the rule's
+        # change is undone and the restore is in the history
+        by_id(driver, "freeze").click()
+        confirm(driver)
+        wait(driver, lambda: by_id(driver, "controller-state").text == "frozen", "frozen")
+        driver.find_element(By.CSS_SELECTOR, '#incidents button[data-incident="int4-latency@omni-int4"]').click()
+        confirm(driver)
+        wait(driver, lambda: table_rows(driver, "incidents") == [], "no incident left")
+        wait(driver, lambda: any(r[2] == "restore" and r[1] == "manual" for r in table_rows(driver, "transitions")),
+             "the manual restore in the history")
+        assert admin(server, "GET", "/routing").json()["incidents"] == {}
+    finally:
+        bg.call(lambda: setattr(eng.int4, "default", Script(flavour="omni")))
+        server.stop()
+
+
 def test_create_and_revoke_a_key_and_see_a_request_with_it_refused(driver, gw, shots):
     server = gw[0]
     open_page(driver, server.url, "tenants")
     wait(driver, lambda: [r[0] for r in table_rows(driver, "tenants")] == ["acme", "globex"], "the tenants")
+    by_id(driver, "tenant-name").send_keys("initech")
+    choose(driver, "tenant-priority", "batch")
+    choose(driver, "tenant-set", "strict")
+    by_id(driver, "tenant-rpm").send_keys("120")
+    by_id(driver, "tenant-concurrency").send_keys("4")
+    choose(driver, "tenant-audit", "redacted")
+    by_id(driver, "create-tenant").click()
+    wait(driver, lambda: len(table_rows(driver, "tenants")) == 3, "the new tenant listed")
+    initech = next(r for r in table_rows(driver, "tenants") if r[0] == "initech")
+    assert initech[1:5] == ["admin", "yes", "batch", "strict"] and initech[6] == "120" and initech[8:10] == [
+        "4", "redacted"]
+    made = {t["name"]: t for t in admin(server, "GET", "/tenants").json()["tenants"]}["initech"]
+    assert (made["priority"], made["policy_set"], made["max_concurrency"]) == ("batch", "strict", 4)
+    assert by_id(driver, "tenant-name").get_attribute("value") == ""  # the form is cleared after a create
+    by_id(driver, "tenant-name").send_keys("initech")  # again: the API's 409 is shown, nothing changes
+    by_id(driver, "create-tenant").click()
+    wait(driver, lambda: by_id(driver, "action-result").text.startswith("409"), "the conflict shown")
     assert by_id(driver, "new-key").is_displayed() is False
-    Select(by_id(driver, "key-tenant")).select_by_visible_text("acme")
+    choose(driver, "key-tenant", "acme")
     by_id(driver, "create-key").click()
     wait(driver, lambda: by_id(driver, "new-key").is_displayed(), "the new key, shown once")
     key = by_id(driver, "new-key-value").text
@@ -232,8 +314,7 @@ def test_create_and_revoke_a_key_and_see_a_request_with_it_refused(driver, gw, s
 
 def test_find_a_requests_audit_record_by_its_id(driver, gw, shots):
     server, keys = gw[0], gw[1]
-    rid = f"find-me-{uuid.uuid4().hex[:12]}"
-    assert chat(server, keys["acme"].key, request_id=rid).status_code == 200
+    rid = request_id(server, keys["acme"].key)
     open_page(driver, server.url, "audit")
     by_id(driver, "f-request_id").send_keys(rid)
     by_id(driver, "search-go").click()
@@ -255,7 +336,27 @@ def test_find_a_requests_audit_record_by_its_id(driver, gw, shots):
     assert "text_sha256" in by_id(driver, "detail-digests").text
     export = by_id(driver, "export").get_attribute("href")
     assert export.startswith(server.url + "/admin/audit/export?") and rid in export
+    # the export link works with the console's session: one JSON line, the record with its hashes
+    lines = driver.execute_script("return fetch(arguments[0]).then(r => r.text())", export).splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["request_id"] == rid and len(json.loads(lines[0])["hash"]) == 64
     shot(driver, shots, "audit")
+
+
+def test_redacted_content_is_shown_redacted_and_as_text(driver, gw):
+    server = gw[0]
+    assert admin(server, "POST", "/tenants", json={"name": "redactco", "audit_content": "redacted"}).status_code == 201
+    key = admin(server, "POST", "/keys", json={"tenant": "redactco"}).json()["key"]
+    prompt = 'mail ana@example.com <img src=x id=injected onerror="document.title=1">'
+    rid = request_id(server, key, content=prompt)
+    open_page(driver, server.url, "audit")
+    by_id(driver, "f-request_id").send_keys(rid)
+    by_id(driver, "search-go").click()
+    wait(driver, lambda: len(table_rows(driver, "records")) == 1, "the record")
+    driver.find_element(By.CSS_SELECTOR, "#records tbody tr a").click()
+    wait(driver, lambda: "[EMAIL]" in by_id(driver, "detail-content").text, "the redacted content")
+    kept = by_id(driver, "detail-content").text
+    assert "ana@example.com" not in kept and "<img src=x" in kept  # redacted, and markup shown as characters
+    assert driver.find_elements(By.ID, "injected") == [] and driver.title != "1"
 
 
 def _copy_and_break(live: Path, copy: Path, seq: int) -> None:
@@ -311,13 +412,55 @@ def test_configuration_page_and_a_check_before_reload(driver, gw, shots):
     chains = {r[0]: r for r in table_rows(driver, "chains")}
     assert chains["policies (default)"][1] == "request-limits" and "policy_sets.strict" in chains
     tenants = {r[0]: r[3] for r in table_rows(driver, "tenant-chains")}
-    assert tenants == {"acme": "policies (default)", "globex": "policy_sets.strict"}
+    assert tenants["acme"] == "policies (default)" and tenants["globex"] == "policy_sets.strict"
     assert [r[0] for r in table_rows(driver, "engine-config")] == ["omni-int4", "omni-bf16", "text-vllm",
                                                                   "spare-vllm"]
     by_id(driver, "check").click()
     wait(driver, lambda: "Check:" in by_id(driver, "check-result").text, "the check result")
     assert "the file is valid" in by_id(driver, "check-result").text
     shot(driver, shots, "config")
+
+    # Reload shows the validation first: a broken file is refused before any dialog, nothing swapped
+    path = gw[3] / "omnigate.yaml"
+    good = path.read_text()
+    doc = yaml.safe_load(good)
+    path.write_text(yaml.safe_dump({**doc, "tenants": [*doc["tenants"], {"name": "bad", "priority": "vip"}]}))
+    by_id(driver, "reload").click()
+    wait(driver, lambda: "refused" in by_id(driver, "check-result").text, "the refusal")
+    assert "priority" in by_id(driver, "check-result").text and not by_id(driver, "confirm").is_displayed()
+    # a valid change: the dialog says what it applies, and only the confirmation swaps it in
+    path.write_text(yaml.safe_dump({**doc, "tenants": [*doc["tenants"], {"name": "umbrella"}]}))
+    by_id(driver, "reload").click()
+    wait(driver, lambda: by_id(driver, "confirm").is_displayed(), "the confirmation with the check's result")
+    assert "Applies at once: tenants" in by_id(driver, "confirm-text").text
+    assert "umbrella" not in {t["name"] for t in admin(server, "GET", "/tenants").json()["tenants"]}
+    by_id(driver, "confirm-yes").click()
+    wait(driver, lambda: "Reload: reloaded" in by_id(driver, "check-result").text, "the reload result")
+    wait(driver, lambda: "umbrella" in [r[0] for r in table_rows(driver, "tenant-chains")], "the new tenant")
+    path.write_text(good)
+
+
+def test_every_page_talks_only_to_the_gateway_and_breaks_no_policy(driver, gw):
+    """What the browser fetched on each page (its network log) and what it complained about (its console)."""
+    server = gw[0]
+    sign_in(driver, server.url)
+    driver.get_log("performance")
+    driver.get_log("browser")  # start both logs afresh
+    for page in ("overview", "rollback", "tenants", "audit", "config"):
+        open_page(driver, server.url, page)
+        driver.execute_script("return new Promise(r => setTimeout(r, 500))")  # let its first fetches finish
+    urls = []
+    for entry in driver.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent":
+            urls.append(msg["params"]["request"]["url"])
+    assert urls and any("/admin/routing" in u for u in urls) and any("/admin/audit/records" in u for u in urls)
+    # data: URLs are the browser's own (the date picker's icon), not requests to a host
+    elsewhere = [u for u in urls if not u.startswith((server.url + "/", "data:"))]
+    assert elsewhere == []
+    complaints = [e["message"] for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")
+                  and "favicon.ico" not in e["message"]]
+    assert complaints == []  # no Content-Security-Policy violation, no script error, no failed fetch
 
 
 def test_sign_out(driver, gw):

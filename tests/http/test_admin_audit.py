@@ -7,14 +7,13 @@ PostgreSQL (the two audit stores implement search in their own SQL).
 from __future__ import annotations
 
 import sqlite3
-import uuid
 
 import httpx
 import orjson
 import pytest
 import yaml
 
-from tests.console_setup import ADMIN_KEY, OMNI, Engines, admin, chat, config, start, tenant_keys
+from tests.console_setup import ADMIN_KEY, OMNI, Engines, admin, chat, config, request_id, start, tenant_keys
 from tests.harness import wait_until
 from tests.stores import fresh_pg_database
 
@@ -48,15 +47,12 @@ def gw(request, bg, eng, tmp_path):
 def _traffic(server, keys) -> dict[str, str]:
     """Three requests of acme, two of globex (one refused by its policy set); their request ids."""
     ids = {}
-    for i in range(3):
-        rid = f"acme-{i}-{uuid.uuid4().hex[:8]}"
-        assert chat(server, keys["acme"].key, request_id=rid).status_code == 200
+    for _ in range(3):
+        rid = request_id(server, keys["acme"].key)
         ids[rid] = "served"
-    rid = f"globex-ok-{uuid.uuid4().hex[:8]}"
-    assert chat(server, keys["globex"].key, request_id=rid).status_code == 200
+    rid = request_id(server, keys["globex"].key)
     ids[rid] = "served"
-    rid = f"globex-refused-{uuid.uuid4().hex[:8]}"
-    assert chat(server, keys["globex"].key, request_id=rid, messages=9).status_code == 400
+    rid = request_id(server, keys["globex"].key, 400, messages=9)
     ids[rid] = "refused"
     return ids
 
@@ -121,6 +117,9 @@ def test_search_by_every_filter_and_page_through(gw):
     ({"limit": "0"}, "limit"), ({"limit": "501"}, "limit"), ({"before_seq": "x"}, "before_seq"),
     ({"since": "yesterday-ish"}, "since"), ({"colour": "red"}, "colour"),
     ({"since": "2026-01-02T00:00:00Z", "until": "2026-01-01T00:00:00Z"}, None),
+    # beyond what the stores' 64-bit integers and Python's datetimes hold: 400s, never 500s
+    ({"before_seq": str(2**63)}, "before_seq"), ({"before_seq": "9" * 30}, "before_seq"),
+    ({"since": "0001-01-01T00:00:00+01:00"}, "since"), ({"until": "9999-12-31T23:59:59-05:00"}, "until"),
 ])
 def test_bad_search_parameters_are_400s_naming_the_field(gw, params, param):
     server = gw[0]
@@ -143,8 +142,7 @@ def test_records_need_the_admin_key(gw):
 
 def test_one_record_and_missing_ones(gw):
     server, keys, _, _ = gw
-    rid = f"one-{uuid.uuid4().hex[:8]}"
-    assert chat(server, keys["acme"].key, request_id=rid).status_code == 200
+    rid = request_id(server, keys["acme"].key)
     assert wait_until(lambda: _records(server, request_id=rid)["records"], timeout=10)
     seq = _records(server, request_id=rid)["records"][0]["seq"]
     r = admin(server, "GET", f"/audit/records/{seq}").json()
@@ -155,6 +153,8 @@ def test_one_record_and_missing_ones(gw):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert admin(server, "GET", "/audit/records/0").status_code == 404
     assert admin(server, "GET", "/audit/records/abc").status_code == 400
+    huge = admin(server, "GET", f"/audit/records/{2**63}")
+    assert huge.status_code == 400 and huge.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_export_streams_the_selection_as_json_lines_and_is_recorded(gw):
@@ -235,7 +235,8 @@ def test_verify_range_finds_a_deleted_record(gw):
     assert starts_there.status_code == 409 and starts_there.json()["problem"]["seq"] == gone
 
 
-@pytest.mark.parametrize("params", [{"from_seq": 5, "to_seq": 2}, {"from_seq": 0, "to_seq": 2}, {"from_seq": 1}])
+@pytest.mark.parametrize("params", [{"from_seq": 5, "to_seq": 2}, {"from_seq": 0, "to_seq": 2}, {"from_seq": 1},
+                                    {"from_seq": 1, "to_seq": 2**63}, {"from_seq": "x", "to_seq": 2}])
 def test_bad_ranges_are_400s(gw, params):
     r = admin(gw[0], "GET", "/audit/verify/range", params=params)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -261,6 +262,7 @@ def test_transition_history_comes_from_the_audit_trail(gw):
     older = admin(server, "GET", "/routing/transitions", params={"before_seq": pin["seq"]}).json()["transitions"]
     assert all(t["seq"] < pin["seq"] for t in older)
     assert admin(server, "GET", "/routing/transitions", params={"limit": "x"}).status_code == 400
+    assert admin(server, "GET", "/routing/transitions", params={"before_seq": 2**63}).status_code == 400
 
 
 def test_transition_history_without_audit_is_this_replicas(bg, eng, tmp_path):

@@ -8,6 +8,7 @@ gateway whose console is off; a session surviving a change of the admin key.
 from __future__ import annotations
 
 import re
+import socket
 import time
 
 import httpx
@@ -81,6 +82,7 @@ def test_sign_in_sets_a_strict_session_cookie(gw):
         wrong = _sign_in(c, "not-the-admin-key-at-all")
         assert wrong.status_code == 401 and "set-cookie" not in wrong.headers
         assert "That is not the admin key." in wrong.text and "not-the-admin-key" not in wrong.text
+        assert server.registry.get_sample_value("omnigate_auth_failures_total", {"reason": "console_sign_in"}) == 1
         ok = _sign_in(c)
         assert ok.status_code == 303 and ok.headers["location"] == "/admin/console/overview"
         cookie = ok.headers["set-cookie"]
@@ -223,3 +225,89 @@ def test_sign_out_clears_the_cookie_and_sign_in_is_recorded(gw):
         assert c.get("/admin/console/overview").status_code == 303
     records = httpx.get(server.url + "/admin/audit/records", params={"kind": "admin_change"}, headers=ADMIN).json()
     assert "console_signed_in" in [r["action"] for r in records["records"]]
+
+
+_FILLED = {"page": "overview", "name": "console.js"}
+
+
+def _admin_routes(server) -> list[tuple[str, str]]:
+    """Every (method, path) the app serves under /admin, path parameters filled in."""
+    def flat(routes):  # an included router keeps its routes on original_router
+        for r in routes:
+            inner = getattr(r, "original_router", None)
+            yield from flat(inner.routes) if inner is not None else (r,)
+
+    out = []
+    for route in flat(server.app.routes):
+        path = getattr(route, "path", "")
+        if not path.startswith("/admin"):
+            continue
+        for method in sorted(getattr(route, "methods", None) or ()):
+            if method != "HEAD":
+                out.append((method, re.sub(r"\{([^}]+)\}", lambda m: _FILLED.get(m.group(1), "1"), path)))
+    return out
+
+
+def test_every_admin_route_needs_a_credential(gw):
+    """Walks the app's own route table, so a route added later without the admin dependency fails here."""
+    server = gw[0]
+    routes = _admin_routes(server)
+    assert len(routes) > 25 and ("GET", "/admin/audit/records") in routes
+    open_by_design = {("GET", "/admin/console/login"), ("POST", "/admin/console/login"),
+                      ("GET", "/admin/console/static/console.js")}
+    with _client(server) as c:
+        for method, path in routes:
+            r = c.request(method, path)
+            if (method, path) in open_by_design:
+                assert r.status_code in (200, 401), (method, path, r.status_code)
+            elif path.startswith("/admin/console"):
+                # pages send the browser to the sign-in form; sign-out without a session is refused
+                assert r.status_code in (303, 401), (method, path, r.status_code)
+            else:
+                assert r.status_code == 401, (method, path, r.status_code)
+                assert r.json()["error"]["type"] == "authentication_error"
+
+
+def test_without_an_admin_key_every_admin_route_is_404(bg, eng, tmp_path):
+    doc = config(eng, tmp_path, tenant_keys(), console=False)
+    doc["admin"] = {}
+    server = start(bg, doc, tmp_path / "omnigate.yaml")
+    try:
+        with _client(server) as c:
+            for method, path in _admin_routes(server):
+                r = c.request(method, path, headers=ADMIN)
+                assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, path)
+    finally:
+        server.stop()
+
+
+def test_a_trickled_sign_in_form_is_cut_off_with_408(bg, eng, tmp_path):
+    doc = config(eng, tmp_path, tenant_keys())
+    doc["server"] = {"body_timeout_s": 1.0}
+    server = start(bg, doc, tmp_path / "omnigate.yaml")
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=15) as s:
+            s.sendall(b"POST /admin/console/login HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 200\r\n\r\nkey=a")
+            reply = b""
+            while b"\r\n\r\n" not in reply:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"set-cookie" not in reply.lower()
+    finally:
+        server.stop()
+
+
+def test_a_reload_that_turns_the_console_off_ends_its_sessions_at_once(gw):
+    server, doc, path = gw
+    with _client(server) as c:
+        _sign_in(c)
+        assert c.get("/admin/engines").status_code == 200
+        path.write_text(yaml.safe_dump({**doc, "admin": {**doc["admin"], "console": {"enabled": False}}}))
+        assert httpx.post(server.url + "/admin/config/reload", headers=ADMIN, timeout=10).status_code == 200
+        assert c.get("/admin/console/overview").status_code == 404
+        assert c.get("/admin/engines").status_code == 401  # the cookie is no credential any more
+        assert httpx.get(server.url + "/admin/engines", headers=ADMIN, timeout=10).status_code == 200

@@ -21,7 +21,7 @@ def _entry(i: int, kind: str = "request", tenant: str | None = "acme", **payload
 
 
 ENTRIES = [
-    _entry(1, outcome="served", engine="omni-int4", degraded=[],
+    _entry(1, outcome="served", engine="omni-int4", degraded=[], client_request_id="their-id-1",
            policies=[{"name": "request-limits", "verdict": "rewrite"}, {"name": "nsfw-screen", "verdict": "accept"}]),
     _entry(2, outcome="degraded", engine="omni-int4", degraded=["load-text-only"],
            policies=[{"name": "request-limits", "verdict": "rewrite"}]),
@@ -61,6 +61,8 @@ async def _seqs(store, limit: int = 50, **kw) -> list[int]:
     ({"kind": "request"}, [5, 3, 2, 1]),
     ({"tenant": "globex"}, [5, 3]),
     ({"request_id": "req-2"}, [2]),
+    ({"client_request_id": "their-id-1"}, [1]),
+    ({"client_request_id": "req-1"}, []),
     ({"outcome": "served"}, [5, 1]),
     ({"engine": "omni-int4"}, [2, 1]),
     ({"policy": "nsfw-screen"}, [5, 3, 1]),
@@ -89,5 +91,5 @@ async def test_paging_newest_first_and_forward(store):
 
 @pytest.mark.parametrize("value", ["' OR 1=1 --", "acme' --", "%", "\"", "\\", "$.payload", "a" * 200, "é中"])
 async def test_hostile_values_match_literally(store, value):
-    for field in ("tenant", "outcome", "engine", "policy", "verdict", "degraded", "request_id", "kind"):
+    for field in ("tenant", "client_request_id", "outcome", "engine", "policy", "verdict", "degraded", "request_id", "kind"):
         assert await _seqs(store, **{field: value}) == []

@@ -107,7 +107,7 @@ async function overview() {
   }));
   fill("routing", routingRows(st));
   const t = traffic.data || {};
-  const kv = t.enabled ? [
+  const kv = !traffic.ok ? [["Admission", errorText(traffic)]] : t.enabled ? [
     ["In flight", t.in_flight === null ? `unknown (${t.store_error})` : t.in_flight],
     ["Soft limit / hard limit", `${t.soft_limit} / ${t.hard_limit}`],
     ["Overloaded", t.overloaded ? "yes" : "no"],
@@ -156,6 +156,19 @@ async function rollbackState() {
   const pins = Object.entries(st.pins);
   $("pins").textContent = pins.length ? pins.map(([m, v]) => `${m} → ${v}`).join(", ") : "none";
   fill("routing", routingRows(st));
+  fill("incidents", Object.entries(st.incidents).map(([key, inc]) => {
+    const clear = el("button", "Clear", "danger");
+    clear.type = "button";
+    clear.dataset.incident = key;
+    clear.onclick = () => confirmThen(`Clear ${key}? Its rule's change to routing is undone now.`,
+      () => routingAction("/routing/clear", { incident: key, note: $("pin-note").value || undefined }, `clear ${key}`));
+    const tr = row([key, inc.rule, inc.engine, inc.action, time(inc.since),
+      typeof inc.value === "number" ? inc.value.toFixed(3) : inc.value, clear]);
+    tr.dataset.incident = key;
+    return tr;
+  }));
+  const holds = Object.entries(st.holds || {});
+  $("holds").textContent = holds.length ? "Held: " + holds.map(([k, why]) => `${k} (${why})`).join(", ") : "";
   const byModel = {};
   for (const e of st.engines) for (const m of e.serves) (byModel[m] = byModel[m] || new Set()).add(e.variant);
   if (Object.keys(variantsByModel).length === 0) {
@@ -207,7 +220,7 @@ async function tenantsPage() {
   if (!tenants.ok || !keys.ok) { status(errorText(tenants.ok ? keys : tenants), true); return; }
   fill("tenants", tenants.data.tenants.map((t) => row([t.name, t.source, t.enabled ? "yes" : "no", t.priority,
     t.policy_set || "(policies)", t.models ? t.models.join(", ") : "all", t.requests_per_minute || "",
-    t.max_concurrency || "", t.keys.length])));
+    t.tokens_per_minute || "", t.max_concurrency || "", t.audit_content, t.keys.length])));
   fill("keys", keys.data.keys.map((k) => {
     let action = "";
     if (k.enabled && k.source === "admin") {
@@ -236,19 +249,28 @@ async function tenantsPage() {
   }
 }
 
+let defaultPriority = "standard";
+
 function tenants() {
   api("GET", "/traffic").then((t) => {
     const classes = t.ok && t.data.enabled ? t.data.priorities.map((p) => p.name) : ["standard"];
     $("tenant-priority").replaceChildren(...classes.map((c) => el("option", c)));
-    $("tenant-priority").value = classes.includes("standard") ? "standard" : classes[0];
+    defaultPriority = classes.includes("standard") ? "standard" : classes[0];
+    $("tenant-priority").value = defaultPriority;
   });
   $("tenant-form").onsubmit = async (ev) => {
     ev.preventDefault();
     const body = { name: $("tenant-name").value, priority: $("tenant-priority").value };
     if ($("tenant-set").value) body.policy_set = $("tenant-set").value;
     if ($("tenant-rpm").value) body.requests_per_minute = Number($("tenant-rpm").value);
+    if ($("tenant-concurrency").value) body.max_concurrency = Number($("tenant-concurrency").value);
+    body.audit_content = $("tenant-audit").value;
     const res = await api("POST", "/tenants", body);
     result("action-result", res.ok ? `tenant ${body.name} created` : errorText(res), !res.ok);
+    if (res.ok) {
+      $("tenant-form").reset();
+      $("tenant-priority").value = defaultPriority;
+    }
     await tenantsPage();
   };
   $("key-form").onsubmit = async (ev) => {
@@ -265,7 +287,7 @@ function tenants() {
 
 // -- Audit ----------------------------------------------------------------------------------------
 let recordsCursor = null;
-const FILTERS = ["since", "until", "request_id", "tenant", "kind", "outcome", "engine", "policy", "verdict", "degraded"];
+const FILTERS = ["since", "until", "request_id", "client_request_id", "tenant", "kind", "outcome", "engine", "policy", "verdict", "degraded"];
 
 function filterQuery() {
   const q = new URLSearchParams();
@@ -314,11 +336,13 @@ async function detail(seq) {
   fill("detail-head", head.map(([k, v]) => { const x = row([k, v]); x.firstChild.className = "key"; return x; }));
   fill("detail-policies", (p.policies || []).map((x) => row([x.name, x.stage, x.verdict, x.duration_ms,
     x.shadow ? "shadow" : "", x.attempt, x.detail === null || x.detail === undefined ? "" : JSON.stringify(x.detail)])));
-  $("detail-control").textContent = JSON.stringify(p.control || {}, null, 2);
+  const control = { ...(p.control || {}), degraded: p.degraded, notes: p.notes, attempts: p.attempts,
+    retries: p.retries, ttft_ms: p.ttft_ms, priority: p.priority, policy_set: p.policy_set };
+  $("detail-control").textContent = JSON.stringify(control, null, 2);
   $("detail-digests").textContent = JSON.stringify({ input: p.input, output: p.output }, null, 2);
   const other = r.kind === "request" ? p.content : p;
   $("detail-content").textContent = other ? JSON.stringify(other, null, 2)
-    : "not kept (audit.content: digests)";
+    : "not kept (the tenant's audit_content is digests)";
   $("detail").scrollIntoView();
 }
 
@@ -389,8 +413,17 @@ function showCheck(res, what) {
 
 function config() {
   $("check").onclick = async () => showCheck(await api("POST", "/config/check"), "Check");
-  $("reload").onclick = () => confirmThen("Reload the config file on this replica? It is validated again first.",
-    async () => { showCheck(await api("POST", "/config/reload"), "Reload"); await configPage(); });
+  // Reload shows the check's verdict first; a file that does not validate is never offered for reload.
+  $("reload").onclick = async () => {
+    const checked = await api("POST", "/config/check");
+    showCheck(checked, "Check");
+    if (!checked.ok || !checked.data.ok) return;
+    const d = checked.data;
+    const now = d.applies_at_once.length ? d.applies_at_once.join(", ") : "nothing";
+    const later = d.restart_required.length ? ` Needs a restart: ${d.restart_required.join(", ")}.` : "";
+    confirmThen(`The file is valid. Applies at once: ${now}.${later} Reload it on this replica now?`,
+      async () => { showCheck(await api("POST", "/config/reload"), "Reload"); await configPage(); });
+  };
   configPage();
 }
 
