@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,9 @@ from tests.harness import BackgroundLoop, GatewayServer
 from tests.stores import redis_prefix
 from tests.upstream import Script, ScriptedUpstream
 
-ADMIN_KEY = "adm-console-0123456789abcdef"
+# Keys as an operator generates them (`openssl rand -hex 32`): the gateway refuses weak ones at start-up.
+ADMIN_KEY = secrets.token_hex(32)
+SIGNING_KEY = secrets.token_hex(32)
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 OMNI = "omni"
 TEXT = "text"
@@ -67,7 +70,7 @@ def config(eng: Engines, tmp_path: Path, keys: dict[str, MintedKey], *, console:
         "tenants": [{"name": "acme", "priority": "interactive"}, {"name": "globex", "policy_set": "strict"}],
         "api_keys": [{"id": k.id, "tenant": t, "sha256": k.sha256} for t, k in keys.items()],
         "rate_limits": {"key_prefix": redis_prefix()},
-        "audit": audit or {"sqlite_path": str(tmp_path / "audit.db"), "signing": {"key": "cp-secret-console"}},
+        "audit": audit or {"sqlite_path": str(tmp_path / "audit.db"), "signing": {"key": SIGNING_KEY}},
         "routing": {"probe_interval_s": 0.2, "controller": controller or {"enabled": False},
                     **({"state": state} if state else {}),
                     "signals": {"window_s": 3.0, "scrape_interval_s": 0.1, "scrape_timeout_s": 1}},

@@ -13,7 +13,7 @@ import orjson
 import pytest
 import yaml
 
-from tests.console_setup import ADMIN_KEY, OMNI, Engines, admin, chat, config, request_id, start, tenant_keys
+from tests.console_setup import ADMIN_KEY, OMNI, SIGNING_KEY, Engines, admin, chat, config, request_id, start, tenant_keys
 from tests.harness import wait_until
 from tests.stores import fresh_pg_database
 
@@ -33,7 +33,7 @@ def gw(request, bg, eng, tmp_path):
     if request.param == "postgres":
         with fresh_pg_database() as dsn:
             doc = config(eng, tmp_path, keys, audit={"store": "postgres", "postgres_dsn": dsn,
-                                                     "signing": {"key": "cp-secret-console"}})
+                                                     "signing": {"key": SIGNING_KEY}})
             server = start(bg, doc, tmp_path / "omnigate.yaml")
             yield server, keys, doc, tmp_path / "omnigate.yaml"
             server.stop()
@@ -257,7 +257,7 @@ def test_transition_history_comes_from_the_audit_trail(gw):
     assert body["source"] == "audit"
     freeze, pin = body["transitions"]
     assert freeze["action"] == "freeze" and pin["action"] == "pin" and pin["source"] == "manual"
-    assert pin["detail"]["actor"] == "alice" and pin["detail"]["note"] == "int4 regression"
+    assert pin["detail"]["actor"] == "admin:api_key (claimed: alice)" and pin["detail"]["note"] == "int4 regression"
     assert pin["detail"]["weights"][OMNI]["omni-bf16"] == 1.0 and pin["seq"] < freeze["seq"]
     older = admin(server, "GET", "/routing/transitions", params={"before_seq": pin["seq"]}).json()["transitions"]
     assert all(t["seq"] < pin["seq"] for t in older)

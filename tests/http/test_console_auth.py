@@ -8,6 +8,7 @@ gateway whose console is off; a session surviving a change of the admin key.
 from __future__ import annotations
 
 import re
+import secrets
 import socket
 import time
 
@@ -203,7 +204,7 @@ def test_a_session_works_on_every_replica_and_ends_with_the_admin_key(bg, eng, t
             assert cb.get("/admin/console/overview").status_code == 200
             assert cb.get("/admin/tenants").status_code == 200
             # rotate the admin key on b with a hot reload: every session signed with the old key ends there
-            new_key = "adm-rotated-0123456789abcdef"
+            new_key = secrets.token_hex(32)
             (tmp_path / "b" / "omnigate.yaml").write_text(
                 yaml.safe_dump({**b_doc, "admin": {"api_key": new_key, "console": {"enabled": True}}}))
             reload = cb.post("/admin/config/reload", headers={"authorization": f"Bearer {ADMIN_KEY}"})

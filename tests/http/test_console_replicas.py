@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from gateway.console import session
-from tests.console_setup import ADMIN, ADMIN_KEY, OMNI, Engines, config, request_id, start, tenant_keys
+from tests.console_setup import ADMIN, ADMIN_KEY, OMNI, SIGNING_KEY, Engines, config, request_id, start, tenant_keys
 from tests.harness import wait_until
 from tests.stores import fresh_pg_database, redis_prefix
 
@@ -38,7 +38,7 @@ def pair(bg, eng, tmp_path):
         for name in ("a", "b"):
             (tmp_path / name).mkdir()
             doc = config(eng, tmp_path / name, keys,
-                         audit={"store": "postgres", "postgres_dsn": dsn, "signing": {"key": "cp-secret-console"}},
+                         audit={"store": "postgres", "postgres_dsn": dsn, "signing": {"key": SIGNING_KEY}},
                          state={"backend": "redis", "key_prefix": prefix, "replica_id": f"replica-{name}"})
             docs.append(doc)
             servers.append(start(bg, doc, tmp_path / name / "omnigate.yaml"))
