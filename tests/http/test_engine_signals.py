@@ -41,7 +41,7 @@ class SlowPre:
     def __init__(self, config: SlowConfig) -> None:
         self.delay_s = config.delay_s
 
-    async def pre(self, request, ctx):  # noqa: ANN001, ANN201
+    async def pre(self, request, ctx):
         await asyncio.sleep(self.delay_s)
         return request
 

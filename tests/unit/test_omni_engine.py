@@ -64,14 +64,14 @@ async def test_per_stage_series_are_never_summed_across_stages(up):
 
 
 def test_stage_selection_without_vllm_omni_series():
-    text = "\n".join([
-        "# TYPE vllm:num_requests_waiting gauge",
-        'vllm:num_requests_waiting{stage="thinker",replica="0"} 2.0',
-        'vllm:num_requests_waiting{stage="thinker",replica="1"} 1.0',
-        'vllm:num_requests_waiting{stage="talker",replica="0"} 9.0',
-        "# TYPE vllm:num_requests_running gauge",
-        'vllm:num_requests_running{stage="talker",replica="0"} 4.0',
-    ]) + "\n"  # fmt: skip
+    text = """\
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{stage="thinker",replica="0"} 2.0
+vllm:num_requests_waiting{stage="thinker",replica="1"} 1.0
+vllm:num_requests_waiting{stage="talker",replica="0"} 9.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{stage="talker",replica="0"} 4.0
+"""
     r = parse_vllm(text)
     assert r.requests_waiting == 3.0  # the thinker's replicas add up; other stages do not
     assert r.requests_running is None  # no thinker series: unknown, not another stage's count
