@@ -30,7 +30,7 @@ async def run(args: argparse.Namespace) -> dict:
         base = f"http://127.0.0.1:{port}/v1"
         request = ChatCompletionRequest.model_validate(
             {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-             "max_tokens": 1000, "modalities": ["text"]}  # fmt: skip
+             "max_tokens": 1000, "modalities": ["text"]}
         )
         out: dict = {}
         for kind in ("vllm", "vllm-omni"):
