@@ -41,10 +41,10 @@ async def test_health_is_health_and_models_only_stands_in_for_a_missing_route(up
 
 async def test_per_stage_series_are_never_summed_across_stages(up):
     up.num_requests_running = 3.0
-    up.stage_metrics = {
-        "thinker": {"running": 3, "waiting": 1, "kv": 0.4, "ttft": [0.07] * 99 + [0.3]},
-        "talker": {"running": 3, "waiting": 5, "kv": 0.7, "ttft": [4.0] * 100},
-        "code2wav": {"running": 3, "waiting": 0, "kv": 0.1},
+    up.stage_metrics = {  # stage ids as vLLM-Omni labels them: thinker, talker, code2wav
+        "0": {"running": 3, "waiting": 1, "kv": 0.4, "ttft": [0.07] * 99 + [0.3]},
+        "1": {"running": 3, "waiting": 5, "kv": 0.7, "ttft": [4.0] * 100},
+        "2": {"running": 3, "waiting": 0, "kv": 0.1},
     }
     collector = TelemetryCollector(
         [("omni", up.base_url.removesuffix("/v1") + "/metrics", EngineTelemetry())],
@@ -66,13 +66,13 @@ async def test_per_stage_series_are_never_summed_across_stages(up):
 def test_stage_selection_without_vllm_omni_series():
     text = """\
 # TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{stage="thinker",replica="0"} 2.0
-vllm:num_requests_waiting{stage="thinker",replica="1"} 1.0
-vllm:num_requests_waiting{stage="talker",replica="0"} 9.0
+vllm:num_requests_waiting{stage="0",replica="0"} 2.0
+vllm:num_requests_waiting{stage="0",replica="1"} 1.0
+vllm:num_requests_waiting{stage="1",replica="0"} 9.0
 # TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{stage="talker",replica="0"} 4.0
+vllm:num_requests_running{stage="1",replica="0"} 4.0
 """
     r = parse_vllm(text)
     assert r.requests_waiting == 3.0  # the thinker's replicas add up; other stages do not
     assert r.requests_running is None  # no thinker series: unknown, not another stage's count
-    assert parse_vllm(text, stage="talker").requests_running == 4.0
+    assert parse_vllm(text, stage="1").requests_running == 4.0
