@@ -576,7 +576,8 @@ class ScriptedUpstream:
                 text, frames = frames, [frames[0]]
                 for i, frame in enumerate(text[1:], start=1):
                     frames.append(frame)
-                    if i % script.audio_interleave == 0 and audio and i < len(text) - 1:
+                    # The stop rides on the last audio chunk, which a talker can only send after the text ended.
+                    if i % script.audio_interleave == 0 and len(audio) > 1 and i < len(text) - 1:
                         frames.append(audio.pop(0))
             frames += audio
             if script.omni_bare_finish:
