@@ -76,9 +76,12 @@ class EngineTelemetry(_Strict):
         default=None, description="the engine's Prometheus endpoint; default: <base_url without /v1>/metrics"
     )
     scrape: bool = Field(default=True, description="scrape vLLM's /metrics (kv-cache, queue, TTFT histogram)")
+    # vLLM-Omni 0.30.0 labels vLLM's series with stage=str(stage_id), the stage's place in the deploy
+    # config (vllm_omni/engine/orchestrator.py); Qwen3-Omni's thinker is stage 0.
     stage: Annotated[str, Field(min_length=1, max_length=64)] = Field(
-        default="thinker",
-        description="vLLM-Omni: the stage whose per-stage vllm:* series are read (the one that makes the text)",
+        default="0",
+        description="vLLM-Omni: the stage label (its stage_id) whose per-stage vllm:* series are read: the "
+        "thinker, which makes the text",
     )
     dcgm_url: AnyHttpUrl | None = Field(default=None, description="a DCGM exporter's /metrics URL")
     gpus: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(

@@ -75,7 +75,7 @@ def _stage_sum(samples: list[Any], stage: str) -> float | None:
     return sum(s.value for s in picked) if picked or not samples else None
 
 
-def parse_vllm(text: str, stage: str = "thinker") -> VllmReading:
+def parse_vllm(text: str, stage: str = "0") -> VllmReading:
     """vLLM's gauges (summed over label sets; KV-cache usage: the fullest) and its TTFT histogram.
 
     From vLLM-Omni: request counts from its ``vllm_omni:*`` gauges where it sends them, otherwise

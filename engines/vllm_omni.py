@@ -16,7 +16,8 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 
@@ -28,7 +29,7 @@ from gateway.schemas import ChatCompletionRequest
 from gateway.settings import EngineConfig
 
 # vLLM-Omni's answer to a speaker its talker does not have (serving_chat.py), before any chunk.
-_INVALID_SPEAKER = re.compile(r"Invalid speaker '([^']*)'\. Supported: (.*)$", re.S)
+_INVALID_SPEAKER = re.compile(r"Invalid speaker '([^']*)'\. Supported: (.*)$", re.DOTALL)
 
 
 class VLLMOmniEngine(OpenAICompatEngine):

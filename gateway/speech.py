@@ -7,7 +7,7 @@ encode would cost the engine its work and the client a 500, so it is a 400 here.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from engines.base import Engine
 from gateway.audio import ENCODABLE_FORMATS, STREAMABLE_FORMATS

@@ -317,7 +317,8 @@ class ScriptedUpstream:
         self.gpu_fb_free_mib: float | None = None
         # vLLM-Omni: the talker's speakers (an unknown voice is a 400, as the model config's speaker_id decides);
         # GET /health's status (503: the engine is dead while /v1/models still answers; 404: no such route);
-        # per-stage metrics as vLLM-Omni relabels vLLM's (stage -> {"running", "waiting", "ttft": [seconds]}).
+        # per-stage metrics as vLLM-Omni relabels vLLM's (stage id, "0" the thinker, -> {"running", "waiting",
+        # "kv", "ttft": [seconds]}).
         self.speakers: list[str] = ["aiden", "chelsie", "ethan"]
         self.health_status = 200
         self.stage_metrics: dict[str, dict[str, Any]] | None = None
@@ -575,7 +576,8 @@ class ScriptedUpstream:
                 text, frames = frames, [frames[0]]
                 for i, frame in enumerate(text[1:], start=1):
                     frames.append(frame)
-                    if i % script.audio_interleave == 0 and audio and i < len(text) - 1:
+                    # The stop rides on the last audio chunk, which a talker can only send after the text ended.
+                    if i % script.audio_interleave == 0 and len(audio) > 1 and i < len(text) - 1:
                         frames.append(audio.pop(0))
             frames += audio
             if script.omni_bare_finish:

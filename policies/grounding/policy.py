@@ -221,6 +221,7 @@ class WindowCheck(_Check):
         self._text_done = False
         self._judgement = Judgement.of(())
         self._failed: Judgement | None = None  # last attempt, flagged: hold the rest, serve it whole
+        self._tail: list[Delta] = []  # the sentences judged at the end, released with the rest
 
     async def feed(self, delta: Delta) -> list[Delta]:
         text = delta.text or delta.transcript
@@ -287,7 +288,9 @@ class WindowCheck(_Check):
         if self._failed is not None:
             return self.policy.retry(self.request, self._failed, self._notes(self._failed, "low"))
         try:
-            await self._judge_ready()
+            # The text's last sentence may be judged only here: with speech, vLLM-Omni's text carries no
+            # finish_reason (the audio's last chunk does), so feed() never saw the text end.
+            self._tail = await self._judge_ready()
         except Halt as halt:
             return halt.verdict
         if self._failed is not None:
@@ -296,8 +299,8 @@ class WindowCheck(_Check):
         return Accept(score=j.score, notes=self._notes(j, "pass"))
 
     def release(self) -> list[Delta]:
-        out: list[Delta] = [Delta(text=self._pending)] if self._pending else []
-        self._pending = ""
+        out: list[Delta] = self._tail + ([Delta(text=self._pending)] if self._pending else [])
+        self._tail, self._pending = [], ""
         self._holdback(self._pending_since)
         audio, since = self._speech.drain()
         self._holdback(since)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import sqlite3
 
 import httpx
 import openai
@@ -178,12 +179,14 @@ def test_an_unknown_voice_refused_by_the_engine_is_an_openai_400(client, ups, st
 
 
 @pytest.fixture(scope="module")
-def voiced(bg, upstreams):
-    """A second gateway on the same upstreams whose vLLM-Omni engines list their voices."""
-    base = gateway_settings(upstreams)
+def voiced(bg, upstreams, tmp_path_factory):
+    """A second gateway on the same upstreams whose vLLM-Omni engines list their voices; its audit in SQLite."""
+    db = tmp_path_factory.mktemp("omni-audit") / "audit.db"
+    base = gateway_settings(upstreams, audit={"sqlite_path": str(db)})
     engines = [e.model_copy(update={"voices": ["Aiden", "Chelsie", "Ethan"]}) if e.kind == "vllm-omni" else e
                for e in base.engines]  # fmt: skip
     server = GatewayServer(bg, base.model_copy(update={"engines": engines})).start()
+    server.db = db
     yield server
     server.stop()
 
@@ -260,3 +263,20 @@ def test_speech_is_metered_in_seconds(gateway, client, ups, stream):
     assert usage.model_extra["output_audio_seconds"] == pytest.approx(1.0)  # ... so it is counted in seconds
     after = gateway.registry.get_sample_value("omnigate_audio_output_seconds_total", labels)
     assert after - before == pytest.approx(1.0)
+
+
+def test_the_audit_record_meters_speech_in_seconds(voiced, ups):
+    ups.omni_a.default = Script(flavour="omni", text="Hi.", audio_chunks=3)  # 3 x 0.2 s
+    body = {"model": OMNI_MODEL, "messages": _user(), "stream": True, **SPEECH}
+    assert len(_frames(voiced, body)) > 1
+
+    def usages() -> list[dict]:
+        conn = sqlite3.connect(voiced.db)
+        try:
+            rows = conn.execute("SELECT data FROM audit_log WHERE kind = 'request'").fetchall()
+        finally:
+            conn.close()
+        return [orjson.loads(r[0])["payload"]["usage"] for r in rows]
+
+    # The record is committed before the stream's last frame goes out.
+    assert {"prompt_tokens": 11, "completion_tokens": 1, "audio_seconds": 0.6} in usages()

@@ -1,6 +1,6 @@
 """The rollback rules read the engine's own latency, not the client's: over real sockets and scripted engines.
 
-Each gateway carries the default ``int4-latency`` rule (its signal and action as
+Each gateway (and, last, two replicas sharing the controller through Redis) carries the default ``int4-latency`` rule (its signal and action as
 shipped, with a low threshold and short timers so a test is quick) and a control
 rule on the client-visible TTFT. The control firing proves the load looked slow
 to clients; the default rule then must not have moved INT4's traffic, because
@@ -10,13 +10,15 @@ nothing BF16 could fix was slow. A slow engine moves it.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import ClassVar
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from redis import asyncio as aioredis
 
-from engines.control_settings import Rule, RuleAction, default_rules
+from engines.control_settings import Rule, RuleAction, SharedStateSettings, default_rules
 from gateway.settings import PolicyChainConfig, PolicySpec
 from policies.base import PolicyConfig
 from policies.registry import available_plugins
@@ -41,7 +43,7 @@ class SlowPre:
     def __init__(self, config: SlowConfig) -> None:
         self.delay_s = config.delay_s
 
-    async def pre(self, request, ctx):  # noqa: ANN001, ANN201
+    async def pre(self, request, ctx):
         await asyncio.sleep(self.delay_s)
         return request
 
@@ -68,8 +70,8 @@ def _rules() -> list[Rule]:
     return [int4, control]
 
 
-def _start(bg, trio: Trio, pre_delay_s: float = 0.0) -> GatewayServer:
-    s = settings(engines(trio), _rules())
+def _start(bg, trio: Trio, pre_delay_s: float = 0.0, state: SharedStateSettings | None = None) -> GatewayServer:
+    s = settings(engines(trio), _rules(), state=state)
     if pre_delay_s:
         s = s.model_copy(update={"policies": PolicyChainConfig(
             pre=[PolicySpec(name="slow-pre", config={"delay_s": pre_delay_s})], stream=[], post=[])})  # fmt: skip
@@ -136,3 +138,55 @@ def test_a_slow_engine_rolls_int4_back(bg, fresh):
         assert after["int4"] == before["int4"] and after["bf16"] - before["bf16"] == 5
     finally:
         server.stop()
+
+
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def prefix(bg):
+    p = f"omnigate-test:{uuid.uuid4().hex}"
+    yield p
+
+    async def _cleanup() -> None:
+        r = aioredis.from_url(REDIS)
+        keys = [k async for k in r.scan_iter(match=p + ":*")]
+        if keys:
+            await r.delete(*keys)
+        await r.aclose()
+
+    bg.run(_cleanup())
+
+
+def test_two_replicas_on_redis_roll_back_for_a_slow_engine_not_for_a_slow_pre_policy(bg, fresh, prefix):
+    def state(name: str) -> SharedStateSettings:
+        return SharedStateSettings(backend="redis", redis_url=REDIS, key_prefix=prefix, lease_ttl_s=1.0,
+                                   replica_id=name)  # fmt: skip
+
+    a = _start(bg, fresh, pre_delay_s=0.3, state=state("replica-a"))
+    b = _start(bg, fresh, pre_delay_s=0.3, state=state("replica-b"))
+    servers = (a, b)
+
+    def fired() -> set[str]:
+        return _fired(a) | _fired(b)
+
+    try:
+        turn = iter(range(10**6))
+        assert wait_until(lambda: chat(servers[next(turn) % 2].url).ok and "client-ttft" in fired(),
+                          timeout=90, interval=0)  # fmt: skip
+        assert "int4-latency" not in fired()
+
+        fresh.set(fresh.int4, default=Script(flavour="omni", first_byte_delay_s=0.3))
+        assert wait_until(lambda: chat(servers[next(turn) % 2].url).ok and "int4-latency" in fired(),
+                          timeout=90, interval=0)  # fmt: skip
+        # The leader published the shift; the follower reads the shared table on its next tick.
+        assert wait_until(lambda: all(
+            s.bg.call(lambda s=s: s.services.pool.table.engine_weight("omni-int4")) == 0 for s in servers),
+            timeout=30)  # fmt: skip
+        before = fresh.counts()
+        assert all(chat(s.url).ok for s in servers for _ in range(3))
+        after = fresh.counts()
+        assert after["int4"] == before["int4"] and after["bf16"] - before["bf16"] == 6  # both follow the table
+    finally:
+        a.stop()
+        b.stop()

@@ -117,6 +117,7 @@ def test_gpu_engines_carry_the_serving_flags():
         assert svc["entrypoint"] == ["vllm", "serve"]
         args = svc["command"]
         assert "--omni" in args
+        assert "--log-stats" in args  # vLLM-Omni's /metrics (queue, KV cache, per-stage TTFT) needs it
         assert f"--served-model-name={engine['model']}" in args
         assert f"--port={urlparse(engine['base_url']).port}" in args
         assert svc["ipc"] == "host"

@@ -284,12 +284,12 @@ async def test_omni_health_and_stage_metrics(up, session):
         assert resp.status == 503
     async with session.get(up.base_url + "/models") as resp:
         assert resp.status == 200  # what a dead vLLM-Omni still answers
-    up.stage_metrics = {"thinker": {"running": 2, "ttft": [0.07, 0.3]}, "talker": {"running": 2}}
+    up.stage_metrics = {"0": {"running": 2, "ttft": [0.07, 0.3]}, "1": {"running": 2}}
     async with session.get(up.base_url.removesuffix("/v1") + "/metrics") as resp:
         text = await resp.text()
-    assert 'vllm:num_requests_running{model_name="scripted",stage="thinker",replica="0"} 2.0' in text
-    assert 'vllm:num_requests_running{model_name="scripted",stage="talker",replica="0"} 2.0' in text
-    assert 'vllm:time_to_first_token_seconds_bucket{model_name="scripted",stage="thinker",replica="0",le="0.1"} 1.0' \
+    assert 'vllm:num_requests_running{model_name="scripted",stage="0",replica="0"} 2.0' in text
+    assert 'vllm:num_requests_running{model_name="scripted",stage="1",replica="0"} 2.0' in text
+    assert 'vllm:time_to_first_token_seconds_bucket{model_name="scripted",stage="0",replica="0",le="0.1"} 1.0' \
         in text
     assert "vllm_omni:num_requests_running" in text
 

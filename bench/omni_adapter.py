@@ -1,0 +1,64 @@
+"""CPU per streamed chunk of the vLLM-Omni adapter against the plain vLLM adapter, same vLLM-Omni upstream.
+
+    python -m bench.omni_adapter [--requests 200] [--chunks 64]
+
+The vLLM-Omni adapter wraps the shared SSE reading in one more generator (it judges the finish
+reason that vLLM-Omni leaves out when speech follows the text); this measures what that costs
+per chunk on a text stream both adapters can read. The adapters run in this process (core 0),
+the scripted upstream on core 1; CPU is this process's user+system time over the chunks relayed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from bench.adapters import _drive
+from bench.common import free_port, pin_self, spawn, wait_http
+from engines.pool import build_engine
+from gateway.schemas import ChatCompletionRequest
+from gateway.settings import EngineConfig
+
+
+async def run(args: argparse.Namespace) -> dict:
+    pin_self(0)
+    port = free_port()
+    up = spawn(["-m", "tests.upstream", "--port", str(port), "--flavour", "omni", "--chunks", str(args.chunks)], cpu=1)
+    try:
+        await wait_http(f"http://127.0.0.1:{port}/health")
+        base = f"http://127.0.0.1:{port}/v1"
+        request = ChatCompletionRequest.model_validate(
+            {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+             "max_tokens": 1000, "modalities": ["text"]}
+        )
+        out: dict = {}
+        for kind in ("vllm", "vllm-omni"):
+            engine = build_engine(EngineConfig(name=kind, kind=kind, base_url=base, model="scripted",
+                                               serves=["bench"]))  # fmt: skip
+            await engine.start()
+            await _drive(engine, request, 10, 2)  # warm-up: imports, pools
+            cpu, chunks = await _drive(engine, request, args.requests, args.concurrency)
+            await engine.aclose()
+            out[kind] = {"requests": args.requests, "chunks": chunks, "cpu_s": round(cpu, 3),
+                         "cpu_us_per_chunk": round(cpu / chunks * 1e6, 1)}  # fmt: skip
+        out["omni_extra_us_per_chunk"] = round(
+            out["vllm-omni"]["cpu_us_per_chunk"] - out["vllm"]["cpu_us_per_chunk"], 1
+        )
+        return out
+    finally:
+        up.terminate()
+        up.wait(10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args()
+    print(json.dumps(asyncio.run(run(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
