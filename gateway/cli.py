@@ -89,9 +89,9 @@ def auth_banner(settings) -> list[str]:  # noqa: ANN001
         why = "auth.required: false" if settings.auth.required is False else (
             "no config names tenants, API keys, an admin key or a shared directory")
         return [f"authentication: OFF ({why}): every request is served, unauthenticated"]
-    lines = [f"authentication: required (keys checked on every /v1 request); directory: {where}, "
-             f"changes honoured on every replica within {d.bound_s:g} s, directory keys refused after "
-             f"{d.fail_closed_after_s:g} s without a read"]
+    lines = [(f"authentication: required (keys checked on every /v1 request); directory: {where}, "
+              f"changes honoured on every replica within {d.bound_s:g} s, directory keys refused after "
+              f"{d.fail_closed_after_s:g} s without a read")]
     if settings.tenants:
         lines.append(f"tenants: {', '.join(t.name for t in settings.tenants)} ({len(settings.api_keys)} keys)"
                      " in the config, plus those of the directory")

@@ -197,7 +197,7 @@ def test_refused_keys_do_not_grow_the_chain_one_each_and_are_summarised(started)
     assert wait_until(lambda: any(r[0] == "auth_failures" for r in _rows(server.db)), timeout=10)
     new = _rows(server.db)[before:]
     assert sorted(k for k, _, _ in new) == ["auth_failures", "request"]  # one aggregate, one served request
-    assert [r for r in new if r[0] == "auth_failures"][0][2]["payload"]["refused"] == 40
+    assert next(r for r in new if r[0] == "auth_failures")[2]["payload"]["refused"] == 40
     assert server.bg.run(server.services.summarise_failures()) is None  # nothing since: nothing written
 
 
