@@ -51,7 +51,7 @@ def _on_sighup(services: Services, config_path: str | Path | None) -> bool:
     pending: set[asyncio.Task] = set()
 
     def _reload() -> None:
-        task = loop.create_task(reload_config(services, config_path))
+        task = loop.create_task(reload_config(services, config_path, by={"credential": "signal:SIGHUP"}))
         pending.add(task)
         task.add_done_callback(pending.discard)
 

@@ -72,15 +72,12 @@ class FailureSummary:
 class AuthFailures:
     def __init__(self, settings: FailureLimitSettings, metrics: Metrics, *, redis_url: str | None,
                  key_prefix: str) -> None:
-        from limits import RateLimitItemPerSecond
-        from limits.aio.storage import MemoryStorage
-        from limits.aio.strategies import MovingWindowRateLimiter
-
         self.settings = settings
         self.metrics = metrics
-        self.item = RateLimitItemPerSecond(settings.max_failures, settings.window_s)
-        self._local = MovingWindowRateLimiter(MemoryStorage())
-        self._shared: MovingWindowRateLimiter | None = None
+        # Built on the first failure: a gateway nobody fails against never imports limits or redis.
+        self.item: Any = None
+        self._local: Any = None
+        self._shared: Any = None
         self._redis_url = redis_url
         self._prefix = key_prefix
         self._pool: Any = None
@@ -90,6 +87,13 @@ class AuthFailures:
         self.summary = FailureSummary()
 
     def _limiter(self) -> Any:
+        if self._local is None:
+            from limits import RateLimitItemPerSecond
+            from limits.aio.storage import MemoryStorage
+            from limits.aio.strategies import MovingWindowRateLimiter
+
+            self.item = RateLimitItemPerSecond(self.settings.max_failures, self.settings.window_s)
+            self._local = MovingWindowRateLimiter(MemoryStorage())
         if self._redis_url is None:
             return self._local
         if self._shared is None:

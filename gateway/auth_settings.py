@@ -35,7 +35,7 @@ class DirectorySettings(_Strict):
     )
 
     @model_validator(mode="after")
-    def _needs_dsn(self) -> "DirectorySettings":
+    def _needs_dsn(self) -> DirectorySettings:
         if self.backend == "postgres" and self.postgres_dsn is None:
             raise ValueError("auth.directory.backend postgres needs auth.directory.postgres_dsn")
         return self

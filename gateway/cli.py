@@ -1,4 +1,5 @@
-"""The ``omnigate`` command: ``serve``, ``check-config``, ``audit verify|export`` and ``keys new``."""
+"""The ``omnigate`` command: ``serve``, ``check-config``, ``audit verify|export``, ``keys new`` and
+``directory import``."""
 
 from __future__ import annotations
 
@@ -89,9 +90,9 @@ def auth_banner(settings) -> list[str]:  # noqa: ANN001
         why = "auth.required: false" if settings.auth.required is False else (
             "no config names tenants, API keys, an admin key or a shared directory")
         return [f"authentication: OFF ({why}): every request is served, unauthenticated"]
-    lines = [f"authentication: required (keys checked on every /v1 request); directory: {where}, "
-             f"changes honoured on every replica within {d.bound_s:g} s, directory keys refused after "
-             f"{d.fail_closed_after_s:g} s without a read"]
+    lines = [(f"authentication: required (keys checked on every /v1 request); directory: {where}, "
+              f"changes honoured on every replica within {d.bound_s:g} s, directory keys refused after "
+              f"{d.fail_closed_after_s:g} s without a read")]
     if settings.tenants:
         lines.append(f"tenants: {', '.join(t.name for t in settings.tenants)} ({len(settings.api_keys)} keys)"
                      " in the config, plus those of the directory")
@@ -248,6 +249,22 @@ def keys_new(tenant: str) -> int:
     return 0
 
 
+def directory_import(config: str | None) -> int:
+    import asyncio
+
+    from gateway.directory.migrate import import_from_audit
+
+    try:
+        settings = _load(config)
+    except (FileNotFoundError, ValidationError) as exc:
+        print(_format_validation(exc) if isinstance(exc, ValidationError) else str(exc), file=sys.stderr)
+        return 2
+    done = asyncio.run(import_from_audit(settings))
+    print(f"imported {done.tenants} tenants and {done.keys} keys into the {settings.auth.directory.backend} "
+          f"directory ({done.skipped} already there, left as they are)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omnigate", description="A guarded gateway for omni-modal LLM engines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -275,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     keys_sub = p_keys.add_subparsers(dest="keys_command", required=True)
     p_new = keys_sub.add_parser("new", help="mint a key: prints it once, and the config entry with its digest")
     p_new.add_argument("--tenant", required=True)
+    p_dir = sub.add_parser("directory", help="the tenant directory")
+    dir_sub = p_dir.add_subparsers(dest="directory_command", required=True)
+    p_imp = dir_sub.add_parser("import", help="copy tenants and keys an older version kept in the audit database")
+    p_imp.add_argument("--config", help="the gateway's config file (names the audit store and the directory)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args.config, args.host, args.port)
@@ -282,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         return audit_command(args)
     if args.command == "keys":
         return keys_new(args.tenant)
+    if args.command == "directory":
+        return directory_import(args.config)
     return check_config(str(args.file))
 
 

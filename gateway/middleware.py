@@ -17,7 +17,7 @@ _UNSAFE = re.compile(rb"[^A-Za-z0-9._:-]")
 _CLIENT_HEADERS = (b"x-client-request-id", b"x-request-id")
 
 
-def client_request_id(headers) -> str | None:  # noqa: ANN001
+def client_request_id(headers) -> str | None:
     """The client's own id, sanitised (None when absent or nothing safe is left of it)."""
     found: dict[bytes, bytes] = {}
     for key, value in headers:
@@ -31,10 +31,10 @@ def client_request_id(headers) -> str | None:  # noqa: ANN001
 
 
 class RequestIdMiddleware:
-    def __init__(self, app) -> None:  # noqa: ANN001
+    def __init__(self, app) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -47,7 +47,7 @@ class RequestIdMiddleware:
         if client_rid is not None:
             added.append((b"x-client-request-id", client_rid.encode()))
 
-        async def send_with_id(message) -> None:  # noqa: ANN001
+        async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), *added]
             await send(message)

@@ -53,7 +53,8 @@ def format_config_error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if not isinstance(exc, plain) else str(exc)
 
 
-async def reload_config(services: Services, path: str | Path) -> ReloadResult:
+async def reload_config(services: Services, path: str | Path, by: dict[str, str] | None = None) -> ReloadResult:
+    """``by`` says who asked: the admin credential, or the signal (recorded with the reload)."""
     old = services.settings
     try:
         new = load_settings(path)
@@ -85,7 +86,7 @@ async def reload_config(services: Services, path: str | Path) -> ReloadResult:
              policies=chain.describe(), policy_sets=sorted(chains), tenants=len(services.directory.tenants))
     if services.audit is not None:
         await services.audit.append_event("config_reload", {
-            "path": str(path), "restart_required": pending, "policies": chain.describe(),
+            "by": by, "path": str(path), "restart_required": pending, "policies": chain.describe(),
             "policy_sets": sorted(chains), "tenants": sorted(services.directory.tenants),
         })
     heap.refreeze()

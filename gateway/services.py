@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,13 +230,22 @@ class Services:
                           "admin_writes": write_refusal(s, self.auth_required, shared) or "allowed"},
         }
 
-    async def refresh_directory(self) -> None:
-        """Rebuild the tenant and key directory from the config and the directory store."""
+    async def refresh_directory(self, *, rebuild: bool = True) -> None:
+        """Rebuild the tenant and key directory from the config and the directory store.
+
+        ``rebuild=False`` (the periodic refresh): when the store's revision did not move, only
+        the snapshot's read time is renewed; the config cannot have changed without a reload,
+        and a reload rebuilds.
+        """
         tenants: list[TenantConfig] = []
         keys = []
         read_at = None
         if self.live is not None:
+            before = self.live.revision
             await self.live.read()
+            if not rebuild and self.live.revision == before and before is not None:
+                self.directory = dataclasses.replace(self.directory, read_at=self.live.read_at)
+                return
             tenants, keys, read_at = self.live.tenants, self.live.keys, self.live.read_at
         self.directory = Directory.build(self.settings, tenants, keys, read_at)
 
@@ -243,7 +253,7 @@ class Services:
         while True:
             await asyncio.sleep(self.settings.auth.directory.refresh_s)
             try:
-                await self.refresh_directory()
+                await self.refresh_directory(rebuild=False)
             except Exception as exc:  # a bug must not end the loop: the snapshot would freeze, then fail closed
                 log.warning("directory_refresh_failed", error=f"{type(exc).__name__}: {exc}")
 

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse
 
 from gateway.console import session as console_session
+from gateway.api.auth import client_address
 from gateway.errors import AuthenticationFailed, OmnigateError
 from gateway.services import Services
 from gateway.settings import Settings
@@ -76,6 +77,10 @@ async def require_admin(request: Request) -> AdminCredential:
     else:
         cred = admin_credential(services.settings, header)
     if cred is None:
+        # Counted and limited per address like a refused API key: the admin key is not a free guess.
+        services.metrics.auth_failures.labels("admin").inc()
+        if services.auth_failures is not None:
+            await services.auth_failures.failed(client_address(request), "admin")
         raise AuthenticationFailed("invalid admin key")
     request.state.admin_credential = cred
     structlog.contextvars.bind_contextvars(admin_credential=cred.name)

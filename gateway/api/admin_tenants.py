@@ -167,7 +167,7 @@ async def reload(request: Request) -> JSONResponse:
     path = request.app.state.config_path
     if path is None:
         raise Conflict("the gateway was started without a config file; there is nothing to reload")
-    result = await reload_config(services, path)
+    result = await reload_config(services, path, by=credential_of(request).to_json())
     if not result.ok:
         raise ConfigInvalid(f"config not reloaded, the running config stays: {result.message}")
     return JSONResponse(result.to_json())

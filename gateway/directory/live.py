@@ -50,12 +50,19 @@ class LiveDirectory:
         #: monotonic time of the last successful read; None until one succeeds
         self.read_at: float | None = None
         self._last_warning = 0.0
+        # Computed when scraped, so the gauges agree with the request path's own check at every moment.
+        metrics.directory_read_age.set_function(self._age)
+        metrics.directory_fresh.set_function(lambda: int(self._age() <= self.settings.fail_closed_after_s))
+
+    def _age(self) -> float:
+        return float("inf") if self.read_at is None else time.monotonic() - self.read_at
 
     async def read(self) -> bool:
         """One refresh; never raises (a failure leaves the last snapshot and its age)."""
         try:
             await asyncio.wait_for(self._read(), self.settings.timeout_s)
-        except Exception as exc:  # the store's errors, a timeout, a bad row: all count as a failed read
+        # BLE001 allowed: the store's errors, a timeout, a bad row all count as one failed read (fail closed later)
+        except Exception as exc:  # noqa: BLE001
             self.metrics.directory_read_errors.inc()
             now = time.monotonic()
             if now - self._last_warning >= _WARN_EVERY_S:
@@ -63,10 +70,8 @@ class LiveDirectory:
                 log.warning("directory_read_failed", store=self.store.name,
                             error=f"{type(exc).__name__}: {exc}"[:300],
                             fail_closed_after_s=self.settings.fail_closed_after_s)
-            self.observe()
             return False
         self.read_at = time.monotonic()
-        self.observe()
         return True
 
     async def _read(self) -> None:
@@ -81,13 +86,7 @@ class LiveDirectory:
         self.keys = keys
         self.revision = rev
 
-    def observe(self) -> None:
-        now = time.monotonic()
-        age = None if self.read_at is None else now - self.read_at
-        self.metrics.directory_read_age.set(age if age is not None else float("inf"))
-        self.metrics.directory_fresh.set(int(age is not None and age <= self.settings.fail_closed_after_s))
-
-    async def write(self, settings: Settings, auth_required: bool, op) -> None:  # noqa: ANN001
+    async def write(self, settings: Settings, auth_required: bool, op) -> None:
         """Run one admin write (``op(store)``), refused where it could not hold on every replica."""
         why = write_refusal(settings, auth_required, self.store.shared)
         if why is not None:

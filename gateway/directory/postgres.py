@@ -24,12 +24,11 @@ class PostgresDirectory:
 
     async def open(self) -> None:
         self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=4, command_timeout=self.timeout_s)
-        async with self.pool.acquire() as conn:
-            async with conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
-                await conn.execute(_SCHEMA)
-                await conn.execute("INSERT INTO omnigate_directory_revision (id, revision) VALUES (1, 0) "
-                                   "ON CONFLICT (id) DO NOTHING")
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
+            await conn.execute(_SCHEMA)
+            await conn.execute("INSERT INTO omnigate_directory_revision (id, revision) VALUES (1, 0) "
+                               "ON CONFLICT (id) DO NOTHING")
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -46,20 +45,18 @@ class PostgresDirectory:
         return int(await self.pool.fetchval("SELECT revision FROM omnigate_directory_revision WHERE id = 1"))
 
     async def load(self) -> tuple[int, list[str], list[KeyEntry]]:
-        async with self.pool.acquire() as conn:
-            # One snapshot: the revision read matches the rows read with it.
-            async with conn.transaction(isolation="repeatable_read", readonly=True):
-                rev = await conn.fetchval("SELECT revision FROM omnigate_directory_revision WHERE id = 1")
-                tenants = [r[0] for r in await conn.fetch("SELECT config FROM omnigate_tenants ORDER BY name")]
-                keys = [KeyEntry(r[0], r[1], r[2], bool(r[3]), "admin", r[4]) for r in await conn.fetch(
-                    "SELECT id, tenant, sha256, enabled, created_at FROM omnigate_api_keys ORDER BY id")]
+        # One snapshot: the revision read matches the rows read with it.
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            rev = await conn.fetchval("SELECT revision FROM omnigate_directory_revision WHERE id = 1")
+            tenants = [r[0] for r in await conn.fetch("SELECT config FROM omnigate_tenants ORDER BY name")]
+            keys = [KeyEntry(r[0], r[1], r[2], bool(r[3]), "admin", r[4]) for r in await conn.fetch(
+                "SELECT id, tenant, sha256, enabled, created_at FROM omnigate_api_keys ORDER BY id")]
         return int(rev), tenants, keys
 
     async def _write(self, sql: str, *args: Any) -> str:
-        async with self.pool.acquire() as conn:
-            async with conn.transaction():
-                status = await conn.execute(sql, *args)
-                await conn.execute("UPDATE omnigate_directory_revision SET revision = revision + 1 WHERE id = 1")
+        async with self.pool.acquire() as conn, conn.transaction():
+            status = await conn.execute(sql, *args)
+            await conn.execute("UPDATE omnigate_directory_revision SET revision = revision + 1 WHERE id = 1")
         return status
 
     async def put_tenant(self, name: str, config_json: str, now: str) -> None:

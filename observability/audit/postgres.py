@@ -12,7 +12,6 @@ from typing import Callable
 
 import asyncpg
 
-from gateway.tenants import KeyEntry
 from observability.audit.chain import GENESIS, Checkpoint, Row
 from observability.audit.search import AuditQuery, select
 from observability.audit.store import ROW_SELECT, Entry, chain_rows, schema
@@ -117,27 +116,3 @@ class PostgresStore:
                 await conn.execute("DELETE FROM audit_log WHERE seq <= $1", cp.seq)
                 await conn.execute("DELETE FROM audit_checkpoints WHERE seq < $1", cp.seq)
         return cp
-
-    async def tenants(self) -> list[str]:
-        return [r[0] for r in await self.pool.fetch("SELECT config FROM tenants ORDER BY name")]
-
-    async def put_tenant(self, name: str, config_json: str, now: str) -> None:
-        await self.pool.execute(
-            "INSERT INTO tenants (name, config, updated_at) VALUES ($1, $2, $3) "
-            "ON CONFLICT (name) DO UPDATE SET config = EXCLUDED.config, updated_at = EXCLUDED.updated_at",
-            name, config_json, now,
-        )
-
-    async def keys(self) -> list[KeyEntry]:
-        recs = await self.pool.fetch("SELECT id, tenant, sha256, enabled, created_at FROM api_keys ORDER BY id")
-        return [KeyEntry(r[0], r[1], r[2], bool(r[3]), "admin", r[4]) for r in recs]
-
-    async def add_key(self, key: KeyEntry) -> None:
-        await self.pool.execute(
-            "INSERT INTO api_keys (id, tenant, sha256, enabled, created_at) VALUES ($1, $2, $3, $4, $5)",
-            key.id, key.tenant, key.sha256, key.enabled, key.created_at,
-        )
-
-    async def set_key_enabled(self, key_id: str, enabled: bool) -> bool:
-        status = await self.pool.execute("UPDATE api_keys SET enabled = $1 WHERE id = $2", enabled, key_id)
-        return status.endswith(" 1")

@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from gateway.tenants import KeyEntry
 from observability.audit.chain import GENESIS, Checkpoint, Row
 from observability.audit.search import AuditQuery, select
 from observability.audit.store import ROW_SELECT, Entry, chain_rows, schema
@@ -146,40 +145,3 @@ class SQLiteStore:
 
     async def cut_before(self, cutoff_ts: str) -> Checkpoint | None:
         return await self._run(self._cut, cutoff_ts)
-
-    # -- tenants and keys -------------------------------------------------------------------------------
-    async def tenants(self) -> list[str]:
-        return await self._run(lambda: [r[0] for r in self.db.execute("SELECT config FROM tenants ORDER BY name")])
-
-    async def put_tenant(self, name: str, config_json: str, now: str) -> None:
-        def q() -> None:
-            self.db.execute(
-                "INSERT INTO tenants (name, config, updated_at) VALUES (?, ?, ?) "
-                "ON CONFLICT (name) DO UPDATE SET config = excluded.config, updated_at = excluded.updated_at",
-                (name, config_json, now),
-            )
-
-        await self._run(q)
-
-    async def keys(self) -> list[KeyEntry]:
-        def q() -> list[KeyEntry]:
-            cur = self.db.execute("SELECT id, tenant, sha256, enabled, created_at FROM api_keys ORDER BY id")
-            return [KeyEntry(r[0], r[1], r[2], bool(r[3]), "admin", r[4]) for r in cur.fetchall()]
-
-        return await self._run(q)
-
-    async def add_key(self, key: KeyEntry) -> None:
-        def q() -> None:
-            self.db.execute(
-                "INSERT INTO api_keys (id, tenant, sha256, enabled, created_at) VALUES (?, ?, ?, ?, ?)",
-                (key.id, key.tenant, key.sha256, int(key.enabled), key.created_at),
-            )
-
-        await self._run(q)
-
-    async def set_key_enabled(self, key_id: str, enabled: bool) -> bool:
-        def q() -> bool:
-            cur = self.db.execute("UPDATE api_keys SET enabled = ? WHERE id = ?", (int(enabled), key_id))
-            return cur.rowcount > 0
-
-        return await self._run(q)

@@ -2,8 +2,8 @@
 
 A store appends a batch in one transaction that holds the store's write lock
 while it reads the chain's head, links the batch to it and inserts it, so several
-gateways may share one store and still form a single chain. It also keeps the
-admin-managed tenants and API keys (key digests only).
+gateways may share one store and still form a single chain. Tenants and API keys
+are not kept here: they live in the tenant directory (:mod:`gateway.directory`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from gateway.settings import AuditSettings
-from gateway.tenants import KeyEntry
 from observability.audit.chain import GENESIS, Checkpoint, Row, link
 from observability.audit.search import AuditQuery
 
@@ -28,11 +27,6 @@ CREATE INDEX IF NOT EXISTS audit_log_request ON audit_log (request_id);
 CREATE TABLE IF NOT EXISTS audit_checkpoints (
     seq {int_type} PRIMARY KEY, hash TEXT NOT NULL, created_at TEXT NOT NULL, algorithm TEXT NOT NULL,
     key_id TEXT NOT NULL, signature TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS tenants (
-    name TEXT PRIMARY KEY, config TEXT NOT NULL, updated_at TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS api_keys (
-    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, sha256 TEXT NOT NULL, enabled {bool_type} NOT NULL,
-    created_at TEXT NOT NULL);
 """
 
 
@@ -93,18 +87,6 @@ class AuditStore(Protocol):
     async def cut_before(self, cutoff_ts: str) -> Checkpoint | None:
         """Delete the records up to the newest checkpoint older than ``cutoff_ts``; return that anchor."""
         ...
-
-    async def tenants(self) -> list[str]:
-        """The admin-managed tenants' configs, as JSON."""
-        ...
-
-    async def put_tenant(self, name: str, config_json: str, now: str) -> None: ...
-
-    async def keys(self) -> list[KeyEntry]: ...
-
-    async def add_key(self, key: KeyEntry) -> None: ...
-
-    async def set_key_enabled(self, key_id: str, enabled: bool) -> bool: ...
 
 
 def build_store(settings: AuditSettings) -> AuditStore:

@@ -95,7 +95,7 @@ def pair(tmp_path, upstream):
                 g.stop()
 
 
-def _within_bound(predicate) -> float:  # noqa: ANN001
+def _within_bound(predicate) -> float:
     """Seconds until ``predicate`` held; fails if that took longer than the bound (plus a request's slack)."""
     start = time.monotonic()
     assert wait_until(predicate, timeout=BOUND_S + 3.0, interval=0.05), "not within the documented bound"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import re
+import secrets
 
 import httpx
 import openai
@@ -23,6 +24,8 @@ from tests.harness import GatewayServer, wait_until
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(120)
+ADMIN_KEY = secrets.token_hex(32)
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 CONTEXT = (
     "Use this document. The Eiffel Tower in Paris was completed on 31 March 1889. "
@@ -50,7 +53,9 @@ def servers(bg, upstreams):
                 post=[PolicySpec(name="grounding", config={"mode": mode, "on_exhausted": on_exhausted})],
                 max_retries=max_retries,
             )
-            made[key] = GatewayServer(bg, gateway_settings(upstreams, chain), CollectorRegistry()).start()
+            # /readyz detail is the admin's; the front door itself is tested elsewhere.
+            settings = gateway_settings(upstreams, chain, admin={"api_key": ADMIN_KEY}, auth={"required": False})
+            made[key] = GatewayServer(bg, settings, CollectorRegistry()).start()
         return made[key]
 
     yield get
@@ -109,7 +114,7 @@ def _finished_event(logs: list[dict]) -> dict:
 
 def test_readyz_and_startup_event_name_the_active_scorer(serve):
     server, _ = serve("hold")
-    body = httpx.get(server.url + "/readyz").json()
+    body = httpx.get(server.url + "/readyz", headers=ADMIN).json()
     assert body["grounding_scorer"]["kind"] == "fallback"
     assert body["grounding_scorer"]["loaded"] is True
     assert body["policies"]["post"] == ["grounding"]
@@ -337,11 +342,12 @@ def test_a_configured_cross_encoder_boots_the_gateway(bg, upstreams, tmp_path):
 
     path = tiny_cross_encoder(tmp_path / "nli", (-4.0, 4.0, -4.0))
     chain = PolicyChainConfig(post=[PolicySpec(name="grounding")])
-    settings = gateway_settings(upstreams, chain, grounding={"model": str(path)})
+    settings = gateway_settings(upstreams, chain, grounding={"model": str(path)}, admin={"api_key": ADMIN_KEY},
+                                auth={"required": False})
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
     try:
         upstreams.reset()
-        ready = httpx.get(server.url + "/readyz").json()
+        ready = httpx.get(server.url + "/readyz", headers=ADMIN).json()
         assert ready["grounding_scorer"]["kind"] == "cross-encoder"
         assert ready["grounding_scorer"]["entailment_label"] == "entailment"
         upstreams.vllm.default = Script(flavour="vllm", text=RIGHT)

@@ -197,7 +197,7 @@ def test_refused_keys_do_not_grow_the_chain_one_each_and_are_summarised(started)
     assert wait_until(lambda: any(r[0] == "auth_failures" for r in _rows(server.db)), timeout=10)
     new = _rows(server.db)[before:]
     assert sorted(k for k, _, _ in new) == ["auth_failures", "request"]  # one aggregate, one served request
-    assert [r for r in new if r[0] == "auth_failures"][0][2]["payload"]["refused"] == 40
+    assert next(r for r in new if r[0] == "auth_failures")[2]["payload"]["refused"] == 40
     assert server.bg.run(server.services.summarise_failures()) is None  # nothing since: nothing written
 
 
@@ -259,6 +259,56 @@ def test_each_admin_change_records_the_credential_that_made_it(started):
         ("tenant_created", "alice"), ("key_created", "bob"), ("key_revoked", "alice")]
     assert changes[0]["by"]["fingerprint"] == hashlib.sha256(alice.encode()).hexdigest()[:12]
     assert alice not in str(changes) and bob not in str(changes)
+
+
+def test_wrong_admin_keys_are_counted_and_limited_per_address(started):
+    server = started(admin={"api_key": ADMIN_KEY}, auth={"failures": {"max_failures": 3}})
+    assert [_admin(server, "GET", "/tenants", key=secrets.token_hex(32)).status_code for _ in range(3)] == [401] * 3
+    limited = _admin(server, "GET", "/tenants", key=secrets.token_hex(32))
+    assert limited.status_code == 429 and limited.headers["retry-after"]
+    assert _admin(server, "GET", "/tenants").status_code == 200  # the real credential is not locked out
+    assert server.bg.run(server.services.summarise_failures())["by_reason"] == {"admin": 4}
+
+
+def test_a_reload_records_the_credential_that_asked_for_it(bg, upstreams, tmp_path):
+    upstreams.reset()
+    doc = {"engines": [{"name": "text-vllm", "kind": "vllm", "base_url": upstreams.vllm.base_url,
+                        "model": "scripted", "serves": [TEXT_MODEL]}],
+           "admin": {"api_key": ADMIN_KEY}, "rate_limits": {"key_prefix": redis_prefix()},
+           "audit": {"sqlite_path": str(tmp_path / "a.db")}, "logging": {"level": "warning"}}
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    server = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
+    try:
+        assert _admin(server, "POST", "/config/reload").status_code == 200
+        assert wait_until(lambda: any(k == "config_reload" for k, _, _ in _rows(tmp_path / "a.db")), timeout=10)
+        [event] = [d["payload"] for k, _, d in _rows(tmp_path / "a.db") if k == "config_reload"]
+        assert event["by"] == {"credential": "api_key", "fingerprint": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()[:12]}
+    finally:
+        server.stop()
+
+
+def test_a_gateway_started_while_the_directory_is_down_serves_config_keys_and_catches_up(bg, started):
+    config_key = mint_key()
+    with fresh_pg_database() as dsn:
+        proxy = TCPProxy("127.0.0.1", 5432)  # not listening yet: the directory is down at boot
+        try:
+            server = started(
+                admin={"api_key": ADMIN_KEY}, tenants=[{"name": "cfg"}],
+                api_keys=[{"id": config_key.id, "tenant": "cfg", "sha256": config_key.sha256}],
+                auth={"directory": {"backend": "postgres",
+                                    "postgres_dsn": f"postgresql://postgres@127.0.0.1:{proxy.port}/"
+                                                    + dsn.rsplit("/", 1)[1],
+                                    "refresh_s": 0.2, "timeout_s": 0.5}},
+            )
+            assert _chat(server, config_key.key).status_code == 200
+            assert _metric(server, "omnigate_directory_fresh") == 0
+            assert _admin(server, "POST", "/tenants", json={"name": "dir"}).status_code == 503
+            bg.run(proxy.start("up"))
+            assert wait_until(lambda: _metric(server, "omnigate_directory_fresh") == 1, timeout=20, interval=0.1)
+            assert _admin(server, "POST", "/tenants", json={"name": "dir"}).status_code == 201
+        finally:
+            bg.run(proxy.stop())
 
 
 # -- /readyz detail and /metrics -------------------------------------------------------------------------------

@@ -69,6 +69,11 @@ EXPORTED: frozenset[str] = frozenset(
         "omnigate_rate_limited_total",
         "omnigate_rate_limiter_errors_total",
         "omnigate_config_reloads_total",
+        # -- the tenant directory and refused keys (front door)
+        "omnigate_directory_fresh",
+        "omnigate_directory_read_age_seconds",
+        "omnigate_directory_read_errors_total",
+        "omnigate_auth_throttled_total",
         # -- audit trail
         "omnigate_audit_records_written_total",
         "omnigate_audit_buffer_records",

@@ -174,7 +174,9 @@ def test_service_monitor_scrapes_the_service_as_job_omnigate():
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
     (endpoint,) = sm["spec"]["endpoints"]
-    assert endpoint["port"] == svc["spec"]["ports"][0]["name"] and endpoint["path"] == "/metrics"
+    # /metrics has a port of its own; the public http port does not serve it.
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["http", "metrics"]
     # The alert rules select job="omnigate".
     assert svc["metadata"]["labels"][sm["spec"]["jobLabel"]] == "omnigate"
 
@@ -226,3 +228,44 @@ def test_optional_parts_switch_off():
     assert one(objects, "Deployment")["spec"]["replicas"] == 3
     for obj in objects.values():
         kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+
+
+def _env(objects: dict) -> dict[str, dict]:
+    (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e for e in container["env"]}
+
+
+@pytest.mark.parametrize("values", [
+    {"directory": {"backend": "sqlite"}},  # the HPA can add pods: its default ceiling is 10
+    {"directory": {"backend": "sqlite"}, "autoscaling": {"enabled": False}, "replicaCount": 2},
+    {"directory": {"backend": "sqlite"}, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3}},
+    {"directory": {"backend": "postgres", "existingSecret": ""}},
+])
+def test_several_replicas_cannot_render_without_a_shared_directory(values):
+    with pytest.raises(Exception, match="directory"):
+        render(values)
+
+
+def test_one_replica_may_keep_its_own_directory_and_several_share_postgres():
+    single = render({"directory": {"backend": "sqlite"}, "autoscaling": {"enabled": False}, "replicaCount": 1})
+    env = _env(single)
+    assert env["OMNIGATE_AUTH__REPLICAS"]["value"] == "1"
+    assert env["OMNIGATE_AUTH__DIRECTORY__BACKEND"]["value"] == "sqlite"
+    assert "OMNIGATE_AUTH__DIRECTORY__POSTGRES_DSN" not in env
+    env = _env(render())
+    # The gateway is told the most replicas the HPA may run, so its own refusals match the chart's.
+    assert env["OMNIGATE_AUTH__REPLICAS"]["value"] == "10"
+    assert env["OMNIGATE_AUTH__DIRECTORY__POSTGRES_DSN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "omnigate-directory", "key": "dsn"}
+
+
+def test_metrics_port_is_wired_through_container_service_and_monitor():
+    objects = render({"metrics": {"port": 9300}})
+    (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8080, "metrics": 9300}
+    assert _env(objects)["OMNIGATE_METRICS__PORT"]["value"] == "9300"
+    svc = one(objects, "Service")
+    assert {"name": "metrics", "port": 9300, "targetPort": "metrics", "protocol": "TCP"} in svc["spec"]["ports"]
+    on_http = render({"metrics": {"port": 0}})
+    assert one(on_http, "ServiceMonitor")["spec"]["endpoints"][0]["port"] == "http"
+    assert "OMNIGATE_METRICS__PORT" not in _env(on_http)

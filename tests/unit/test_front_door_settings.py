@@ -21,7 +21,7 @@ EXAMPLE = ROOT / "ops" / "config" / "omnigate.yaml"
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=env, check=False)
 
 
 def _env_example_value(name: str) -> str:
@@ -94,3 +94,42 @@ def test_check_config_reports_the_auth_decision(tmp_path):
     out = _cli("check-config", str(cfg))
     assert out.returncode == 0, out.stderr
     assert "authentication: required" in out.stdout and "every request gets 401" in out.stdout
+
+
+def test_tenants_an_older_version_kept_in_the_audit_database_are_imported_once(tmp_path):
+    import sqlite3
+
+    from gateway.tenants import mint_key
+
+    audit_db = tmp_path / "audit.db"
+    k = mint_key()
+    db = sqlite3.connect(audit_db)
+    db.executescript(
+        "CREATE TABLE tenants (name TEXT PRIMARY KEY, config TEXT NOT NULL, updated_at TEXT NOT NULL);"
+        "CREATE TABLE api_keys (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, sha256 TEXT NOT NULL,"
+        " enabled INTEGER NOT NULL, created_at TEXT NOT NULL);")
+    db.execute("INSERT INTO tenants VALUES ('old', '{\"name\": \"old\"}', '2026-01-01T00:00:00Z')")
+    db.execute("INSERT INTO api_keys VALUES (?, 'old', ?, 1, '2026-01-01T00:00:00Z')", (k.id, k.sha256))
+    db.commit()
+    db.close()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"audit: {{sqlite_path: {audit_db}}}\n")
+    first = _cli("directory", "import", "--config", str(cfg))
+    assert first.returncode == 0, first.stderr
+    assert "imported 1 tenants and 1 keys" in first.stdout
+    again = _cli("directory", "import", "--config", str(cfg))
+    assert "imported 0 tenants and 0 keys" in again.stdout and "2 already there" in again.stdout
+    from gateway.directory.sqlite import SQLiteDirectory
+
+    async def keys() -> list:
+        store = SQLiteDirectory(tmp_path / "omnigate-directory.db")
+        await store.open()
+        try:
+            return (await store.load())[2]
+        finally:
+            await store.close()
+
+    import asyncio
+
+    [entry] = asyncio.run(keys())
+    assert (entry.id, entry.tenant, entry.sha256, entry.enabled) == (k.id, "old", k.sha256, True)
