@@ -276,6 +276,10 @@ class AuditSettings(_Strict):
     checkpoint_interval_s: Annotated[float, Field(gt=0)] = 60.0
     retention_days: Annotated[float, Field(gt=0)] | None = None
     signing: AuditSigning = AuditSigning()
+    witness_path: Path | None = Field(
+        default=None, description="append each signed head here too (JSON lines, fsynced): a witness kept "
+                                  "outside the store for `omnigate audit verify --expect-file`",
+    )
 
     @model_validator(mode="after")
     def _needs_dsn(self) -> "AuditSettings":

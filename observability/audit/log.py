@@ -35,14 +35,14 @@ import structlog
 
 from gateway.errors import Overloaded
 from gateway.settings import AuditSettings
-from observability.audit.chain import Checkpoint, Row, Signer, canonical, checkpoint_message
+from observability.audit.chain import MAX_BATCH, Checkpoint, Row, Seal, Signer, canonical
 from observability.audit.record import RequestSnapshot, request_payload
 from observability.audit.store import AuditStore, Entry
+from observability.audit.witness import Witness
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.audit")
 
-MAX_BATCH = 256
 _CLOSE_DRAIN_S = 10.0
 _WARN_EVERY_S = 10.0
 
@@ -68,6 +68,7 @@ class AuditLog:
         self.store = store
         self.metrics = metrics
         self.signer = Signer.from_settings(settings.signing)
+        self.witness = Witness(settings.witness_path)
         self._queue: deque[Pending] = deque()
         self._writing = 0
         self._wake = asyncio.Event()
@@ -255,8 +256,9 @@ class AuditLog:
         delay = 0.05
         while True:
             t0 = time.perf_counter()
+            made: list[Checkpoint] = []
             try:
-                rows = await self.store.append_encoded(encode)
+                rows = await self.store.append_encoded(encode, self._sealer(False, made))
                 break
             except Exception as exc:
                 self.metrics.audit_store_errors.inc()
@@ -276,12 +278,12 @@ class AuditLog:
                 p.future.set_result(row.seq)
         self._head = (rows[-1].seq, rows[-1].hash)
         self._since_checkpoint += len(rows)
+        await self._published(made)
 
     # -- checkpoints and retention ----------------------------------------------------------------------
     async def _maybe_checkpoint(self) -> None:
-        due = self._since_checkpoint >= self.settings.checkpoint_every or (
-            self._since_checkpoint and time.monotonic() - self._last_checkpoint >= self.settings.checkpoint_interval_s
-        )
+        # The count cadence is kept by the store, inside each append (see _sealer); this is the time one.
+        due = self._since_checkpoint and time.monotonic() - self._last_checkpoint >= self.settings.checkpoint_interval_s
         if due:
             try:
                 await self._checkpoint()
@@ -289,32 +291,71 @@ class AuditLog:
                 self.metrics.audit_store_errors.inc()
                 self._warn("audit_checkpoint_failed", error=f"{type(exc).__name__}: {exc}")
 
-    async def _checkpoint(self) -> Checkpoint:
-        seq, head = self._head
-        created = now_iso()
-        sig = self.signer.sign(checkpoint_message(seq, head, created, self.signer.key_id))
-        algorithm = self.signer.algorithm if self.signer.can_sign else "none"
-        cp = Checkpoint(seq, head, created, algorithm, self.signer.key_id, sig)
-        await self.store.add_checkpoint(cp)
+    def _sealer(self, force: bool, made: list[Checkpoint]) -> Seal:
+        """What the store calls under its write lock: checkpoint the head when the cadence (or ``force``) says so.
+
+        The cadence is counted on the store's chain, not on this writer's records, so
+        every replica sharing the store keeps it (see observability/audit/chain.py).
+        """
+        every = self.settings.checkpoint_every
+
+        def seal(newest: Checkpoint | None, seq: int, head: str) -> Checkpoint | None:
+            if seq == 0 or (newest is not None and newest.seq >= seq):
+                return None
+            since = seq - (newest.seq if newest is not None else 0)
+            due = every if newest is None or not newest.every else min(every, newest.every)
+            if not force and since < due:
+                return None
+            cp = self.signer.make(seq, head, now_iso(), newest, every)
+            made.append(cp)
+            return cp
+
+        return seal
+
+    async def _published(self, made: list[Checkpoint]) -> None:
+        """Each committed checkpoint goes outside the store too: the log, and the witness file if configured."""
+        if not made:
+            return
         self._since_checkpoint = 0
         self._last_checkpoint = time.monotonic()
-        # The log pipeline keeps a copy: a witness outside the store against truncation.
-        log.info("audit_checkpoint", seq=seq, hash=head, created_at=created, algorithm=algorithm,
-                 key_id=cp.key_id, signature=sig)
-        return cp
+        for cp in made:
+            log.info("audit_checkpoint", seq=cp.seq, hash=cp.hash, created_at=cp.created_at,
+                     algorithm=cp.algorithm, key_id=cp.key_id, signature=cp.signature, prev=cp.prev, every=cp.every)
+        try:
+            await self.witness.publish(made)
+        except OSError as exc:
+            self.metrics.audit_store_errors.inc()
+            self._warn("audit_witness_failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _checkpoint(self) -> None:
+        made: list[Checkpoint] = []
+        await self.store.seal_head(self._sealer(True, made))
+        self._since_checkpoint = 0
+        self._last_checkpoint = time.monotonic()
+        await self._published(made)
 
     async def retain(self) -> Checkpoint | None:
-        """Delete records older than ``retention_days`` up to a checkpoint, which anchors what remains."""
+        """Delete records older than ``retention_days`` up to a checkpoint, which anchors what remains.
+
+        The cut writes its own ``retention_cut`` record and a checkpoint of it in the
+        same transaction: a prefix missing without that signed record was not retention.
+        """
         days = self.settings.retention_days
         if days is None:
             return None
         cutoff = (datetime.now(timezone.utc) - timedelta(days=days)).isoformat(timespec="microseconds")
         cutoff = cutoff.replace("+00:00", "Z")
-        cp = await self.store.cut_before(cutoff)
+
+        def record(anchor: Checkpoint) -> Entry:
+            payload = {"through_seq": anchor.seq, "anchor_hash": anchor.hash, "anchor_checkpoint": anchor.digest(),
+                       "cutoff": cutoff}
+            return self._encode([Pending(now_iso(), "retention_cut", None, None, payload, None, None)])[0]
+
+        made: list[Checkpoint] = []
+        cp = await self.store.cut_before(cutoff, record, self._sealer(True, made))
         if cp is not None:
             log.info("audit_retention_cut", through_seq=cp.seq, anchor_hash=cp.hash, cutoff=cutoff)
-            await self.append_event("retention_cut", {"through_seq": cp.seq, "anchor_hash": cp.hash,
-                                                      "cutoff": cutoff})
+            await self._published(made)
         return cp
 
     async def _retain_forever(self) -> None:
