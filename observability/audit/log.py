@@ -125,10 +125,9 @@ class AuditLog:
         """Drain what is buffered (bounded), sign the head, close the store."""
         self._closing = True
         self._wake.set()
-        for task in (self._retention, self._recovery):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        if self._retention is not None:
+            self._retention.cancel()
+            await asyncio.gather(self._retention, return_exceptions=True)
         if self._task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), _CLOSE_DRAIN_S)
@@ -136,8 +135,15 @@ class AuditLog:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
                 log.error("audit_close_incomplete", unwritten=len(self._queue))
+        if self._recovery is not None:
+            # What is spooled stays in the journal if the store is still away: the next start replays it.
+            try:
+                await asyncio.wait_for(asyncio.shield(self._recovery), _CLOSE_DRAIN_S)
+            except (asyncio.TimeoutError, Exception):
+                self._recovery.cancel()
+                await asyncio.gather(self._recovery, return_exceptions=True)
         with contextlib.suppress(Exception):
-            if self._since_checkpoint and not self._outage:
+            if not self._outage:  # also seals what a killed predecessor left uncovered (no-op if sealed)
                 await self._checkpoint()
         await self.store.close()
         if self.spool is not None:
@@ -392,7 +398,7 @@ class AuditLog:
 
     async def _recover(self) -> None:
         delay = 0.2
-        while not self._closing:
+        while True:
             try:
                 if await self._replay():
                     return
