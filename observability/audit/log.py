@@ -424,7 +424,7 @@ class AuditLog:
             todo = [e for _, e in chunk if e.data not in present]
             made: list[Checkpoint] = []
             if todo:
-                rows = await self.store.append_encoded(lambda: todo, self._sealer(False, made))
+                rows = await self.store.append_encoded(lambda todo=todo: todo, self._sealer(False, made))
                 self._head = (rows[-1].seq, rows[-1].hash)
                 for e in todo:
                     self.metrics.audit_written.labels(e.kind).inc()
