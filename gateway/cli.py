@@ -197,6 +197,17 @@ def audit_command(args: argparse.Namespace) -> int:
     if audit.store == "sqlite" and not audit.sqlite_path.is_file():
         print(f"no audit database at {audit.sqlite_path}", file=sys.stderr)
         return 2
+    expect: dict[int, str] = {}
+    if args.audit_command == "verify":
+        from observability.audit.witness import parse_expect, read_heads
+
+        try:
+            for path in args.expect_file or ():
+                expect.update(read_heads(Path(path)))
+            expect.update(parse_expect(v) for v in args.expect or ())
+        except (OSError, ValueError) as exc:
+            print(str(exc), file=sys.stderr)
+            return 2
     store = build_store(audit)
 
     async def run() -> int:
@@ -204,7 +215,7 @@ def audit_command(args: argparse.Namespace) -> int:
         try:
             if args.audit_command == "verify":
                 signer = Signer.from_settings(audit.signing, getattr(args, "public_key", None))
-                report = await verify_store(store, signer)
+                report = await verify_store(store, signer, expect, args.require_covered)
                 doc = report.to_json()
                 if args.json:
                     print(json.dumps(doc, indent=2))
@@ -285,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         if name == "verify":
             p.add_argument("--public-key", help="Ed25519 public key (base64) to check checkpoints with")
             p.add_argument("--json", action="store_true", help="print the report as JSON")
+            p.add_argument("--expect", action="append", metavar="SEQ:HASH",
+                           help="a head published outside the store (repeatable): record SEQ must have HASH")
+            p.add_argument("--expect-file", action="append", metavar="PATH",
+                           help="a file of published heads (audit.witness_path, or SEQ:HASH lines)")
+            p.add_argument("--require-covered", action="store_true",
+                           help="fail if records after the newest checkpoint are not covered by a signature "
+                                "(a stopped gateway seals its head)")
         else:
             p.add_argument("--after", type=int, default=0, help="only records with seq greater than this")
             p.add_argument("--out", default="-", help="output file (default: standard output)")

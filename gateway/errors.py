@@ -26,7 +26,8 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     ├── PermissionDenied                403 permission_error
     ├── RateLimited                     429 rate_limit_exceeded   (Retry-After)
     ├── Overloaded                      503 overloaded            (Retry-After)
-    │   └── EngineBusy                  503 engine_busy           (Retry-After; every engine for the model is full)
+    │   ├── EngineBusy                  503 engine_busy           (Retry-After; every engine for the model is full)
+    │   └── AuditUnavailable            503 audit_unavailable     (Retry-After; the record cannot be made durable)
     ├── GuardUnavailable                503 guard_unavailable     (a policy's model failed; fail closed)
     ├── DirectoryUnavailable            503 directory_unavailable (Retry-After; a directory key, the directory unread too long)
     ├── AnswerWithheld                  422 answer_withheld       (a post-policy kept every attempt back)
@@ -186,6 +187,13 @@ class EngineBusy(Overloaded):
     or the wait ran out. Nothing was sent to an engine."""
 
     code = "engine_busy"
+
+
+class AuditUnavailable(Overloaded):
+    """The audit store did not take the request's record in time and ``audit.on_unavailable`` is ``refuse``
+    (or the local spool failed too): the response is not acknowledged without a durable record."""
+
+    code = "audit_unavailable"
 
 
 class GuardUnavailable(OmnigateError):

@@ -306,6 +306,16 @@ class AuditSettings(_Strict):
     checkpoint_interval_s: Annotated[float, Field(gt=0)] = 60.0
     retention_days: Annotated[float, Field(gt=0)] | None = None
     signing: AuditSigning = AuditSigning()
+    witness_path: Path | None = Field(
+        default=None, description="append each signed head here too (JSON lines, fsynced): a witness kept "
+                                  "outside the store for `omnigate audit verify --expect-file`",
+    )
+    on_unavailable: Literal["refuse", "spool"] = Field(
+        default="refuse",
+        description="when the store does not take a record within half of ack_timeout_s: refuse (503 until it "
+                    "does) or spool (an fsynced local journal, replayed into the store in order when it returns)",
+    )
+    spool_path: Path = Field(default=Path("var/omnigate-audit.spool"), description="the spool journal's file")
 
     @model_validator(mode="after")
     def _needs_dsn(self) -> "AuditSettings":

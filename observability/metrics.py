@@ -182,7 +182,7 @@ class Metrics:
         )
         self.audit_ack_timeouts = Counter(
             "omnigate_audit_ack_timeouts_total",
-            "Responses released before their audit record was committed (store slower than ack_timeout_s)",
+            "Requests whose audit record was not durable within ack_timeout_s (refused with 503)",
             registry=r,
         )
         self.audit_store_errors = Counter(

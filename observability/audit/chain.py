@@ -7,11 +7,27 @@ first). The order is the chain itself, not the ``seq`` column: a record moved to
 another place no longer links to its neighbour.
 
 A checkpoint signs ``(seq, hash)`` of the chain's head with the configured key
-(HMAC-SHA256, or Ed25519 so that auditors can verify with the public key alone).
-A record changed and every later hash recomputed to match is still caught at the
-next checkpoint; a log cut short before a checkpoint's ``seq`` is caught as
-truncated. Retention deletes whole prefixes ending at a checkpoint, which then
-anchors the first kept record.
+(HMAC-SHA256, or Ed25519 so that auditors can verify with the public key alone),
+together with the digest of the checkpoint before it (``prev``: checkpoints form a
+chain of their own, so one cannot be removed from the middle) and the cadence in
+force (``every``). The store writes a checkpoint in the same transaction as the
+append that makes ``every`` records since the last one, so after any commit, crash
+or not, the records after the newest checkpoint are fewer than its ``every``, and
+two checkpoints are less than ``every + MAX_BATCH`` records apart: checkpoints
+dropped from the end or the middle are a gap in that cadence. A record changed and
+every later hash recomputed to match is still caught at the next checkpoint; a
+log cut short before a checkpoint's ``seq`` is caught as truncated. A tail cut
+together with its checkpoints leaves a shorter chain that is consistent in
+itself; the heads the gateway published outside the store (``verify --expect``)
+catch it.
+
+Retention deletes a prefix ending at a checkpoint, which then anchors the first
+kept record, and appends a ``retention_cut`` record naming that anchor, signed by
+a checkpoint in the same transaction; a chain that starts after record 1 without
+that record was cut by someone else.
+
+When the verifier holds a key (or the Ed25519 public key), a checkpoint it cannot
+check (unsigned, or signed by another key) is a failure, not a pass.
 """
 
 from __future__ import annotations
@@ -55,6 +71,10 @@ class Row:
                 "data": orjson.loads(self.data)}
 
 
+#: the most records one append transaction writes (the writer's batch; the spool's replay batch)
+MAX_BATCH = 256
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     seq: int
@@ -63,13 +83,32 @@ class Checkpoint:
     algorithm: str  # "hmac-sha256", "ed25519" or "none"
     key_id: str
     signature: str
+    #: digest of the checkpoint before it (GENESIS for the first); "" for a checkpoint of format v1
+    prev: str = ""
+    #: the cadence the writer was configured with (0 for v1)
+    every: int = 0
 
     def message(self) -> bytes:
-        return checkpoint_message(self.seq, self.hash, self.created_at, self.key_id)
+        return checkpoint_message(self.seq, self.hash, self.created_at, self.key_id, self.prev, self.every)
+
+    def digest(self) -> str:
+        """What the next checkpoint's ``prev`` holds: it covers the message and the signature."""
+        return hashlib.sha256(self.message() + b"\n" + self.signature.encode()).hexdigest()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "hash": self.hash, "created_at": self.created_at, "algorithm": self.algorithm,
+                "key_id": self.key_id, "signature": self.signature, "prev": self.prev, "every": self.every}
 
 
-def checkpoint_message(seq: int, head: str, created_at: str, key_id: str) -> bytes:
-    return canonical({"v": 1, "seq": seq, "hash": head, "created_at": created_at, "key_id": key_id}).encode()
+def checkpoint_message(seq: int, head: str, created_at: str, key_id: str, prev: str = "", every: int = 0) -> bytes:
+    if not prev:
+        return canonical({"v": 1, "seq": seq, "hash": head, "created_at": created_at, "key_id": key_id}).encode()
+    return canonical({"v": 2, "seq": seq, "hash": head, "created_at": created_at, "key_id": key_id,
+                      "prev": prev, "every": every}).encode()
+
+
+#: what a store calls inside its append transaction: (newest checkpoint, head seq, head hash) -> one to add
+Seal = Callable[["Checkpoint | None", int, str], "Checkpoint | None"]
 
 
 class Signer:
@@ -107,6 +146,18 @@ class Signer:
     def can_sign(self) -> bool:
         return self.algorithm != "none" and (self._secret is not None)
 
+    @property
+    def can_check(self) -> bool:
+        """Whether it holds what checks a signature (the secret, or the Ed25519 public key)."""
+        return self.algorithm != "none" and (self._secret is not None or self._public is not None)
+
+    def make(self, seq: int, head: str, created_at: str, prev: "Checkpoint | None", every: int) -> "Checkpoint":
+        """The checkpoint of ``(seq, head)`` that follows ``prev``, signed when a key is configured."""
+        link_to = GENESIS if prev is None else prev.digest()
+        sig = self.sign(checkpoint_message(seq, head, created_at, self.key_id, link_to, every))
+        return Checkpoint(seq, head, created_at, self.algorithm if self.can_sign else "none", self.key_id, sig,
+                          link_to, every)
+
     def public_key_b64(self) -> str | None:
         if self._public is None:
             return None
@@ -141,7 +192,8 @@ class Signer:
         return True
 
 
-ProblemKind = Literal["edited", "deleted", "reordered", "truncated", "bad_signature", "unanchored"]
+ProblemKind = Literal["edited", "deleted", "reordered", "truncated", "bad_signature", "unanchored", "unsigned",
+                      "checkpoint_gap", "witness", "uncovered"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +241,10 @@ class ChainVerifier:
 
     ``lookup(hash)`` returns the ``seq`` of the stored record with that hash, so a
     broken link can be told apart: pointing forward means reordered, pointing
-    nowhere means the record before was changed or removed.
+    nowhere means the record before was changed or removed. ``expect`` holds heads
+    published outside the store (``seq -> hash``); ``require_covered`` fails a chain
+    whose newest records no signed checkpoint covers yet (a stopped gateway seals
+    its head, so an archived chain has none).
     """
 
     def __init__(
@@ -197,25 +252,62 @@ class ChainVerifier:
         checkpoints: list[Checkpoint],
         signer: Signer | None,
         lookup: Callable[[str], Awaitable[int | None]],
+        expect: dict[int, str] | None = None,
+        require_covered: bool = False,
     ) -> None:
         self.report = Report()
         self._lookup = lookup
+        self._expect = dict(expect or {})
+        self._require_covered = require_covered
         self._by_seq: dict[int, Checkpoint] = {}
         self._prev_seq = 0
         self._prev_hash = GENESIS
         self._started = False
         self._last_cp = 0
-        for cp in sorted(checkpoints, key=lambda c: c.seq):
+        self._cut_recorded = False
+        strict = signer is not None and signer.can_check
+        ordered = sorted(checkpoints, key=lambda c: c.seq)
+        for i, cp in enumerate(ordered):
             verdict = signer.check(cp) if signer is not None else None
             if verdict is False:
                 self._fail("bad_signature", cp.seq, f"checkpoint at record {cp.seq} has an invalid signature")
+                break
+            if verdict is None and strict:
+                what = "unsigned" if cp.algorithm == "none" else f"signed by another key ({cp.algorithm} {cp.key_id})"
+                self._fail("unsigned", cp.seq, f"checkpoint at record {cp.seq} is {what}: with a signing key "
+                                               f"configured, it cannot vouch for the chain")
                 break
             if verdict is True:
                 self.report.checkpoints_signed += 1
             else:
                 self.report.checkpoints_unchecked += 1
+            before = ordered[i - 1] if i else None
+            if not self._linked(before, cp):
+                break
             self._by_seq[cp.seq] = cp
+        self._ordered = ordered
+        self._first_cp = ordered[0] if ordered else None
+        self._newest_cp = ordered[-1] if ordered else None
         self._newest = max(self._by_seq) if self._by_seq else 0
+
+    def _linked(self, before: Checkpoint | None, cp: Checkpoint) -> bool:
+        """Checkpoints chain to each other and keep their cadence (v2; a v1 one has no link)."""
+        if not cp.prev:
+            return True
+        if before is None:
+            # The first kept checkpoint links to a deleted one only as a retention cut's anchor (checked when
+            # the walk finds the chain's first record and its retention_cut record).
+            return True
+        if cp.prev != before.digest():
+            self._fail("deleted", before.seq + 1, f"checkpoint at record {cp.seq} does not link to the one at "
+                                                  f"record {before.seq}: checkpoints between them were removed")
+            return False
+        if before.every and cp.seq - before.seq >= before.every + MAX_BATCH:
+            self._fail("checkpoint_gap", before.seq + 1,
+                       f"no checkpoint between records {before.seq} and {cp.seq} although one is written every "
+                       f"{before.every} records: checkpoints were removed")
+            return False
+        return True
 
     def _fail(self, kind: ProblemKind, seq: int, message: str) -> None:
         if self.report.problem is None:
@@ -233,9 +325,14 @@ class ChainVerifier:
         if not self._started:
             self._started = True
             r.first_seq = row.seq
+            first = self._first_cp
+            if row.seq == 1 and first is not None and first.prev and first.prev != GENESIS:
+                self._fail("deleted", 1, f"the first checkpoint (at record {first.seq}) links to an earlier one "
+                                         "that is gone")
+                return False
             if row.seq != 1:
                 anchor = self._by_seq.get(row.seq - 1)
-                if anchor is None or anchor.hash != row.prev_hash:
+                if anchor is None or anchor.hash != row.prev_hash or anchor is not first:
                     self._fail("deleted", 1, f"records 1..{row.seq - 1} are missing and no checkpoint anchors "
                                              f"a retention cut at record {row.seq - 1}")
                     return False
@@ -265,9 +362,19 @@ class ChainVerifier:
             self._fail("edited", since, f"records {since}..{row.seq} were rewritten: record {row.seq} differs "
                                         f"from the signed checkpoint at it")
             return False
+        seen = self._expect.get(row.seq)
+        if seen is not None and seen != row.hash:
+            self._fail("witness", row.seq, f"record {row.seq} differs from the head published for it "
+                                           f"({seen[:16]}...): the chain was rewritten")
+            return False
         if row.kind == "gap":
             lost = orjson.loads(row.data).get("payload", {}).get("lost", 0)
             r.gaps.append((row.seq, int(lost)))
+        elif row.kind == "retention_cut" and r.anchored_at is not None:
+            payload = orjson.loads(row.data).get("payload", {})
+            anchor = self._by_seq[r.anchored_at]
+            if payload.get("through_seq") == anchor.seq and payload.get("anchor_hash") == anchor.hash:
+                self._cut_recorded = True
         if cp is not None:
             r.covered_through = self._last_cp = row.seq
         r.records += 1
@@ -284,8 +391,27 @@ class ChainVerifier:
         return all(doc.get(c) == getattr(row, c) for c in _COLUMNS)
 
     def finish(self) -> Report:
-        if not self.failed and self._newest > self.report.head_seq:
-            self._fail("truncated", self.report.head_seq + 1,
-                       f"the log ends at record {self.report.head_seq} but a signed checkpoint covers record "
-                       f"{self._newest}: records {self.report.head_seq + 1}..{self._newest} were cut off")
-        return self.report
+        r = self.report
+        if self.failed:
+            return r
+        head = r.head_seq
+        if self._newest > r.head_seq:
+            self._fail("truncated", r.head_seq + 1,
+                       f"the log ends at record {r.head_seq} but a signed checkpoint covers record "
+                       f"{self._newest}: records {r.head_seq + 1}..{self._newest} were cut off")
+        elif r.anchored_at is not None and not self._cut_recorded:
+            self._fail("deleted", 1, f"records 1..{r.anchored_at} are gone and no signed retention_cut record "
+                                     f"says that retention removed them")
+        elif (newest := self._newest_cp) is not None and newest.every and r.first_seq is not None \
+                and r.head_seq - newest.seq >= newest.every:
+            self._fail("checkpoint_gap", newest.seq + 1,
+                       f"records {newest.seq + 1}..{r.head_seq} have no checkpoint although one is written every "
+                       f"{newest.every} records: checkpoints were removed")
+        elif self._expect and max(self._expect) > head:
+            top = max(self._expect)
+            self._fail("truncated", head + 1, f"a head was published for record {top} but the log ends at "
+                                              f"record {head}: records {head + 1}..{top} were cut off")
+        elif self._require_covered and r.covered_through < r.head_seq:
+            self._fail("uncovered", r.covered_through + 1,
+                       f"records {r.covered_through + 1}..{r.head_seq} are covered by no signed checkpoint")
+        return r

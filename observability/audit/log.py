@@ -25,26 +25,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
-from gateway.errors import Overloaded
+from gateway.errors import AuditUnavailable, Overloaded
 from gateway.settings import AuditSettings
-from observability.audit.chain import Checkpoint, Row, Signer, canonical, checkpoint_message
+from observability.audit.chain import MAX_BATCH, Checkpoint, Row, Seal, Signer, canonical
 from observability.audit.record import RequestSnapshot, request_payload
+from observability.audit.spool import Spool
 from observability.audit.store import AuditStore, Entry
+from observability.audit.witness import Witness
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.audit")
 
-MAX_BATCH = 256
 _CLOSE_DRAIN_S = 10.0
 _WARN_EVERY_S = 10.0
+
+
+def _consume(fut: "asyncio.Future[Any]") -> None:
+    """Retrieve a stray append's outcome (so a failure is not reported as never retrieved)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def now_iso() -> str:
@@ -68,6 +76,12 @@ class AuditLog:
         self.store = store
         self.metrics = metrics
         self.signer = Signer.from_settings(settings.signing)
+        self.witness = Witness(settings.witness_path)
+        self.spool = Spool(settings.spool_path) if settings.on_unavailable == "spool" else None
+        #: the store did not take a batch within half of ack_timeout_s (refuse: 503s; spool: journal)
+        self._outage = False
+        self._recovery: asyncio.Task[None] | None = None
+        self._waiting: dict[asyncio.Future[int], Pending] = {}
         self._queue: deque[Pending] = deque()
         self._writing = 0
         self._wake = asyncio.Event()
@@ -92,7 +106,18 @@ class AuditLog:
             log.warning("audit_checkpoints_unsigned", reason="audit.signing.key is not set")
         log.info("audit_started", store=self.store.name, head_seq=self._head[0], commit=self.settings.commit,
                  when_full=self.settings.when_full, buffer=self.settings.buffer)
+        if self.spool is not None:
+            await self.spool.open()
+            if self.spool.unreadable:
+                # Acknowledged records the journal no longer yields: the chain says so.
+                self._lost, self._lost_reason, self._lost_since = self.spool.unreadable, "spool_unreadable", now_iso()
+                self._queue.append(self._gap_record())
+            if self.spool.pending:
+                log.warning("audit_spool_found", records=len(self.spool.pending))
+                self._outage = True  # new records queue behind the spooled ones until they are replayed
         self._task = asyncio.create_task(self._run(), name="audit-writer")
+        if self._outage:
+            self._ensure_recovery()
         if self.settings.retention_days is not None:
             self._retention = asyncio.create_task(self._retain_forever(), name="audit-retention")
 
@@ -110,10 +135,19 @@ class AuditLog:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
                 log.error("audit_close_incomplete", unwritten=len(self._queue))
+        if self._recovery is not None:
+            # What is spooled stays in the journal if the store is still away: the next start replays it.
+            try:
+                await asyncio.wait_for(asyncio.shield(self._recovery), _CLOSE_DRAIN_S)
+            except (asyncio.TimeoutError, Exception):
+                self._recovery.cancel()
+                await asyncio.gather(self._recovery, return_exceptions=True)
         with contextlib.suppress(Exception):
-            if self._since_checkpoint:
+            if not self._outage:  # also seals what a killed predecessor left uncovered (no-op if sealed)
                 await self._checkpoint()
         await self.store.close()
+        if self.spool is not None:
+            self.spool.close()
 
     # -- the request path -------------------------------------------------------------------------------
     @property
@@ -121,7 +155,10 @@ class AuditLog:
         return len(self._queue) + self._writing
 
     def admit(self) -> None:
-        """In ``shed`` mode, refuse new requests while the buffer is full."""
+        """Refuse new requests while the store is unavailable (``refuse``), or the buffer full (``shed``)."""
+        if self._outage and self.spool is None:
+            raise AuditUnavailable("the audit trail cannot record requests right now; try again shortly",
+                                   retry_after=1)
         if self.settings.when_full == "shed" and self.depth >= self.settings.buffer:
             self._mark_full()
             raise Overloaded("the audit trail is behind; try again shortly", retry_after=1)
@@ -142,13 +179,22 @@ class AuditLog:
         if self._lost:
             self._queue.append(self._gap_record())
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._queue.append(Pending(now_iso(), kind, request_id, tenant, payload, snapshot, fut))
+        pending = Pending(now_iso(), kind, request_id, tenant, payload, snapshot, fut)
+        self._queue.append(pending)
+        if request_id is not None:
+            self._waiting[fut] = pending
+            fut.add_done_callback(self._waiting.pop)
         self.metrics.audit_buffered.set(self.depth)
         self._wake.set()
         return fut
 
     async def wait(self, fut: asyncio.Future[int] | None) -> int | None:
-        """Wait until the record is committed, at most ``ack_timeout_s``; its ``seq``, or None."""
+        """Wait until the record is durable, at most ``ack_timeout_s``: its ``seq`` (0: in the spool).
+
+        None only for a record the buffer had no room for (``mark_gap``: counted in
+        a gap record). A record that is not durable in time raises
+        :class:`AuditUnavailable`: no response is acknowledged on a record held in memory only.
+        """
         if fut is None:
             return None
         try:
@@ -157,7 +203,17 @@ class AuditLog:
         except TimeoutError:
             self.metrics.audit_ack_timeouts.inc()
             self._warn("audit_ack_timeout", timeout_s=self.settings.ack_timeout_s, buffered=self.depth)
-            return None
+            pending = self._waiting.get(fut)
+            if pending is not None and pending.kind == "request":
+                # Its record may still reach the store (it stays buffered); this one says the client got a 503.
+                self.submit("request_refused", request_id=pending.request_id, tenant=pending.tenant,
+                            payload={"status": 503, "code": AuditUnavailable.code,
+                                     "reason": "its record was not durable within ack_timeout_s"})
+            raise AuditUnavailable("the audit trail could not record this request; try again shortly",
+                                   retry_after=1) from None
+        except Exception as exc:
+            raise AuditUnavailable("the audit trail could not record this request; try again shortly",
+                                   retry_after=1) from exc
 
     async def append_event(self, kind: str, payload: dict[str, Any]) -> int | None:
         """Append a non-request event (a routing transition, an admin change, ...) to the same chain.
@@ -168,7 +224,10 @@ class AuditLog:
         deadline = time.monotonic() + self.settings.ack_timeout_s
         while self.depth >= self.settings.buffer and time.monotonic() < deadline and not self._closing:
             await asyncio.sleep(0.01)
-        return await self.wait(self.submit(kind, payload=payload))
+        try:
+            return await self.wait(self.submit(kind, payload=payload))
+        except AuditUnavailable:
+            return None
 
     # -- full buffer ------------------------------------------------------------------------------------
     def _mark_full(self) -> None:
@@ -245,29 +304,59 @@ class AuditLog:
 
     async def _write(self, batch: list[Pending]) -> None:
         encoded: list[Entry] = []
+        once = threading.Lock()
 
         def encode() -> list[Entry]:
-            # Once per batch: a retry after a store failure appends the same entries.
-            if not encoded:
-                encoded.extend(self._encode(batch))
+            # Once per batch: a retry after a store failure (or the spool) takes the same entries.
+            with once:
+                if not encoded:
+                    encoded.extend(self._encode(batch))
             return encoded
 
+        if self._outage and self.spool is not None:
+            await self._to_spool(batch, encode)
+            return
+        patience = self.settings.ack_timeout_s / 2
+        started = time.monotonic()
         delay = 0.05
+        attempt: asyncio.Future[list[Row]] | None = None
+        made: list[Checkpoint] = []
         while True:
-            t0 = time.perf_counter()
-            try:
-                rows = await self.store.append_encoded(encode)
+            if attempt is None:
+                t0 = time.perf_counter()
+                made = []
+                attempt = asyncio.ensure_future(self.store.append_encoded(encode, self._sealer(False, made)))
+            left = patience - (time.monotonic() - started)
+            done, _ = await asyncio.wait({attempt}, timeout=left if left > 0 else None)
+            if not done:  # the store is slow past patience (a lock held, a server that does not answer)
+                self._unavailable("slow")
+                if self.spool is not None:
+                    attempt.add_done_callback(_consume)  # it may still land: the replay skips it then
+                    await self._to_spool(batch, encode)
+                    return
+                continue  # refuse: new requests get 503 meanwhile; this batch keeps waiting
+            exc = attempt.exception()
+            if exc is None:
+                rows = attempt.result()
                 break
-            except Exception as exc:
-                self.metrics.audit_store_errors.inc()
-                self._warn("audit_store_failed", error=f"{type(exc).__name__}: {exc}", buffered=self.depth)
-                if self._closing and delay > 1.0:
-                    for p in batch:
-                        if p.future is not None and not p.future.done():
-                            p.future.set_exception(exc)
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+            attempt = None
+            self.metrics.audit_store_errors.inc()
+            self._warn("audit_store_failed", error=f"{type(exc).__name__}: {exc}", buffered=self.depth)
+            if self._closing and delay > 1.0 and self.spool is None:
+                for p in batch:
+                    if p.future is not None and not p.future.done():
+                        p.future.set_exception(exc)
+                raise exc
+            if time.monotonic() - started >= patience:
+                self._unavailable("failing")
+                if self.spool is not None:
+                    await self._to_spool(batch, encode)
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        if self._outage and self.spool is None:
+            self._outage = False
+            log.warning("audit_store_recovered", on_unavailable="refuse")
         self.metrics.audit_commit.labels(self.store.name).observe(time.perf_counter() - t0)
         self.metrics.audit_batch.observe(len(rows))
         for p, row in zip(batch, rows):
@@ -276,12 +365,85 @@ class AuditLog:
                 p.future.set_result(row.seq)
         self._head = (rows[-1].seq, rows[-1].hash)
         self._since_checkpoint += len(rows)
+        await self._published(made)
+
+    # -- store outage ---------------------------------------------------------------------------------
+    def _unavailable(self, how: str) -> None:
+        if not self._outage:
+            self._outage = True
+            log.error("audit_store_unavailable", how=how, on_unavailable=self.settings.on_unavailable,
+                      patience_s=self.settings.ack_timeout_s / 2)
+
+    async def _to_spool(self, batch: list[Pending], encode: Callable[[], list[Entry]]) -> None:
+        assert self.spool is not None
+        entries = await asyncio.to_thread(encode)
+        try:
+            async with self.spool.lock:
+                await self.spool.add(self._head[0], entries)
+        except OSError as exc:
+            log.error("audit_spool_failed", error=f"{type(exc).__name__}: {exc}", records=len(batch))
+            for p in batch:
+                if p.future is not None and not p.future.done():
+                    p.future.set_exception(exc)
+            return
+        for p in batch:
+            if p.future is not None and not p.future.done():
+                p.future.set_result(0)
+        self._warn("audit_spooled", records=len(entries), spooled=len(self.spool.pending))
+        self._ensure_recovery()
+
+    def _ensure_recovery(self) -> None:
+        if self.spool is not None and (self._recovery is None or self._recovery.done()):
+            self._recovery = asyncio.create_task(self._recover(), name="audit-spool-replay")
+
+    async def _recover(self) -> None:
+        delay = 0.2
+        while True:
+            try:
+                if await self._replay():
+                    return
+            except Exception as exc:
+                self._warn("audit_spool_replay_failed", error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _replay(self) -> bool:
+        """Move the spool into the store, in order and once; True once it is empty (the outage is over)."""
+        spool = self.spool
+        assert spool is not None
+        while True:
+            async with spool.lock:
+                if not spool.pending:
+                    await spool.clear()
+                    if self._outage:
+                        self._outage = False
+                        log.warning("audit_spool_replayed")
+                    return True
+                chunk = spool.pending[:MAX_BATCH]
+            present = await self._stored_after(chunk[0][0])
+            todo = [e for _, e in chunk if e.data not in present]
+            made: list[Checkpoint] = []
+            if todo:
+                rows = await self.store.append_encoded(lambda todo=todo: todo, self._sealer(False, made))
+                self._head = (rows[-1].seq, rows[-1].hash)
+                for e in todo:
+                    self.metrics.audit_written.labels(e.kind).inc()
+            await spool.replayed(len(chunk))
+            await self._published(made)
+
+    async def _stored_after(self, after_seq: int) -> set[str]:
+        found: set[str] = set()
+        while rows := await self.store.rows(after_seq, 1000):
+            found.update(r.data for r in rows)
+            after_seq = rows[-1].seq
+        return found
 
     # -- checkpoints and retention ----------------------------------------------------------------------
     async def _maybe_checkpoint(self) -> None:
-        due = self._since_checkpoint >= self.settings.checkpoint_every or (
-            self._since_checkpoint and time.monotonic() - self._last_checkpoint >= self.settings.checkpoint_interval_s
-        )
+        if self._outage:
+            return
+        # The count cadence is kept by the store, inside each append (see _sealer); this is the time one.
+        due = self._since_checkpoint and time.monotonic() - self._last_checkpoint >= self.settings.checkpoint_interval_s
         if due:
             try:
                 await self._checkpoint()
@@ -289,32 +451,71 @@ class AuditLog:
                 self.metrics.audit_store_errors.inc()
                 self._warn("audit_checkpoint_failed", error=f"{type(exc).__name__}: {exc}")
 
-    async def _checkpoint(self) -> Checkpoint:
-        seq, head = self._head
-        created = now_iso()
-        sig = self.signer.sign(checkpoint_message(seq, head, created, self.signer.key_id))
-        algorithm = self.signer.algorithm if self.signer.can_sign else "none"
-        cp = Checkpoint(seq, head, created, algorithm, self.signer.key_id, sig)
-        await self.store.add_checkpoint(cp)
+    def _sealer(self, force: bool, made: list[Checkpoint]) -> Seal:
+        """What the store calls under its write lock: checkpoint the head when the cadence (or ``force``) says so.
+
+        The cadence is counted on the store's chain, not on this writer's records, so
+        every replica sharing the store keeps it (see observability/audit/chain.py).
+        """
+        every = self.settings.checkpoint_every
+
+        def seal(newest: Checkpoint | None, seq: int, head: str) -> Checkpoint | None:
+            if seq == 0 or (newest is not None and newest.seq >= seq):
+                return None
+            since = seq - (newest.seq if newest is not None else 0)
+            due = every if newest is None or not newest.every else min(every, newest.every)
+            if not force and since < due:
+                return None
+            cp = self.signer.make(seq, head, now_iso(), newest, every)
+            made.append(cp)
+            return cp
+
+        return seal
+
+    async def _published(self, made: list[Checkpoint]) -> None:
+        """Each committed checkpoint goes outside the store too: the log, and the witness file if configured."""
+        if not made:
+            return
         self._since_checkpoint = 0
         self._last_checkpoint = time.monotonic()
-        # The log pipeline keeps a copy: a witness outside the store against truncation.
-        log.info("audit_checkpoint", seq=seq, hash=head, created_at=created, algorithm=algorithm,
-                 key_id=cp.key_id, signature=sig)
-        return cp
+        for cp in made:
+            log.info("audit_checkpoint", seq=cp.seq, hash=cp.hash, created_at=cp.created_at,
+                     algorithm=cp.algorithm, key_id=cp.key_id, signature=cp.signature, prev=cp.prev, every=cp.every)
+        try:
+            await self.witness.publish(made)
+        except OSError as exc:
+            self.metrics.audit_store_errors.inc()
+            self._warn("audit_witness_failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _checkpoint(self) -> None:
+        made: list[Checkpoint] = []
+        await self.store.seal_head(self._sealer(True, made))
+        self._since_checkpoint = 0
+        self._last_checkpoint = time.monotonic()
+        await self._published(made)
 
     async def retain(self) -> Checkpoint | None:
-        """Delete records older than ``retention_days`` up to a checkpoint, which anchors what remains."""
+        """Delete records older than ``retention_days`` up to a checkpoint, which anchors what remains.
+
+        The cut writes its own ``retention_cut`` record and a checkpoint of it in the
+        same transaction: a prefix missing without that signed record was not retention.
+        """
         days = self.settings.retention_days
         if days is None:
             return None
         cutoff = (datetime.now(timezone.utc) - timedelta(days=days)).isoformat(timespec="microseconds")
         cutoff = cutoff.replace("+00:00", "Z")
-        cp = await self.store.cut_before(cutoff)
+
+        def record(anchor: Checkpoint) -> Entry:
+            payload = {"through_seq": anchor.seq, "anchor_hash": anchor.hash, "anchor_checkpoint": anchor.digest(),
+                       "cutoff": cutoff}
+            return self._encode([Pending(now_iso(), "retention_cut", None, None, payload, None, None)])[0]
+
+        made: list[Checkpoint] = []
+        cp = await self.store.cut_before(cutoff, record, self._sealer(True, made))
         if cp is not None:
             log.info("audit_retention_cut", through_seq=cp.seq, anchor_hash=cp.hash, cutoff=cutoff)
-            await self.append_event("retention_cut", {"through_seq": cp.seq, "anchor_hash": cp.hash,
-                                                      "cutoff": cutoff})
+            await self._published(made)
         return cp
 
     async def _retain_forever(self) -> None:

@@ -12,9 +12,19 @@ from typing import Callable
 
 import asyncpg
 
-from observability.audit.chain import GENESIS, Checkpoint, Row
+from observability.audit.chain import GENESIS, Checkpoint, Row, Seal
 from observability.audit.search import AuditQuery, select
-from observability.audit.store import ROW_SELECT, Entry, chain_rows, schema
+from observability.audit.store import (
+    CHECKPOINT_V2_COLUMNS,
+    CP_INSERT,
+    CP_SELECT,
+    NEWEST_BEFORE,
+    ROW_SELECT,
+    Entry,
+    chain_rows,
+    cp_values,
+    schema,
+)
 
 _LOCK = 0x6F6D6E6961756469  # "omniaudi": the advisory lock that serialises appends
 
@@ -37,6 +47,9 @@ class PostgresStore:
             async with conn.transaction():
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
                 await conn.execute(_SCHEMA)
+                for name, sql_type in CHECKPOINT_V2_COLUMNS:
+                    await conn.execute(f"ALTER TABLE audit_checkpoints ADD COLUMN IF NOT EXISTS {name} "
+                                       f"{sql_type.format(int_type='BIGINT')}")
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -58,21 +71,38 @@ class PostgresStore:
         cp = await conn.fetchrow("SELECT seq, hash FROM audit_checkpoints ORDER BY seq DESC LIMIT 1")
         return (int(cp[0]), cp[1]) if cp is not None else (0, GENESIS)
 
-    async def _append(self, entries: list[Entry]) -> list[Row]:
+    @classmethod
+    async def _insert(cls, conn: asyncpg.Connection, entries: list[Entry], seal: Seal | None) -> list[Row]:
+        """Inside a transaction holding the advisory lock: chain, insert and maybe seal ``entries``."""
+        rows = chain_rows(entries, *await cls._head_in(conn))
+        await conn.copy_records_to_table(
+            "audit_log",
+            records=[(r.seq, r.ts, r.kind, r.request_id, r.tenant, r.data, r.prev_hash, r.hash) for r in rows],
+            columns=["seq", "ts", "kind", "request_id", "tenant", "data", "prev_hash", "hash"],
+        )
+        if seal is not None and rows:
+            await cls._add_sealed(conn, seal, rows[-1].seq, rows[-1].hash)
+        return rows
+
+    @staticmethod
+    async def _add_sealed(conn: asyncpg.Connection, seal: Seal, seq: int, head: str) -> None:
+        r = await conn.fetchrow(CP_SELECT + " ORDER BY seq DESC LIMIT 1")
+        cp = seal(None if r is None else Checkpoint(*r), seq, head)
+        if cp is not None:
+            await conn.execute(CP_INSERT + "($1, $2, $3, $4, $5, $6, $7, $8)", *cp_values(cp))
+
+    async def append_encoded(self, encode: Callable[[], list[Entry]], seal: Seal | None = None) -> list[Row]:
+        entries = await asyncio.get_running_loop().run_in_executor(self._encoder, encode)
         async with self.pool.acquire() as conn:
             async with conn.transaction():
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
-                rows = chain_rows(entries, *await self._head_in(conn))
-                await conn.copy_records_to_table(
-                    "audit_log",
-                    records=[(r.seq, r.ts, r.kind, r.request_id, r.tenant, r.data, r.prev_hash, r.hash)
-                             for r in rows],
-                    columns=["seq", "ts", "kind", "request_id", "tenant", "data", "prev_hash", "hash"],
-                )
-        return rows
+                return await self._insert(conn, entries, seal)
 
-    async def append_encoded(self, encode: Callable[[], list[Entry]]) -> list[Row]:
-        return await self._append(await asyncio.get_running_loop().run_in_executor(self._encoder, encode))
+    async def seal_head(self, seal: Seal) -> None:
+        async with self.pool.acquire() as conn:
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
+                await self._add_sealed(conn, seal, *await self._head_in(conn))
 
     async def head(self) -> tuple[int, str]:
         async with self.pool.acquire() as conn:
@@ -89,30 +119,21 @@ class PostgresStore:
     async def seq_of_hash(self, digest: str) -> int | None:
         return await self.pool.fetchval("SELECT seq FROM audit_log WHERE hash = $1 LIMIT 1", digest)
 
-    async def add_checkpoint(self, cp: Checkpoint) -> None:
-        await self.pool.execute(
-            "INSERT INTO audit_checkpoints (seq, hash, created_at, algorithm, key_id, signature) "
-            "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (seq) DO NOTHING",
-            cp.seq, cp.hash, cp.created_at, cp.algorithm, cp.key_id, cp.signature,
-        )
-
     async def checkpoints(self) -> list[Checkpoint]:
-        recs = await self.pool.fetch(
-            "SELECT seq, hash, created_at, algorithm, key_id, signature FROM audit_checkpoints ORDER BY seq")
-        return [Checkpoint(*r) for r in recs]
+        return [Checkpoint(*r) for r in await self.pool.fetch(CP_SELECT + " ORDER BY seq")]
 
-    async def cut_before(self, cutoff_ts: str) -> Checkpoint | None:
+    async def cut_before(
+        self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Seal
+    ) -> Checkpoint | None:
         async with self.pool.acquire() as conn:
             async with conn.transaction():
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
-                r = await conn.fetchrow(
-                    "SELECT c.seq, c.hash, c.created_at, c.algorithm, c.key_id, c.signature "
-                    "FROM audit_checkpoints c JOIN audit_log l ON l.seq = c.seq WHERE l.ts < $1 "
-                    "ORDER BY c.seq DESC LIMIT 1", cutoff_ts,
-                )
+                r = await conn.fetchrow(CP_SELECT + " WHERE seq = (" + NEWEST_BEFORE.format(param="$1") + ")",
+                                        cutoff_ts)
                 if r is None:
                     return None
                 cp = Checkpoint(*r)
                 await conn.execute("DELETE FROM audit_log WHERE seq <= $1", cp.seq)
                 await conn.execute("DELETE FROM audit_checkpoints WHERE seq < $1", cp.seq)
+                await self._insert(conn, [record(cp)], seal)
         return cp

@@ -15,7 +15,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from observability.audit.redact import redact
+from observability.audit.redact import Budget
 
 if TYPE_CHECKING:
     from engines.base import Completion, Delta
@@ -99,14 +99,14 @@ def _part_digest(role: str, part: Any) -> dict[str, Any]:
     return {"role": role, "type": kind, "sha256": _sha(raw), "chars": len(raw)}
 
 
-def _content(req: "ChatCompletionRequest", mode: str) -> list[dict[str, Any]]:
+def _content(req: "ChatCompletionRequest", mode: str, budget: Budget) -> list[dict[str, Any]]:
     """The prompt as kept: text redacted (``redacted``) or as sent with media (``raw``)."""
     kept: list[dict[str, Any]] = []
     for m in req.messages:
         if mode == "raw":
             kept.append(m.model_dump(mode="json", exclude_none=True))
         else:
-            kept.append({"role": m.role, "text": redact(m.text())})
+            kept.append({"role": m.role, "text": budget.redact(m.text())})
     return kept
 
 
@@ -152,10 +152,12 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
     if output is not None:
         payload["output"] = output.to_json()
     if ctx.audit_content != "digests" and req is not None:
-        kept: dict[str, Any] = {"mode": ctx.audit_content, "messages": _content(req, ctx.audit_content)}
+        # One budget per record: what redaction may spend on it is bounded however many messages it has.
+        budget = Budget()
+        kept: dict[str, Any] = {"mode": ctx.audit_content, "messages": _content(req, ctx.audit_content, budget)}
         if output is not None:
             text = output.text()
-            kept["output_text"] = text if ctx.audit_content == "raw" else redact(text)
+            kept["output_text"] = text if ctx.audit_content == "raw" else budget.redact(text)
         payload["content"] = kept
     payload.update(snap.extra)
     return payload

@@ -12,9 +12,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from observability.audit.chain import GENESIS, Checkpoint, Row
+from observability.audit.chain import GENESIS, Checkpoint, Row, Seal
 from observability.audit.search import AuditQuery, select
-from observability.audit.store import ROW_SELECT, Entry, chain_rows, schema
+from observability.audit.store import (
+    CHECKPOINT_V2_COLUMNS,
+    CP_INSERT,
+    CP_SELECT,
+    NEWEST_BEFORE,
+    ROW_SELECT,
+    Entry,
+    chain_rows,
+    cp_values,
+    schema,
+)
 
 T = TypeVar("T")
 
@@ -40,6 +50,10 @@ class SQLiteStore:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.executescript(_SCHEMA)
+        have = {r[1] for r in db.execute("PRAGMA table_info(audit_checkpoints)")}
+        for name, sql_type in CHECKPOINT_V2_COLUMNS:
+            if name not in have:
+                db.execute(f"ALTER TABLE audit_checkpoints ADD COLUMN {name} {sql_type.format(int_type='INTEGER')}")
         self._db = db
 
     async def open(self) -> None:
@@ -66,24 +80,48 @@ class SQLiteStore:
         cp = self.db.execute("SELECT seq, hash FROM audit_checkpoints ORDER BY seq DESC LIMIT 1").fetchone()
         return (int(cp[0]), cp[1]) if cp is not None else (0, GENESIS)
 
-    def _append(self, entries: list[Entry]) -> list[Row]:
+    def _newest_cp(self) -> Checkpoint | None:
+        r = self.db.execute(CP_SELECT + " ORDER BY seq DESC LIMIT 1").fetchone()
+        return None if r is None else Checkpoint(*r)
+
+    def _insert(self, entries: list[Entry], seal: Seal | None) -> list[Row]:
+        """Inside a transaction holding the write lock: chain, insert and maybe seal ``entries``."""
+        db = self.db
+        rows = chain_rows(entries, *self._head())
+        db.executemany(
+            "INSERT INTO audit_log (seq, ts, kind, request_id, tenant, data, prev_hash, hash) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [(r.seq, r.ts, r.kind, r.request_id, r.tenant, r.data, r.prev_hash, r.hash) for r in rows],
+        )
+        if seal is not None and rows:
+            self._add_sealed(seal, rows[-1].seq, rows[-1].hash)
+        return rows
+
+    def _add_sealed(self, seal: Seal, seq: int, head: str) -> None:
+        cp = seal(self._newest_cp(), seq, head)
+        if cp is not None:
+            self.db.execute(CP_INSERT + "(?, ?, ?, ?, ?, ?, ?, ?)", cp_values(cp))
+
+    def _locked(self, fn: Callable[[], T]) -> T:
         db = self.db
         db.execute("BEGIN IMMEDIATE")
         try:
-            rows = chain_rows(entries, *self._head())
-            db.executemany(
-                "INSERT INTO audit_log (seq, ts, kind, request_id, tenant, data, prev_hash, hash) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [(r.seq, r.ts, r.kind, r.request_id, r.tenant, r.data, r.prev_hash, r.hash) for r in rows],
-            )
+            out = fn()
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        return rows
+        return out
 
-    async def append_encoded(self, encode: Callable[[], list[Entry]]) -> list[Row]:
-        return await self._run(lambda: self._append(encode()))
+    async def append_encoded(self, encode: Callable[[], list[Entry]], seal: Seal | None = None) -> list[Row]:
+        def q() -> list[Row]:
+            entries = encode()  # before the lock: encoding is the slow part
+            return self._locked(lambda: self._insert(entries, seal))
+
+        return await self._run(q)
+
+    async def seal_head(self, seal: Seal) -> None:
+        await self._run(self._locked, lambda: self._add_sealed(seal, *self._head()))
 
     async def head(self) -> tuple[int, str]:
         return await self._run(self._head)
@@ -106,42 +144,25 @@ class SQLiteStore:
 
         return await self._run(q)
 
-    async def add_checkpoint(self, cp: Checkpoint) -> None:
-        def q() -> None:
-            self.db.execute(
-                "INSERT OR IGNORE INTO audit_checkpoints (seq, hash, created_at, algorithm, key_id, signature) "
-                "VALUES (?, ?, ?, ?, ?, ?)", (cp.seq, cp.hash, cp.created_at, cp.algorithm, cp.key_id, cp.signature)
-            )
-
-        await self._run(q)
-
     async def checkpoints(self) -> list[Checkpoint]:
         def q() -> list[Checkpoint]:
-            cur = self.db.execute(
-                "SELECT seq, hash, created_at, algorithm, key_id, signature FROM audit_checkpoints ORDER BY seq")
-            return [Checkpoint(*r) for r in cur.fetchall()]
+            return [Checkpoint(*r) for r in self.db.execute(CP_SELECT + " ORDER BY seq").fetchall()]
 
         return await self._run(q)
 
-    def _cut(self, cutoff_ts: str) -> Checkpoint | None:
+    def _cut(self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Seal) -> Checkpoint | None:
         db = self.db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            r = db.execute(
-                "SELECT c.seq, c.hash, c.created_at, c.algorithm, c.key_id, c.signature FROM audit_checkpoints c "
-                "JOIN audit_log l ON l.seq = c.seq WHERE l.ts < ? ORDER BY c.seq DESC LIMIT 1", (cutoff_ts,)
-            ).fetchone()
-            if r is None:
-                db.execute("COMMIT")
-                return None
-            cp = Checkpoint(*r)
-            db.execute("DELETE FROM audit_log WHERE seq <= ?", (cp.seq,))
-            db.execute("DELETE FROM audit_checkpoints WHERE seq < ?", (cp.seq,))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+        r = db.execute(CP_SELECT + " WHERE seq = (" + NEWEST_BEFORE.format(param="?") + ")", (cutoff_ts,)).fetchone()
+        if r is None:
+            return None
+        cp = Checkpoint(*r)
+        db.execute("DELETE FROM audit_log WHERE seq <= ?", (cp.seq,))
+        db.execute("DELETE FROM audit_checkpoints WHERE seq < ?", (cp.seq,))
+        self._insert([record(cp)], seal)
         return cp
 
-    async def cut_before(self, cutoff_ts: str) -> Checkpoint | None:
-        return await self._run(self._cut, cutoff_ts)
+    async def cut_before(
+        self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Seal
+    ) -> Checkpoint | None:
+        return await self._run(self._locked, lambda: self._cut(cutoff_ts, record, seal))
+

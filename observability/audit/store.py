@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from gateway.settings import AuditSettings
-from observability.audit.chain import GENESIS, Checkpoint, Row, link
+from observability.audit.chain import GENESIS, Checkpoint, Row, Seal, link
 from observability.audit.search import AuditQuery
 
 
@@ -26,8 +26,27 @@ CREATE INDEX IF NOT EXISTS audit_log_hash ON audit_log (hash);
 CREATE INDEX IF NOT EXISTS audit_log_request ON audit_log (request_id);
 CREATE TABLE IF NOT EXISTS audit_checkpoints (
     seq {int_type} PRIMARY KEY, hash TEXT NOT NULL, created_at TEXT NOT NULL, algorithm TEXT NOT NULL,
-    key_id TEXT NOT NULL, signature TEXT NOT NULL);
+    key_id TEXT NOT NULL, signature TEXT NOT NULL, prev_cp TEXT NOT NULL DEFAULT '',
+    cadence {int_type} NOT NULL DEFAULT 0);
 """
+
+
+#: columns a checkpoint gained with format v2 (added to a store created before), as (name, SQL type)
+CHECKPOINT_V2_COLUMNS = (("prev_cp", "TEXT NOT NULL DEFAULT ''"), ("cadence", "{int_type} NOT NULL DEFAULT 0"))
+
+#: the columns of one checkpoint, in the order ``Checkpoint`` takes them
+CP_SELECT = "SELECT seq, hash, created_at, algorithm, key_id, signature, prev_cp, cadence FROM audit_checkpoints"
+CP_INSERT = ("INSERT INTO audit_checkpoints (seq, hash, created_at, algorithm, key_id, signature, prev_cp, cadence) "
+             "VALUES ")
+
+
+#: the newest checkpoint at a record older than the parameter (a retention cut's anchor)
+NEWEST_BEFORE = ("SELECT MAX(c.seq) FROM audit_checkpoints c JOIN audit_log l ON l.seq = c.seq "
+                 "WHERE l.ts < {param}")
+
+
+def cp_values(cp: Checkpoint) -> tuple[object, ...]:
+    return (cp.seq, cp.hash, cp.created_at, cp.algorithm, cp.key_id, cp.signature, cp.prev, cp.every)
 
 
 #: the columns of one chain row, in the order ``Row`` takes them
@@ -63,11 +82,17 @@ class AuditStore(Protocol):
 
     async def close(self) -> None: ...
 
-    async def append_encoded(self, encode: Callable[[], list[Entry]]) -> list[Row]:
+    async def append_encoded(self, encode: Callable[[], list[Entry]], seal: Seal | None = None) -> list[Row]:
         """Run ``encode`` (CPU-bound: digests, redaction, canonical JSON) off the loop; append what it returns.
 
-        A store with a thread of its own runs both there, one hand-off per batch.
+        A store with a thread of its own runs both there, one hand-off per batch. In
+        the same transaction, ``seal(newest checkpoint, head seq, head hash)`` may
+        return a checkpoint of the new head, which is added with the records.
         """
+        ...
+
+    async def seal_head(self, seal: Seal) -> None:
+        """Offer the current head to ``seal`` under the write lock; add the checkpoint it returns."""
         ...
 
     async def head(self) -> tuple[int, str]: ...
@@ -80,12 +105,16 @@ class AuditStore(Protocol):
         """Records matching ``query`` (see :mod:`.search`), newest first unless it pages forward."""
         ...
 
-    async def add_checkpoint(self, cp: Checkpoint) -> None: ...
-
     async def checkpoints(self) -> list[Checkpoint]: ...
 
-    async def cut_before(self, cutoff_ts: str) -> Checkpoint | None:
-        """Delete the records up to the newest checkpoint older than ``cutoff_ts``; return that anchor."""
+    async def cut_before(
+        self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Seal
+    ) -> Checkpoint | None:
+        """Delete the records up to the newest checkpoint older than ``cutoff_ts``; return that anchor.
+
+        In the same transaction, append ``record(anchor)`` (the ``retention_cut``
+        record) and the checkpoint ``seal`` makes of it.
+        """
         ...
 
 

@@ -12,8 +12,10 @@ from observability.audit.store import AuditStore
 PAGE = 5000
 
 
-async def verify_store(store: AuditStore, signer: Signer | None) -> Report:
-    verifier = ChainVerifier(await store.checkpoints(), signer, store.seq_of_hash)
+async def verify_store(
+    store: AuditStore, signer: Signer | None, expect: dict[int, str] | None = None, require_covered: bool = False
+) -> Report:
+    verifier = ChainVerifier(await store.checkpoints(), signer, store.seq_of_hash, expect, require_covered)
     after = 0
     while not verifier.failed:
         rows = await store.rows(after, PAGE)

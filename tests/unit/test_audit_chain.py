@@ -198,15 +198,18 @@ async def test_retention_cut_keeps_the_chain_verifiable(store_settings):
     await audit.start()
     try:
         anchor = await audit.retain()
-        assert anchor is not None and anchor.seq == 12
+        # 13 when the background retention pass cut first: its signed retention_cut record (13) is older
+        # than this cutoff too
+        assert anchor is not None and anchor.seq in (12, 13)
         for i in range(3):
             await audit.append_event("test_event", {"after_cut": i})
     finally:
         await audit.aclose()
     report = await _verify(settings)
     assert report.ok, report.problem
-    assert report.anchored_at == 12
-    assert (report.first_seq, report.head_seq) == (13, 16)  # the retention_cut event, then three more
+    assert report.anchored_at == anchor.seq
+    # the retention_cut record, then three more
+    assert (report.first_seq, report.head_seq) == (anchor.seq + 1, anchor.seq + 4)
 
 
 async def test_ed25519_checkpoints_verify_with_the_public_key_alone(tmp_path):
