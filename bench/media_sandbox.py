@@ -22,7 +22,7 @@ from gateway.settings import MediaSettings
 from policies.media.audio import AudioConfig
 from policies.media.budget import BudgetConfig
 from policies.media.image import ImageConfig
-from policies.media.parts import media_parts
+from policies.media.parts import decode_payload, media_parts
 from policies.media.process import MediaTarget, Settings, probe_part, process_part
 from policies.media.sandbox import Sandbox
 from policies.media.video import VideoConfig
@@ -64,12 +64,15 @@ async def main(repeat: int) -> dict:
             inproc, sandboxed = [], []
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                probe_part(ref, cfg, target)
-                process_part(ref, cfg, target, None, 1 << 30)
+                data = decode_payload(ref)
+                probe_part(ref, data, cfg, target)
+                process_part(ref, data, cfg, target, None, 1 << 30).restore(data)
                 inproc.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                await box.run(probe_part, (ref, cfg, target), param="p")
-                await box.run(process_part, (ref, cfg, target, None, 1 << 30), param="p")
+                data = decode_payload(ref)
+                await box.run(probe_part, (ref, data, cfg, target), param="p")
+                done = await box.run(process_part, (ref, data, cfg, target, None, 1 << 30), param="p")
+                done.restore(data)
                 sandboxed.append(time.perf_counter() - t0)
             peak = await box.run(_worker_peak_kib, (), param="p")
             a, b = statistics.median(inproc), statistics.median(sandboxed)
@@ -83,7 +86,7 @@ async def main(repeat: int) -> dict:
         waits = []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            await box.run(probe_part, (small, cfg, target), param="p")
+            await box.run(probe_part, (small, decode_payload(small), cfg, target), param="p")
             waits.append(time.perf_counter() - t0)
         try:
             await hostile

@@ -36,7 +36,15 @@ from policies.media import budget as tokens
 from policies.media.audio import AudioConfig
 from policies.media.budget import BudgetConfig
 from policies.media.image import ImageConfig
-from policies.media.parts import MediaRef, data_uri, declared_type, make_part, media_parts, replace_parts
+from policies.media.parts import (
+    MediaRef,
+    data_uri,
+    declared_type,
+    decode_payload,
+    make_part,
+    media_parts,
+    replace_parts,
+)
 from policies.media.process import Done as _Done
 from policies.media.process import MediaTarget, Probed, probe_part, process_part
 from policies.media.process import Settings as PartSettings
@@ -138,9 +146,14 @@ class MediaLimits:
         if ctx.media_budget is None:
             ctx.media_budget = runtime.request_budget()
         sandbox = runtime.sandbox
+        # Base64 is undone here, once (a strict alphabet check, no decoder): workers get raw bytes.
+        payloads = {ref.path: decode_payload(ref) for ref in refs}
         # Headers first, for every part: a request the budgets refuse costs no decode.
         probes = await self._each(
-            refs, lambda ref: sandbox.run(probe_part, (ref, self._part_settings, target), param=ref.param)
+            refs,
+            lambda ref: sandbox.run(
+                probe_part, (ref, payloads[ref.path], self._part_settings, target), param=ref.param
+            ),
         )
         self._check_probes(request, probes, target)
         # A client's own data URI declares a type the bytes must match; a fetched part's type is a
@@ -152,8 +165,11 @@ class MediaLimits:
             declared = declared_type(ref) if ref.path in from_client else None
             t0 = time.perf_counter()
             done: _Done = await sandbox.run(
-                process_part, (ref, self._part_settings, target, declared, room), param=ref.param
+                process_part,
+                (ref, payloads[ref.path], self._part_settings, target, declared, room),
+                param=ref.param,
             )
+            done.restore(payloads[ref.path])
             if self._metrics is not None:
                 self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)
             await ctx.media_budget.take(done.out_bytes, ref.param)

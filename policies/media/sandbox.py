@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import multiprocessing
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
@@ -46,7 +47,7 @@ class Sandbox:
 
     def _new_pool(self) -> ProcessPoolExecutor:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(worker.PRELOAD)
+        ctx.set_forkserver_preload(_preload())
         return ProcessPoolExecutor(
             self.cfg.decode_workers,
             mp_context=ctx,
@@ -106,6 +107,15 @@ class Sandbox:
         self._generation += 1
         self.replaced += 1
         _kill(old)
+
+
+def _preload() -> list[str]:
+    """The decoders, and the parent's main module: each forked worker re-runs ``__main__`` (multiprocessing
+    prepares every child that way), which costs nothing when the forkserver already imported it."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    extra = [name] if name and not name.endswith("__main__") else []
+    return [*worker.PRELOAD, *extra, "__main__"]
 
 
 def _kill(pool: ProcessPoolExecutor) -> None:
