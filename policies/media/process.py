@@ -62,11 +62,24 @@ class Done:
     same: tuple[str, str | None] | None = None
 
     def restore(self, data: bytes) -> None:
-        """Rebuild a marker's part from the bytes the parent kept."""
-        if self.same is not None:
-            mediatype, fmt = self.same
-            self.parts = [make_part(self.ref.type, data_uri(mediatype, data), fmt)]
-            self.same = None
+        """Rebuild a marker's part from the bytes the parent kept.
+
+        The client's own string is reused when it already says what the bytes are (``input_audio``
+        base64 always does, with the format set here): a second base64 copy of a large part is
+        what a request's peak memory would otherwise be made of.
+        """
+        if self.same is None:
+            return
+        mediatype, fmt = self.same
+        value = self.ref.value
+        if self.ref.type == "input_audio" and not value.startswith("data:"):
+            uri = value
+        elif value.startswith(f"data:{mediatype};base64,"):
+            uri = value
+        else:
+            uri = data_uri(mediatype, data)
+        self.parts = [make_part(self.ref.type, uri, fmt)]
+        self.same = None
 
 
 def _video_budget(cfg: Settings, target: MediaTarget) -> int:
@@ -214,3 +227,21 @@ def _video(ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, decla
         "frames": len(frames),
     }
     return Done(ref, parts, tokens.video_tokens(len(frames), size[0], size[1], budget), actions, facts)
+
+
+def screen_frames(ref: MediaRef, data: bytes, max_frames: int, size: tuple[int, int]) -> list[Any]:
+    """What a content screen looks at: the image, or up to ``max_frames`` frames spread over a video,
+    as RGB arrays of about ``size`` (decoded here, in the worker, like every other decode)."""
+    import numpy as np
+
+    if ref.kind == "image":
+        im = open_image(data, ImageConfig(), ref.param)
+        try:
+            im.draft("RGB", size)
+            return [np.asarray(im.convert("RGB"))]
+        finally:
+            im.close()
+    info = probe_video(data, ref.param)
+    n = min(max_frames, max(1, info.frames or max_frames))
+    fps = n / info.duration_s if info.duration_s > 0 else 1.0
+    return sample_frames(data, info.duration_s, n, fps, size, ref.param, max_decoded=VideoConfig().max_decoded_frames)
