@@ -216,6 +216,12 @@ class Pipeline:
         await self._settle(ctx, None)
         return result
 
+    async def admit(self, ctx: RequestContext) -> None:
+        """Take the request's admission slot, once; the transport calls it before reading the body, so a
+        request admission refuses costs neither its body nor any media work. Held until _finish."""
+        if self.admission is not None and ctx.admission is None:
+            ctx.admission = await self.admission.admit(ctx)
+
     async def refused(self, ctx: RequestContext, error: OmnigateError) -> None:
         """A request the transport refused before the pipeline (its key, its body): counted and audited."""
         self.metrics.in_flight.inc()
@@ -247,10 +253,10 @@ class Pipeline:
                 raise InvalidRequest(
                     f"streamed audio must be wav or pcm16, not {request.audio.format}", param="audio.format"
                 )
-        if self.admission is not None:
-            # The slot is held until _finish, whatever the way out.
-            ctx.admission = await self.admission.admit(ctx)
+        await self.admit(ctx)
         for policy in self._chain(ctx).pre:
+            if getattr(policy.impl, "media_only", False) and not request.input_modalities() - {"text"}:
+                continue  # a media step has nothing to do on a text-only request: not run, not recorded
             request = await self._run_pre(policy, request, ctx)
         return request
 

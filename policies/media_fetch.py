@@ -33,6 +33,8 @@ from policies.media_limits import check_modalities, targets_from
 class MediaFetch:
     name: ClassVar[str] = "media-fetch"
     stage: ClassVar[str] = "pre"
+    #: skipped (not run, not recorded) for requests without media parts
+    media_only: ClassVar[bool] = True
     Config: ClassVar[type[PolicyConfig]] = FetchConfig
 
     def __init__(self, config: FetchConfig) -> None:

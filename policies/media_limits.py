@@ -16,6 +16,7 @@ degradation reason (``x-omnigate-degraded``) and is listed on the part's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -97,6 +98,8 @@ def check_modalities(request: ChatCompletionRequest, target: MediaTarget | None)
 class MediaLimits:
     name: ClassVar[str] = "media-limits"
     stage: ClassVar[str] = "pre"
+    #: skipped (not run, not recorded) for requests without media parts
+    media_only: ClassVar[bool] = True
     Config: ClassVar[type[PolicyConfig]] = MediaLimitsConfig
     runs_after: ClassVar[tuple[str, ...]] = ("media-fetch",)
 
@@ -149,12 +152,16 @@ class MediaLimits:
         # Base64 is undone here, once (a strict alphabet check, no decoder): workers get raw bytes.
         payloads = {ref.path: decode_payload(ref) for ref in refs}
         # Headers first, for every part: a request the budgets refuse costs no decode.
+        # Workers get the part's place and kind, not its string: the bytes travel once, as bytes.
+        light = {ref.path: dataclasses.replace(ref, value="") for ref in refs}
         probes = await self._each(
             refs,
             lambda ref: sandbox.run(
-                probe_part, (ref, payloads[ref.path], self._part_settings, target), param=ref.param
+                probe_part, (light[ref.path], payloads[ref.path], self._part_settings, target), param=ref.param
             ),
         )
+        for ref, probed in zip(refs, probes):
+            probed.ref = ref
         self._check_probes(request, probes, target)
         # A client's own data URI declares a type the bytes must match; a fetched part's type is a
         # server's label, which media-fetch passed on and which is not held against the client.
@@ -166,9 +173,10 @@ class MediaLimits:
             t0 = time.perf_counter()
             done: _Done = await sandbox.run(
                 process_part,
-                (ref, payloads[ref.path], self._part_settings, target, declared, room),
+                (light[ref.path], payloads[ref.path], self._part_settings, target, declared, room),
                 param=ref.param,
             )
+            done.ref = ref
             done.restore(payloads[ref.path])
             if self._metrics is not None:
                 self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)

@@ -12,6 +12,7 @@ the frames it scores are decoded in the media sandbox's worker processes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, ClassVar
 
@@ -70,8 +71,11 @@ class NSFWScreen:
             self._runtime = MediaRuntime(MediaSettings())
         sandbox = self._runtime.sandbox
         frames = await asyncio.gather(*(
-            sandbox.run(screen_frames, (ref, decode_payload(ref), self.config.max_video_frames, _SIZE),
-                        param=ref.param)
+            sandbox.run(
+                screen_frames,
+                (dataclasses.replace(ref, value=""), decode_payload(ref), self.config.max_video_frames, _SIZE),
+                param=ref.param,
+            )
             for ref in refs
         ))
         loop = asyncio.get_running_loop()

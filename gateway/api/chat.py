@@ -125,6 +125,7 @@ async def chat_completions(request: Request) -> Response:
     )
     try:
         authenticate(request, ctx)
+        await services.pipeline.admit(ctx)  # before the body: a refused request costs no read, no media
         server = services.settings.server
         body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
         ctx.body_bytes = len(body)
