@@ -107,7 +107,8 @@ class Services:
         )
         services = cls(settings, metrics, pool, chain, pipeline, controller, audit=audit, limiter=limiter,
                        directory=Directory.build(settings), plugins=plugins, admission=admission,
-                       scorer=build_scorer_if_used(settings, metrics, used), media=MediaRuntime(settings.media))
+                       scorer=build_scorer_if_used(settings, metrics, used),
+                       media=MediaRuntime(settings.media, eager=_names_media_limits(settings)))
         if audit is not None:
             # Every routing transition, automatic or manual, goes into the same tamper-evident chain.
             controller.on_transition.append(services._audit_transition)
@@ -227,6 +228,12 @@ class Services:
             await self.scorer.aclose()
         if self.media is not None:
             await self.media.aclose()
+
+
+def _names_media_limits(settings: Settings) -> bool:
+    """Whether the operator put media-limits in a chain (then its workers start with the gateway)."""
+    chains = [settings.policies, *settings.policy_sets.values()]
+    return any(spec.name == "media-limits" for chain in chains for spec in chain.pre)
 
 
 def build_scorer_if_used(settings: Settings, metrics: Metrics, used: set[str]) -> Any:

@@ -27,7 +27,7 @@ from policies.media.parts import (
     media_parts,
     replace_parts,
 )
-from policies.media_limits import check_modalities, targets_from
+from policies.media.targets import check_modalities, targets_from
 
 
 class MediaFetch:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -34,9 +34,8 @@ from gateway.schemas import PART_MODALITY, ChatCompletionRequest, Message
 from gateway.settings import MediaSettings
 from policies.base import PolicyConfig
 from policies.media import budget as tokens
-from policies.media.audio import AudioConfig
 from policies.media.budget import BudgetConfig
-from policies.media.image import ImageConfig
+from policies.media.config import AudioConfig, ImageConfig, VideoConfig
 from policies.media.parts import (
     MediaRef,
     data_uri,
@@ -46,11 +45,14 @@ from policies.media.parts import (
     media_parts,
     replace_parts,
 )
-from policies.media.process import Done as _Done
-from policies.media.process import MediaTarget, Probed, probe_part, process_part
-from policies.media.process import Settings as PartSettings
 from policies.media.sandbox import MediaRuntime
-from policies.media.video import VideoConfig
+from policies.media.targets import MediaTarget, check_modalities, targets_from
+
+if TYPE_CHECKING:
+    from policies.media.process import Done as _Done
+    from policies.media.process import Probed
+
+__all__ = ["MediaLimits", "MediaLimitsConfig", "MediaTarget", "check_modalities", "targets_from"]
 
 
 class MediaLimitsConfig(PolicyConfig):
@@ -66,35 +68,6 @@ class MediaLimitsConfig(PolicyConfig):
     )
 
 
-def targets_from(engines: list[Any]) -> dict[str, MediaTarget]:
-    """One target per public model: the most conservative of the engines serving it."""
-    by_model: dict[str, list[Any]] = {}
-    for e in engines:
-        for public in e.serves:
-            by_model.setdefault(public, []).append(e)
-    out: dict[str, MediaTarget] = {}
-    order = {"primary": 0, "canary": 1, "fallback": 2}
-    for model, cfgs in by_model.items():
-        cfgs = sorted(cfgs, key=lambda c: order[c.role])
-        video = "video" if all(c.video_form() == "video" for c in cfgs) else "frames"
-        rates = [c.audio_rate() for c in cfgs if c.audio_rate() is not None]
-        accepts = tuple(c.modalities()[0] for c in cfgs)
-        out[model] = MediaTarget(
-            video, rates[0] if rates else None, min(c.max_context_tokens for c in cfgs), accepts
-        )
-    return out
-
-
-def check_modalities(request: ChatCompletionRequest, target: MediaTarget | None) -> None:
-    """Refuse input no engine of the model takes, before any media is fetched or decoded."""
-    if target is None or not target.accepts:
-        return
-    wanted = request.input_modalities()
-    if not any(wanted <= accepts for accepts in target.accepts):
-        kinds = ", ".join(sorted(wanted - {"text"}))
-        raise InvalidRequest(f"the model {request.model!r} does not accept {kinds} input", param="messages")
-
-
 class MediaLimits:
     name: ClassVar[str] = "media-limits"
     stage: ClassVar[str] = "pre"
@@ -105,7 +78,7 @@ class MediaLimits:
 
     def __init__(self, config: MediaLimitsConfig) -> None:
         self.config = config
-        self._part_settings = PartSettings(config.image, config.audio, config.video, config.budget)
+        self._part_settings: Any = None  # policies.media.process.Settings, built with the decoders
         self._targets: dict[str, MediaTarget] = {}
         self._metrics: Any = None
         self._runtime: MediaRuntime | None = None
@@ -118,10 +91,20 @@ class MediaLimits:
         if self._runtime is None:  # a chain started outside a gateway (tests): its own, closed with it
             self._runtime = MediaRuntime(getattr(services.settings, "media", MediaSettings()))
             self._own_runtime = True
+        if self._runtime.eager:
+            self._process()  # the operator configured media-limits: load the decoders before traffic
 
     async def aclose(self) -> None:
         if self._own_runtime and self._runtime is not None:
             await self._runtime.aclose()
+
+    def _process(self) -> Any:
+        from policies.media import process
+
+        if self._part_settings is None:
+            c = self.config
+            self._part_settings = process.Settings(c.image, c.audio, c.video, c.budget)
+        return process
 
     def target(self, model: str) -> MediaTarget:
         return self._targets.get(model, MediaTarget())
@@ -145,6 +128,10 @@ class MediaLimits:
                 raise MediaURLForbidden(
                     f"{ref.param}: remote media must be fetched by media-fetch first", param=ref.param
                 )
+        # The decoders load with the first media part (or at start-up, see start): a text-only gateway
+        # never imports them.
+        process = self._process()
+        probe_part, process_part = process.probe_part, process.process_part
         runtime = self.runtime
         if ctx.media_budget is None:
             ctx.media_budget = runtime.request_budget()

@@ -18,18 +18,8 @@ from policies.media.budget import BudgetConfig
 from policies.media.container import check_declared, check_one_file
 from policies.media.image import ImageConfig, normalise_image, open_image
 from policies.media.parts import MediaRef, data_uri, make_part
+from policies.media.targets import MediaTarget
 from policies.media.video import VideoConfig, encode_jpeg, encode_mp4, plan_frames, probe_video, sample_frames
-
-
-@dataclass(frozen=True, slots=True)
-class MediaTarget:
-    """What the engines behind one public model take."""
-
-    video_form: str = "video"  # video | frames
-    audio_rate: int | None = 16000
-    context_tokens: int = 65536
-    #: the input modalities of each engine serving the model (empty: not known, not checked)
-    accepts: tuple[frozenset[str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -230,8 +230,11 @@ class RequestBudget:
 class MediaRuntime:
     """The process's media resources, owned by the lifespan: the sandbox and the byte budget."""
 
-    def __init__(self, cfg: MediaSettings) -> None:
+    def __init__(self, cfg: MediaSettings, eager: bool = False) -> None:
         self.cfg = cfg
+        #: start the workers and load the decoders at start-up (a chain names media-limits); otherwise
+        #: both wait for the first media part, so a text-only gateway never pays for them
+        self.eager = eager
         self.sandbox = Sandbox(cfg)
         self.inflight = ByteBudget(cfg.max_inflight_bytes)
 
@@ -239,7 +242,8 @@ class MediaRuntime:
         return RequestBudget(self.inflight, self.cfg.max_request_bytes, self.cfg.inflight_wait_s)
 
     async def start(self) -> None:
-        await self.sandbox.start()
+        if self.eager:
+            await self.sandbox.start()
 
     async def aclose(self) -> None:
         await self.sandbox.aclose()

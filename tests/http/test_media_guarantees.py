@@ -160,9 +160,9 @@ def test_many_large_parts_in_one_request_are_413_naming_the_part(gw, upstreams):
 
 def test_a_hanging_decoder_costs_its_request_a_400_while_others_are_served(gw, upstreams, monkeypatch):
     """A decoder made to hang inside C: the request gets a 400, a concurrent small request is not held up."""
-    from policies import media_limits
+    from policies.media import process
 
-    monkeypatch.setattr(media_limits, "process_part", hostile_decoders.hangs_in_c)
+    monkeypatch.setattr(process, "process_part", hostile_decoders.hangs_in_c)
     image = {"type": "image_url", "image_url": {"url": data_uri("image/png", png(plain_image(64)))}}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         hostile = pool.submit(_post, gw, [image])
