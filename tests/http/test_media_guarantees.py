@@ -180,3 +180,42 @@ def test_a_hanging_decoder_costs_its_request_a_400_while_others_are_served(gw, u
     monkeypatch.undo()
     # The pool was replaced; ordinary media is decoded again.
     assert _post(gw, [image]).status_code == 200
+
+
+def test_after_a_hot_reload_the_new_chain_still_fetches_and_bounds_media(bg, upstreams, canary, tmp_path):
+    """A reload to a chain without any media policy: the added steps are started and serve like the first ones."""
+    import yaml
+
+    from gateway.reload import reload_config
+
+    engine = {"name": "omni", "kind": "vllm-omni", "base_url": upstreams.omni_a.base_url, "model": "scripted",
+              "serves": [OMNI_MODEL], "first_byte_timeout_s": 5, "read_timeout_s": 5}
+    doc = {"engines": [engine], "policies": {"pre": [{"name": "request-limits"}]},
+           "audit": {"sqlite_path": str(tmp_path / "audit.db")}, "logging": {"level": "warning"},
+           "routing": {"controller": {"enabled": False}}}
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    from gateway.settings import load_settings
+
+    server = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
+    try:
+        doc["policies"]["pre"] = [{"name": "request-limits", "config": {"max_messages": 64}}]
+        path.write_text(yaml.safe_dump(doc))
+        result = bg.run(reload_config(server.services, path))
+        assert result.ok, result.message
+        before = upstreams.omni_a.request_count
+        body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{canary.port}/after-reload"}}]}]}
+        resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["message"].endswith(GENERIC)
+        assert canary.requests == [] and upstreams.omni_a.request_count == before
+        image = {"type": "image_url", "image_url": {"url": data_uri("image/png", png(plain_image(64)))}}
+        body["messages"][0]["content"] = [image]
+        ok = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert ok.status_code == 200, ok.text
+        # The new chain's media steps share the gateway's sandbox and byte budget.
+        new = {p.name: p.impl for p in server.services.chain.pre}
+        assert new["media-limits"].runtime is server.services.media
+    finally:
+        server.stop()
