@@ -219,3 +219,34 @@ def test_after_a_hot_reload_the_new_chain_still_fetches_and_bounds_media(bg, ups
         assert new["media-limits"].runtime is server.services.media
     finally:
         server.stop()
+
+
+def test_fetched_parts_count_against_the_request_budget_while_they_stream(bg, upstreams, tmp_path):
+    """Four 1 MB fetched parts, each under the per-part cap, side by side: 413 once together over 3 MiB."""
+    from tests.media import MediaServer
+
+    media = bg.run(MediaServer().start())
+    chain = PolicyChainConfig(pre=[PolicySpec(name="media-fetch", config={"internal_hosts": [f"127.0.0.1:{media.port}"]})])
+    settings = gateway_settings(upstreams, chain, media={"max_request_bytes": 3 * 1024 * 1024},
+                                audit={"sqlite_path": str(tmp_path / "audit.db")})
+    server = GatewayServer(bg, settings, CollectorRegistry()).start()
+    try:
+        parts = [{"type": "audio_url", "audio_url": {"url": media.add(f"a{i}.wav", "audio/wav",
+                                                                     wav(tone(32.0, freq=200.0 + i), 16000))}}
+                 for i in range(4)]
+        before = upstreams.omni_a.request_count
+        body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": parts}]}
+        resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 413, resp.text
+        err = resp.json()["error"]
+        assert err["code"] == "media_too_large"
+        assert err["param"] in {f"messages.0.content.{i}.audio_url.url" for i in range(4)}
+        assert upstreams.omni_a.request_count == before
+        assert server.services.media.inflight.used == 0
+        # Under the budget, the same parts one at a time are served.
+        ok = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                        json={"model": OMNI_MODEL, "messages": [{"role": "user", "content": parts[:1]}]})
+        assert ok.status_code == 200, ok.text
+    finally:
+        server.stop()
+        bg.run(media.stop())
