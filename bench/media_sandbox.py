@@ -24,7 +24,7 @@ from policies.media.budget import BudgetConfig
 from policies.media.image import ImageConfig
 from policies.media.parts import decode_payload, media_parts
 from policies.media.process import MediaTarget, Settings, probe_part, process_part
-from policies.media.sandbox import Sandbox
+from policies.media.sandbox import DecoderFailed, Sandbox
 from policies.media.video import VideoConfig
 from tests import hostile_decoders
 from tests.media import data_uri, photo, tone, video, wav
@@ -90,7 +90,7 @@ async def main(repeat: int) -> dict:
             waits.append(time.perf_counter() - t0)
         try:
             await hostile
-        except Exception as exc:
+        except DecoderFailed as exc:
             out["hostile"] = type(exc).__name__
         out["clean_probe_during_hang_ms"] = statistics.median(waits) * 1000
     finally:

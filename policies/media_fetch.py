@@ -16,17 +16,17 @@ from gateway.errors import OmnigateError
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import MediaSettings
 from policies.base import PolicyConfig
-from policies.media.sandbox import MediaRuntime
 from policies.media.fetch import FetchConfig, SafeFetcher
 from policies.media.parts import (
-    MediaRef,
     _MEDIATYPE,
+    MediaRef,
     data_uri,
     decode_payload,
     make_part,
     media_parts,
     replace_parts,
 )
+from policies.media.sandbox import MediaRuntime
 from policies.media.targets import check_modalities, targets_from
 
 

@@ -22,8 +22,8 @@ from pydantic import Field
 from gateway.context import RequestContext, Screening
 from gateway.errors import ContentPolicyViolation
 from gateway.schemas import ChatCompletionRequest
-from policies.base import PolicyConfig
 from gateway.settings import MediaSettings
+from policies.base import PolicyConfig
 from policies.media.image import ImageConfig
 from policies.media.models import NSFWModel
 from policies.media.parts import MediaRef, decode_payload, media_parts

@@ -18,7 +18,8 @@ _TOKEN_TILE = 28 * 28
 class ImageConfig(PolicyConfig):
     max_input_pixels: Annotated[int, Field(ge=1_000_000)] = 50_000_000
     max_pixels: Annotated[int, Field(ge=10_000)] = 2_000_000
-    formats: list[Literal["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"]] = [
+    # A pydantic field: every model gets its own copy of the default.
+    formats: list[Literal["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"]] = [  # noqa: RUF012
         "JPEG",
         "PNG",
         "WEBP",

@@ -434,7 +434,7 @@ def _one_tick_samples(data: bytes, stbl: tuple[int, int]) -> bool:
     return entries == 1 and delta == 1
 
 
-def _chunk_offsets(data: bytes, stbl: tuple[int, int]) -> "np.ndarray | None":
+def _chunk_offsets(data: bytes, stbl: tuple[int, int]) -> np.ndarray | None:
     import numpy as np
     for kind, width in ((b"stco", 4), (b"co64", 8)):
         box = _child(data, *stbl, kind)

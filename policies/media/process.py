@@ -62,12 +62,8 @@ class Done:
             return
         mediatype, fmt = self.same
         value = self.ref.value
-        if self.ref.type == "input_audio" and not value.startswith("data:"):
-            uri = value
-        elif value.startswith(f"data:{mediatype};base64,"):
-            uri = value
-        else:
-            uri = data_uri(mediatype, data)
+        plain_base64 = self.ref.type == "input_audio" and not value.startswith("data:")
+        uri = value if plain_base64 or value.startswith(f"data:{mediatype};base64,") else data_uri(mediatype, data)
         self.parts = [make_part(self.ref.type, uri, fmt)]
         self.same = None
 

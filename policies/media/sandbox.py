@@ -17,9 +17,10 @@ import asyncio
 import collections
 import multiprocessing
 import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
