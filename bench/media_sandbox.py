@@ -22,9 +22,9 @@ from gateway.settings import MediaSettings
 from policies.media.audio import AudioConfig
 from policies.media.budget import BudgetConfig
 from policies.media.image import ImageConfig
-from policies.media.parts import media_parts
+from policies.media.parts import decode_payload, media_parts
 from policies.media.process import MediaTarget, Settings, probe_part, process_part
-from policies.media.sandbox import Sandbox
+from policies.media.sandbox import DecoderFailed, Sandbox
 from policies.media.video import VideoConfig
 from tests import hostile_decoders
 from tests.media import data_uri, photo, tone, video, wav
@@ -64,12 +64,15 @@ async def main(repeat: int) -> dict:
             inproc, sandboxed = [], []
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                probe_part(ref, cfg, target)
-                process_part(ref, cfg, target, None, 1 << 30)
+                data = decode_payload(ref)
+                probe_part(ref, data, cfg, target)
+                process_part(ref, data, cfg, target, None, 1 << 30).restore(data)
                 inproc.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                await box.run(probe_part, (ref, cfg, target), param="p")
-                await box.run(process_part, (ref, cfg, target, None, 1 << 30), param="p")
+                data = decode_payload(ref)
+                await box.run(probe_part, (ref, data, cfg, target), param="p")
+                done = await box.run(process_part, (ref, data, cfg, target, None, 1 << 30), param="p")
+                done.restore(data)
                 sandboxed.append(time.perf_counter() - t0)
             peak = await box.run(_worker_peak_kib, (), param="p")
             a, b = statistics.median(inproc), statistics.median(sandboxed)
@@ -83,11 +86,11 @@ async def main(repeat: int) -> dict:
         waits = []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            await box.run(probe_part, (small, cfg, target), param="p")
+            await box.run(probe_part, (small, decode_payload(small), cfg, target), param="p")
             waits.append(time.perf_counter() - t0)
         try:
             await hostile
-        except Exception as exc:
+        except DecoderFailed as exc:
             out["hostile"] = type(exc).__name__
         out["clean_probe_during_hang_ms"] = statistics.median(waits) * 1000
     finally:
@@ -95,7 +98,78 @@ async def main(repeat: int) -> dict:
     return out
 
 
+def _body(part: dict) -> dict:
+    return {"model": "omni", "max_tokens": 16,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]}
+
+
+def gateway_rss(repeat: int) -> dict:
+    """A real ``omnigate serve`` per case: its peak RSS growth for one request against the media bytes."""
+    import httpx
+
+    from bench.hostile_media import Rig, hwm_kib
+
+    buf = io.BytesIO()
+    photo(4000, 3000).save(buf, "JPEG", quality=90)
+    cases = {
+        "12 MP JPEG (downsampled to 2 MP)": ("image_url", data_uri("image/jpeg", buf.getvalue())),
+        "5 min 16 kHz WAV (passed through)": ("audio_url", data_uri("audio/wav", wav(tone(300.0), 16000))),
+        "2 min 44.1 kHz WAV (resampled to 16 kHz FLAC)": (
+            "audio_url", data_uri("audio/wav", wav(tone(120.0, rate=44100), 44100))),
+        "120 s 640x360 30 fps H.264 (2 fps MP4)": ("video_url", data_uri("video/mp4", video(120.0, 30, (640, 360)))),
+    }
+    rows = []
+    for name, (kind, uri) in cases.items():
+        rig = Rig.start()
+        try:
+            with httpx.Client() as client:
+                small = _body({"type": "image_url", "image_url": {"url": data_uri("image/png", _png64())}})
+                client.post(rig.url + "/v1/chat/completions", json=small, timeout=60)  # warm the code path
+                before = hwm_kib(rig.gateway.pid)
+                resp = client.post(rig.url + "/v1/chat/completions", json=_body({"type": kind, kind: {"url": uri}}),
+                                   timeout=120)
+                after = hwm_kib(rig.gateway.pid)
+                rows.append({"case": name, "status": resp.status_code, "media_bytes": len(uri),
+                             "peak_rss_growth_mib": (after - before) / 1024, "peak_rss_mib": after / 1024})
+                if kind == "video_url":
+                    rows[-1]["clean_latency"] = _clean_latency(client, rig, _body({kind: {"url": uri}, "type": kind}),
+                                                               repeat)
+        finally:
+            rig.stop()
+    return {"rows": rows}
+
+
+def _png64() -> bytes:
+    from tests.media import plain_image, png
+
+    return png(plain_image(64))
+
+
+def _clean_latency(client, rig, hostile_body: dict, repeat: int) -> dict:
+    """A small text request's latency alone, and while the video above is being decoded."""
+    import concurrent.futures
+
+    clean = {"model": "omni", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
+    def one() -> float:
+        t0 = time.perf_counter()
+        client.post(rig.url + "/v1/chat/completions", json=clean, timeout=60)
+        return time.perf_counter() - t0
+
+    alone = statistics.median(one() for _ in range(repeat)) * 1000
+    during = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for _ in range(repeat):
+            heavy = pool.submit(client.post, rig.url + "/v1/chat/completions", json=hostile_body, timeout=120)
+            time.sleep(0.3)
+            during.append(one())
+            heavy.result()
+    return {"alone_ms": alone, "during_video_decode_ms": statistics.median(during) * 1000}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=5)
-    print(json.dumps(asyncio.run(main(parser.parse_args().repeat)), indent=2))
+    parser.add_argument("--rss", action="store_true", help="the per-request RSS figures (real gateways)")
+    args = parser.parse_args()
+    print(json.dumps(gateway_rss(args.repeat) if args.rss else asyncio.run(main(args.repeat)), indent=2))

@@ -138,7 +138,7 @@ def wire_messages(request: "ChatCompletionRequest") -> list[dict[str, Any]]:
             if field_name is None:
                 continue
             url = getattr(part, field_name).url
-            if not url[:5].lower() == _DATA_PREFIX:
+            if url[:5].lower() != _DATA_PREFIX:
                 param = f"messages.{mi}.content.{pi}.{field_name}.url"
                 raise MediaURLForbidden(f"{param}: media must be sent as data; this URL is not allowed", param=param)
     return [m.model_dump(exclude_none=True) for m in request.messages]

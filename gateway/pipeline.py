@@ -218,6 +218,12 @@ class Pipeline:
         await self._settle(ctx, None)
         return result
 
+    async def admit(self, ctx: RequestContext) -> None:
+        """Take the request's admission slot, once; the transport calls it before reading the body, so a
+        request admission refuses costs neither its body nor any media work. Held until _finish."""
+        if self.admission is not None and ctx.admission is None:
+            ctx.admission = await self.admission.admit(ctx)
+
     async def refused(self, ctx: RequestContext, error: OmnigateError) -> None:
         """A request the transport refused before the pipeline (its key, its body): counted and audited."""
         self.metrics.in_flight.inc()
@@ -245,10 +251,10 @@ class Pipeline:
                 f"the model {request.model!r} does not exist or you do not have access to it", param="model"
             )
         check_speech(request, [e for e in self.pool.engines.values() if request.model in e.config.serves])
-        if self.admission is not None:
-            # The slot is held until _finish, whatever the way out.
-            ctx.admission = await self.admission.admit(ctx)
+        await self.admit(ctx)
         for policy in self._chain(ctx).pre:
+            if getattr(policy.impl, "media_only", False) and not request.input_modalities() - {"text"}:
+                continue  # a media step has nothing to do on a text-only request: not run, not recorded
             request = await self._run_pre(policy, request, ctx)
         return request
 

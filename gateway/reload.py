@@ -27,7 +27,7 @@ from policies.registry import PolicyConfigError, build_chain
 
 log = structlog.get_logger(__name__)
 
-RESTART_ONLY = ("server", "engines", "audit", "rate_limits", "logging", "traffic", "auth", "metrics")
+RESTART_ONLY = ("server", "engines", "audit", "rate_limits", "logging", "traffic", "auth", "metrics", "media")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,16 @@ def format_config_error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if not isinstance(exc, plain) else str(exc)
 
 
+async def _start_policies(services: Services, chains: Any) -> None:
+    seen: set[int] = set()
+    for c in chains:
+        for policy in c.all():
+            start = getattr(policy.impl, "start", None)
+            if start is not None and id(policy.impl) not in seen:
+                seen.add(id(policy.impl))
+                await start(services)
+
+
 async def reload_config(services: Services, path: str | Path, by: dict[str, str] | None = None) -> ReloadResult:
     """``by`` says who asked: the admin credential, or the signal (recorded with the reload)."""
     old = services.settings
@@ -68,6 +78,9 @@ async def reload_config(services: Services, path: str | Path, by: dict[str, str]
                         f"policy_sets: tenant {t.name!r} (admin) uses the policy set {t.policy_set!r}, "
                         "which the new file no longer defines"
                     )
+        # Started before they are swapped in, as at boot: a media step whose fetcher or sandbox is not
+        # open would fail every media request (and a policy that cannot start refuses the file).
+        await _start_policies(services, (chain, *chains.values()))
     except Exception as exc:  # a YAML syntax error, a bad value, an unknown policy: all refuse the file
         message = format_config_error(exc)
         services.metrics.config_reloads.labels("failed").inc()

@@ -118,7 +118,8 @@ class Services:
         )
         services = cls(settings, metrics, pool, chain, pipeline, controller, audit=audit, limiter=limiter,
                        directory=Directory.build(settings), plugins=plugins, admission=admission,
-                       scorer=build_scorer_if_used(settings, metrics, used), media=MediaRuntime(settings.media),
+                       scorer=build_scorer_if_used(settings, metrics, used),
+                       media=MediaRuntime(settings.media, eager=_names_media_limits(settings)),
                        live=LiveDirectory(settings.auth.directory, metrics),
                        auth_failures=build_auth_failures(settings, metrics),
                        auth_required=settings.auth_required,
@@ -325,6 +326,12 @@ def build_auth_failures(settings: Settings, metrics: Metrics) -> AuthFailures:
     shared = f.store == "redis" or (f.store == "auto" and settings.traffic.redis_url is not None)
     rl = settings.rate_limits
     return AuthFailures(f, metrics, redis_url=rl.redis_url if shared else None, key_prefix=f"{rl.key_prefix}:auth")
+
+
+def _names_media_limits(settings: Settings) -> bool:
+    """Whether the operator put media-limits in a chain (then its workers start with the gateway)."""
+    chains = [settings.policies, *settings.policy_sets.values()]
+    return any(spec.name == "media-limits" for chain in chains for spec in chain.pre)
 
 
 def build_scorer_if_used(settings: Settings, metrics: Metrics, used: set[str]) -> Any:

@@ -16,23 +16,25 @@ from gateway.errors import OmnigateError
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import MediaSettings
 from policies.base import PolicyConfig
-from policies.media.sandbox import MediaRuntime
 from policies.media.fetch import FetchConfig, SafeFetcher
 from policies.media.parts import (
-    MediaRef,
     _MEDIATYPE,
+    MediaRef,
     data_uri,
     decode_payload,
     make_part,
     media_parts,
     replace_parts,
 )
-from policies.media_limits import check_modalities, targets_from
+from policies.media.sandbox import MediaRuntime
+from policies.media.targets import check_modalities, targets_from
 
 
 class MediaFetch:
     name: ClassVar[str] = "media-fetch"
     stage: ClassVar[str] = "pre"
+    #: skipped (not run, not recorded) for requests without media parts
+    media_only: ClassVar[bool] = True
     Config: ClassVar[type[PolicyConfig]] = FetchConfig
 
     def __init__(self, config: FetchConfig) -> None:

@@ -16,8 +16,9 @@ degradation reason (``x-omnigate-degraded``) and is listed on the part's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -33,15 +34,25 @@ from gateway.schemas import PART_MODALITY, ChatCompletionRequest, Message
 from gateway.settings import MediaSettings
 from policies.base import PolicyConfig
 from policies.media import budget as tokens
-from policies.media.audio import AudioConfig
 from policies.media.budget import BudgetConfig
-from policies.media.image import ImageConfig
-from policies.media.parts import MediaRef, data_uri, declared_type, make_part, media_parts, replace_parts
-from policies.media.process import Done as _Done
-from policies.media.process import MediaTarget, Probed, probe_part, process_part
-from policies.media.process import Settings as PartSettings
+from policies.media.config import AudioConfig, ImageConfig, VideoConfig
+from policies.media.parts import (
+    MediaRef,
+    data_uri,
+    declared_type,
+    decode_payload,
+    make_part,
+    media_parts,
+    replace_parts,
+)
 from policies.media.sandbox import MediaRuntime
-from policies.media.video import VideoConfig
+from policies.media.targets import MediaTarget, check_modalities, targets_from
+
+if TYPE_CHECKING:
+    from policies.media.process import Done as _Done
+    from policies.media.process import Probed
+
+__all__ = ["MediaLimits", "MediaLimitsConfig", "MediaTarget", "check_modalities", "targets_from"]
 
 
 class MediaLimitsConfig(PolicyConfig):
@@ -57,44 +68,17 @@ class MediaLimitsConfig(PolicyConfig):
     )
 
 
-def targets_from(engines: list[Any]) -> dict[str, MediaTarget]:
-    """One target per public model: the most conservative of the engines serving it."""
-    by_model: dict[str, list[Any]] = {}
-    for e in engines:
-        for public in e.serves:
-            by_model.setdefault(public, []).append(e)
-    out: dict[str, MediaTarget] = {}
-    order = {"primary": 0, "canary": 1, "fallback": 2}
-    for model, cfgs in by_model.items():
-        cfgs = sorted(cfgs, key=lambda c: order[c.role])
-        video = "video" if all(c.video_form() == "video" for c in cfgs) else "frames"
-        rates = [c.audio_rate() for c in cfgs if c.audio_rate() is not None]
-        accepts = tuple(c.modalities()[0] for c in cfgs)
-        out[model] = MediaTarget(
-            video, rates[0] if rates else None, min(c.max_context_tokens for c in cfgs), accepts
-        )
-    return out
-
-
-def check_modalities(request: ChatCompletionRequest, target: MediaTarget | None) -> None:
-    """Refuse input no engine of the model takes, before any media is fetched or decoded."""
-    if target is None or not target.accepts:
-        return
-    wanted = request.input_modalities()
-    if not any(wanted <= accepts for accepts in target.accepts):
-        kinds = ", ".join(sorted(wanted - {"text"}))
-        raise InvalidRequest(f"the model {request.model!r} does not accept {kinds} input", param="messages")
-
-
 class MediaLimits:
     name: ClassVar[str] = "media-limits"
     stage: ClassVar[str] = "pre"
+    #: skipped (not run, not recorded) for requests without media parts
+    media_only: ClassVar[bool] = True
     Config: ClassVar[type[PolicyConfig]] = MediaLimitsConfig
     runs_after: ClassVar[tuple[str, ...]] = ("media-fetch",)
 
     def __init__(self, config: MediaLimitsConfig) -> None:
         self.config = config
-        self._part_settings = PartSettings(config.image, config.audio, config.video, config.budget)
+        self._part_settings: Any = None  # policies.media.process.Settings, built with the decoders
         self._targets: dict[str, MediaTarget] = {}
         self._metrics: Any = None
         self._runtime: MediaRuntime | None = None
@@ -107,10 +91,20 @@ class MediaLimits:
         if self._runtime is None:  # a chain started outside a gateway (tests): its own, closed with it
             self._runtime = MediaRuntime(getattr(services.settings, "media", MediaSettings()))
             self._own_runtime = True
+        if self._runtime.eager:
+            self._process()  # the operator configured media-limits: load the decoders before traffic
 
     async def aclose(self) -> None:
         if self._own_runtime and self._runtime is not None:
             await self._runtime.aclose()
+
+    def _process(self) -> Any:
+        from policies.media import process
+
+        if self._part_settings is None:
+            c = self.config
+            self._part_settings = process.Settings(c.image, c.audio, c.video, c.budget)
+        return process
 
     def target(self, model: str) -> MediaTarget:
         return self._targets.get(model, MediaTarget())
@@ -134,14 +128,27 @@ class MediaLimits:
                 raise MediaURLForbidden(
                     f"{ref.param}: remote media must be fetched by media-fetch first", param=ref.param
                 )
+        # The decoders load with the first media part (or at start-up, see start): a text-only gateway
+        # never imports them.
+        process = self._process()
+        probe_part, process_part = process.probe_part, process.process_part
         runtime = self.runtime
         if ctx.media_budget is None:
             ctx.media_budget = runtime.request_budget()
         sandbox = runtime.sandbox
+        # Base64 is undone here, once (a strict alphabet check, no decoder): workers get raw bytes.
+        payloads = {ref.path: decode_payload(ref) for ref in refs}
         # Headers first, for every part: a request the budgets refuse costs no decode.
+        # Workers get the part's place and kind, not its string: the bytes travel once, as bytes.
+        light = {ref.path: dataclasses.replace(ref, value="") for ref in refs}
         probes = await self._each(
-            refs, lambda ref: sandbox.run(probe_part, (ref, self._part_settings, target), param=ref.param)
+            refs,
+            lambda ref: sandbox.run(
+                probe_part, (light[ref.path], payloads[ref.path], self._part_settings, target), param=ref.param
+            ),
         )
+        for ref, probed in zip(refs, probes):
+            probed.ref = ref
         self._check_probes(request, probes, target)
         # A client's own data URI declares a type the bytes must match; a fetched part's type is a
         # server's label, which media-fetch passed on and which is not held against the client.
@@ -152,8 +159,12 @@ class MediaLimits:
             declared = declared_type(ref) if ref.path in from_client else None
             t0 = time.perf_counter()
             done: _Done = await sandbox.run(
-                process_part, (ref, self._part_settings, target, declared, room), param=ref.param
+                process_part,
+                (light[ref.path], payloads[ref.path], self._part_settings, target, declared, room),
+                param=ref.param,
             )
+            done.ref = ref
+            done.restore(payloads[ref.path])
             if self._metrics is not None:
                 self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)
             await ctx.media_budget.take(done.out_bytes, ref.param)

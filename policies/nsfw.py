@@ -5,12 +5,14 @@ most 2 MP, videos already sampled). A video is screened on ``max_video_frames``
 frames spread evenly over it, scored as one batch. The highest score of a part
 decides; at or above ``threshold`` the request is refused with a 400
 ``content_policy_violation`` naming the part (``shadow: true`` only records).
-The model loads at start-up (about half a second) and runs on its own thread.
+The model loads at start-up (about half a second) and runs on its own thread;
+the frames it scores are decoded in the media sandbox's worker processes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, ClassVar
 
@@ -20,11 +22,13 @@ from pydantic import Field
 from gateway.context import RequestContext, Screening
 from gateway.errors import ContentPolicyViolation
 from gateway.schemas import ChatCompletionRequest
+from gateway.settings import MediaSettings
 from policies.base import PolicyConfig
-from policies.media.image import ImageConfig, open_image
+from policies.media.image import ImageConfig
 from policies.media.models import NSFWModel
 from policies.media.parts import MediaRef, decode_payload, media_parts
-from policies.media.video import probe_video, sample_frames
+from policies.media.process import screen_frames
+from policies.media.sandbox import MediaRuntime
 
 _SIZE = (256, 256)  # what the model's own preprocessing resizes to first
 
@@ -48,9 +52,11 @@ class NSFWScreen:
         self._model: NSFWModel | None = None
         self._metrics: Any = None
         self._decode = ImageConfig()
+        self._runtime: MediaRuntime | None = None
 
     async def start(self, services: Any) -> None:
         self._metrics = services.metrics
+        self._runtime = getattr(services, "media", None)
         loop = asyncio.get_running_loop()
         self._model = await loop.run_in_executor(self._pool, NSFWModel, self.config.threads)
 
@@ -61,8 +67,19 @@ class NSFWScreen:
         refs = [r for r in media_parts(request) if r.kind in ("image", "video") and not r.is_remote]
         if not refs:
             return request
+        if self._runtime is None:
+            self._runtime = MediaRuntime(MediaSettings())
+        sandbox = self._runtime.sandbox
+        frames = await asyncio.gather(*(
+            sandbox.run(
+                screen_frames,
+                (dataclasses.replace(ref, value=""), decode_payload(ref), self.config.max_video_frames, _SIZE),
+                param=ref.param,
+            )
+            for ref in refs
+        ))
         loop = asyncio.get_running_loop()
-        scores = await loop.run_in_executor(self._pool, self._score_all, refs)
+        scores = await loop.run_in_executor(self._pool, self._score_all, frames)
         flagged: MediaRef | None = None
         for ref, score in zip(refs, scores):
             hit = score >= self.config.threshold
@@ -77,32 +94,20 @@ class NSFWScreen:
             )
         return request
 
-    def _score_all(self, refs: list[MediaRef]) -> list[float]:
+    def _score_all(self, per_part: list[list[Any]]) -> list[float]:
         """One part's frames are scored together; the images of a request share batches."""
         if self._model is None:
             self._model = NSFWModel(self.config.threads)
         images: list[Image.Image] = []
         owners: list[int] = []
-        for i, ref in enumerate(refs):
-            frames = self._frames(ref)
-            images.extend(frames)
+        for i, frames in enumerate(per_part):
+            images.extend(Image.fromarray(a) for a in frames)
             owners.extend([i] * len(frames))
         scores = self._model.score(images, self.config.batch_size)
-        best = [0.0] * len(refs)
+        best = [0.0] * len(per_part)
         for owner, score in zip(owners, scores):
             best[owner] = max(best[owner], score)
         return best
-
-    def _frames(self, ref: MediaRef) -> list[Image.Image]:
-        data = decode_payload(ref)
-        if ref.kind == "image":
-            im = open_image(data, self._decode, ref.param)
-            im.draft("RGB", _SIZE)
-            return [im.convert("RGB")]
-        info = probe_video(data, ref.param)
-        n = min(self.config.max_video_frames, max(1, info.frames or self.config.max_video_frames))
-        fps = n / info.duration_s if info.duration_s > 0 else 1.0
-        return [Image.fromarray(a) for a in sample_frames(data, info.duration_s, n, fps, _SIZE, ref.param)]
 
 
 __all__ = ["NSFWScreen"]

@@ -135,10 +135,12 @@ async def chat_completions(request: Request) -> Response:
         await services.pipeline.refused(ctx, exc)
         raise
     try:
+        await services.pipeline.admit(ctx)  # before the body: a refused request costs no read, no media
         server = services.settings.server
         body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
         ctx.body_bytes = len(body)
         chat = _parse(body)
+        del body  # a request carrying media would otherwise hold its raw body until it ends
     except OmnigateError as exc:
         await services.pipeline.refused(ctx, exc)
         raise

@@ -16,17 +16,15 @@ import io
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
 
 import av
 import numpy as np
 import soundfile as sf
 import structlog
-from pydantic import Field
 
 from gateway.audio import wav_header
 from gateway.errors import InvalidMedia, MediaTooLarge
-from policies.base import PolicyConfig
+from policies.media.config import AudioConfig
 from policies.media.container import check_declared, check_isobmff, open_av
 
 log = structlog.get_logger(__name__)
@@ -38,19 +36,6 @@ _UNKNOWN_SIZES = frozenset({0, 0x7FFFF000, 0x7FFFFFFF, 0xFFFFFFFF})
 #: WAVE format tags whose sample frames are channels x bytes per sample: PCM, IEEE float, A-law, mu-law,
 #: extensible.
 _PCM_TAGS = frozenset({1, 3, 6, 7, 0xFFFE})
-
-
-class AudioConfig(PolicyConfig):
-    max_duration_s: Annotated[float, Field(gt=0)] = 3 * 3600.0
-    max_sample_rate: Annotated[int, Field(ge=8000, le=768000)] = Field(
-        default=96000, description="sources declaring a higher rate are refused before decoding"
-    )
-    max_output_rate: Annotated[int, Field(ge=8000, le=192000)] = Field(
-        default=48000, description="audio is resampled to at most this rate while decoding"
-    )
-    segment_s: Annotated[float, Field(ge=10)] = 2400.0
-    encoding: Literal["flac", "wav"] = "flac"
-    segment_separator: str = "\n\n"
 
 
 @dataclass(slots=True)

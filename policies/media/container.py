@@ -15,9 +15,11 @@ from __future__ import annotations
 import io
 import re
 import struct
+from typing import TYPE_CHECKING, Any
 
-import av
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+
 
 from gateway.errors import InvalidMedia
 
@@ -67,12 +69,14 @@ def sniff_demuxer(data: bytes) -> str | None:
     return None
 
 
-def open_av(data: bytes, kind: str, param: str) -> "av.container.InputContainer":
+def open_av(data: bytes, kind: str, param: str) -> Any:
     """Open in-memory bytes with an allow-listed demuxer chosen from their magic number, never by FFmpeg.
 
     The container is read from a memory buffer only (no file name, so no protocol is involved), and the
     demuxer FFmpeg really used is checked against the list too.
     """
+    import av  # here, not at the top: parts imports this module and a text-only gateway needs no codecs
+
     name = sniff_demuxer(data)
     if name is None or name not in DEMUXERS[kind]:
         raise InvalidMedia(f"{param}: not {kind} in a supported container", param=param)
@@ -372,6 +376,7 @@ def check_isobmff(data: bytes, param: str) -> None:
 
 
 def _check_track(data: bytes, stbl: tuple[int, int], handler: bytes, param: str) -> None:
+    import numpy as np
     stsz = _child(data, *stbl, b"stsz")
     if stsz is None or stsz[1] - stsz[0] < 12:
         return
@@ -430,6 +435,7 @@ def _one_tick_samples(data: bytes, stbl: tuple[int, int]) -> bool:
 
 
 def _chunk_offsets(data: bytes, stbl: tuple[int, int]) -> np.ndarray | None:
+    import numpy as np
     for kind, width in ((b"stco", 4), (b"co64", 8)):
         box = _child(data, *stbl, kind)
         if box is None:

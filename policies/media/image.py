@@ -18,14 +18,12 @@ import io
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
 
 import structlog
 from PIL import Image, ImageOps, UnidentifiedImageError
-from pydantic import Field
 
 from gateway.errors import InvalidMedia
-from policies.base import PolicyConfig
+from policies.media.config import ImageConfig
 from policies.media.container import Truncated, check_declared, image_end, is_text
 
 # Pillow warns between MAX_IMAGE_PIXELS and twice that; a warning lets the decode go on, an error stops it.
@@ -34,23 +32,6 @@ warnings.simplefilter("error", Image.DecompressionBombWarning)
 log = structlog.get_logger(__name__)
 _MIME = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp"}
 _ORIENTATION = 0x0112
-
-
-class ImageConfig(PolicyConfig):
-    max_input_pixels: Annotated[int, Field(ge=1_000_000)] = 50_000_000
-    max_pixels: Annotated[int, Field(ge=10_000)] = 2_000_000
-    formats: list[Literal["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"]] = [
-        "JPEG",
-        "PNG",
-        "WEBP",
-        "GIF",
-        "BMP",
-        "TIFF",
-    ]
-    output: Literal["auto", "jpeg", "png", "webp"] = Field(
-        default="auto", description="auto: PNG stays PNG (lossless), anything else becomes JPEG"
-    )
-    jpeg_quality: Annotated[int, Field(ge=50, le=100)] = 90
 
 
 @dataclass(slots=True)

@@ -17,19 +17,9 @@ from policies.media.audio import AudioConfig, AudioResult, normalise_audio, prob
 from policies.media.budget import BudgetConfig
 from policies.media.container import check_declared, check_one_file
 from policies.media.image import ImageConfig, normalise_image, open_image
-from policies.media.parts import MediaRef, data_uri, decode_payload, make_part
+from policies.media.parts import MediaRef, data_uri, make_part
+from policies.media.targets import MediaTarget
 from policies.media.video import VideoConfig, encode_jpeg, encode_mp4, plan_frames, probe_video, sample_frames
-
-
-@dataclass(frozen=True, slots=True)
-class MediaTarget:
-    """What the engines behind one public model take."""
-
-    video_form: str = "video"  # video | frames
-    audio_rate: int | None = 16000
-    context_tokens: int = 65536
-    #: the input modalities of each engine serving the model (empty: not known, not checked)
-    accepts: tuple[frozenset[str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +48,24 @@ class Done:
     facts: dict[str, Any] = field(default_factory=dict)
     audio: AudioResult | None = None
     out_bytes: int = 0
+    #: (media type, input_audio format) when the part is served as the client's own bytes
+    same: tuple[str, str | None] | None = None
+
+    def restore(self, data: bytes) -> None:
+        """Rebuild a marker's part from the bytes the parent kept.
+
+        The client's own string is reused when it already says what the bytes are (``input_audio``
+        base64 always does, with the format set here): a second base64 copy of a large part is
+        what a request's peak memory would otherwise be made of.
+        """
+        if self.same is None:
+            return
+        mediatype, fmt = self.same
+        value = self.ref.value
+        plain_base64 = self.ref.type == "input_audio" and not value.startswith("data:")
+        uri = value if plain_base64 or value.startswith(f"data:{mediatype};base64,") else data_uri(mediatype, data)
+        self.parts = [make_part(self.ref.type, uri, fmt)]
+        self.same = None
 
 
 def _video_budget(cfg: Settings, target: MediaTarget) -> int:
@@ -65,9 +73,8 @@ def _video_budget(cfg: Settings, target: MediaTarget) -> int:
     return b.max_modal_tokens if "video" in b.counted else target.context_tokens // 2
 
 
-def probe_part(ref: MediaRef, cfg: Settings, target: MediaTarget) -> Probed:
+def probe_part(ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget) -> Probed:
     """Headers only: what the part will cost, so a request that will be refused costs no decode."""
-    data = decode_payload(ref)
     check_one_file(data, ref.kind, ref.param)
     if ref.kind == "image":
         im = open_image(data, cfg.image, ref.param)
@@ -96,10 +103,14 @@ def probe_part(ref: MediaRef, cfg: Settings, target: MediaTarget) -> Probed:
 
 
 def process_part(
-    ref: MediaRef, cfg: Settings, target: MediaTarget, declared: str | None, room: int
+    ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, declared: str | None, room: int
 ) -> Done:
-    """Decode and normalise one part; ``room`` is the bytes of output the request may still hold."""
-    data = decode_payload(ref)
+    """Decode and normalise one part; ``room`` is the bytes of output the request may still hold.
+
+    A part served as the client's own bytes comes back as a marker (:attr:`Done.same`), not as a
+    copy: the parent holds those bytes already, and sending them back would double the cost of
+    the process boundary for the commonest case.
+    """
     check_one_file(data, ref.kind, ref.param)
     if ref.kind == "image":
         done = _image(ref, data, cfg, declared)
@@ -107,7 +118,12 @@ def process_part(
         done = _audio(ref, data, cfg, target, declared, room)
     else:
         done = _video(ref, data, cfg, target, declared)
-    done.out_bytes = sum(_size(p) for p in done.parts) + (done.audio.pcm.nbytes if done.audio and done.audio.pcm is not None else 0)
+    done.out_bytes = sum(_size(p) for p in done.parts) + (
+        done.audio.pcm.nbytes if done.audio is not None and done.audio.pcm is not None else 0
+    )
+    if done.same is not None:
+        done.out_bytes = 0  # the input's bytes, already counted
+        done.parts = []
     if done.out_bytes > room:
         raise MediaTooLarge(
             f"{ref.param}: decoding the part produces {done.out_bytes:,} bytes, more than the "
@@ -127,13 +143,15 @@ def _size(part: Any) -> int:
 def _image(ref: MediaRef, data: bytes, cfg: Settings, declared: str | None) -> Done:
     r = normalise_image(data, cfg.image, ref.param, declared)
     # Unchanged bytes still get the media type they really have, whatever the client or server claimed.
-    part = make_part(ref.type, data_uri(r.mediatype, r.data))
+    same = r.data is data or r.data == data
+    part = None if same else make_part(ref.type, data_uri(r.mediatype, r.data))
     return Done(
         ref,
-        [part],
+        [part] if part is not None else [],
         tokens.image_tokens(r.width, r.height, cfg.budget),
         r.actions,
         {"format": r.source_format.lower(), "width": r.source_width, "height": r.source_height},
+        same=(r.mediatype, None) if same else None,
     )
 
 
@@ -142,14 +160,16 @@ def _audio(
 ) -> Done:
     r = normalise_audio(data, cfg.audio, target.audio_rate, ref.param, declared, max_bytes=room)
     longest = max(end - start for start, end in r.boundaries)
-    part = make_part(ref.type, data_uri(r.mediatype, r.data), r.fmt)
+    same = r.data is data
+    part = None if same else make_part(ref.type, data_uri(r.mediatype, r.data), r.fmt)
     return Done(
         ref,
-        [part],
+        [part] if part is not None else [],
         tokens.audio_tokens(longest, cfg.budget),
         r.actions,
         {"format": r.info.container, "duration_s": round(r.info.duration_s, 3)},
         r if r.pcm is not None else None,
+        same=(r.mediatype, r.fmt) if same else None,
     )
 
 
@@ -193,3 +213,21 @@ def _video(ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, decla
         "frames": len(frames),
     }
     return Done(ref, parts, tokens.video_tokens(len(frames), size[0], size[1], budget), actions, facts)
+
+
+def screen_frames(ref: MediaRef, data: bytes, max_frames: int, size: tuple[int, int]) -> list[Any]:
+    """What a content screen looks at: the image, or up to ``max_frames`` frames spread over a video,
+    as RGB arrays of about ``size`` (decoded here, in the worker, like every other decode)."""
+    import numpy as np
+
+    if ref.kind == "image":
+        im = open_image(data, ImageConfig(), ref.param)
+        try:
+            im.draft("RGB", size)
+            return [np.asarray(im.convert("RGB"))]
+        finally:
+            im.close()
+    info = probe_video(data, ref.param)
+    n = min(max_frames, max(1, info.frames or max_frames))
+    fps = n / info.duration_s if info.duration_s > 0 else 1.0
+    return sample_frames(data, info.duration_s, n, fps, size, ref.param, max_decoded=VideoConfig().max_decoded_frames)

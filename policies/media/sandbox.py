@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import multiprocessing
+import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
@@ -46,7 +48,7 @@ class Sandbox:
 
     def _new_pool(self) -> ProcessPoolExecutor:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(worker.PRELOAD)
+        ctx.set_forkserver_preload(_preload())
         return ProcessPoolExecutor(
             self.cfg.decode_workers,
             mp_context=ctx,
@@ -106,6 +108,15 @@ class Sandbox:
         self._generation += 1
         self.replaced += 1
         _kill(old)
+
+
+def _preload() -> list[str]:
+    """The decoders, and the parent's main module: each forked worker re-runs ``__main__`` (multiprocessing
+    prepares every child that way), which costs nothing when the forkserver already imported it."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    extra = [name] if name and not name.endswith("__main__") else []
+    return [*worker.PRELOAD, *extra, "__main__"]
 
 
 def _kill(pool: ProcessPoolExecutor) -> None:
@@ -220,8 +231,11 @@ class RequestBudget:
 class MediaRuntime:
     """The process's media resources, owned by the lifespan: the sandbox and the byte budget."""
 
-    def __init__(self, cfg: MediaSettings) -> None:
+    def __init__(self, cfg: MediaSettings, eager: bool = False) -> None:
         self.cfg = cfg
+        #: start the workers and load the decoders at start-up (a chain names media-limits); otherwise
+        #: both wait for the first media part, so a text-only gateway never pays for them
+        self.eager = eager
         self.sandbox = Sandbox(cfg)
         self.inflight = ByteBudget(cfg.max_inflight_bytes)
 
@@ -229,7 +243,8 @@ class MediaRuntime:
         return RequestBudget(self.inflight, self.cfg.max_request_bytes, self.cfg.inflight_wait_s)
 
     async def start(self) -> None:
-        await self.sandbox.start()
+        if self.eager:
+            await self.sandbox.start()
 
     async def aclose(self) -> None:
         await self.sandbox.aclose()

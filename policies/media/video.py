@@ -14,35 +14,17 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Annotated, Literal
 
 import av
 import numpy as np
 import structlog
 from PIL import Image
-from pydantic import Field
 
 from gateway.errors import InvalidMedia
-from policies.base import PolicyConfig
+from policies.media.config import VideoConfig
 from policies.media.container import check_isobmff, open_av
 
 log = structlog.get_logger(__name__)
-_TOKEN_TILE = 28 * 28
-
-
-class VideoConfig(PolicyConfig):
-    max_duration_s: Annotated[float, Field(gt=0)] = 120.0
-    over_limit: Literal["trim", "refuse"] = "trim"
-    fps: Annotated[float, Field(gt=0, le=30)] = 2.0
-    max_frames: Annotated[int, Field(ge=1, le=2048)] = 240
-    max_decoded_frames: Annotated[int, Field(ge=1)] = Field(
-        default=7200, description="frames decoded at most per part, whatever the container's timestamps say"
-    )
-    min_frame_pixels: Annotated[int, Field(ge=_TOKEN_TILE)] = 128 * _TOKEN_TILE
-    max_frame_pixels: Annotated[int, Field(ge=_TOKEN_TILE)] = 768 * _TOKEN_TILE
-    max_input_pixels: Annotated[int, Field(ge=_TOKEN_TILE)] = 4096 * 2304
-    frame_quality: Annotated[int, Field(ge=50, le=100)] = 85
-    crf: Annotated[int, Field(ge=0, le=51)] = 23
 
 
 @dataclass(slots=True)

@@ -160,9 +160,9 @@ def test_many_large_parts_in_one_request_are_413_naming_the_part(gw, upstreams):
 
 def test_a_hanging_decoder_costs_its_request_a_400_while_others_are_served(gw, upstreams, monkeypatch):
     """A decoder made to hang inside C: the request gets a 400, a concurrent small request is not held up."""
-    from policies import media_limits
+    from policies.media import process
 
-    monkeypatch.setattr(media_limits, "process_part", hostile_decoders.hangs_in_c)
+    monkeypatch.setattr(process, "process_part", hostile_decoders.hangs_in_c)
     image = {"type": "image_url", "image_url": {"url": data_uri("image/png", png(plain_image(64)))}}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         hostile = pool.submit(_post, gw, [image])
@@ -180,3 +180,73 @@ def test_a_hanging_decoder_costs_its_request_a_400_while_others_are_served(gw, u
     monkeypatch.undo()
     # The pool was replaced; ordinary media is decoded again.
     assert _post(gw, [image]).status_code == 200
+
+
+def test_after_a_hot_reload_the_new_chain_still_fetches_and_bounds_media(bg, upstreams, canary, tmp_path):
+    """A reload to a chain without any media policy: the added steps are started and serve like the first ones."""
+    import yaml
+
+    from gateway.reload import reload_config
+
+    engine = {"name": "omni", "kind": "vllm-omni", "base_url": upstreams.omni_a.base_url, "model": "scripted",
+              "serves": [OMNI_MODEL], "first_byte_timeout_s": 5, "read_timeout_s": 5}
+    doc = {"engines": [engine], "policies": {"pre": [{"name": "request-limits"}]},
+           "audit": {"sqlite_path": str(tmp_path / "audit.db")}, "logging": {"level": "warning"},
+           "routing": {"controller": {"enabled": False}}}
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    from gateway.settings import load_settings
+
+    server = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
+    try:
+        doc["policies"]["pre"] = [{"name": "request-limits", "config": {"max_messages": 64}}]
+        path.write_text(yaml.safe_dump(doc))
+        result = bg.run(reload_config(server.services, path))
+        assert result.ok, result.message
+        before = upstreams.omni_a.request_count
+        body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{canary.port}/after-reload"}}]}]}
+        resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["message"].endswith(GENERIC)
+        assert canary.requests == [] and upstreams.omni_a.request_count == before
+        image = {"type": "image_url", "image_url": {"url": data_uri("image/png", png(plain_image(64)))}}
+        body["messages"][0]["content"] = [image]
+        ok = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert ok.status_code == 200, ok.text
+        # The new chain's media steps share the gateway's sandbox and byte budget.
+        new = {p.name: p.impl for p in server.services.chain.pre}
+        assert new["media-limits"].runtime is server.services.media
+    finally:
+        server.stop()
+
+
+def test_fetched_parts_count_against_the_request_budget_while_they_stream(bg, upstreams, tmp_path):
+    """Four 1 MB fetched parts, each under the per-part cap, side by side: 413 once together over 3 MiB."""
+    from tests.media import MediaServer
+
+    media = bg.run(MediaServer().start())
+    chain = PolicyChainConfig(pre=[PolicySpec(name="media-fetch", config={"internal_hosts": [f"127.0.0.1:{media.port}"]})])
+    settings = gateway_settings(upstreams, chain, media={"max_request_bytes": 3 * 1024 * 1024},
+                                audit={"sqlite_path": str(tmp_path / "audit.db")})
+    server = GatewayServer(bg, settings, CollectorRegistry()).start()
+    try:
+        parts = [{"type": "audio_url", "audio_url": {"url": media.add(f"a{i}.wav", "audio/wav",
+                                                                     wav(tone(32.0, freq=200.0 + i), 16000))}}
+                 for i in range(4)]
+        before = upstreams.omni_a.request_count
+        body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": parts}]}
+        resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 413, resp.text
+        err = resp.json()["error"]
+        assert err["code"] == "media_too_large"
+        assert err["param"] in {f"messages.0.content.{i}.audio_url.url" for i in range(4)}
+        assert upstreams.omni_a.request_count == before
+        assert server.services.media.inflight.used == 0
+        # Under the budget, the same parts one at a time are served.
+        ok = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                        json={"model": OMNI_MODEL, "messages": [{"role": "user", "content": parts[:1]}]})
+        assert ok.status_code == 200, ok.text
+    finally:
+        server.stop()
+        bg.run(media.stop())
