@@ -210,15 +210,23 @@ class GroundingFailed(AnswerWithheld):
 
 
 class EngineError(OmnigateError):
-    """An engine failed. ``kind`` is a bounded label for metrics."""
+    """An engine failed. ``kind`` is a bounded label for metrics.
+
+    The first argument is the ``detail`` (the engine's name, its status and its own
+    words): it goes to the log and never to a client. Clients see ``public``, the
+    class's own message or one the adapter mapped the engine's answer to, so no
+    upstream text or engine name can reach them whatever an adapter passes.
+    """
 
     status = 502
     type = "api_error"
     code = "engine_error"
     kind = "error"
+    public = "the model failed to answer; retry the request"
 
-    def __init__(self, message: str, *, engine: str | None = None, **kw: Any) -> None:
-        super().__init__(message, **kw)
+    def __init__(self, detail: str, *, engine: str | None = None, public: str | None = None, **kw: Any) -> None:
+        super().__init__(public or self.public, **kw)
+        self.detail = detail
         self.engine = engine
 
 
@@ -227,6 +235,7 @@ class EngineFailed(EngineError):
 
     kind = "upstream_5xx"
     retryable = True
+    public = "the model failed to answer; retry the request"
 
 
 class EngineUnavailable(EngineError):
@@ -234,6 +243,7 @@ class EngineUnavailable(EngineError):
     code = "engine_unavailable"
     kind = "unavailable"
     retryable = True
+    public = "the model is unavailable at the moment; retry the request"
 
 
 class EngineTimeout(EngineError):
@@ -241,21 +251,24 @@ class EngineTimeout(EngineError):
     code = "engine_timeout"
     kind = "timeout"
     retryable = True
+    public = "the model did not answer in time; retry the request"
 
 
 class EngineRejected(EngineError):
     """The engine refused the request itself (its 4xx); another engine would too."""
 
     kind = "rejected"
+    public = "the model refused the request as invalid"
 
-    def __init__(self, message: str, *, upstream_status: int, **kw: Any) -> None:
-        super().__init__(message, **kw)
+    def __init__(self, detail: str, *, upstream_status: int, code: str | None = None, **kw: Any) -> None:
+        super().__init__(detail, **kw)
         self.status = upstream_status if 400 <= upstream_status < 500 and upstream_status != 429 else 502
         if self.status < 500:
             self.type = "invalid_request_error"
-            self.code = "engine_rejected_request"
+            self.code = code or "engine_rejected_request"
 
 
 class EngineProtocolError(EngineError):
     code = "engine_protocol_error"
     kind = "protocol"
+    public = "the model sent an answer the gateway could not read"

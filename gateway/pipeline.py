@@ -227,8 +227,6 @@ class Pipeline:
         ctx.stream = request.stream
         ctx.received = request
         self.metrics.in_flight.inc()
-        if request.ignored_fields:
-            log.info("request_fields_ignored", fields=request.ignored_fields)
 
     async def _prepare(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         if self.audit is not None:
@@ -315,13 +313,21 @@ class Pipeline:
         if not fitting:
             kinds = ", ".join(sorted(request.input_modalities() - {"text"}))
             raise InvalidRequest(f"the model {request.model!r} does not accept {kinds} input", param="messages")
+        features = request.features()
+        if features:
+            # A field an engine cannot honour is refused, never dropped on the way to it.
+            able = [e for e in fitting if features <= e.capabilities.features]
+            if not able:
+                field = sorted(features - set().union(*(e.capabilities.features for e in fitting)) or features)[0]
+                raise InvalidRequest(f"the model {request.model!r} does not support {field}", param=field)
+            fitting = able
         return fitting
 
     def _engine_failed(self, engine: Engine, exc: EngineError, ctx: RequestContext, more: bool) -> None:
         self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
         if exc.retryable:
             self.pool.report_failure(engine)
-        log.warning("engine_attempt_failed", engine=engine.name, kind=exc.kind, error=exc.message,
+        log.warning("engine_attempt_failed", engine=engine.name, kind=exc.kind, error=exc.detail,
                     failover=exc.retryable and more)
         if exc.retryable and more:
             self.metrics.failovers.labels(engine.name).inc()
@@ -717,10 +723,11 @@ class Pipeline:
                     except StopAsyncIteration:
                         break
                 cut = False
-                if delta.text and cap is not None:
-                    # The engine ignored max_tokens: each streamed text piece carries at least one token,
-                    # so more pieces than the cap means more tokens than the cap. Cut it there.
-                    pieces += 1
+                if cap is not None and delta.output_pieces:
+                    # The engine ignored max_tokens: each streamed piece (text, reasoning, a tool call's
+                    # arguments) carries at least one token, so more pieces than the cap means more tokens
+                    # than the cap. Cut it there.
+                    pieces += delta.output_pieces
                     if pieces > cap:
                         ctx.degrade("output-capped")
                         delta = Delta(finish_reason="length")
@@ -745,6 +752,7 @@ class Pipeline:
         except EngineError as exc:
             self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
             self.pool.report_failure(engine)
+            log.warning("engine_stream_failed", engine=engine.name, kind=exc.kind, error=exc.detail)
             raise
         finally:
             await upstream.aclose()

@@ -35,6 +35,7 @@ Fault = Literal[
     "malformed_json",
     "error_mid_stream",
     "drip",
+    "400_before_headers",
 ]
 _FLAVOURS = frozenset(get_args(Flavour))
 _FAULTS = frozenset(get_args(Fault))
@@ -74,6 +75,14 @@ class Script:
     # A pause between the [DONE] frame and the end of the chunked body (its terminator), as a server
     # that writes them separately shows it to a client reading fast.
     eof_delay_s: float = 0.0
+    # vLLM flavour: tool calls to answer with ({"name", "arguments"} each; arguments streamed in pieces
+    # of `tool_chunk_chars`, finish_reason "tool_calls"), reasoning text sent before the answer under
+    # `reasoning_key` (vLLM has used "reasoning_content" and "reasoning"), and logprobs on every text
+    # piece whenever the request asks for them, as vLLM sends them.
+    tool_calls: list[dict] | None = None
+    tool_chunk_chars: int = 8
+    reasoning: str | None = None
+    reasoning_key: str = "reasoning_content"
 
     def __post_init__(self) -> None:
         if self.flavour not in _FLAVOURS:
@@ -201,6 +210,19 @@ def _audio_full_b64(sample_rate: int, seconds: float, count: int) -> str:
     return base64.b64encode(_wav(joined, sample_rate)).decode()
 
 
+def _logprobs(piece: str, top: int | None) -> list[dict]:
+    """vLLM's logprobs entries for one streamed piece (one token per piece), deterministic per text."""
+    if top is None:
+        return []
+    lp = -round((sum(piece.encode()) % 97) / 97 * 3, 4)
+    entry: dict[str, Any] = {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+    entry["top_logprobs"] = [
+        {"token": piece if k == 0 else f"{piece}~{k}", "logprob": lp - k, "bytes": list(piece.encode())}
+        for k in range(top)
+    ]
+    return [entry]
+
+
 # --- the server -----------------------------------------------------------------------------------------
 
 
@@ -226,6 +248,23 @@ class _Plan:
     pieces: tuple[str, ...]  # text pieces to send, already cut short by max_tokens
     text_finish: str
     n_audio: int
+    logprobs: int | None = None  # top_logprobs asked for (0 included); None: no logprobs
+
+    @property
+    def rich(self) -> bool:
+        s = self.script
+        return s.flavour == "vllm" and bool(s.tool_calls or s.reasoning or self.logprobs is not None)
+
+    def tool_pieces(self) -> list[tuple[int, str, str, list[str]]]:
+        """(index, id, name, argument pieces) of each scripted tool call."""
+        s = self.script
+        out = []
+        for i, call in enumerate(s.tool_calls or ()):
+            args = call.get("arguments", "")
+            step = max(1, s.tool_chunk_chars)
+            out.append((i, f"chatcmpl-tool-{self.rid}-{i}", call["name"],
+                        [args[k:k + step] for k in range(0, len(args), step)] or [""]))
+        return out
 
     def chunk_head(self) -> bytes:
         """A chunk's JSON up to and including `"choices":`, shared by every chunk of the stream."""
@@ -462,6 +501,20 @@ class ScriptedUpstream:
                 else _error_body("scripted upstream failure", "InternalServerError", 500),
                 content_type="application/json",
             )
+        if fault == "400_before_headers":
+            # What vLLM answers a prompt longer than its context, even for a stream: a JSON 400.
+            self.errors += 1
+            state.finished = True
+            return web.Response(
+                status=400,
+                body=orjson.dumps(script.status_body)
+                if script.status_body is not None
+                else _error_body(
+                    "This model's maximum context length is 2048 tokens. However, you requested 4109 tokens "
+                    "(4000 in the messages, 109 in the completion). Please reduce the length of the messages "
+                    "or completion.", "BadRequestError", 400),
+                content_type="application/json",
+            )
         if fault == "503_retry_after":
             self.errors += 1
             state.finished = True
@@ -491,8 +544,9 @@ class ScriptedUpstream:
             created=int(time.time()),
             model=model,
             pieces=pieces,
-            text_finish=text_finish,
+            text_finish="tool_calls" if script.tool_calls else text_finish,
             n_audio=script.n_audio_chunks if want_audio else 0,
+            logprobs=(body.get("top_logprobs") or 0) if body.get("logprobs") else None,
         )
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -500,7 +554,36 @@ class ScriptedUpstream:
         return await self._complete(request, state, plan)
 
     @staticmethod
+    def _rich_frames(plan: _Plan) -> list[bytes]:
+        """vLLM's stream with reasoning, tool calls or logprobs, one JSON document per frame."""
+        script = plan.script
+        head = plan.chunk_head()
+
+        def frame(delta: dict, finish: str | None = None, logprobs: list | None = None) -> bytes:
+            choice = {"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                      "finish_reason": finish}
+            return head + orjson.dumps([choice]) + b"}\n\n"
+
+        frames = [frame({"role": "assistant", "content": ""})]
+        if script.reasoning:
+            frames += [frame({script.reasoning_key: p}) for p in _text_pieces(script.reasoning, 1)]
+        for piece in plan.pieces:
+            frames.append(frame({"content": piece}, logprobs=_logprobs(piece, plan.logprobs)))
+        for index, call_id, name, args in plan.tool_pieces():
+            frames.append(frame({"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                                 "function": {"name": name, "arguments": ""}}]}))
+            frames += [frame({"tool_calls": [{"index": index, "function": {"arguments": a}}]}) for a in args]
+        frames.append(frame({"content": ""}, finish=plan.text_finish))
+        return frames
+
+    def _completion_tokens(self, plan: _Plan) -> int:
+        return len(plan.pieces) + sum(len(a) for *_, a in plan.tool_pieces()) + (
+            len(_text_pieces(plan.script.reasoning, 1)) if plan.script.reasoning else 0)
+
+    @staticmethod
     def _frames(plan: _Plan) -> list[bytes]:
+        if plan.rich:
+            return ScriptedUpstream._rich_frames(plan)
         script = plan.script
         head = plan.chunk_head() + b'[{"index":0,"delta":'
         text_tail = b"}]" + (b',"modality":"text"' if script.flavour == "omni" else b"") + b"}\n\n"
@@ -537,7 +620,7 @@ class ScriptedUpstream:
         frames = self._frames(plan)
         tail = b""
         if include_usage:
-            n = len(plan.pieces)
+            n = self._completion_tokens(plan)
             usage = {"prompt_tokens": script.prompt_tokens, "completion_tokens": n,
                      "total_tokens": script.prompt_tokens + n}  # fmt: skip
             modality = b',"modality":"text"' if script.flavour == "omni" else b""
@@ -622,14 +705,22 @@ class ScriptedUpstream:
             self.completed += 1
             return web.Response(body=b"{not json", content_type="application/json")
 
-        n = len(plan.pieces)
+        n = self._completion_tokens(plan)
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(plan.pieces), "tool_calls": []}
+        if plan.rich:
+            message["tool_calls"] = [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": "".join(args)}}
+                for _, call_id, name, args in plan.tool_pieces()
+            ]
+            if script.tool_calls and not plan.pieces:
+                message["content"] = None
+            if script.reasoning:
+                message[script.reasoning_key] = script.reasoning
+        logprobs = None
+        if plan.logprobs is not None:
+            logprobs = {"content": [e for p in plan.pieces for e in _logprobs(p, plan.logprobs)]}
         choices: list[dict[str, Any]] = [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(plan.pieces), "tool_calls": []},
-                "logprobs": None,
-                "finish_reason": plan.text_finish,
-            }
+            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": plan.text_finish}
         ]
         if plan.n_audio:
             if script.audio_wav is not None:
