@@ -157,7 +157,9 @@ class OpenAICompatEngine:
             body["stream_options"] = {"include_usage": True}
         limit = request.output_token_limit
         if limit is not None:
-            body["max_tokens"] = limit
+            # vLLM refuses a max_tokens above its max_model_len outright (and clamps one within it), so a
+            # cap the gateway set for every engine must not turn a short answer into a 400 on a small one.
+            body["max_tokens"] = min(limit, self.config.max_context_tokens)
         for key in _PASS:
             value = getattr(request, key)
             if value is not None:
