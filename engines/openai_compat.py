@@ -332,6 +332,8 @@ _PASS_MODELS = ("tool_choice", "response_format")
 # What an engine's 400 says, mapped to the gateway's own words: (pattern in its message, code, param, message).
 # Its text itself never reaches the client (it names the engine's model, limits and internals).
 _REJECTIONS: tuple[tuple[re.Pattern[str], str, str | None, str], ...] = (
+    (re.compile(r"^'?max_(completion_)?tokens", re.I), "context_length_exceeded", "max_tokens",
+     "max_tokens is more than the model's context window leaves for the answer; lower it"),
     (re.compile(r"context length|model length|max_model_len|too long|maximum context|prompt \(length", re.I),
      "context_length_exceeded", "messages",
      "the messages and max_tokens together exceed the model's context window; shorten them"),
