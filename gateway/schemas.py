@@ -18,12 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 AudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
 
 
-class _Part(BaseModel):
+class _Wire(BaseModel):
     # Unknown fields are refused or dropped visibly (gateway/fields.py), never carried silently.
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-_Wire = _Part
+_Part = _Wire  # content parts
 
 
 class URLRef(_Part):

@@ -167,7 +167,14 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
     }
     req = snap.received
     if req is not None:
-        payload["input"] = [_part_digest(m.role, p) for m in req.messages for p in m.parts()]
+        inputs: list[dict[str, Any]] = []
+        for m in req.messages:
+            inputs.extend(_part_digest(m.role, p) for p in m.parts())
+            for call in m.tool_calls or ():
+                # The calls an assistant turn made are input too (a client can rewrite them).
+                raw = call.function.name + call.function.arguments
+                inputs.append({"role": m.role, "type": "tool_call", "sha256": _sha(raw), "chars": len(raw)})
+        payload["input"] = inputs
     output = snap.output
     if output is None and snap.completion is not None:
         output = OutputDigest.of(snap.completion, keep_text=ctx.audit_content != "digests")

@@ -122,3 +122,21 @@ def test_an_engine_that_cannot_honour_a_field_is_never_sent_it():
     assert [e.name for e in pipeline._engines_for(both)] == ["gpu"]
     plain = ChatCompletionRequest.model_validate({"model": "m", "messages": USER})
     assert [e.name for e in pipeline._engines_for(plain)] == ["cpu"]
+
+
+def test_the_audit_record_digests_the_tool_calls_a_conversation_carries():
+    import hashlib
+
+    from gateway.context import RequestContext
+    from observability.audit.record import RequestSnapshot, request_payload
+
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        *USER,
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                             "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "42"},
+    ]})
+    payload = request_payload(RequestSnapshot(RequestContext(request_id="r"), req, None, None, 1.0))
+    sha = hashlib.sha256('f{"a": 1}'.encode()).hexdigest()
+    assert {"role": "assistant", "type": "tool_call", "sha256": sha, "chars": 9} in payload["input"]
+    assert [e["type"] for e in payload["input"]] == ["text", "tool_call", "text"]
