@@ -723,11 +723,11 @@ class Pipeline:
                     except StopAsyncIteration:
                         break
                 cut = False
-                if cap is not None and delta.output_pieces:
+                if cap is not None and (n := delta.output_pieces):
                     # The engine ignored max_tokens: each streamed piece (text, reasoning, a tool call's
                     # arguments) carries at least one token, so more pieces than the cap means more tokens
                     # than the cap. Cut it there.
-                    pieces += delta.output_pieces
+                    pieces += n
                     if pieces > cap:
                         ctx.degrade("output-capped")
                         delta = Delta(finish_reason="length")
@@ -784,7 +784,7 @@ class Pipeline:
                     elif delta.usage is not None:
                         delta, sent_usage = dataclasses.replace(delta, usage=total), True
                     if delta.text or delta.audio or delta.transcript or delta.finish_reason or delta.usage \
-                            or delta.audio_done:
+                            or delta.audio_done or delta.tool_calls or delta.reasoning:
                         yield delta
                     try:
                         delta = await anext(current.upstream)
