@@ -100,8 +100,9 @@ class OpenAICompatEngine:
         ins, outs = config.modalities()
         self._base = str(config.base_url).rstrip("/")
         self._url = self._base + "/chat/completions"
-        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs,
-                                         features=frozenset(FEATURE_FIELDS))
+        # n > 1 only where every choice is read back (plain vLLM); vLLM-Omni's answers fold choices into one.
+        features = frozenset(FEATURE_FIELDS) | ({"n"} if config.kind == "vllm" else set())
+        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs, features=features)
         self._headers = {"Content-Type": "application/json"}
         if config.api_key is not None:
             self._headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
@@ -170,6 +171,8 @@ class OpenAICompatEngine:
                 body[key] = value if isinstance(value, str) else value.model_dump(exclude_none=True, by_alias=True)
         if request.tools is not None:
             body["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
+        if request.choices > 1:
+            body["n"] = request.choices
         if request.modalities is not None:
             body["modalities"] = list(request.modalities)
         if request.wants_audio and request.audio is not None:
@@ -309,18 +312,12 @@ class OpenAICompatEngine:
         )
 
     def _completion(self, doc: dict[str, Any]) -> Completion:
-        choice = doc["choices"][0]
-        message = choice.get("message") or {}
-        usage = doc.get("usage") or {}
-        reasoning, key = _reasoning(message)
-        return Completion(
-            text=message.get("content") or "",
-            finish_reason=choice.get("finish_reason") or "stop",
-            usage=_usage(usage),
-            tool_calls=[_whole_call(c) for c in message.get("tool_calls") or ()],
-            reasoning=reasoning, reasoning_key=key,
-            logprobs=_logprob_entries(choice.get("logprobs")),
-        )
+        # By index, not position: choices of n > 1 are the client's choices 0..n-1.
+        choices = sorted(doc["choices"], key=lambda c: c.get("index", 0))
+        first, *rest = [_choice_completion(c) for c in choices]
+        first.usage = _usage(doc.get("usage") or {})
+        first.alternatives = rest
+        return first
 
 
 # Sampling fields passed as the client set them; the models below are dumped by their wire names.
@@ -353,6 +350,18 @@ def rejection(detail: str, engine_message: str, *, engine: str, upstream_status:
             return EngineRejected(detail, engine=engine, upstream_status=upstream_status, code=code,
                                   param=param, public=public)
     return EngineRejected(detail, engine=engine, upstream_status=upstream_status)
+
+
+def _choice_completion(choice: dict[str, Any]) -> Completion:
+    message = choice.get("message") or {}
+    reasoning, key = _reasoning(message)
+    return Completion(
+        text=message.get("content") or "",
+        finish_reason=choice.get("finish_reason") or "stop",
+        tool_calls=[_whole_call(c) for c in message.get("tool_calls") or ()],
+        reasoning=reasoning, reasoning_key=key,
+        logprobs=_logprob_entries(choice.get("logprobs")),
+    )
 
 
 def _reasoning(part: dict[str, Any]) -> tuple[str, str]:

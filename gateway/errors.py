@@ -21,6 +21,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     │   ├── MediaURLForbidden           400 media_url_forbidden      (scheme or address the fetcher refuses)
     │   ├── MediaFetchFailed            400 media_fetch_failed       (unreachable, timeout, HTTP error)
     │   ├── ModalBudgetExceeded         400 modal_budget_exceeded
+    │   ├── UnknownField                400 unknown_field            (a request field the gateway does not forward)
     │   └── ContextLengthExceeded       400 context_length_exceeded
     ├── AuthenticationFailed            401 authentication_error
     ├── PermissionDenied                403 permission_error
@@ -34,7 +35,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
         ├── EngineFailed                502 engine_error          (retryable before first byte: its 5xx)
         ├── EngineUnavailable           503 engine_unavailable    (retryable before first byte)
         ├── EngineTimeout               504 engine_timeout        (retryable before first byte)
-        ├── EngineRejected              4xx/502 passed on when the engine refused the request
+        ├── EngineRejected              4xx/502 the engine refused the request (in the gateway's words)
         └── EngineProtocolError         502 engine_protocol_error
 
 ``retryable`` says whether another engine may be tried; that is only allowed while
@@ -150,6 +151,12 @@ class MediaFetchFailed(InvalidRequest):
 
 class ModalBudgetExceeded(InvalidRequest):
     code = "modal_budget_exceeded"
+
+
+class UnknownField(InvalidRequest):
+    """A request field the gateway does not know (``param`` names where it was); see gateway/fields.py."""
+
+    code = "unknown_field"
 
 
 class ContextLengthExceeded(InvalidRequest):

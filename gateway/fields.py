@@ -15,7 +15,7 @@ from typing import Any, Literal, Sequence
 
 from pydantic import ValidationError
 
-from gateway.errors import InvalidRequest
+from gateway.errors import UnknownField
 from gateway.schemas import ChatCompletionRequest
 
 UnknownFields = Literal["refuse", "drop"]
@@ -23,10 +23,6 @@ DROPPED_HEADER = "x-omnigate-dropped-fields"
 _EXTRA = "extra_forbidden"
 # A dropped field can only uncover more of them inside itself, never loop: the body shrinks each round.
 _MAX_ROUNDS = 8
-
-
-class UnknownField(InvalidRequest):
-    code = "unknown_field"
 
 
 def _locate(node: Any, loc: Sequence[Any], delete: bool) -> str | None:

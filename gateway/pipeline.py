@@ -248,7 +248,12 @@ class Pipeline:
         if self.admission is not None:
             # The slot is held until _finish, whatever the way out.
             ctx.admission = await self.admission.admit(ctx)
-        for policy in self._chain(ctx).pre:
+        chain = self._chain(ctx)
+        if request.choices > 1 and (chain.post or chain.stream):
+            # Post-policies and stream filters judge and retry one answer; n answers would pass unjudged.
+            raise InvalidRequest("n > 1 is not available for this model: its answers are checked one at a time",
+                                 param="n")
+        for policy in chain.pre:
             request = await self._run_pre(policy, request, ctx)
         return request
 

@@ -120,16 +120,23 @@ class ChunkRenderer:
         return out + DONE
 
 
-def completion_body(
-    request: ChatCompletionRequest, completion: Completion, ctx: RequestContext, completion_id: str
-) -> dict[str, Any]:
+def _text_choice(index: int, completion: Completion) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": completion.text}
     if completion.tool_calls:
         message["tool_calls"] = completion.tool_calls
         if not completion.text:
-            message["content"] = None  # as OpenAI sends a turn that only calls tools
+            message["content"] = None
     if completion.reasoning:
         message[completion.reasoning_key] = completion.reasoning
+    return {"index": index, "message": message, "finish_reason": completion.finish_reason,
+            "logprobs": {"content": completion.logprobs} if completion.logprobs else None}
+
+
+def completion_body(
+    request: ChatCompletionRequest, completion: Completion, ctx: RequestContext, completion_id: str
+) -> dict[str, Any]:
+    first = _text_choice(0, completion)
+    message = first["message"]
     if request.wants_audio and completion.audio:
         fmt = request.audio.format if request.audio is not None else "wav"
         data = audio_codec.encode(completion.audio, completion.sample_rate, completion.channels, fmt)
@@ -144,10 +151,7 @@ def completion_body(
         "object": "chat.completion",
         "created": int(time.time()),
         "model": request.model,
-        "choices": [{
-            "index": 0, "message": message, "finish_reason": completion.finish_reason,
-            "logprobs": {"content": completion.logprobs} if completion.logprobs else None,
-        }],
+        "choices": [first, *(_text_choice(i, alt) for i, alt in enumerate(completion.alternatives, start=1))],
         "usage": completion.usage.to_dict(),
     }
     if ctx.notes:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 AudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
 
@@ -218,7 +218,7 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=8)] | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -235,6 +235,13 @@ class ChatCompletionRequest(BaseModel):
     top_k: Annotated[int, Field(ge=-1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     chat_template_kwargs: dict[str, bool] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v > 1 and info.data.get("stream"):
+            raise ValueError("n > 1 is served for non-streamed requests only (stream: false)")
+        return v
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -273,7 +280,15 @@ class ChatCompletionRequest(BaseModel):
 
     def features(self) -> set[str]:
         """The fields of :data:`FEATURE_FIELDS` this request sets (an engine must honour each or refuse)."""
-        return {f for f in FEATURE_FIELDS if getattr(self, f) is not None}
+        found = {f for f in FEATURE_FIELDS if getattr(self, f) is not None}
+        if self.choices > 1:
+            found.add("n")
+        return found
+
+    @property
+    def choices(self) -> int:
+        """How many answers the client asked for (``n``)."""
+        return self.n or 1
 
     @property
     def wants_audio(self) -> bool:

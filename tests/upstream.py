@@ -249,6 +249,7 @@ class _Plan:
     text_finish: str
     n_audio: int
     logprobs: int | None = None  # top_logprobs asked for (0 included); None: no logprobs
+    n: int = 1  # answers asked for (non-streamed vLLM flavour)
 
     @property
     def rich(self) -> bool:
@@ -547,6 +548,7 @@ class ScriptedUpstream:
             text_finish="tool_calls" if script.tool_calls else text_finish,
             n_audio=script.n_audio_chunks if want_audio else 0,
             logprobs=(body.get("top_logprobs") or 0) if body.get("logprobs") else None,
+            n=body["n"] if isinstance(body.get("n"), int) and script.flavour == "vllm" else 1,
         )
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -722,6 +724,11 @@ class ScriptedUpstream:
         choices: list[dict[str, Any]] = [
             {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": plan.text_finish}
         ]
+        # vLLM answers n > 1 with one choice per index; here each further one is the text marked " [i]",
+        # listed last index first: a client must read `index`, not the position.
+        for i in range(plan.n - 1, 0, -1):
+            alt = {**message, "content": (message["content"] or "") + f" [{i}]"}
+            choices.append({"index": i, "message": alt, "logprobs": None, "finish_reason": plan.text_finish})
         if plan.n_audio:
             if script.audio_wav is not None:
                 pcm, rate = _wav_file(script.audio_wav)

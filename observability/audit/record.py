@@ -71,8 +71,9 @@ class OutputDigest:
         from engines.base import Delta
 
         out = cls(keep_text)
-        out.add(Delta(text=completion.text, audio=completion.audio, transcript=completion.transcript,
-                      tool_calls=completion.tool_calls or None, reasoning=completion.reasoning))
+        for c in (completion, *completion.alternatives):  # every choice of n > 1 was released
+            out.add(Delta(text=c.text, audio=c.audio, transcript=c.transcript,
+                          tool_calls=c.tool_calls or None, reasoning=c.reasoning))
         return out
 
     def to_json(self) -> dict[str, Any]:

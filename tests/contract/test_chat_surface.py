@@ -334,3 +334,24 @@ def test_grounding_still_judges_the_answer_after_tool_results(grounded, ups):
     resp = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                       json={"model": TEXT_MODEL, "messages": messages, "tools": [WEATHER_TOOL]})
     assert resp.status_code == 422 and resp.json()["error"]["code"] == "grounding_failed"
+
+
+# -- n ---------------------------------------------------------------------------------------------------
+def test_n_answers_come_back_as_n_choices_in_index_order(client, ups):
+    ups.vllm.default = Script(text="Paris.")
+    resp = client.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=3)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.message.content for c in resp.choices] == ["Paris.", "Paris. [1]", "Paris. [2]"]
+    assert ups.vllm.requests[-1]["n"] == 3
+
+
+def test_n_is_refused_where_it_cannot_be_served_whole(client, ups, grounded):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2, stream=True)
+    assert err.value.body["param"] == "n"
+    server = grounded("hold")  # a post-policy judges one answer: n answers would pass unjudged
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2)
+    assert err.value.body["param"] == "n"
+    assert ups.vllm.request_count == 0
