@@ -115,15 +115,33 @@ def test_response_format_json_schema_is_valid_json(via, direct):
     jsonschema.validate(json.loads(text), schema)
 
 
+def same_greedy_tokens(got: list, want: list, tie: float = 0.5) -> None:
+    """``got`` is vLLM's greedy continuation ``want``, up to a near tie.
+
+    bf16 arithmetic on the CPU is not bit-for-bit reproducible between two runs of one prompt, so greedy
+    decoding may take the other branch where the two best candidates are within ``tie`` of each other;
+    after such a split the continuations differ legitimately. Anywhere else a difference is the gateway's.
+    """
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if g.token == w.token:
+            assert g.logprob == pytest.approx(w.logprob, abs=0.05)
+            continue
+        alternatives = {t.token: t.logprob for t in w.top_logprobs}
+        assert g.token in alternatives and w.logprob - alternatives[g.token] <= tie, (g, w)
+        return
+
+
 def test_logprobs_are_vllms(via, direct):
     got, want = both(via, direct, messages=PROMPT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
     g, w = got.choices[0].logprobs.content, want.choices[0].logprobs.content
-    assert [e.token for e in g] == [e.token for e in w] and len(g) == 6
-    assert [e.logprob for e in g] == pytest.approx([e.logprob for e in w], abs=0.05)
-    assert all(len(e.top_logprobs) == 3 for e in g)
+    assert len(g) == 6 and all(len(e.top_logprobs) == 3 for e in g)
+    same_greedy_tokens(g, w)
     kw = dict(messages=PROMPT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, stream=True)
     sg, sw = (streamed(s) for s in both(via, direct, **kw))
-    assert [e.token for e in sg[3]] == [e.token for e in sw[3]] and len(sg[3]) == 6
+    assert len(sg[3]) == 6 and all(len(e.top_logprobs) == 2 for e in sg[3])
+    same_greedy_tokens(sg[3], sw[3])
+    assert "".join(e.token for e in sg[3]) == sg[0]  # the relayed logprobs are those of the relayed text
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -138,24 +156,32 @@ def test_a_prompt_over_the_context_is_a_400_before_the_stream(via, direct, strea
     assert "2048" not in body["message"] and ENGINE not in body["message"]
 
 
+def _finished(vllm) -> float:
+    return sum(vllm.metric("vllm:request_success_total", finished_reason=r) for r in ("stop", "length"))
+
+
+# SmolLM2's end tokens (<|endoftext|>, <|im_end|>) banned: the story can only end at max_tokens or by an abort.
+NO_END = {"0": -100, "2": -100}
+
+
 def test_a_client_disconnect_aborts_the_request_in_vllm(real_gateway, vllm):
-    aborted = vllm.metric("vllm:request_success_total", finished_reason="abort")
+    finished = _finished(vllm)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a ship."}],
-            "max_tokens": 1500, "temperature": 1.0, "seed": 3, "stream": True}
+            "max_tokens": 1500, "temperature": 1.0, "seed": 3, "stream": True, "logit_bias": NO_END}
     with httpx.stream("POST", real_gateway.url + "/v1/chat/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         for _ in range(5):
             next(lines)
         assert vllm.metric("vllm:num_requests_running") == 1
-    # Leaving the block closed the connection mid-stream; vLLM must count an abort and stop generating.
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if vllm.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1:
-            break
+    # Leaving the block closed the connection mid-stream. vLLM must stop generating: its running count
+    # drops although 1500 tokens (about a minute here) were asked for, and the request never finishes
+    # with stop or length (vLLM does not count frontend aborts in request_success_total).
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and vllm.metric("vllm:num_requests_running") != 0:
         time.sleep(0.2)
-    assert vllm.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
     assert vllm.metric("vllm:num_requests_running") == 0
+    assert _finished(vllm) == finished
 
 
 def test_vllms_metrics_feed_the_engine_telemetry(real_gateway, vllm, bg):
@@ -181,3 +207,10 @@ def test_vllms_metrics_feed_the_engine_telemetry(real_gateway, vllm, bg):
     assert after["engine_ttft_p99"] > 0
     scraped = real_gateway.registry.get_sample_value("omnigate_engine_kv_cache_usage_ratio", {"engine": ENGINE})
     assert scraped is not None
+
+
+def test_n_choices_are_vllms(via, direct):
+    got, want = both(via, direct, messages=PROMPT, max_tokens=12, temperature=0, n=2)
+    assert [c.index for c in got.choices] == [0, 1]
+    assert [c.message.content for c in got.choices] == [c.message.content for c in want.choices]
+    assert got.usage.completion_tokens == want.usage.completion_tokens == 24
