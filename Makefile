@@ -20,13 +20,16 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/omnigate serve $(if $(CONFIG),--config $(CONFIG))
 
+# The real vLLM suite (tests/realvllm) needs vLLM and its model prepared under .cache/real-vllm: a few
+# minutes on a fresh machine, seconds once cached. test-fast skips it.
 test: install
 	bash scripts/test-env.sh
+	$(PY) -m tests.realvllm.prepare
 	$(PY) -m pytest -q
 
 test-fast: install
 	bash scripts/test-env.sh
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not realvllm"
 
 bench: install
 	$(PY) -m bench.overhead

@@ -44,6 +44,12 @@ class Delta:
     ``channels`` says otherwise); ``transcript`` is the text that audio speaks.
     ``finish_reason`` is set on the text stream's last piece; audio that ends
     later carries ``audio_done``.
+
+    ``tool_calls`` are the engine's streamed tool-call fragments as OpenAI shapes
+    them (``index``, then ``id``/``type``/``function.name`` once and
+    ``function.arguments`` in pieces); ``reasoning`` is reasoning text, relayed
+    under the key the engine used (``reasoning_key``); ``logprobs`` the entries of
+    the choice's ``logprobs.content`` that came with this piece.
     """
 
     text: str = ""
@@ -54,6 +60,22 @@ class Delta:
     finish_reason: str | None = None
     audio_done: bool = False
     usage: Usage | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str = ""
+    reasoning_key: str = "reasoning_content"
+    logprobs: list[dict[str, Any]] | None = None
+
+    @property
+    def output_pieces(self) -> int:
+        """How many generated pieces this delta carries (each is at least one token): the output cap's unit."""
+        n = 1 if self.text else 0
+        if self.reasoning:
+            n += 1
+        for call in self.tool_calls or ():
+            fn = call.get("function") or {}
+            if fn.get("arguments") or fn.get("name"):
+                n += 1
+        return n
 
 
 @dataclass(slots=True)
@@ -67,11 +89,25 @@ class Completion:
     channels: int = 1
     finish_reason: str = "stop"
     usage: Usage = field(default_factory=Usage)
+    #: whole tool calls (``id``, ``type``, ``function.name``, ``function.arguments``), in index order
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str = ""
+    reasoning_key: str = "reasoning_content"
+    logprobs: list[dict[str, Any]] | None = None
+    #: the other answers of a request with ``n`` > 1 (choices 1..n-1; never streamed)
+    alternatives: list["Completion"] = field(default_factory=list)
 
     def add(self, d: Delta) -> None:
         """Fold a streamed delta into this completion."""
         if d.text:
             self.text += d.text
+        if d.tool_calls:
+            merge_tool_calls(self.tool_calls, d.tool_calls)
+        if d.reasoning:
+            self.reasoning += d.reasoning
+            self.reasoning_key = d.reasoning_key
+        if d.logprobs:
+            self.logprobs = (self.logprobs or []) + d.logprobs
         if d.audio:
             self.audio += d.audio
             self.sample_rate = d.sample_rate or self.sample_rate
@@ -84,10 +120,37 @@ class Completion:
             self.usage = d.usage
 
 
+def merge_tool_calls(calls: list[dict[str, Any]], fragments: list[dict[str, Any]]) -> None:
+    """Fold streamed tool-call fragments into whole calls, as OpenAI's SDKs reassemble them (by ``index``)."""
+    for frag in fragments:
+        index = frag.get("index", len(calls))
+        while len(calls) <= index:
+            calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        call = calls[index]
+        if frag.get("id"):
+            call["id"] = frag["id"]
+        fn = frag.get("function") or {}
+        if fn.get("name"):
+            call["function"]["name"] = fn["name"]
+        if fn.get("arguments"):
+            call["function"]["arguments"] += fn["arguments"]
+
+
+def tool_call_text(calls: list[dict[str, Any]]) -> str:
+    """Tool calls as one canonical text (name and arguments of each): what digests and counts read."""
+    return "\n".join(
+        f"{(c.get('function') or {}).get('name', '')}({(c.get('function') or {}).get('arguments', '')})"
+        for c in calls
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     input_modalities: frozenset[str] = frozenset({"text"})
     output_modalities: frozenset[str] = frozenset({"text"})
+    #: request fields of gateway.schemas.FEATURE_FIELDS the engine honours; a request setting any other
+    #: is not sent to it (refused when no engine for the model honours it)
+    features: frozenset[str] = frozenset()
 
     @property
     def speaks(self) -> bool:
@@ -141,4 +204,4 @@ def wire_messages(request: "ChatCompletionRequest") -> list[dict[str, Any]]:
             if url[:5].lower() != _DATA_PREFIX:
                 param = f"messages.{mi}.content.{pi}.{field_name}.url"
                 raise MediaURLForbidden(f"{param}: media must be sent as data; this URL is not allowed", param=param)
-    return [m.model_dump(exclude_none=True) for m in request.messages]
+    return [m.wire() for m in request.messages]

@@ -12,10 +12,12 @@ from typing import Any, AsyncIterator
 
 from engines.base import Capabilities, Completion, Delta, Usage, wire_messages
 from gateway.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
-from gateway.schemas import ChatCompletionRequest
+from gateway.schemas import FEATURE_FIELDS, ChatCompletionRequest
 from gateway.settings import EngineConfig
 
-_PASS = ("temperature", "top_p", "stop", "seed", "user")
+_PASS = ("temperature", "top_p", "stop", "seed", "user", "parallel_tool_calls", "logprobs", "top_logprobs",
+         "presence_penalty", "frequency_penalty", "logit_bias", "reasoning_effort")
+_PASS_MODELS = ("tool_choice", "response_format")
 
 
 def _litellm() -> Any:
@@ -32,7 +34,9 @@ class LiteLLMEngine:
         self.name = config.name
         self.config = config
         ins, outs = config.modalities()
-        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs)
+        # litellm maps these onto each provider, and raises (a 400 here) for one that lacks them.
+        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs,
+                                         features=frozenset(FEATURE_FIELDS))
         self._lib: Any = None
 
     async def start(self) -> None:
@@ -65,6 +69,12 @@ class LiteLLMEngine:
             value = getattr(request, key)
             if value is not None:
                 kw[key] = value
+        for key in _PASS_MODELS:
+            value = getattr(request, key)
+            if value is not None:
+                kw[key] = value if isinstance(value, str) else value.model_dump(exclude_none=True, by_alias=True)
+        if request.tools is not None:
+            kw["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
         return kw
 
     def _map(self, exc: Exception) -> OmnigateError:
@@ -90,14 +100,21 @@ class LiteLLMEngine:
             async for chunk in response:
                 usage = getattr(chunk, "usage", None)
                 choices = chunk.choices or []
-                text = (choices[0].delta.content or "") if choices else ""
+                delta = choices[0].delta if choices else None
+                text = (delta.content or "") if delta is not None else ""
                 finish = choices[0].finish_reason if choices else None
-                if not text and finish is None and usage is None:
+                calls = _plain(getattr(delta, "tool_calls", None)) if delta is not None else None
+                reasoning = (getattr(delta, "reasoning_content", None) or "") if delta is not None else ""
+                logprobs = _plain(getattr(choices[0], "logprobs", None)) if choices else None
+                if not text and finish is None and usage is None and not calls and not reasoning and not logprobs:
                     continue
                 yield Delta(
                     text=text,
                     finish_reason=finish,
                     usage=Usage(usage.prompt_tokens or 0, usage.completion_tokens or 0) if usage else None,
+                    tool_calls=[_fragment(c) for c in calls] if calls else None,
+                    reasoning=reasoning,
+                    logprobs=(logprobs or {}).get("content") or None,
                 )
         except OmnigateError:
             raise
@@ -125,8 +142,37 @@ class LiteLLMEngine:
             raise
         choice = resp.choices[0]
         usage = getattr(resp, "usage", None)
+        calls = _plain(getattr(choice.message, "tool_calls", None)) or []
+        logprobs = _plain(getattr(choice, "logprobs", None)) or {}
         return Completion(
             text=choice.message.content or "",
             finish_reason=choice.finish_reason or "stop",
             usage=Usage(getattr(usage, "prompt_tokens", 0) or 0, getattr(usage, "completion_tokens", 0) or 0),
+            tool_calls=[
+                {"id": c.get("id") or "", "type": "function",
+                 "function": {"name": (c.get("function") or {}).get("name") or "",
+                              "arguments": (c.get("function") or {}).get("arguments") or ""}}
+                for c in calls
+            ],
+            reasoning=getattr(choice.message, "reasoning_content", None) or "",
+            logprobs=logprobs.get("content") or None if isinstance(logprobs, dict) else None,
         )
+
+
+def _plain(obj: Any) -> Any:
+    """litellm's pydantic objects (or plain values) as plain JSON values."""
+    if obj is None:
+        return None
+    if isinstance(obj, list):
+        return [_plain(o) for o in obj]
+    dump = getattr(obj, "model_dump", None)
+    return dump() if callable(dump) else obj
+
+
+def _fragment(raw: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": raw.get("index") or 0}
+    if raw.get("id"):
+        out["id"], out["type"] = raw["id"], "function"
+    fn = raw.get("function") or {}
+    out["function"] = {k: fn[k] for k in ("name", "arguments") if isinstance(fn.get(k), str)}
+    return out

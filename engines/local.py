@@ -228,7 +228,7 @@ class LocalEngine:
         try:
             model, tokenizer, source = await asyncio.to_thread(self._load)
         except EngineUnavailable as exc:
-            log.error("local_engine_load_failed", engine=self.name, error=exc.message)
+            log.error("local_engine_load_failed", engine=self.name, error=exc.detail)
             raise
         except Exception as exc:
             log.error("local_engine_load_failed", engine=self.name, error=str(exc))

@@ -16,6 +16,7 @@ a new TCP connection to the engine on their way to the first token.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any, AsyncIterator
 
 import aiohttp
@@ -32,7 +33,7 @@ from gateway.errors import (
     EngineUnavailable,
     OmnigateError,
 )
-from gateway.schemas import ChatCompletionRequest
+from gateway.schemas import FEATURE_FIELDS, ChatCompletionRequest
 from gateway.settings import EngineConfig
 
 log = structlog.get_logger(__name__)
@@ -97,9 +98,11 @@ class OpenAICompatEngine:
         self.name = config.name
         self.config = config
         ins, outs = config.modalities()
-        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs)
         self._base = str(config.base_url).rstrip("/")
         self._url = self._base + "/chat/completions"
+        # n > 1 only where every choice is read back (plain vLLM); vLLM-Omni's answers fold choices into one.
+        features = frozenset(FEATURE_FIELDS) | ({"n"} if config.kind == "vllm" else set())
+        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs, features=features)
         self._headers = {"Content-Type": "application/json"}
         if config.api_key is not None:
             self._headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
@@ -157,12 +160,21 @@ class OpenAICompatEngine:
             body["stream_options"] = {"include_usage": True}
         limit = request.output_token_limit
         if limit is not None:
-            body["max_tokens"] = limit
-        for key in ("temperature", "top_p", "stop", "seed", "user", "top_k", "repetition_penalty",
-                    "chat_template_kwargs"):
+            # vLLM refuses a max_tokens above its max_model_len outright (and clamps one within it), so a
+            # cap the gateway set for every engine must not turn a short answer into a 400 on a small one.
+            body["max_tokens"] = min(limit, self.config.max_context_tokens)
+        for key in _PASS:
             value = getattr(request, key)
             if value is not None:
                 body[key] = value
+        for key in _PASS_MODELS:
+            value = getattr(request, key)
+            if value is not None:
+                body[key] = value if isinstance(value, str) else value.model_dump(exclude_none=True, by_alias=True)
+        if request.tools is not None:
+            body["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
+        if request.choices > 1:
+            body["n"] = request.choices
         if request.modalities is not None:
             body["modalities"] = list(request.modalities)
         if request.wants_audio and request.audio is not None:
@@ -190,7 +202,7 @@ class OpenAICompatEngine:
             raise EngineUnavailable(text, engine=self.name, retry_after=retry_after)
         if resp.status >= 500:
             raise EngineFailed(text, engine=self.name)
-        raise EngineRejected(text, engine=self.name, upstream_status=resp.status)
+        raise rejection(text, message, engine=self.name, upstream_status=resp.status)
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
         session = self._require_session()
@@ -283,22 +295,107 @@ class OpenAICompatEngine:
     def _choice_delta(
         self, chunk: dict[str, Any], choice: dict[str, Any], usage: dict[str, Any] | None, state: dict[str, Any]
     ) -> Delta | None:
-        """One streamed choice as a Delta (OpenAI's shape: text in ``delta.content``)."""
-        text = (choice.get("delta") or {}).get("content") or ""
+        """One streamed choice as a Delta (OpenAI's shape: text in ``delta.content``, calls in ``tool_calls``)."""
+        delta = choice.get("delta") or {}
+        text = delta.get("content") or ""
         finish = choice.get("finish_reason")
-        if not text and finish is None and not usage:
-            return None
-        return Delta(text=text, finish_reason=finish, usage=_usage(usage) if usage else None)
+        calls = delta.get("tool_calls")
+        reasoning, key = _reasoning(delta)
+        lp = choice.get("logprobs")
+        if not (text or calls or reasoning or lp):
+            if finish is None and not usage:
+                return None
+            return Delta(finish_reason=finish, usage=_usage(usage) if usage else None)
+        return Delta(
+            text=text, finish_reason=finish, usage=_usage(usage) if usage else None,
+            tool_calls=[_call_fragment(c) for c in calls] if calls else None,
+            reasoning=reasoning, reasoning_key=key,
+            logprobs=_logprob_entries(lp),
+        )
 
     def _completion(self, doc: dict[str, Any]) -> Completion:
-        choice = doc["choices"][0]
-        message = choice.get("message") or {}
-        usage = doc.get("usage") or {}
-        return Completion(
-            text=message.get("content") or "",
-            finish_reason=choice.get("finish_reason") or "stop",
-            usage=_usage(usage),
-        )
+        # By index, not position: choices of n > 1 are the client's choices 0..n-1.
+        choices = sorted(doc["choices"], key=lambda c: c.get("index", 0))
+        first, *rest = [_choice_completion(c) for c in choices]
+        first.usage = _usage(doc.get("usage") or {})
+        first.alternatives = rest
+        return first
+
+
+# Sampling fields passed as the client set them; the models below are dumped by their wire names.
+_PASS = ("temperature", "top_p", "stop", "seed", "user", "top_k", "repetition_penalty", "chat_template_kwargs",
+         "parallel_tool_calls", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+         "reasoning_effort")
+_PASS_MODELS = ("tool_choice", "response_format")
+
+# What an engine's 400 says, mapped to the gateway's own words: (pattern in its message, code, param, message).
+# Its text itself never reaches the client (it names the engine's model, limits and internals).
+_REJECTIONS: tuple[tuple[re.Pattern[str], str, str | None, str], ...] = (
+    (re.compile(r"^'?max_(completion_)?tokens", re.I), "context_length_exceeded", "max_tokens",
+     "max_tokens is more than the model's context window leaves for the answer; lower it"),
+    (re.compile(r"context length|model length|max_model_len|too long|maximum context|prompt \(length", re.I),
+     "context_length_exceeded", "messages",
+     "the messages and max_tokens together exceed the model's context window; shorten them"),
+    (re.compile(r"tool.?choice|tool.?call|tools", re.I), "engine_rejected_request", "tools",
+     "the model does not accept these tools or this tool_choice"),
+    (re.compile(r"json.?schema|response.?format|grammar|guided|structured", re.I), "engine_rejected_request",
+     "response_format", "the model does not accept this response_format"),
+    (re.compile(r"logprob", re.I), "engine_rejected_request", "top_logprobs",
+     "the model does not return logprobs as asked"),
+)
+
+
+def rejection(detail: str, engine_message: str, *, engine: str, upstream_status: int) -> EngineRejected:
+    """An engine's 4xx as the gateway's own error: the engine's words go to the log only."""
+    for pattern, code, param, public in _REJECTIONS:
+        if pattern.search(engine_message):
+            return EngineRejected(detail, engine=engine, upstream_status=upstream_status, code=code,
+                                  param=param, public=public)
+    return EngineRejected(detail, engine=engine, upstream_status=upstream_status)
+
+
+def _choice_completion(choice: dict[str, Any]) -> Completion:
+    message = choice.get("message") or {}
+    reasoning, key = _reasoning(message)
+    return Completion(
+        text=message.get("content") or "",
+        finish_reason=choice.get("finish_reason") or "stop",
+        tool_calls=[_whole_call(c) for c in message.get("tool_calls") or ()],
+        reasoning=reasoning, reasoning_key=key,
+        logprobs=_logprob_entries(choice.get("logprobs")),
+    )
+
+
+def _reasoning(part: dict[str, Any]) -> tuple[str, str]:
+    """Reasoning text and the key it came under (vLLM has used both names)."""
+    for key in ("reasoning_content", "reasoning"):
+        value = part.get(key)
+        if value:
+            return value, key
+    return "", "reasoning_content"
+
+
+def _call_fragment(raw: dict[str, Any]) -> dict[str, Any]:
+    """A streamed tool-call fragment, keeping only OpenAI's fields (an engine's extras stay here)."""
+    out: dict[str, Any] = {"index": raw.get("index", 0)}
+    if raw.get("id"):
+        out["id"] = raw["id"]
+        out["type"] = "function"
+    fn = raw.get("function")
+    if isinstance(fn, dict):
+        out["function"] = {k: fn[k] for k in ("name", "arguments") if isinstance(fn.get(k), str)}
+    return out
+
+
+def _whole_call(raw: dict[str, Any]) -> dict[str, Any]:
+    fn = raw.get("function") or {}
+    return {"id": raw.get("id") or "", "type": "function",
+            "function": {"name": fn.get("name") or "", "arguments": fn.get("arguments") or ""}}
+
+
+def _logprob_entries(raw: Any) -> list[dict[str, Any]] | None:
+    content = raw.get("content") if isinstance(raw, dict) else None
+    return content if isinstance(content, list) and content else None
 
 
 def _usage(raw: dict[str, Any]) -> Usage:

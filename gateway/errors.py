@@ -21,6 +21,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     │   ├── MediaURLForbidden           400 media_url_forbidden      (scheme or address the fetcher refuses)
     │   ├── MediaFetchFailed            400 media_fetch_failed       (unreachable, timeout, HTTP error)
     │   ├── ModalBudgetExceeded         400 modal_budget_exceeded
+    │   ├── UnknownField                400 unknown_field            (a request field the gateway does not forward)
     │   └── ContextLengthExceeded       400 context_length_exceeded
     ├── AuthenticationFailed            401 authentication_error
     ├── PermissionDenied                403 permission_error
@@ -36,7 +37,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
         ├── EngineFailed                502 engine_error          (retryable before first byte: its 5xx)
         ├── EngineUnavailable           503 engine_unavailable    (retryable before first byte)
         ├── EngineTimeout               504 engine_timeout        (retryable before first byte)
-        ├── EngineRejected              4xx/502 passed on when the engine refused the request
+        ├── EngineRejected              4xx/502 the engine refused the request (in the gateway's words)
         └── EngineProtocolError         502 engine_protocol_error
 
 ``retryable`` says whether another engine may be tried; that is only allowed while
@@ -154,6 +155,12 @@ class ModalBudgetExceeded(InvalidRequest):
     code = "modal_budget_exceeded"
 
 
+class UnknownField(InvalidRequest):
+    """A request field the gateway does not know (``param`` names where it was); see gateway/fields.py."""
+
+    code = "unknown_field"
+
+
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
@@ -227,15 +234,23 @@ class GroundingFailed(AnswerWithheld):
 
 
 class EngineError(OmnigateError):
-    """An engine failed. ``kind`` is a bounded label for metrics."""
+    """An engine failed. ``kind`` is a bounded label for metrics.
+
+    The first argument is the ``detail`` (the engine's name, its status and its own
+    words): it goes to the log and never to a client. Clients see ``public``, the
+    class's own message or one the adapter mapped the engine's answer to, so no
+    upstream text or engine name can reach them whatever an adapter passes.
+    """
 
     status = 502
     type = "api_error"
     code = "engine_error"
     kind = "error"
+    public = "the model failed to answer; retry the request"
 
-    def __init__(self, message: str, *, engine: str | None = None, **kw: Any) -> None:
-        super().__init__(message, **kw)
+    def __init__(self, detail: str, *, engine: str | None = None, public: str | None = None, **kw: Any) -> None:
+        super().__init__(public or self.public, **kw)
+        self.detail = detail
         self.engine = engine
 
 
@@ -244,6 +259,7 @@ class EngineFailed(EngineError):
 
     kind = "upstream_5xx"
     retryable = True
+    public = "the model failed to answer; retry the request"
 
 
 class EngineUnavailable(EngineError):
@@ -251,6 +267,7 @@ class EngineUnavailable(EngineError):
     code = "engine_unavailable"
     kind = "unavailable"
     retryable = True
+    public = "the model is unavailable at the moment; retry the request"
 
 
 class EngineTimeout(EngineError):
@@ -258,21 +275,24 @@ class EngineTimeout(EngineError):
     code = "engine_timeout"
     kind = "timeout"
     retryable = True
+    public = "the model did not answer in time; retry the request"
 
 
 class EngineRejected(EngineError):
     """The engine refused the request itself (its 4xx); another engine would too."""
 
     kind = "rejected"
+    public = "the model refused the request as invalid"
 
-    def __init__(self, message: str, *, upstream_status: int, **kw: Any) -> None:
-        super().__init__(message, **kw)
+    def __init__(self, detail: str, *, upstream_status: int, code: str | None = None, **kw: Any) -> None:
+        super().__init__(detail, **kw)
         self.status = upstream_status if 400 <= upstream_status < 500 and upstream_status != 429 else 502
         if self.status < 500:
             self.type = "invalid_request_error"
-            self.code = "engine_rejected_request"
+            self.code = code or "engine_rejected_request"
 
 
 class EngineProtocolError(EngineError):
     code = "engine_protocol_error"
     kind = "protocol"
+    public = "the model sent an answer the gateway could not read"

@@ -235,8 +235,6 @@ class Pipeline:
         ctx.stream = request.stream
         ctx.received = request
         self.metrics.in_flight.inc()
-        if request.ignored_fields:
-            log.info("request_fields_ignored", fields=request.ignored_fields)
 
     async def _prepare(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         if self.audit is not None:
@@ -252,7 +250,12 @@ class Pipeline:
             )
         check_speech(request, [e for e in self.pool.engines.values() if request.model in e.config.serves])
         await self.admit(ctx)
-        for policy in self._chain(ctx).pre:
+        chain = self._chain(ctx)
+        if request.choices > 1 and (chain.post or chain.stream):
+            # Post-policies and stream filters judge and retry one answer; n answers would pass unjudged.
+            raise InvalidRequest("n > 1 is not available for this model: its answers are checked one at a time",
+                                 param="n")
+        for policy in chain.pre:
             if getattr(policy.impl, "media_only", False) and not request.input_modalities() - {"text"}:
                 continue  # a media step has nothing to do on a text-only request: not run, not recorded
             request = await self._run_pre(policy, request, ctx)
@@ -319,13 +322,21 @@ class Pipeline:
         if not fitting:
             kinds = ", ".join(sorted(request.input_modalities() - {"text"}))
             raise InvalidRequest(f"the model {request.model!r} does not accept {kinds} input", param="messages")
+        features = request.features()
+        if features:
+            # A field an engine cannot honour is refused, never dropped on the way to it.
+            able = [e for e in fitting if features <= e.capabilities.features]
+            if not able:
+                field = sorted(features - set().union(*(e.capabilities.features for e in fitting)) or features)[0]
+                raise InvalidRequest(f"the model {request.model!r} does not support {field}", param=field)
+            fitting = able
         return fitting
 
     def _engine_failed(self, engine: Engine, exc: EngineError, ctx: RequestContext, more: bool) -> None:
         self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
         if exc.retryable:
             self.pool.report_failure(engine)
-        log.warning("engine_attempt_failed", engine=engine.name, kind=exc.kind, error=exc.message,
+        log.warning("engine_attempt_failed", engine=engine.name, kind=exc.kind, error=exc.detail,
                     failover=exc.retryable and more)
         if exc.retryable and more:
             self.metrics.failovers.labels(engine.name).inc()
@@ -729,10 +740,11 @@ class Pipeline:
                             ctx.upstream_e2e_s = time.perf_counter() - attempt.sent
                         break
                 cut = False
-                if delta.text and cap is not None:
-                    # The engine ignored max_tokens: each streamed text piece carries at least one token,
-                    # so more pieces than the cap means more tokens than the cap. Cut it there.
-                    pieces += 1
+                if cap is not None and (n := delta.output_pieces):
+                    # The engine ignored max_tokens: each streamed piece (text, reasoning, a tool call's
+                    # arguments) carries at least one token, so more pieces than the cap means more tokens
+                    # than the cap. Cut it there.
+                    pieces += n
                     if pieces > cap:
                         ctx.degrade("output-capped")
                         delta = Delta(finish_reason="length")
@@ -757,6 +769,7 @@ class Pipeline:
         except EngineError as exc:
             self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
             self.pool.report_failure(engine)
+            log.warning("engine_stream_failed", engine=engine.name, kind=exc.kind, error=exc.detail)
             raise
         finally:
             await upstream.aclose()
@@ -788,7 +801,7 @@ class Pipeline:
                     elif delta.usage is not None:
                         delta, sent_usage = dataclasses.replace(delta, usage=total), True
                     if delta.text or delta.audio or delta.transcript or delta.finish_reason or delta.usage \
-                            or delta.audio_done:
+                            or delta.audio_done or delta.tool_calls or delta.reasoning:
                         yield delta
                     try:
                         delta = await anext(current.upstream)

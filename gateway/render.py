@@ -65,13 +65,32 @@ class ChunkRenderer:
 
     def render(self, d: Delta) -> bytes:
         out = self._role() if self._first else b""
-        if d.text:
+        if d.tool_calls or d.reasoning or d.logprobs:
+            out += self._rich(d)
+        elif d.text:
             out += self._head + self._text_open + orjson.dumps(d.text) + self._text_close
         if d.audio:
             out += self._audio(d)
         if d.finish_reason is not None:
             self._finish = d.finish_reason
         return out
+
+    def _rich(self, d: Delta) -> bytes:
+        """A chunk carrying tool calls, reasoning or logprobs, in OpenAI's (and vLLM's) shape."""
+        delta: dict[str, Any] = {}
+        if d.reasoning:
+            delta[d.reasoning_key] = d.reasoning
+        if d.text:
+            if self._speech:
+                delta["audio"] = {"id": self._audio_id, "transcript": d.text}
+            else:
+                delta["content"] = d.text
+        if d.tool_calls:
+            delta["tool_calls"] = d.tool_calls
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+        if d.logprobs:
+            choice["logprobs"] = {"content": d.logprobs}
+        return self._head + orjson.dumps([choice]) + b"}\n\n"
 
     def _audio(self, d: Delta) -> bytes:
         pcm = d.audio
@@ -105,10 +124,23 @@ class ChunkRenderer:
         return out + DONE
 
 
+def _text_choice(index: int, completion: Completion) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+    if completion.tool_calls:
+        message["tool_calls"] = completion.tool_calls
+        if not completion.text:
+            message["content"] = None
+    if completion.reasoning:
+        message[completion.reasoning_key] = completion.reasoning
+    return {"index": index, "message": message, "finish_reason": completion.finish_reason,
+            "logprobs": {"content": completion.logprobs} if completion.logprobs else None}
+
+
 def completion_body(
     request: ChatCompletionRequest, completion: Completion, ctx: RequestContext, completion_id: str
 ) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+    first = _text_choice(0, completion)
+    message = first["message"]
     if request.wants_audio and completion.audio:
         fmt = request.audio.format if request.audio is not None else "wav"
         data = audio_codec.encode(completion.audio, completion.sample_rate, completion.channels, fmt)
@@ -123,7 +155,7 @@ def completion_body(
         "object": "chat.completion",
         "created": int(time.time()),
         "model": request.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}],
+        "choices": [first, *(_text_choice(i, alt) for i, alt in enumerate(completion.alternatives, start=1))],
         "usage": completion.usage.to_dict(),
     }
     if request.wants_audio:

@@ -1,22 +1,29 @@
 """Typed wire models for OpenAI chat completions as clients send them.
 
-Only the fields listed here ever reach an engine. Unknown top-level fields are
-kept aside (``ignored_fields``) so they can be logged, and are never forwarded;
-there is no field through which a client could set an engine's URL, key or
-headers.
+Only the fields listed here ever reach an engine: the allow-list is OpenAI's
+chat-completions request as vLLM accepts it (tools, structured output, logprobs,
+penalties, ...) plus vLLM's sampling extras. Every model forbids unknown fields,
+so one can never be carried along unnoticed: :mod:`gateway.fields` refuses the
+request naming it, or (``unknown_fields: drop``) drops it and says so. There is
+no field through which a client could set an engine's URL, key or headers, and
+``chat_template_kwargs`` takes only the keys in :data:`CHAT_TEMPLATE_KWARGS`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 AudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
 
 
-class _Part(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+class _Wire(BaseModel):
+    # Unknown fields are refused or dropped visibly (gateway/fields.py), never carried silently.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_Part = _Wire  # content parts
 
 
 class URLRef(_Part):
@@ -69,18 +76,42 @@ PART_MODALITY: dict[str, str] = {
 }
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+class FunctionCall(_Wire):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    arguments: Annotated[str, Field(max_length=1_000_000)]
 
+
+class ToolCall(_Wire):
+    """A call the assistant made, as a client sends it back in the conversation."""
+
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
+    #: assistant turns: the calls it made; tool turns: the call answered
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> "Message":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for role {self.role!r}")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only for assistant messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool messages need the tool_call_id they answer")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id is only for tool messages")
         return self
+
+    def wire(self) -> dict[str, Any]:
+        """The message as an engine receives it (known fields only, by construction)."""
+        return self.model_dump(exclude_none=True)
 
     def text(self) -> str:
         """The message's text, parts joined with newlines."""
@@ -98,23 +129,81 @@ class Message(BaseModel):
         return list(self.content)
 
 
-class AudioRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
+class AudioRequest(_Wire):
     voice: Annotated[str, Field(min_length=1, max_length=64)] = "Chelsie"
     format: AudioFormat = "wav"
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
+class StreamOptions(_Wire):
     include_usage: bool = False
+    # Accepted as OpenAI defines it; the gateway always asks its engines for usage itself.
+    continuous_usage_stats: bool | None = None
+
+
+_TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class FunctionDefinition(_Wire):
+    name: Annotated[str, Field(pattern=_TOOL_NAME)]
+    description: Annotated[str, Field(max_length=100_000)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Wire):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _NamedFunction(_Wire):
+    name: Annotated[str, Field(pattern=_TOOL_NAME)]
+
+
+class NamedToolChoice(_Wire):
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+class JSONSchemaFormat(_Wire):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute; the wire name is kept through the alias.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Wire):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError("json_schema is only for type 'json_schema'")
+        return self
+
+
+#: chat_template_kwargs keys a client may set: switches the model's chat templates document for thinking
+#: (Qwen3's ``enable_thinking``, DeepSeek-V3.1's and Granite's ``thinking``). Anything else (a whole
+#: ``chat_template``, ``tools``, ``documents``, template internals) would let a client rewrite the prompt
+#: the engine builds around its messages.
+CHAT_TEMPLATE_KWARGS: frozenset[str] = frozenset({"enable_thinking", "thinking"})
+
+#: the request fields that only an engine speaking OpenAI's full surface can honour (engines/base.py)
+FEATURE_FIELDS: tuple[str, ...] = (
+    "tools", "tool_choice", "parallel_tool_calls", "response_format", "logprobs", "top_logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias", "reasoning_effort",
+)
 
 
 class ChatCompletionRequest(BaseModel):
     """A chat completion request as the gateway accepts it."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: Annotated[str, Field(min_length=1, max_length=256)]
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -129,11 +218,52 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=8)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                               Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=1024)] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM extras, allow-listed
     top_k: Annotated[int, Field(ge=-1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    chat_template_kwargs: dict[str, bool | int | float | str] | None = None
+    chat_template_kwargs: dict[str, bool] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v > 1 and info.data.get("stream"):
+            raise ValueError("n > 1 is served for non-streamed requests only (stream: false)")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_allowed(cls, v: dict[str, bool] | None) -> dict[str, bool] | None:
+        for key in v or {}:
+            if key not in CHAT_TEMPLATE_KWARGS:
+                raise ValueError(
+                    f"the key {key!r} is not accepted; allowed: {', '.join(sorted(CHAT_TEMPLATE_KWARGS))}"
+                )
+        return v
+
+    @model_validator(mode="after")
+    def _tools_consistent(self) -> "ChatCompletionRequest":
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or ()}
+            if self.tool_choice.function.name not in names:
+                raise ValueError("tool_choice names a function that is not in tools")
+        if self.tool_choice in ("required",) and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -148,9 +278,17 @@ class ChatCompletionRequest(BaseModel):
             object.__setattr__(self, "audio", AudioRequest())
         return self
 
+    def features(self) -> set[str]:
+        """The fields of :data:`FEATURE_FIELDS` this request sets (an engine must honour each or refuse)."""
+        found = {f for f in FEATURE_FIELDS if getattr(self, f) is not None}
+        if self.choices > 1:
+            found.add("n")
+        return found
+
     @property
-    def ignored_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
+    def choices(self) -> int:
+        """How many answers the client asked for (``n``)."""
+        return self.n or 1
 
     @property
     def wants_audio(self) -> bool:

@@ -266,6 +266,19 @@ class TenantConfig(_Strict):
     audit_content: Literal["digests", "redacted", "raw"] = Field(
         default="digests", description="what the audit keeps of prompts and output besides digests"
     )
+    unknown_fields: Literal["refuse", "drop"] | None = Field(
+        default=None, description="request fields the gateway does not know; unset: requests.unknown_fields"
+    )
+
+
+class RequestSettings(_Strict):
+    """How request bodies are read."""
+
+    unknown_fields: Literal["refuse", "drop"] = Field(
+        default="refuse",
+        description="a field the gateway does not forward: refuse the request (400 naming it) or drop it "
+        "and name it in x-omnigate-dropped-fields",
+    )
 
 
 class ApiKeyConfig(_Strict):
@@ -502,6 +515,7 @@ class Settings(BaseSettings):
     )
 
     server: ServerSettings = ServerSettings()
+    requests: RequestSettings = RequestSettings()
     engines: Annotated[list[EngineConfig], Field(min_length=1)] = Field(default_factory=_default_engines)
     policies: PolicyChainConfig = PolicyChainConfig()
     logging: LoggingSettings = LoggingSettings()

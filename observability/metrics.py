@@ -237,7 +237,8 @@ class Metrics:
         )
         self.grounding_verdicts = Counter(
             "omnigate_grounding_verdicts_total",
-            "Grounding verdicts per attempt: pass, fail; and per request: served_low, refused, terminated",
+            "Grounding verdicts per attempt: pass, fail, skipped (a turn that only calls tools); "
+            "and per request: served_low, refused, terminated",
             ["mode", "verdict"],
             registry=r,
         )

@@ -35,6 +35,7 @@ Fault = Literal[
     "malformed_json",
     "error_mid_stream",
     "drip",
+    "400_before_headers",
 ]
 _FLAVOURS = frozenset(get_args(Flavour))
 _FAULTS = frozenset(get_args(Fault))
@@ -84,6 +85,14 @@ class Script:
     omni_choices: Literal["merged", "split", "split_audio_first"] = "merged"
     # A source version's bare {"delta": {}, "finish_reason": "stop"} closing chunk without a modality.
     omni_bare_finish: bool = False
+    # vLLM flavour: tool calls to answer with ({"name", "arguments"} each; arguments streamed in pieces
+    # of `tool_chunk_chars`, finish_reason "tool_calls"), reasoning text sent before the answer under
+    # `reasoning_key` (vLLM has used "reasoning_content" and "reasoning"), and logprobs on every text
+    # piece whenever the request asks for them, as vLLM sends them.
+    tool_calls: list[dict] | None = None
+    tool_chunk_chars: int = 8
+    reasoning: str | None = None
+    reasoning_key: str = "reasoning_content"
 
     def __post_init__(self) -> None:
         if self.flavour not in _FLAVOURS:
@@ -222,6 +231,19 @@ def _file_audio_deltas(
     return _encode_pieces(tuple(pcm[i : i + step] for i in range(0, len(pcm), step)), rate, mode, metadata)
 
 
+def _logprobs(piece: str, top: int | None) -> list[dict]:
+    """vLLM's logprobs entries for one streamed piece (one token per piece), deterministic per text."""
+    if top is None:
+        return []
+    lp = -round((sum(piece.encode()) % 97) / 97 * 3, 4)
+    entry: dict[str, Any] = {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+    entry["top_logprobs"] = [
+        {"token": piece if k == 0 else f"{piece}~{k}", "logprob": lp - k, "bytes": list(piece.encode())}
+        for k in range(top)
+    ]
+    return [entry]
+
+
 # --- the server -----------------------------------------------------------------------------------------
 
 
@@ -249,6 +271,24 @@ class _Plan:
     n_audio: int
     audio_mode: str = "every"  # see _encode_pieces
     text_wanted: bool = True
+    logprobs: int | None = None  # top_logprobs asked for (0 included); None: no logprobs
+    n: int = 1  # answers asked for (non-streamed vLLM flavour)
+
+    @property
+    def rich(self) -> bool:
+        s = self.script
+        return s.flavour == "vllm" and bool(s.tool_calls or s.reasoning or self.logprobs is not None)
+
+    def tool_pieces(self) -> list[tuple[int, str, str, list[str]]]:
+        """(index, id, name, argument pieces) of each scripted tool call."""
+        s = self.script
+        out = []
+        for i, call in enumerate(s.tool_calls or ()):
+            args = call.get("arguments", "")
+            step = max(1, s.tool_chunk_chars)
+            out.append((i, f"chatcmpl-tool-{self.rid}-{i}", call["name"],
+                        [args[k:k + step] for k in range(0, len(args), step)] or [""]))
+        return out
 
     def chunk_head(self) -> bytes:
         """A chunk's JSON up to and including `"choices":`, shared by every chunk of the stream."""
@@ -492,6 +532,20 @@ class ScriptedUpstream:
                 else _error_body("scripted upstream failure", "InternalServerError", 500),
                 content_type="application/json",
             )
+        if fault == "400_before_headers":
+            # What vLLM answers a prompt longer than its context, even for a stream: a JSON 400.
+            self.errors += 1
+            state.finished = True
+            return web.Response(
+                status=400,
+                body=orjson.dumps(script.status_body)
+                if script.status_body is not None
+                else _error_body(
+                    "This model's maximum context length is 2048 tokens. However, you requested 4109 tokens "
+                    "(4000 in the messages, 109 in the completion). Please reduce the length of the messages "
+                    "or completion.", "BadRequestError", 400),
+                content_type="application/json",
+            )
         if fault == "503_retry_after":
             self.errors += 1
             state.finished = True
@@ -532,10 +586,12 @@ class ScriptedUpstream:
             created=int(time.time()),
             model=model,
             pieces=pieces,
-            text_finish=text_finish,
+            text_finish="tool_calls" if script.tool_calls else text_finish,
             n_audio=script.n_audio_chunks if want_audio else 0,
             audio_mode=audio_mode,
             text_wanted=not isinstance(modalities, list) or "text" in modalities,
+            logprobs=(body.get("top_logprobs") or 0) if body.get("logprobs") else None,
+            n=body["n"] if isinstance(body.get("n"), int) and script.flavour == "vllm" else 1,
         )
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -543,7 +599,36 @@ class ScriptedUpstream:
         return await self._complete(request, state, plan)
 
     @staticmethod
+    def _rich_frames(plan: _Plan) -> list[bytes]:
+        """vLLM's stream with reasoning, tool calls or logprobs, one JSON document per frame."""
+        script = plan.script
+        head = plan.chunk_head()
+
+        def frame(delta: dict, finish: str | None = None, logprobs: list | None = None) -> bytes:
+            choice = {"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                      "finish_reason": finish}
+            return head + orjson.dumps([choice]) + b"}\n\n"
+
+        frames = [frame({"role": "assistant", "content": ""})]
+        if script.reasoning:
+            frames += [frame({script.reasoning_key: p}) for p in _text_pieces(script.reasoning, 1)]
+        for piece in plan.pieces:
+            frames.append(frame({"content": piece}, logprobs=_logprobs(piece, plan.logprobs)))
+        for index, call_id, name, args in plan.tool_pieces():
+            frames.append(frame({"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                                 "function": {"name": name, "arguments": ""}}]}))
+            frames += [frame({"tool_calls": [{"index": index, "function": {"arguments": a}}]}) for a in args]
+        frames.append(frame({"content": ""}, finish=plan.text_finish))
+        return frames
+
+    def _completion_tokens(self, plan: _Plan) -> int:
+        return len(plan.pieces) + sum(len(a) for *_, a in plan.tool_pieces()) + (
+            len(_text_pieces(plan.script.reasoning, 1)) if plan.script.reasoning else 0)
+
+    @staticmethod
     def _frames(plan: _Plan) -> list[bytes]:
+        if plan.rich:
+            return ScriptedUpstream._rich_frames(plan)
         script = plan.script
         omni = script.flavour == "omni"
         head = plan.chunk_head() + b'[{"index":0,"delta":'
@@ -591,7 +676,7 @@ class ScriptedUpstream:
         frames = self._frames(plan)
         tail = b""
         if include_usage:
-            n = len(plan.pieces)
+            n = self._completion_tokens(plan)
             usage = {"prompt_tokens": script.prompt_tokens, "completion_tokens": n,
                      "total_tokens": script.prompt_tokens + n}  # fmt: skip
             # vLLM-Omni's usage chunk is the one chunk without a modality; it counts text tokens only.
@@ -676,15 +761,28 @@ class ScriptedUpstream:
             self.completed += 1
             return web.Response(body=b"{not json", content_type="application/json")
 
-        n = len(plan.pieces)
+        n = self._completion_tokens(plan)
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(plan.pieces), "tool_calls": []}
+        if plan.rich:
+            message["tool_calls"] = [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": "".join(args)}}
+                for _, call_id, name, args in plan.tool_pieces()
+            ]
+            if script.tool_calls and not plan.pieces:
+                message["content"] = None
+            if script.reasoning:
+                message[script.reasoning_key] = script.reasoning
+        logprobs = None
+        if plan.logprobs is not None:
+            logprobs = {"content": [e for p in plan.pieces for e in _logprobs(p, plan.logprobs)]}
         choices: list[dict[str, Any]] = [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(plan.pieces), "tool_calls": []},
-                "logprobs": None,
-                "finish_reason": plan.text_finish,
-            }
+            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": plan.text_finish}
         ]
+        # vLLM answers n > 1 with one choice per index; here each further one is the text marked " [i]",
+        # listed last index first: a client must read `index`, not the position.
+        for i in range(plan.n - 1, 0, -1):
+            alt = {**message, "content": (message["content"] or "") + f" [{i}]"}
+            choices.append({"index": i, "message": alt, "logprobs": None, "finish_reason": plan.text_finish})
         if plan.n_audio:
             if script.audio_wav is not None:
                 pcm, rate = _wav_file(script.audio_wav)

@@ -23,6 +23,7 @@ from gateway.api.auth import authenticate
 from gateway.auth_failures import TooManyAuthFailures
 from gateway.context import RequestContext
 from gateway.errors import InvalidRequest, OmnigateError, PayloadTooLarge, RequestTimeout
+from gateway.fields import DROPPED_HEADER, UnknownFields, parse_request
 from gateway.pipeline import ResponseStream
 from gateway.render import ChunkRenderer, completion_body, error_frame
 from gateway.schemas import ChatCompletionRequest
@@ -99,7 +100,8 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
-def _parse(body: bytes) -> ChatCompletionRequest:
+def _parse(body: bytes, mode: UnknownFields = "refuse", dropped: list[str] | None = None) -> ChatCompletionRequest:
+    """The request in ``body``; fields dropped under ``mode`` ``drop`` are appended to ``dropped``."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -107,9 +109,23 @@ def _parse(body: bytes) -> ChatCompletionRequest:
     if not isinstance(doc, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
-        return ChatCompletionRequest.model_validate(doc)
+        chat, gone = parse_request(doc, mode)
     except ValidationError as exc:
         raise validation_to_error(exc.errors()) from None
+    if dropped is not None:
+        dropped.extend(gone)
+    return chat
+
+
+def _parse_for(body: bytes, ctx: RequestContext, services: Services) -> ChatCompletionRequest:
+    tenant = ctx.tenant_config
+    mode = (tenant.unknown_fields if tenant is not None else None) or services.settings.requests.unknown_fields
+    dropped: list[str] = []
+    chat = _parse(body, mode, dropped)
+    if dropped:
+        ctx.response_headers[DROPPED_HEADER] = ",".join(dropped)
+        log.info("request_fields_dropped", fields=dropped)
+    return chat
 
 
 def _headers(ctx: RequestContext) -> dict[str, str]:
@@ -139,7 +155,7 @@ async def chat_completions(request: Request) -> Response:
         server = services.settings.server
         body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
         ctx.body_bytes = len(body)
-        chat = _parse(body)
+        chat = _parse_for(body, ctx, services)
         del body  # a request carrying media would otherwise hold its raw body until it ends
     except OmnigateError as exc:
         await services.pipeline.refused(ctx, exc)

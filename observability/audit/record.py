@@ -6,7 +6,8 @@ serialising happen in the audit writer's worker thread.
 
 Digests are SHA-256 of each input part as the client sent it (the text; the URL
 or ``data:`` URI; the base64 of ``input_audio``) and of the output released to
-the client: its text, its 16-bit PCM audio and its spoken transcript.
+the client: its text, its 16-bit PCM audio, its spoken transcript, its tool calls
+(each call's name and arguments, in the order released) and its reasoning text.
 """
 
 from __future__ import annotations
@@ -26,13 +27,18 @@ if TYPE_CHECKING:
 class OutputDigest:
     """A running digest of what a stream released; fed once per released delta (a few microseconds)."""
 
-    __slots__ = ("_text", "_audio", "_transcript", "text_chars", "audio_bytes", "keep", "kept")
+    __slots__ = ("_text", "_audio", "_transcript", "_tools", "_reasoning", "text_chars", "audio_bytes",
+                 "tool_call_chars", "reasoning_chars", "keep", "kept")
 
     def __init__(self, keep_text: bool = False) -> None:
         self._text = hashlib.sha256()
         self._audio = hashlib.sha256()
         self._transcript = hashlib.sha256()
+        self._tools = hashlib.sha256()
+        self._reasoning = hashlib.sha256()
         self.text_chars = 0
+        self.tool_call_chars = 0
+        self.reasoning_chars = 0
         self.audio_bytes = 0
         self.keep = keep_text
         self.kept: list[str] = []
@@ -48,21 +54,42 @@ class OutputDigest:
             self.audio_bytes += len(d.audio)
         if d.transcript:
             self._transcript.update(d.transcript.encode())
+        if d.tool_calls:
+            # Streamed and whole calls digest alike: only names and argument text, in order.
+            for call in d.tool_calls:
+                fn = call.get("function") or {}
+                piece = (fn.get("name") or "") + (fn.get("arguments") or "")
+                if piece:
+                    self._tools.update(piece.encode())
+                    self.tool_call_chars += len(piece)
+        if d.reasoning:
+            self._reasoning.update(d.reasoning.encode())
+            self.reasoning_chars += len(d.reasoning)
 
     @classmethod
     def of(cls, completion: "Completion", keep_text: bool = False) -> "OutputDigest":
         from engines.base import Delta
 
         out = cls(keep_text)
-        out.add(Delta(text=completion.text, audio=completion.audio, transcript=completion.transcript))
+        for c in (completion, *completion.alternatives):  # every choice of n > 1 was released
+            out.add(Delta(text=c.text, audio=c.audio, transcript=c.transcript,
+                          tool_calls=c.tool_calls or None, reasoning=c.reasoning))
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "text_sha256": self._text.hexdigest(), "text_chars": self.text_chars,
             "audio_sha256": self._audio.hexdigest(), "audio_bytes": self.audio_bytes,
             "transcript_sha256": self._transcript.hexdigest(),
         }
+        # Present only when the answer had them, so records of plain answers keep their shape.
+        if self.tool_call_chars:
+            out["tool_calls_sha256"] = self._tools.hexdigest()
+            out["tool_call_chars"] = self.tool_call_chars
+        if self.reasoning_chars:
+            out["reasoning_sha256"] = self._reasoning.hexdigest()
+            out["reasoning_chars"] = self.reasoning_chars
+        return out
 
     def text(self) -> str:
         return "".join(self.kept)
@@ -145,7 +172,14 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
     }
     req = snap.received
     if req is not None:
-        payload["input"] = [_part_digest(m.role, p) for m in req.messages for p in m.parts()]
+        inputs: list[dict[str, Any]] = []
+        for m in req.messages:
+            inputs.extend(_part_digest(m.role, p) for p in m.parts())
+            for call in m.tool_calls or ():
+                # The calls an assistant turn made are input too (a client can rewrite them).
+                raw = call.function.name + call.function.arguments
+                inputs.append({"role": m.role, "type": "tool_call", "sha256": _sha(raw), "chars": len(raw)})
+        payload["input"] = inputs
     output = snap.output
     if output is None and snap.completion is not None:
         output = OutputDigest.of(snap.completion, keep_text=ctx.audit_content != "digests")

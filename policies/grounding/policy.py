@@ -130,6 +130,13 @@ class _Check:
         self.attempt = ctx.retries + 1
         self.premise = policy.premise(request, ctx)
         self._text: list[str] = []  # the answer so far (joined once, at the end)
+        self._calls = False  # the answer calls tools
+
+    def _tool_turn(self) -> Verdict | None:
+        """A turn that only calls tools states nothing to ground: served unscored (its arguments are no claims)."""
+        if self._calls and not "".join(self._text).strip():
+            return self.policy.tool_turn(self.mode, self.attempt)
+        return None
 
     # -- verdict helpers --------------------------------------------------
     def _notes(self, j: Judgement, verdict: str) -> dict[str, Any]:
@@ -177,11 +184,12 @@ class HoldCheck(_Check):
         if self._since is None:
             self._since = time.perf_counter()
         self._text.append(delta.text or delta.transcript)
+        self._calls = self._calls or bool(delta.tool_calls)
         self._held.append(delta)
         return []
 
     async def finish(self) -> Verdict:
-        return self._verdict(await self.judge_text("".join(self._text)))
+        return self._tool_turn() or self._verdict(await self.judge_text("".join(self._text)))
 
     def release(self) -> list[Delta]:
         out, self._held = self._held, []
@@ -194,9 +202,13 @@ class PassthroughCheck(_Check):
 
     async def feed(self, delta: Delta) -> list[Delta]:
         self._text.append(delta.text or delta.transcript)
+        self._calls = self._calls or bool(delta.tool_calls)
         return [delta]
 
     async def finish(self) -> Verdict:
+        skipped = self._tool_turn()
+        if skipped is not None:
+            return skipped
         j = await self.judge_text("".join(self._text))
         ok = self._judged(j)
         notes = self._notes(j, "pass" if ok else "fail")
@@ -222,6 +234,7 @@ class WindowCheck(_Check):
         self._judgement = Judgement.of(())
         self._failed: Judgement | None = None  # last attempt, flagged: hold the rest, serve it whole
         self._tail: list[Delta] = []  # the sentences judged at the end, released with the rest
+        self._logprobs: list[dict[str, Any]] = []  # of the pending text, released with it
 
     async def feed(self, delta: Delta) -> list[Delta]:
         text = delta.text or delta.transcript
@@ -229,6 +242,13 @@ class WindowCheck(_Check):
             if self._pending_since is None:
                 self._pending_since = time.perf_counter()
             self._pending += text
+            if delta.logprobs:
+                self._logprobs.extend(delta.logprobs)
+        if delta.tool_calls or delta.reasoning:
+            # Not text to judge, still the answer: released in order at the end, never dropped.
+            self._calls = self._calls or bool(delta.tool_calls)
+            self._meta.append(Delta(tool_calls=delta.tool_calls, reasoning=delta.reasoning,
+                                    reasoning_key=delta.reasoning_key))
         if delta.audio:
             self._speech.hold(delta)
         elif delta.finish_reason is not None or delta.usage is not None:
@@ -261,6 +281,7 @@ class WindowCheck(_Check):
             return []
         self._judged(j)
         out = [Delta(text=s) for s in ready]
+        self._attach_logprobs(out)
         n = sum(len(s) for s in ready)
         self._pending = self._pending[n:]
         self._passed_chars += n
@@ -283,8 +304,16 @@ class WindowCheck(_Check):
             raise Halt(Reject(self.policy.refusal(whole)))
         self._failed = whole  # the last attempt, to be served flagged: hold the rest until the end
 
+    def _attach_logprobs(self, out: list[Delta]) -> None:
+        if out and self._logprobs:
+            out[0].logprobs, self._logprobs = self._logprobs, []
+
     async def finish(self) -> Verdict:
         self._text_done = True
+        if not self._pending.strip() and not self._passed_chars:
+            skipped = self._tool_turn()
+            if skipped is not None:
+                return skipped
         if self._failed is not None:
             return self.policy.retry(self.request, self._failed, self._notes(self._failed, "low"))
         try:
@@ -300,6 +329,7 @@ class WindowCheck(_Check):
 
     def release(self) -> list[Delta]:
         out: list[Delta] = self._tail + ([Delta(text=self._pending)] if self._pending else [])
+        self._attach_logprobs(out)
         self._tail, self._pending = [], ""
         self._holdback(self._pending_since)
         audio, since = self._speech.drain()
@@ -359,7 +389,15 @@ class Grounding:
         self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext
     ) -> Verdict:
         check = HoldCheck(self, request, ctx)  # a whole answer is judged as a held one
-        return check._verdict(await check.judge_text(completion.text or completion.transcript))
+        text = completion.text or completion.transcript
+        if completion.tool_calls and not text.strip():
+            return self.tool_turn("hold", check.attempt)
+        return check._verdict(await check.judge_text(text))
+
+    def tool_turn(self, mode: str, attempt: int) -> Accept:
+        self.metrics.grounding_verdicts.labels(mode, "skipped").inc()
+        return Accept(notes={"grounding": {"mode": mode, "verdict": "skipped", "reason": "tool_calls",
+                                           "attempt": attempt}})
 
     # -- pieces the checks share ---------------------------------------------
     def premise(self, request: ChatCompletionRequest, ctx: RequestContext) -> Premise:

@@ -202,11 +202,19 @@ def test_sdk_raises_on_mid_stream_error(client, ups):
 
 
 def test_unknown_fields_are_not_forwarded(client, ups):
+    # A field the gateway does not forward is refused by name (tests/contract/test_chat_surface.py has
+    # the `drop` setting); nothing reaches the engine.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=TEXT_MODEL, messages=_user(),
+            extra_body={"api_base": "http://169.254.169.254", "base_url": "http://evil", "headers": {"x": "y"}},
+        )
+    assert err.value.body["param"] == "api_base" and err.value.body["code"] == "unknown_field"
+    assert ups.vllm.request_count == 0
     client.chat.completions.create(
         model=TEXT_MODEL,
         messages=_user(),
-        extra_body={"api_base": "http://169.254.169.254", "base_url": "http://evil", "headers": {"x": "y"},
-                    "top_k": 5, "chat_template_kwargs": {"enable_thinking": False}},
+        extra_body={"top_k": 5, "chat_template_kwargs": {"enable_thinking": False}},
         temperature=0.2,
     )
     sent = ups.vllm.requests[-1]

@@ -135,10 +135,15 @@ valid_part = st.one_of(
     st.fixed_dictionaries({"type": st.just("audio_url"), "audio_url": st.fixed_dictionaries({"url": url})}),
     st.fixed_dictionaries({"type": st.just("video_url"), "video_url": st.fixed_dictionaries({"url": url})}),
 )
-valid_message = st.fixed_dictionaries({
-    "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
-    "content": st.one_of(st.text(max_size=50), st.lists(valid_part, min_size=1, max_size=3)),
-})
+_content = st.one_of(st.text(max_size=50), st.lists(valid_part, min_size=1, max_size=3))
+valid_message = st.one_of(
+    st.fixed_dictionaries({
+        "role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": _content,
+    }),
+    # A tool message answers a call, as OpenAI requires.
+    st.fixed_dictionaries({"role": st.just("tool"), "content": _content,
+                           "tool_call_id": st.text(min_size=1, max_size=20)}),
+)
 valid_doc = st.fixed_dictionaries(
     {"model": st.text(min_size=1, max_size=30), "messages": st.lists(valid_message, min_size=1, max_size=4)},
     optional={

@@ -75,7 +75,7 @@ def test_body_over_transport_limit_refused_before_reading(gateway, ups):
         (b'{"model": "text-model", "messages": [{"role": "user", "content": [{"type": "bogus"}]}]}',
          "messages.0.content.0"),
         (b'{"model": "text-model", "messages": [{"role": "user", "content": "x"}], "temperature": 9}', "temperature"),
-        (b'{"model": "text-model", "messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+        (b'{"model": "text-model", "messages": [{"role": "user", "content": "x"}], "n": 9}', "n"),
         (b'{"model": "text-model", "messages": [{"role": "user", "content": "x"}], "modalities": ["smell"]}',
          "modalities.0"),
     ],

@@ -31,7 +31,7 @@ def test_premise_is_system_user_and_tool_text_not_assistant_turns():
         {"role": "user", "content": [{"type": "text", "text": "Doc: Oslo is the capital of Norway."},
                                      {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
         {"role": "assistant", "content": "Bergen is the capital."},
-        {"role": "tool", "content": "Norway has 5.5 million people."},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Norway has 5.5 million people."},
         {"role": "user", "content": "And its population?"},
     ])
     p = premise_of(req, transcripts=["The caller said it was snowing."], exclude=["You are helpful."])

@@ -1,0 +1,35 @@
+// One chat-completions call with the official openai-node SDK, its outcome as JSON on stdout.
+// Usage: node contract.mjs '{"base_url": ..., "mode": "create"|"stream"|"helper", "request": {...}}'
+// mode "stream" iterates the raw chunks; "helper" lets the SDK reassemble the stream
+// (chat.completions.stream(...).finalChatCompletion()). An API error is reported, not thrown.
+import OpenAI from "openai";
+
+const job = JSON.parse(process.argv[2]);
+const client = new OpenAI({ baseURL: job.base_url, apiKey: job.api_key ?? "unused", maxRetries: 0, timeout: 180000 });
+
+async function run() {
+  if (job.mode === "create") {
+    return { completion: await client.chat.completions.create(job.request) };
+  }
+  if (job.mode === "stream") {
+    const stream = await client.chat.completions.create({ ...job.request, stream: true });
+    const chunks = [];
+    for await (const chunk of stream) chunks.push(chunk);
+    return { chunks };
+  }
+  if (job.mode === "helper") {
+    const runner = client.chat.completions.stream({ ...job.request, stream: true });
+    return { completion: await runner.finalChatCompletion() };
+  }
+  throw new Error(`unknown mode ${job.mode}`);
+}
+
+try {
+  process.stdout.write(JSON.stringify(await run()));
+} catch (err) {
+  if (err instanceof OpenAI.APIError) {
+    process.stdout.write(JSON.stringify({ error: { status: err.status ?? null, body: err.error ?? null } }));
+  } else {
+    throw err;
+  }
+}

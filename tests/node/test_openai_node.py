@@ -1,0 +1,83 @@
+"""The contract suite with the official openai-node SDK: a real uvicorn gateway, the scripted vLLM over real
+sockets, node scripts driven from here (tests/node/sdk.py). tests/realvllm/test_node.py runs it against a real
+vLLM."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.conftest import TEXT_MODEL
+from tests.node import sdk
+from tests.upstream import Script
+
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")]
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture
+def url(gateway) -> str:
+    return gateway.url + "/v1"
+
+
+def test_streaming_with_usage(url, ups):
+    ups.vllm.default = Script(text="One two three four.")
+    got = sdk.call(url, "stream", {"model": TEXT_MODEL, "messages": USER, "stream_options": {"include_usage": True}})
+    text, finish, usage = sdk.stream_text(got["chunks"])
+    assert text == "One two three four." and finish == "stop"
+    assert usage["completion_tokens"] == 4 and usage["total_tokens"] == usage["prompt_tokens"] + 4
+
+
+def test_non_streaming(url, ups):
+    ups.vllm.default = Script(text="Plain answer.")
+    got = sdk.call(url, "create", {"model": TEXT_MODEL, "messages": USER, "max_tokens": 1})
+    choice = got["completion"]["choices"][0]
+    assert choice["message"]["content"] == "Plain " and choice["finish_reason"] == "length"
+
+
+def test_streamed_tool_calls_reassembled_by_the_node_sdk(url, ups):
+    args = '{"city": "Paris"}'
+    ups.vllm.default = Script(text="", tool_calls=[{"name": "get_weather", "arguments": args}], tool_chunk_chars=3)
+    got = sdk.call(url, "helper", {"model": TEXT_MODEL, "messages": USER, "tools": [WEATHER]})
+    choice = got["completion"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": args}
+    assert ups.vllm.requests[-1]["tools"] == [WEATHER]
+
+
+def test_non_streamed_tool_calls_and_a_tool_result_turn(url, ups):
+    ups.vllm.default = Script(text="", tool_calls=[{"name": "get_weather", "arguments": "{}"}])
+    got = sdk.call(url, "create", {"model": TEXT_MODEL, "messages": USER, "tools": [WEATHER],
+                                   "tool_choice": "required"})
+    call = got["completion"]["choices"][0]["message"]["tool_calls"][0]
+    ups.vllm.default = Script(text="It is 18 degrees.")
+    follow = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+              {"role": "tool", "tool_call_id": call["id"], "content": "18"}]
+    got = sdk.call(url, "create", {"model": TEXT_MODEL, "messages": follow, "tools": [WEATHER]})
+    assert got["completion"]["choices"][0]["message"]["content"] == "It is 18 degrees."
+    assert ups.vllm.requests[-1]["messages"][2] == {"role": "tool", "tool_call_id": call["id"], "content": "18"}
+
+
+def test_response_format(url, ups):
+    ups.vllm.default = Script(text='{"city": "Paris"}')
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": {"type": "object"}}}
+    got = sdk.call(url, "create", {"model": TEXT_MODEL, "messages": USER, "response_format": fmt})
+    assert got["completion"]["choices"][0]["message"]["content"] == '{"city": "Paris"}'
+    assert ups.vllm.requests[-1]["response_format"] == fmt
+
+
+def test_errors_reach_the_node_sdk_in_openai_shape(url, ups):
+    got = sdk.call(url, "create", {"model": TEXT_MODEL, "messages": USER, "functions": [{"name": "f"}]})
+    assert got["error"]["status"] == 400
+    assert got["error"]["body"]["param"] == "functions" and got["error"]["body"]["code"] == "unknown_field"
+    ups.vllm.default = Script(fault="400_before_headers")
+    got = sdk.call(url, "stream", {"model": TEXT_MODEL, "messages": USER})
+    assert got["error"]["status"] == 400 and got["error"]["body"]["code"] == "context_length_exceeded"
+    got = sdk.call(url, "create", {"model": "no-such-model", "messages": USER})
+    assert got["error"]["status"] == 404
