@@ -20,6 +20,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from gateway.api.admin import AdminDisabled
+from gateway.api.auth import client_address
 from gateway.console import session
 from gateway.errors import AuthenticationFailed, PayloadTooLarge, PermissionDenied, RequestTimeout
 from gateway.services import Services
@@ -98,6 +99,9 @@ async def login(request: Request) -> Response:
     if not hmac.compare_digest(given.encode(), key.encode()):
         services.metrics.auth_failures.labels("console_sign_in").inc()
         log.warning("console_sign_in_failed")
+        if services.auth_failures is not None:
+            # The same per-address limit as a refused API or admin key: the form is no free guess.
+            await services.auth_failures.failed(client_address(request), "console_sign_in")
         return _render("login.html", status=401, error="That is not the admin key.")
     ttl = int(services.settings.admin.console.session_ttl_s)
     response = RedirectResponse(request.url_for("console_page", page="overview").path, status_code=303)

@@ -312,3 +312,17 @@ def test_a_reload_that_turns_the_console_off_ends_its_sessions_at_once(gw):
         assert c.get("/admin/console/overview").status_code == 404
         assert c.get("/admin/engines").status_code == 401  # the cookie is no credential any more
         assert httpx.get(server.url + "/admin/engines", headers=ADMIN, timeout=10).status_code == 200
+
+
+def test_failed_sign_ins_share_the_per_address_limit(bg, eng, tmp_path):
+    doc = config(eng, tmp_path, tenant_keys())
+    doc["auth"] = {"failures": {"max_failures": 3, "window_s": 60, "store": "memory"}}
+    server = start(bg, doc, tmp_path / "omnigate.yaml")
+    try:
+        with _client(server) as c:
+            assert [_sign_in(c, "wrong-" + str(i)).status_code for i in range(3)] == [401, 401, 401]
+            throttled = _sign_in(c, "wrong-again")
+            assert throttled.status_code == 429 and int(throttled.headers["retry-after"]) >= 1
+            assert throttled.json()["error"]["code"] == "too_many_authentication_failures"
+    finally:
+        server.stop()
