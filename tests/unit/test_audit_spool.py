@@ -1,4 +1,5 @@
-"""The spool journal replays in order and once, even after a crash between a replay's commit and its mark."""
+"""The spool journal replays in order and once (even after a crash between a replay's commit and its mark);
+a store written by the former checkpoint format is migrated in place."""
 
 from __future__ import annotations
 
@@ -75,3 +76,38 @@ async def test_an_unreadable_journal_line_becomes_a_gap_record(tmp_path):
     gap = next(r for r in rows if r.kind == "gap")
     assert orjson.loads(gap.data)["payload"]["lost"] == 1
     assert report.ok and report.gaps == [(gap.seq, 1)]
+
+
+async def test_a_store_written_by_the_former_format_is_migrated_and_keeps_verifying(tmp_path):
+    import sqlite3
+
+    from observability.audit.chain import checkpoint_message
+    from observability.audit.store import chain_rows
+
+    settings = AuditSettings(sqlite_path=tmp_path / "old.db", checkpoint_every=3, signing={"key": KEY})
+    db = sqlite3.connect(settings.sqlite_path, isolation_level=None)
+    db.executescript("""
+        CREATE TABLE audit_log (seq INTEGER PRIMARY KEY, ts TEXT NOT NULL, kind TEXT NOT NULL, request_id TEXT,
+            tenant TEXT, data TEXT NOT NULL, prev_hash TEXT NOT NULL, hash TEXT NOT NULL);
+        CREATE TABLE audit_checkpoints (seq INTEGER PRIMARY KEY, hash TEXT NOT NULL, created_at TEXT NOT NULL,
+            algorithm TEXT NOT NULL, key_id TEXT NOT NULL, signature TEXT NOT NULL);
+    """)
+    rows = chain_rows([_entry(n) for n in range(1, 4)], 0, "")
+    db.executemany("INSERT INTO audit_log VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                   [(r.seq, r.ts, r.kind, r.request_id, r.tenant, r.data, r.prev_hash, r.hash) for r in rows])
+    signer = Signer.from_settings(settings.signing)
+    created = "2026-01-01T00:00:10.000000Z"
+    db.execute("INSERT INTO audit_checkpoints VALUES (?, ?, ?, ?, ?, ?)",
+               (3, rows[-1].hash, created, "hmac-sha256", "default",
+                signer.sign(checkpoint_message(3, rows[-1].hash, created, "default"))))
+    db.close()
+    audit = AuditLog(settings, build_store(settings), Metrics())
+    await audit.start()
+    try:
+        for i in range(4):
+            assert await audit.append_event("after_upgrade", {"i": i}) == 4 + i
+    finally:
+        await audit.aclose()
+    _, report = await _rows(settings)
+    assert report.ok, report.problem
+    assert (report.head_seq, report.checkpoints_signed) == (7, 3)  # the v1 one at 3, then 6 and 7 (on close)
