@@ -11,6 +11,11 @@ record goes in once. An emptied journal is truncated.
 
 A line that cannot be read, other than a torn last one (written but not fsynced,
 so never acknowledged), is counted as lost and becomes a ``gap`` record.
+
+The journal also holds, in every ``on_unavailable`` mode, ``{"t": "gap_open", "id":
+N, "since": TS}`` before the first response served without a record (a full
+buffer) is acknowledged, and ``{"t": "gap_closed", "id": N}`` once that gap's
+record is durable; a marker still open at start-up becomes a gap record.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class Spool:
         self._done = 0
         self._in_file = 0
         self.unreadable = 0
+        #: gap markers opened and not closed: id -> since
+        self.open_gaps: dict[int, str] = {}
         #: held by whoever adds to the journal or decides it is empty (see AuditLog._recover)
         self.lock = asyncio.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-spool")
@@ -62,6 +69,12 @@ class Spool:
                 if doc["t"] == "done":
                     done = int(doc["n"])
                     continue
+                if doc["t"] == "gap_open":
+                    self.open_gaps[int(doc["id"])] = str(doc["since"])
+                    continue
+                if doc["t"] == "gap_closed":
+                    self.open_gaps.pop(int(doc["id"]), None)
+                    continue
                 ts, kind, rid, tenant, data = doc["e"]
                 records.append((int(doc["after"]), Entry(ts, kind, rid, tenant, data)))
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
@@ -72,10 +85,10 @@ class Spool:
         self.pending = records[self._done:]
 
     async def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         await self._run(self._load)
 
     def _append(self, lines: bytes) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, lines)
@@ -98,19 +111,34 @@ class Spool:
         del self.pending[:n]
         await self._run(self._append, orjson.dumps({"t": "done", "n": self._done}) + b"\n")
 
-    def _truncate(self) -> None:
+    def _truncate(self, keep: bytes) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, 0)
+            if keep:
+                os.write(fd, keep)
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    async def gap_open(self, gap_id: int, since: str) -> None:
+        self.open_gaps[gap_id] = since
+        await self._run(self._append, orjson.dumps({"t": "gap_open", "id": gap_id, "since": since}) + b"\n")
+
+    async def gap_closed(self, gap_id: int) -> None:
+        if self.open_gaps.pop(gap_id, None) is not None:
+            await self._run(self._append, orjson.dumps({"t": "gap_closed", "id": gap_id}) + b"\n")
 
     async def clear(self) -> None:
         """Empty the journal once everything in it is in the store (call with :attr:`lock` held)."""
         if self.pending:
             raise RuntimeError("the spool still holds records")
-        await self._run(self._truncate)
+        # Open gap markers outlive the truncation (their gap records are not durable yet).
+        keep = b"".join(orjson.dumps({"t": "gap_open", "id": i, "since": since}) + b"\n"
+                        for i, since in self.open_gaps.items())
+        if not self.path.exists() and not keep:
+            return
+        await self._run(self._truncate, keep)
         self._done = self._in_file = 0
 
     def close(self) -> None:

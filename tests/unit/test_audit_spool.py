@@ -111,3 +111,51 @@ async def test_a_store_written_by_the_former_format_is_migrated_and_keeps_verify
     _, report = await _rows(settings)
     assert report.ok, report.problem
     assert (report.head_seq, report.checkpoints_signed) == (7, 3)  # the v1 one at 3, then 6 and 7 (on close)
+
+
+async def test_a_response_served_without_a_record_leaves_a_gap_that_a_crash_cannot_erase(tmp_path):
+    import asyncio
+    import shutil
+    import sqlite3
+
+    db = tmp_path / "a.db"
+    settings = AuditSettings(sqlite_path=db, buffer=1, when_full="mark_gap", ack_timeout_s=30,
+                             signing={"key": KEY})
+    audit = AuditLog(settings, build_store(settings), Metrics())
+    await audit.start()
+    lock = sqlite3.connect(db, isolation_level=None, timeout=0)
+    lock.execute("BEGIN IMMEDIATE")  # the store stalls: the writer holds r1, the buffer is full
+    try:
+        first = audit.submit("request", request_id="r1", payload={})
+        assert audit.submit("request", request_id="r2", payload={}) is None  # r2 is served without a record
+        assert await audit.wait(None) is None  # returns once the open gap is durable in the journal
+        crashed = tmp_path / "crashed"
+        crashed.mkdir()
+        for name in ("a.db", "a.db-wal", "a.spool"):  # the disk as a SIGKILL here would leave it
+            if (tmp_path / name).exists():
+                shutil.copy(tmp_path / name, crashed / name)
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    assert await asyncio.wait_for(audit.wait(first), 30) is not None
+    await audit.aclose()
+    assert _open_gaps(tmp_path / "a.spool") == {}  # the live process wrote its gap record and closed it
+
+    after = settings.model_copy(update={"sqlite_path": crashed / "a.db"})
+    restarted = AuditLog(after, build_store(after), Metrics())
+    await restarted.start()
+    await restarted.aclose()
+    rows, report = await _rows(after)
+    gaps = [orjson.loads(r.data)["payload"] for r in rows if r.kind == "gap"]
+    assert len(gaps) == 1 and gaps[0]["reason"] == "unrecorded_before_restart" and gaps[0]["at_least"]
+    assert report.ok, report.problem
+    assert _open_gaps(crashed / "a.spool") == {}
+
+
+def _open_gaps(path):
+    from observability.audit.spool import Spool
+
+    spool = Spool(path)
+    spool._load()
+    spool.close()
+    return spool.open_gaps
