@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import uuid
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ class Pending:
     snapshot: RequestSnapshot | None
     future: asyncio.Future[int] | None
     #: a gap record: the id of the journal's open gap marker it closes once durable
-    closes: int | None = None
+    closes: str | None = None
 
 
 class AuditLog:
@@ -83,7 +84,7 @@ class AuditLog:
         # records served without one (a full buffer), so that a crash cannot erase that gap.
         self.spool = Spool(settings.spool_file)
         self._spooling = settings.on_unavailable == "spool"
-        self._gap_id = 0
+        self._gap_id = ""
         self._gap_marked: asyncio.Future[None] | None = None
         self._gap_marker: asyncio.Future[None] | None = None  # the newest, kept for wait(None)
         #: the store did not take a batch within half of ack_timeout_s (refuse: 503s; spool: journal)
@@ -114,9 +115,8 @@ class AuditLog:
             log.warning("audit_checkpoints_unsigned", reason="audit.signing.key is not set")
         log.info("audit_started", store=self.store.name, head_seq=self._head[0], commit=self.settings.commit,
                  when_full=self.settings.when_full, buffer=self.settings.buffer)
-        await self.spool.open()
-        self._gap_id = max(self.spool.open_gaps, default=0)
-        for gap_id, since in sorted(self.spool.open_gaps.items()):
+        await self.spool.open(exclusive=self._spooling)
+        for gap_id, since in sorted(self.spool.open_gaps.items(), key=lambda kv: kv[1]):
             # Requests served without a record before a crash, whose gap record was never written.
             payload = {"lost": 1, "at_least": True, "reason": "unrecorded_before_restart", "from": since,
                        "to": now_iso()}
@@ -264,7 +264,7 @@ class AuditLog:
             self._lost_reason = reason
             # Its request is served without a record: the open gap is made durable before that response
             # is acknowledged (wait(None) awaits it), so a crash before the gap record leaves a trace.
-            self._gap_id += 1
+            self._gap_id = uuid.uuid4().hex
             self._gap_marked = self._gap_marker = asyncio.ensure_future(
                 self.spool.gap_open(self._gap_id, self._lost_since))
         self._lost += 1

@@ -159,3 +159,20 @@ def _open_gaps(path):
     spool._load()
     spool.close()
     return spool.open_gaps
+
+
+async def test_two_processes_cannot_spool_into_one_journal(tmp_path):
+    settings = AuditSettings(sqlite_path=tmp_path / "a.db", on_unavailable="spool", signing={"key": KEY})
+    first = AuditLog(settings, build_store(settings), Metrics())
+    await first.start()
+    try:
+        second = AuditLog(settings, build_store(settings), Metrics())
+        with pytest.raises(RuntimeError, match="spool_path"):
+            await second.start()
+        await second.store.close()
+        second.spool.close()
+    finally:
+        await first.aclose()
+    again = AuditLog(settings, build_store(settings), Metrics())  # the lock went with the first
+    await again.start()
+    await again.aclose()
