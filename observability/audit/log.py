@@ -114,7 +114,9 @@ class AuditLog:
         if not self.signer.can_sign:
             log.warning("audit_checkpoints_unsigned", reason="audit.signing.key is not set")
         log.info("audit_started", store=self.store.name, head_seq=self._head[0], commit=self.settings.commit,
-                 when_full=self.settings.when_full, buffer=self.settings.buffer)
+                 when_full=self.settings.when_full, buffer=self.settings.buffer,
+                 on_unavailable=self.settings.on_unavailable, journal=str(self.spool.path),
+                 witness=str(self.settings.witness_path) if self.settings.witness_path else None)
         await self.spool.open(exclusive=self._spooling)
         for gap_id, since in sorted(self.spool.open_gaps.items(), key=lambda kv: kv[1]):
             # Requests served without a record before a crash, whose gap record was never written.
