@@ -65,7 +65,14 @@ def check_config(path: str) -> int:
             print(f"  {stage}: {' -> '.join(names) if names else '(none)'}")
     for line in auth_banner(settings):
         print(line)
-    print(f"audit: {settings.audit.store if settings.audit.enabled else 'disabled'}")
+    a = settings.audit
+    if a.enabled:
+        signed = f"signed ({a.signing.algorithm})" if a.signing.key is not None else "UNSIGNED (no audit.signing.key)"
+        witness = str(a.witness_path) if a.witness_path else "the log only"
+        print(f"audit: {a.store}, on_unavailable {a.on_unavailable}, checkpoints {signed} every "
+              f"{a.checkpoint_every}, heads published to {witness}")
+    else:
+        print("audit: disabled")
     if any("scorer" in getattr(p.impl, "uses", ()) for c in (chain, *sets.values()) for p in c.all()):
         g = settings.grounding
         which = f"cross-encoder {g.model}" if g.model else "fallback (numbers, dates, names + all-MiniLM-L6-v2)"

@@ -328,7 +328,16 @@ class AuditSettings(_Strict):
         description="when the store does not take a record within half of ack_timeout_s: refuse (503 until it "
                     "does) or spool (an fsynced local journal, replayed into the store in order when it returns)",
     )
-    spool_path: Path = Field(default=Path("var/omnigate-audit.spool"), description="the spool journal's file")
+    spool_path: Path | None = Field(
+        default=None, description="the local journal (spooled records, open gap markers); default: the SQLite "
+                                  "file's path with .spool, or var/omnigate-audit.spool",
+    )
+
+    @property
+    def spool_file(self) -> Path:
+        if self.spool_path is not None:
+            return self.spool_path
+        return self.sqlite_path.with_suffix(".spool") if self.store == "sqlite" else Path("var/omnigate-audit.spool")
 
     @model_validator(mode="after")
     def _needs_dsn(self) -> "AuditSettings":

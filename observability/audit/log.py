@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import uuid
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -68,6 +69,8 @@ class Pending:
     payload: dict[str, Any] | None
     snapshot: RequestSnapshot | None
     future: asyncio.Future[int] | None
+    #: a gap record: the id of the journal's open gap marker it closes once durable
+    closes: str | None = None
 
 
 class AuditLog:
@@ -77,7 +80,13 @@ class AuditLog:
         self.metrics = metrics
         self.signer = Signer.from_settings(settings.signing)
         self.witness = Witness(settings.witness_path)
-        self.spool = Spool(settings.spool_path) if settings.on_unavailable == "spool" else None
+        # The local journal: spooled records (on_unavailable: spool) and, in every mode, the open marker of
+        # records served without one (a full buffer), so that a crash cannot erase that gap.
+        self.spool = Spool(settings.spool_file)
+        self._spooling = settings.on_unavailable == "spool"
+        self._gap_id = ""
+        self._gap_marked: asyncio.Future[None] | None = None
+        self._gap_marker: asyncio.Future[None] | None = None  # the newest, kept for wait(None)
         #: the store did not take a batch within half of ack_timeout_s (refuse: 503s; spool: journal)
         self._outage = False
         self._recovery: asyncio.Task[None] | None = None
@@ -105,9 +114,17 @@ class AuditLog:
         if not self.signer.can_sign:
             log.warning("audit_checkpoints_unsigned", reason="audit.signing.key is not set")
         log.info("audit_started", store=self.store.name, head_seq=self._head[0], commit=self.settings.commit,
-                 when_full=self.settings.when_full, buffer=self.settings.buffer)
-        if self.spool is not None:
-            await self.spool.open()
+                 when_full=self.settings.when_full, buffer=self.settings.buffer,
+                 on_unavailable=self.settings.on_unavailable, journal=str(self.spool.path),
+                 witness=str(self.settings.witness_path) if self.settings.witness_path else None)
+        await self.spool.open(exclusive=self._spooling)
+        for gap_id, since in sorted(self.spool.open_gaps.items(), key=lambda kv: kv[1]):
+            # Requests served without a record before a crash, whose gap record was never written.
+            payload = {"lost": 1, "at_least": True, "reason": "unrecorded_before_restart", "from": since,
+                       "to": now_iso()}
+            log.error("audit_gap_recorded", **payload)
+            self._queue.append(Pending(now_iso(), "gap", None, None, payload, None, None, gap_id))
+        if self._spooling:
             if self.spool.unreadable:
                 # Acknowledged records the journal no longer yields: the chain says so.
                 self._lost, self._lost_reason, self._lost_since = self.spool.unreadable, "spool_unreadable", now_iso()
@@ -146,8 +163,7 @@ class AuditLog:
             if not self._outage:  # also seals what a killed predecessor left uncovered (no-op if sealed)
                 await self._checkpoint()
         await self.store.close()
-        if self.spool is not None:
-            self.spool.close()
+        self.spool.close()
 
     # -- the request path -------------------------------------------------------------------------------
     @property
@@ -156,7 +172,7 @@ class AuditLog:
 
     def admit(self) -> None:
         """Refuse new requests while the store is unavailable (``refuse``), or the buffer full (``shed``)."""
-        if self._outage and self.spool is None:
+        if self._outage and not self._spooling:
             raise AuditUnavailable("the audit trail cannot record requests right now; try again shortly",
                                    retry_after=1)
         if self.settings.when_full == "shed" and self.depth >= self.settings.buffer:
@@ -196,6 +212,11 @@ class AuditLog:
         :class:`AuditUnavailable`: no response is acknowledged on a record held in memory only.
         """
         if fut is None:
+            if self._gap_marker is not None:
+                try:
+                    await asyncio.shield(self._gap_marker)
+                except OSError as exc:
+                    self._warn("audit_journal_failed", error=f"{type(exc).__name__}: {exc}")
             return None
         try:
             async with asyncio.timeout(self.settings.ack_timeout_s):
@@ -243,13 +264,20 @@ class AuditLog:
         if not self._lost:
             self._lost_since = now_iso()
             self._lost_reason = reason
+            # Its request is served without a record: the open gap is made durable before that response
+            # is acknowledged (wait(None) awaits it), so a crash before the gap record leaves a trace.
+            self._gap_id = uuid.uuid4().hex
+            self._gap_marked = self._gap_marker = asyncio.ensure_future(
+                self.spool.gap_open(self._gap_id, self._lost_since))
         self._lost += 1
 
     def _gap_record(self) -> Pending:
         payload = {"lost": self._lost, "reason": self._lost_reason, "from": self._lost_since, "to": now_iso()}
         log.error("audit_gap_recorded", **payload)
         self._lost = 0
-        return Pending(now_iso(), "gap", None, None, payload, None, None)
+        closes = self._gap_id if self._gap_marked is not None else None
+        self._gap_marked = None
+        return Pending(now_iso(), "gap", None, None, payload, None, None, closes)
 
     # -- the writer -------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -313,7 +341,7 @@ class AuditLog:
                     encoded.extend(self._encode(batch))
             return encoded
 
-        if self._outage and self.spool is not None:
+        if self._outage and self._spooling:
             await self._to_spool(batch, encode)
             return
         patience = self.settings.ack_timeout_s / 2
@@ -330,7 +358,7 @@ class AuditLog:
             done, _ = await asyncio.wait({attempt}, timeout=left if left > 0 else None)
             if not done:  # the store is slow past patience (a lock held, a server that does not answer)
                 self._unavailable("slow")
-                if self.spool is not None:
+                if self._spooling:
                     attempt.add_done_callback(_consume)  # it may still land: the replay skips it then
                     await self._to_spool(batch, encode)
                     return
@@ -342,19 +370,19 @@ class AuditLog:
             attempt = None
             self.metrics.audit_store_errors.inc()
             self._warn("audit_store_failed", error=f"{type(exc).__name__}: {exc}", buffered=self.depth)
-            if self._closing and delay > 1.0 and self.spool is None:
+            if self._closing and delay > 1.0 and not self._spooling:
                 for p in batch:
                     if p.future is not None and not p.future.done():
                         p.future.set_exception(exc)
                 raise exc
             if time.monotonic() - started >= patience:
                 self._unavailable("failing")
-                if self.spool is not None:
+                if self._spooling:
                     await self._to_spool(batch, encode)
                     return
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
-        if self._outage and self.spool is None:
+        if self._outage and not self._spooling:
             self._outage = False
             log.warning("audit_store_recovered", on_unavailable="refuse")
         self.metrics.audit_commit.labels(self.store.name).observe(time.perf_counter() - t0)
@@ -366,6 +394,15 @@ class AuditLog:
         self._head = (rows[-1].seq, rows[-1].hash)
         self._since_checkpoint += len(rows)
         await self._published(made)
+        await self._gaps_closed(batch)
+
+    async def _gaps_closed(self, batch: list[Pending]) -> None:
+        for p in batch:
+            if p.closes is not None:
+                try:
+                    await self.spool.gap_closed(p.closes)
+                except OSError as exc:
+                    self._warn("audit_journal_failed", error=f"{type(exc).__name__}: {exc}")
 
     # -- store outage ---------------------------------------------------------------------------------
     def _unavailable(self, how: str) -> None:
@@ -375,7 +412,6 @@ class AuditLog:
                       patience_s=self.settings.ack_timeout_s / 2)
 
     async def _to_spool(self, batch: list[Pending], encode: Callable[[], list[Entry]]) -> None:
-        assert self.spool is not None
         entries = await asyncio.to_thread(encode)
         try:
             async with self.spool.lock:
@@ -389,11 +425,12 @@ class AuditLog:
         for p in batch:
             if p.future is not None and not p.future.done():
                 p.future.set_result(0)
+        await self._gaps_closed(batch)
         self._warn("audit_spooled", records=len(entries), spooled=len(self.spool.pending))
         self._ensure_recovery()
 
     def _ensure_recovery(self) -> None:
-        if self.spool is not None and (self._recovery is None or self._recovery.done()):
+        if self._spooling and (self._recovery is None or self._recovery.done()):
             self._recovery = asyncio.create_task(self._recover(), name="audit-spool-replay")
 
     async def _recover(self) -> None:
@@ -410,7 +447,6 @@ class AuditLog:
     async def _replay(self) -> bool:
         """Move the spool into the store, in order and once; True once it is empty (the outage is over)."""
         spool = self.spool
-        assert spool is not None
         while True:
             async with spool.lock:
                 if not spool.pending:

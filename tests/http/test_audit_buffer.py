@@ -112,3 +112,28 @@ def test_a_store_that_stalls_means_503_not_a_response_on_a_record_held_in_memory
         assert "omnigate_audit_ack_timeouts_total 2.0" in httpx.get(server.url + "/metrics").text
     finally:
         server.stop()
+
+
+def test_a_stream_whose_record_is_not_durable_ends_with_an_error_frame_not_a_clean_done(bg, upstreams, tmp_path):
+    upstreams.reset()
+    db = tmp_path / "audit.db"
+    settings = gateway_settings(upstreams, audit={"sqlite_path": str(db), "ack_timeout_s": 0.6})
+    server = GatewayServer(bg, settings, CollectorRegistry()).start()
+    try:
+        assert _chat(server, "warm").status_code == 200
+        lock = sqlite3.connect(db, isolation_level=None, timeout=0)
+        lock.execute("BEGIN IMMEDIATE")
+        try:
+            with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=20,
+                              json={"model": TEXT_MODEL, "stream": True,
+                                    "messages": [{"role": "user", "content": "hi"}]}) as r:
+                lines = [line for line in r.iter_lines() if line]
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        assert r.status_code == 200  # fixed by the first chunk; the stream's end is what acknowledges it
+        assert lines[-1] == "data: [DONE]"
+        error = orjson.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "audit_unavailable" and set(error) == {"message", "type", "param", "code"}
+    finally:
+        server.stop()

@@ -246,3 +246,8 @@ def test_store_locked_kill9_restart_refuse_sqlite(tmp_path):
 def test_store_locked_kill9_restart_spool_postgres(tmp_path):
     with fresh_pg_database("omnigate_outage") as dsn:
         _run(tmp_path, {"store": "postgres", "postgres_dsn": dsn}, "spool")
+
+
+def test_store_locked_kill9_restart_refuse_postgres(tmp_path):
+    with fresh_pg_database("omnigate_outage") as dsn:
+        _run(tmp_path, {"store": "postgres", "postgres_dsn": dsn}, "refuse")

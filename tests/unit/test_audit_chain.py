@@ -197,10 +197,11 @@ async def test_retention_cut_keeps_the_chain_verifiable(store_settings):
     audit = AuditLog(settings, build_store(settings), Metrics())
     await audit.start()
     try:
+        # One cut, made here: the background pass (every second at this retention) would cut again, up to
+        # the signed retention_cut record of this one, whenever the machine is slow.
+        audit._retention.cancel()
         anchor = await audit.retain()
-        # 13 when the background retention pass cut first: its signed retention_cut record (13) is older
-        # than this cutoff too
-        assert anchor is not None and anchor.seq in (12, 13)
+        assert anchor is not None and anchor.seq == 12
         for i in range(3):
             await audit.append_event("test_event", {"after_cut": i})
     finally:
