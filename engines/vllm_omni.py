@@ -53,16 +53,16 @@ class VLLMOmniEngine(OpenAICompatEngine):
         try:
             await super()._check_status(resp)
         except EngineRejected as exc:
-            found = _INVALID_SPEAKER.search(exc.message)
+            found = _INVALID_SPEAKER.search(exc.detail)  # the engine's own words (the message is the public one)
             if found is None:
                 raise
             supported = sorted({v.strip().lower() for v in found.group(2).split(",") if v.strip()})
             if supported and self.config.voices is None:
                 self.voices = frozenset(supported)
-            refused = EngineRejected(
-                f"audio.voice {found.group(1)!r} is not one of this model's voices: {', '.join(supported)}",
-                engine=self.name, upstream_status=400, param="audio.voice",
-            )  # fmt: skip
+            # The voices are the model's public surface, so the client is told them in the gateway's words.
+            message = f"audio.voice {found.group(1)!r} is not one of this model's voices: {', '.join(supported)}"
+            refused = EngineRejected(message, engine=self.name, upstream_status=400, param="audio.voice",
+                                     public=message)
             refused.code = "invalid_voice"
             raise refused from exc
 

@@ -254,7 +254,11 @@ class ChainVerifier:
         lookup: Callable[[str], Awaitable[int | None]],
         expect: dict[int, str] | None = None,
         require_covered: bool = False,
+        anchor: tuple[int, str] | None = None,
     ) -> None:
+        # ``anchor``: a walk over part of the chain starts after this (seq, hash), the stored link of its
+        # first record; it is not a retention cut, and what lies outside the range is not judged.
+        self._anchor = anchor
         self.report = Report()
         self._lookup = lookup
         self._expect = dict(expect or {})
@@ -330,7 +334,9 @@ class ChainVerifier:
                 self._fail("deleted", 1, f"the first checkpoint (at record {first.seq}) links to an earlier one "
                                          "that is gone")
                 return False
-            if row.seq != 1:
+            if row.seq != 1 and self._anchor is not None:
+                self._prev_seq, self._prev_hash = self._anchor
+            elif row.seq != 1:
                 anchor = self._by_seq.get(row.seq - 1)
                 if anchor is None or anchor.hash != row.prev_hash or anchor is not first:
                     self._fail("deleted", 1, f"records 1..{row.seq - 1} are missing and no checkpoint anchors "
@@ -403,7 +409,7 @@ class ChainVerifier:
             self._fail("deleted", 1, f"records 1..{r.anchored_at} are gone and no signed retention_cut record "
                                      f"says that retention removed them")
         elif (newest := self._newest_cp) is not None and newest.every and r.first_seq is not None \
-                and r.head_seq - newest.seq >= newest.every:
+                and self._anchor is None and r.head_seq - newest.seq >= newest.every:
             self._fail("checkpoint_gap", newest.seq + 1,
                        f"records {newest.seq + 1}..{r.head_seq} have no checkpoint although one is written every "
                        f"{newest.every} records: checkpoints were removed")

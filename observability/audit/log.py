@@ -227,8 +227,9 @@ class AuditLog:
             pending = self._waiting.get(fut)
             if pending is not None and pending.kind == "request":
                 # Its record may still reach the store (it stays buffered); this one says the client got a 503.
+                client_id = pending.snapshot.ctx.client_request_id if pending.snapshot is not None else None
                 self.submit("request_refused", request_id=pending.request_id, tenant=pending.tenant,
-                            payload={"status": 503, "code": AuditUnavailable.code,
+                            payload={"status": 503, "code": AuditUnavailable.code, "client_request_id": client_id,
                                      "reason": "its record was not durable within ack_timeout_s"})
             raise AuditUnavailable("the audit trail could not record this request; try again shortly",
                                    retry_after=1) from None

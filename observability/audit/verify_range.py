@@ -10,7 +10,7 @@ to it: only a walk from the start (``GET /admin/audit/verify``) catches that.
 
 from __future__ import annotations
 
-from observability.audit.chain import ChainVerifier, Checkpoint, Problem, Report, Signer
+from observability.audit.chain import ChainVerifier, Problem, Report, Signer
 from observability.audit.store import AuditStore
 
 PAGE = 5000
@@ -20,13 +20,12 @@ async def verify_range(store: AuditStore, signer: Signer | None, from_seq: int, 
     """Walk from the record before the range (its anchor) through ``to_seq``; stop at the first problem."""
     start = max(1, from_seq - 1)
     checkpoints = [c for c in await store.checkpoints() if start - 1 <= c.seq <= to_seq]
-    synthetic = False
+    anchor: tuple[int, str] | None = None
     first = await store.rows(start - 1, 1)
-    if first and first[0].seq == start and start > 1 and not any(c.seq == start - 1 for c in checkpoints):
-        # The walk starts mid-chain: the stored link of its first record stands in for a checkpoint before it.
-        checkpoints.append(Checkpoint(start - 1, first[0].prev_hash, first[0].ts, "none", "range", ""))
-        synthetic = True
-    verifier = ChainVerifier(checkpoints, signer, store.seq_of_hash)
+    if first and first[0].seq == start and start > 1:
+        # The walk starts mid-chain: the stored link of its first record anchors it.
+        anchor = (start - 1, first[0].prev_hash)
+    verifier = ChainVerifier(checkpoints, signer, store.seq_of_hash, anchor=anchor)
     after = start - 1
     while not verifier.failed and after < to_seq:
         rows = [r for r in await store.rows(after, min(PAGE, to_seq - after)) if r.seq <= to_seq]
@@ -37,8 +36,6 @@ async def verify_range(store: AuditStore, signer: Signer | None, from_seq: int, 
                 break
         after = rows[-1].seq
     report = verifier.finish()
-    if synthetic:
-        report.checkpoints_unchecked -= 1
     p = report.problem
     if p is not None and p.kind == "deleted" and p.seq == 1 and start > 1:
         # The full walk's wording ("records 1..N are missing") does not fit a walk that starts mid-chain.

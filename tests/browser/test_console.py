@@ -206,7 +206,7 @@ def test_pin_a_variant_and_see_the_routing_table_change(driver, gw, shots):
     wait(driver, lambda: table_rows(driver, "transitions") and table_rows(driver, "transitions")[0][2] == "pin",
          "the pin in the history")
     top = table_rows(driver, "transitions")[0]
-    assert top[1] == "manual" and top[5] == OMNI and top[8] == f"console: {note}"  # markup shown as text
+    assert top[1] == "manual" and top[5] == OMNI and top[8] == f"admin:console-session: {note}"  # markup shown as text
     assert driver.find_elements(By.CSS_SELECTOR, "#transitions b") == []
 
     by_id(driver, "freeze").click()
@@ -410,7 +410,7 @@ def test_configuration_page_and_a_check_before_reload(driver, gw, shots):
     open_page(driver, server.url, "config")
     wait(driver, lambda: len(table_rows(driver, "chains")) == 2, "the policy chains")
     chains = {r[0]: r for r in table_rows(driver, "chains")}
-    assert chains["policies (default)"][1] == "request-limits" and "policy_sets.strict" in chains
+    assert chains["policies (default)"][1] == "request-limits → media-fetch → media-limits" and "policy_sets.strict" in chains
     tenants = {r[0]: r[3] for r in table_rows(driver, "tenant-chains")}
     assert tenants["acme"] == "policies (default)" and tenants["globex"] == "policy_sets.strict"
     assert [r[0] for r in table_rows(driver, "engine-config")] == ["omni-int4", "omni-bf16", "text-vllm",

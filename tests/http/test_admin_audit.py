@@ -216,7 +216,8 @@ def test_verify_a_range_and_see_where_the_chain_breaks(gw):
                  params={"from_seq": target, "to_seq": target}).json()["problem"]["seq"] == target
     # ...and ranges that do not include it (nor its successor, whose link it anchors) verify
     assert admin(server, "GET", "/audit/verify/range", params={"from_seq": 1, "to_seq": target - 1}).json()["ok"]
-    assert admin(server, "GET", "/audit/verify/range", params={"from_seq": target + 2, "to_seq": head}).json()["ok"]
+    later = admin(server, "GET", "/audit/verify/range", params={"from_seq": target + 2, "to_seq": head}).json()
+    assert later["ok"], later
     # the full walk agrees
     assert admin(server, "GET", "/audit/verify").json()["problem"]["seq"] == target
 
@@ -293,7 +294,7 @@ def test_config_view_and_check_swap_nothing(gw):
     c = admin(server, "GET", "/config").json()
     assert [e["name"] for e in c["engines"]] == ["omni-int4", "omni-bf16", "text-vllm", "spare-vllm"]
     assert all("api_key" not in e for e in c["engines"])
-    assert c["policies"]["pre"] == ["request-limits"] and "strict" in c["policy_sets"]
+    assert c["policies"]["pre"] == ["request-limits", "media-fetch", "media-limits"] and "strict" in c["policy_sets"]
     by_name = {t["name"]: t for t in c["tenants"]}
     assert by_name["globex"]["policy_set"] == "strict" and by_name["acme"]["policy_set"] is None
     assert c["reloadable"]

@@ -70,7 +70,7 @@ def test_a_session_on_one_replica_pins_and_both_see_it(pair):
             history = c.get("/admin/routing/transitions").json()
             assert history["source"] == "audit"
             pins = [t for t in history["transitions"] if t["action"] == "pin"]
-            assert len(pins) == 1 and pins[0]["detail"]["actor"] == "console"
+            assert len(pins) == 1 and pins[0]["detail"]["actor"] == "admin:console-session"
 
         rid = request_id(b, keys["acme"].key)
         assert wait_until(lambda: ca.get("/admin/audit/records", params={"request_id": rid}).json()["records"],
@@ -90,7 +90,7 @@ def test_a_hot_reload_keeps_the_session_and_the_console_shows_the_new_config(pai
     assert checked["ok"] and checked["applies_at_once"] == ["tenants"]
     assert ca.post("/admin/config/reload", headers={"x-csrf-token": token}).status_code == 200
     tenants = {t["name"]: t for t in ca.get("/admin/config").json()["tenants"]}
-    assert tenants["initech"]["chain"]["pre"] == ["request-limits", "request-limits (shadow)"]
+    assert tenants["initech"]["chain"]["pre"] == ["request-limits", "request-limits (shadow)", "media-fetch", "media-limits"]
     assert ca.get("/admin/console/config").status_code == 200
     ca.close()
 

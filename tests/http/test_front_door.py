@@ -319,7 +319,7 @@ def test_readyz_detail_is_for_the_admin_credential_only(started):
         assert anonymous.status_code == 200 and anonymous.json() == {"status": "ready"}
         assert "text-vllm" not in anonymous.text
     detail = httpx.get(server.url + "/readyz", headers=ADMIN, timeout=5).json()
-    assert detail["engines"]["text-vllm"] and detail["policies"]["pre"] == ["request-limits"]
+    assert detail["engines"]["text-vllm"] and detail["policies"]["pre"] == ["request-limits", "media-fetch", "media-limits"]
 
 
 def test_metrics_on_a_port_of_their_own(started):

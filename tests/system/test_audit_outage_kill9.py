@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import sqlite3
 import subprocess
@@ -37,7 +38,7 @@ from tests.system.test_kill9 import MODEL, ROOT, _port, _wait_ready
 
 pytestmark = pytest.mark.timeout(240)
 
-KEY = "outage-checkpoint-secret-3c9d0e5a7b"
+KEY = secrets.token_hex(32)  # the boot refuses typed and low-entropy keys
 
 
 class Load:

@@ -184,7 +184,8 @@ function pinVariants() {
 }
 
 async function routingAction(path, body, what) {
-  const res = await api("POST", path, { ...body, actor: "console" });
+  // No actor in the body: the gateway records the credential that made the call (the console session).
+  const res = await api("POST", path, body);
   if (!res.ok) { result("action-result", errorText(res), true); return; }
   result("action-result", res.data.changed ? `${what}: done (routing version ${res.data.version})`
     : `${what}: nothing to change`);
