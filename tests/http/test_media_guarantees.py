@@ -250,3 +250,35 @@ def test_fetched_parts_count_against_the_request_budget_while_they_stream(bg, up
     finally:
         server.stop()
         bg.run(media.stop())
+
+
+def test_budgets_are_checked_from_probes_before_any_part_is_decoded(gw, upstreams):
+    """Seven 2 MP JPEGs cut short: their headers alone put the request over the modal budget, so the
+    answer is the budget's, not the decode error each one would have raised."""
+    from tests.media import jpeg
+
+    whole = jpeg(plain_image(64).resize((2000, 1000)), quality=70)
+    cut = whole[: len(whole) * 2 // 3]
+    parts = [{"type": "image_url", "image_url": {"url": data_uri("image/jpeg", cut)}} for _ in range(7)]
+    resp = _post(gw, parts)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "modal_budget_exceeded"
+    one = _post(gw, parts[:1])  # alone, within budget: it is decoded, and refused as truncated
+    assert one.status_code == 400 and one.json()["error"]["code"] == "invalid_media"
+
+
+def test_one_modality_refusal_comes_before_decoding(bg, upstreams, tmp_path):
+    chain = PolicyChainConfig(pre=[PolicySpec(name="media-fetch"),
+                                   PolicySpec(name="media-limits", config={"one_modality_per_message": "refuse"})])
+    server = GatewayServer(bg, gateway_settings(upstreams, chain, audit={"sqlite_path": str(tmp_path / "a.db")}),
+                           CollectorRegistry()).start()
+    try:
+        garbage = base64.b64encode(b"RIFF\0\0\0\0WAVEjunk" * 10).decode()
+        body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_uri("image/png", png(plain_image(64)))}},
+            {"type": "input_audio", "input_audio": {"data": garbage, "format": "wav"}}]}]}
+        resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == "one_modality_per_message"
+    finally:
+        server.stop()
