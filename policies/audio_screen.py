@@ -22,10 +22,12 @@ from pydantic import Field, field_validator
 from gateway.context import RequestContext, Screening
 from gateway.errors import ContentPolicyViolation
 from gateway.schemas import ChatCompletionRequest
+from gateway.settings import MediaSettings
 from policies.base import PolicyConfig
-from policies.media.audio import decode_pcm, probe_audio
 from policies.media.models import SpeechToText
-from policies.media.parts import MediaRef, decode_payload, media_parts
+from policies.media.parts import decode_payload, media_parts
+from policies.media.process import screen_pcm
+from policies.media.sandbox import MediaRuntime
 
 
 class AudioScreenConfig(PolicyConfig):
@@ -59,9 +61,11 @@ class AudioScreen:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="omnigate-stt")
         self._stt: SpeechToText | None = None
         self._metrics: Any = None
+        self._runtime: MediaRuntime | None = None
 
     async def start(self, services: Any) -> None:
         self._metrics = services.metrics
+        self._runtime = getattr(services, "media", None)
         loop = asyncio.get_running_loop()
         self._stt = await loop.run_in_executor(self._pool, SpeechToText, self.config.threads)
 
@@ -71,8 +75,15 @@ class AudioScreen:
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         refs = [r for r in media_parts(request) if r.kind == "audio" and not r.is_remote]
         loop = asyncio.get_running_loop()
+        if refs and self._runtime is None:
+            self._runtime = MediaRuntime(MediaSettings())
         for ref in refs:
-            transcript = await loop.run_in_executor(self._pool, self._transcribe, ref)
+            # Decoded in the media sandbox like every client file; only the PCM comes back to be heard.
+            assert self._runtime is not None
+            pcm = await self._runtime.sandbox.run(
+                screen_pcm, (decode_payload(ref), ref.param, self.config.max_duration_s), param=ref.param
+            )
+            transcript = await loop.run_in_executor(self._pool, self._hear, pcm)
             ctx.input_transcripts.append(transcript)  # part of the grounding premise
             match = next((p for p in self._patterns if p.search(transcript)), None)
             ctx.screenings.append(Screening(self.name, ref.path, 1.0 if match else 0.0, match is not None))
@@ -85,11 +96,10 @@ class AudioScreen:
         return request
 
     def transcribe_bytes(self, data: bytes, param: str) -> str:
+        """In this process (tests, tools): the request path decodes in the sandbox instead."""
+        return self._hear(screen_pcm(data, param, self.config.max_duration_s))
+
+    def _hear(self, pcm: np.ndarray) -> str:
         if self._stt is None:
             self._stt = SpeechToText(self.config.threads)
-        probe_audio(data, param)  # refuses what is not audio before anything is decoded
-        pcm, _ = decode_pcm(data, 16000, param, self.config.max_duration_s)
         return self._stt.transcribe(pcm.astype(np.float32) / 32768.0)
-
-    def _transcribe(self, ref: MediaRef) -> str:
-        return self.transcribe_bytes(decode_payload(ref), ref.param)

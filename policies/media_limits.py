@@ -123,6 +123,8 @@ class MediaLimits:
             return request
         target = self.target(request.model)
         check_modalities(request, self._targets.get(request.model))
+        if self.config.one_modality_per_message == "refuse":
+            self._one_modality(request, ctx)  # a refusal from the parts' types alone costs no decode
         for ref in refs:
             if ref.is_remote:
                 raise MediaURLForbidden(

@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.errors import InvalidMedia, MediaTooLarge
 from policies.media import budget as tokens
-from policies.media.audio import AudioConfig, AudioResult, normalise_audio, probe_audio
+from policies.media.audio import AudioConfig, AudioResult, decode_pcm, normalise_audio, probe_audio
 from policies.media.budget import BudgetConfig
 from policies.media.container import check_declared, check_one_file
 from policies.media.image import ImageConfig, normalise_image, open_image
@@ -231,3 +231,10 @@ def screen_frames(ref: MediaRef, data: bytes, max_frames: int, size: tuple[int, 
     n = min(max_frames, max(1, info.frames or max_frames))
     fps = n / info.duration_s if info.duration_s > 0 else 1.0
     return sample_frames(data, info.duration_s, n, fps, size, ref.param, max_decoded=VideoConfig().max_decoded_frames)
+
+
+def screen_pcm(data: bytes, param: str, max_s: float, max_bytes: int | None = None) -> Any:
+    """A speech screen's input: the audio as 16 kHz mono PCM (probed first, so non-audio costs no decode)."""
+    probe_audio(data, param)
+    pcm, _ = decode_pcm(data, 16000, param, max_s, max_bytes)
+    return pcm

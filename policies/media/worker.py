@@ -4,8 +4,8 @@ A worker is forked from a server process that has already imported the decoders 
 worker starts in milliseconds), then confines itself before it takes a task: an empty read-only
 working directory, no core dumps, no files written, an address-space cap above what the imports
 already mapped, a CPU-time limit reset for every task (the kernel kills a worker that spins past
-it), and, where the kernel allows an unprivileged user namespace, a network namespace of its own
-with no interface but a down loopback. A wall-clock alarm per task turns a slow decode into an
+it), a seccomp filter under which no socket but a Unix one can be created, and, where the kernel
+allows it, a network namespace of its own. A wall-clock alarm per task turns a slow decode into an
 error the parent maps to a 400; a decoder stuck where the alarm cannot reach it is killed by the
 parent (policies/media/sandbox.py).
 """
@@ -34,16 +34,67 @@ class DeadlineExceeded(Exception):
 
 
 def _no_network() -> str:
-    """Enter a network namespace of our own (nothing reachable); what was achieved, for the parent's log."""
+    """Cut this process off the network; what was achieved, for the parent's log and tests.
+
+    Two layers: a seccomp filter that fails every ``socket()`` call but for Unix sockets (unprivileged:
+    it needs only ``no_new_privs``), and, where the kernel lets an unprivileged process have one, a
+    network namespace of its own with nothing in it.
+    """
+    done = []
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0:
-            return "namespace"
-        if libc.unshare(_CLONE_NEWNET) == 0:  # already privileged (a root container)
-            return "namespace"
-    except (OSError, AttributeError):
+    except OSError:
+        return "shared"
+    if _deny_sockets(libc):
+        done.append("seccomp")
+    try:
+        if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0 or libc.unshare(_CLONE_NEWNET) == 0:
+            done.append("namespace")
+    except AttributeError:
         pass
-    return "shared"
+    return "+".join(done) or "shared"
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+#: (audit arch, socket syscall number) of the architectures the filter knows (linux/audit.h, unistd.h)
+_ARCHES = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
+_LD_W_ABS, _JEQ_K, _RET_K = 0x20, 0x15, 0x06
+_RET_ALLOW, _RET_EACCES = 0x7FFF0000, 0x00050000 | 13
+_AF_UNIX = 1
+
+
+def _deny_sockets(libc: Any) -> bool:
+    """Install a seccomp filter: socket(family != AF_UNIX) fails with EACCES. False where it cannot."""
+    import platform
+
+    arch = _ARCHES.get(platform.machine())
+    if arch is None:
+        return False
+    audit_arch, nr_socket = arch
+    program = [
+        (_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
+        (_JEQ_K, 1, 0, audit_arch),
+        (_RET_K, 0, 0, _RET_ALLOW),  # another ABI (e.g. x32): left alone, the namespace still applies
+        (_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
+        (_JEQ_K, 0, 3, nr_socket),
+        (_LD_W_ABS, 0, 0, 16),  # args[0], the address family (low word)
+        (_JEQ_K, 1, 0, _AF_UNIX),
+        (_RET_K, 0, 0, _RET_EACCES),
+        (_RET_K, 0, 0, _RET_ALLOW),
+    ]
+    filters = (_SockFilter * len(program))(*(_SockFilter(*op) for op in program))
+    prog = _SockFprog(len(program), filters)
+    pr_set_no_new_privs, pr_set_seccomp, seccomp_mode_filter = 38, 22, 2
+    if libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0:
+        return False
+    return libc.prctl(pr_set_seccomp, seccomp_mode_filter, ctypes.byref(prog), 0, 0) == 0
 
 
 def init_worker(memory_mb: int, cpu_s: float, threads: int) -> None:

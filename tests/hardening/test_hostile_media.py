@@ -2,11 +2,13 @@
 
 The corpus (``bench.hostile_corpus``: pixel bombs, lying headers, truncated
 files, polyglots, lying audio and video headers, a 10^6-frame MP4 header,
-zip-in-mp4) is sent once, file by file, as data URIs in the content part of
-its kind, to a gateway process with the default pre chain in front of a
-scripted vLLM-Omni engine. A few files are served on purpose, repaired, and
+zip-in-mp4, ffconcat/HLS/DASH/SDP text sent as audio and video, a 192 kHz
+FLAC) is sent once, file by file, as data URIs in the content part of its
+kind, to a gateway process with the default pre chain in front of a scripted
+vLLM-Omni engine. A few files are served on purpose, repaired, and
 say so (e.g. a WAV cut short is served with the samples it holds). No file may
-get a 5xx or hang, and the gateway's peak RSS (VmHWM) stays under 300 MB.
+get a 5xx or hang, and the gateway's peak RSS (VmHWM) stays under 300 MB
+(decoding runs in the sandbox's workers, each capped by its own RLIMIT_AS).
 Time to refusal is a benchmark figure (``python -m bench.hostile_media``), not
 asserted here.
 """

@@ -250,3 +250,75 @@ def test_fetched_parts_count_against_the_request_budget_while_they_stream(bg, up
     finally:
         server.stop()
         bg.run(media.stop())
+
+
+def test_budgets_are_checked_from_probes_before_any_part_is_decoded(gw, upstreams):
+    """Seven 2 MP JPEGs cut short: their headers alone put the request over the modal budget, so the
+    answer is the budget's, not the decode error each one would have raised."""
+    from tests.media import jpeg
+
+    whole = jpeg(plain_image(64).resize((2000, 1000)), quality=70)
+    cut = whole[: len(whole) * 2 // 3]
+    parts = [{"type": "image_url", "image_url": {"url": data_uri("image/jpeg", cut)}} for _ in range(7)]
+    resp = _post(gw, parts)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "modal_budget_exceeded"
+    one = _post(gw, parts[:1])  # alone, within budget: it is decoded, and refused as truncated
+    assert one.status_code == 400 and one.json()["error"]["code"] == "invalid_media"
+
+
+def test_one_modality_refusal_comes_before_decoding(bg, upstreams, tmp_path):
+    chain = PolicyChainConfig(pre=[PolicySpec(name="media-fetch"),
+                                   PolicySpec(name="media-limits", config={"one_modality_per_message": "refuse"})])
+    server = GatewayServer(bg, gateway_settings(upstreams, chain, audit={"sqlite_path": str(tmp_path / "a.db")}),
+                           CollectorRegistry()).start()
+    try:
+        garbage = base64.b64encode(b"RIFF\0\0\0\0WAVEjunk" * 10).decode()
+        body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_uri("image/png", png(plain_image(64)))}},
+            {"type": "input_audio", "input_audio": {"data": garbage, "format": "wav"}}]}]}
+        resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == "one_modality_per_message"
+    finally:
+        server.stop()
+
+
+def test_requests_together_cannot_hold_more_media_than_the_process_budget(bg, upstreams, tmp_path):
+    """Two requests of 1 MB audio against a 1.5 MB process budget: the second waits, then gets a 503,
+    while the first's stream holds its bytes; once the first ends, the second is served."""
+    import asyncio
+
+    from tests.upstream import Script
+
+    media = {"max_request_bytes": 1_500_000, "max_inflight_bytes": 1_500_000, "inflight_wait_s": 0.5}
+    server = GatewayServer(bg, gateway_settings(upstreams, media=media,
+                                                audit={"sqlite_path": str(tmp_path / "a.db")}),
+                           CollectorRegistry()).start()
+    slow = Script(flavour="omni", text=" ".join(["word"] * 200), chunk_delay_s=0.05)
+    for upstream in (upstreams.omni_a, upstreams.omni_b):
+        upstreams.bg.call(lambda u=upstream: setattr(u, "default", slow))
+    part = {"type": "audio_url", "audio_url": {"url": data_uri("audio/wav", wav(tone(30.0), 16000))}}
+    body = {"model": OMNI_MODEL, "stream": True, "messages": [{"role": "user", "content": [part]}]}
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", server.url + "/v1/chat/completions", json=body) as first:
+                assert first.status_code == 200
+                lines = first.aiter_lines()  # kept: a dropped iterator closes the response
+                await anext(lines)  # the first request is in flight, holding its bytes
+                second = await client.post(server.url + "/v1/chat/completions", json={**body, "stream": False})
+            upstreams.reset()  # the first stream was closed; answers are quick again
+            await asyncio.sleep(0.2)
+            third = await client.post(server.url + "/v1/chat/completions", json={**body, "stream": False})
+            return second, third
+
+    try:
+        second, third = asyncio.run(go())  # the client on a loop of its own, not the gateway's
+        assert second.status_code == 503, second.text
+        assert second.json()["error"]["code"] == "overloaded" and second.headers.get("retry-after") == "1"
+        assert third.status_code == 200, third.text
+        assert server.services.media.inflight.used == 0
+    finally:
+        upstreams.reset()
+        server.stop()
