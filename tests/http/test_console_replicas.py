@@ -70,7 +70,7 @@ def test_a_session_on_one_replica_pins_and_both_see_it(pair):
             history = c.get("/admin/routing/transitions").json()
             assert history["source"] == "audit"
             pins = [t for t in history["transitions"] if t["action"] == "pin"]
-            assert len(pins) == 1 and pins[0]["detail"]["actor"] == "admin:console-session"
+            assert len(pins) == 1 and pins[0]["detail"]["actor"] == "admin:console-session (claimed: console)"
 
         rid = request_id(b, keys["acme"].key)
         assert wait_until(lambda: ca.get("/admin/audit/records", params={"request_id": rid}).json()["records"],

@@ -233,7 +233,9 @@ async def test_retention_writes_a_signed_cut_record_and_still_verifies(chain_sto
         await audit.aclose()
     report = await _verify(settings, require_covered=True)
     assert report.ok, report.problem
-    assert report.anchored_at == 10
+    # The background retention loop (every second at this setting) may cut once more under load, at the
+    # first cut's own record: either way the remaining chain is anchored by a signed cut.
+    assert report.anchored_at in (10, 11)
     rows, cps = await tables.read()
     assert rows[0][2] == "retention_cut" and cps[-1][0] == rows[0][0]  # the cut record is signed at once
 
