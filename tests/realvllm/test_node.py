@@ -48,13 +48,14 @@ def test_node_tool_calls_match_vllm(real_gateway, vllm):
 
 
 def test_node_response_format_is_valid_json(real_gateway, vllm):
-    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"],
-              "additionalProperties": False}
-    req = {"messages": PROMPT, "max_tokens": 40, "temperature": 0,
-           "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}, "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    req = {"messages": PROMPT, "max_tokens": 60, "temperature": 0,
+           "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
     got, want = both(real_gateway, vllm, "create", req)
     text = got["completion"]["choices"][0]["message"]["content"]
     assert text == want["completion"]["choices"][0]["message"]["content"]
+    assert got["completion"]["choices"][0]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(text), schema)
 
 
