@@ -93,7 +93,7 @@ class Completion:
     reasoning_key: str = "reasoning_content"
     logprobs: list[dict[str, Any]] | None = None
     #: the other answers of a request with ``n`` > 1 (choices 1..n-1; never streamed)
-    alternatives: list["Completion"] = field(default_factory=list)
+    alternatives: list[Completion] = field(default_factory=list)
 
     def add(self, d: Delta) -> None:
         """Fold a streamed delta into this completion."""

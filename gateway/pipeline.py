@@ -323,7 +323,7 @@ class Pipeline:
             # A field an engine cannot honour is refused, never dropped on the way to it.
             able = [e for e in fitting if features <= e.capabilities.features]
             if not able:
-                field = sorted(features - set().union(*(e.capabilities.features for e in fitting)) or features)[0]
+                field = min(features - set().union(*(e.capabilities.features for e in fitting)) or features)
                 raise InvalidRequest(f"the model {request.model!r} does not support {field}", param=field)
             fitting = able
         return fitting

@@ -179,7 +179,7 @@ class ResponseFormat(_Wire):
     json_schema: JSONSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
+    def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("json_schema is required when type is 'json_schema'")
         if self.type != "json_schema" and self.json_schema is not None:
@@ -254,7 +254,7 @@ class ChatCompletionRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _tools_consistent(self) -> "ChatCompletionRequest":
+    def _tools_consistent(self) -> ChatCompletionRequest:
         if isinstance(self.tool_choice, NamedToolChoice):
             names = {t.function.name for t in self.tools or ()}
             if self.tool_choice.function.name not in names:

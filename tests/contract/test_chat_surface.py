@@ -350,8 +350,8 @@ def test_n_is_refused_where_it_cannot_be_served_whole(client, ups, grounded):
         client.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2, stream=True)
     assert err.value.body["param"] == "n"
     server = grounded("hold")  # a post-policy judges one answer: n answers would pass unjudged
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
-        with pytest.raises(openai.BadRequestError) as err:
-            c.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2)
+    with (openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c,
+          pytest.raises(openai.BadRequestError) as err):
+        c.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2)
     assert err.value.body["param"] == "n"
     assert ups.vllm.request_count == 0

@@ -39,7 +39,7 @@ class VllmServer:
     def base_url(self) -> str:
         return self.root + "/v1"
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         out = self.log.open("ab")
         # A process group of its own: vLLM forks its engine core, and a stop must reach both.
         self.proc = subprocess.Popen(
