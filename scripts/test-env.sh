@@ -20,13 +20,17 @@ start_postgres() {
 }
 
 # Test tools from Debian: espeak-ng speaks the sentences the audio tests transcribe; promtool and a real
-# Prometheus (package prometheus), nginx and envsubst drive the telemetry and ops tests.
+# Prometheus (package prometheus), nginx and envsubst drive the telemetry and ops tests; node and npm the
+# openai-node suite.
 install_test_tools() {
   local missing=()
   command -v espeak-ng >/dev/null || missing+=(espeak-ng)
   command -v promtool >/dev/null || missing+=(prometheus)
   command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing+=(nginx)
   command -v envsubst >/dev/null || missing+=(gettext-base)
+  # node and npm run the openai-node contract suite (tests/node).
+  command -v node >/dev/null || missing+=(nodejs)
+  command -v npm >/dev/null || missing+=(npm)
   if [ "${#missing[@]}" -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

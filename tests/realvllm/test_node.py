@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import jsonschema
 import pytest
@@ -11,8 +10,7 @@ import pytest
 from tests.node import sdk
 from tests.realvllm.conftest import MODEL
 
-pytestmark = [pytest.mark.realvllm, pytest.mark.timeout(1800),
-              pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")]
+pytestmark = [pytest.mark.realvllm, pytest.mark.timeout(1800)]
 
 PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 WEATHER = {"type": "function", "function": {
