@@ -124,9 +124,14 @@ def same_greedy_tokens(got: list, want: list, tie: float = 0.5) -> None:
     after such a split the continuations differ legitimately. Anywhere else a difference is the gateway's.
     """
     assert len(got) == len(want)
+    for g in got:
+        # Greedy: each relayed token is its own top candidate, with that candidate's logprob.
+        best = max(g.top_logprobs, key=lambda t: t.logprob)
+        assert (best.token, best.logprob) == (g.token, g.logprob)
     for g, w in zip(got, want):
         if g.token == w.token:
-            assert g.logprob == pytest.approx(w.logprob, abs=0.05)
+            # bf16 noise between two runs moves a logprob by a few hundredths, rarely a tenth.
+            assert g.logprob == pytest.approx(w.logprob, abs=0.25)
             continue
         alternatives = {t.token: t.logprob for t in w.top_logprobs}
         assert g.token in alternatives and w.logprob - alternatives[g.token] <= tie, (g, w)
