@@ -355,3 +355,48 @@ def test_n_is_refused_where_it_cannot_be_served_whole(client, ups, grounded):
         c.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2)
     assert err.value.body["param"] == "n"
     assert ups.vllm.request_count == 0
+
+
+def test_the_unknown_fields_mode_follows_a_hot_reload(bg, upstreams, tmp_path):
+    import yaml
+
+    from gateway.settings import load_settings
+
+    upstreams.reset()
+    key = mint_key()
+    admin = {"authorization": "Bearer adm-secret-0123456789"}
+    doc = {
+        "engines": [{"name": "text-vllm", "kind": "vllm", "base_url": upstreams.vllm.base_url, "model": "scripted",
+                     "variant": "fp16", "serves": [TEXT_MODEL]}],
+        "admin": {"api_key": "adm-secret-0123456789"},
+        "tenants": [{"name": "t"}],
+        "api_keys": [{"id": key.id, "tenant": "t", "sha256": key.sha256}],
+        "audit": {"sqlite_path": str(tmp_path / "audit.db")},
+        "logging": {"level": "warning"},
+    }
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    server = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
+
+    def ask() -> httpx.Response:
+        return httpx.post(server.url + "/v1/chat/completions", timeout=10,
+                          headers={"authorization": f"Bearer {key.key}"},
+                          json={"model": TEXT_MODEL, "messages": _user(), "x_trace": "1"})
+
+    def reload() -> None:
+        path.write_text(yaml.safe_dump(doc))
+        assert httpx.post(server.url + "/admin/config/reload", headers=admin, timeout=10).status_code == 200
+
+    try:
+        assert ask().status_code == 400
+        doc["requests"] = {"unknown_fields": "drop"}
+        reload()
+        served = ask()
+        assert served.status_code == 200 and served.headers[DROPPED_HEADER] == "x_trace"
+        assert "x_trace" not in upstreams.vllm.requests[-1]
+        doc["tenants"] = [{"name": "t", "unknown_fields": "refuse"}]  # the tenant's own setting wins
+        reload()
+        refused = ask()
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "x_trace"
+    finally:
+        server.stop()
