@@ -300,15 +300,16 @@ class OpenAICompatEngine:
         calls = delta.get("tool_calls")
         reasoning, key = _reasoning(delta)
         lp = choice.get("logprobs")
+        index = choice.get("index") or 0  # n > 1: vLLM streams each choice's pieces under its index
         if not (text or calls or reasoning or lp):
             if finish is None and not usage:
                 return None
-            return Delta(finish_reason=finish, usage=_usage(usage) if usage else None)
+            return Delta(finish_reason=finish, usage=_usage(usage) if usage else None, index=index)
         return Delta(
             text=text, finish_reason=finish, usage=_usage(usage) if usage else None,
             tool_calls=[_call_fragment(c) for c in calls] if calls else None,
             reasoning=reasoning, reasoning_key=key,
-            logprobs=_logprob_entries(lp),
+            logprobs=_logprob_entries(lp), index=index,
         )
 
     def _completion(self, doc: dict[str, Any]) -> Completion:

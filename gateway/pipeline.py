@@ -717,6 +717,8 @@ class Pipeline:
         first: Delta | None = attempt.first
         last_t = 0.0
         cap = attempt.request.output_token_limit
+        if cap is not None:
+            cap *= attempt.request.choices  # n > 1: the pieces of every choice arrive on one stream
         pieces = 0
         try:
             while True:

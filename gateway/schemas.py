@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
 
@@ -235,13 +235,6 @@ class ChatCompletionRequest(BaseModel):
     top_k: Annotated[int, Field(ge=-1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     chat_template_kwargs: dict[str, bool] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _n_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and v > 1 and info.data.get("stream"):
-            raise ValueError("n > 1 is served for non-streamed requests only (stream: false)")
-        return v
 
     @field_validator("chat_template_kwargs")
     @classmethod

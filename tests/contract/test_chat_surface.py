@@ -345,15 +345,32 @@ def test_n_answers_come_back_as_n_choices_in_index_order(client, ups):
     assert ups.vllm.requests[-1]["n"] == 3
 
 
+def test_streamed_n_answers_keep_their_indices(client, ups):
+    ups.vllm.default = Script(text="Paris is big.")
+    stream = client.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=3, stream=True,
+                                            stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {0: "Paris is big.", 1: "Paris is big. [1]", 2: "Paris is big. [2]"}
+    assert finishes == {0: "stop", 1: "stop", 2: "stop"}
+    assert usage.completion_tokens == 3 * 3 + 2
+    assert ups.vllm.requests[-1]["n"] == 3
+
+
 def test_n_is_refused_where_it_cannot_be_served_whole(client, ups, grounded):
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2, stream=True)
-    assert err.value.body["param"] == "n"
     server = grounded("hold")  # a post-policy judges one answer: n answers would pass unjudged
-    with (openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c,
-          pytest.raises(openai.BadRequestError) as err):
-        c.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2)
-    assert err.value.body["param"] == "n"
+    for stream in (False, True):
+        with (openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c,
+              pytest.raises(openai.BadRequestError) as err):
+            c.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2, stream=stream)
+        assert err.value.body["param"] == "n"
     assert ups.vllm.request_count == 0
 
 

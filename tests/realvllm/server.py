@@ -47,7 +47,11 @@ class VllmServer:
             cwd=self.log.parent, start_new_session=True,
         )
         out.close()
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.kill()  # a server that never became ready (or an interrupted run) is not left behind
+            raise
         return self
 
     def wait_ready(self) -> None:

@@ -228,3 +228,17 @@ def test_n_choices_are_vllms(via, direct):
     assert [c.index for c in got.choices] == [0, 1]
     assert [c.message.content for c in got.choices] == [c.message.content for c in want.choices]
     assert got.usage.completion_tokens == want.usage.completion_tokens == 24
+
+
+def test_streamed_n_choices_are_vllms(via, direct):
+    kw = {"messages": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 11, "n": 2, "stream": True}
+
+    def by_index(stream) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for chunk in stream:
+            for c in chunk.choices:
+                out[c.index] = out.get(c.index, "") + (c.delta.content or "")
+        return out
+
+    got, want = (by_index(s) for s in both(via, direct, **kw))
+    assert got == want and set(got) == {0, 1}
