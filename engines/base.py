@@ -9,6 +9,7 @@ adapter that meets them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkable
 
@@ -64,6 +65,8 @@ class Delta:
     reasoning: str = ""
     reasoning_key: str = "reasoning_content"
     logprobs: list[dict[str, Any]] | None = None
+    #: the choice this piece belongs to (``n`` > 1); 0 otherwise
+    index: int = 0
 
     @property
     def output_pieces(self) -> int:
@@ -94,11 +97,19 @@ class Completion:
     reasoning: str = ""
     reasoning_key: str = "reasoning_content"
     logprobs: list[dict[str, Any]] | None = None
-    #: the other answers of a request with ``n`` > 1 (choices 1..n-1; never streamed)
-    alternatives: list["Completion"] = field(default_factory=list)
+    #: the other answers of a non-streamed request with ``n`` > 1 (choices 1..n-1)
+    alternatives: list[Completion] = field(default_factory=list)
 
     def add(self, d: Delta) -> None:
-        """Fold a streamed delta into this completion."""
+        """Fold a streamed delta into this completion (a piece of choice ``i`` > 0 into its alternative)."""
+        if d.index:
+            while len(self.alternatives) < d.index:
+                self.alternatives.append(Completion())
+            target = self.alternatives[d.index - 1]
+            target.add(dataclasses.replace(d, index=0, usage=None))
+            if d.usage is not None:
+                self.usage = d.usage
+            return
         if d.text:
             self.text += d.text
         if d.tool_calls:

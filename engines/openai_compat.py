@@ -302,15 +302,16 @@ class OpenAICompatEngine:
         calls = delta.get("tool_calls")
         reasoning, key = _reasoning(delta)
         lp = choice.get("logprobs")
+        index = choice.get("index") or 0  # n > 1: vLLM streams each choice's pieces under its index
         if not (text or calls or reasoning or lp):
             if finish is None and not usage:
                 return None
-            return Delta(finish_reason=finish, usage=_usage(usage) if usage else None)
+            return Delta(finish_reason=finish, usage=_usage(usage) if usage else None, index=index)
         return Delta(
             text=text, finish_reason=finish, usage=_usage(usage) if usage else None,
             tool_calls=[_call_fragment(c) for c in calls] if calls else None,
             reasoning=reasoning, reasoning_key=key,
-            logprobs=_logprob_entries(lp),
+            logprobs=_logprob_entries(lp), index=index,
         )
 
     def _completion(self, doc: dict[str, Any]) -> Completion:
@@ -331,17 +332,19 @@ _PASS_MODELS = ("tool_choice", "response_format")
 # What an engine's 400 says, mapped to the gateway's own words: (pattern in its message, code, param, message).
 # Its text itself never reaches the client (it names the engine's model, limits and internals).
 _REJECTIONS: tuple[tuple[re.Pattern[str], str, str | None, str], ...] = (
-    (re.compile(r"^'?max_(completion_)?tokens", re.I), "context_length_exceeded", "max_tokens",
+    (re.compile(r"^'?max_(completion_)?tokens", re.IGNORECASE), "context_length_exceeded", "max_tokens",
      "max_tokens is more than the model's context window leaves for the answer; lower it"),
-    (re.compile(r"context length|model length|max_model_len|too long|maximum context|prompt \(length", re.I),
+    (re.compile(r"context length|model length|max_model_len|too long|maximum context|prompt \(length", re.IGNORECASE),
      "context_length_exceeded", "messages",
      "the messages and max_tokens together exceed the model's context window; shorten them"),
-    (re.compile(r"tool.?choice|tool.?call|tools", re.I), "engine_rejected_request", "tools",
+    (re.compile(r"tool.?choice|tool.?call|tools", re.IGNORECASE), "engine_rejected_request", "tools",
      "the model does not accept these tools or this tool_choice"),
-    (re.compile(r"json.?schema|response.?format|grammar|guided|structured", re.I), "engine_rejected_request",
+    (re.compile(r"json.?schema|response.?format|grammar|guided|structured", re.IGNORECASE), "engine_rejected_request",
      "response_format", "the model does not accept this response_format"),
-    (re.compile(r"logprob", re.I), "engine_rejected_request", "top_logprobs",
+    (re.compile(r"logprob", re.IGNORECASE), "engine_rejected_request", "top_logprobs",
      "the model does not return logprobs as asked"),
+    (re.compile(r"\bn must\b|\bn\b.*\bgreedy", re.IGNORECASE), "engine_rejected_request", "n",
+     "the model cannot return n answers with these sampling settings (greedy decoding gives one)"),
 )
 
 

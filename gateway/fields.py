@@ -11,7 +11,8 @@ lost without the client being told.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -42,9 +43,9 @@ def _locate(node: Any, loc: Sequence[Any], delete: bool) -> str | None:
             return str(head)
         return None
     child = None
-    if isinstance(node, dict) and isinstance(head, str) and head in node:
-        child = node[head]
-    elif isinstance(node, list) and isinstance(head, int) and 0 <= head < len(node):
+    if (isinstance(node, dict) and isinstance(head, str) and head in node) or (
+        isinstance(node, list) and isinstance(head, int) and 0 <= head < len(node)
+    ):
         child = node[head]
     if child is not None:
         found = _locate(child, rest, delete)

@@ -327,7 +327,7 @@ class Pipeline:
             # A field an engine cannot honour is refused, never dropped on the way to it.
             able = [e for e in fitting if features <= e.capabilities.features]
             if not able:
-                field = sorted(features - set().union(*(e.capabilities.features for e in fitting)) or features)[0]
+                field = min(features - set().union(*(e.capabilities.features for e in fitting)) or features)
                 raise InvalidRequest(f"the model {request.model!r} does not support {field}", param=field)
             fitting = able
         return fitting
@@ -727,6 +727,8 @@ class Pipeline:
         first: Delta | None = attempt.first
         last_t = 0.0
         cap = attempt.request.output_token_limit
+        if cap is not None:
+            cap *= attempt.request.choices  # n > 1: the pieces of every choice arrive on one stream
         pieces = 0
         try:
             while True:

@@ -34,7 +34,7 @@ class ChunkRenderer:
     """Renders one stream's deltas as SSE frames. One instance per stream."""
 
     __slots__ = ("_head", "_text_open", "_text_close", "_speech", "_audio_id", "_fmt", "_audio_started",
-                 "_first", "_finish", "_include_usage", "_ctx", "_audio_head", "_expires")
+                 "_first", "_finish", "_include_usage", "_ctx", "_audio_head", "_expires", "_others")
 
     def __init__(self, request: ChatCompletionRequest, ctx: RequestContext, completion_id: str) -> None:
         created = int(time.time())
@@ -56,6 +56,8 @@ class ChunkRenderer:
         self._audio_started = False
         self._first = True
         self._finish: str | None = None
+        #: n > 1: the finish_reason of each choice after the first that has started (index -> reason)
+        self._others: dict[int, str | None] = {}
         self._include_usage = request.include_usage
         self._ctx = ctx
 
@@ -64,6 +66,8 @@ class ChunkRenderer:
         return self._head + b'[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
 
     def render(self, d: Delta) -> bytes:
+        if d.index:
+            return self._other(d)
         out = self._role() if self._first else b""
         if d.tool_calls or d.reasoning or d.logprobs:
             out += self._rich(d)
@@ -73,6 +77,19 @@ class ChunkRenderer:
             out += self._audio(d)
         if d.finish_reason is not None:
             self._finish = d.finish_reason
+        return out
+
+    def _other(self, d: Delta) -> bytes:
+        """A piece of choice ``d.index`` > 0 (n > 1, never speech): its own role frame first, its own stop."""
+        out = b""
+        if d.index not in self._others:
+            self._others[d.index] = None
+            out = (self._head + b'[{"index":' + str(d.index).encode()
+                   + b',"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n')
+        if d.finish_reason is not None:
+            self._others[d.index] = d.finish_reason
+        if d.text or d.tool_calls or d.reasoning or d.logprobs:
+            out += self._rich(d)
         return out
 
     def _rich(self, d: Delta) -> bytes:
@@ -87,7 +104,7 @@ class ChunkRenderer:
                 delta["content"] = d.text
         if d.tool_calls:
             delta["tool_calls"] = d.tool_calls
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+        choice: dict[str, Any] = {"index": d.index, "delta": delta, "finish_reason": None}
         if d.logprobs:
             choice["logprobs"] = {"content": d.logprobs}
         return self._head + orjson.dumps([choice]) + b"}\n\n"
@@ -107,6 +124,9 @@ class ChunkRenderer:
         """The finishing chunk (carrying the policies' notes as a top-level ``omnigate`` field), usage, [DONE]."""
         out = self._role() if self._first else b""
         notes = b',"omnigate":' + orjson.dumps(self._ctx.notes) if self._ctx.notes else b""
+        for index, finish in sorted(self._others.items()):
+            out += (self._head + b'[{"index":' + str(index).encode() + b',"delta":{},"finish_reason":'
+                    + orjson.dumps(finish or "stop") + b"}]}\n\n")
         out += (
             self._head + b'[{"index":0,"delta":{},"finish_reason":' + orjson.dumps(self._finish or "stop") + b"}]"
             + notes + b"}\n\n"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
 
@@ -179,7 +179,7 @@ class ResponseFormat(_Wire):
     json_schema: JSONSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
+    def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("json_schema is required when type is 'json_schema'")
         if self.type != "json_schema" and self.json_schema is not None:
@@ -236,13 +236,6 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     chat_template_kwargs: dict[str, bool] | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _n_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and v > 1 and info.data.get("stream"):
-            raise ValueError("n > 1 is served for non-streamed requests only (stream: false)")
-        return v
-
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs_allowed(cls, v: dict[str, bool] | None) -> dict[str, bool] | None:
@@ -254,7 +247,7 @@ class ChatCompletionRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _tools_consistent(self) -> "ChatCompletionRequest":
+    def _tools_consistent(self) -> ChatCompletionRequest:
         if isinstance(self.tool_choice, NamedToolChoice):
             names = {t.function.name for t in self.tools or ()}
             if self.tool_choice.function.name not in names:

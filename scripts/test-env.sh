@@ -21,7 +21,8 @@ start_postgres() {
 
 # Test tools from Debian: espeak-ng speaks the sentences the audio tests transcribe; promtool and a real
 # Prometheus (package prometheus), nginx and envsubst drive the telemetry and ops tests; headless
-# Chromium and its WebDriver (chromium, chromium-driver) run the console's browser tests.
+# Chromium and its WebDriver (chromium, chromium-driver) run the console's browser tests; node and npm the
+# openai-node suite.
 install_test_tools() {
   local missing=()
   command -v espeak-ng >/dev/null || missing+=(espeak-ng)
@@ -30,6 +31,9 @@ install_test_tools() {
   command -v envsubst >/dev/null || missing+=(gettext-base)
   [ -x /usr/bin/chromium ] || missing+=(chromium)
   [ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)
+  # node and npm run the openai-node contract suite (tests/node).
+  command -v node >/dev/null || missing+=(nodejs)
+  command -v npm >/dev/null || missing+=(npm)
   if [ "${#missing[@]}" -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

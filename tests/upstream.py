@@ -277,7 +277,7 @@ class _Plan:
     @property
     def rich(self) -> bool:
         s = self.script
-        return s.flavour == "vllm" and bool(s.tool_calls or s.reasoning or self.logprobs is not None)
+        return s.flavour == "vllm" and bool(s.tool_calls or s.reasoning or self.logprobs is not None or self.n > 1)
 
     def tool_pieces(self) -> list[tuple[int, str, str, list[str]]]:
         """(index, id, name, argument pieces) of each scripted tool call."""
@@ -619,11 +619,24 @@ class ScriptedUpstream:
                                                  "function": {"name": name, "arguments": ""}}]}))
             frames += [frame({"tool_calls": [{"index": index, "function": {"arguments": a}}]}) for a in args]
         frames.append(frame({"content": ""}, finish=plan.text_finish))
+        if plan.n > 1:
+            # vLLM streams each choice under its own index, interleaved; choice i says the text and " [i]".
+            streams = [frames]
+            for i in range(1, plan.n):
+                def other(delta: dict, finish: str | None = None, i: int = i) -> bytes:
+                    choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+                    return head + orjson.dumps([choice]) + b"}\n\n"
+                own = [other({"role": "assistant", "content": ""})]
+                own += [other({"content": p}) for p in (*plan.pieces, f" [{i}]")]
+                own.append(other({"content": ""}, finish=plan.text_finish))
+                streams.append(own)
+            frames = [f for group in itertools.zip_longest(*streams) for f in group if f is not None]
         return frames
 
     def _completion_tokens(self, plan: _Plan) -> int:
-        return len(plan.pieces) + sum(len(a) for *_, a in plan.tool_pieces()) + (
+        one = len(plan.pieces) + sum(len(a) for *_, a in plan.tool_pieces()) + (
             len(_text_pieces(plan.script.reasoning, 1)) if plan.script.reasoning else 0)
+        return one * plan.n + (plan.n - 1)  # each further choice also says " [i]"
 
     @staticmethod
     def _frames(plan: _Plan) -> list[bytes]:

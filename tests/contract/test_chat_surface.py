@@ -345,13 +345,75 @@ def test_n_answers_come_back_as_n_choices_in_index_order(client, ups):
     assert ups.vllm.requests[-1]["n"] == 3
 
 
+def test_streamed_n_answers_keep_their_indices(client, ups):
+    ups.vllm.default = Script(text="Paris is big.")
+    stream = client.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=3, stream=True,
+                                            stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {0: "Paris is big.", 1: "Paris is big. [1]", 2: "Paris is big. [2]"}
+    assert finishes == {0: "stop", 1: "stop", 2: "stop"}
+    assert usage.completion_tokens == 3 * 3 + 2
+    assert ups.vllm.requests[-1]["n"] == 3
+
+
 def test_n_is_refused_where_it_cannot_be_served_whole(client, ups, grounded):
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2, stream=True)
-    assert err.value.body["param"] == "n"
     server = grounded("hold")  # a post-policy judges one answer: n answers would pass unjudged
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
-        with pytest.raises(openai.BadRequestError) as err:
-            c.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2)
-    assert err.value.body["param"] == "n"
+    for stream in (False, True):
+        with (openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c,
+              pytest.raises(openai.BadRequestError) as err):
+            c.chat.completions.create(model=TEXT_MODEL, messages=_user(), n=2, stream=stream)
+        assert err.value.body["param"] == "n"
     assert ups.vllm.request_count == 0
+
+
+def test_the_unknown_fields_mode_follows_a_hot_reload(bg, upstreams, tmp_path):
+    import yaml
+
+    from gateway.settings import load_settings
+
+    upstreams.reset()
+    key = mint_key()
+    admin = {"authorization": "Bearer adm-secret-0123456789"}
+    doc = {
+        "engines": [{"name": "text-vllm", "kind": "vllm", "base_url": upstreams.vllm.base_url, "model": "scripted",
+                     "variant": "fp16", "serves": [TEXT_MODEL]}],
+        "admin": {"api_key": "adm-secret-0123456789"},
+        "tenants": [{"name": "t"}],
+        "api_keys": [{"id": key.id, "tenant": "t", "sha256": key.sha256}],
+        "audit": {"sqlite_path": str(tmp_path / "audit.db")},
+        "logging": {"level": "warning"},
+    }
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    server = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
+
+    def ask() -> httpx.Response:
+        return httpx.post(server.url + "/v1/chat/completions", timeout=10,
+                          headers={"authorization": f"Bearer {key.key}"},
+                          json={"model": TEXT_MODEL, "messages": _user(), "x_trace": "1"})
+
+    def reload() -> None:
+        path.write_text(yaml.safe_dump(doc))
+        assert httpx.post(server.url + "/admin/config/reload", headers=admin, timeout=10).status_code == 200
+
+    try:
+        assert ask().status_code == 400
+        doc["requests"] = {"unknown_fields": "drop"}
+        reload()
+        served = ask()
+        assert served.status_code == 200 and served.headers[DROPPED_HEADER] == "x_trace"
+        assert "x_trace" not in upstreams.vllm.requests[-1]
+        doc["tenants"] = [{"name": "t", "unknown_fields": "refuse"}]  # the tenant's own setting wins
+        reload()
+        refused = ask()
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "x_trace"
+    finally:
+        server.stop()

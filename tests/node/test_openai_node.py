@@ -4,16 +4,13 @@ vLLM."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from tests.conftest import TEXT_MODEL
 from tests.node import sdk
 from tests.upstream import Script
 
-pytestmark = [pytest.mark.timeout(600),
-              pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")]
+pytestmark = pytest.mark.timeout(600)  # node and npm come from scripts/test-env.sh
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

@@ -39,7 +39,7 @@ class VllmServer:
     def base_url(self) -> str:
         return self.root + "/v1"
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         out = self.log.open("ab")
         # A process group of its own: vLLM forks its engine core, and a stop must reach both.
         self.proc = subprocess.Popen(
@@ -47,7 +47,11 @@ class VllmServer:
             cwd=self.log.parent, start_new_session=True,
         )
         out.close()
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.kill()  # a server that never became ready (or an interrupted run) is not left behind
+            raise
         return self
 
     def wait_ready(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import jsonschema
 import pytest
@@ -11,8 +10,7 @@ import pytest
 from tests.node import sdk
 from tests.realvllm.conftest import MODEL
 
-pytestmark = [pytest.mark.realvllm, pytest.mark.timeout(1800),
-              pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")]
+pytestmark = [pytest.mark.realvllm, pytest.mark.timeout(1800)]
 
 PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 WEATHER = {"type": "function", "function": {
@@ -48,13 +46,14 @@ def test_node_tool_calls_match_vllm(real_gateway, vllm):
 
 
 def test_node_response_format_is_valid_json(real_gateway, vllm):
-    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"],
-              "additionalProperties": False}
-    req = {"messages": PROMPT, "max_tokens": 40, "temperature": 0,
-           "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}, "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    req = {"messages": PROMPT, "max_tokens": 60, "temperature": 0,
+           "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
     got, want = both(real_gateway, vllm, "create", req)
     text = got["completion"]["choices"][0]["message"]["content"]
     assert text == want["completion"]["choices"][0]["message"]["content"]
+    assert got["completion"]["choices"][0]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(text), schema)
 
 

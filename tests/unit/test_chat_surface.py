@@ -60,14 +60,15 @@ def test_inconsistent_tool_and_format_fields_are_invalid(doc):
 
 
 @pytest.mark.parametrize("said, code, param", [
-    ("This model's maximum context length is 2048 tokens. However, your prompt contains at least 2049 "
-     "input tokens", "context_length_exceeded", "messages"),
+    (("This model's maximum context length is 2048 tokens. However, your prompt contains at least 2049 "
+      "input tokens"), "context_length_exceeded", "messages"),
     ("max_tokens=9000 cannot be greater than max_model_len=2048.", "context_length_exceeded", "max_tokens"),
     ("'max_tokens' or 'max_completion_tokens' is too large: 4000. This model's maximum context length is 2048",
      "context_length_exceeded", "max_tokens"),
     ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
      "engine_rejected_request", "tools"),
     ("Invalid JSON schema in response_format", "engine_rejected_request", "response_format"),
+    ("n must be 1 when using greedy sampling, got 2.", "engine_rejected_request", "n"),
     ("something else entirely at /srv/secret", "engine_rejected_request", None),
 ])
 def test_engine_rejections_are_mapped_to_the_gateways_words(said, code, param):
@@ -137,6 +138,6 @@ def test_the_audit_record_digests_the_tool_calls_a_conversation_carries():
         {"role": "tool", "tool_call_id": "c", "content": "42"},
     ]})
     payload = request_payload(RequestSnapshot(RequestContext(request_id="r"), req, None, None, 1.0))
-    sha = hashlib.sha256('f{"a": 1}'.encode()).hexdigest()
+    sha = hashlib.sha256(b'f{"a": 1}').hexdigest()
     assert {"role": "assistant", "type": "tool_call", "sha256": sha, "chars": 9} in payload["input"]
     assert [e["type"] for e in payload["input"]] == ["text", "tool_call", "text"]
