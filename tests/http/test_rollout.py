@@ -119,7 +119,9 @@ def test_a_crashed_engine_is_ejected_after_failing_over_and_readmitted_by_a_half
         engines(fresh),
         [],
         probe_interval_s=60,
-        circuit=CircuitSettings(consecutive_failures=3, base_ejection_s=0.5, max_ejection_s=2),
+        # The ejection outlasts the ten requests below even on a loaded machine: a half-open trial among
+        # them would fail over a fourth time.
+        circuit=CircuitSettings(consecutive_failures=3, base_ejection_s=3, max_ejection_s=6),
     )
     registry = CollectorRegistry()
     server = _start(bg, s, registry)
