@@ -278,3 +278,63 @@ def test_urls_never_reach_an_engine_adapter():
     ok = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
     assert wire_messages(ok)[0]["content"][0]["image_url"]["url"].startswith("data:")
+
+
+# -- the gateway's own copies of a part --------------------------------------------------------------------
+
+
+def _peak_bytes(fn):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        result = fn()
+        return result, tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("shape", ["data-uri", "plain-base64"])
+def test_undoing_a_parts_base64_costs_only_its_bytes(shape):
+    """Decoding allocates the decoded bytes and, for a data URI, one transient byte copy of the URI to
+    view the payload in: no str slices of it, no second copy (each would be another 4/3 of the part at
+    the request's peak). Counting a part's bytes, or reading its declared type, allocates nothing."""
+    import base64
+
+    from policies.media.parts import MediaRef, decode_payload, declared_type, payload_size
+
+    raw = np.random.default_rng(1).integers(0, 256, 3_000_000, dtype=np.uint8).tobytes()
+    text = base64.b64encode(raw).decode()
+    if shape == "data-uri":
+        ref = MediaRef(0, 1, "audio", "audio_url", "data:audio/wav;base64," + text)
+    else:
+        ref = MediaRef(0, 1, "audio", "input_audio", text, "wav")
+    data, peak = _peak_bytes(lambda: decode_payload(ref))
+    assert data == raw
+    transient = len(ref.value) if shape == "data-uri" else 0
+    assert peak < len(raw) + transient + 64 * 1024, f"decoding a {len(raw):,}-byte part peaked at {peak:,} bytes"
+    size, peak = _peak_bytes(lambda: payload_size(ref))
+    assert size == len(raw)
+    assert peak < 64 * 1024, f"counting a part's bytes allocated {peak:,} bytes"
+    _, peak = _peak_bytes(lambda: declared_type(ref))
+    assert peak < 64 * 1024
+
+
+@pytest.mark.parametrize(
+    "payload",
+    ["", "QUJD=", "QU=D", "QUJD\n", "QUJ*", "Zm9v\u00e9"],
+    ids=["empty", "bad-length", "padding-inside", "newline", "bad-char", "non-ascii"],
+)
+def test_counting_a_parts_bytes_refuses_what_decoding_refuses(payload):
+    from policies.media.parts import MediaRef, decode_payload, payload_size
+
+    for ref in (MediaRef(0, 1, "audio", "audio_url", "data:audio/wav;base64," + payload),
+                MediaRef(0, 1, "audio", "input_audio", payload, "wav")):
+        with pytest.raises(InvalidMedia) as counted:
+            payload_size(ref)
+        with pytest.raises(InvalidMedia) as decoded:
+            decode_payload(ref)
+        assert counted.value.message == decoded.value.message
+        assert counted.value.param == ref.param
