@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import shared_memory
 from typing import Any
 
 import structlog
@@ -33,6 +35,8 @@ log = structlog.get_logger(__name__)
 
 #: what the parent waits beyond the worker's own alarm before it kills the worker
 _GRACE_S = 2.0
+#: bytes arguments from this size cross to the worker through shared memory (see _share)
+_SHARE_MIN = 1 << 20
 
 
 class DecoderFailed(InvalidMedia):
@@ -79,6 +83,15 @@ class Sandbox:
 
     async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], *, param: str) -> Any:
         """``fn(*args)`` in a worker: its result, the gateway error it raised, or a generic 400."""
+        args, segments = _share(args)
+        try:
+            return await self._run(fn, args, param)
+        finally:
+            for shm in segments:
+                shm.close()
+                shm.unlink()
+
+    async def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], param: str) -> Any:
         for attempt in (1, 2):
             if self._pool is None:
                 self._pool = self._new_pool()
@@ -108,6 +121,43 @@ class Sandbox:
         self._generation += 1
         self.replaced += 1
         _kill(old)
+
+
+def _share(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[shared_memory.SharedMemory]]:
+    """Large bytes arguments moved to shared-memory segments the caller unlinks after the task.
+
+    Pickled through the pool's call queue, a part would be copied into a pickle that the queue's
+    feeder thread keeps referenced until the next task is sent: another copy of the part held while
+    its request goes on to the engine. A segment is one copy, given back when the task returns. Where
+    no segment can be had (``/dev/shm`` full or missing), the bytes are pickled as before.
+    """
+    out: list[Any] = []
+    segments: list[shared_memory.SharedMemory] = []
+    for arg in args:
+        if isinstance(arg, bytes) and len(arg) >= _SHARE_MIN:
+            shm = _segment(len(arg))
+            if shm is not None:
+                shm.buf[: len(arg)] = arg
+                segments.append(shm)
+                out.append(worker.SharedBytes(shm.name, len(arg)))
+                continue
+        out.append(arg)
+    return tuple(out), segments
+
+
+def _segment(size: int) -> shared_memory.SharedMemory | None:
+    try:
+        shm = shared_memory.SharedMemory(create=True, size=size)
+    except OSError:
+        return None
+    try:
+        # Reserve the pages now: on a full tmpfs the copy into the mapping would be a SIGBUS, not an error.
+        os.posix_fallocate(shm._fd, 0, size)  # type: ignore[attr-defined]
+    except (OSError, AttributeError):
+        shm.close()
+        shm.unlink()
+        return None
+    return shm
 
 
 def _preload() -> list[str]:

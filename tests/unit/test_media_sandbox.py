@@ -338,3 +338,35 @@ def test_counting_a_parts_bytes_refuses_what_decoding_refuses(payload):
             decode_payload(ref)
         assert counted.value.message == decoded.value.message
         assert counted.value.param == ref.param
+
+
+def test_a_large_part_crosses_to_a_worker_without_a_copy_left_in_the_gateway():
+    """Sent through the pool's queue, a part's pickle stays referenced by the queue's feeder thread until
+    the next task: held while the request goes on to its engine. Large parts go through shared memory
+    instead, given back when the task returns."""
+    import os
+    import tracemalloc
+
+    data = np.random.default_rng(2).integers(0, 256, 8_000_000, dtype=np.uint8).tobytes()
+
+    async def go():
+        box = _sandbox()
+        await box.start()
+        try:
+            segments = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                n = await box.run(len, (data,), param="p")
+                held = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+            left = (set(os.listdir("/dev/shm")) - segments) if segments else set()
+            return n, held, left
+        finally:
+            await box.aclose()
+
+    n, held, left = _run(go())
+    assert n == len(data)
+    assert held < 1_000_000, f"{held:,} bytes still held after the task returned"
+    assert not left, left
