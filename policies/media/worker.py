@@ -153,12 +153,12 @@ class SharedBytes:
 def _resolve(arg: Any) -> Any:
     if not isinstance(arg, SharedBytes):
         return arg
-    from multiprocessing import resource_tracker, shared_memory
+    from multiprocessing import shared_memory
 
+    # Attaching registers the segment with the resource tracker again; a forkserver worker shares
+    # the parent's tracker, where that is a no-op and the parent's unlink is the one unregistration.
     shm = shared_memory.SharedMemory(name=arg.name)
     try:
-        # Attaching registers the segment as this process's; it is the parent's to unlink.
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         with shm.buf[: arg.size] as view:
             return bytes(view)
     finally:
