@@ -107,6 +107,29 @@ def payload_size(ref: MediaRef) -> int:
     return n // 4 * 3 - (2 if text.endswith("==") else 1 if text.endswith("=") else 0)
 
 
+def decode_payload_into(ref: MediaRef, buf: memoryview) -> int:
+    """Decode the part into ``buf`` (at least ``payload_size(ref)`` long) a piece at a time; its length.
+
+    For a part bound for the decoding workers: the only allocation is one piece of the payload and
+    its bytes, never a copy of the whole part beside the buffer.
+    """
+    text, start = _payload(ref)
+    _check_b64(text, start, ref.param)
+    pos = 0
+    for i in range(start, len(text), _PIECE):
+        try:
+            piece = binascii.a2b_base64(text[i : i + _PIECE], strict_mode=True)
+        except (binascii.Error, ValueError):
+            raise InvalidMedia(f"{ref.param}: malformed base64", param=ref.param) from None
+        buf[pos : pos + len(piece)] = piece
+        pos += len(piece)
+    return pos
+
+
+#: characters of base64 decoded at a time into a buffer (a multiple of 4: pieces decode on their own)
+_PIECE = 1 << 20
+
+
 def parse_data_uri(uri: str, param: str) -> tuple[str, bytes]:
     """``data:<type>[;params];base64,<payload>`` -> (media type, bytes). Only base64 payloads are media."""
     mediatype, start = _data_header(uri, param)

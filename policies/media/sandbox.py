@@ -30,13 +30,14 @@ from gateway import errors
 from gateway.errors import InvalidMedia, MediaTooLarge, Overloaded
 from gateway.settings import MediaSettings
 from policies.media import worker
+from policies.media.parts import MediaRef, decode_payload_into
 
 log = structlog.get_logger(__name__)
 
 #: what the parent waits beyond the worker's own alarm before it kills the worker
 _GRACE_S = 2.0
 #: bytes arguments from this size cross to the worker through shared memory (see _share)
-_SHARE_MIN = 1 << 20
+SHARE_MIN = 1 << 20
 
 
 class DecoderFailed(InvalidMedia):
@@ -134,7 +135,7 @@ def _share(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[shared_memory.S
     out: list[Any] = []
     segments: list[shared_memory.SharedMemory] = []
     for arg in args:
-        if isinstance(arg, bytes) and len(arg) >= _SHARE_MIN:
+        if isinstance(arg, bytes) and len(arg) >= SHARE_MIN:
             shm = _segment(len(arg))
             if shm is not None:
                 shm.buf[: len(arg)] = arg
@@ -143,6 +144,40 @@ def _share(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[shared_memory.S
                 continue
         out.append(arg)
     return tuple(out), segments
+
+
+class SharedPart:
+    """A part's decoded bytes in a shared-memory segment that workers read; its owner releases it."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, size: int) -> None:
+        self._shm = shm
+        self.handle = worker.SharedBytes(shm.name, size)
+
+    def view(self) -> memoryview:
+        """The bytes in place (use as a context manager: a view left open keeps the segment mapped)."""
+        return self._shm.buf[: self.handle.size]
+
+    def release(self) -> None:
+        self._shm.close()
+        self._shm.unlink()
+
+
+def shared_part(ref: MediaRef, size: int) -> SharedPart | None:
+    """The part decoded straight into a new segment of ``size`` bytes; None where none can be had.
+
+    The gateway then holds the part once, in the segment, for every task on it (probe, decode), and
+    never as bytes beside it. Malformed base64 is the same 400 as :func:`decode_payload`'s.
+    """
+    shm = _segment(size) if size > 0 else None
+    if shm is None:
+        return None
+    try:
+        decode_payload_into(ref, shm.buf)
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    return SharedPart(shm, size)
 
 
 def _segment(size: int) -> shared_memory.SharedMemory | None:

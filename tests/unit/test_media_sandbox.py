@@ -370,3 +370,27 @@ def test_a_large_part_crosses_to_a_worker_without_a_copy_left_in_the_gateway():
     assert n == len(data)
     assert held < 1_000_000, f"{held:,} bytes still held after the task returned"
     assert not left, left
+
+
+def test_a_part_decodes_into_a_shared_segment_a_piece_at_a_time():
+    """media-limits decodes a large part straight into the segment its workers read: the gateway holds
+    no decoded copy beside it, only one piece of the payload at a time."""
+    import base64
+
+    from policies.media.parts import MediaRef, payload_size
+    from policies.media.sandbox import shared_part
+
+    raw = np.random.default_rng(3).integers(0, 256, 8_000_001, dtype=np.uint8).tobytes()
+    ref = MediaRef(0, 1, "audio", "audio_url", "data:audio/wav;base64," + base64.b64encode(raw).decode())
+    seg, peak = _peak_bytes(lambda: shared_part(ref, payload_size(ref)))
+    assert seg is not None
+    try:
+        assert peak < 3_000_000, f"decoding into the segment allocated {peak:,} bytes"  # the part is 8 MB
+        with seg.view() as view:
+            assert view == raw
+        assert seg.handle.size == len(raw)
+    finally:
+        seg.release()
+    bad = MediaRef(0, 1, "audio", "input_audio", "QUJ*", "wav")
+    with pytest.raises(InvalidMedia):
+        shared_part(bad, 3)
