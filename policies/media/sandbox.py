@@ -173,7 +173,7 @@ def shared_part(ref: MediaRef, size: int) -> SharedPart | None:
         return None
     try:
         decode_payload_into(ref, shm.buf)
-    except BaseException:
+    except Exception:
         shm.close()
         shm.unlink()
         raise
