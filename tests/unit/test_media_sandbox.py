@@ -394,3 +394,26 @@ def test_a_part_decodes_into_a_shared_segment_a_piece_at_a_time():
     bad = MediaRef(0, 1, "audio", "input_audio", "QUJ*", "wav")
     with pytest.raises(InvalidMedia):
         shared_part(bad, 3)
+
+
+def test_without_shared_memory_a_large_part_is_pickled_as_before(monkeypatch):
+    """A full or missing /dev/shm is no failure: the part crosses in the task's pickle."""
+    import base64
+
+    from policies.media import sandbox
+    from policies.media.parts import MediaRef
+
+    monkeypatch.setattr(sandbox, "_segment", lambda size: None)
+    data = bytes(range(256)) * 8192  # 2 MiB
+    ref_text = "data:audio/wav;base64," + base64.b64encode(data).decode()
+    assert sandbox.shared_part(MediaRef(0, 1, "audio", "audio_url", ref_text), len(data)) is None
+
+    async def go():
+        box = _sandbox()
+        await box.start()
+        try:
+            return await box.run(len, (data,), param="p")
+        finally:
+            await box.aclose()
+
+    assert _run(go()) == len(data)
