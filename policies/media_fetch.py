@@ -21,9 +21,9 @@ from policies.media.parts import (
     _MEDIATYPE,
     MediaRef,
     data_uri,
-    decode_payload,
     make_part,
     media_parts,
+    payload_size,
     replace_parts,
 )
 from policies.media.sandbox import MediaRuntime
@@ -65,9 +65,10 @@ class MediaFetch:
         remote = [r for r in refs if r.is_remote]
         for ref in refs:
             if not ref.is_remote:
-                data = decode_payload(ref)
-                await ctx.media_budget.take(len(data), ref.param)
-                ctx.media.append(MediaRecord(part=ref.path, kind=ref.kind, source="data", bytes=len(data)))
+                # Checked and counted where it lies; media-limits decodes it, once.
+                size = payload_size(ref)
+                await ctx.media_budget.take(size, ref.param)
+                ctx.media.append(MediaRecord(part=ref.path, kind=ref.kind, source="data", bytes=size))
         if remote:
             try:
                 async with asyncio.TaskGroup() as tg:

@@ -43,9 +43,10 @@ from policies.media.parts import (
     decode_payload,
     make_part,
     media_parts,
+    payload_size,
     replace_parts,
 )
-from policies.media.sandbox import MediaRuntime
+from policies.media.sandbox import SHARE_MIN, MediaRuntime, SharedPart, shared_part
 from policies.media.targets import MediaTarget, check_modalities, targets_from
 
 if TYPE_CHECKING:
@@ -138,47 +139,62 @@ class MediaLimits:
         if ctx.media_budget is None:
             ctx.media_budget = runtime.request_budget()
         sandbox = runtime.sandbox
-        # Base64 is undone here, once (a strict alphabet check, no decoder): workers get raw bytes.
-        payloads = {ref.path: decode_payload(ref) for ref in refs}
-        # Headers first, for every part: a request the budgets refuse costs no decode.
-        # Workers get the part's place and kind, not its string: the bytes travel once, as bytes.
-        light = {ref.path: dataclasses.replace(ref, value="") for ref in refs}
-        probes = await self._each(
-            refs,
-            lambda ref: sandbox.run(
-                probe_part, (light[ref.path], payloads[ref.path], self._part_settings, target), param=ref.param
-            ),
-        )
-        for ref, probed in zip(refs, probes):
-            probed.ref = ref
-        self._check_probes(request, probes, target)
-        # A client's own data URI declares a type the bytes must match; a fetched part's type is a
-        # server's label, which media-fetch passed on and which is not held against the client.
-        from_client = {r.part for r in ctx.media if r.source == "data"}
-        room = ctx.media_budget.room
-
-        async def one(ref: MediaRef) -> _Done:
-            declared = declared_type(ref) if ref.path in from_client else None
-            t0 = time.perf_counter()
-            done: _Done = await sandbox.run(
-                process_part,
-                (light[ref.path], payloads[ref.path], self._part_settings, target, declared, room),
-                param=ref.param,
+        # Base64 is undone here, once (a strict alphabet check, no decoder): workers get raw bytes. A
+        # large part is decoded straight into a shared segment the workers read, so the gateway holds
+        # it once for both tasks (probe, decode), beside the client's string, and only until then.
+        segments: dict[str, SharedPart] = {}
+        try:
+            payloads: dict[str, Any] = {}
+            for ref in refs:
+                size = payload_size(ref)
+                seg = shared_part(ref, size) if size >= SHARE_MIN else None
+                if seg is None:
+                    payloads[ref.path] = decode_payload(ref)
+                else:
+                    segments[ref.path] = seg
+                    payloads[ref.path] = seg.handle
+            # Headers first, for every part: a request the budgets refuse costs no decode.
+            # Workers get the part's place and kind, not its string: the bytes travel once, as bytes.
+            light = {ref.path: dataclasses.replace(ref, value="") for ref in refs}
+            probes = await self._each(
+                refs,
+                lambda ref: sandbox.run(
+                    probe_part, (light[ref.path], payloads[ref.path], self._part_settings, target), param=ref.param
+                ),
             )
-            done.ref = ref
-            done.restore(payloads[ref.path])
-            if self._metrics is not None:
-                self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)
-            await ctx.media_budget.take(done.out_bytes, ref.param)
-            return done
+            for ref, probed in zip(refs, probes):
+                probed.ref = ref
+            self._check_probes(request, probes, target)
+            # A client's own data URI declares a type the bytes must match; a fetched part's type is a
+            # server's label, which media-fetch passed on and which is not held against the client.
+            from_client = {r.part for r in ctx.media if r.source == "data"}
+            room = ctx.media_budget.room
 
-        done = await self._each(refs, one)
-        self._check_budget(request, done, target)
-        new = {(d.ref.message, d.ref.index): d.parts for d in done}
-        out = replace_parts(request, new)
-        self._record(done, ctx)
-        out = self._segment(out, done, ctx)
-        return self._one_modality(out, ctx)
+            async def one(ref: MediaRef) -> _Done:
+                declared = declared_type(ref) if ref.path in from_client else None
+                t0 = time.perf_counter()
+                done: _Done = await sandbox.run(
+                    process_part,
+                    (light[ref.path], payloads[ref.path], self._part_settings, target, declared, room),
+                    param=ref.param,
+                )
+                done.ref = ref
+                done.restore(lambda: _payload_bytes(payloads[ref.path], segments.get(ref.path)))
+                if self._metrics is not None:
+                    self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)
+                await ctx.media_budget.take(done.out_bytes, ref.param)
+                return done
+
+            done = await self._each(refs, one)
+            self._check_budget(request, done, target)
+            new = {(d.ref.message, d.ref.index): d.parts for d in done}
+            out = replace_parts(request, new)
+            self._record(done, ctx)
+            out = self._segment(out, done, ctx)
+            return self._one_modality(out, ctx)
+        finally:
+            for seg in segments.values():
+                seg.release()
 
     async def _each(self, refs: list[MediaRef], fn: Any) -> list[Any]:
         """``fn`` for every part concurrently; the first part's error (in part order) is the answer."""
@@ -316,6 +332,13 @@ class MediaLimits:
     def _count(self, kind: str, outcome: str) -> None:
         if self._metrics is not None:
             self._metrics.media_parts.labels(kind, outcome).inc()
+
+
+def _payload_bytes(payload: Any, seg: SharedPart | None) -> bytes:
+    if seg is None:
+        return payload
+    with seg.view() as view:
+        return bytes(view)
 
 
 def _modalities(message: Message) -> set[str]:

@@ -196,6 +196,29 @@ def video(
     return buf.getvalue()
 
 
+def lying_video(frames: int = 8000, last_s: float = 119.0, rate: int = 6000) -> bytes:
+    """An H.264 MP4 whose timestamps lie: ``frames - 1`` frames 1/``rate`` s apart, then one at ``last_s``.
+
+    The header then says the video lasts ``last_s`` seconds, so a sampler planning 2 fps over it walks
+    thousands of frames that all claim to fall in its first second or so.
+    """
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        vs = out.add_stream("libx264", rate=Fraction(rate))
+        vs.width, vs.height, vs.pix_fmt = 64, 64, "yuv420p"
+        vs.codec_context.time_base = Fraction(1, rate)
+        vs.options = {"preset": "ultrafast", "bf": "0"}  # no B-frames: decode order is pts order
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.full((64, 64, 3), i % 255, np.uint8), format="rgb24")
+            frame.pts = i if i < frames - 1 else int(last_s * rate)
+            frame.time_base = Fraction(1, rate)
+            for p in vs.encode(frame):
+                out.mux(p)
+        for p in vs.encode(None):
+            out.mux(p)
+    return buf.getvalue()
+
+
 def video_facts(data: bytes) -> tuple[int, float, int, int]:
     """(decoded frame count, duration s, width, height) of a video, by decoding it."""
     with av.open(io.BytesIO(data)) as c:

@@ -27,7 +27,8 @@ from policies.media.container import AUDIO_FORMATS
 
 _KIND = {"image_url": "image", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
 _MEDIATYPE = re.compile(r"^[a-z0-9][a-z0-9!#$&^_.+-]{0,126}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}$")
-_B64_CHARS = re.compile(rb"^[A-Za-z0-9+/]*={0,2}$")
+# Matched in place (``fullmatch(text, pos)``): a part's payload is never sliced or re-encoded to be checked.
+_B64_CHARS = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,8 @@ def media_parts(request: ChatCompletionRequest) -> Iterator[MediaRef]:
 def declared_type(ref: MediaRef) -> str | None:
     """The media type the client declared for the part: its data URI's, else ``input_audio.format``'s."""
     if ref.value.startswith("data:"):
-        mediatype = ref.value[5:].partition(",")[0].split(";")[0].strip().lower()
+        comma = ref.value.find(",", 5, _MAX_HEADER)
+        mediatype = ref.value[5 : comma if comma >= 0 else _MAX_HEADER].split(";")[0].strip().lower()
         if mediatype:
             return mediatype
     if ref.declared_format is not None:
@@ -88,40 +90,94 @@ def declared_type(ref: MediaRef) -> str | None:
 
 
 def decode_payload(ref: MediaRef) -> bytes:
-    """The bytes of a data URI (or of input_audio's plain base64); a 400 naming the part otherwise."""
-    value = ref.value
-    if ref.type == "input_audio" and not value.startswith("data:"):
-        return _b64(value, ref.param)
-    return parse_data_uri(value, ref.param)[1]
+    """The bytes of a data URI (or of input_audio's plain base64); a 400 naming the part otherwise.
+
+    The payload is checked where it lies in the client's string and decoded without str slices:
+    besides the decoded bytes, a data URI costs one transient byte copy of itself, plain base64 none.
+    """
+    text, start = _payload(ref)
+    return _decode(text, start, ref.param)
+
+
+def payload_size(ref: MediaRef) -> int:
+    """The number of bytes ``decode_payload`` would return, with the same checks, decoding nothing."""
+    text, start = _payload(ref)
+    _check_b64(text, start, ref.param)
+    n = len(text) - start
+    return n // 4 * 3 - (2 if text.endswith("==") else 1 if text.endswith("=") else 0)
+
+
+def decode_payload_into(ref: MediaRef, buf: memoryview) -> int:
+    """Decode the part into ``buf`` (at least ``payload_size(ref)`` long) a piece at a time; its length.
+
+    For a part bound for the decoding workers: the only allocation is one piece of the payload and
+    its bytes, never a copy of the whole part beside the buffer.
+    """
+    text, start = _payload(ref)
+    _check_b64(text, start, ref.param)
+    pos = 0
+    for i in range(start, len(text), _PIECE):
+        try:
+            piece = binascii.a2b_base64(text[i : i + _PIECE], strict_mode=True)
+        except (binascii.Error, ValueError):
+            raise InvalidMedia(f"{ref.param}: malformed base64", param=ref.param) from None
+        buf[pos : pos + len(piece)] = piece
+        pos += len(piece)
+    return pos
+
+
+#: characters of base64 decoded at a time into a buffer (a multiple of 4: pieces decode on their own)
+_PIECE = 1 << 20
 
 
 def parse_data_uri(uri: str, param: str) -> tuple[str, bytes]:
     """``data:<type>[;params];base64,<payload>`` -> (media type, bytes). Only base64 payloads are media."""
+    mediatype, start = _data_header(uri, param)
+    return mediatype, _decode(uri, start, param)
+
+
+#: a data URI's header (``data:<type>;<params>,``) is short; a longer one is refused, never searched
+_MAX_HEADER = 512
+
+
+def _data_header(uri: str, param: str) -> tuple[str, int]:
+    """(media type, where the payload starts) of a base64 data URI."""
     if not uri.startswith("data:"):
         raise InvalidMedia(f"{param}: expected a data URI", param=param)
-    header, sep, payload = uri[5:].partition(",")
-    if not sep:
+    comma = uri.find(",", 5, _MAX_HEADER)
+    if comma < 0:
         raise InvalidMedia(f"{param}: malformed data URI (no comma)", param=param)
-    fields = header.split(";")
+    fields = uri[5:comma].split(";")
     mediatype = fields[0].strip().lower() or "application/octet-stream"
     if not _MEDIATYPE.match(mediatype):
         raise InvalidMedia(f"{param}: malformed data URI media type {mediatype[:40]!r}", param=param)
     if "base64" not in (f.strip().lower() for f in fields[1:]):
         raise InvalidMedia(f"{param}: media data URIs must be base64-encoded", param=param)
-    return mediatype, _b64(payload, param)
+    return mediatype, comma + 1
 
 
-def _b64(text: str, param: str) -> bytes:
-    raw = text.encode("ascii", "strict") if text.isascii() else None
-    if raw is None or len(raw) % 4 != 0 or not _B64_CHARS.match(raw):
-        raise InvalidMedia(f"{param}: malformed base64", param=param)
+def _payload(ref: MediaRef) -> tuple[str, int]:
+    if ref.type == "input_audio" and not ref.value.startswith("data:"):
+        return ref.value, 0
+    return ref.value, _data_header(ref.value, ref.param)[1]
+
+
+def _decode(text: str, start: int, param: str) -> bytes:
+    _check_b64(text, start, param)
+    # A slice of a str is a copy: a data URI's bytes, viewed from the payload on, are the one transient
+    # copy (none for plain base64: a2b_base64 reads an ASCII str as it is).
+    source: Any = text if start == 0 else memoryview(text.encode("ascii"))[start:]
     try:
-        data = base64.b64decode(raw, validate=True)
+        return binascii.a2b_base64(source, strict_mode=True)
     except (binascii.Error, ValueError):
         raise InvalidMedia(f"{param}: malformed base64", param=param) from None
-    if not data:
+
+
+def _check_b64(text: str, start: int, param: str) -> None:
+    if not text.isascii() or (len(text) - start) % 4 != 0 or not _B64_CHARS.fullmatch(text, start):
+        raise InvalidMedia(f"{param}: malformed base64", param=param)
+    if len(text) == start:
         raise InvalidMedia(f"{param}: the media is empty", param=param)
-    return data
 
 
 def data_uri(mediatype: str, data: bytes) -> str:

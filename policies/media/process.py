@@ -8,6 +8,7 @@ bounded by the bytes the request may still hold.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +52,7 @@ class Done:
     #: (media type, input_audio format) when the part is served as the client's own bytes
     same: tuple[str, str | None] | None = None
 
-    def restore(self, data: bytes) -> None:
+    def restore(self, data: bytes | Callable[[], bytes]) -> None:
         """Rebuild a marker's part from the bytes the parent kept.
 
         The client's own string is reused when it already says what the bytes are (``input_audio``
@@ -63,7 +64,10 @@ class Done:
         mediatype, fmt = self.same
         value = self.ref.value
         plain_base64 = self.ref.type == "input_audio" and not value.startswith("data:")
-        uri = value if plain_base64 or value.startswith(f"data:{mediatype};base64,") else data_uri(mediatype, data)
+        if plain_base64 or value.startswith(f"data:{mediatype};base64,"):
+            uri = value
+        else:  # the bytes are asked for only here: a shared part is copied out only when re-encoded
+            uri = data_uri(mediatype, data() if callable(data) else data)
         self.parts = [make_part(self.ref.type, uri, fmt)]
         self.same = None
 

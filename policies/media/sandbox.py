@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import shared_memory
 from typing import Any
 
 import structlog
@@ -28,11 +30,14 @@ from gateway import errors
 from gateway.errors import InvalidMedia, MediaTooLarge, Overloaded
 from gateway.settings import MediaSettings
 from policies.media import worker
+from policies.media.parts import MediaRef, decode_payload_into
 
 log = structlog.get_logger(__name__)
 
 #: what the parent waits beyond the worker's own alarm before it kills the worker
 _GRACE_S = 2.0
+#: bytes arguments from this size cross to the worker through shared memory (see _share)
+SHARE_MIN = 1 << 20
 
 
 class DecoderFailed(InvalidMedia):
@@ -79,6 +84,15 @@ class Sandbox:
 
     async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], *, param: str) -> Any:
         """``fn(*args)`` in a worker: its result, the gateway error it raised, or a generic 400."""
+        args, segments = _share(args)
+        try:
+            return await self._run(fn, args, param)
+        finally:
+            for shm in segments:
+                shm.close()
+                shm.unlink()
+
+    async def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], param: str) -> Any:
         for attempt in (1, 2):
             if self._pool is None:
                 self._pool = self._new_pool()
@@ -108,6 +122,77 @@ class Sandbox:
         self._generation += 1
         self.replaced += 1
         _kill(old)
+
+
+def _share(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[shared_memory.SharedMemory]]:
+    """Large bytes arguments moved to shared-memory segments the caller unlinks after the task.
+
+    Pickled through the pool's call queue, a part would be copied into a pickle that the queue's
+    feeder thread keeps referenced until the next task is sent: another copy of the part held while
+    its request goes on to the engine. A segment is one copy, given back when the task returns. Where
+    no segment can be had (``/dev/shm`` full or missing), the bytes are pickled as before.
+    """
+    out: list[Any] = []
+    segments: list[shared_memory.SharedMemory] = []
+    for arg in args:
+        if isinstance(arg, bytes) and len(arg) >= SHARE_MIN:
+            shm = _segment(len(arg))
+            if shm is not None:
+                shm.buf[: len(arg)] = arg
+                segments.append(shm)
+                out.append(worker.SharedBytes(shm.name, len(arg)))
+                continue
+        out.append(arg)
+    return tuple(out), segments
+
+
+class SharedPart:
+    """A part's decoded bytes in a shared-memory segment that workers read; its owner releases it."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, size: int) -> None:
+        self._shm = shm
+        self.handle = worker.SharedBytes(shm.name, size)
+
+    def view(self) -> memoryview:
+        """The bytes in place (use as a context manager: a view left open keeps the segment mapped)."""
+        return self._shm.buf[: self.handle.size]
+
+    def release(self) -> None:
+        self._shm.close()
+        self._shm.unlink()
+
+
+def shared_part(ref: MediaRef, size: int) -> SharedPart | None:
+    """The part decoded straight into a new segment of ``size`` bytes; None where none can be had.
+
+    The gateway then holds the part once, in the segment, for every task on it (probe, decode), and
+    never as bytes beside it. Malformed base64 is the same 400 as :func:`decode_payload`'s.
+    """
+    shm = _segment(size) if size > 0 else None
+    if shm is None:
+        return None
+    try:
+        decode_payload_into(ref, shm.buf)
+    except Exception:
+        shm.close()
+        shm.unlink()
+        raise
+    return SharedPart(shm, size)
+
+
+def _segment(size: int) -> shared_memory.SharedMemory | None:
+    try:
+        shm = shared_memory.SharedMemory(create=True, size=size)
+    except OSError:
+        return None
+    try:
+        # Reserve the pages now: on a full tmpfs the copy into the mapping would be a SIGBUS, not an error.
+        os.posix_fallocate(shm._fd, 0, size)  # type: ignore[attr-defined]
+    except (OSError, AttributeError):
+        shm.close()
+        shm.unlink()
+        return None
+    return shm
 
 
 def _preload() -> list[str]:

@@ -19,6 +19,7 @@ import signal
 import tempfile
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 #: what the forkserver imports once, so every worker starts with the decoders loaded
@@ -141,6 +142,29 @@ def probe() -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class SharedBytes:
+    """A task argument's bytes, left by the parent in a shared-memory segment it owns and unlinks."""
+
+    name: str
+    size: int
+
+
+def _resolve(arg: Any) -> Any:
+    if not isinstance(arg, SharedBytes):
+        return arg
+    from multiprocessing import shared_memory
+
+    # Attaching registers the segment with the resource tracker again; a forkserver worker shares
+    # the parent's tracker, where that is a no-op and the parent's unlink is the one unregistration.
+    shm = shared_memory.SharedMemory(name=arg.name)
+    try:
+        with shm.buf[: arg.size] as view:
+            return bytes(view)
+    finally:
+        shm.close()
+
+
 def run(fn: Callable[..., Any], args: tuple[Any, ...], deadline_s: float) -> tuple[str, Any]:
     """Run one task under a fresh CPU limit and a wall-clock alarm; errors come back as values.
 
@@ -156,7 +180,7 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...], deadline_s: float) -> tup
     resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
     signal.setitimer(signal.ITIMER_REAL, deadline_s)
     try:
-        return "ok", fn(*args)
+        return "ok", fn(*(_resolve(a) for a in args))
     except DeadlineExceeded:
         return "deadline", None
     except MemoryError:

@@ -28,7 +28,8 @@ from tests.media import Canary, data_uri, plain_image, png, tone, wav
 from tests.unit.test_media_sandbox import ffconcat_script
 
 pytestmark = pytest.mark.timeout(180)
-KEY_BARE, KEY_DEFAULT = mint_key(), mint_key()
+KEY_BARE, KEY_DEFAULT, KEY_FRAMES = mint_key(), mint_key(), mint_key()
+FRAME_BUDGET = 1000  # video.max_decoded_frames of the "frames" policy set (the default is 7,200)
 GENERIC = "the media URL cannot be fetched"
 
 
@@ -43,11 +44,17 @@ def _settings(upstreams, **extra) -> Settings:
     return gateway_settings(
         upstreams,
         PolicyChainConfig(pre=[PolicySpec(name="request-limits")]),  # no media-fetch, no media-limits
-        policy_sets={"bare": PolicyChainConfig(pre=[PolicySpec(name="request-limits")])},
-        tenants=[{"name": "bare-tenant", "policy_set": "bare"}, {"name": "plain-tenant"}],
+        policy_sets={
+            "bare": PolicyChainConfig(pre=[PolicySpec(name="request-limits")]),
+            "frames": PolicyChainConfig(pre=[PolicySpec(name="request-limits"), PolicySpec(
+                name="media-limits", config={"video": {"max_decoded_frames": FRAME_BUDGET}})]),
+        },
+        tenants=[{"name": "bare-tenant", "policy_set": "bare"}, {"name": "plain-tenant"},
+                 {"name": "frames-tenant", "policy_set": "frames"}],
         api_keys=[
             {"id": KEY_BARE.id, "tenant": "bare-tenant", "sha256": KEY_BARE.sha256},
             {"id": KEY_DEFAULT.id, "tenant": "plain-tenant", "sha256": KEY_DEFAULT.sha256},
+            {"id": KEY_FRAMES.id, "tenant": "frames-tenant", "sha256": KEY_FRAMES.sha256},
         ],
         **extra,
     )
@@ -322,3 +329,54 @@ def test_requests_together_cannot_hold_more_media_than_the_process_budget(bg, up
     finally:
         upstreams.reset()
         server.stop()
+
+
+
+def _forwarded_frames(sent: dict) -> list[int]:
+    """Frames in each video (or run of frame images) of one engine request, counted by decoding them."""
+    from tests.media import decode_data_uri, video_facts
+
+    counts = []
+    for message in sent["messages"]:
+        content = message["content"] if isinstance(message["content"], list) else []
+        videos = [p["video_url"]["url"] for p in content if p["type"] == "video_url"]
+        counts += [video_facts(decode_data_uri(url)[1])[0] for url in videos]
+        images = sum(1 for p in content if p["type"] == "image_url")
+        counts += [images] if images and not videos else []
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("key", "budget"), [(KEY_DEFAULT, 7200), (KEY_FRAMES, FRAME_BUDGET)], ids=["default-budget", "budget-1000"]
+)
+@pytest.mark.parametrize("last_s", [119.0, 100_000.0], ids=["claims-119s", "claims-28h"])
+def test_a_video_with_lying_timestamps_is_decoded_within_the_frame_budget(gw, upstreams, key, budget, last_s):
+    """8,000 frames 1/6000 s apart, then one at 119 s (or 28 hours): the header says two minutes (or
+    more, trimmed to 120 s), so 2 fps sampling plans 240 frames and walks a stream whose frames all
+    claim its first 1.3 s. Decoding stops after ``video.max_decoded_frames``: the engine gets exactly
+    the samples that fall among the first ``budget`` frames (one per 0.5 s of their timestamps, so 3
+    under the default 7,200 and 1 under 1,000), never the last frame, which lies past the budget (an
+    unbounded decode of the 119 s one sends 4).
+    A small request sent meanwhile is answered as usual."""
+    from tests.media import lying_video
+
+    data = lying_video(frames=8000, last_s=last_s)
+    part = {"type": "video_url", "video_url": {"url": data_uri("video/mp4", data)}}
+    before = upstreams.omni_a.request_count
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        hostile = pool.submit(_post, gw, [part], key)
+        time.sleep(0.2)
+        started = time.monotonic()
+        clean = _post(gw, [])
+        clean_s = time.monotonic() - started
+        resp = hostile.result(timeout=120)
+    assert clean.status_code == 200, clean.text
+    assert clean_s < 2.0, f"a clean request took {clean_s:.2f} s while a lying video was decoded"
+    assert resp.status_code == 200, resp.text
+    assert upstreams.omni_a.request_count == before + 2
+    sent = [r for r in upstreams.omni_a.requests[-2:] if "video_url" in str(r["messages"])]
+    assert len(sent) == 1
+    expected = 1 + int((budget - 1) / 6000 / 0.5)  # samples at 0, 0.5, 1.0 s among the decoded frames
+    assert _forwarded_frames(sent[0]) == [expected]
+    degraded = resp.headers.get("x-omnigate-degraded", "")
+    assert ("video-trimmed" in degraded) == (last_s > 120)

@@ -278,3 +278,142 @@ def test_urls_never_reach_an_engine_adapter():
     ok = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
     assert wire_messages(ok)[0]["content"][0]["image_url"]["url"].startswith("data:")
+
+
+# -- the gateway's own copies of a part --------------------------------------------------------------------
+
+
+def _peak_bytes(fn):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        result = fn()
+        return result, tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("shape", ["data-uri", "plain-base64"])
+def test_undoing_a_parts_base64_costs_only_its_bytes(shape):
+    """Decoding allocates the decoded bytes and, for a data URI, one transient byte copy of the URI to
+    view the payload in: no str slices of it, no second copy (each would be another 4/3 of the part at
+    the request's peak). Counting a part's bytes, or reading its declared type, allocates nothing."""
+    import base64
+
+    from policies.media.parts import MediaRef, decode_payload, declared_type, payload_size
+
+    raw = np.random.default_rng(1).integers(0, 256, 3_000_000, dtype=np.uint8).tobytes()
+    text = base64.b64encode(raw).decode()
+    if shape == "data-uri":
+        ref = MediaRef(0, 1, "audio", "audio_url", "data:audio/wav;base64," + text)
+    else:
+        ref = MediaRef(0, 1, "audio", "input_audio", text, "wav")
+    data, peak = _peak_bytes(lambda: decode_payload(ref))
+    assert data == raw
+    transient = len(ref.value) if shape == "data-uri" else 0
+    assert peak < len(raw) + transient + 64 * 1024, f"decoding a {len(raw):,}-byte part peaked at {peak:,} bytes"
+    size, peak = _peak_bytes(lambda: payload_size(ref))
+    assert size == len(raw)
+    assert peak < 64 * 1024, f"counting a part's bytes allocated {peak:,} bytes"
+    _, peak = _peak_bytes(lambda: declared_type(ref))
+    assert peak < 64 * 1024
+
+
+@pytest.mark.parametrize(
+    "payload",
+    ["", "QUJD=", "QU=D", "QUJD\n", "QUJ*", "Zm9v\u00e9"],
+    ids=["empty", "bad-length", "padding-inside", "newline", "bad-char", "non-ascii"],
+)
+def test_counting_a_parts_bytes_refuses_what_decoding_refuses(payload):
+    from policies.media.parts import MediaRef, decode_payload, payload_size
+
+    for ref in (MediaRef(0, 1, "audio", "audio_url", "data:audio/wav;base64," + payload),
+                MediaRef(0, 1, "audio", "input_audio", payload, "wav")):
+        with pytest.raises(InvalidMedia) as counted:
+            payload_size(ref)
+        with pytest.raises(InvalidMedia) as decoded:
+            decode_payload(ref)
+        assert counted.value.message == decoded.value.message
+        assert counted.value.param == ref.param
+
+
+def test_a_large_part_crosses_to_a_worker_without_a_copy_left_in_the_gateway():
+    """Sent through the pool's queue, a part's pickle stays referenced by the queue's feeder thread until
+    the next task: held while the request goes on to its engine. Large parts go through shared memory
+    instead, given back when the task returns."""
+    import os
+    import tracemalloc
+
+    data = np.random.default_rng(2).integers(0, 256, 8_000_000, dtype=np.uint8).tobytes()
+
+    async def go():
+        box = _sandbox()
+        await box.start()
+        try:
+            segments = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                n = await box.run(len, (data,), param="p")
+                held = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+            left = (set(os.listdir("/dev/shm")) - segments) if segments else set()
+            return n, held, left
+        finally:
+            await box.aclose()
+
+    n, held, left = _run(go())
+    assert n == len(data)
+    assert held < 1_000_000, f"{held:,} bytes still held after the task returned"
+    assert not left, left
+
+
+def test_a_part_decodes_into_a_shared_segment_a_piece_at_a_time():
+    """media-limits decodes a large part straight into the segment its workers read: the gateway holds
+    no decoded copy beside it, only one piece of the payload at a time."""
+    import base64
+
+    from policies.media.parts import MediaRef, payload_size
+    from policies.media.sandbox import shared_part
+
+    raw = np.random.default_rng(3).integers(0, 256, 8_000_001, dtype=np.uint8).tobytes()
+    ref = MediaRef(0, 1, "audio", "audio_url", "data:audio/wav;base64," + base64.b64encode(raw).decode())
+    seg, peak = _peak_bytes(lambda: shared_part(ref, payload_size(ref)))
+    assert seg is not None
+    try:
+        assert peak < 3_000_000, f"decoding into the segment allocated {peak:,} bytes"  # the part is 8 MB
+        with seg.view() as view:
+            assert view == raw
+        assert seg.handle.size == len(raw)
+    finally:
+        seg.release()
+    bad = MediaRef(0, 1, "audio", "input_audio", "QUJ*", "wav")
+    with pytest.raises(InvalidMedia):
+        shared_part(bad, 3)
+
+
+def test_without_shared_memory_a_large_part_is_pickled_as_before(monkeypatch):
+    """A full or missing /dev/shm is no failure: the part crosses in the task's pickle."""
+    import base64
+
+    from policies.media import sandbox
+    from policies.media.parts import MediaRef
+
+    monkeypatch.setattr(sandbox, "_segment", lambda size: None)
+    data = bytes(range(256)) * 8192  # 2 MiB
+    ref_text = "data:audio/wav;base64," + base64.b64encode(data).decode()
+    assert sandbox.shared_part(MediaRef(0, 1, "audio", "audio_url", ref_text), len(data)) is None
+
+    async def go():
+        box = _sandbox()
+        await box.start()
+        try:
+            return await box.run(len, (data,), param="p")
+        finally:
+            await box.aclose()
+
+    assert _run(go()) == len(data)
