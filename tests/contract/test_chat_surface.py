@@ -6,6 +6,7 @@ a field the gateway does not forward is refused by name or, when so configured, 
 from __future__ import annotations
 
 import json
+import secrets
 
 import httpx
 import openai
@@ -381,11 +382,12 @@ def test_the_unknown_fields_mode_follows_a_hot_reload(bg, upstreams, tmp_path):
 
     upstreams.reset()
     key = mint_key()
-    admin = {"authorization": "Bearer adm-secret-0123456789"}
+    admin_key = secrets.token_hex(32)  # the boot refuses typed and placeholder keys
+    admin = {"authorization": f"Bearer {admin_key}"}
     doc = {
         "engines": [{"name": "text-vllm", "kind": "vllm", "base_url": upstreams.vllm.base_url, "model": "scripted",
                      "variant": "fp16", "serves": [TEXT_MODEL]}],
-        "admin": {"api_key": "adm-secret-0123456789"},
+        "admin": {"api_key": admin_key},
         "tenants": [{"name": "t"}],
         "api_keys": [{"id": key.id, "tenant": "t", "sha256": key.sha256}],
         "audit": {"sqlite_path": str(tmp_path / "audit.db")},
