@@ -33,6 +33,13 @@ def both(via: openai.OpenAI, direct: openai.OpenAI, **kw):
             direct.chat.completions.create(model=DIRECT_MODEL, **kw))
 
 
+def both_streamed(via: openai.OpenAI, direct: openai.OpenAI, **kw):
+    """Each stream read to its end before the other is opened: two requests in flight at once would share
+    vLLM's batch, and a different batch can change a bf16 greedy decode on the CPU."""
+    got = streamed(via.chat.completions.create(model=MODEL, **kw))
+    return got, streamed(direct.chat.completions.create(model=DIRECT_MODEL, **kw))
+
+
 def streamed(stream) -> tuple[str, str | None, object, list]:
     text, finish, usage, logprobs = [], None, None, []
     for chunk in stream:
@@ -57,7 +64,7 @@ def test_json_answer_is_vllms(via, direct):
 def test_streamed_answer_and_usage_are_vllms(via, direct):
     kw = {"messages": PROMPT, "max_tokens": 20, "temperature": 0, "stream": True,
           "stream_options": {"include_usage": True}}
-    got, want = (streamed(s) for s in both(via, direct, **kw))
+    got, want = both_streamed(via, direct, **kw)
     assert got[0] == want[0] and got[0]
     assert got[1] == want[1] == "length"
     assert (got[2].prompt_tokens, got[2].completion_tokens) == (want[2].prompt_tokens, want[2].completion_tokens)
@@ -65,7 +72,7 @@ def test_streamed_answer_and_usage_are_vllms(via, direct):
 
 def test_stop_sequence_ends_with_stop(via, direct):
     kw = {"messages": PROMPT, "max_tokens": 200, "temperature": 0, "stop": [","], "stream": True}
-    got, want = (streamed(s) for s in both(via, direct, **kw))
+    got, want = both_streamed(via, direct, **kw)
     assert got[0] == want[0] and "," not in got[0]
     assert got[1] == want[1] == "stop"
 
@@ -145,7 +152,7 @@ def test_logprobs_are_vllms(via, direct):
     same_greedy_tokens(g, w)
     kw = {"messages": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2,
           "stream": True}
-    sg, sw = (streamed(s) for s in both(via, direct, **kw))
+    sg, sw = both_streamed(via, direct, **kw)
     assert len(sg[3]) == 6 and all(len(e.top_logprobs) == 2 for e in sg[3])
     same_greedy_tokens(sg[3], sw[3])
     assert "".join(e.token for e in sg[3]) == sg[0]  # the relayed logprobs are those of the relayed text
