@@ -210,9 +210,16 @@ def _run(tmp_path: Path, audit: dict, mode: str) -> None:
             for body in load.refused:
                 if "error" in body:
                     assert body["error"]["code"] in ("audit_unavailable", "overloaded"), body
-        gateway = _start(cfg, port, log)  # the store is back
+        # The store is back. A port of its own: the killed process's port is free for any new socket by
+        # now, an outgoing connection's included, so binding it again could fail for reasons of the test's.
+        port = _port()
+        url = f"http://127.0.0.1:{port}"
+        gateway = _start(cfg, port, log)
         procs.append(gateway)
-        _wait_ready(url + "/readyz", gateway)
+        try:
+            _wait_ready(url + "/readyz", gateway)
+        except RuntimeError as exc:  # say why the restart failed, not only that it did
+            raise RuntimeError(f"{exc}; the gateway's log ends: {log.read_text()[-3000:]}") from None
         deadline = time.monotonic() + 60
         while spool.exists() and spool.stat().st_size > 0:
             assert time.monotonic() < deadline, "the spool was not replayed"
