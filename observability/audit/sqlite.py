@@ -6,11 +6,7 @@ processes sharing the file still append to one chain.
 
 from __future__ import annotations
 
-import asyncio
-import sqlite3
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
 
 from observability.audit.chain import GENESIS, Checkpoint, Row, Seal
 from observability.audit.search import AuditQuery, select
@@ -25,51 +21,24 @@ from observability.audit.store import (
     cp_values,
     schema,
 )
-
-T = TypeVar("T")
+from observability.sqlite_worker import SQLiteWorker
 
 _SCHEMA = schema("INTEGER", "INTEGER")
 _ROW = ROW_SELECT
 
 
-class SQLiteStore:
+class SQLiteStore(SQLiteWorker):
     name = "sqlite"
-
-    def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-sqlite")
-        self._db: sqlite3.Connection | None = None
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    what = "audit"
 
     # -- lifecycle (on the store's own thread) --------------------------------------------------------
     def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.executescript(_SCHEMA)
+        db = self._connect(_SCHEMA)
         have = {r[1] for r in db.execute("PRAGMA table_info(audit_checkpoints)")}
         for name, sql_type in CHECKPOINT_V2_COLUMNS:
             if name not in have:
                 db.execute(f"ALTER TABLE audit_checkpoints ADD COLUMN {name} {sql_type.format(int_type='INTEGER')}")
         self._db = db
-
-    async def open(self) -> None:
-        await self._run(self._open)
-
-    async def close(self) -> None:
-        if self._db is not None:
-            await self._run(self._db.close)
-            self._db = None
-        self._pool.shutdown(wait=True)
-
-    @property
-    def db(self) -> sqlite3.Connection:
-        if self._db is None:
-            raise RuntimeError("the audit store is not open")
-        return self._db
 
     # -- the chain --------------------------------------------------------------------------------------
     def _head(self) -> tuple[int, str]:
@@ -101,17 +70,6 @@ class SQLiteStore:
         cp = seal(self._newest_cp(), seq, head)
         if cp is not None:
             self.db.execute(CP_INSERT + "(?, ?, ?, ?, ?, ?, ?, ?)", cp_values(cp))
-
-    def _locked(self, fn: Callable[[], T]) -> T:
-        db = self.db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            out = fn()
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        return out
 
     async def append_encoded(self, encode: Callable[[], list[Entry]], seal: Seal | None = None) -> list[Row]:
         def q() -> list[Row]:

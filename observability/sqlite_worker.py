@@ -1,0 +1,70 @@
+"""One SQLite connection driven from one worker thread, for the stores that keep a file of their own.
+
+A single thread keeps sqlite3 off the event loop and serialises this process's use of the
+connection; WAL with ``synchronous=FULL`` fsyncs each commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class SQLiteWorker:
+    """The thread, the connection and the write transaction; subclasses say what ``_open`` creates."""
+
+    #: names the worker thread and the error raised when the store is used before ``open``
+    what = "sqlite"
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.what}-sqlite")
+        self._db: sqlite3.Connection | None = None
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _connect(self, schema: str) -> sqlite3.Connection:
+        """On the worker thread: open the file (creating its folder) and apply ``schema``."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(schema)
+        return db
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    async def open(self) -> None:
+        await self._run(self._open)
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._run(self._db.close)
+            self._db = None
+        self._pool.shutdown(wait=True)
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise RuntimeError(f"the {self.what} store is not open")
+        return self._db
+
+    def _locked(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in a transaction that holds the database's write lock from its start."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            out = fn()
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return out
