@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from observability.audit.chain import ChainVerifier, Problem, Report, Signer
 from observability.audit.store import AuditStore
-
-PAGE = 5000
+from observability.audit.verify import feed_pages
 
 
 async def verify_range(store: AuditStore, signer: Signer | None, from_seq: int, to_seq: int) -> Report:
@@ -26,15 +25,7 @@ async def verify_range(store: AuditStore, signer: Signer | None, from_seq: int, 
         # The walk starts mid-chain: the stored link of its first record anchors it.
         anchor = (start - 1, first[0].prev_hash)
     verifier = ChainVerifier(checkpoints, signer, store.seq_of_hash, anchor=anchor)
-    after = start - 1
-    while not verifier.failed and after < to_seq:
-        rows = [r for r in await store.rows(after, min(PAGE, to_seq - after)) if r.seq <= to_seq]
-        if not rows:
-            break
-        for row in rows:
-            if not await verifier.feed(row):
-                break
-        after = rows[-1].seq
+    await feed_pages(verifier, store, start - 1, to_seq)
     report = verifier.finish()
     p = report.problem
     if p is not None and p.kind == "deleted" and p.seq == 1 and start > 1:
