@@ -33,6 +33,7 @@ from typing import Any, Callable, TypeVar
 
 import orjson
 
+from observability.audit.durable import append_fsynced
 from observability.audit.store import Entry
 
 T = TypeVar("T")
@@ -110,13 +111,7 @@ class Spool:
         await self._run(self._load)
 
     def _append(self, lines: bytes) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, lines)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_fsynced(self.path, lines, 0o600)
 
     async def add(self, after_seq: int, entries: list[Entry]) -> None:
         """Journal ``entries`` durably (call with :attr:`lock` held)."""

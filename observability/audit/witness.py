@@ -9,33 +9,23 @@ checkpoints; a head kept elsewhere still names the record that must be there
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import orjson
 
 from observability.audit.chain import Checkpoint
+from observability.audit.durable import append_fsynced
 
 
 class Witness:
     def __init__(self, path: Path | None) -> None:
         self.path = path
 
-    def _append(self, lines: bytes) -> None:
-        assert self.path is not None
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
-        try:
-            os.write(fd, lines)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     async def publish(self, checkpoints: list[Checkpoint]) -> None:
         if self.path is None or not checkpoints:
             return
         lines = b"".join(orjson.dumps(cp.to_json()) + b"\n" for cp in checkpoints)
-        await asyncio.to_thread(self._append, lines)
+        await asyncio.to_thread(append_fsynced, self.path, lines, 0o640)
 
 
 def read_heads(path: Path) -> dict[int, str]:
