@@ -7,11 +7,18 @@ clients (the official ``openai`` SDK) without starving the servers.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
+import httpx
 import uvicorn
 from prometheus_client import CollectorRegistry
 
@@ -99,6 +106,52 @@ class GatewayServer:
                 await asyncio.wait_for(self._task, 15)
 
         self.bg.run(_stop())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def omnigate_command() -> list[str]:
+    script = Path(sys.executable).with_name("omnigate")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "gateway.cli"]
+
+
+class ServeProcess:
+    """A real ``omnigate serve`` process on a port of its own, its output in ``log``."""
+
+    #: names the process in the error raised when it exits early
+    role = "gateway"
+
+    def __init__(self, config: Path, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log.open("wb")
+        self.log_path = log
+        self.proc = subprocess.Popen(
+            [*omnigate_command(), "serve", "--config", str(config), "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.role} exited: {self.log_path.read_text()[-2000:]}")
+        try:
+            return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:

@@ -3,19 +3,14 @@ replica is honoured or refused by the other within the documented bound (``refre
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from tests.contract.test_replicas import _free_port, _omnigate
-from tests.harness import wait_until
+from tests.harness import ServeProcess, wait_until
 from tests.stores import fresh_pg_database, redis_prefix
 from tests.upstream import Script, ScriptedUpstream
 
@@ -28,38 +23,10 @@ ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 BODY = {"model": "text", "messages": [{"role": "user", "content": "hi"}]}
 
 
-class Gateway:
-    def __init__(self, config: Path, log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = log.open("wb")
-        self.log_path = log
-        self.proc = subprocess.Popen(
-            [*_omnigate(), "serve", "--config", str(config), "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"gateway exited: {self.log_path.read_text()[-2000:]}")
-        try:
-            return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+class Gateway(ServeProcess):
     def chat(self, key: str) -> int:
         return httpx.post(self.url + "/v1/chat/completions", json=BODY, timeout=10,
                           headers={"authorization": f"Bearer {key}"}).status_code
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
 
 
 @pytest.fixture(scope="module")

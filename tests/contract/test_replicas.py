@@ -3,21 +3,16 @@ killed with SIGKILL whose slots come back by themselves once its leases expire."
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
 import redis
 import yaml
 
-from tests.harness import wait_until
+from tests.harness import ServeProcess, wait_until
 from tests.upstream import Script, ScriptedUpstream
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,17 +21,6 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 LEASE_TTL_S = 1.5
 SPEECH = {"model": "omni", "stream": True, "messages": [{"role": "user", "content": "Talk to me."}],
           "modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _omnigate() -> list[str]:
-    script = Path(sys.executable).with_name("omnigate")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "gateway.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -55,40 +39,14 @@ def rdb():
     client.close()
 
 
-class Replica:
-    def __init__(self, config: Path, log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = log.open("wb")
-        self.proc = subprocess.Popen(
-            [*_omnigate(), "serve", "--config", str(config), "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.log_path = log
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"replica exited: {self.log_path.read_text()[-2000:]}")
-        try:
-            return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
+class Replica(ServeProcess):
+    role = "replica"
 
     def metric(self, name: str) -> float:
         for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[-1])
         raise KeyError(name)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
 
 
 @pytest.fixture
