@@ -13,18 +13,11 @@ import orjson
 import pytest
 import yaml
 
-from tests.console_setup import ADMIN_KEY, OMNI, SIGNING_KEY, Engines, admin, chat, config, request_id, start, tenant_keys
+from tests.console_setup import ADMIN_KEY, OMNI, SIGNING_KEY, admin, chat, config, request_id, start, tenant_keys
 from tests.harness import wait_until
 from tests.stores import fresh_pg_database
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def eng(bg):
-    e = Engines(bg)
-    yield e
-    e.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -20,16 +20,9 @@ from pydantic import ValidationError
 from gateway.console import session
 from gateway.console.routes import CSP
 from gateway.settings import Settings
-from tests.console_setup import ADMIN, ADMIN_KEY, Engines, config, start, tenant_keys
+from tests.console_setup import ADMIN, ADMIN_KEY, config, start, tenant_keys
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def eng(bg):
-    e = Engines(bg)
-    yield e
-    e.stop()
 
 
 @pytest.fixture

@@ -15,18 +15,11 @@ import pytest
 import yaml
 
 from gateway.console import session
-from tests.console_setup import ADMIN, ADMIN_KEY, OMNI, SIGNING_KEY, Engines, config, request_id, start, tenant_keys
+from tests.console_setup import ADMIN, ADMIN_KEY, OMNI, SIGNING_KEY, config, request_id, start, tenant_keys
 from tests.harness import wait_until
 from tests.stores import fresh_pg_database, redis_prefix
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def eng(bg):
-    e = Engines(bg)
-    yield e
-    e.stop()
 
 
 @pytest.fixture
