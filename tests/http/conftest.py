@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
+from redis import asyncio as aioredis
 
 from tests.console_setup import Engines
+from tests.http.rollout_helpers import REDIS, Trio
 
 
 @pytest.fixture(scope="module")
@@ -13,3 +17,33 @@ def eng(bg):
     e = Engines(bg)
     yield e
     e.stop()
+
+
+@pytest.fixture(scope="module")
+def trio(bg):
+    """The rollout tests' three scripted engines (INT4, INT8, BF16), started once per module."""
+    t = Trio(bg)
+    yield t
+    t.stop()
+
+
+@pytest.fixture
+def fresh(trio):
+    trio.reset()
+    return trio
+
+
+@pytest.fixture
+def prefix(bg):
+    """A Redis key prefix of this test's own; its keys are deleted afterwards."""
+    p = f"omnigate-test:{uuid.uuid4().hex}"
+    yield p
+
+    async def _cleanup() -> None:
+        r = aioredis.from_url(REDIS)
+        keys = [k async for k in r.scan_iter(match=p + ":*")]
+        if keys:
+            await r.delete(*keys)
+        await r.aclose()
+
+    bg.run(_cleanup())

@@ -24,6 +24,7 @@ from tests.harness import BackgroundLoop
 from tests.upstream import Script, ScriptedUpstream
 
 MODEL = "omni"
+REDIS = "redis://127.0.0.1:6379/0"
 ADMIN_KEY = secrets.token_hex(32)  # the boot refuses typed keys
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 

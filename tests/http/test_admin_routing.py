@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from engines.control_settings import Rule, RuleAction, RuleSelector
 from tests.harness import GatewayServer, wait_until
-from tests.http.rollout_helpers import ADMIN_KEY, MODEL, Trio, admin, chat, engines, settings
+from tests.http.rollout_helpers import ADMIN_KEY, MODEL, admin, chat, engines, settings
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,13 +24,6 @@ RULE = Rule(
     recover_for_s=600,
     action=RuleAction(kind="shift", to_variants=["bf16"], trickle_weight=0.0),
 )
-
-
-@pytest.fixture(scope="module")
-def trio(bg):
-    t = Trio(bg)
-    yield t
-    t.stop()
 
 
 @pytest.fixture

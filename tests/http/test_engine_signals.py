@@ -10,20 +10,18 @@ nothing BF16 could fix was slow. A slow engine moves it.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import ClassVar
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from redis import asyncio as aioredis
 
 from engines.control_settings import Rule, RuleAction, SharedStateSettings, default_rules
 from gateway.settings import PolicyChainConfig, PolicySpec
 from policies.base import PolicyConfig
 from policies.registry import available_plugins
 from tests.harness import GatewayServer, wait_until
-from tests.http.rollout_helpers import MODEL, Trio, chat, engines, settings
+from tests.http.rollout_helpers import MODEL, REDIS, Trio, chat, engines, settings
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(180)
@@ -46,19 +44,6 @@ class SlowPre:
     async def pre(self, request, ctx):
         await asyncio.sleep(self.delay_s)
         return request
-
-
-@pytest.fixture(scope="module")
-def trio(bg):
-    t = Trio(bg)
-    yield t
-    t.stop()
-
-
-@pytest.fixture
-def fresh(trio):
-    trio.reset()
-    return trio
 
 
 def _rules() -> list[Rule]:
@@ -138,24 +123,6 @@ def test_a_slow_engine_rolls_int4_back(bg, fresh):
         assert after["int4"] == before["int4"] and after["bf16"] - before["bf16"] == 5
     finally:
         server.stop()
-
-
-REDIS = "redis://127.0.0.1:6379/0"
-
-
-@pytest.fixture
-def prefix(bg):
-    p = f"omnigate-test:{uuid.uuid4().hex}"
-    yield p
-
-    async def _cleanup() -> None:
-        r = aioredis.from_url(REDIS)
-        keys = [k async for k in r.scan_iter(match=p + ":*")]
-        if keys:
-            await r.delete(*keys)
-        await r.aclose()
-
-    bg.run(_cleanup())
 
 
 def test_two_replicas_on_redis_roll_back_for_a_slow_engine_not_for_a_slow_pre_policy(bg, fresh, prefix):

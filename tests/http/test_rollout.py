@@ -26,24 +26,11 @@ from engines.control_settings import (
 from engines.telemetry import TelemetryCollector
 from observability.metrics import Metrics
 from tests.harness import GatewayServer, wait_until
-from tests.http.rollout_helpers import MODEL, Trio, admin, chat, engines, settings
+from tests.http.rollout_helpers import MODEL, admin, chat, engines, settings
 from tests.speech import speech_set
 from tests.upstream import Script, ScriptedUpstream
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def trio(bg):
-    t = Trio(bg)
-    yield t
-    t.stop()
-
-
-@pytest.fixture
-def fresh(trio):
-    trio.reset()
-    return trio
 
 
 def _start(bg, s, registry=None) -> GatewayServer:

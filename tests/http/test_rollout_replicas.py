@@ -6,21 +6,18 @@ Uses the Redis at 127.0.0.1:6379 under a key prefix of its own per test.
 from __future__ import annotations
 
 import socket
-import uuid
 
 import pytest
 from prometheus_client import CollectorRegistry
-from redis import asyncio as aioredis
 
 from engines.control_settings import Rule, RuleAction, RuleSelector, SharedStateSettings
 from engines.rollback import ControllerState
 from engines.state_store import NotLeader, RedisStore
 from tests.harness import GatewayServer, wait_until
-from tests.http.rollout_helpers import MODEL, Trio, admin, chat, engines, settings
+from tests.http.rollout_helpers import MODEL, REDIS, admin, chat, engines, settings
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(180)
-REDIS = "redis://127.0.0.1:6379/0"
 
 RULE = Rule(
     name="int4-latency",
@@ -33,28 +30,6 @@ RULE = Rule(
     recover_for_s=0.5,
     action=RuleAction(kind="shift", to_variants=["bf16"], trickle_weight=0.0),
 )
-
-
-@pytest.fixture(scope="module")
-def trio(bg):
-    t = Trio(bg)
-    yield t
-    t.stop()
-
-
-@pytest.fixture
-def prefix(bg):
-    p = f"omnigate-test:{uuid.uuid4().hex}"
-    yield p
-
-    async def _cleanup() -> None:
-        r = aioredis.from_url(REDIS)
-        keys = [k async for k in r.scan_iter(match=p + ":*")]
-        if keys:
-            await r.delete(*keys)
-        await r.aclose()
-
-    bg.run(_cleanup())
 
 
 def _replica(bg, trio, prefix: str, name: str, rules=(RULE,)) -> GatewayServer:
