@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import orjson
@@ -33,6 +36,18 @@ def _rows(db) -> list[tuple]:
         conn.close()
 
 
+@contextmanager
+def _write_lock_held(db: Path) -> Iterator[None]:
+    """Another connection holds the database's write lock, so the store's commits wait until the block ends."""
+    lock = sqlite3.connect(db, isolation_level=None, timeout=0)
+    lock.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+
+
 @pytest.mark.parametrize("when_full", ["shed", "mark_gap"])
 def test_a_full_buffer_applies_the_configured_choice(bg, upstreams, tmp_path, when_full):
     upstreams.reset()
@@ -45,16 +60,11 @@ def test_a_full_buffer_applies_the_configured_choice(bg, upstreams, tmp_path, wh
     audit = server.services.audit
     try:
         assert _chat(server, "warm").status_code == 200
-        lock = sqlite3.connect(db, isolation_level=None, timeout=0)
-        lock.execute("BEGIN IMMEDIATE")
         with ThreadPoolExecutor(2) as pool:
-            try:
+            with _write_lock_held(db):
                 first = [pool.submit(_chat, server, rid) for rid in ("b1", "b2")]
                 assert wait_until(lambda: audit.depth == 2, timeout=10)
                 third = _chat(server, "b3")
-            finally:
-                lock.execute("ROLLBACK")
-                lock.close()
             assert [f.result().status_code for f in first] == [200, 200]
         if when_full == "shed":
             assert third.status_code == 503
@@ -86,14 +96,9 @@ def test_a_store_that_stalls_means_503_not_a_response_on_a_record_held_in_memory
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
     try:
         assert _chat(server, "warm").status_code == 200
-        lock = sqlite3.connect(db, isolation_level=None, timeout=0)
-        lock.execute("BEGIN IMMEDIATE")
-        try:
+        with _write_lock_held(db):
             stalled = _chat(server, "s1")  # its record cannot be made durable within ack_timeout_s
             refused = _chat(server, "s2")  # the store is known unavailable: refused before any engine call
-        finally:
-            lock.execute("ROLLBACK")
-            lock.close()
         for r in (stalled, refused):
             assert r.status_code == 503, r.text
             err = r.json()["error"]
@@ -121,16 +126,11 @@ def test_a_stream_whose_record_is_not_durable_ends_with_an_error_frame_not_a_cle
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
     try:
         assert _chat(server, "warm").status_code == 200
-        lock = sqlite3.connect(db, isolation_level=None, timeout=0)
-        lock.execute("BEGIN IMMEDIATE")
-        try:
-            with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=20,
-                              json={"model": TEXT_MODEL, "stream": True,
-                                    "messages": [{"role": "user", "content": "hi"}]}) as r:
-                lines = [line for line in r.iter_lines() if line]
-        finally:
-            lock.execute("ROLLBACK")
-            lock.close()
+        with _write_lock_held(db), httpx.stream(
+            "POST", server.url + "/v1/chat/completions", timeout=20,
+            json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+        ) as r:
+            lines = [line for line in r.iter_lines() if line]
         assert r.status_code == 200  # fixed by the first chunk; the stream's end is what acknowledges it
         assert lines[-1] == "data: [DONE]"
         error = orjson.loads(lines[-2].removeprefix("data: "))["error"]
