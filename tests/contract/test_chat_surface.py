@@ -33,12 +33,6 @@ WEATHER_TOOL = {
 CALL = {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}
 
 
-@pytest.fixture
-def client(gateway):
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=20) as c:
-        yield c
-
-
 def _user(text: str = "What is the weather in Paris?") -> list[dict]:
     return [{"role": "user", "content": text}]
 

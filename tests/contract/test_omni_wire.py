@@ -23,12 +23,6 @@ SAID = "One two three four five six seven eight."  # eight text pieces, one toke
 SPEECH = {"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
 
 
-@pytest.fixture
-def client(gateway):
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=20) as c:
-        yield c
-
-
 def _user(text: str = "Say something.") -> list[dict]:
     return [{"role": "user", "content": text}]
 

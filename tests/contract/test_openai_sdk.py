@@ -17,12 +17,6 @@ from tests.upstream import Script
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def client(gateway):
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=20) as c:
-        yield c
-
-
 def _user(text: str = "Say something.") -> list[dict]:
     return [{"role": "user", "content": text}]
 

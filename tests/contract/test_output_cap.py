@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from tests.conftest import OMNI_MODEL, TEXT_MODEL
@@ -13,12 +12,6 @@ from tests.upstream import Script
 pytestmark = pytest.mark.timeout(60)
 
 TEN = "one two three four five six seven eight nine ten"
-
-
-@pytest.fixture
-def client(gateway):
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=20) as c:
-        yield c
 
 
 def test_stream_is_cut_at_the_cap_when_the_engine_ignores_it(client, ups, gateway):
