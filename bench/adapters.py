@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
@@ -39,6 +40,17 @@ async def _drive(engine, request: ChatCompletionRequest, total: int, concurrency
     return time.process_time() - t0, chunks
 
 
+async def measure(config: EngineConfig, request: ChatCompletionRequest, total: int,
+                  concurrency: int) -> tuple[float, int]:
+    """CPU seconds and text chunks of ``total`` streamed requests through a fresh engine, after a warm-up."""
+    engine = build_engine(config)
+    await engine.start()
+    await _drive(engine, request, 10, 2)  # warm-up: imports, pools
+    cpu, chunks = await _drive(engine, request, total, concurrency)
+    await engine.aclose()
+    return cpu, chunks
+
+
 async def run(args: argparse.Namespace) -> dict:
     pin_self(0)
     port = free_port()
@@ -51,12 +63,9 @@ async def run(args: argparse.Namespace) -> dict:
         )
         out = {}
         for kind, model in (("vllm", "scripted"), ("litellm", "hosted_vllm/scripted")):
-            engine = build_engine(EngineConfig(name=kind, kind=kind, base_url=base, model=model, serves=["bench"],
-                                               api_key="sk-bench"))
-            await engine.start()
-            await _drive(engine, request, 10, 2)  # warm-up: imports, pools
-            cpu, chunks = await _drive(engine, request, args.requests, args.concurrency)
-            await engine.aclose()
+            config = EngineConfig(name=kind, kind=kind, base_url=base, model=model, serves=["bench"],
+                                  api_key="sk-bench")
+            cpu, chunks = await measure(config, request, args.requests, args.concurrency)
             out[kind] = {
                 "requests": args.requests,
                 "chunks": chunks,
@@ -71,13 +80,18 @@ async def run(args: argparse.Namespace) -> dict:
         up.wait(10)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def cli(doc: str | None, bench: Callable[[argparse.Namespace], Awaitable[dict]]) -> None:
+    """The command line both adapter benchmarks take: run ``bench`` and print its result as JSON."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     args = ap.parse_args()
-    print(json.dumps(asyncio.run(run(args)), indent=2))
+    print(json.dumps(asyncio.run(bench(args)), indent=2))
+
+
+def main() -> None:
+    cli(__doc__, run)
 
 
 if __name__ == "__main__":

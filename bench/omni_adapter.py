@@ -11,12 +11,9 @@ the scripted upstream on core 1; CPU is this process's user+system time over the
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 
-from bench.adapters import _drive
+from bench.adapters import cli, measure
 from bench.common import free_port, pin_self, spawn, wait_http
-from engines.pool import build_engine
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import EngineConfig
 
@@ -34,12 +31,8 @@ async def run(args: argparse.Namespace) -> dict:
         )
         out: dict = {}
         for kind in ("vllm", "vllm-omni"):
-            engine = build_engine(EngineConfig(name=kind, kind=kind, base_url=base, model="scripted",
-                                               serves=["bench"]))  # fmt: skip
-            await engine.start()
-            await _drive(engine, request, 10, 2)  # warm-up: imports, pools
-            cpu, chunks = await _drive(engine, request, args.requests, args.concurrency)
-            await engine.aclose()
+            config = EngineConfig(name=kind, kind=kind, base_url=base, model="scripted", serves=["bench"])
+            cpu, chunks = await measure(config, request, args.requests, args.concurrency)
             out[kind] = {"requests": args.requests, "chunks": chunks, "cpu_s": round(cpu, 3),
                          "cpu_us_per_chunk": round(cpu / chunks * 1e6, 1)}  # fmt: skip
         out["omni_extra_us_per_chunk"] = round(
@@ -52,12 +45,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--chunks", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=8)
-    args = ap.parse_args()
-    print(json.dumps(asyncio.run(run(args)), indent=2))
+    cli(__doc__, run)
 
 
 if __name__ == "__main__":
