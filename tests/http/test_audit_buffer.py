@@ -89,51 +89,50 @@ def test_a_full_buffer_applies_the_configured_choice(bg, upstreams, tmp_path, wh
         server.stop()
 
 
-def test_a_store_that_stalls_means_503_not_a_response_on_a_record_held_in_memory(bg, upstreams, tmp_path):
+@pytest.fixture
+def impatient(bg, upstreams, tmp_path):
+    """A gateway on a SQLite store that gives each record 0.6 s to become durable; it and the store's file."""
     upstreams.reset()
     db = tmp_path / "audit.db"
     settings = gateway_settings(upstreams, audit={"sqlite_path": str(db), "ack_timeout_s": 0.6})
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
-    try:
-        assert _chat(server, "warm").status_code == 200
-        with _write_lock_held(db):
-            stalled = _chat(server, "s1")  # its record cannot be made durable within ack_timeout_s
-            refused = _chat(server, "s2")  # the store is known unavailable: refused before any engine call
-        for r in (stalled, refused):
-            assert r.status_code == 503, r.text
-            err = r.json()["error"]
-            assert set(err) == {"message", "type", "param", "code"} and err["code"] == "audit_unavailable"
-            assert "sqlite" not in err["message"].lower() and r.headers["retry-after"] == "1"
-        assert wait_until(lambda: _chat(server, "after").status_code == 200, timeout=30)
-        rows = _rows(db)
-        kinds = [(r[1], r[2]) for r in rows]
-        # s1's record reached the store once it was back, followed by the record that its client got a 503.
-        assert ("request", "s1") in kinds and ("request_refused", "s1") in kinds
-        assert kinds.index(("request", "s1")) < kinds.index(("request_refused", "s1"))
-        assert ("request", "s2") in kinds  # refused at admission: its record says so itself
-        assert orjson.loads(rows[kinds.index(("request", "s2"))][3])["payload"]["error_code"] == "audit_unavailable"
-        assert bg.run(verify_store(server.services.audit.store, Signer("none", "default", None))).ok
-        # both: s2's own record (of its refusal) was not durable in time either while the lock was held
-        assert "omnigate_audit_ack_timeouts_total 2.0" in httpx.get(server.url + "/metrics").text
-    finally:
-        server.stop()
+    yield server, db
+    server.stop()
 
 
-def test_a_stream_whose_record_is_not_durable_ends_with_an_error_frame_not_a_clean_done(bg, upstreams, tmp_path):
-    upstreams.reset()
-    db = tmp_path / "audit.db"
-    settings = gateway_settings(upstreams, audit={"sqlite_path": str(db), "ack_timeout_s": 0.6})
-    server = GatewayServer(bg, settings, CollectorRegistry()).start()
-    try:
-        assert _chat(server, "warm").status_code == 200
-        with _write_lock_held(db), httpx.stream(
-            "POST", server.url + "/v1/chat/completions", timeout=20,
-            json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
-        ) as r:
-            lines = [line for line in r.iter_lines() if line]
-        assert r.status_code == 200  # fixed by the first chunk; the stream's end is what acknowledges it
-        assert lines[-1] == "data: [DONE]"
-        error = orjson.loads(lines[-2].removeprefix("data: "))["error"]
-        assert error["code"] == "audit_unavailable" and set(error) == {"message", "type", "param", "code"}
-    finally:
-        server.stop()
+def test_a_store_that_stalls_means_503_not_a_response_on_a_record_held_in_memory(bg, impatient):
+    server, db = impatient
+    assert _chat(server, "warm").status_code == 200
+    with _write_lock_held(db):
+        stalled = _chat(server, "s1")  # its record cannot be made durable within ack_timeout_s
+        refused = _chat(server, "s2")  # the store is known unavailable: refused before any engine call
+    for r in (stalled, refused):
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "audit_unavailable"
+        assert "sqlite" not in err["message"].lower() and r.headers["retry-after"] == "1"
+    assert wait_until(lambda: _chat(server, "after").status_code == 200, timeout=30)
+    rows = _rows(db)
+    kinds = [(r[1], r[2]) for r in rows]
+    # s1's record reached the store once it was back, followed by the record that its client got a 503.
+    assert ("request", "s1") in kinds and ("request_refused", "s1") in kinds
+    assert kinds.index(("request", "s1")) < kinds.index(("request_refused", "s1"))
+    assert ("request", "s2") in kinds  # refused at admission: its record says so itself
+    assert orjson.loads(rows[kinds.index(("request", "s2"))][3])["payload"]["error_code"] == "audit_unavailable"
+    assert bg.run(verify_store(server.services.audit.store, Signer("none", "default", None))).ok
+    # both: s2's own record (of its refusal) was not durable in time either while the lock was held
+    assert "omnigate_audit_ack_timeouts_total 2.0" in httpx.get(server.url + "/metrics").text
+
+
+def test_a_stream_whose_record_is_not_durable_ends_with_an_error_frame_not_a_clean_done(impatient):
+    server, db = impatient
+    assert _chat(server, "warm").status_code == 200
+    with _write_lock_held(db), httpx.stream(
+        "POST", server.url + "/v1/chat/completions", timeout=20,
+        json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+    ) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200  # fixed by the first chunk; the stream's end is what acknowledges it
+    assert lines[-1] == "data: [DONE]"
+    error = orjson.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "audit_unavailable" and set(error) == {"message", "type", "param", "code"}
