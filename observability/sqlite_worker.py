@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-class SQLiteWorker:
+class SQLiteWorker(ABC):
     """The thread, the connection and the write transaction; subclasses say what ``_open`` creates."""
 
     #: names the worker thread and the error raised when the store is used before ``open``
@@ -39,8 +40,9 @@ class SQLiteWorker:
         db.executescript(schema)
         return db
 
+    @abstractmethod
     def _open(self) -> None:
-        raise NotImplementedError
+        """On the worker thread: connect (``_connect`` with the store's schema) and set ``self._db``."""
 
     async def open(self) -> None:
         await self._run(self._open)
