@@ -2,6 +2,9 @@
 
 It needs no server and no network, so a bare install can answer requests. The
 first start converts the GGUF once and caches the result as safetensors.
+
+Its length: model conversion, the cached load and the generation thread belong to one engine and are
+kept together until the engine facts move onto the adapter's capabilities.
 """
 
 from __future__ import annotations

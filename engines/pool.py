@@ -17,6 +17,9 @@ queue per engine (``max_waiting``, at most ``max_wait_s``) and a freed slot is h
 straight to the oldest waiter, so newcomers cannot overtake; a full queue or a wait that
 runs out is :class:`gateway.errors.EngineBusy` (503 with ``Retry-After``). All of it runs
 on the event loop thread and needs no locks.
+
+Its length: weighted choice, slots, circuits, health probing and metrics are still one class; splitting it
+by job is part of the planned restructuring (issue: one kernel, one request loop).
 """
 
 from __future__ import annotations

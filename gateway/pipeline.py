@@ -20,6 +20,9 @@ for one call) is served as one engine call per segment, in order, concatenated
 into one response: the first segment's first chunk is the commit point; later
 segments may still fail over before their own first chunk; only the last
 segment's ``finish_reason`` is released and usage is summed.
+
+Its length: the JSON and stream paths still have an attempt loop each; folding them into one loop with
+the relay and the accounting beside it is the planned restructuring (issue: one kernel, one request loop).
 """
 
 from __future__ import annotations

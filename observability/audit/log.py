@@ -19,6 +19,9 @@ it fills and when it recovers, ``omnigate_audit_buffer_full_total``,
 until there is room; ``mark_gap`` keeps serving, and the chain gets a ``gap``
 record saying how many records are missing there. A store that fails is retried
 with backoff; its records stay in the buffer.
+
+Its length: the buffer, the writer task, checkpoints, the outage modes (refuse, spool, gap records) and
+retention share one ordering of records, so they are kept in one module.
 """
 
 from __future__ import annotations
