@@ -55,6 +55,16 @@ class Upstreams:
             self.bg.run(u.stop())
 
 
+@pytest.fixture(scope="module")
+def eng(bg: BackgroundLoop):
+    """The console tests' scripted engines (tests/console_setup.py), started once per module."""
+    from tests.console_setup import Engines
+
+    e = Engines(bg)
+    yield e
+    e.stop()
+
+
 @pytest.fixture(scope="session")
 def upstreams(bg: BackgroundLoop) -> Upstreams:
     ups = Upstreams(bg)

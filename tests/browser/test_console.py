@@ -27,7 +27,6 @@ from tests.console_setup import (
     ADMIN_KEY,
     FAST_RULE,
     OMNI,
-    Engines,
     admin,
     chat,
     config,
@@ -68,13 +67,6 @@ def driver():
     d = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     yield d
     d.quit()
-
-
-@pytest.fixture(scope="module")
-def eng(bg):
-    e = Engines(bg)
-    yield e
-    e.stop()
 
 
 @pytest.fixture(scope="module")

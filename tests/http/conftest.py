@@ -7,16 +7,7 @@ import uuid
 import pytest
 from redis import asyncio as aioredis
 
-from tests.console_setup import Engines
 from tests.http.rollout_helpers import REDIS, Trio
-
-
-@pytest.fixture(scope="module")
-def eng(bg):
-    """The console tests' scripted engines, started once per module."""
-    e = Engines(bg)
-    yield e
-    e.stop()
 
 
 @pytest.fixture(scope="module")
