@@ -334,6 +334,8 @@ class ScriptedUpstream:
         self.keepalive_timeout = keepalive_timeout  # idle keep-alive connections are closed after this
         self.default: Script = default or Script()
         self.models: list[str] = list(models or ["scripted"])
+        #: /v1/models' ``root`` per model id (vLLM lists the --model it loaded there); default: the id
+        self.roots: dict[str, str] = {}
         self.record = record
         self.requests: list[dict] = []
         self.headers: list[dict] = []
@@ -844,7 +846,8 @@ class ScriptedUpstream:
     async def _models(self, request: web.Request) -> web.Response:
         now = int(time.time())
         data = [
-            {"id": m, "object": "model", "created": now, "owned_by": "vllm", "root": m, "parent": None}
+            {"id": m, "object": "model", "created": now, "owned_by": "vllm", "root": self.roots.get(m, m),
+             "parent": None}
             for m in self.models
         ]
         return web.json_response({"object": "list", "data": data}, dumps=lambda o: orjson.dumps(o).decode())
