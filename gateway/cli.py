@@ -288,6 +288,10 @@ def verify_weights(args: argparse.Namespace) -> int:
     from gateway import weights
 
     folder = Path(args.dir)
+    if args.revision is not None and not weights.is_commit(args.revision):
+        print(f"weights NOT verified: revision {args.revision!r} is not a commit (40 hex digits): a branch or "
+              "tag can move, so only a commit pins the weights", file=sys.stderr)
+        return 1
     try:
         manifest = weights.parse_manifest(Path(args.manifest).read_text())
     except (OSError, UnicodeDecodeError, weights.ManifestError) as exc:

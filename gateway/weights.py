@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
 #: what huggingface_hub keeps beside the files of a download into a folder (its own bookkeeping)
 _DOWNLOAD_METADATA = (".cache/huggingface/",)
@@ -34,6 +35,10 @@ class Report:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+def is_commit(revision: str) -> bool:
+    return _COMMIT.match(revision) is not None
 
 
 def sha256_file(path: Path) -> str:

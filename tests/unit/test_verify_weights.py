@@ -112,6 +112,15 @@ def test_a_manifest_it_cannot_trust_fails_closed(capsys, snapshot, text):
     assert "weights NOT verified: manifest" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("revision", ["main", "unpinned", "v1.0", REV[:12], REV.upper()])
+def test_only_a_commit_pins(capsys, snapshot, revision):
+    folder, manifest = snapshot
+    _manifest(capsys, snapshot)
+    assert main(["verify-weights", "--dir", str(folder), "--manifest", str(manifest), "--revision", revision,
+                 "--download", "--model", "org/model"]) == 1
+    assert "is not a commit" in capsys.readouterr().err
+
+
 def test_no_manifest_or_no_folder_fails(capsys, snapshot, tmp_path):
     folder, manifest = snapshot
     assert _verify(folder, tmp_path / "absent.sha256") == 1
