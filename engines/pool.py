@@ -35,8 +35,8 @@ import structlog
 
 from engines.base import Engine
 from engines.circuit import Circuit
-from engines.identity import identity_problem
 from engines.control_settings import RoutingSettings
+from engines.identity import identity_problem
 from engines.rollback import Transition
 from engines.routing import EngineInfo, RoutingTable, base_weights
 from engines.signals import EngineSummary, OutcomeWindow
