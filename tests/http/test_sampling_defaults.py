@@ -8,8 +8,11 @@ import uuid
 import httpx
 import orjson
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 
+from gateway.reload import reload_config
+from gateway.settings import load_settings
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
 
@@ -94,3 +97,26 @@ def test_a_model_without_defaults_sends_none(server, fresh):
     assert resp.status_code == 200
     sent = fresh.vllm.requests[-1]
     assert "temperature" not in sent and "top_p" not in sent
+
+
+def test_a_reload_changes_the_defaults_for_the_next_request(bg, upstreams, tmp_path):
+    upstreams.reset()
+    doc = {"engines": [{"name": "text-vllm", "kind": "vllm", "base_url": upstreams.vllm.base_url,
+                        "model": "scripted", "serves": [TEXT_MODEL]}],
+           "models": {TEXT_MODEL: {"sampling_defaults": {"temperature": 0.7}}},
+           "audit": {"sqlite_path": str(tmp_path / "a.db")}, "logging": {"level": "warning"}}
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    s = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
+    body = {"model": TEXT_MODEL, "messages": [{"role": "user", "content": "hello"}]}
+    try:
+        assert httpx.post(s.url + "/v1/chat/completions", json=body, timeout=10).status_code == 200
+        assert upstreams.vllm.requests[-1]["temperature"] == 0.7
+        path.write_text(yaml.safe_dump({**doc, "models": {TEXT_MODEL: {"sampling_defaults": {"top_p": 0.5}}}}))
+        result = bg.run(reload_config(s.services, path))
+        assert result.ok and "models" not in result.restart_required
+        assert httpx.post(s.url + "/v1/chat/completions", json=body, timeout=10).status_code == 200
+        sent = upstreams.vllm.requests[-1]
+        assert sent["top_p"] == 0.5 and "temperature" not in sent
+    finally:
+        s.stop()
