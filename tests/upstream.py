@@ -336,6 +336,7 @@ class ScriptedUpstream:
         self.models: list[str] = list(models or ["scripted"])
         #: /v1/models' ``root`` per model id (vLLM lists the --model it loaded there); default: the id
         self.roots: dict[str, str] = {}
+        self.models_status = 200  # GET /v1/models' status (another: an engine whose model list cannot be read)
         self.record = record
         self.requests: list[dict] = []
         self.headers: list[dict] = []
@@ -844,6 +845,8 @@ class ScriptedUpstream:
     # -- other endpoints
 
     async def _models(self, request: web.Request) -> web.Response:
+        if self.models_status != 200:
+            return web.Response(status=self.models_status, body=_error_body("no models", "server_error", 500))
         now = int(time.time())
         data = [
             {"id": m, "object": "model", "created": now, "owned_by": "vllm", "root": self.roots.get(m, m),

@@ -65,6 +65,7 @@ def server(bg, engines):
 def fresh(bg, engines, server):
     for up in engines:
         _serve(up, "org/pinned", REV)
+        up.models_status = 200
         bg.call(up.reset_stats)
     bg.run(server.services.pool.probe_now())
     return engines
@@ -129,3 +130,12 @@ def test_an_engine_back_on_the_right_revision_is_routed_to_again(server, fresh):
     _probe(server)
     assert _ask(server).json()["choices"][0]["message"]["content"] == "from a"
     assert server.services.pool.mismatches() == {}
+
+
+def test_an_engine_whose_model_list_cannot_be_read_is_not_routed_to(server, fresh):
+    a, _ = fresh
+    a.models_status = 500  # /health still answers 200
+    _probe(server)
+    assert _ask(server).json()["choices"][0]["message"]["content"] == "from b"
+    assert a.request_count == 0
+    assert "could not be read" in server.services.pool.mismatches()["a"]
