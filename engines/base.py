@@ -162,6 +162,9 @@ class Capabilities:
     #: request fields of gateway.schemas.FEATURE_FIELDS the engine honours; a request setting any other
     #: is not sent to it (refused when no engine for the model honours it)
     features: frozenset[str] = frozenset()
+    #: the engine enforces a reasoning-token budget itself (vLLM's ``thinking_token_budget``); without
+    #: it only ``max_tokens`` bounds thinking (gateway/thinking.py)
+    thinking_budget: bool = False
 
     @property
     def speaks(self) -> bool:

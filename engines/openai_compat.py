@@ -102,7 +102,8 @@ class OpenAICompatEngine:
         self._url = self._base + "/chat/completions"
         # n > 1 only where every choice is read back (plain vLLM); vLLM-Omni's answers fold choices into one.
         features = frozenset(FEATURE_FIELDS) | ({"n"} if config.kind == "vllm" else set())
-        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs, features=features)
+        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs, features=features,
+                                         thinking_budget=config.thinking_budget)
         self._headers = {"Content-Type": "application/json"}
         if config.api_key is not None:
             self._headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
@@ -148,6 +149,21 @@ class OpenAICompatEngine:
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
+    async def served_models(self) -> list[dict[str, Any]]:
+        """The engine's ``/v1/models`` cards (``id``, ``root``): what engines/identity.py checks."""
+        session = self._require_session()
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s + 2):
+                async with session.get(self._base + "/models", headers=self._headers) as resp:
+                    if resp.status != 200:
+                        raise EngineUnavailable(f"engine {self.name} answered {resp.status} to /v1/models",
+                                                engine=self.name)
+                    doc = orjson.loads(await resp.read())
+        except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
+            raise EngineUnavailable(f"engine {self.name} did not list its models", engine=self.name) from exc
+        data = doc.get("data") if isinstance(doc, dict) else None
+        return [c for c in data if isinstance(c, dict)] if isinstance(data, list) else []
+
     # -- request shape ---------------------------------------------------
     def payload(self, request: ChatCompletionRequest, *, stream: bool) -> dict[str, Any]:
         """The allow-listed body sent upstream; nothing else from the client passes."""
@@ -167,6 +183,9 @@ class OpenAICompatEngine:
             value = getattr(request, key)
             if value is not None:
                 body[key] = value
+        if self.capabilities.thinking_budget and request.thinking_token_budget is not None:
+            # Only here: vLLM refuses the field outright when it was not served with a reasoning config.
+            body["thinking_token_budget"] = request.thinking_token_budget
         for key in _PASS_MODELS:
             value = getattr(request, key)
             if value is not None:

@@ -36,6 +36,7 @@ import structlog
 from engines.base import Engine
 from engines.circuit import Circuit
 from engines.control_settings import RoutingSettings
+from engines.identity import identity_problem
 from engines.rollback import Transition
 from engines.routing import EngineInfo, RoutingTable, base_weights
 from engines.signals import EngineSummary, OutcomeWindow
@@ -96,6 +97,11 @@ class EnginePool:
         self._metrics = metrics
         self._probe_interval_s = self.routing.probe_interval_s if probe_interval_s is None else probe_interval_s
         self._healthy: dict[str, bool] = {name: False for name in self.engines}
+        #: engines serving another model id or revision than configured: never routed to, with the reason
+        self._mismatched: dict[str, str] = {
+            e.name: "its model has not been verified yet" for e in self.engines.values()
+            if e.config.expected_model is not None or e.config.expected_revision is not None
+        }
         self._by_model: dict[str, list[Engine]] = {}
         for engine in sorted(self.engines.values(), key=lambda e: _ROLE_ORDER[e.config.role]):
             for public in engine.config.serves:
@@ -148,6 +154,8 @@ class EnginePool:
         standby: list[Engine] = []
         down: list[Engine] = []
         for e in engines:
+            if e.name in self._mismatched:
+                continue  # not even as a last resort: it would answer with another model's weights
             up = self._healthy.get(e.name, False) and self._circuits[e.name].available()
             if not up or self._full(e.name):
                 down.append(e)
@@ -182,6 +190,10 @@ class EnginePool:
 
     def health_report(self) -> dict[str, bool]:
         return dict(self._healthy)
+
+    def mismatches(self) -> dict[str, str]:
+        """Engines that do not serve the model id or revision they were configured with, and why."""
+        return dict(self._mismatched)
 
     def circuit_state(self, name: str) -> str:
         return self._circuits[name].current()
@@ -490,14 +502,14 @@ class EnginePool:
             log.error("engine_start_failed", engine=engine.name, error=str(exc))
             self._set_health(engine, False)
         else:
-            self._set_health(engine, await engine.health())
+            self._set_health(engine, await self._probe(engine))
         await self._probe_forever(engine)
 
     async def _probe_forever(self, engine: Engine) -> None:
         while True:
             await asyncio.sleep(self._probe_interval_s)
             try:
-                healthy = await engine.health()
+                healthy = await self._probe(engine)
             except Exception as exc:
                 log.warning("engine_probe_failed", engine=engine.name, error=str(exc))
                 healthy = False
@@ -505,7 +517,33 @@ class EnginePool:
 
     async def probe_now(self) -> None:
         for engine in self.engines.values():
-            self._set_health(engine, await engine.health())
+            self._set_health(engine, await self._probe(engine))
+
+    async def _probe(self, engine: Engine) -> bool:
+        """The engine's health, and (where configured) that it serves the expected model id and revision."""
+        healthy = await engine.health()
+        cfg = engine.config
+        if cfg.expected_model is None and cfg.expected_revision is None:
+            return healthy
+        problem: str | None = None
+        if healthy:
+            try:
+                problem = identity_problem(cfg.expected_model, cfg.expected_revision,
+                                           await engine.served_models())  # type: ignore[attr-defined]
+            except Exception as exc:
+                problem = f"its model list could not be read ({type(exc).__name__})"
+        elif engine.name in self._mismatched:
+            return False  # down as well: the mismatch stands until a probe shows the right model
+        if problem != self._mismatched.get(engine.name):
+            if problem is None:
+                del self._mismatched[engine.name]
+                log.info("engine_model_verified", engine=engine.name, model=cfg.expected_model,
+                         revision=cfg.expected_revision)
+            else:
+                self._mismatched[engine.name] = problem
+                log.error("engine_model_mismatch", engine=engine.name, reason=problem,
+                          expected_model=cfg.expected_model, expected_revision=cfg.expected_revision)
+        return healthy and problem is None
 
     async def aclose(self) -> None:
         for task in self._tasks:

@@ -1,5 +1,5 @@
-"""The ``omnigate`` command: ``serve``, ``check-config``, ``audit verify|export``, ``keys new`` and
-``directory import``."""
+"""The ``omnigate`` command: ``serve``, ``check-config``, ``audit verify|export``, ``keys new``,
+``directory import``, ``verify-weights`` and ``weights-manifest``."""
 
 from __future__ import annotations
 
@@ -283,6 +283,49 @@ def directory_import(config: str | None) -> int:
     return 0
 
 
+def verify_weights(args: argparse.Namespace) -> int:
+    """Check a model folder against its manifest (downloading it first with --download); fails closed."""
+    from gateway import weights
+
+    folder = Path(args.dir)
+    if args.revision is not None and not weights.is_commit(args.revision):
+        print(f"weights NOT verified: revision {args.revision!r} is not a commit (40 hex digits): a branch or "
+              "tag can move, so only a commit pins the weights", file=sys.stderr)
+        return 1
+    try:
+        manifest = weights.parse_manifest(Path(args.manifest).read_text())
+    except (OSError, UnicodeDecodeError, weights.ManifestError) as exc:
+        print(f"weights NOT verified: manifest {args.manifest}: {exc}", file=sys.stderr)
+        return 1
+    if args.download:
+        if not (args.model and args.revision):
+            print("--download needs --model and --revision", file=sys.stderr)
+            return 2
+        try:
+            weights.download(args.model, args.revision, folder)
+        except Exception as exc:  # any failure to fetch is a failure to verify
+            print(f"weights NOT verified: download of {args.model}@{args.revision} failed: {exc}", file=sys.stderr)
+            return 1
+    report = weights.verify(folder, manifest, args.revision)
+    if not report.ok:
+        print(f"weights NOT verified: {folder}", file=sys.stderr)
+        for problem in report.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    print(f"weights verified: {folder} ({report.checked} files match the manifest)")
+    return 0
+
+
+def weights_manifest(folder: str) -> int:
+    from gateway import weights
+
+    if not Path(folder).is_dir():
+        print(f"{folder}: no such folder", file=sys.stderr)
+        return 2
+    sys.stdout.write(weights.write_manifest(Path(folder)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omnigate", description="A guarded gateway for omni-modal LLM engines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -321,7 +364,20 @@ def main(argv: list[str] | None = None) -> int:
     dir_sub = p_dir.add_subparsers(dest="directory_command", required=True)
     p_imp = dir_sub.add_parser("import", help="copy tenants and keys an older version kept in the audit database")
     p_imp.add_argument("--config", help="the gateway's config file (names the audit store and the directory)")
+    p_vw = sub.add_parser("verify-weights", help="check a model snapshot against its SHA-256 manifest "
+                                               "before an engine loads it (exit 1 on any difference)")
+    p_vw.add_argument("--dir", required=True, help="the snapshot folder (.../snapshots/<revision>)")
+    p_vw.add_argument("--manifest", required=True, help="SHA-256 sums of every file, sha256sum format")
+    p_vw.add_argument("--model", help="the Hugging Face model id (with --download)")
+    p_vw.add_argument("--revision", help="the pinned revision: the folder must be named after it")
+    p_vw.add_argument("--download", action="store_true", help="fetch the snapshot at --revision into --dir first")
+    p_wm = sub.add_parser("weights-manifest", help="print the SHA-256 manifest of a model folder")
+    p_wm.add_argument("dir")
     args = parser.parse_args(argv)
+    if args.command == "verify-weights":
+        return verify_weights(args)
+    if args.command == "weights-manifest":
+        return weights_manifest(args.dir)
     if args.command == "serve":
         return serve(args.config, args.host, args.port)
     if args.command == "audit":

@@ -140,6 +140,8 @@ class RequestContext:
     response_headers: dict[str, str] = field(default_factory=dict)
     #: facts policies report (audit record; sent as the stream's final event)
     notes: dict[str, Any] = field(default_factory=dict)
+    #: the model's sampling defaults this request was given (the parameters it did not set itself)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     #: text of input audio, where a pre-policy transcribed it (part of the grounding premise)
     input_transcripts: list[str] = field(default_factory=list)
 

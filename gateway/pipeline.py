@@ -37,6 +37,7 @@ import structlog
 
 from engines.base import Completion, Delta, Engine, Usage
 from engines.pool import EnginePool
+from gateway import thinking
 from gateway.context import RequestContext
 from gateway.errors import (
     AnswerWithheld,
@@ -178,6 +179,7 @@ class Pipeline:
         chains: dict[str, PolicyChain] | None = None,
         sentinel: Any = None,
         admission: "AdmissionGate | None" = None,
+        sampling_defaults: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.pool = pool
         self.chain = chain
@@ -190,6 +192,8 @@ class Pipeline:
         self.sentinel = sentinel
         #: the admission gate (gateway/admission.py); None: traffic control is off
         self.admission = admission
+        #: per public model, the sampling parameters a request that sets none of its own is served with
+        self.sampling_defaults: dict[str, dict[str, Any]] = sampling_defaults or {}
         self._background: set[asyncio.Task[None]] = set()
 
     def _chain(self, ctx: RequestContext) -> PolicyChain:
@@ -253,6 +257,13 @@ class Pipeline:
             )
         check_speech(request, [e for e in self.pool.engines.values() if request.model in e.config.serves])
         await self.admit(ctx)
+        defaults = self.sampling_defaults.get(request.model)
+        if defaults:
+            # Each default fills only a parameter the client left unset; what was filled is audited.
+            applied = {k: v for k, v in defaults.items() if getattr(request, k) is None}
+            if applied:
+                request = request.model_copy(update=applied)
+                ctx.sampling_defaults = applied
         chain = self._chain(ctx)
         if request.choices > 1 and (chain.post or chain.stream):
             # Post-policies and stream filters judge and retry one answer; n answers would pass unjudged.
@@ -314,6 +325,9 @@ class Pipeline:
         missing = request.input_modalities() - engine.capabilities.input_modalities
         if missing:
             return None
+        request, held = thinking.fit(engine, request)
+        if held is not None:
+            ctx.degrade(held)
         if request.wants_audio and not engine.capabilities.speaks:
             ctx.degrade("engine-text-only")
             return request.model_copy(update={"modalities": ["text"], "audio": None})
@@ -321,6 +335,8 @@ class Pipeline:
 
     def _engines_for(self, request: ChatCompletionRequest) -> list[Engine]:
         engines = self.pool.candidates(request.model)
+        if not engines:
+            raise self._no_engine(request)  # every engine of the model serves other weights than configured
         fitting = [e for e in engines if not (request.input_modalities() - e.capabilities.input_modalities)]
         if not fitting:
             kinds = ", ".join(sorted(request.input_modalities() - {"text"}))
@@ -333,6 +349,10 @@ class Pipeline:
                 field = min(features - set().union(*(e.capabilities.features for e in fitting)) or features)
                 raise InvalidRequest(f"the model {request.model!r} does not support {field}", param=field)
             fitting = able
+        if thinking.needs_enforcement(request):
+            fitting = [e for e in fitting if e.capabilities.thinking_budget]
+            if not fitting:
+                raise thinking.refuse(request)
         return fitting
 
     def _engine_failed(self, engine: Engine, exc: EngineError, ctx: RequestContext, more: bool) -> None:

@@ -93,6 +93,7 @@ async def reload_config(services: Services, path: str | Path, by: dict[str, str]
     services.settings = new.model_copy(update={k: getattr(old, k) for k in RESTART_ONLY})
     services.chain = services.pipeline.chain = chain
     services.pipeline.chains = chains
+    services.pipeline.sampling_defaults = {m: c.sampling_defaults.values() for m, c in new.models.items()}
     await services.refresh_directory()
     services.metrics.config_reloads.labels("ok").inc()
     log.info("config_reloaded", path=str(path), restart_required=pending or None,

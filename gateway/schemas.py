@@ -235,6 +235,8 @@ class ChatCompletionRequest(BaseModel):
     top_k: Annotated[int, Field(ge=-1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     chat_template_kwargs: dict[str, bool] | None = None
+    #: vLLM's cap on reasoning tokens (sent only to an engine that enforces it: engines/base.Capabilities)
+    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -286,6 +288,12 @@ class ChatCompletionRequest(BaseModel):
     @property
     def wants_audio(self) -> bool:
         return bool(self.modalities and "audio" in self.modalities)
+
+    @property
+    def thinking_off(self) -> bool:
+        """The client turned the model's thinking off through its chat template switch."""
+        kw = self.chat_template_kwargs or {}
+        return any(kw.get(k) is False for k in CHAT_TEMPLATE_KWARGS)
 
     @property
     def output_token_limit(self) -> int | None:

@@ -112,6 +112,7 @@ class Services:
         pipeline = Pipeline(
             pool, chain, metrics, audit=audit, limiter=limiter, chains=chains, sentinel=sentinel,
             admission=admission,
+            sampling_defaults={m: c.sampling_defaults.values() for m, c in settings.models.items()},
         )
         used = resources_used(settings.policies, plugins).union(
             *(resources_used(c, plugins) for c in settings.policy_sets.values())

@@ -96,6 +96,24 @@ class EngineConfig(_Strict):
         default=65536, description="the engine's context window, for the media budget check"
     )
     local: LocalEngineOptions = LocalEngineOptions()
+    expected_model: str | None = Field(
+        default=None, description="vllm / vllm-omni: the id /v1/models must list (--served-model-name); when "
+        "set, checked at start-up and on every health probe, and an engine that differs is never routed to",
+    )
+    expected_revision: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,128}$")] | None = Field(
+        default=None, description="vllm / vllm-omni: the revision the engine must serve: the last segment of the "
+        "listed model's root (it loads .../snapshots/<revision>); enforced like expected_model",
+    )
+    thinking_budget: bool = Field(
+        default=False,
+        description="vllm / vllm-omni: the engine enforces vLLM's thinking_token_budget (served with "
+        "--reasoning-parser and --reasoning-config; vLLM refuses the field otherwise)",
+    )
+    max_thinking_tokens: Annotated[int, Field(ge=1)] = Field(
+        default=32768,
+        description="the thinking budget: sent as min(requested, this) where enforced (this when unset); "
+        "elsewhere max_tokens is held to it while thinking is not turned off",
+    )
     # Per-engine concurrency caps (see engines/pool.py); the seeds' max_num_seqs: 8, and 4 under overload.
     max_in_flight: Annotated[int, Field(ge=1, le=100000)] | None = Field(
         default=8, description="requests this engine serves at once; null: no limit"
@@ -119,6 +137,13 @@ class EngineConfig(_Strict):
     def _needs_url(self) -> "EngineConfig":
         if self.kind in ("vllm", "vllm-omni") and self.base_url is None:
             raise ValueError(f"engine {self.name!r} of kind {self.kind} needs base_url")
+        return self
+
+    @model_validator(mode="after")
+    def _budget_needs_vllm(self) -> "EngineConfig":
+        for key in ("thinking_budget", "expected_model", "expected_revision"):
+            if getattr(self, key) and self.kind not in ("vllm", "vllm-omni"):
+                raise ValueError(f"engine {self.name!r}: {key} is for vllm and vllm-omni engines")
         return self
 
     @model_validator(mode="after")
@@ -150,6 +175,30 @@ class EngineConfig(_Strict):
 
     def audio_rate(self) -> int | None:
         return self.audio_input_rate or _DEFAULT_AUDIO_RATE[self.kind]
+
+
+class SamplingDefaults(_Strict):
+    """Sampling parameters a model is served with when the client sends none of its own (each on its own)."""
+
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+
+    def values(self) -> dict[str, float | int]:
+        return self.model_dump(exclude_none=True)
+
+
+class ModelSettings(_Strict):
+    """Settings of one public model (a key of ``models``), whichever engine serves it."""
+
+    sampling_defaults: SamplingDefaults = Field(
+        default_factory=SamplingDefaults,
+        description="applied to a request that does not set the parameter itself (the deployment's: "
+        "temperature 0.7, top_p 0.9); recorded in the audit record as sampling_defaults",
+    )
 
 
 class PolicySpec(_Strict):
@@ -544,6 +593,9 @@ class Settings(BaseSettings):
     auth: AuthSettings = AuthSettings()
     metrics: MetricsSettings = MetricsSettings()
     media: MediaSettings = MediaSettings()
+    models: dict[Name, ModelSettings] = Field(
+        default_factory=dict, description="per public model: its sampling defaults"
+    )
 
     @property
     def auth_required(self) -> bool:
@@ -600,6 +652,14 @@ class Settings(BaseSettings):
             ids.add(k.id)
             if k.tenant not in names:
                 raise ValueError(f"api_keys[{i}].tenant: no tenant named {k.tenant!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _models_are_served(self) -> "Settings":
+        served = {m for e in self.engines for m in e.serves}
+        for name in self.models:
+            if name not in served:
+                raise ValueError(f"models.{name}: no engine serves a model named {name!r}")
         return self
 
     @model_validator(mode="after")

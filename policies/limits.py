@@ -1,4 +1,4 @@
-"""Built-in pre-policy ``request-limits``: body size, message count, output-token cap."""
+"""Built-in pre-policy ``request-limits``: body size, message count, output-token caps, thinking budget."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ class RequestLimitsConfig(PolicyConfig):
     max_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
     max_messages: Annotated[int, Field(ge=1)] = 256
     max_output_tokens: Annotated[int, Field(ge=1)] = 8192
+    #: the cap when the client asks for speech: the talker speaks every text token, so a long answer is
+    #: minutes of audio (and of GPU time) that one request holds
+    max_speech_output_tokens: Annotated[int, Field(ge=1)] = 2048
     max_content_parts: Annotated[int, Field(ge=1)] = 64
 
 
@@ -24,7 +27,9 @@ class RequestLimits:
 
     A request that asks for more output tokens than the cap is served with the
     cap (``x-omnigate-degraded: max-tokens-capped``) rather than refused: the
-    client still gets an answer, cut with ``finish_reason: "length"``.
+    client still gets an answer, cut with ``finish_reason: "length"``. The cap is
+    ``max_speech_output_tokens`` when the request asks for audio out, else
+    ``max_output_tokens``.
     """
 
     name: ClassVar[str] = "request-limits"
@@ -49,10 +54,11 @@ class RequestLimits:
             raise InvalidRequest(
                 f"{parts} content parts; the limit is {cfg.max_content_parts}", param="messages"
             )
+        cap = cfg.max_speech_output_tokens if request.wants_audio else cfg.max_output_tokens
         asked = request.output_token_limit
         if asked is None:
-            return request.model_copy(update={"max_tokens": cfg.max_output_tokens, "max_completion_tokens": None})
-        if asked > cfg.max_output_tokens:
+            return request.model_copy(update={"max_tokens": cap, "max_completion_tokens": None})
+        if asked > cap:
             ctx.degrade("max-tokens-capped")
-            return request.model_copy(update={"max_tokens": cfg.max_output_tokens, "max_completion_tokens": None})
+            return request.model_copy(update={"max_tokens": cap, "max_completion_tokens": None})
         return request

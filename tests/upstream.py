@@ -334,6 +334,9 @@ class ScriptedUpstream:
         self.keepalive_timeout = keepalive_timeout  # idle keep-alive connections are closed after this
         self.default: Script = default or Script()
         self.models: list[str] = list(models or ["scripted"])
+        #: /v1/models' ``root`` per model id (vLLM lists the --model it loaded there); default: the id
+        self.roots: dict[str, str] = {}
+        self.models_status = 200  # GET /v1/models' status (another: an engine whose model list cannot be read)
         self.record = record
         self.requests: list[dict] = []
         self.headers: list[dict] = []
@@ -842,9 +845,12 @@ class ScriptedUpstream:
     # -- other endpoints
 
     async def _models(self, request: web.Request) -> web.Response:
+        if self.models_status != 200:
+            return web.Response(status=self.models_status, body=_error_body("no models", "server_error", 500))
         now = int(time.time())
         data = [
-            {"id": m, "object": "model", "created": now, "owned_by": "vllm", "root": m, "parent": None}
+            {"id": m, "object": "model", "created": now, "owned_by": "vllm", "root": self.roots.get(m, m),
+             "parent": None}
             for m in self.models
         ]
         return web.json_response({"object": "list", "data": data}, dumps=lambda o: orjson.dumps(o).decode())

@@ -48,6 +48,7 @@ async def readyz(request: Request) -> JSONResponse:
     if settings.admin.enabled and admin_credential(settings, request.headers.get("authorization")) is not None:
         body.update({
             "engines": services.pool.health_report(),
+            "engine_problems": services.pool.mismatches(),
             "policies": services.chain.describe(),
             "grounding_scorer": services.describe_scorer(),
             "auth": services.describe_auth(),

@@ -161,6 +161,7 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
         "degraded": list(ctx.degraded),
         "notes": dict(ctx.notes),
         "control": dict(ctx.control_state),
+        **({"sampling_defaults": dict(ctx.sampling_defaults)} if ctx.sampling_defaults else {}),
         "attempts": ctx.attempts,
         "retries": ctx.retries,
         "usage": {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens,

@@ -33,6 +33,34 @@ def test_default_output_budget_is_set(gateway, ups):
     ).headers
 
 
+def _speech(**extra) -> dict:
+    return {"model": "qwen3-omni-flash", "messages": [{"role": "user", "content": "x"}],
+            "modalities": ["text", "audio"], "audio": {"voice": "chelsie", "format": "wav"}, **extra}
+
+
+def test_speech_output_capped_at_2048_and_signalled(gateway, ups):
+    resp = _post(gateway, _speech(max_tokens=8000))
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-omnigate-degraded"] == "max-tokens-capped"
+    assert ups.omni_a.requests[-1]["max_tokens"] == 2048
+
+
+def test_speech_default_output_budget_is_the_speech_cap(gateway, ups):
+    assert _post(gateway, _speech()).status_code == 200
+    assert ups.omni_a.requests[-1]["max_tokens"] == 2048
+    resp = _post(gateway, _speech(max_completion_tokens=300))
+    assert "x-omnigate-degraded" not in resp.headers
+    assert ups.omni_a.requests[-1]["max_tokens"] == 300
+
+
+def test_text_from_the_speech_model_keeps_the_text_cap(gateway, ups):
+    payload = {"model": "qwen3-omni-flash", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8000}
+    resp = _post(gateway, payload)
+    assert resp.status_code == 200
+    assert "x-omnigate-degraded" not in resp.headers
+    assert ups.omni_a.requests[-1]["max_tokens"] == 8000
+
+
 def test_too_many_messages(gateway, ups):
     messages = [{"role": "user", "content": "x"}] * 257
     resp = _post(gateway, {"model": TEXT_MODEL, "messages": messages})

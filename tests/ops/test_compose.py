@@ -19,7 +19,8 @@ from tests.ops.tools import run, venv_tool
 
 COMPOSE = OPS / "compose.yaml"
 SHARED = {"redis", "postgres", "prometheus", "grafana", "proxy"}
-PROFILES = {"gpu": SHARED | {"gateway", "omni-int4", "omni-bf16"}, "cpu": SHARED | {"gateway-cpu"}}
+PROFILES = {"gpu": SHARED | {"gateway", "omni-int4", "omni-bf16", "weights-omni-int4", "weights-omni-bf16"},
+            "cpu": SHARED | {"gateway-cpu"}}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -29,10 +30,10 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def compose_config(profile: str) -> dict:
+def compose_config(profile: str, **env: str) -> dict:
     result = run(
         [venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", profile, "config", "--format", "json"],
-        env=_env(OMNIGATE_ADMIN_KEY="k" * 32),
+        env=_env(OMNIGATE_ADMIN_KEY="k" * 32, **env),
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -192,3 +193,51 @@ def test_env_example_names_every_variable_without_a_default():
     }
     assert required and required <= example
     assert (ROOT / ".dockerignore").is_file()
+
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def test_each_engine_starts_only_after_its_pinned_weights_are_verified(tmp_path):
+    from gateway.cli import main
+    from gateway.weights import parse_manifest
+
+    config = compose_config("gpu", OMNI_INT4_REVISION=REVISION, OMNI_BF16_REVISION="f" * 40,
+                            OMNI_INT4_CHECKPOINT="org/int4-checkpoint")
+    for engine, revision in (("omni-int4", REVISION), ("omni-bf16", "f" * 40)):
+        svc = config["services"][engine]
+        check = config["services"][f"weights-{engine}"]
+        assert svc["depends_on"][f"weights-{engine}"]["condition"] == "service_completed_successfully"
+        args = check["command"]
+        assert args[:2] == ["verify-weights", "--download"]
+        flag = dict(zip(args[2::2], args[3::2]))
+        assert flag["--revision"] == revision
+        # The engine loads the folder that was verified, by the path that names its revision.
+        snapshot = f"/models/{engine}/snapshots/{revision}"
+        assert flag["--dir"] == snapshot and svc["command"][0] == snapshot
+        assert svc["environment"]["HF_HUB_OFFLINE"] == "1"
+        models = next(v for v in svc["volumes"] if v["target"] == "/models")
+        assert models["read_only"] and models["source"] == next(
+            v["source"] for v in check["volumes"] if v["target"] == "/models")
+        # The manifest it reads is a file of ops/weights/ (read-only), and the shipped one fails closed.
+        manifest = Path(flag["--manifest"])
+        mount = next(v for v in check["volumes"] if manifest.is_relative_to(v["target"]))
+        shipped = Path(mount["source"]) / manifest.relative_to(mount["target"])
+        assert mount["read_only"] and shipped.is_file()
+        with pytest.raises(ValueError):
+            parse_manifest(shipped.read_text())
+        folder = tmp_path / engine / "snapshots" / revision
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        assert main(["verify-weights", "--dir", str(folder), "--manifest", str(shipped), "--revision", revision]) == 1
+    assert dict(zip(config["services"]["weights-omni-int4"]["command"][2::2],
+                    config["services"]["weights-omni-int4"]["command"][3::2]))["--model"] == "org/int4-checkpoint"
+
+
+def test_an_unpinned_engine_cannot_pass_its_check():
+    config = compose_config("gpu")  # no revision in the environment
+    args = config["services"]["weights-omni-int4"]["command"]
+    revision = dict(zip(args[2::2], args[3::2]))["--revision"]
+    from gateway.weights import is_commit
+
+    assert not is_commit(revision)

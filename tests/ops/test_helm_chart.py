@@ -269,3 +269,92 @@ def test_metrics_port_is_wired_through_container_service_and_monitor():
     on_http = render({"metrics": {"port": 0}})
     assert one(on_http, "ServiceMonitor")["spec"]["endpoints"][0]["port"] == "http"
     assert "OMNIGATE_METRICS__PORT" not in _env(on_http)
+
+
+# -- engines the chart runs, on verified weights ---------------------------------------------------------
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+ENGINE = {
+    "name": "omni-int4",
+    "image": "vllm/vllm-omni:v0.30.0",
+    "model": "cpatonn/Qwen3-Omni-30B-A3B-Instruct-AWQ-4bit",
+    "revision": REVISION,
+    "servedModelName": "qwen3-omni-int4",
+    "args": ["--omni", "--log-stats"],
+}
+
+
+def _engine_values(tmp_path) -> tuple[dict, "object"]:
+    """A generated snapshot and the chart values pinning it (its files' sums, as weights-manifest prints)."""
+    from gateway.weights import parse_manifest, write_manifest
+
+    folder = tmp_path / "omni-int4" / "snapshots" / REVISION
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"architectures": ["Test"]}')
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    return {"engines": [{**ENGINE, "sha256": parse_manifest(write_manifest(folder))}]}, folder
+
+
+def test_engines_start_only_after_their_weights_are_verified(tmp_path):
+    from gateway.weights import parse_manifest, verify
+
+    values, folder = _engine_values(tmp_path)
+    objects = render(values)
+    for (kind, _), obj in objects.items():
+        if kind in CORE_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+    dep = objects[("Deployment", "omnigate-omni-int4")]
+    pod = dep["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (engine,) = pod["containers"]
+    args = init["args"]
+    assert args[:2] == ["verify-weights", "--download"]
+    flag = dict(zip(args[2::2], args[3::2]))
+    assert flag["--model"] == ENGINE["model"] and flag["--revision"] == REVISION
+    # The engine loads the folder that was verified, by the path that names its revision.
+    snapshot = f"/models/omni-int4/snapshots/{REVISION}"
+    assert flag["--dir"] == snapshot and engine["args"][0] == snapshot
+    assert f"--served-model-name={ENGINE['servedModelName']}" in engine["args"]
+    assert {"--omni", "--log-stats"} <= set(engine["args"])
+    assert engine["env"] == [{"name": "HF_HUB_OFFLINE", "value": "1"}]
+    assert next(m for m in engine["volumeMounts"] if m["name"] == "models")["readOnly"] is True
+    # The manifest the init container reads is the pinned one, and it verifies the snapshot it pins.
+    manifest_mount = next(m for m in init["volumeMounts"] if m["mountPath"] == "/etc/omnigate/weights")
+    volume = next(v for v in pod["volumes"] if v["name"] == manifest_mount["name"])
+    cm = objects[("ConfigMap", volume["configMap"]["name"])]
+    sums = parse_manifest(cm["data"]["sha256"])
+    assert sums == values["engines"][0]["sha256"] and flag["--manifest"] == "/etc/omnigate/weights/sha256"
+    assert verify(folder, sums, REVISION).ok
+    (folder / "model.safetensors").write_bytes(b"\1" + (folder / "model.safetensors").read_bytes()[1:])
+    assert not verify(folder, sums, REVISION).ok
+    # A Service of the engine's name, and the gateway's own selectors never take in an engine pod.
+    svc = objects[("Service", "omni-int4")]
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    gateway = objects[("Deployment", "omnigate")]
+    gateway_selector = gateway["spec"]["selector"]["matchLabels"]
+    assert not gateway_selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert not objects[("Service", "omnigate")]["spec"]["selector"].items() <= \
+        dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_another_pin_rolls_the_engine(tmp_path):
+    values, _ = _engine_values(tmp_path)
+    before = render(values)[("Deployment", "omnigate-omni-int4")]
+    other = {**values["engines"][0], "sha256": {**values["engines"][0]["sha256"], "config.json": "f" * 64}}
+    after = render({"engines": [other]})[("Deployment", "omnigate-omni-int4")]
+    key = "checksum/weights"
+    assert before["spec"]["template"]["metadata"]["annotations"][key] != \
+        after["spec"]["template"]["metadata"]["annotations"][key]
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"revision": "main"}, "revision"),          # a branch moves: only a commit pins
+    ({"sha256": {}}, "sha256"),
+    ({"sha256": {"config.json": "not-a-sum"}}, "sha256"),
+    ({"servedModelName": None}, "servedModelName"),
+])
+def test_an_engine_without_a_full_pin_does_not_render(tmp_path, change, needle):
+    values, _ = _engine_values(tmp_path)
+    engine = {k: v for k, v in {**values["engines"][0], **change}.items() if v is not None}
+    report = helm.lint(str(CHART), {"engines": [engine]}, strict=True)
+    problems = " ".join(report["errors"] + [m["error"] for m in report["messages"] if m["severity"] >= 2])
+    assert problems and needle in problems, report
