@@ -48,10 +48,9 @@ class OmniServer(VllmServer):
         return self
 
     def wait_ready(self) -> None:
-        assert self.proc is not None
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM-Omni exited with {self.proc.returncode}:\n{self.tail(80)}")
             try:
                 if httpx.get(self.root + "/health", timeout=2).status_code == 200:
