@@ -8,10 +8,12 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import sqlite3
 import time
 
 import httpx
 import openai
+import orjson
 import pytest
 import soundfile as sf
 
@@ -48,8 +50,6 @@ def streamed(stream) -> tuple[str, bytes, str | None, object]:
 
 def direct_stream(omni, body: dict) -> list[dict]:
     """vLLM-Omni's own chunks for ``body`` (raw JSON: its ``modality`` tag is not part of the SDK's types)."""
-    import orjson
-
     out = []
     with httpx.stream("POST", omni.base_url + "/chat/completions", json={**body, "stream": True}, timeout=600) as r:
         assert r.status_code == 200, r.read()
@@ -126,6 +126,23 @@ def test_non_streamed_speech_is_one_choice_with_text_and_wav(via):
     assert rate == 24000 and frames > 0
     assert resp.usage.completion_tokens <= 5
     assert resp.usage.model_extra["output_audio_seconds"] == pytest.approx(frames / rate, abs=0.01)
+
+
+def test_speech_seconds_reach_the_metrics_and_the_audit_record(omni_gateway, via):
+    labels = {"engine": ENGINE, "variant": "bf16"}
+    before = omni_gateway.registry.get_sample_value("omnigate_audio_output_seconds_total", labels) or 0.0
+    resp = via.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2, temperature=0, **SPEECH)
+    frames, rate = _wav(base64.b64decode(resp.choices[0].message.audio.data))
+    after = omni_gateway.registry.get_sample_value("omnigate_audio_output_seconds_total", labels)
+    assert after - before == pytest.approx(frames / rate, abs=0.01)
+    conn = sqlite3.connect(omni_gateway.db)
+    try:
+        rows = conn.execute("SELECT data FROM audit_log WHERE kind = 'request'").fetchall()
+    finally:
+        conn.close()
+    usages = [orjson.loads(r[0])["payload"]["usage"] for r in rows]
+    assert any(u.get("audio_seconds") == pytest.approx(frames / rate, abs=0.01) and u["completion_tokens"] <= 2
+               for u in usages)  # fmt: skip
 
 
 # -- text only: the thinker alone (the shedding lever) ---------------------------------------------------------
