@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-fast bench lock clean ops-sync
+.PHONY: install serve test test-fast test-omni bench lock clean ops-sync
 
 $(STAMP): requirements/lock.txt requirements/models.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ test: install
 test-fast: install
 	bash scripts/test-env.sh
 	$(PY) -m pytest -q -m "not slow and not realvllm"
+
+# The real vLLM-Omni suite (tests/realomni), left out of `make test`: its own environment and a tiny
+# Qwen3-Omni under .cache/real-omni (minutes the first time, seconds once cached); the server it starts and
+# stops holds about 10 GB and both cores.
+test-omni: install
+	$(PY) -m tests.realomni.prepare
+	$(PY) -m pytest -q -m realomni tests/realomni
 
 bench: install
 	$(PY) -m bench.overhead

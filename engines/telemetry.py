@@ -61,12 +61,26 @@ class VllmReading:
     ttft_buckets: dict[float, float] | None = None
 
 
+# vLLM-Omni 0.30.0 labels a stage by its id (its place in the deploy config); builds and dashboards that
+# label it by name say "thinker" for the same stage. Qwen3-Omni's stages, id and name, in pipeline order.
+_STAGE_NAMES = (("0", "thinker"), ("1", "talker"), ("2", "code2wav"))
+
+
+def stage_labels(stage: str) -> frozenset[str]:
+    """The ``stage`` label values that mean the configured stage: its id and its name, whichever is given."""
+    for pair in _STAGE_NAMES:
+        if stage.lower() in pair:
+            return frozenset(pair)
+    return frozenset({stage})
+
+
 def _of_stage(samples: list[Any], stage: str) -> list[Any]:
     """vLLM-Omni labels vLLM's series per ``stage``: one request is counted once per stage it passes, and the
     stages' latencies differ in kind, so only ``stage``'s series are read (summed over its replicas)."""
     if not any("stage" in s.labels for s in samples):
         return samples
-    return [s for s in samples if s.labels.get("stage") == stage]
+    wanted = stage_labels(stage)
+    return [s for s in samples if s.labels.get("stage", "").lower() in wanted]
 
 
 def _stage_sum(samples: list[Any], stage: str) -> float | None:

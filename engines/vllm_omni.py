@@ -7,8 +7,10 @@ With speech the text's last chunk has no ``finish_reason`` and the last audio
 chunk carries ``stop``, so a text cut at ``max_tokens`` is judged from usage
 against the cap. Not streaming: one merged choice (0.30.0) or two choices that
 both say ``index: 0`` (older builds), told apart by what they hold, never by
-position. The voice goes as top-level ``voice``/``speaker``, lowercased. All of
-it becomes :class:`engines.base.Delta` so audio can never be taken for text.
+position. The voice goes as top-level ``voice``/``speaker``, lowercased. A prompt
+over the context comes back as HTTP 500 with vLLM's words (0.30.0): it is the
+client's 400. All of it becomes :class:`engines.base.Delta` so audio can never be
+taken for text.
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ from typing import Any
 import aiohttp
 
 from engines.base import Completion, Delta
-from engines.openai_compat import OpenAICompatEngine, _usage
+from engines.openai_compat import OpenAICompatEngine, _usage, rejection
 from gateway.audio import split_wav
-from gateway.errors import EngineProtocolError, EngineRejected
+from gateway.errors import EngineFailed, EngineProtocolError, EngineRejected
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import EngineConfig
 
 # vLLM-Omni's answer to a speaker its talker does not have (serving_chat.py), before any chunk.
 _INVALID_SPEAKER = re.compile(r"Invalid speaker '([^']*)'\. Supported: (.*)$", re.DOTALL)
+# vLLM's refusal of a prompt over the context, which vLLM-Omni 0.30.0 sends as an HTTP 500 (vLLM: 400).
+_CONTEXT_OVERFLOW = re.compile(r"maximum context length is \d+ tokens")
 
 
 class VLLMOmniEngine(OpenAICompatEngine):
@@ -52,6 +56,12 @@ class VLLMOmniEngine(OpenAICompatEngine):
     async def _check_status(self, resp: aiohttp.ClientResponse) -> None:
         try:
             await super()._check_status(resp)
+        except EngineFailed as exc:
+            if not _CONTEXT_OVERFLOW.search(exc.detail):
+                raise
+            # The request is what is wrong, not the engine: a 400 (OpenAI's context_length_exceeded), which
+            # is not failed over and does not count against the engine's health.
+            raise rejection(exc.detail, exc.detail, engine=self.name, upstream_status=400) from exc
         except EngineRejected as exc:
             found = _INVALID_SPEAKER.search(exc.detail)  # the engine's own words (the message is the public one)
             if found is None:

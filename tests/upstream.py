@@ -535,6 +535,19 @@ class ScriptedUpstream:
                 else _error_body("scripted upstream failure", "InternalServerError", 500),
                 content_type="application/json",
             )
+        if fault == "400_before_headers" and script.flavour == "omni" and script.status_body is None:
+            # What a real vLLM-Omni 0.30.0 answers the same prompt, stream or not: vLLM's words, but as a 500.
+            self.errors += 1
+            state.finished = True
+            return web.Response(
+                status=500,
+                body=_error_body(
+                    "This model's maximum context length is 2048 tokens. However, you requested 4 output tokens "
+                    "and your prompt contains at least 2045 input tokens, for a total of at least 2049 tokens. "
+                    "Please reduce the length of the input prompt or the number of requested output tokens. "
+                    "(parameter=input_tokens, value=2045)", "Internal Server Error", 500),
+                content_type="application/json",
+            )
         if fault == "400_before_headers":
             # What vLLM answers a prompt longer than its context, even for a stream: a JSON 400.
             self.errors += 1

@@ -198,6 +198,31 @@ def test_an_unknown_voice_is_refused_before_any_engine_work(voiced, ups, stream)
     assert ok.status_code == 200 and ups.omni_a.request_count == 1
 
 
+# -- the engine's other refusals -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_prompt_over_the_context_is_a_400_though_vllm_omni_answers_500(client, ups, stream):
+    # A real vLLM-Omni 0.30.0 answers an over-long prompt with vLLM's message under HTTP 500 ("Internal Server
+    # Error"): the client's request is what is wrong, so it gets OpenAI's 400, and no other engine is tried.
+    ups.omni_a.default = ups.omni_b.default = Script(flavour="omni", fault="400_before_headers")
+    with pytest.raises(openai.BadRequestError) as info:
+        r = client.chat.completions.create(model=OMNI_MODEL, messages=_user(), stream=stream, max_tokens=4)
+        list(r) if stream else None
+    err = info.value.body
+    assert info.value.status_code == 400
+    assert err["type"] == "invalid_request_error" and err["code"] == "context_length_exceeded"
+    assert err["param"] == "messages" and "Internal Server Error" not in err["message"]
+    assert ups.omni_b.request_count == 0  # a refusal, not a failure to fail over from
+
+
+def test_other_vllm_omni_500s_stay_engine_failures(client, ups):
+    ups.omni_a.default = ups.omni_b.default = Script(flavour="omni", fault="500_before_headers")
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model=OMNI_MODEL, messages=_user(), max_tokens=4)
+    assert info.value.status_code >= 500
+
+
 # -- what never reaches a client ------------------------------------------------------------------------------
 
 

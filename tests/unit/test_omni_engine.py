@@ -76,3 +76,35 @@ vllm:num_requests_running{stage="1",replica="0"} 4.0
     assert r.requests_waiting == 3.0  # the thinker's replicas add up; other stages do not
     assert r.requests_running is None  # no thinker series: unknown, not another stage's count
     assert parse_vllm(text, stage="1").requests_running == 4.0
+
+
+# A real vLLM-Omni 0.30.0 server labels the per-stage series with stage ids; a build or relabelling that names
+# the stages says "thinker". Either way the default (and "thinker" configured) reads the thinker only.
+_BY_ID = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{stage="0",replica="0"} 2.0
+vllm:num_requests_running{stage="1",replica="0"} 5.0
+vllm:num_requests_running{stage="2",replica="0"} 7.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{stage="0",replica="0",le="0.5"} 3.0
+vllm:time_to_first_token_seconds_bucket{stage="0",replica="0",le="+Inf"} 3.0
+vllm:time_to_first_token_seconds_bucket{stage="1",replica="0",le="0.5"} 0.0
+vllm:time_to_first_token_seconds_bucket{stage="1",replica="0",le="+Inf"} 3.0
+"""
+_BY_NAME = _BY_ID.replace('stage="0"', 'stage="thinker"').replace('stage="1"', 'stage="talker"').replace(
+    'stage="2"', 'stage="code2wav"'
+)
+
+
+@pytest.mark.parametrize("text", [_BY_ID, _BY_NAME], ids=["stage-ids", "stage-names"])
+@pytest.mark.parametrize("configured", ["0", "thinker", "Thinker"])
+def test_thinker_stage_selected_whether_labelled_by_id_or_name(text, configured):
+    r = parse_vllm(text, stage=configured)
+    assert r.requests_running == 2.0  # the thinker's count, not 2 + 5 + 7
+    assert r.ttft_buckets == {0.5: 3.0, float("inf"): 3.0}  # the talker's slow first tokens are not mixed in
+
+
+def test_other_stages_by_id_or_name():
+    assert parse_vllm(_BY_NAME, stage="1").requests_running == 5.0
+    assert parse_vllm(_BY_ID, stage="code2wav").requests_running == 7.0
+    assert parse_vllm(_BY_ID, stage="9").requests_running is None  # a stage the engine does not have
