@@ -51,7 +51,7 @@ def test_a_one_kilobyte_adversarial_prompt_is_redacted_at_once():
     assert float(done.stdout) < 2.0, f"the slowest 1 KB prompt took {float(done.stdout):.2f} s"
 
 
-def _best_of(text: str, runs: int = 3) -> float:
+def _best_of(text: str, runs: int = 5) -> float:
     best = float("inf")
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -67,13 +67,15 @@ _ALPHABET = ":.@0123456789 -+()abfxAKI_é/"
 @given(unit=st.text(alphabet=_ALPHABET, min_size=1, max_size=6),
        tail=st.sampled_from(["", "x", "g", "-", ":", "@", "1"]))
 def test_redaction_time_is_linear_in_the_length_on_adversarial_runs(unit, tail):
-    small_n, big_n = 16 * 1024, 64 * 1024
+    small_n, big_n = 8 * 1024, 64 * 1024
     small = unit * (small_n // len(unit)) + tail
     big = unit * (big_n // len(unit)) + tail
     t_small, t_big = _best_of(small), _best_of(big)
-    # Four times the text: a linear engine takes about four times as long; quadratic would be 16x,
-    # cubic 64x. Bound generously (shared machines are noisy), with a floor for timer granularity.
-    assert t_big <= 10 * max(t_small, 0.0005), (unit, tail, t_small, t_big)
+    # Eight times the text: a linear engine takes about eight times as long; quadratic would be 64x,
+    # cubic 512x. The bound sits between linear and quadratic with room for a loaded machine (a
+    # best-of-five reading of the small text can still land on a quiet moment), with a floor for timer
+    # granularity.
+    assert t_big <= 24 * max(t_small, 0.0005), (unit, tail, t_small, t_big)
     # Absolute ceiling: 50 ms per KB (a linear engine needs well under 1 ms).
     assert t_big <= 0.05 * big_n / 1024, (unit, tail, t_big)
 
