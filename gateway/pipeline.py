@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 import structlog
 
 from engines.base import Completion, Delta, Engine, Usage
+from engines.energy import EnergyBook
 from engines.pool import EnginePool
 from gateway.context import RequestContext
 from gateway.errors import (
@@ -178,6 +179,7 @@ class Pipeline:
         chains: dict[str, PolicyChain] | None = None,
         sentinel: Any = None,
         admission: "AdmissionGate | None" = None,
+        energy: "EnergyBook | None" = None,
     ) -> None:
         self.pool = pool
         self.chain = chain
@@ -190,6 +192,8 @@ class Pipeline:
         self.sentinel = sentinel
         #: the admission gate (gateway/admission.py); None: traffic control is off
         self.admission = admission
+        #: the engines' joules per token (engines/energy.py), for usage.energy_joules; None: not estimated
+        self.energy = energy
         self._background: set[asyncio.Task[None]] = set()
 
     def _chain(self, ctx: RequestContext) -> PolicyChain:
@@ -851,6 +855,8 @@ class Pipeline:
             ctx.audio_seconds = len(completion.audio) / (2 * completion.channels * completion.sample_rate)
         if completion.audio and self.sentinel is not None and ctx.engine is not None:
             self.sentinel.offer(ctx.engine, ctx.variant, completion)
+        if self.energy is not None:
+            ctx.energy_joules = self.energy.estimate(ctx.engine, ctx.completion_tokens, ctx.audio_seconds)
 
     async def _settle(self, ctx: RequestContext, error: BaseException | None) -> None:
         await self._durable(ctx, self._finish(ctx, error))
@@ -873,7 +879,8 @@ class Pipeline:
             # One report per request (never per chunk): latency and outcome for its window and circuit.
             if error is None:
                 self.pool.report_success(ctx.engine, ctx.ttft_s, ctx.first_audio_s, ctx.elapsed(),
-                                         ctx.upstream_ttft_s, ctx.upstream_e2e_s)
+                                         ctx.upstream_ttft_s, ctx.upstream_e2e_s,
+                                         ctx.completion_tokens, ctx.audio_seconds)
             self.pool.release(ctx.engine, settled=error is None or isinstance(error, EngineError))
         if error is None:
             ctx.outcome = "degraded" if ctx.degraded else "served"
