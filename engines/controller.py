@@ -96,7 +96,7 @@ class RolloutController:
         e = settings.energy
         self.energy = energy if energy is not None else EnergyBook(e.audio_tokens_per_s)
         self.energy_meter = EnergyMeter(window_s=settings.signals.window_s, min_joules=e.min_joules)
-        self._energy_seen: dict[str, tuple[int, float]] = {}
+        self._energy_seen: dict[str, int] = {}
         self.accuracy = accuracy
         if accuracy is not None:
             self.on_transition.append(accuracy.on_transition)
@@ -271,7 +271,7 @@ class RolloutController:
         self, name: str, variant: str, now: float, values: dict[str, Any], summary: EngineSummary, in_flight: float
     ) -> float | None:
         """Integrate the engine's power since the last tick (busy: requests in flight or new ones counted)."""
-        counted = (summary.ok, summary.tokens, summary.audio_s)
+        counted = summary.finished_total
         busy = in_flight > 0 or self._energy_seen.get(name, counted) != counted
         self._energy_seen[name] = counted
         watts = values.get("power_watts")

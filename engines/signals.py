@@ -73,6 +73,8 @@ class EngineSummary:
     #: what energy per token divides by: completion tokens and seconds of speech served (engines/energy.py)
     tokens: int = 0
     audio_s: float = 0.0
+    #: requests finished since the replica started (not windowed: tells a busy engine from a sliding window)
+    finished_total: int = 0
 
     def count(self, name: str) -> int:
         return sum(self.latency.get(name, {}).values())
@@ -101,6 +103,7 @@ class EngineSummary:
             wer_samples=self.wer_samples + other.wer_samples,
             tokens=self.tokens + other.tokens,
             audio_s=self.audio_s + other.audio_s,
+            finished_total=self.finished_total + other.finished_total,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,6 +116,7 @@ class EngineSummary:
             "wer_samples": self.wer_samples,
             "tokens": self.tokens,
             "audio_s": self.audio_s,
+            "finished_total": self.finished_total,
         }
 
     @classmethod
@@ -126,6 +130,7 @@ class EngineSummary:
             wer_samples=int(d.get("wer_samples", 0)),
             tokens=int(d.get("tokens", 0)),
             audio_s=float(d.get("audio_s", 0.0)),
+            finished_total=int(d.get("finished_total", 0)),
         )
 
     def values(self) -> tuple[dict[str, float | None], dict[str, int]]:
@@ -167,7 +172,7 @@ class OutcomeWindow:
     tick costs in proportion to the new requests, not to the window's size.
     """
 
-    __slots__ = ("_q", "_clock", "_window_s", "_slot_s", "_slots")
+    __slots__ = ("_q", "_clock", "_window_s", "_slot_s", "_slots", "_finished")
 
     def __init__(
         self, max_samples: int = 20_000, clock: Any = time.monotonic, window_s: float = 60.0, slots: int = 30
@@ -177,6 +182,7 @@ class OutcomeWindow:
         self._window_s = window_s
         self._slot_s = window_s / slots
         self._slots: deque[_Slot] = deque()
+        self._finished = 0
 
     def success(
         self,
@@ -189,6 +195,7 @@ class OutcomeWindow:
         audio_s: float = 0.0,
     ) -> None:
         nan = math.nan
+        self._finished += 1
         self._q.append(
             (
                 self._clock(),
@@ -203,6 +210,7 @@ class OutcomeWindow:
         )
 
     def failure(self) -> None:
+        self._finished += 1
         self._q.append((self._clock(), math.nan, math.nan, -1.0, math.nan, math.nan, 0, 0.0))
 
     def __len__(self) -> int:
@@ -245,7 +253,7 @@ class OutcomeWindow:
         while self._slots and self._slots[0].start < keep_from:
             self._slots.popleft()
         horizon = now - min(window_s or self._window_s, self._window_s)
-        out = EngineSummary(latency={name: {} for name in LATENCIES})
+        out = EngineSummary(latency={name: {} for name in LATENCIES}, finished_total=self._finished)
         for slot in self._slots:
             if slot.start + self._slot_s <= horizon:
                 continue
