@@ -1,4 +1,4 @@
-"""Incident replay: drive scripted engines into six incidents under steady load and time the rollback.
+"""Incident replay: drive scripted engines into incidents under steady load and time the rollback.
 
     python -m bench.incidents [--rate 20] [--only spike,noise]
 
@@ -14,6 +14,11 @@ second. Per scenario it reports:
 * time to switch: fault injected -> the routing table changed;
 * failed requests: non-200 answers and error frames while the scenario ran;
 * switches: automatic routing transitions during the scenario.
+
+Two incidents of the energy and accuracy rules change the layout: ``energy`` serves BF16 first
+(INT4 beside it) with a scripted DCGM power gauge per engine, and raises BF16's draw until its
+tokens/J falls under 100; ``accuracy`` has INT8 answer the held-out set wrong before INT4's
+latency spikes, so the roll-back must skip INT8 for BF16.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class Result:
     peak_signal: float | None = None
     trigger_value: float | None = None
     note: str = ""
+    #: where the first shift sent the traffic
+    targets: dict | None = None
 
 
 class Upstreams:
@@ -108,7 +115,14 @@ class Upstreams:
             await self.post(s, v, "/_metrics", {"kv_cache_usage_perc": 0.3, "num_requests_running": None})
 
 
-def gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
+def gateway_config(ups: Upstreams, port: int, sentinel: bool, tweak: Callable[[dict], None] | None = None) -> dict:
+    cfg = _gateway_config(ups, port, sentinel)
+    if tweak is not None:
+        tweak(cfg)
+    return cfg
+
+
+def _gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
     engines = []
     for v, role in zip(VARIANTS, ("primary", "fallback", "fallback")):
         engines.append(
@@ -261,15 +275,22 @@ async def run_scenario(
     after_s: float = 5.0,
     restart: str | None = None,
     watch: str = "ttft_p99",
+    watch_engine: str = "int4",
+    watch_low: bool = False,
+    tweak: Callable[[dict], None] | None = None,
+    prepare: Inject | None = None,
+    note: str = "",
 ) -> Result:
-    res = Result(name, expected)
+    res = Result(name, expected, note=note)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(gateway_config(ups, port, sentinel=speech is not None), f)
+        yaml.safe_dump(gateway_config(ups, port, sentinel=speech is not None, tweak=tweak), f)
         cfg_path = f.name
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         await ups.reset(s, speech)
+        if prepare is not None:
+            await prepare(s, ups, time.time())
         gw = spawn(["-m", "gateway.cli", "serve", "--config", cfg_path], cpu=0)
         try:
             await wait_http(url + "/readyz", timeout=120)
@@ -283,9 +304,11 @@ async def run_scenario(
             while time.time() < deadline:
                 await asyncio.sleep(0.25)
                 st = await admin_status(s, url)
-                int4 = next(e for e in st["engines"] if e["name"] == "omni-int4")
-                seen = int4["signals"].get(watch)
-                if isinstance(seen, (int, float)) and (res.peak_signal is None or seen > res.peak_signal):
+                watched = next(e for e in st["engines"] if e["name"] == f"omni-{watch_engine}")
+                seen = watched["signals"].get(watch)
+                if isinstance(seen, (int, float)) and (
+                    res.peak_signal is None or (seen < res.peak_signal if watch_low else seen > res.peak_signal)
+                ):
                     res.peak_signal = round(seen, 4)
                 auto = [t for t in st["recent_transitions"] if t["source"] == "auto" and t["at"] >= t0 - 1]
                 if auto and switched_at is None:
@@ -293,9 +316,9 @@ async def run_scenario(
                     if until_switch:
                         deadline = min(deadline, switched_at + after_s)
             if switched_at is not None:
-                base = await upstream_count(s, ups, "int4")
+                base = await upstream_count(s, ups, watch_engine)
                 await asyncio.sleep(2.0)
-                later = await upstream_count(s, ups, "int4")
+                later = await upstream_count(s, ups, watch_engine)
                 res.after_switch_to_int4 = None if base is None or later is None else later - base
             t1 = time.time()
             await load.stop()
@@ -316,6 +339,7 @@ async def run_scenario(
                 res.detect_s = round(detected - t0, 2)
                 if isinstance(first["detail"].get("value"), (int, float)):
                     res.trigger_value = round(first["detail"]["value"], 4)
+                res.targets = first["detail"].get("targets")
             res.requests, res.failed = load.between(t0, t1)
         finally:
             gw.send_signal(signal.SIGINT)
@@ -382,6 +406,107 @@ def wer_task(speech: list) -> Inject:
     return inject
 
 
+class PowerGauges:
+    """A DCGM exporter per engine (``DCGM_FI_DEV_POWER_USAGE``, watts), scripted from the bench."""
+
+    def __init__(self) -> None:
+        self.watts = {v: 1.0 for v in VARIANTS}
+        self.port = free_port()
+        self._runner: aiohttp.web.AppRunner | None = None
+
+    def url(self, v: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{v}/metrics"
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        async def metrics(request: web.Request) -> web.Response:
+            w = self.watts[request.match_info["variant"]]
+            text = f'# TYPE DCGM_FI_DEV_POWER_USAGE gauge\nDCGM_FI_DEV_POWER_USAGE{{gpu="0"}} {w}\n'
+            return web.Response(text=text, content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/{variant}/metrics", metrics)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+_power = PowerGauges()
+
+# The default rules' energy and accuracy thresholds; durations divided by ten, like the others.
+ENERGY_RULE = {
+    "name": "energy-efficiency",
+    "select": {"variants": ["fp16", "bf16", "int8"]},
+    "signal": "tokens_per_joule",
+    "below": 100.0,
+    "for_s": 30,
+    "min_samples": 0,
+    "recover_above": 125.0,
+    "recover_for_s": 60,
+    "action": {"kind": "shift", "to_variants": ["int4"], "trickle_weight": 0.05},
+}
+ACCURACY_RULE = {
+    "name": "accuracy-floor",
+    "signal": "accuracy",
+    "below": 0.9,
+    "for_s": 0,
+    "min_samples": 10,
+    "recover_above": 0.9,
+    "recover_for_s": 0,
+    "action": {"kind": "exclude_target"},
+}
+
+
+def energy_layout(cfg: dict) -> None:
+    """BF16 serves first, INT4 beside it; each engine's GPU power from its scripted DCGM gauge."""
+    roles = {"bf16": "primary", "int4": "fallback", "int8": "fallback"}
+    for e in cfg["engines"]:
+        e["role"] = roles[e["variant"]]
+        e["telemetry"] = {"dcgm_url": _power.url(e["variant"]), "gpus": ["0"]}
+    cfg["routing"]["energy"] = {"min_joules": 5.0}
+    cfg["routing"]["controller"]["rules"].append(ENERGY_RULE)
+
+
+async def energy_prepare(s, ups, t0):  # noqa: ANN001
+    # ~20 requests/s of 10 tokens each on BF16: 1.2 W reads ~170 tokens/J, above the line.
+    _power.watts.update({"int4": 1.0, "int8": 1.0, "bf16": 1.2})
+
+
+async def energy_inject(s, ups, t0):  # noqa: ANN001
+    _power.watts["bf16"] = 4.0  # ~50 tokens/J: under 100
+
+
+def accuracy_layout(cfg: dict) -> None:
+    """INT4's roll-back prefers INT8, then BF16; the held-out set is replayed on every engine."""
+    rules = cfg["routing"]["controller"]["rules"]
+    latency = next(r for r in rules if r["name"] == "int4-latency")
+    latency["action"]["to_variants"] = ["int8", "bf16"]
+    rules.append(ACCURACY_RULE)
+    cfg["routing"]["accuracy"] = {"enabled": True, "set_path": str(held_out_set()), "interval_s": 600}
+
+
+def held_out_set() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="omnigate-held-out-"))
+    rows = [{"prompt": f"Question {i}", "choices": ["no", "yes"], "answer": "B"} for i in range(10)]
+    path = folder / "held-out.jsonl"
+    path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    return path
+
+
+async def accuracy_prepare(s, ups, t0):  # noqa: ANN001
+    for v, text in (("int4", "B"), ("int8", "A"), ("bf16", "B")):  # INT8 answers every item wrong
+        await ups.script(s, v, first_byte_delay_s=0.2, text=text)
+
+
+async def accuracy_inject(s, ups, t0):  # noqa: ANN001
+    await ups.script(s, "int4", first_byte_delay_s=0.9, text="B")
+
+
 _background: set[asyncio.Task] = set()
 
 
@@ -395,6 +520,7 @@ async def _cancel_background() -> None:
 async def main_async(args: argparse.Namespace) -> list[Result]:
     ups = Upstreams()
     await ups.start_all()
+    await _power.start()
     results: list[Result] = []
     only = set(args.only.split(",")) if args.only else None
     try:
@@ -426,6 +552,19 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
                 "WER drift: INT4's speech stops matching its transcript",
                 dict(inject=None, speech=True, watch="wer"),
             ),
+            (
+                "energy",
+                "energy: BF16 (serving) falls to ~50 tokens/J (GPU 1.2 -> 4 W at ~200 tokens/s)",
+                dict(inject=energy_inject, prepare=energy_prepare, tweak=energy_layout, watch="tokens_per_joule",
+                     watch_engine="bf16", watch_low=True, observe_s=60.0,
+                     note="BF16 serves first here; its last column counts BF16 requests, the signal is the lowest seen"),
+            ),
+            (
+                "accuracy",
+                "latency spike on INT4 while INT8 scores 0 % on the held-out set (targets: INT8, then BF16)",
+                dict(inject=accuracy_inject, prepare=accuracy_prepare, tweak=accuracy_layout,
+                     note="INT8 scored 0 % on the held-out set"),
+            ),
         ]
         speech = None
         for key, title, kw in plan:
@@ -446,6 +585,7 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
             print(json.dumps(asdict(res)), file=sys.stderr, flush=True)
     finally:
         await _cancel_background()
+        await _power.stop()
         ups.stop_all()
     return results
 
@@ -465,6 +605,11 @@ def table(results: list[Result]) -> str:
             f"{'—' if r.peak_signal is None else r.peak_signal} | "
             f"{'—' if r.after_switch_to_int4 is None else r.after_switch_to_int4} |"
         )
+    notes = [r for r in results if r.targets is not None or r.note]
+    if notes:
+        lines.append("")
+    for r in notes:
+        lines.append(f"- {r.scenario}: {r.note}{'; ' if r.note else ''}first shift's targets {r.targets}")
     return "\n".join(lines)
 
 
@@ -476,7 +621,9 @@ def main() -> None:
     )
     p.add_argument("--rate", type=float, default=20.0, help="requests per second (text scenarios)")
     p.add_argument("--speech-rate", type=float, default=4.0, help="requests per second (WER scenario)")
-    p.add_argument("--only", default="", help="comma-separated: spike,vram,crash,drift,noise,noise-near,wer")
+    p.add_argument(
+        "--only", default="", help="comma-separated: spike,vram,crash,drift,noise,noise-near,wer,energy,accuracy"
+    )
     args = p.parse_args()
     results = asyncio.run(main_async(args))
     print(table(results))
