@@ -3,7 +3,9 @@
 The defaults are the operating rules the deployment started from: P99 time to first
 token above 600 ms (the engine's, from the engine request to its first token) rolls the INT4 engine back to FP16/BF16, VRAM above 90 % for 30 s
 lowers the engine's concurrency, WER above 5 % on sampled speech degrades INT4 to
-INT8, and a canary takes 10 % of traffic unless its errors or latency say otherwise.
+INT8, a canary takes 10 % of traffic unless its errors or latency say otherwise, a non-INT4
+engine under 100 tokens per joule shifts to INT4, and an engine under 90 % on the operator's
+held-out set is no destination of any shift.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Anti-flapping, in the order it is applied:
 * at most ``max_switches_per_hour`` automatic switches in any hour;
 * a frozen controller, or a model with a pinned variant, takes no automatic action.
 
-Where a shift may send traffic (:func:`_shift_targets`):
+Where a shift may send traffic (:func:`engines.targets.shift_targets`):
 
 * never to an engine an ``exclude_target`` rule holds (the held-out accuracy under 90 %);
 * never to an engine whose own traffic a shift or set_weight in force moved away, except that a
@@ -32,6 +32,7 @@ from typing import Any, Iterable, Mapping
 
 from engines.control_settings import SAMPLED_SIGNALS, ControllerSettings, Rule
 from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
+from engines.targets import shift_targets
 
 HOUR_S = 3600.0
 
@@ -253,68 +254,6 @@ def _key(rule: Rule, engine: str) -> str:
     return f"{rule.name}@{engine}"
 
 
-def excluded_targets(snap: Snapshot, config: ControllerSettings) -> frozenset[str]:
-    """Engines an ``exclude_target`` rule holds now (no for_s or way back: the latest reading decides)."""
-    out: set[str] = set()
-    for rule in config.rules:
-        if rule.action.kind != "exclude_target":
-            continue
-        for name, sig in snap.engines.items():
-            if not rule.select.matches(name, sig.info.variant, sig.info.role):
-                continue
-            value = sig.reading(rule.signal, rule.min_samples)
-            if value is not None and rule.breached(value):
-                out.add(name)
-    return frozenset(out)
-
-
-def _shift_targets(
-    rule: Rule,
-    src: EngineSignals,
-    snap: Snapshot,
-    config: ControllerSettings,
-    incidents: Mapping[str, Incident],
-) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...]]:
-    """Per model, the engines of the first wanted variant that serve it, are up and may take traffic;
-    with the incidents the shift ends (see the module docstring)."""
-    order = {r.name: i for i, r in enumerate(config.rules)}
-    mine = order.get(rule.name, len(order))
-    excluded = excluded_targets(snap, config)
-    moved_away: dict[str, list[str]] = {}  # engine -> keys of the incidents that moved its traffic away
-    preemptable: set[str] = set()
-    for key, inc in incidents.items():
-        if inc.action not in ("shift", "set_weight"):
-            continue
-        moved_away.setdefault(inc.engine, []).append(key)
-        onto_src = any(src.info.name in t for t in inc.targets.values())
-        if inc.action == "shift" and onto_src and order.get(inc.rule, len(order)) > mine:
-            preemptable.add(key)
-    out: dict[str, tuple[str, ...]] = {}
-    preempts: set[str] = set()
-    for model in src.info.serves:
-        for variant in rule.action.to_variants:
-            found = []
-            for n, e in snap.engines.items():
-                if (
-                    n == src.info.name
-                    or model not in e.info.serves
-                    or e.info.variant != variant
-                    or not e.healthy
-                    or e.circuit == "open"
-                    or n in excluded
-                ):
-                    continue
-                blocking = moved_away.get(n, [])
-                if any(k not in preemptable for k in blocking):
-                    continue
-                preempts.update(blocking)
-                found.append(n)
-            if found:
-                out[model] = tuple(sorted(found))
-                break
-    return out, tuple(sorted(preempts))
-
-
 def _new_incident(
     rule: Rule,
     sig: EngineSignals,
@@ -329,7 +268,7 @@ def _new_incident(
         rule=rule.name, engine=sig.info.name, action=a.kind, since=snap.now, detected_at=since, value=value
     )
     if a.kind == "shift":
-        targets, preempts = _shift_targets(rule, sig, snap, config, incidents)
+        targets, preempts = shift_targets(rule, sig, snap, config, incidents)
         if not targets:
             return None, ()
         return Incident(**base, targets=targets, keep=a.trickle_weight), preempts
