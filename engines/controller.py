@@ -95,7 +95,12 @@ class RolloutController:
         self._tick_lock = asyncio.Lock()
         e = settings.energy
         self.energy = energy if energy is not None else EnergyBook(e.audio_tokens_per_s)
-        self.energy_meter = EnergyMeter(window_s=settings.signals.window_s, min_joules=e.min_joules)
+        self.energy_meter = EnergyMeter(
+            window_s=settings.signals.window_s,
+            min_joules=e.min_joules,
+            # ticks further apart than this are a gap in the readings, not one long interval
+            max_gap_s=max(30.0, 3 * settings.controller.interval_s),
+        )
         self._energy_seen: dict[str, int] = {}
         self.accuracy = accuracy
         if accuracy is not None:
@@ -225,7 +230,7 @@ class RolloutController:
     async def _follow(self) -> None:
         if await self.store.version() != self.pool.table.version:
             self._apply(await self.store.load())
-        if self.settings.energy.usage_field:
+        if self.settings.energy.usage_field and self.telemetry is not None and self.telemetry.measures_power:
             parts = await self.store.summaries(max_age_s=self._summary_ttl())
             self.energy.update(
                 {n: d["joules_per_token"] for p in parts.values() for n, d in p.items() if "joules_per_token" in d}

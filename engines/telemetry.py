@@ -227,6 +227,11 @@ class TelemetryCollector:
             for t in self._targets
         )
 
+    @property
+    def measures_power(self) -> bool:
+        """Some engine has a power source (DCGM or NVML): energy per token can be measured."""
+        return any(t.telemetry.dcgm_url or t.telemetry.nvml for t in self._targets)
+
     async def start(self) -> None:
         if not self.wanted:
             return
