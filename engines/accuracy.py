@@ -190,6 +190,8 @@ class HeldOutSentinel:
         self._clock = clock
         self.items: list[HeldOutItem] = list(items) if items is not None else []
         self.results: dict[str, Replay] = {}
+        #: when each engine was last replayed, scored or not (an engine that only fails waits its interval)
+        self._tried: dict[str, float] = {}
         self._pending: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -232,7 +234,8 @@ class HeldOutSentinel:
 
     def _due(self) -> list[str]:
         now = self._clock()
-        due = [n for n in self._wanted() if n not in self.results or now - self.results[n].at >= self.settings.interval_s]
+        interval = self.settings.interval_s
+        due = [n for n in self._wanted() if n not in self._tried or now - self._tried[n] >= interval]
         return sorted(set(due) | self._pending)
 
     async def _run(self) -> None:
@@ -253,6 +256,7 @@ class HeldOutSentinel:
         if engine is None:
             return None
         model = engine.config.serves[0] if engine.config.serves else name
+        self._tried[name] = self._clock()
         correct = scored = failed = 0
         for item in self.items:
             request = ChatCompletionRequest.model_validate(

@@ -156,6 +156,27 @@ async def test_a_replay_asks_every_item_and_scores_the_scripted_choices(tmp_path
     assert gauge == pytest.approx(8 / 9)
 
 
+async def test_an_engine_that_only_fails_gets_no_figure_and_waits_its_interval(tmp_path):
+    items = load_set(write_set(tmp_path, [{"prompt": "q", "answer": "a"}] * 3))
+    now = [1000.0]
+    async with ScriptedUpstream(Script(flavour="vllm", fault="500_before_headers")) as up:
+        engine = build_engine(EngineConfig(name="down", kind="vllm", base_url=up.base_url, model="q",
+                                           variant="int8", serves=["omni"]))  # fmt: skip
+        await engine.start()
+        try:
+            s = HeldOutSentinel(AccuracySettings(interval_s=600), lambda: {"down": engine},
+                                Metrics(CollectorRegistry()), items=items, clock=lambda: now[0])  # fmt: skip
+            assert s._due() == ["down"]
+            result = await s.replay("down")
+        finally:
+            await engine.aclose()
+    assert result is not None and (result.scored, result.failed) == (0, 3) and result.accuracy is None
+    assert s.latest("down") is None  # unknown, so the floor neither holds nor clears it
+    assert s._due() == []
+    now[0] += 600
+    assert s._due() == ["down"]
+
+
 async def test_a_transition_queues_a_replay_of_the_engines_it_touched():
     class _Cfg:
         def __init__(self, serves):
