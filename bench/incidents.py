@@ -1,4 +1,5 @@
-"""Incident replay: drive scripted engines into six incidents under steady load and time the rollback.
+# Over 500 lines: one runner, its nine incidents and their table read best as one file.
+"""Incident replay: drive scripted engines into incidents under steady load and time the rollback.
 
     python -m bench.incidents [--rate 20] [--only spike,noise]
 
@@ -14,6 +15,9 @@ second. Per scenario it reports:
 * time to switch: fault injected -> the routing table changed;
 * failed requests: non-200 answers and error frames while the scenario ran;
 * switches: automatic routing transitions during the scenario.
+
+The energy and accuracy incidents (their layouts and faults in ``bench/energy_incidents.py``)
+change the engines' roles and rules for their scenario.
 """
 
 from __future__ import annotations
@@ -37,6 +41,15 @@ import orjson
 import yaml
 
 from bench.common import free_port, spawn, wait_http
+from bench.energy_incidents import (
+    accuracy_inject,
+    accuracy_layout,
+    accuracy_prepare,
+    energy_inject,
+    energy_layout,
+    energy_prepare,
+    power,
+)
 
 ADMIN_KEY = secrets.token_hex(32)  # the boot refuses typed keys
 MODEL = "qwen3-omni-flash"
@@ -58,6 +71,8 @@ class Result:
     peak_signal: float | None = None
     trigger_value: float | None = None
     note: str = ""
+    #: where the first shift sent the traffic
+    targets: dict | None = None
 
 
 class Upstreams:
@@ -108,7 +123,14 @@ class Upstreams:
             await self.post(s, v, "/_metrics", {"kv_cache_usage_perc": 0.3, "num_requests_running": None})
 
 
-def gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
+def gateway_config(ups: Upstreams, port: int, sentinel: bool, tweak: Callable[[dict], None] | None = None) -> dict:
+    cfg = _gateway_config(ups, port, sentinel)
+    if tweak is not None:
+        tweak(cfg)
+    return cfg
+
+
+def _gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
     engines = []
     for v, role in zip(VARIANTS, ("primary", "fallback", "fallback")):
         engines.append(
@@ -261,15 +283,22 @@ async def run_scenario(
     after_s: float = 5.0,
     restart: str | None = None,
     watch: str = "ttft_p99",
+    watch_engine: str = "int4",
+    watch_low: bool = False,
+    tweak: Callable[[dict], None] | None = None,
+    prepare: Inject | None = None,
+    note: str = "",
 ) -> Result:
-    res = Result(name, expected)
+    res = Result(name, expected, note=note)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(gateway_config(ups, port, sentinel=speech is not None), f)
+        yaml.safe_dump(gateway_config(ups, port, sentinel=speech is not None, tweak=tweak), f)
         cfg_path = f.name
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         await ups.reset(s, speech)
+        if prepare is not None:
+            await prepare(s, ups, time.time())
         gw = spawn(["-m", "gateway.cli", "serve", "--config", cfg_path], cpu=0)
         try:
             await wait_http(url + "/readyz", timeout=120)
@@ -283,9 +312,11 @@ async def run_scenario(
             while time.time() < deadline:
                 await asyncio.sleep(0.25)
                 st = await admin_status(s, url)
-                int4 = next(e for e in st["engines"] if e["name"] == "omni-int4")
-                seen = int4["signals"].get(watch)
-                if isinstance(seen, (int, float)) and (res.peak_signal is None or seen > res.peak_signal):
+                watched = next(e for e in st["engines"] if e["name"] == f"omni-{watch_engine}")
+                seen = watched["signals"].get(watch)
+                if isinstance(seen, (int, float)) and (
+                    res.peak_signal is None or (seen < res.peak_signal if watch_low else seen > res.peak_signal)
+                ):
                     res.peak_signal = round(seen, 4)
                 auto = [t for t in st["recent_transitions"] if t["source"] == "auto" and t["at"] >= t0 - 1]
                 if auto and switched_at is None:
@@ -293,9 +324,9 @@ async def run_scenario(
                     if until_switch:
                         deadline = min(deadline, switched_at + after_s)
             if switched_at is not None:
-                base = await upstream_count(s, ups, "int4")
+                base = await upstream_count(s, ups, watch_engine)
                 await asyncio.sleep(2.0)
-                later = await upstream_count(s, ups, "int4")
+                later = await upstream_count(s, ups, watch_engine)
                 res.after_switch_to_int4 = None if base is None or later is None else later - base
             t1 = time.time()
             await load.stop()
@@ -316,6 +347,7 @@ async def run_scenario(
                 res.detect_s = round(detected - t0, 2)
                 if isinstance(first["detail"].get("value"), (int, float)):
                     res.trigger_value = round(first["detail"]["value"], 4)
+                res.targets = first["detail"].get("targets")
             res.requests, res.failed = load.between(t0, t1)
         finally:
             gw.send_signal(signal.SIGINT)
@@ -395,6 +427,7 @@ async def _cancel_background() -> None:
 async def main_async(args: argparse.Namespace) -> list[Result]:
     ups = Upstreams()
     await ups.start_all()
+    await power.start()
     results: list[Result] = []
     only = set(args.only.split(",")) if args.only else None
     try:
@@ -426,6 +459,19 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
                 "WER drift: INT4's speech stops matching its transcript",
                 dict(inject=None, speech=True, watch="wer"),
             ),
+            (
+                "energy",
+                "energy: BF16 (serving) falls to ~50 tokens/J (GPU 1.2 -> 4 W at ~200 tokens/s)",
+                dict(inject=energy_inject, prepare=energy_prepare, tweak=energy_layout, watch="tokens_per_joule",
+                     watch_engine="bf16", watch_low=True, observe_s=60.0,
+                     note="BF16 serves first here; its last column counts BF16 requests, the signal is the lowest seen"),
+            ),
+            (
+                "accuracy",
+                "latency spike on INT4 while INT8 scores 0 % on the held-out set (targets: INT8, then BF16)",
+                dict(inject=accuracy_inject, prepare=accuracy_prepare, tweak=accuracy_layout,
+                     note="INT8 scored 0 % on the held-out set"),
+            ),
         ]
         speech = None
         for key, title, kw in plan:
@@ -446,6 +492,7 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
             print(json.dumps(asdict(res)), file=sys.stderr, flush=True)
     finally:
         await _cancel_background()
+        await power.stop()
         ups.stop_all()
     return results
 
@@ -465,6 +512,11 @@ def table(results: list[Result]) -> str:
             f"{'—' if r.peak_signal is None else r.peak_signal} | "
             f"{'—' if r.after_switch_to_int4 is None else r.after_switch_to_int4} |"
         )
+    notes = [r for r in results if r.targets is not None or r.note]
+    if notes:
+        lines.append("")
+    for r in notes:
+        lines.append(f"- {r.scenario}: {r.note}{'; ' if r.note else ''}first shift's targets {r.targets}")
     return "\n".join(lines)
 
 
@@ -476,7 +528,9 @@ def main() -> None:
     )
     p.add_argument("--rate", type=float, default=20.0, help="requests per second (text scenarios)")
     p.add_argument("--speech-rate", type=float, default=4.0, help="requests per second (WER scenario)")
-    p.add_argument("--only", default="", help="comma-separated: spike,vram,crash,drift,noise,noise-near,wer")
+    p.add_argument(
+        "--only", default="", help="comma-separated: spike,vram,crash,drift,noise,noise-near,wer,energy,accuracy"
+    )
     args = p.parse_args()
     results = asyncio.run(main_async(args))
     print(table(results))

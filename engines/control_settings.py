@@ -3,7 +3,9 @@
 The defaults are the operating rules the deployment started from: P99 time to first
 token above 600 ms (the engine's, from the engine request to its first token) rolls the INT4 engine back to FP16/BF16, VRAM above 90 % for 30 s
 lowers the engine's concurrency, WER above 5 % on sampled speech degrades INT4 to
-INT8, and a canary takes 10 % of traffic unless its errors or latency say otherwise.
+INT8, a canary takes 10 % of traffic unless its errors or latency say otherwise, a non-INT4
+engine under 100 tokens per joule shifts to INT4, and an engine under 90 % on the operator's
+held-out set is no destination of any shift.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ Signal = Literal[
     "requests_running",
     "engine_ttft_p99",
     "wer",
+    # energy per token (engines/energy.py) and the held-out set's accuracy (engines/accuracy.py)
+    "tokens_per_joule",
+    "accuracy",
 ]
 #: signals whose windows are built from per-request samples (a rule needs ``min_samples`` of them)
 SAMPLED_SIGNALS = frozenset(
@@ -61,6 +66,7 @@ SAMPLED_SIGNALS = frozenset(
         "upstream_e2e_p99",
         "error_rate",
         "wer",
+        "accuracy",
     }
 )
 
@@ -134,6 +140,43 @@ class SentinelSettings(_Strict):
     max_audio_s: Annotated[float, Field(gt=0, le=600)] = 60.0
 
 
+class EnergySettings(_Strict):
+    """Energy per token (engines/energy.py): GPU power from the engines' telemetry over counted tokens."""
+
+    audio_tokens_per_s: Annotated[float, Field(ge=0, le=1000)] = Field(
+        default=12.5,
+        description="token-equivalents one second of speech output counts for (speech adds no completion "
+        "tokens); 12.5: the codec frames a second Qwen3-Omni's talker emits",
+    )
+    min_joules: Annotated[float, Field(ge=0)] = Field(
+        default=50.0, description="tokens_per_joule stays unknown until the window holds this much active energy"
+    )
+    usage_field: bool = Field(default=True, description="add usage.energy_joules where power is measured")
+
+
+class AccuracySettings(_Strict):
+    """The held-out accuracy sentinel (engines/accuracy.py): an operator's set replayed per engine."""
+
+    enabled: bool = False
+    set_path: str | None = Field(
+        default=None,
+        description="JSON lines: prompt, optional media (data URIs or paths relative to the set's folder), "
+        "answer, optional choices (multiple choice: scored by letter)",
+    )
+    interval_s: Annotated[float, Field(gt=0)] = 3600.0
+    on_transition: bool = Field(default=True, description="also replay the engines each transition touches")
+    engines: list[str] = Field(default_factory=list, description="the engines replayed; empty: all")
+    max_tokens: Annotated[int, Field(ge=1, le=4096)] = 16
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+    max_items: Annotated[int, Field(ge=1, le=100_000)] = 1000
+
+    @model_validator(mode="after")
+    def _needs_set(self) -> "AccuracySettings":
+        if self.enabled and not self.set_path:
+            raise ValueError("routing.accuracy.enabled needs routing.accuracy.set_path")
+        return self
+
+
 class RuleSelector(_Strict):
     """Which engines a rule watches; empty lists match every engine."""
 
@@ -156,10 +199,11 @@ class RuleAction(_Strict):
     serves the same model, keeping ``trickle_weight`` on it so it can still be measured.
     ``set_weight``: set the engine's traffic share to ``weight``. ``limit_concurrency``:
     cap the engine's requests in flight at ``concurrency_factor`` times those running
-    when the rule fired (at least ``min_concurrency``).
+    when the rule fired (at least ``min_concurrency``). ``exclude_target``: while the condition holds,
+    the engine is no destination of any rule's shift (it moves no traffic itself, so has no way back).
     """
 
-    kind: Literal["shift", "set_weight", "limit_concurrency"]
+    kind: Literal["shift", "set_weight", "limit_concurrency", "exclude_target"]
     to_variants: list[Variant] = Field(default_factory=list)
     trickle_weight: Annotated[float, Field(ge=0, le=0.5)] = 0.05
     weight: Annotated[float, Field(ge=0, le=1)] = 0.0
@@ -177,23 +221,57 @@ class Rule(_Strict):
     name: RuleName
     select: RuleSelector = RuleSelector()
     signal: Signal
-    above: float = Field(description="the condition: the signal above this value ...")
+    above: float | None = Field(default=None, description="the condition: the signal above this value ...")
+    below: float | None = Field(
+        default=None, description="... or, instead of above, below this value (tokens_per_joule, accuracy)"
+    )
     for_s: Annotated[float, Field(ge=0)] = Field(default=30.0, description="... continuously for this long")
     min_samples: Annotated[int, Field(ge=0)] = 20
     action: RuleAction
     recover_below: float | None = Field(
         default=None, description="the way back: the signal below this (default 80 % of above) ..."
     )
+    recover_above: float | None = Field(
+        default=None, description="the way back of a below rule: the signal above this (default 125 % of below)"
+    )
     recover_for_s: Annotated[float, Field(ge=0)] = Field(default=120.0, description="... for this long")
     auto_recover: bool = True
 
     @model_validator(mode="after")
     def _hysteresis(self) -> "Rule":
+        if (self.above is None) == (self.below is None):
+            raise ValueError(f"rule {self.name}: set exactly one of above and below")
+        if self.below is not None:
+            if self.recover_below is not None:
+                raise ValueError(f"rule {self.name}: a below rule recovers above recover_above")
+            if self.recover_above is None:
+                self.recover_above = self.below * 1.25
+            if self.recover_above < self.below:
+                raise ValueError(f"rule {self.name}: recover_above must not be under below")
+            return self
+        assert self.above is not None
+        if self.recover_above is not None:
+            raise ValueError(f"rule {self.name}: an above rule recovers below recover_below")
         if self.recover_below is None:
             self.recover_below = self.above * 0.8
         if self.recover_below > self.above:
             raise ValueError(f"rule {self.name}: recover_below must not exceed above")
         return self
+
+    def breached(self, value: float) -> bool:
+        """The condition holds: above ``above`` (or, for a below rule, under ``below``)."""
+        if self.below is not None:
+            return value < self.below
+        assert self.above is not None
+        return value > self.above
+
+    def recovered(self, value: float) -> bool:
+        """The way back's condition holds: under ``recover_below`` (or, for a below rule, above ``recover_above``)."""
+        if self.below is not None:
+            assert self.recover_above is not None
+            return value > self.recover_above
+        assert self.recover_below is not None
+        return value < self.recover_below
 
 
 def default_rules() -> list[Rule]:
@@ -252,6 +330,36 @@ def default_rules() -> list[Rule]:
             auto_recover=False,
             action=RuleAction(kind="set_weight", weight=0.0),
         ),
+        *energy_and_accuracy_rules(),
+    ]
+
+
+def energy_and_accuracy_rules() -> list[Rule]:
+    """tokens/J under 100 prefers INT4; a variant under 90 % on the held-out set receives no shifted traffic."""
+    return [
+        # Listed after the latency and WER rules: an INT4 engine they rolled back is no destination of
+        # this shift, and their roll-back of INT4 ends this rule's shift to it (see rollback.decide).
+        Rule(
+            name="energy-efficiency",
+            select=RuleSelector(variants=["fp32", "fp16", "bf16", "fp8", "int8"]),
+            signal="tokens_per_joule",
+            below=100.0,
+            for_s=300,
+            min_samples=0,
+            recover_above=125.0,
+            recover_for_s=600,
+            action=RuleAction(kind="shift", to_variants=["int4"], trickle_weight=0.05),
+        ),
+        Rule(
+            name="accuracy-floor",
+            signal="accuracy",
+            below=0.9,
+            for_s=0,
+            min_samples=10,
+            recover_above=0.9,
+            recover_for_s=0,
+            action=RuleAction(kind="exclude_target"),
+        ),
     ]
 
 
@@ -287,6 +395,8 @@ class RoutingSettings(_Strict):
     circuit: CircuitSettings = CircuitSettings()
     signals: SignalSettings = SignalSettings()
     sentinel: SentinelSettings = SentinelSettings()
+    energy: EnergySettings = EnergySettings()
+    accuracy: AccuracySettings = AccuracySettings()
     controller: ControllerSettings = ControllerSettings()
     state: SharedStateSettings = SharedStateSettings()
     seed: int | None = Field(default=None, description="seed of the weighted choice (tests and replays)")

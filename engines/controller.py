@@ -15,6 +15,12 @@ manual, is counted (``omnigate_routing_transitions_total``), logged as one
 ``routing_transition`` event, kept in :attr:`RolloutController.recent`, and passed to
 each callback in :attr:`RolloutController.on_transition` (the audit trail hooks in
 there: ``controller.on_transition.append(fn)``, ``fn(transition)`` sync or async).
+
+The leader also integrates each engine's GPU power over its active time into
+``tokens_per_joule`` (:mod:`engines.energy`) and publishes the engines' joules per token
+beside its own summary; every replica copies them into its :class:`~engines.energy.EnergyBook`,
+which the request path reads for ``usage.energy_joules``. The held-out accuracy sentinel
+(:mod:`engines.accuracy`), when configured, runs on the leader and adds ``accuracy``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from typing import Any, Awaitable, Callable
 
 import structlog
 
+from engines.accuracy import HeldOutSentinel
 from engines.control_settings import RoutingSettings
+from engines.energy import EnergyBook, EnergyMeter, token_equivalents
 from engines.pool import EnginePool
 from engines.rollback import (
     ControllerState,
@@ -65,6 +73,9 @@ class RolloutController:
         telemetry: TelemetryCollector | None = None,
         sentinel: AccuracySentinel | None = None,
         clock: Callable[[], float] = time.time,
+        *,
+        energy: EnergyBook | None = None,
+        accuracy: HeldOutSentinel | None = None,
     ) -> None:
         self.pool = pool
         self.settings = settings
@@ -82,6 +93,18 @@ class RolloutController:
         self._hook_tasks: set[asyncio.Task[Any]] = set()
         self._task: asyncio.Task[None] | None = None
         self._tick_lock = asyncio.Lock()
+        e = settings.energy
+        self.energy = energy if energy is not None else EnergyBook(e.audio_tokens_per_s)
+        self.energy_meter = EnergyMeter(
+            window_s=settings.signals.window_s,
+            min_joules=e.min_joules,
+            # ticks further apart than this are a gap in the readings, not one long interval
+            max_gap_s=max(30.0, 3 * settings.controller.interval_s),
+        )
+        self._energy_seen: dict[str, int] = {}
+        self.accuracy = accuracy
+        if accuracy is not None:
+            self.on_transition.append(accuracy.on_transition)
         pool.transition_sink = self.emit
 
     @property
@@ -100,6 +123,8 @@ class RolloutController:
             await self.telemetry.start()
         if self.sentinel is not None and self.settings.sentinel.enabled:
             await self.sentinel.start()
+        if self.accuracy is not None:
+            await self.accuracy.start()
         self._task = asyncio.create_task(self._run(), name="rollout-controller")
 
     async def _load_or_seed(self) -> None:
@@ -116,7 +141,7 @@ class RolloutController:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for closer in (self.telemetry, self.sentinel):
+        for closer in (self.telemetry, self.sentinel, self.accuracy):
             if closer is not None:
                 await closer.aclose()
         try:
@@ -169,6 +194,9 @@ class RolloutController:
                 summary.wer_errors, summary.wer_words, summary.wer_samples = self.sentinel.totals(name)
             d = summary.to_dict()
             d["in_flight"] = self.pool.in_flight(name)
+            jpt = self.energy.joules_per_token(name)
+            if self.is_leader and jpt is not None:
+                d["joules_per_token"] = jpt
             out[name] = d
         return out
 
@@ -202,6 +230,11 @@ class RolloutController:
     async def _follow(self) -> None:
         if await self.store.version() != self.pool.table.version:
             self._apply(await self.store.load())
+        if self.settings.energy.usage_field and self.telemetry is not None and self.telemetry.measures_power:
+            parts = await self.store.summaries(max_age_s=self._summary_ttl())
+            self.energy.update(
+                {n: d["joules_per_token"] for p in parts.values() for n, d in p.items() if "joules_per_token" in d}
+            )
 
     def snapshot(self, parts: dict[str, dict[str, Any]]) -> Snapshot:
         """Every replica's measurements merged, plus telemetry, health and circuit state, at one instant."""
@@ -213,11 +246,21 @@ class RolloutController:
                     merged[name] = merged[name].merge(EngineSummary.from_dict(d))
                     in_flight[name] += float(d.get("in_flight", 0))
         engines: dict[str, EngineSignals] = {}
+        now = self._clock()
+        jpt: dict[str, float | None] = {}
         for name, info in self.pool.infos.items():
             values, samples = merged[name].values()
             values["in_flight"] = in_flight[name]
             if self.telemetry is not None:
                 values.update(self.telemetry.latest(name))
+            tpj = self._energy(name, info.variant, now, values, merged[name], in_flight[name])
+            if tpj is not None:
+                values["tokens_per_joule"] = tpj
+            jpt[name] = 1.0 / tpj if tpj else None
+            if self.accuracy is not None:
+                acc = self.accuracy.latest(name)
+                if acc is not None:
+                    values["accuracy"], samples["accuracy"] = acc[0], acc[1]
             engines[name] = EngineSignals(
                 info=info,
                 healthy=self.pool.is_healthy(name),
@@ -225,7 +268,29 @@ class RolloutController:
                 values=values,
                 samples=samples,
             )
-        return Snapshot(now=self._clock(), engines=engines, replicas=max(1, len(parts)))
+        if self.settings.energy.usage_field:
+            self.energy.update(jpt)
+        return Snapshot(now=now, engines=engines, replicas=max(1, len(parts)))
+
+    def _energy(
+        self, name: str, variant: str, now: float, values: dict[str, Any], summary: EngineSummary, in_flight: float
+    ) -> float | None:
+        """Integrate the engine's power since the last tick (busy: requests in flight or new ones counted)."""
+        counted = summary.finished_total
+        busy = in_flight > 0 or self._energy_seen.get(name, counted) != counted
+        self._energy_seen[name] = counted
+        watts = values.get("power_watts")
+        added = self.energy_meter.observe(name, now, watts, busy)
+        m = self.metrics
+        if added:
+            m.engine_energy.labels(name, variant).inc(added)
+        tokens = token_equivalents(summary.tokens, summary.audio_s, self.settings.energy.audio_tokens_per_s)
+        tpj = self.energy_meter.tokens_per_joule(name, tokens) if watts is not None else None
+        if tpj is None:
+            m.engine_tokens_per_joule.remove(name, variant)  # unknown now: no stale figure left behind
+        else:
+            m.engine_tokens_per_joule.labels(name, variant).set(tpj)
+        return tpj
 
     # -- applying --------------------------------------------------------------------------------
     def _table(self, state: ControllerState) -> RoutingTable:

@@ -410,11 +410,12 @@ class EnginePool:
 
     def report_success(self, engine: Engine | str, ttft_s: float | None, first_audio_s: float | None,
                        e2e_s: float, upstream_ttft_s: float | None = None,
-                       upstream_e2e_s: float | None = None) -> None:  # fmt: skip
+                       upstream_e2e_s: float | None = None, tokens: int = 0,
+                       audio_s: float = 0.0) -> None:  # fmt: skip
         name = engine if isinstance(engine, str) else engine.name
         if name not in self._windows:
             return
-        self._windows[name].success(ttft_s, first_audio_s, e2e_s, upstream_ttft_s, upstream_e2e_s)
+        self._windows[name].success(ttft_s, first_audio_s, e2e_s, upstream_ttft_s, upstream_e2e_s, tokens, audio_s)
         changed = self._circuits[name].success()
         if changed is not None:
             self._circuit_changed(name, changed)

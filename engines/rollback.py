@@ -10,11 +10,18 @@ the unit tests drive with scripted signal series, and what the background loop i
 Anti-flapping, in the order it is applied:
 
 * a condition must hold for the rule's ``for_s`` (an unknown signal resets the timer);
-* the way back needs the signal below ``recover_below`` (hysteresis) for ``recover_for_s``,
-  and the incident at least ``min_dwell_s`` old;
+* the way back needs the signal below ``recover_below`` (a ``below`` rule: above ``recover_above``)
+  for ``recover_for_s`` (hysteresis), and the incident at least ``min_dwell_s`` old;
 * after any switch on a model, no automatic switch on it for ``cooldown_s``;
 * at most ``max_switches_per_hour`` automatic switches in any hour;
 * a frozen controller, or a model with a pinned variant, takes no automatic action.
+
+Where a shift may send traffic (:func:`engines.targets.shift_targets`):
+
+* never to an engine an ``exclude_target`` rule holds (the held-out accuracy under 90 %);
+* never to an engine whose own traffic a shift or set_weight in force moved away, except that a
+  rule listed earlier ends a later rule's shift onto the engine it fires on: INT4 rolled back for
+  latency ends "prefer INT4 for energy" rather than wait behind it, never the other way round.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any, Iterable, Mapping
 
 from engines.control_settings import SAMPLED_SIGNALS, ControllerSettings, Rule
 from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
+from engines.targets import shift_targets
 
 HOUR_S = 3600.0
 
@@ -246,38 +254,29 @@ def _key(rule: Rule, engine: str) -> str:
     return f"{rule.name}@{engine}"
 
 
-def _shift_targets(rule: Rule, src: EngineSignals, snap: Snapshot) -> dict[str, tuple[str, ...]]:
-    """Per model, the engines of the first wanted variant that serve it and are up."""
-    out: dict[str, tuple[str, ...]] = {}
-    for model in src.info.serves:
-        for variant in rule.action.to_variants:
-            found = tuple(
-                sorted(
-                    n
-                    for n, e in snap.engines.items()
-                    if n != src.info.name
-                    and model in e.info.serves
-                    and e.info.variant == variant
-                    and e.healthy
-                    and e.circuit != "open"
-                )
-            )
-            if found:
-                out[model] = found
-                break
-    return out
-
-
 def _new_incident(
-    rule: Rule, sig: EngineSignals, value: float, since: float, snap: Snapshot
-) -> Incident | None:
+    rule: Rule,
+    sig: EngineSignals,
+    value: float,
+    since: float,
+    snap: Snapshot,
+    config: ControllerSettings,
+    incidents: Mapping[str, Incident],
+) -> tuple[Incident | None, tuple[str, ...]]:
     a = rule.action
     base = dict(
         rule=rule.name, engine=sig.info.name, action=a.kind, since=snap.now, detected_at=since, value=value
     )
     if a.kind == "shift":
-        targets = _shift_targets(rule, sig, snap)
-        return Incident(**base, targets=targets, keep=a.trickle_weight) if targets else None
+        targets, preempts = shift_targets(rule, sig, snap, config, incidents)
+        if not targets:
+            return None, ()
+        return Incident(**base, targets=targets, keep=a.trickle_weight), preempts
+    return _other_incident(rule, sig, base, snap), ()
+
+
+def _other_incident(rule: Rule, sig: EngineSignals, base: dict[str, Any], snap: Snapshot) -> Incident:
+    a = rule.action
     if a.kind == "set_weight":
         return Incident(**base, weight=a.weight)
     running = sig.values.get("requests_running") or sig.values.get("in_flight") or 0.0
@@ -328,6 +327,8 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
         incidents.pop(key)
 
     for rule in config.rules:
+        if rule.action.kind == "exclude_target":
+            continue  # read where shifts choose their targets
         for name, sig in snapshot.engines.items():
             if not rule.select.matches(name, sig.info.variant, sig.info.role):
                 continue
@@ -336,7 +337,7 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
             inc = incidents.get(key)
             models = sig.info.serves
             if inc is None:
-                if value is None or value <= rule.above:
+                if value is None or not rule.breached(value):
                     breaches.pop(key, None)
                     continue
                 since = breaches.setdefault(key, now)
@@ -346,29 +347,31 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
                 if reason in ("frozen", "pinned"):
                     held(key, reason)
                     continue
-                probe = _new_incident(rule, sig, value, since, snapshot)
+                probe, preempts = _new_incident(rule, sig, value, since, snapshot, config, incidents)
                 if probe is None:
                     held(key, "no-target")
                     continue
-                trial = replace(state, incidents={**incidents, key: probe})
+                remaining = {k: i for k, i in incidents.items() if k not in preempts}
+                trial = replace(state, incidents={**remaining, key: probe})
                 after = route(infos, trial)
                 if after.same_routing(current):
                     continue  # the action would change nothing (e.g. the engine has no traffic left)
                 if reason is not None:
                     held(key, reason)
                     continue
+                for k in preempts:
+                    incidents.pop(k, None)
                 incidents[key] = probe
                 breaches.pop(key, None)
                 switches = switches + (now,)
                 for m in models:
                     last_switch[m] = now
-                transitions.append(_fired(rule, probe, value, current, after))
+                transitions.append(_fired(rule, probe, value, current, after, preempts))
                 current = after
                 continue
             # An incident in force: watch for the way back.
             if value is not None:
-                assert rule.recover_below is not None
-                if value < rule.recover_below:
+                if rule.recovered(value):
                     if inc.clear_since is None:
                         inc = replace(inc, clear_since=now)
                 elif inc.clear_since is not None:
@@ -399,7 +402,7 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
                     detail={
                         "signal": rule.signal,
                         "value": value,
-                        "recover_below": rule.recover_below,
+                        **_recover_threshold(rule),
                         "incident_since": inc.since,
                         "undoes": inc.action,
                         "weights": _weights_of(after, models),
@@ -418,12 +421,25 @@ def _weights_of(table: RoutingTable, models: Iterable[str]) -> dict[str, dict[st
     return {m: {e: round(w, 4) for e, w in table.weights.get(m, {}).items()} for m in models}
 
 
-def _fired(rule: Rule, inc: Incident, value: float, before: RoutingTable, after: RoutingTable) -> Transition:
+def _recover_threshold(rule: Rule) -> dict[str, float | None]:
+    if rule.below is not None:
+        return {"recover_above": rule.recover_above}
+    return {"recover_below": rule.recover_below}
+
+
+def _fired(
+    rule: Rule,
+    inc: Incident,
+    value: float,
+    before: RoutingTable,
+    after: RoutingTable,
+    preempts: tuple[str, ...] = (),
+) -> Transition:
     models = tuple(m for m in after.weights if inc.engine in after.weights[m])
     detail: dict[str, Any] = {
         "signal": rule.signal,
         "value": value,
-        "above": rule.above,
+        **({"below": rule.below} if rule.below is not None else {"above": rule.above}),
         "for_s": rule.for_s,
         "detected_at": inc.detected_at,
         "weights_before": _weights_of(before, models),
@@ -433,6 +449,8 @@ def _fired(rule: Rule, inc: Incident, value: float, before: RoutingTable, after:
         detail["targets"] = {m: list(t) for m, t in inc.targets.items()}
     if inc.limit is not None:
         detail["limit"] = inc.limit
+    if preempts:
+        detail["ends"] = list(preempts)
     return Transition(
         at=inc.since,
         action=inc.action,

@@ -70,6 +70,11 @@ class EngineSummary:
     wer_errors: float = 0.0
     wer_words: int = 0
     wer_samples: int = 0
+    #: what energy per token divides by: completion tokens and seconds of speech served (engines/energy.py)
+    tokens: int = 0
+    audio_s: float = 0.0
+    #: requests finished since the replica started (not windowed: tells a busy engine from a sliding window)
+    finished_total: int = 0
 
     def count(self, name: str) -> int:
         return sum(self.latency.get(name, {}).values())
@@ -96,6 +101,9 @@ class EngineSummary:
             wer_errors=self.wer_errors + other.wer_errors,
             wer_words=self.wer_words + other.wer_words,
             wer_samples=self.wer_samples + other.wer_samples,
+            tokens=self.tokens + other.tokens,
+            audio_s=self.audio_s + other.audio_s,
+            finished_total=self.finished_total + other.finished_total,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -106,6 +114,9 @@ class EngineSummary:
             "wer_errors": self.wer_errors,
             "wer_words": self.wer_words,
             "wer_samples": self.wer_samples,
+            "tokens": self.tokens,
+            "audio_s": self.audio_s,
+            "finished_total": self.finished_total,
         }
 
     @classmethod
@@ -117,6 +128,9 @@ class EngineSummary:
             wer_errors=float(d.get("wer_errors", 0.0)),
             wer_words=int(d.get("wer_words", 0)),
             wer_samples=int(d.get("wer_samples", 0)),
+            tokens=int(d.get("tokens", 0)),
+            audio_s=float(d.get("audio_s", 0.0)),
+            finished_total=int(d.get("finished_total", 0)),
         )
 
     def values(self) -> tuple[dict[str, float | None], dict[str, int]]:
@@ -138,12 +152,14 @@ class EngineSummary:
 class _Slot:
     """Aggregated outcomes of one slice of time."""
 
-    __slots__ = ("start", "ok", "errors", "latency")
+    __slots__ = ("start", "ok", "errors", "latency", "tokens", "audio_s")
 
     def __init__(self, start: float) -> None:
         self.start = start
         self.ok = 0
         self.errors = 0
+        self.tokens = 0
+        self.audio_s = 0.0
         self.latency: dict[str, dict[int, int]] = {name: {} for name in LATENCIES}
 
 
@@ -156,16 +172,17 @@ class OutcomeWindow:
     tick costs in proportion to the new requests, not to the window's size.
     """
 
-    __slots__ = ("_q", "_clock", "_window_s", "_slot_s", "_slots")
+    __slots__ = ("_q", "_clock", "_window_s", "_slot_s", "_slots", "_finished")
 
     def __init__(
         self, max_samples: int = 20_000, clock: Any = time.monotonic, window_s: float = 60.0, slots: int = 30
     ) -> None:
-        self._q: deque[tuple[float, float, float, float, float, float]] = deque(maxlen=max_samples)
+        self._q: deque[tuple[float, float, float, float, float, float, int, float]] = deque(maxlen=max_samples)
         self._clock = clock
         self._window_s = window_s
         self._slot_s = window_s / slots
         self._slots: deque[_Slot] = deque()
+        self._finished = 0
 
     def success(
         self,
@@ -174,8 +191,11 @@ class OutcomeWindow:
         e2e_s: float,
         upstream_ttft_s: float | None = None,
         upstream_e2e_s: float | None = None,
+        tokens: int = 0,
+        audio_s: float = 0.0,
     ) -> None:
         nan = math.nan
+        self._finished += 1
         self._q.append(
             (
                 self._clock(),
@@ -184,11 +204,14 @@ class OutcomeWindow:
                 e2e_s,
                 nan if upstream_ttft_s is None else upstream_ttft_s,
                 nan if upstream_e2e_s is None else upstream_e2e_s,
+                tokens,
+                audio_s,
             )
         )
 
     def failure(self) -> None:
-        self._q.append((self._clock(), math.nan, math.nan, -1.0, math.nan, math.nan))
+        self._finished += 1
+        self._q.append((self._clock(), math.nan, math.nan, -1.0, math.nan, math.nan, 0, 0.0))
 
     def __len__(self) -> int:
         return len(self._q) + sum(s.ok + s.errors for s in self._slots)
@@ -199,13 +222,15 @@ class OutcomeWindow:
         batch = []
         while self._q:
             batch.append(self._q.popleft())
-        for at, ttft, first_audio, e2e, up_ttft, up_e2e in batch:
+        for at, ttft, first_audio, e2e, up_ttft, up_e2e, tokens, audio_s in batch:
             start = math.floor(at / self._slot_s) * self._slot_s
             slot = self._slot_at(start)
             if e2e < 0:
                 slot.errors += 1
                 continue
             slot.ok += 1
+            slot.tokens += tokens
+            slot.audio_s += audio_s
             for name, value in zip(LATENCIES, (ttft, first_audio, e2e, up_ttft, up_e2e)):
                 if value == value:  # not NaN
                     buckets = slot.latency[name]
@@ -228,12 +253,14 @@ class OutcomeWindow:
         while self._slots and self._slots[0].start < keep_from:
             self._slots.popleft()
         horizon = now - min(window_s or self._window_s, self._window_s)
-        out = EngineSummary(latency={name: {} for name in LATENCIES})
+        out = EngineSummary(latency={name: {} for name in LATENCIES}, finished_total=self._finished)
         for slot in self._slots:
             if slot.start + self._slot_s <= horizon:
                 continue
             out.ok += slot.ok
             out.errors += slot.errors
+            out.tokens += slot.tokens
+            out.audio_s += slot.audio_s
             for name, buckets in slot.latency.items():
                 target = out.latency[name]
                 for i, c in buckets.items():

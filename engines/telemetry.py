@@ -7,7 +7,10 @@ Per engine, every ``scrape_interval_s``:
   ``vllm:time_to_first_token_seconds`` histogram, whose P99 over the window is
   computed from bucket deltas as PromQL's ``histogram_quantile`` does);
 * optionally GPU memory: a DCGM exporter (``DCGM_FI_DEV_FB_USED`` / ``_FREE``),
-  a PromQL query against a Prometheus server, or NVML when the gateway shares the host.
+  a PromQL query against a Prometheus server, or NVML when the gateway shares the host;
+* from the same DCGM exporter or NVML, the GPUs' power draw (``DCGM_FI_DEV_POWER_USAGE``,
+  ``nvmlDeviceGetPowerUsage``), summed over the engine's GPUs as ``power_watts``, which the
+  controller integrates into energy per token (:mod:`engines.energy`).
 
 ``vram_usage`` is the GPU memory ratio when one of those sources is configured;
 otherwise it falls back to vLLM's KV-cache usage, since vLLM reserves its share of
@@ -47,6 +50,7 @@ OMNI_RUNNING = "vllm_omni:num_requests_running"
 OMNI_WAITING = "vllm_omni:num_requests_waiting"
 FB_USED = "DCGM_FI_DEV_FB_USED"
 FB_FREE = "DCGM_FI_DEV_FB_FREE"
+POWER = "DCGM_FI_DEV_POWER_USAGE"
 
 
 # -- parsing (pure) ----------------------------------------------------------------------------------------
@@ -139,6 +143,23 @@ def parse_dcgm(text: str, gpus: Iterable[str] = ()) -> float | None:
     return used / (used + free)
 
 
+def parse_dcgm_power(text: str, gpus: Iterable[str] = ()) -> float | None:
+    """The selected GPUs' power draw in watts, summed (all GPUs when none are named); None: not exported."""
+    wanted = set(gpus)
+    total = 0.0
+    seen = False
+    for fam in text_string_to_metric_families(text):
+        if fam.name != POWER:
+            continue
+        for s in fam.samples:
+            if wanted and s.labels.get("gpu") not in wanted and s.labels.get("UUID") not in wanted:
+                continue
+            if s.value == s.value:  # not NaN
+                seen = True
+                total += s.value
+    return total if seen else None
+
+
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
     """PromQL's histogram_quantile over cumulative buckets (linear inside the bucket)."""
     if not buckets:
@@ -220,6 +241,11 @@ class TelemetryCollector:
             for t in self._targets
         )
 
+    @property
+    def measures_power(self) -> bool:
+        """Some engine has a power source (DCGM or NVML): energy per token can be measured."""
+        return any(t.telemetry.dcgm_url or t.telemetry.nvml for t in self._targets)
+
     async def start(self) -> None:
         if not self.wanted:
             return
@@ -275,9 +301,12 @@ class TelemetryCollector:
                         values["engine_ttft_p99"] = p99
         vram: list[float] = []
         tel = t.telemetry
+        power: float | None = None
         if tel.dcgm_url is not None:
             try:
-                ratio = parse_dcgm(await self._get_text(str(tel.dcgm_url)), tel.gpus)
+                text = await self._get_text(str(tel.dcgm_url))
+                ratio = parse_dcgm(text, tel.gpus)
+                power = parse_dcgm_power(text, tel.gpus)
             except Exception as exc:
                 self._failed(t.name, "dcgm", exc)
             else:
@@ -293,16 +322,20 @@ class TelemetryCollector:
                     vram.append(ratio)
         if tel.nvml:
             try:
-                ratio = await asyncio.to_thread(self._nvml_ratio, tel.gpus)
+                ratio, nvml_power = await asyncio.to_thread(self._nvml_read, tel.gpus)
             except Exception as exc:
                 self._failed(t.name, "nvml", exc)
             else:
                 if ratio is not None:
                     vram.append(ratio)
+                if power is None:
+                    power = nvml_power
         if vram:
             values["vram_usage"] = max(vram)
         elif "kv_cache_usage" in values:
             values["vram_usage"] = values["kv_cache_usage"]
+        if power is not None:
+            values["power_watts"] = power
         if values:
             self._latest[t.name] = (time.monotonic(), values)
         self._export(t.name)
@@ -358,6 +391,10 @@ class TelemetryCollector:
         return max(values) if values else None
 
     def _nvml_ratio(self, gpus: list[str]) -> float | None:
+        return self._nvml_read(gpus)[0]
+
+    def _nvml_read(self, gpus: list[str]) -> tuple[float | None, float | None]:
+        """(memory used over total, power draw in watts) over the engine's GPUs; power None if unsupported."""
         import pynvml  # the nvidia-ml-py package
 
         if self._nvml is None:
@@ -365,8 +402,15 @@ class TelemetryCollector:
             self._nvml = pynvml
         indices = [int(g) for g in gpus] if gpus else list(range(pynvml.nvmlDeviceGetCount()))
         used = total = 0
+        milliwatts: float | None = 0.0
         for i in indices:
-            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
             used += info.used
             total += info.total
-        return used / total if total else None
+            try:
+                if milliwatts is not None:
+                    milliwatts += pynvml.nvmlDeviceGetPowerUsage(handle)
+            except pynvml.NVMLError:  # a GPU without power readings: no energy figure, memory still read
+                milliwatts = None
+        return (used / total if total else None), (milliwatts / 1000.0 if milliwatts is not None and indices else None)

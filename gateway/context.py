@@ -129,6 +129,8 @@ class RequestContext:
     upstream_e2e_s: float | None = None
     #: seconds of speech served (speech adds no completion tokens)
     audio_seconds: float = 0.0
+    #: estimated GPU energy of the answer (engines/energy.py), None without power telemetry for its engine
+    energy_joules: float | None = None
     media: list[MediaRecord] = field(default_factory=list)
     screenings: list[Screening] = field(default_factory=list)
     segmentation: Segmentation | None = None

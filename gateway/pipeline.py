@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 import structlog
 
 from engines.base import Completion, Delta, Engine, Usage
+from engines.energy import EnergyBook
 from engines.pool import EnginePool
 from gateway import thinking
 from gateway.context import RequestContext
@@ -180,6 +181,7 @@ class Pipeline:
         sentinel: Any = None,
         admission: "AdmissionGate | None" = None,
         sampling_defaults: dict[str, dict[str, Any]] | None = None,
+        energy: "EnergyBook | None" = None,
     ) -> None:
         self.pool = pool
         self.chain = chain
@@ -194,6 +196,8 @@ class Pipeline:
         self.admission = admission
         #: per public model, the sampling parameters a request that sets none of its own is served with
         self.sampling_defaults: dict[str, dict[str, Any]] = sampling_defaults or {}
+        #: the engines' joules per token (engines/energy.py), for usage.energy_joules; None: not estimated
+        self.energy = energy
         self._background: set[asyncio.Task[None]] = set()
 
     def _chain(self, ctx: RequestContext) -> PolicyChain:
@@ -871,6 +875,8 @@ class Pipeline:
             ctx.audio_seconds = len(completion.audio) / (2 * completion.channels * completion.sample_rate)
         if completion.audio and self.sentinel is not None and ctx.engine is not None:
             self.sentinel.offer(ctx.engine, ctx.variant, completion)
+        if self.energy is not None:
+            ctx.energy_joules = self.energy.estimate(ctx.engine, ctx.completion_tokens, ctx.audio_seconds)
 
     async def _settle(self, ctx: RequestContext, error: BaseException | None) -> None:
         await self._durable(ctx, self._finish(ctx, error))
@@ -893,7 +899,8 @@ class Pipeline:
             # One report per request (never per chunk): latency and outcome for its window and circuit.
             if error is None:
                 self.pool.report_success(ctx.engine, ctx.ttft_s, ctx.first_audio_s, ctx.elapsed(),
-                                         ctx.upstream_ttft_s, ctx.upstream_e2e_s)
+                                         ctx.upstream_ttft_s, ctx.upstream_e2e_s,
+                                         ctx.completion_tokens, ctx.audio_seconds)
             self.pool.release(ctx.engine, settled=error is None or isinstance(error, EngineError))
         if error is None:
             ctx.outcome = "degraded" if ctx.degraded else "served"

@@ -24,6 +24,9 @@ DONE = b"data: [DONE]\n\n"
 AUDIO_TTL_S = 3600
 #: a usage extension: seconds of speech served, since speech adds no completion tokens (vLLM-Omni counts none)
 AUDIO_SECONDS = "output_audio_seconds"
+#: a usage extension: the answer's estimated GPU energy (its tokens times the engine's joules per token over
+#: the signal window; engines/energy.py), only where the engine's GPU power is measured
+ENERGY_JOULES = "energy_joules"
 
 
 def error_frame(exc: OmnigateError) -> bytes:
@@ -140,6 +143,8 @@ class ChunkRenderer:
             }
             if self._speech:
                 usage[AUDIO_SECONDS] = round(ctx.audio_seconds, 3)
+            if ctx.energy_joules is not None:
+                usage[ENERGY_JOULES] = round(ctx.energy_joules, 3)
             out += self._head + b'[],"usage":' + orjson.dumps(usage) + b"}\n\n"
         return out + DONE
 
@@ -180,6 +185,8 @@ def completion_body(
     }
     if request.wants_audio:
         body["usage"][AUDIO_SECONDS] = round(ctx.audio_seconds, 3)
+    if ctx.energy_joules is not None:
+        body["usage"][ENERGY_JOULES] = round(ctx.energy_joules, 3)
     if ctx.notes:
         body["omnigate"] = ctx.notes
     return body

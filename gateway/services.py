@@ -11,7 +11,9 @@ from typing import Any
 
 import structlog
 
+from engines.accuracy import HeldOutSentinel
 from engines.controller import RolloutController
+from engines.energy import EnergyBook
 from engines.pool import EnginePool, build_engine
 from engines.rollback import Transition
 from engines.sentinel import AccuracySentinel
@@ -99,7 +101,15 @@ class Services:
             for e in settings.engines
         ]
         telemetry = TelemetryCollector(targets, routing.signals, metrics, active=lambda: controller.is_leader)
-        controller = RolloutController(pool, routing, metrics, state_store, telemetry, sentinel)
+        energy = EnergyBook(routing.energy.audio_tokens_per_s)
+        accuracy = (
+            HeldOutSentinel(routing.accuracy, lambda: pool.engines, metrics, active=lambda: controller.is_leader)
+            if routing.accuracy.enabled
+            else None
+        )
+        controller = RolloutController(
+            pool, routing, metrics, state_store, telemetry, sentinel, energy=energy, accuracy=accuracy
+        )
         audit = (
             AuditLog(settings.audit, build_audit_store(settings.audit), metrics) if settings.audit.enabled else None
         )
@@ -111,7 +121,7 @@ class Services:
         )
         pipeline = Pipeline(
             pool, chain, metrics, audit=audit, limiter=limiter, chains=chains, sentinel=sentinel,
-            admission=admission,
+            admission=admission, energy=energy if routing.energy.usage_field else None,
             sampling_defaults={m: c.sampling_defaults.values() for m, c in settings.models.items()},
         )
         used = resources_used(settings.policies, plugins).union(

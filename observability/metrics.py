@@ -319,6 +319,27 @@ class Metrics:
             "omnigate_sentinel_samples_total", "Speech answers offered to the accuracy sentinel, by outcome",
             ["engine", "outcome"], registry=r,
         )
+        # -- energy and the held-out accuracy sentinel (controller's leader) ----------------------
+        self.engine_tokens_per_joule = Gauge(
+            "omnigate_engine_tokens_per_joule",
+            "Tokens the gateway counted for the engine (completion tokens plus speech seconds converted) "
+            "per joule of GPU power integrated over its active time, over the signal window; an estimate",
+            ["engine", "variant"], registry=r,
+        )
+        self.engine_energy = Counter(
+            "omnigate_engine_energy_joules_total",
+            "GPU energy integrated over the engine's active time (DCGM or NVML power, trapezoid); an estimate",
+            ["engine", "variant"], registry=r,
+        )
+        self.engine_accuracy = Gauge(
+            "omnigate_engine_accuracy_ratio",
+            "Share of the held-out set the engine answered exactly right at its last replay, 0..1",
+            ["engine", "variant"], registry=r,
+        )
+        self.accuracy_replays = Counter(
+            "omnigate_accuracy_replays_total", "Replays of the held-out set, by engine and outcome",
+            ["engine", "outcome"], registry=r,
+        )
         # -- traffic control: admission, load shedding, per-engine limits ------------------------
         self.admissions = Counter(
             "omnigate_admission_total",

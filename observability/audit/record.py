@@ -166,7 +166,9 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
         "retries": ctx.retries,
         "usage": {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens,
                   # speech is metered in seconds: it adds no completion tokens
-                  **({"audio_seconds": round(ctx.audio_seconds, 3)} if ctx.audio_seconds else {})},
+                  **({"audio_seconds": round(ctx.audio_seconds, 3)} if ctx.audio_seconds else {}),
+                  # an estimate (engines/energy.py), present only where the engine's GPU power is measured
+                  **({"energy_joules": round(ctx.energy_joules, 3)} if ctx.energy_joules is not None else {})},
         "duration_ms": round(snap.duration_ms, 3),
         "ttft_ms": round(ctx.ttft_s * 1000, 3) if ctx.ttft_s is not None else None,
         "body_bytes": ctx.body_bytes,

@@ -69,3 +69,12 @@ def test_redacted_and_raw_content():
     raw = request_payload(RequestSnapshot(_ctx("raw"), REQUEST, None, completion, 1.0))["content"]
     assert raw["messages"][1]["content"][1] == {"type": "image_url", "image_url": {"url": IMAGE}}
     assert raw["output_text"] == "Mail bob@example.com"
+
+
+def test_the_energy_estimate_is_in_the_usage_only_where_power_was_measured():
+    completion = Completion(text="Sure.", usage=Usage(7, 3))
+    ctx = _ctx("digests")
+    assert "energy_joules" not in request_payload(RequestSnapshot(ctx, REQUEST, None, completion, 1.0))["usage"]
+    ctx.energy_joules = 0.123456
+    p = request_payload(RequestSnapshot(ctx, REQUEST, None, completion, 1.0))
+    assert p["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "energy_joules": 0.123}

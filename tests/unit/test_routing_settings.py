@@ -19,12 +19,13 @@ def _rule(**over) -> dict:  # noqa: ANN003
     return rule | over
 
 
-def test_defaults_are_one_process_and_the_five_rules():
+def test_defaults_are_one_process_and_the_default_rules():
     s = Settings(engines=ENGINES)
     assert s.routing.state.backend == "memory" and not s.routing.sentinel.enabled
     assert s.routing.sentinel.sample_share == 0.10
     assert [r.name for r in s.routing.controller.rules] == [
-        "int4-latency", "vram-pressure", "wer-drift", "canary-errors", "canary-latency"
+        "int4-latency", "vram-pressure", "wer-drift", "canary-errors", "canary-latency",
+        "energy-efficiency", "accuracy-floor",
     ]  # fmt: skip
     assert s.routing.controller.rules[0].recover_below == 0.45
 
@@ -34,6 +35,9 @@ def test_defaults_are_one_process_and_the_five_rules():
     [
         ({"controller": {"rules": [_rule(), _rule()]}}, None, "rule names must be unique"),
         ({"controller": {"rules": [_rule(recover_below=0.9)]}}, None, "recover_below must not exceed above"),
+        ({"controller": {"rules": [_rule(below=0.1)]}}, None, "set exactly one of above and below"),
+        ({"accuracy": {"enabled": True}}, None, "needs routing.accuracy.set_path"),
+        ({"energy": {"audio_tokens_per_s": -1}}, None, "routing.energy.audio_tokens_per_s"),
         ({"controller": {"rules": [_rule(action={"kind": "shift"})]}}, None, "a shift needs to_variants"),
         ({"controller": {"rules": [_rule(signal="gpu_temp")]}}, None, "routing.controller.rules.0.signal"),
         ({"controller": {"rules": [_rule(name="Bad Name")]}}, None, "routing.controller.rules.0.name"),
