@@ -13,8 +13,13 @@ Per engine, every ``scrape_interval_s``:
 otherwise it falls back to vLLM's KV-cache usage, since vLLM reserves its share of
 GPU memory up front and pressure inside it shows as KV-cache use.
 
+``vram_used_bytes`` is the GPU memory the engine's GPUs use, in bytes, summed over them (DCGM's
+``DCGM_FI_DEV_FB_USED`` is in MiB; NVML answers bytes): the absolute budget of a deployment
+(peak VRAM for BF16) is read against it, beside the ratio.
+
 Only the controller's leader scrapes. It exports what it read as the gauges
-``omnigate_engine_vram_usage_ratio`` and ``omnigate_engine_kv_cache_usage_ratio``;
+``omnigate_engine_vram_usage_ratio``, ``omnigate_engine_vram_used_bytes`` and
+``omnigate_engine_kv_cache_usage_ratio``;
 a reading the controller no longer trusts (see :meth:`TelemetryCollector.latest`),
 or a replica that stops leading, removes them rather than leave a stale value.
 """
@@ -26,7 +31,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import aiohttp
 import orjson
@@ -47,6 +52,7 @@ OMNI_RUNNING = "vllm_omni:num_requests_running"
 OMNI_WAITING = "vllm_omni:num_requests_waiting"
 FB_USED = "DCGM_FI_DEV_FB_USED"
 FB_FREE = "DCGM_FI_DEV_FB_FREE"
+_MIB = float(1 << 20)  # DCGM reports framebuffer memory in MiB
 
 
 # -- parsing (pure) ----------------------------------------------------------------------------------------
@@ -125,6 +131,20 @@ def parse_dcgm(text: str, gpus: Iterable[str] = ()) -> float | None:
     return used / (used + free)
 
 
+def parse_dcgm_used_bytes(text: str, gpus: Iterable[str] = ()) -> float | None:
+    """GPU framebuffer in use, in bytes, summed over the selected GPUs (all when none are named)."""
+    wanted = set(gpus)
+    used: float | None = None
+    for fam in text_string_to_metric_families(text):
+        if fam.name != FB_USED:
+            continue
+        for s in fam.samples:
+            if wanted and s.labels.get("gpu") not in wanted and s.labels.get("UUID") not in wanted:
+                continue
+            used = (used or 0.0) + s.value * _MIB
+    return used
+
+
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
     """PromQL's histogram_quantile over cumulative buckets (linear inside the bucket)."""
     if not buckets:
@@ -174,8 +194,10 @@ class TelemetryCollector:
         settings: SignalSettings,
         metrics: Metrics,
         active: Callable[[], bool] = lambda: True,
+        variants: Mapping[str, str] | None = None,
     ) -> None:
         self.settings = settings
+        self._variants = dict(variants or {})
         self._metrics = metrics
         self._active = active
         self._targets = [_Target(n, url, t) for n, url, t in engines]
@@ -260,15 +282,19 @@ class TelemetryCollector:
                     if p99 is not None:
                         values["engine_ttft_p99"] = p99
         vram: list[float] = []
+        used_bytes: list[float] = []
         tel = t.telemetry
         if tel.dcgm_url is not None:
             try:
-                ratio = parse_dcgm(await self._get_text(str(tel.dcgm_url)), tel.gpus)
+                text = await self._get_text(str(tel.dcgm_url))
+                ratio, used = parse_dcgm(text, tel.gpus), parse_dcgm_used_bytes(text, tel.gpus)
             except Exception as exc:
                 self._failed(t.name, "dcgm", exc)
             else:
                 if ratio is not None:
                     vram.append(ratio)
+                if used is not None:
+                    used_bytes.append(used)
         if tel.vram_query is not None and self.settings.prometheus_url is not None:
             try:
                 ratio = await self._prometheus_query(tel.vram_query)
@@ -279,12 +305,15 @@ class TelemetryCollector:
                     vram.append(ratio)
         if tel.nvml:
             try:
-                ratio = await asyncio.to_thread(self._nvml_ratio, tel.gpus)
+                used, total = await asyncio.to_thread(self._nvml_memory, tel.gpus)
             except Exception as exc:
                 self._failed(t.name, "nvml", exc)
             else:
-                if ratio is not None:
-                    vram.append(ratio)
+                if total:
+                    vram.append(used / total)
+                    used_bytes.append(float(used))
+        if used_bytes:
+            values["vram_used_bytes"] = max(used_bytes)  # two sources read the same GPUs: the larger
         if vram:
             values["vram_usage"] = max(vram)
         elif "kv_cache_usage" in values:
@@ -302,11 +331,17 @@ class TelemetryCollector:
                 gauge.labels(name).set(values[key])
             else:
                 gauge.remove(name)
+        variant = self._variants.get(name, "")
+        if "vram_used_bytes" in values:
+            m.engine_vram_bytes.labels(name, variant).set(values["vram_used_bytes"])
+        else:
+            m.engine_vram_bytes.remove(name, variant)
 
     def _unexport(self) -> None:
         for t in self._targets:
             self._metrics.engine_vram.remove(t.name)
             self._metrics.engine_kv_cache.remove(t.name)
+            self._metrics.engine_vram_bytes.remove(t.name, self._variants.get(t.name, ""))
 
     def _failed(self, engine: str, source: str, exc: Exception) -> None:
         self._metrics.scrape_errors.labels(engine, source).inc()
@@ -343,7 +378,8 @@ class TelemetryCollector:
         values = [v for v in values if not math.isnan(v)]
         return max(values) if values else None
 
-    def _nvml_ratio(self, gpus: list[str]) -> float | None:
+    def _nvml_memory(self, gpus: list[str]) -> tuple[int, int]:
+        """Bytes used and bytes in all over the selected GPUs (all when none are named)."""
         import pynvml  # the nvidia-ml-py package
 
         if self._nvml is None:
@@ -355,4 +391,4 @@ class TelemetryCollector:
             info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
             used += info.used
             total += info.total
-        return used / total if total else None
+        return used, total

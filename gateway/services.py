@@ -98,7 +98,10 @@ class Services:
             (e.name, url_for(str(e.base_url) if e.base_url else None, e.telemetry), e.telemetry)
             for e in settings.engines
         ]
-        telemetry = TelemetryCollector(targets, routing.signals, metrics, active=lambda: controller.is_leader)
+        telemetry = TelemetryCollector(
+            targets, routing.signals, metrics, active=lambda: controller.is_leader,
+            variants={e.name: e.variant for e in settings.engines},
+        )
         controller = RolloutController(pool, routing, metrics, state_store, telemetry, sentinel)
         audit = (
             AuditLog(settings.audit, build_audit_store(settings.audit), metrics) if settings.audit.enabled else None
