@@ -10,7 +10,9 @@ text only) serving ``smollm2-chat``, which takes the text requests; the media an
 to the scripted vLLM-Omni upstream behind the same gateway (``qwen3-omni-flash``), since the small
 text model cannot take media. The summary says which model took which kind.
 
-The Locust process, the gateway and the engines share the machine; the summary records its cores.
+The gateway runs its default policy chain (the NSFW screen and media limits see the image and audio
+parts), the routing controller off and admission limits lifted. The Locust process, the gateway and the
+engines share the machine; the summary records its cores.
 """
 
 from __future__ import annotations
