@@ -16,8 +16,13 @@ Per engine, every ``scrape_interval_s``:
 otherwise it falls back to vLLM's KV-cache usage, since vLLM reserves its share of
 GPU memory up front and pressure inside it shows as KV-cache use.
 
+``vram_used_bytes`` is the GPU memory the engine's GPUs use, in bytes, summed over them (DCGM's
+``DCGM_FI_DEV_FB_USED`` is in MiB; NVML answers bytes): the absolute budget of a deployment
+(peak VRAM for BF16) is read against it, beside the ratio.
+
 Only the controller's leader scrapes. It exports what it read as the gauges
-``omnigate_engine_vram_usage_ratio`` and ``omnigate_engine_kv_cache_usage_ratio``;
+``omnigate_engine_vram_usage_ratio``, ``omnigate_engine_vram_used_bytes`` and
+``omnigate_engine_kv_cache_usage_ratio``;
 a reading the controller no longer trusts (see :meth:`TelemetryCollector.latest`),
 or a replica that stops leading, removes them rather than leave a stale value.
 """
@@ -29,7 +34,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import aiohttp
 import orjson
@@ -51,6 +56,7 @@ OMNI_WAITING = "vllm_omni:num_requests_waiting"
 FB_USED = "DCGM_FI_DEV_FB_USED"
 FB_FREE = "DCGM_FI_DEV_FB_FREE"
 POWER = "DCGM_FI_DEV_POWER_USAGE"
+_MIB = float(1 << 20)  # DCGM reports framebuffer memory in MiB
 
 
 # -- parsing (pure) ----------------------------------------------------------------------------------------
@@ -143,13 +149,13 @@ def parse_dcgm(text: str, gpus: Iterable[str] = ()) -> float | None:
     return used / (used + free)
 
 
-def parse_dcgm_power(text: str, gpus: Iterable[str] = ()) -> float | None:
-    """The selected GPUs' power draw in watts, summed (all GPUs when none are named); None: not exported."""
+def _dcgm_sum(text: str, family: str, gpus: Iterable[str]) -> float | None:
+    """One DCGM family summed over the selected GPUs (all GPUs when none are named); None: not exported."""
     wanted = set(gpus)
     total = 0.0
     seen = False
     for fam in text_string_to_metric_families(text):
-        if fam.name != POWER:
+        if fam.name != family:
             continue
         for s in fam.samples:
             if wanted and s.labels.get("gpu") not in wanted and s.labels.get("UUID") not in wanted:
@@ -158,6 +164,17 @@ def parse_dcgm_power(text: str, gpus: Iterable[str] = ()) -> float | None:
                 seen = True
                 total += s.value
     return total if seen else None
+
+
+def parse_dcgm_power(text: str, gpus: Iterable[str] = ()) -> float | None:
+    """The selected GPUs' power draw in watts, summed (all GPUs when none are named); None: not exported."""
+    return _dcgm_sum(text, POWER, gpus)
+
+
+def parse_dcgm_used_bytes(text: str, gpus: Iterable[str] = ()) -> float | None:
+    """GPU framebuffer in use, in bytes, summed over the selected GPUs (all when none are named)."""
+    used = _dcgm_sum(text, FB_USED, gpus)
+    return None if used is None else used * _MIB
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
@@ -209,8 +226,10 @@ class TelemetryCollector:
         settings: SignalSettings,
         metrics: Metrics,
         active: Callable[[], bool] = lambda: True,
+        variants: Mapping[str, str] | None = None,
     ) -> None:
         self.settings = settings
+        self._variants = dict(variants or {})
         self._metrics = metrics
         self._active = active
         self._targets = [_Target(n, url, t) for n, url, t in engines]
@@ -300,18 +319,22 @@ class TelemetryCollector:
                     if p99 is not None:
                         values["engine_ttft_p99"] = p99
         vram: list[float] = []
+        used_bytes: list[float] = []
         tel = t.telemetry
         power: float | None = None
         if tel.dcgm_url is not None:
             try:
                 text = await self._get_text(str(tel.dcgm_url))
                 ratio = parse_dcgm(text, tel.gpus)
+                used = parse_dcgm_used_bytes(text, tel.gpus)
                 power = parse_dcgm_power(text, tel.gpus)
             except Exception as exc:
                 self._failed(t.name, "dcgm", exc)
             else:
                 if ratio is not None:
                     vram.append(ratio)
+                if used is not None:
+                    used_bytes.append(used)
         if tel.vram_query is not None and self.settings.prometheus_url is not None:
             try:
                 ratio = await self._prometheus_query(tel.vram_query)
@@ -322,14 +345,17 @@ class TelemetryCollector:
                     vram.append(ratio)
         if tel.nvml:
             try:
-                ratio, nvml_power = await asyncio.to_thread(self._nvml_read, tel.gpus)
+                used_b, total_b, nvml_power = await asyncio.to_thread(self._nvml_read, tel.gpus)
             except Exception as exc:
                 self._failed(t.name, "nvml", exc)
             else:
-                if ratio is not None:
-                    vram.append(ratio)
+                if total_b:
+                    vram.append(used_b / total_b)
+                    used_bytes.append(float(used_b))
                 if power is None:
                     power = nvml_power
+        if used_bytes:
+            values["vram_used_bytes"] = max(used_bytes)  # two sources read the same GPUs: the larger
         if vram:
             values["vram_usage"] = max(vram)
         elif "kv_cache_usage" in values:
@@ -349,11 +375,17 @@ class TelemetryCollector:
                 gauge.labels(name).set(values[key])
             else:
                 gauge.remove(name)
+        variant = self._variants.get(name, "")
+        if "vram_used_bytes" in values:
+            m.engine_vram_bytes.labels(name, variant).set(values["vram_used_bytes"])
+        else:
+            m.engine_vram_bytes.remove(name, variant)
 
     def _unexport(self) -> None:
         for t in self._targets:
             self._metrics.engine_vram.remove(t.name)
             self._metrics.engine_kv_cache.remove(t.name)
+            self._metrics.engine_vram_bytes.remove(t.name, self._variants.get(t.name, ""))
 
     def _failed(self, engine: str, source: str, exc: Exception) -> None:
         self._metrics.scrape_errors.labels(engine, source).inc()
@@ -390,11 +422,9 @@ class TelemetryCollector:
         values = [v for v in values if not math.isnan(v)]
         return max(values) if values else None
 
-    def _nvml_ratio(self, gpus: list[str]) -> float | None:
-        return self._nvml_read(gpus)[0]
-
-    def _nvml_read(self, gpus: list[str]) -> tuple[float | None, float | None]:
-        """(memory used over total, power draw in watts) over the engine's GPUs; power None if unsupported."""
+    def _nvml_read(self, gpus: list[str]) -> tuple[int, int, float | None]:
+        """Bytes used, bytes in all and power draw in watts over the engine's GPUs (all when none are
+        named); power None where a GPU has no power reading."""
         import pynvml  # the nvidia-ml-py package
 
         if self._nvml is None:
@@ -413,4 +443,4 @@ class TelemetryCollector:
                     milliwatts += pynvml.nvmlDeviceGetPowerUsage(handle)
             except pynvml.NVMLError:  # a GPU without power readings: no energy figure, memory still read
                 milliwatts = None
-        return (used / total if total else None), (milliwatts / 1000.0 if milliwatts is not None and indices else None)
+        return used, total, (milliwatts / 1000.0 if milliwatts is not None and indices else None)

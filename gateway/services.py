@@ -100,7 +100,10 @@ class Services:
             (e.name, url_for(str(e.base_url) if e.base_url else None, e.telemetry), e.telemetry)
             for e in settings.engines
         ]
-        telemetry = TelemetryCollector(targets, routing.signals, metrics, active=lambda: controller.is_leader)
+        telemetry = TelemetryCollector(
+            targets, routing.signals, metrics, active=lambda: controller.is_leader,
+            variants={e.name: e.variant for e in settings.engines},
+        )
         energy = EnergyBook(routing.energy.audio_tokens_per_s)
         accuracy = (
             HeldOutSentinel(routing.accuracy, lambda: pool.engines, metrics, active=lambda: controller.is_leader)

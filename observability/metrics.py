@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-# Latency buckets sized for LLM serving: tens of ms up to a minute.
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.6, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Latency buckets sized for LLM serving: tens of ms up to a minute. The deployment's thresholds are
+# bounds, so a percentile read against one is exact, not interpolated across it: 0.234 (engine TTFT
+# target), 0.3 (first audio packet), 0.4 (P50: raise the batch limit), 0.5 (P95: scale out), 0.6
+# (P99: roll back). tests/ops checks every alert threshold on a quantile against these.
+_LATENCY = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.234, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0
+)
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _ADMISSION = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 _AUDIT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
@@ -299,6 +304,12 @@ class Metrics:
             "GPU memory the engine uses, 0..1, as the controller reads it (DCGM, PromQL or NVML; "
             "without one of those, vLLM's KV-cache usage); exported by the controller's leader",
             ["engine"], registry=r,
+        )
+        self.engine_vram_bytes = Gauge(
+            "omnigate_engine_vram_used_bytes",
+            "GPU memory the engine's GPUs use, in bytes, summed over them (DCGM_FI_DEV_FB_USED or NVML); "
+            "exported by the controller's leader",
+            ["engine", "variant"], registry=r,
         )
         self.engine_kv_cache = Gauge(
             "omnigate_engine_kv_cache_usage_ratio",

@@ -115,6 +115,7 @@ EXPORTED: frozenset[str] = frozenset(
         "omnigate_controller_errors_total",
         "omnigate_telemetry_scrape_errors_total",
         "omnigate_engine_vram_usage_ratio",
+        "omnigate_engine_vram_used_bytes",
         "omnigate_engine_kv_cache_usage_ratio",
         "omnigate_sentinel_wer_bucket",
         "omnigate_sentinel_wer_count",
@@ -154,7 +155,8 @@ EXPORTED: frozenset[str] = frozenset(
 )
 
 PLANNED: dict[str, str] = {
-    # name -> the work stream adding it (none pending now)
+    # name -> the work stream adding it
+    "omnigate_engine_accuracy_ratio": "the accuracy sentinel (issue 17): a held-out set replayed per variant",
 }
 
 # Series Prometheus makes itself rather than scraping them.

@@ -174,3 +174,33 @@ def test_provisioning_points_at_the_dashboard_and_prometheus():
     mounts = compose["services"]["grafana"]["volumes"]
     assert f"./grafana/dashboards:{provider['options']['path']}:ro" in mounts
     assert "./grafana/provisioning:/etc/grafana/provisioning:ro" in mounts
+
+
+# Each alert on one of the deployment's thresholds, and the panel that draws its threshold as a line.
+THRESHOLD_PANELS = {
+    "OmnigateTTFTAboveTarget": "Engine time to first token",
+    "OmnigateLatencyP99RollbackExpected": "Engine time to first token",
+    "OmnigateLatencyP95ScaleOut": "Time to first token",
+    "OmnigateFirstAudioPacketSlow": "First audio packet",
+    "OmnigateEngineVRAMHigh": "VRAM usage",
+    "OmnigateEngineVRAMAboveBudget": "VRAM used",
+    "OmnigateSentinelWERHigh": "Sampled speech WER",
+    "OmnigateEngineAccuracyLow": "Cross-modal accuracy",
+}
+
+
+@pytest.mark.parametrize("alert,title", sorted(THRESHOLD_PANELS.items()))
+def test_each_threshold_has_a_panel_drawing_it_as_a_line(alert, title):
+    from tests.ops.test_prometheus_rules import _threshold
+    from tests.ops.catalogue import alert_rules
+
+    panel = next(p for p in _query_panels() if p["title"] == title)
+    lhs, value = _threshold(alert_rules()[alert]["expr"])
+    shown: set[str] = set()
+    for t in panel["targets"]:
+        shown |= _resolved(t["expr"])
+    assert resolve(lhs) <= shown, f"{title} does not show what {alert} reads ({sorted(resolve(lhs))})"
+    defaults = panel["fieldConfig"]["defaults"]
+    steps = [s["value"] for s in defaults["thresholds"]["steps"]]
+    assert value in steps, f"{title} draws no line at {alert}'s threshold {value} (steps {steps})"
+    assert defaults["custom"]["thresholdsStyle"]["mode"] in ("line", "dashed", "line+area", "dashed+area")

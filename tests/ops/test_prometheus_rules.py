@@ -7,6 +7,9 @@ import re
 import promql_parser
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, Histogram
+
+from observability.metrics import Metrics
 
 from tests.ops.catalogue import (
     EXPORTED,
@@ -120,23 +123,31 @@ def test_alert_has_severity_summary_and_its_runbook(name, rule):
     assert name in page.read_text()
 
 
-def _threshold(expr: str) -> tuple[set[str], float]:
-    """The metrics on the left of the first ``> number`` comparison of an expression, and the number."""
-    found: list[tuple[set[str], float]] = []
+def _comparison(expr: str) -> tuple[set[str], str, float] | None:
+    """The metrics on the left of the first ``> number`` or ``< number`` comparison, the operator, the number
+    (None for an expression without one, such as ``up == 0``)."""
+    found: list[tuple[set[str], str, float]] = []
 
     def visit(node: object) -> bool:
         if (
             isinstance(node, promql_parser.BinaryExpr)
-            and str(node.op) == ">"
+            and str(node.op) in (">", "<")
             and isinstance(node.rhs, promql_parser.NumberLiteral)
             and not found
         ):
-            found.append((metric_names(str(node.lhs)), node.rhs.val))
+            found.append((metric_names(str(node.lhs)), str(node.op), node.rhs.val))
         return True
 
     promql_parser.walk(promql_parser.parse(expr), visit)
+    return found[0] if found else None
+
+
+def _threshold(expr: str) -> tuple[set[str], float]:
+    """The metrics on the left of the first threshold comparison of an expression, and the number."""
+    found = _comparison(expr)
     assert found, expr
-    return found[0]
+    names, _, value = found
+    return names, value
 
 
 def test_thresholds_are_the_documented_ones():
@@ -150,16 +161,132 @@ def test_thresholds_are_the_documented_ones():
         {"engine_variant:omnigate_time_to_first_audio_seconds:p99_5m"},
         0.3,
     )
-    assert threshold("OmnigateTTFTAboveTarget") == ({ttft.format("p50")}, 0.3)
+    # The deployment's TTFT target is engine-true: from sending the engine its request to its first
+    # chunk, as the pipeline records omnigate_engine_time_to_first_token_seconds.
+    engine_ttft = "engine_variant:omnigate_engine_time_to_first_token_seconds:p99_5m"
+    assert threshold("OmnigateTTFTAboveTarget") == ({engine_ttft}, 0.234)
+    # Scale-out reads what clients wait for (slot waits and pre-policies included).
     assert threshold("OmnigateLatencyP95ScaleOut") == ({ttft.format("p95")}, 0.5)
     # The rollback alerts read the engine's own TTFT, as the int4-latency rule does.
-    engine_ttft = "engine_variant:omnigate_engine_time_to_first_token_seconds:p99_5m"
     assert threshold("OmnigateLatencyP99RollbackExpected") == ({engine_ttft}, 0.6)
     assert threshold("OmnigateRollbackNotTaken") == ({engine_ttft}, 0.6)
     assert threshold("OmnigateEngineVRAMHigh") == ({"omnigate_engine_vram_usage_ratio"}, 0.9)
     assert alerts["OmnigateEngineVRAMHigh"]["for"] == "30s"
+    # Peak VRAM of the BF16 deployment, absolute: 144 GB in bytes, the highest reading of 5 minutes.
+    assert threshold("OmnigateEngineVRAMAboveBudget") == ({"omnigate_engine_vram_used_bytes"}, 144e9)
+    budget = alerts["OmnigateEngineVRAMAboveBudget"]["expr"]
+    assert 'variant="bf16"' in budget and "max_over_time(" in budget
+    # Cross-modal accuracy: an alert below 90 %.
+    assert _comparison(alerts["OmnigateEngineAccuracyLow"]["expr"]) == (
+        {"omnigate_engine_accuracy_ratio"}, "<", 0.9
+    )
     wer = "engine_variant:omnigate_sentinel_wer:mean15m"
     assert threshold("OmnigateSentinelWERHigh") == ({wer}, 0.05)
     # The windowed mean of the sentinel's histogram: rate of its sum over rate of its count.
     assert resolve({wer}) == {"omnigate_sentinel_wer_sum", "omnigate_sentinel_wer_count"}
     assert threshold("OmnigateRequestFailuresHigh") == ({"omnigate:request_failures:ratio_rate5m"}, 0.05)
+
+
+# -- the thresholds can be read off the histograms exactly ------------------------------------------
+def _histogram_bounds() -> dict[str, set[float]]:
+    """Each histogram family of the gateway's registry -> its finite bucket bounds (from a real scrape)."""
+    metrics = Metrics(CollectorRegistry())
+    for metric in vars(metrics).values():
+        if isinstance(metric, Histogram):
+            # One series per histogram, so the registry shows its buckets.
+            (metric.labels(*["x"] * len(metric._labelnames)) if metric._labelnames else metric).observe(0)
+    bounds: dict[str, set[float]] = {}
+    for family in metrics.registry.collect():
+        if family.type == "histogram":
+            les = {float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")}
+            bounds[family.name] = {b for b in les if b != float("inf")}
+    return bounds
+
+
+def _quantile_sources(name: str, recordings: dict[str, str]) -> set[str]:
+    """The histogram families a recording rule's ``histogram_quantile`` reads (through other rules)."""
+    expr = recordings.get(name)
+    if expr is None or "histogram_quantile" not in expr:
+        return set()
+    return {n.removesuffix("_bucket") for n in resolve({name}, recordings) if n.endswith("_bucket")}
+
+
+QUANTILE_ALERTS = {
+    # alert -> the histogram its percentile is read from
+    "OmnigateTTFTAboveTarget": "omnigate_engine_time_to_first_token_seconds",
+    "OmnigateFirstAudioPacketSlow": "omnigate_time_to_first_audio_seconds",
+    "OmnigateLatencyP95ScaleOut": "omnigate_time_to_first_token_seconds",
+    "OmnigateLatencyP99RollbackExpected": "omnigate_engine_time_to_first_token_seconds",
+    "OmnigateRollbackNotTaken": "omnigate_engine_time_to_first_token_seconds",
+}
+
+
+def test_every_threshold_on_a_histogram_quantile_is_a_bucket_bound():
+    """A percentile is interpolated inside a bucket: only at a bound does "above the threshold" mean it."""
+    bounds = _histogram_bounds()
+    recordings = recording_rules()
+    found: dict[str, str] = {}
+    for name, rule in alert_rules().items():
+        comparison = _comparison(rule["expr"])
+        if comparison is None:
+            continue
+        lhs, _, value = comparison
+        sources = set().union(*(_quantile_sources(n, recordings) for n in lhs))
+        if "histogram_quantile" in rule["expr"]:
+            sources |= {n.removesuffix("_bucket") for n in lhs if n.endswith("_bucket")}
+        for family in sources:
+            assert family in bounds, f"{name} reads {family}, which is no histogram of the gateway"
+            assert value in bounds[family], (
+                f"{name}'s threshold {value} is not a bucket bound of {family}: {sorted(bounds[family])}"
+            )
+            found[name] = family
+    # The parse found every percentile alert (and no other).
+    assert found == QUANTILE_ALERTS
+
+
+def test_the_deployments_latency_thresholds_are_bounds_of_the_histograms_involved():
+    """0.234 s engine TTFT target, 0.3 s first audio packet, 0.4 s P50 (raise the batch limit), 0.5 s P95
+    (scale out), 0.6 s P99 (roll back): each can be read on every latency histogram those rules look at."""
+    bounds = _histogram_bounds()
+    for family in (
+        "omnigate_engine_time_to_first_token_seconds",
+        "omnigate_time_to_first_token_seconds",
+        "omnigate_time_to_first_audio_seconds",
+        "omnigate_request_duration_seconds",
+    ):
+        assert {0.234, 0.3, 0.4, 0.5, 0.6} <= bounds[family], (family, sorted(bounds[family]))
+    # The sentinel's mean WER threshold is a bound of its histogram as well.
+    assert 0.05 in bounds["omnigate_sentinel_wer"]
+
+
+THRESHOLD_MOVES = [
+    # alert, its threshold as written, moved so that its promtool tests must fail
+    ("OmnigateTTFTAboveTarget", "p99_5m > 0.234\n", "p99_5m > 0.3\n"),
+    ("OmnigateTTFTAboveTarget", "p99_5m > 0.234\n", "p99_5m > 0.2\n"),
+    ("OmnigateFirstAudioPacketSlow", "p99_5m > 0.3\n", "p99_5m > 0.4\n"),
+    ("OmnigateFirstAudioPacketSlow", "p99_5m > 0.3\n", "p99_5m > 0.234\n"),
+    ("OmnigateLatencyP95ScaleOut", "p95_5m > 0.5\n", "p95_5m > 0.4\n"),
+    ("OmnigateEngineVRAMAboveBudget", "[5m])) > 144e9\n", "[5m])) > 160e9\n"),
+    ("OmnigateEngineVRAMAboveBudget", "[5m])) > 144e9\n", "[5m])) > 143e9\n"),
+    ("OmnigateEngineAccuracyLow", "< 0.9\n", "< 0.8\n"),
+    ("OmnigateEngineAccuracyLow", "< 0.9\n", "< 0.95\n"),
+]
+
+
+@pytest.mark.parametrize("alert,written,moved", THRESHOLD_MOVES, ids=lambda v: str(v).strip())
+def test_each_thresholds_promtool_tests_catch_it_moved_either_way(tmp_path, alert, written, moved):
+    """Firing and quiet cases sit on both sides of each threshold: moving it up or down fails them."""
+    rules, tests = tmp_path / "rules", tmp_path / "tests"
+    rules.mkdir()
+    tests.mkdir()
+    for p in rule_files():
+        text = p.read_text()
+        if p.name == "omnigate-alerts.yaml":
+            assert text.count(written) == 1, written
+            text = text.replace(written, moved)
+        (rules / p.name).write_text(text)
+    for p in RULE_TESTS_DIR.glob("*.test.yaml"):
+        (tests / p.name).write_text(p.read_text())
+    result = run([promtool(), "test", "rules", *map(str, tests.glob("*.test.yaml"))], cwd=tests)
+    assert result.returncode != 0
+    assert alert in result.stdout + result.stderr
