@@ -156,7 +156,6 @@ EXPORTED: frozenset[str] = frozenset(
 
 PLANNED: dict[str, str] = {
     # name -> the work stream adding it
-    "omnigate_engine_accuracy_ratio": "the accuracy sentinel (issue 17): a held-out set replayed per variant",
 }
 
 # Series Prometheus makes itself rather than scraping them.

@@ -28,11 +28,6 @@ from tests.ops.catalogue import (
 # Exported metrics with no panel, and why.
 NOT_ON_DASHBOARD = {
     "omnigate_build_info": "constant; carries no signal",
-    # Issue 17's energy and held-out accuracy metrics: their panels come with that issue's dashboard work.
-    "omnigate_engine_tokens_per_joule": "panel pending (issue 17 dashboards)",
-    "omnigate_engine_energy_joules_total": "panel pending (issue 17 dashboards)",
-    "omnigate_engine_accuracy_ratio": "panel pending (issue 17 dashboards)",
-    "omnigate_accuracy_replays_total": "panel pending (issue 17 dashboards)",
 }
 
 
