@@ -47,7 +47,7 @@ def _worker_peak_kib() -> int:
 
 
 async def main(repeat: int) -> dict:
-    cfg = Settings(ImageConfig(), AudioConfig(), VideoConfig(), BudgetConfig())
+    cfg = Settings(ImageConfig(vision_max_res=None), AudioConfig(), VideoConfig(), BudgetConfig())
     target = MediaTarget()
     buf = io.BytesIO()
     photo(4000, 3000).save(buf, "JPEG", quality=90)
