@@ -266,8 +266,12 @@ def request_body(doc: dict[str, Any]) -> bytes | Body:
     """``doc`` as a JSON body: plain bytes, or a :class:`Body` of pieces when it carries large strings.
 
     Large strings are looked for in ``doc["messages"]`` only (media parts); each is replaced, in a
-    copy of the structure, by a marker no client can know, and the small rest serialised once.
+    copy of the structure, by a marker no client can know, and the small rest serialised once. A
+    request without one (every text request) costs one look at its messages and orjson, as before.
     """
+    messages = doc.get("messages")
+    if not _has_large(messages):
+        return orjson.dumps(doc)
     marker = secrets.token_hex(16)
     large: list[str] = []
 
@@ -283,8 +287,20 @@ def request_body(doc: dict[str, Any]) -> bytes | Body:
             return [walk(v) for v in value]
         return value
 
-    messages = walk(doc.get("messages"))
-    if not large:
-        return orjson.dumps(doc)
-    cut = re.split(b'"' + marker.encode() + rb'(\d+)"', orjson.dumps({**doc, "messages": messages}))
+    skeleton = orjson.dumps({**doc, "messages": walk(messages)})
+    cut = re.split(b'"' + marker.encode() + rb'(\d+)"', skeleton)
     return Body([large[int(piece)] if i % 2 else piece for i, piece in enumerate(cut)])
+
+
+def _has_large(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if len(v) >= LARGE_STRING:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
