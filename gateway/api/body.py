@@ -94,7 +94,9 @@ def _base64_string(body: bytearray, start: int, end: int) -> bool:
         payload = comma + 1
     step = 1 << 20  # checked a slice at a time: never a copy of the whole string
     with memoryview(body) as view:
-        return all(not bytes(view[i : min(i + step, end)]).translate(None, _B64) for i in range(payload, end, step))
+        return all(
+            not bytes(view[i : min(i + step, end)]).translate(None, _B64) for i in range(payload, end, step)
+        )
 
 
 def _restore(doc: Any, lifted: dict[str, str]) -> int:

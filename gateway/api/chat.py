@@ -101,7 +101,9 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytearra
     return body
 
 
-def _parse(body: bytes | bytearray, mode: UnknownFields = "refuse", dropped: list[str] | None = None) -> ChatCompletionRequest:
+def _parse(
+    body: bytes | bytearray, mode: UnknownFields = "refuse", dropped: list[str] | None = None
+) -> ChatCompletionRequest:
     """The request in ``body``; fields dropped under ``mode`` ``drop`` are appended to ``dropped``.
 
     A ``bytearray`` body is emptied once parsed (gateway/api/body.py): the parsed strings are the
