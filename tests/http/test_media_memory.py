@@ -176,8 +176,10 @@ def test_a_resampled_part_releases_the_clients_base64_before_the_engine_call(gw,
     # What is left while the engine works follows the output: the client's 14 MB string is gone.
     assert m["held"] <= 3 * m["forwarded"], m
     # Reading and parsing a JSON body holds it twice for a moment (the bytes and the parsed string):
-    # the peak of a part the gateway shrinks is that floor, whatever the output (see bench/RESULTS.md).
-    assert m["peak"] <= 2.2 * len(body), m
+    # the peak of a part the gateway shrinks is that floor, whatever the output (see bench/RESULTS.md),
+    # with room for what else this test process does meanwhile (2.0-2.2x measured here; 3.0x when
+    # orjson parsed the whole body, building the string in a scratch buffer first).
+    assert m["peak"] <= 2.5 * len(body), m
 
 
 @pytest.mark.parametrize("audit_content", ["digests", "raw"])
