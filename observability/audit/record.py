@@ -2,7 +2,9 @@
 
 The pipeline only keeps references (the request as received, the completion, a
 running digest of what it released); hashing the input parts, redacting and
-serialising happen in the audit writer's worker thread.
+serialising happen in the audit writer's worker thread. A request with media is
+the exception: its input is hashed on a thread when its media steps start
+(:class:`InputDigests`), so that the client's media need not live until the record.
 
 Digests are SHA-256 of each input part as the client sent it (the text; the URL
 or ``data:`` URI; the base64 of ``input_audio``) and of the output released to
