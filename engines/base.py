@@ -292,7 +292,20 @@ def request_body(doc: dict[str, Any]) -> bytes | Body:
     return Body([large[int(piece)] if i % 2 else piece for i, piece in enumerate(cut)])
 
 
-def _has_large(value: Any) -> bool:
+def _has_large(messages: Any) -> bool:
+    """Whether a message carries a string of ``LARGE_STRING`` characters or more (text messages are
+    looked at field by field: this runs for every request)."""
+    for message in messages if isinstance(messages, list) else ():
+        for v in message.values() if isinstance(message, dict) else ():
+            if isinstance(v, str):
+                if len(v) >= LARGE_STRING:
+                    return True
+            elif isinstance(v, (list, dict)) and _nested_large(v):
+                return True
+    return False
+
+
+def _nested_large(value: Any) -> bool:
     stack = [value]
     while stack:
         v = stack.pop()
