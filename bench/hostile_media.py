@@ -47,6 +47,11 @@ def hwm_kib(pid: int) -> int:
     return _status_kib("VmHWM", pid)
 
 
+def rss_kib(pid: int) -> int:
+    """Resident set size of a process now (VmRSS), KiB."""
+    return _status_kib("VmRSS", pid)
+
+
 def gateway_config(upstream_port: int) -> dict[str, Any]:
     """One vLLM-Omni engine (image, audio and video in); no ``policies`` key: the default pre chain."""
     return {

@@ -10,8 +10,12 @@ adapter that meets them.
 from __future__ import annotations
 
 import dataclasses
+import re
+import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Protocol, runtime_checkable
+
+import orjson
 
 from gateway.errors import MediaURLForbidden
 
@@ -219,3 +223,100 @@ def wire_messages(request: "ChatCompletionRequest") -> list[dict[str, Any]]:
                 param = f"messages.{mi}.content.{pi}.{field_name}.url"
                 raise MediaURLForbidden(f"{param}: media must be sent as data; this URL is not allowed", param=param)
     return [m.wire() for m in request.messages]
+
+
+# -- the request body, in pieces --------------------------------------------------------------------------
+#: strings at least this long (media: data URIs, base64) are written into the body a slice at a time
+LARGE_STRING = 1 << 16
+#: characters of a large string encoded per piece of the body
+BODY_PIECE = 1 << 18
+
+
+@dataclass(slots=True)
+class Body:
+    """An engine request's JSON body as pieces: the document's small JSON, cut where its large strings go.
+
+    A body carrying media is never serialised whole: each media string is the part's own ``str`` (held
+    once, by the request), JSON-encoded ``BODY_PIECE`` characters at a time as the connection takes them
+    (escaping is per character, so slices encode on their own). Sending it costs a piece beside the
+    request instead of a second copy of all its media, and a third where the socket's send buffer would
+    keep what it could not send at once. Its length is not known before it is sent: HTTP/1.1 chunked.
+    """
+
+    #: JSON bytes and large strings, alternating (a large string stands for its JSON string)
+    pieces: list[bytes | str]
+
+    def chunks(self) -> Iterator[bytes]:
+        for piece in self.pieces:
+            if isinstance(piece, bytes):
+                yield piece
+                continue
+            yield b'"'
+            for i in range(0, len(piece), BODY_PIECE):
+                yield orjson.dumps(piece[i : i + BODY_PIECE])[1:-1]
+            yield b'"'
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The pieces for an HTTP client that writes an async iterable with backpressure (aiohttp)."""
+        for chunk in self.chunks():
+            yield chunk
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.chunks())
+
+
+def request_body(doc: dict[str, Any]) -> bytes | Body:
+    """``doc`` as a JSON body: plain bytes, or a :class:`Body` of pieces when it carries large strings.
+
+    Large strings are looked for in ``doc["messages"]`` only (media parts); each is replaced, in a
+    copy of the structure, by a marker no client can know, and the small rest serialised once. A
+    request without one (every text request) costs one look at its messages and orjson, as before.
+    """
+    messages = doc.get("messages")
+    if not _has_large(messages):
+        return orjson.dumps(doc)
+    marker = secrets.token_hex(16)
+    large: list[str] = []
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, str):
+            if len(value) < LARGE_STRING:
+                return value
+            large.append(value)
+            return f"{marker}{len(large) - 1}"
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    skeleton = orjson.dumps({**doc, "messages": walk(messages)})
+    cut = re.split(b'"' + marker.encode() + rb'(\d+)"', skeleton)
+    return Body([large[int(piece)] if i % 2 else piece for i, piece in enumerate(cut)])
+
+
+def _has_large(messages: Any) -> bool:
+    """Whether a message carries a string of ``LARGE_STRING`` characters or more (text messages are
+    looked at field by field: this runs for every request)."""
+    for message in messages if isinstance(messages, list) else ():
+        for v in message.values() if isinstance(message, dict) else ():
+            if isinstance(v, str):
+                if len(v) >= LARGE_STRING:
+                    return True
+            elif isinstance(v, (list, dict)) and _nested_large(v):
+                return True
+    return False
+
+
+def _nested_large(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if len(v) >= LARGE_STRING:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False

@@ -23,7 +23,7 @@ import aiohttp
 import orjson
 import structlog
 
-from engines.base import Capabilities, Completion, Delta, Usage, wire_messages
+from engines.base import Body, Capabilities, Completion, Delta, Usage, request_body, wire_messages
 from gateway.errors import (
     EngineError,
     EngineFailed,
@@ -225,13 +225,13 @@ class OpenAICompatEngine:
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
         session = self._require_session()
-        body = orjson.dumps(self.payload(request, stream=True))
+        body = request_body(self.payload(request, stream=True))
         resp: aiohttp.ClientResponse | None = None
         finished = False
         try:
             try:
                 async with asyncio.timeout(self.config.first_byte_timeout_s):
-                    resp = await session.post(self._url, data=body, headers=self._headers)
+                    resp = await session.post(self._url, data=_sent(body), headers=self._headers)
                     await self._check_status(resp)
             except TimeoutError as exc:
                 raise EngineTimeout(
@@ -275,10 +275,10 @@ class OpenAICompatEngine:
 
     async def complete(self, request: ChatCompletionRequest) -> Completion:
         session = self._require_session()
-        body = orjson.dumps(self.payload(request, stream=False))
+        body = request_body(self.payload(request, stream=False))
         try:
             async with asyncio.timeout(self.config.first_byte_timeout_s + self.config.read_timeout_s):
-                async with session.post(self._url, data=body, headers=self._headers) as resp:
+                async with session.post(self._url, data=_sent(body), headers=self._headers) as resp:
                     await self._check_status(resp)
                     raw = await resp.read()
         except OmnigateError:
@@ -365,6 +365,11 @@ _REJECTIONS: tuple[tuple[re.Pattern[str], str, str | None, str], ...] = (
     (re.compile(r"\bn must\b|\bn\b.*\bgreedy", re.IGNORECASE), "engine_rejected_request", "n",
      "the model cannot return n answers with these sampling settings (greedy decoding gives one)"),
 )
+
+
+def _sent(body: bytes | Body) -> Any:
+    """What aiohttp writes: the bytes, or a media body's pieces as the connection drains them."""
+    return body if isinstance(body, bytes) else body.stream()
 
 
 def rejection(detail: str, engine_message: str, *, engine: str, upstream_status: int) -> EngineRejected:

@@ -106,6 +106,9 @@ class RequestContext:
     control_state: dict[str, Any] = field(default_factory=dict)
     #: what the audit record is built from: the request as received and what was released
     received: "ChatCompletionRequest | None" = None
+    #: the digests of the received parts (a list, or the task making it), once the pipeline has let go of
+    #: the client's media strings; ``received`` then keeps the text only (observability/audit/record.py)
+    input_digests: Any = None
     output: "OutputDigest | None" = None
     completion: "Completion | None" = None
     started: float = field(default_factory=time.perf_counter)

@@ -54,7 +54,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.schemas import ChatCompletionRequest
 from gateway.speech import check_speech
 from observability.audit.log import AuditLog
-from observability.audit.record import OutputDigest, RequestSnapshot
+from observability.audit.record import InputDigests, OutputDigest, RequestSnapshot
 from observability.metrics import Metrics
 from policies.base import Accept, Halt, Reject, Retry, StreamCheck, StreamFilter, StreamingPostPolicy, Verdict
 from policies.registry import LoadedPolicy, PolicyChain
@@ -139,6 +139,16 @@ class ResponseStream:
             await self._gen.aclose()  # type: ignore[attr-defined]
 
 
+def _text_only(request: ChatCompletionRequest) -> ChatCompletionRequest:
+    """The request without its media parts (what a ``digests`` or ``redacted`` record reads of it)."""
+    messages = [
+        m.model_copy(update={"content": [p for p in m.content if p.type == "text"]})
+        if isinstance(m.content, list) else m
+        for m in request.messages
+    ]
+    return request.model_copy(update={"messages": messages})
+
+
 def _join(parts: list[Completion], separator: str) -> Completion:
     """Completions of consecutive segments as one answer."""
     out = Completion(finish_reason=parts[-1].finish_reason, sample_rate=parts[0].sample_rate,
@@ -208,7 +218,9 @@ class Pipeline:
         """Run everything up to the first upstream chunk; raise before committing."""
         self._begin(ctx, request)
         try:
-            request = await self._prepare(request, ctx)
+            prepared = self._prepare(request, ctx)
+            del request  # the media steps replace its parts: nothing here may keep the client's strings alive
+            request = await prepared
             attempt = await self._open(request, ctx)
         except BaseException as exc:
             await self._settle(ctx, exc)
@@ -220,7 +232,9 @@ class Pipeline:
     async def complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
         self._begin(ctx, request)
         try:
-            request = await self._prepare(request, ctx)
+            prepared = self._prepare(request, ctx)
+            del request  # as in stream
+            request = await prepared
             result = await self._complete(request, ctx)
         except BaseException as exc:
             await self._settle(ctx, exc)
@@ -273,11 +287,32 @@ class Pipeline:
             # Post-policies and stream filters judge and retry one answer; n answers would pass unjudged.
             raise InvalidRequest("n > 1 is not available for this model: its answers are checked one at a time",
                                  param="n")
+        digests: asyncio.Future[Any] | None = None
+        media_seen = False
         for policy in chain.pre:
-            if getattr(policy.impl, "media_only", False) and not request.input_modalities() - {"text"}:
-                continue  # a media step has nothing to do on a text-only request: not run, not recorded
+            if getattr(policy.impl, "media_only", False):
+                if not request.input_modalities() - {"text"}:
+                    continue  # a media step has nothing to do on a text-only request: not run, not recorded
+                if not media_seen:
+                    media_seen, digests = True, self._let_go_of_media(ctx)
             request = await self._run_pre(policy, request, ctx)
+        if digests is not None:
+            await digests  # made, so the client's strings are gone before the engine is called
         return request
+
+    def _let_go_of_media(self, ctx: RequestContext) -> "asyncio.Future[Any] | None":
+        """Keep for the audit record only the digests of the client's parts, so that its media strings
+        go as soon as the media steps have replaced them (a request otherwise holds its input until it
+        ends: what its peak memory would be made of). Hashed on a thread while the media steps run.
+        ``audit_content: raw`` keeps the request as sent, media included: that is what it records."""
+        received = ctx.received
+        if received is None or ctx.input_digests is not None or ctx.audit_content == "raw":
+            return None
+        ctx.received = _text_only(received)
+        if self.audit is None:
+            return None
+        digests = ctx.input_digests = InputDigests(received)
+        return asyncio.get_running_loop().run_in_executor(None, digests.get)
 
     async def _run_pre(
         self, policy: LoadedPolicy, request: ChatCompletionRequest, ctx: RequestContext

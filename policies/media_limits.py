@@ -291,12 +291,14 @@ class MediaLimits:
                 param=split[1].ref.param,
             )
         d = split[0]
-        audio, encoding = d.audio, self.config.audio.encoding
+        audio, encoding, kind = d.audio, self.config.audio.encoding, d.ref.type
         assert audio is not None
         first = d.parts[0]
 
+        # The builder lives as long as the request: it keeps the decoded audio, never the part's
+        # reference (whose value is the client's string).
         def build(req: ChatCompletionRequest, i: int) -> ChatCompletionRequest:
-            part = make_part(d.ref.type, data_uri(audio.mediatype, audio.segment(i, encoding)), audio.fmt)
+            part = make_part(kind, data_uri(audio.mediatype, audio.segment(i, encoding)), audio.fmt)
             return _swap_part(req, first, part)
 
         ctx.segmentation = Segmentation(

@@ -342,6 +342,7 @@ class ScriptedUpstream:
         self.headers: list[dict] = []
         self.voices: list[str | None] = []
         self.request_count = 0
+        self.last_body_bytes = 0  # the size of the last chat request's body, as it arrived
         self.completed = 0
         self.aborts = 0
         self.abort_event = asyncio.Event()
@@ -446,6 +447,7 @@ class ScriptedUpstream:
         self.headers.clear()
         self.voices.clear()
         self.request_count = self.completed = self.aborts = self.errors = self.resets = 0
+        self.last_body_bytes = 0
         self.max_in_flight = self.in_flight
         self.connections.clear()
         self.abort_event.clear()
@@ -463,6 +465,7 @@ class ScriptedUpstream:
             "connections": len(self.connections),
             "queued": len(self._queue),
             "last_voice": self.voices[-1] if self.voices else None,
+            "last_body_bytes": self.last_body_bytes,
         }
 
     # -- chat
@@ -497,6 +500,7 @@ class ScriptedUpstream:
 
     async def _serve_chat(self, request: web.Request, state: _Progress) -> web.StreamResponse:
         raw = await request.read()
+        self.last_body_bytes = len(raw)
         try:
             body = orjson.loads(raw)
             if not isinstance(body, dict):

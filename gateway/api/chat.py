@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.api import body as json_body
 from gateway.api.auth import authenticate
 from gateway.auth_failures import TooManyAuthFailures
 from gateway.context import RequestContext
@@ -81,29 +82,35 @@ def validation_to_error(errors: Sequence[Any]) -> InvalidRequest:
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
 
 
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytearray:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
-    chunks: list[bytes] = []
-    size = 0
+    # One growing buffer, not a list of chunks joined at the end: joining would hold the body twice.
+    # (Never sized up front from Content-Length: a client could make every connection reserve the limit.)
+    body = bytearray()
     try:
         # A client trickling its body (slowloris) holds a connection; bound the whole read.
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
+                if len(body) + len(chunk) > limit:
                     raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-                chunks.append(chunk)
+                body += chunk
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
-    return b"".join(chunks)
+    return body
 
 
-def _parse(body: bytes, mode: UnknownFields = "refuse", dropped: list[str] | None = None) -> ChatCompletionRequest:
-    """The request in ``body``; fields dropped under ``mode`` ``drop`` are appended to ``dropped``."""
+def _parse(
+    body: bytes | bytearray, mode: UnknownFields = "refuse", dropped: list[str] | None = None
+) -> ChatCompletionRequest:
+    """The request in ``body``; fields dropped under ``mode`` ``drop`` are appended to ``dropped``.
+
+    A ``bytearray`` body is emptied once parsed (gateway/api/body.py): the parsed strings are the
+    request from then on, and a body carrying media would otherwise be held beside them.
+    """
     try:
-        doc = orjson.loads(body)
+        doc = json_body.loads(body) if isinstance(body, bytearray) else orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc.msg}") from None
     if not isinstance(doc, dict):
@@ -117,7 +124,7 @@ def _parse(body: bytes, mode: UnknownFields = "refuse", dropped: list[str] | Non
     return chat
 
 
-def _parse_for(body: bytes, ctx: RequestContext, services: Services) -> ChatCompletionRequest:
+def _parse_for(body: bytearray, ctx: RequestContext, services: Services) -> ChatCompletionRequest:
     tenant = ctx.tenant_config
     mode = (tenant.unknown_fields if tenant is not None else None) or services.settings.requests.unknown_fields
     dropped: list[str] = []
@@ -155,18 +162,24 @@ async def chat_completions(request: Request) -> Response:
         server = services.settings.server
         body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
         ctx.body_bytes = len(body)
-        chat = _parse_for(body, ctx, services)
-        del body  # a request carrying media would otherwise hold its raw body until it ends
+        chat = _parse_for(body, ctx, services)  # empties the body
+        del body
     except OmnigateError as exc:
         await services.pipeline.refused(ctx, exc)
         raise
     completion_id = "chatcmpl-" + uuid.uuid4().hex
+    # The pipeline owns the request from here: its media steps replace the client's parts, and a
+    # reference kept in this frame would hold the client's base64 until the response is done.
     if not chat.stream:
-        result = await _unless_client_leaves(request, services.pipeline.complete(chat, ctx))
+        completing = services.pipeline.complete(chat, ctx)
+        del chat
+        result = await _unless_client_leaves(request, completing)
         content = completion_body(result.request, result.completion, ctx, completion_id)
         return Response(orjson.dumps(content), media_type="application/json", headers=_headers(ctx))
+    opening = services.pipeline.stream(chat, ctx)
+    del chat
     # Returns once the first chunk is released: a held-back answer can still be refused with a status.
-    stream = await _unless_client_leaves(request, services.pipeline.stream(chat, ctx))
+    stream = await _unless_client_leaves(request, opening)
     renderer = ChunkRenderer(stream.request, ctx, completion_id)
     return SSEResponse(
         _frames(stream, renderer),

@@ -2,7 +2,9 @@
 
 The pipeline only keeps references (the request as received, the completion, a
 running digest of what it released); hashing the input parts, redacting and
-serialising happen in the audit writer's worker thread.
+serialising happen in the audit writer's worker thread. A request with media is
+the exception: its input is hashed on a thread when its media steps start
+(:class:`InputDigests`), so that the client's media need not live until the record.
 
 Digests are SHA-256 of each input part as the client sent it (the text; the URL
 or ``data:`` URI; the base64 of ``input_audio``) and of the output released to
@@ -13,6 +15,7 @@ the client: its text, its 16-bit PCM audio, its spoken transcript, its tool call
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -107,8 +110,50 @@ class RequestSnapshot:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: characters hashed at a time: a media part's string is never copied whole to be hashed
+_SHA_PIECE = 1 << 20
+
+
 def _sha(s: str) -> str:
-    return hashlib.sha256(s.encode()).hexdigest()
+    h = hashlib.sha256()
+    for i in range(0, len(s), _SHA_PIECE):
+        h.update(s[i : i + _SHA_PIECE].encode())
+    return h.hexdigest()
+
+
+class InputDigests:
+    """A request's :func:`input_digests`, made once: early on a thread by the pipeline, which then lets go
+    of the client's media strings, or by the audit writer if that never finished (a refused request)."""
+
+    __slots__ = ("_request", "_value", "_lock")
+
+    def __init__(self, request: "ChatCompletionRequest") -> None:
+        self._request: ChatCompletionRequest | None = request
+        self._value: list[dict[str, Any]] | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> list[dict[str, Any]]:
+        with self._lock:
+            if self._value is None:
+                assert self._request is not None
+                self._value, self._request = input_digests(self._request), None
+            return self._value
+
+
+def input_digests(req: "ChatCompletionRequest") -> list[dict[str, Any]]:
+    """The record's ``input``: a digest of every part and tool call as the client sent it.
+
+    The pipeline calls it (on a thread) once the media steps start, so that the client's media
+    strings need not live until the record is written; otherwise the writer calls it.
+    """
+    inputs: list[dict[str, Any]] = []
+    for m in req.messages:
+        inputs.extend(_part_digest(m.role, p) for p in m.parts())
+        for call in m.tool_calls or ():
+            # The calls an assistant turn made are input too (a client can rewrite them).
+            raw = call.function.name + call.function.arguments
+            inputs.append({"role": m.role, "type": "tool_call", "sha256": _sha(raw), "chars": len(raw)})
+    return inputs
 
 
 def _part_digest(role: str, part: Any) -> dict[str, Any]:
@@ -174,15 +219,10 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
         "body_bytes": ctx.body_bytes,
     }
     req = snap.received
-    if req is not None:
-        inputs: list[dict[str, Any]] = []
-        for m in req.messages:
-            inputs.extend(_part_digest(m.role, p) for p in m.parts())
-            for call in m.tool_calls or ():
-                # The calls an assistant turn made are input too (a client can rewrite them).
-                raw = call.function.name + call.function.arguments
-                inputs.append({"role": m.role, "type": "tool_call", "sha256": _sha(raw), "chars": len(raw)})
-        payload["input"] = inputs
+    if isinstance(ctx.input_digests, InputDigests):
+        payload["input"] = ctx.input_digests.get()  # made before the pipeline let go of the client's media
+    elif req is not None:
+        payload["input"] = input_digests(req)
     output = snap.output
     if output is None and snap.completion is not None:
         output = OutputDigest.of(snap.completion, keep_text=ctx.audit_content != "digests")

@@ -18,6 +18,11 @@ _TOKEN_TILE = 28 * 28
 class ImageConfig(PolicyConfig):
     max_input_pixels: Annotated[int, Field(ge=1_000_000)] = 50_000_000
     max_pixels: Annotated[int, Field(ge=10_000)] = 2_000_000
+    vision_max_res: Annotated[int, Field(ge=28)] | None = Field(
+        default=1024,
+        description="longest side in pixels: a larger image is downsampled to it, aspect kept, beside the "
+        "max_pixels area cap (null: the area cap alone)",
+    )
     # A pydantic field: every model gets its own copy of the default.
     formats: list[Literal["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"]] = [  # noqa: RUF012
         "JPEG",

@@ -2,7 +2,8 @@
 
 The header is read before any pixel: an image over the pixel cap is refused
 before it is decoded (Pillow's own bomb warning is turned into an error too).
-Images over the output cap (2 MP) are downsampled with the aspect kept; JPEGs
+Images over the output caps (2 MP, and a longest side of ``vision_max_res``, 1024 px by
+default) are downsampled with the aspect kept; JPEGs
 are decoded at a reduced DCT scale first, so a 12 MP photo never needs its full
 bitmap. EXIF orientation is applied and every metadata block (EXIF, XMP, ICC,
 comments, text chunks) is dropped by re-encoding from pixels. An image that
@@ -83,11 +84,20 @@ def _out_format(source: str, cfg: ImageConfig) -> str:
     return "PNG" if source == "PNG" else "JPEG"
 
 
-def target_size(w: int, h: int, max_pixels: int) -> tuple[int, int]:
-    if w * h <= max_pixels:
+def target_size(w: int, h: int, max_pixels: int, max_side: int | None = None) -> tuple[int, int]:
+    """The size an image of ``w`` x ``h`` is sent at: within the area cap and the longest-side cap
+    (``vision_max_res``), aspect kept, never enlarged."""
+    longest = max(w, h)
+    over_side = max_side is not None and longest > max_side
+    if w * h <= max_pixels and not over_side:
         return w, h
-    scale = math.sqrt(max_pixels / (w * h))
+    scale = math.sqrt(max_pixels / (w * h)) if w * h > max_pixels else 1.0
+    if max_side is not None:
+        scale = min(scale, max_side / longest)
     nw, nh = max(1, int(w * scale)), max(1, int(h * scale))
+    if max_side is not None and longest * scale >= max_side - 1:
+        # The side cap binds: the longest side lands on it exactly, not a rounding short of it.
+        nw, nh = (max_side, nh) if w >= h else (nw, max_side)
     while nw * nh > max_pixels:  # rounding may leave it a pixel row over
         nw, nh = nw - (nw >= nh), nh - (nh > nw)
     return nw, nh
@@ -142,7 +152,7 @@ def _normalise(im: Image.Image, data: bytes, cfg: ImageConfig, param: str) -> Im
     orientation = im.getexif().get(_ORIENTATION, 1)
     out_fmt = _out_format(source, cfg)
     animated = bool(getattr(im, "is_animated", False))
-    tw, th = target_size(sw, sh, cfg.max_pixels)
+    tw, th = target_size(sw, sh, cfg.max_pixels, cfg.vision_max_res)
     resize = (tw, th) != (sw, sh)
     metadata = _has_metadata(im)
     odd_mode = im.mode not in ("RGB", "L", "RGBA", "LA", "P")  # CMYK, 16-bit, float: engines expect 8-bit RGB

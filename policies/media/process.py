@@ -88,7 +88,7 @@ def probe_part(ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget) -
             im.close()
         from policies.media.image import target_size
 
-        tw, th = target_size(w, h, cfg.image.max_pixels)
+        tw, th = target_size(w, h, cfg.image.max_pixels, cfg.image.vision_max_res)
         return Probed(ref, tokens.image_tokens(tw, th, cfg.budget))
     if ref.kind == "audio":
         info = probe_audio(data, ref.param)

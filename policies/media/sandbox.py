@@ -328,8 +328,33 @@ class MediaRuntime:
         return RequestBudget(self.inflight, self.cfg.max_request_bytes, self.cfg.inflight_wait_s)
 
     async def start(self) -> None:
+        large_buffers_to_the_system()
         if self.eager:
             await self.sandbox.start()
 
     async def aclose(self) -> None:
         await self.sandbox.aclose()
+
+
+#: allocations at least this large get pages of their own, given back to the system when freed
+LARGE_BUFFER = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def large_buffers_to_the_system() -> bool:
+    """Fix glibc's mmap threshold at :data:`LARGE_BUFFER` for this process; whether it could.
+
+    glibc raises the threshold to the size of each mmapped block freed (up to 32 MiB), so after the
+    first large request, bodies, base64 strings and decoded parts come from the heap, where a freed
+    one stays resident and a growing one is copied: a request's peak RSS would then be set by the
+    requests before it. A fixed threshold keeps each media buffer in pages of its own, returned on
+    free. Not glibc (musl, macOS): nothing to do.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, LARGE_BUFFER))
+    except (OSError, AttributeError):
+        return False

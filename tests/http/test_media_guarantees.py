@@ -260,13 +260,14 @@ def test_fetched_parts_count_against_the_request_budget_while_they_stream(bg, up
 
 
 def test_budgets_are_checked_from_probes_before_any_part_is_decoded(gw, upstreams):
-    """Seven 2 MP JPEGs cut short: their headers alone put the request over the modal budget, so the
-    answer is the budget's, not the decode error each one would have raised."""
+    """Thirteen 1 MP JPEGs cut short (within vision_max_res, about 1,280 tokens each): their headers alone
+    put the request over the modal budget, so the answer is the budget's, not the decode error each one
+    would have raised."""
     from tests.media import jpeg
 
-    whole = jpeg(plain_image(64).resize((2000, 1000)), quality=70)
+    whole = jpeg(plain_image(64).resize((1000, 1000)), quality=70)
     cut = whole[: len(whole) * 2 // 3]
-    parts = [{"type": "image_url", "image_url": {"url": data_uri("image/jpeg", cut)}} for _ in range(7)]
+    parts = [{"type": "image_url", "image_url": {"url": data_uri("image/jpeg", cut)}} for _ in range(13)]
     resp = _post(gw, parts)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["code"] == "modal_budget_exceeded"

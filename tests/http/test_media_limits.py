@@ -104,7 +104,7 @@ def _err(resp: httpx.Response) -> dict:
 # -- images -----------------------------------------------------------------------------------------------------
 
 
-def test_12mp_photo_is_downsampled_to_2mp_reoriented_and_stripped(gw, ups):
+def test_12mp_photo_is_downsampled_to_the_longest_side_reoriented_and_stripped(gw, ups):
     shot = jpeg(photo(4000, 3000), orientation=6, exif_text="GPS 52.37N 4.89E, owner Jane Doe")
     resp = _post(gw, [_image(data_uri("image/jpeg", shot))])
     assert resp.status_code == 200, resp.text
@@ -113,16 +113,62 @@ def test_12mp_photo_is_downsampled_to_2mp_reoriented_and_stripped(gw, ups):
         "image-metadata-stripped",
         "image-downsampled",
     }
-    (sent,) = [p for p in _sent_parts(ups.omni_a) if p["type"] == "image_url"]
-    mediatype, data = decode_data_uri(sent["image_url"]["url"])
-    im = Image.open(io.BytesIO(data))
-    assert mediatype == "image/jpeg" and im.format == "JPEG"
-    assert im.width * im.height <= 2_000_000
-    assert im.width * im.height > 1_900_000  # downsampled to the cap, not far below it
-    assert im.height > im.width  # orientation 6 applied: the 4000x3000 sensor image is a portrait
-    assert abs(im.height / im.width - 4 / 3) < 0.01  # aspect kept
+    im, data = _sent_image(ups.omni_a)
+    assert im.format == "JPEG"
+    # vision_max_res (1024 by default) is tighter than the 2 MP cap for a 4:3 photo: 768x1024.
+    assert im.size == (768, 1024)  # orientation 6 applied: the 4000x3000 sensor image is a portrait
     assert len(im.getexif()) == 0 and "exif" not in im.info
     assert b"Jane Doe" not in data
+
+
+def _sent_image(upstream) -> tuple[Image.Image, bytes]:
+    (sent,) = [p for p in _sent_parts(upstream) if p["type"] == "image_url"]
+    mediatype, data = decode_data_uri(sent["image_url"]["url"])
+    im = Image.open(io.BytesIO(data))
+    assert mediatype == Image.MIME[im.format]
+    return im, data
+
+
+def test_without_a_longest_side_cap_the_2mp_area_cap_alone_applies(make_gw, upstreams):
+    upstreams.reset()
+    server = make_gw(image={"vision_max_res": None})
+    resp = _post(server, [_image(data_uri("image/jpeg", jpeg(photo(4000, 3000))))])
+    assert resp.status_code == 200, resp.text
+    im, _ = _sent_image(upstreams.omni_a)
+    assert 1_900_000 < im.width * im.height <= 2_000_000  # downsampled to the cap, not far below it
+    assert abs(im.width / im.height - 4 / 3) < 0.01  # aspect kept
+    assert max(im.size) > 1024
+
+
+def test_a_panorama_under_the_area_cap_is_cut_to_the_longest_side(gw, ups):
+    wide = png(photo(3200, 400))  # 1.28 MP: within 2 MP, but 3,200 px wide
+    resp = _post(gw, [_image(data_uri("image/png", wide))])
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-omnigate-degraded"] == "image-downsampled"
+    im, _ = _sent_image(ups.omni_a)
+    assert (im.format, im.size) == ("PNG", (1024, 128))
+
+
+def test_a_tenant_policy_set_sets_its_own_longest_side(make_gw, upstreams, media):
+    from gateway.tenants import mint_key
+
+    key = mint_key()
+    wide_chain = _chain(media.port, image={"vision_max_res": 1600})
+    settings = gateway_settings(
+        upstreams, _chain(media.port), policy_sets={"wide": wide_chain},
+        tenants=[{"name": "wide-tenant", "policy_set": "wide"}, {"name": "plain-tenant"}],
+        api_keys=[{"id": key.id, "tenant": "wide-tenant", "sha256": key.sha256}],
+    )
+    upstreams.reset()
+    server = make_gw(settings)
+    body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "describe"}, _image(data_uri("image/jpeg", jpeg(photo(4000, 3000))))]}]}
+    resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {key.key}"})
+    assert resp.status_code == 200, resp.text
+    im, _ = _sent_image(upstreams.omni_a)
+    # The tenant's 1,600 px: looser than the default 1,024, tighter than the 2 MP cap's 1632x1224.
+    assert im.size == (1600, 1200)
 
 
 def test_small_clean_image_reaches_the_engine_as_sent(gw, ups):
@@ -343,8 +389,8 @@ def test_message_with_two_modalities_is_refused_when_configured(make_gw, ups):
 
 
 def test_modal_budget_names_the_part_and_the_excess(gw, ups):
-    big = _image(data_uri("image/jpeg", jpeg(photo(1600, 1200))))  # ~1.9 MP: about 2,450 tokens each
-    resp = _post(gw, [big] * 7)
+    big = _image(data_uri("image/jpeg", jpeg(photo(1024, 768))))  # on the 1024 px cap: about 1,000 tokens each
+    resp = _post(gw, [big] * 17)
     assert resp.status_code == 400
     err = _err(resp)
     assert err["code"] == "modal_budget_exceeded"
@@ -359,8 +405,8 @@ def test_engine_context_is_checked(make_gw, upstreams, media):
     settings.engines[1] = settings.engines[1].model_copy(update={"max_context_tokens": 4096})
     upstreams.reset()
     server = make_gw(settings)
-    big = _image(data_uri("image/jpeg", jpeg(photo(1600, 1200))))
-    resp = _post(server, [big], max_tokens=2000)
+    big = _image(data_uri("image/jpeg", jpeg(photo(1600, 1200))))  # sent at 1024x768: about 1,000 tokens
+    resp = _post(server, [big], max_tokens=3200)
     assert resp.status_code == 400
     err = _err(resp)
     assert err["code"] == "context_length_exceeded"

@@ -170,6 +170,21 @@ def test_a_prompt_over_the_context_is_a_400_before_the_stream(via, direct, strea
     assert "2048" not in body["message"] and ENGINE not in body["message"]
 
 
+def test_a_body_sent_in_pieces_reaches_vllm_whole(via, direct):
+    """A message of 64 Ki characters or more is written into the engine's body in pieces (chunked
+    transfer, engines.base.Body): vLLM must read it whole. Its answer is the context refusal, which it
+    gives only after tokenising the prompt; a body cut or mangled on the way would be a JSON error."""
+    from engines.base import LARGE_STRING
+
+    long = [{"role": "user", "content": "word " * (LARGE_STRING // 5 + 10)}]
+    with pytest.raises(openai.BadRequestError) as direct_err:
+        direct.chat.completions.create(model=DIRECT_MODEL, messages=long, max_tokens=5)
+    assert "context" in str(direct_err.value).lower()
+    with pytest.raises(openai.BadRequestError) as err:
+        via.chat.completions.create(model=MODEL, messages=long, max_tokens=5)
+    assert err.value.body["code"] == "context_length_exceeded"
+
+
 def _finished(vllm) -> float:
     return sum(vllm.metric("vllm:request_success_total", finished_reason=r) for r in ("stop", "length"))
 
