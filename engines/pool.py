@@ -11,7 +11,8 @@ Per-engine concurrency has one mechanism, here: a request claims a slot on an en
 (:meth:`EnginePool.release`). An engine's cap is the lowest of its configured
 ``max_in_flight`` (the seeds' ``max_num_seqs``, 8), its ``max_in_flight_overloaded`` (4)
 while the gateway is overloaded (see :mod:`gateway.admission`), and the routing table's
-``limits`` entry that the rollback controller's ``limit_concurrency`` action sets. When
+``limits`` entry that the rollback controller's ``limit_concurrency`` action sets (its
+``raise_concurrency`` replaces the configured cap by a higher one, ``raised``). When
 every available engine for a request is at its cap, the request waits in a bounded FIFO
 queue per engine (``max_waiting``, at most ``max_wait_s``) and a freed slot is handed
 straight to the oldest waiter, so newcomers cannot overtake; a full queue or a wait that
@@ -193,11 +194,18 @@ class EnginePool:
         """The engine's concurrency cap now: the lowest of its configured cap (normal or overloaded) and the
         routing table's; None: no cap."""
         normal, overloaded = self._caps[name]
+        raised = self.table.raised.get(name)
+        if raised is not None and normal is not None:
+            normal = max(normal, raised)  # the controller's raise_concurrency; overload still wins
         own = overloaded if self.overloaded else normal
         routed = self.table.limits.get(name)
         if own is None or routed is None:
             return routed if own is None else own
         return min(own, routed)
+
+    def configured_cap(self, name: str) -> int | None:
+        """The engine's own cap (``max_in_flight``), before overload, routing limits or raises."""
+        return self._caps[name][0]
 
     def waiting(self, name: str) -> int:
         return sum(1 for w in self._waiters[name] if not w.future.done())

@@ -12,6 +12,8 @@ from typing import Any
 import structlog
 
 from engines.controller import RolloutController
+from engines.offload import OffloadClient
+from engines.offload import targets_from as offload_targets
 from engines.pool import EnginePool, build_engine
 from engines.rollback import Transition
 from engines.sentinel import AccuracySentinel
@@ -99,7 +101,10 @@ class Services:
             for e in settings.engines
         ]
         telemetry = TelemetryCollector(targets, routing.signals, metrics, active=lambda: controller.is_leader)
-        controller = RolloutController(pool, routing, metrics, state_store, telemetry, sentinel)
+        offload = OffloadClient(
+            offload_targets(settings.engines, {n: url for n, url, _ in targets}), routing.controller.offload, metrics
+        )
+        controller = RolloutController(pool, routing, metrics, state_store, telemetry, sentinel, offload=offload)
         audit = (
             AuditLog(settings.audit, build_audit_store(settings.audit), metrics) if settings.audit.enabled else None
         )
