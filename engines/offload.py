@@ -56,7 +56,8 @@ def parse_sleep_state(text: str, stage_ids: Iterable[int] | None = None) -> floa
                 continue
             key = tuple(sorted((k, v) for k, v in labels.items() if k != "sleep_state"))
             if sample.value >= 0.5:
-                groups[key] = max(groups.get(key, 0.0), _LEVEL[state])
+                seen = groups.get(key, math.nan)
+                groups[key] = _LEVEL[state] if math.isnan(seen) else max(seen, _LEVEL[state])
             else:
                 groups.setdefault(key, math.nan)  # a series at 0: this group's state is another one
     known = [v for v in groups.values() if not math.isnan(v)]
