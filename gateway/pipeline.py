@@ -850,7 +850,7 @@ class Pipeline:
         if completion.audio and completion.sample_rate:
             ctx.audio_seconds = len(completion.audio) / (2 * completion.channels * completion.sample_rate)
         if completion.audio and self.sentinel is not None and ctx.engine is not None:
-            self.sentinel.offer(ctx.engine, ctx.variant, completion)
+            self.sentinel.offer(ctx.engine, ctx.variant, completion, model=ctx.public_model, tenant=ctx.tenant)
 
     async def _settle(self, ctx: RequestContext, error: BaseException | None) -> None:
         await self._durable(ctx, self._finish(ctx, error))
