@@ -448,6 +448,9 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
             value = sig.reading(rule.signal, rule.min_samples)
             inc = incidents.get(key)
             models = sig.info.serves
+            # A raise moves no traffic: it neither starts the model's cooldown nor spends the hourly switch
+            # budget, so it can never hold back a rollback; its own for_s, hysteresis and dwell pace it.
+            paced = rule.action.kind == "raise_concurrency"
             if inc is None:
                 if value is None or value <= rule.above:
                     breaches.pop(key, None)
@@ -471,14 +474,15 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
                 after = route(infos, trial)
                 if after.same_routing(current):
                     continue  # the action would change nothing (e.g. the engine has no traffic left)
-                if reason is not None:
+                if reason is not None and not (paced and reason in ("cooldown", "switch-limit")):
                     held(key, reason)
                     continue
                 incidents[key] = probe
                 breaches.pop(key, None)
-                switches = switches + (now,)
-                for m in models:
-                    last_switch[m] = now
+                if not paced:
+                    switches = switches + (now,)
+                    for m in models:
+                        last_switch[m] = now
                 transitions.append(_fired(rule, probe, value, current, after))
                 current = after
                 if rule.action.sleep_idle:
@@ -510,14 +514,15 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
                 held(key, "min-dwell")
                 continue
             reason = _gate(models, replace(state, last_switch=last_switch), config, now, switches)
-            if reason is not None:
+            if reason is not None and not (paced and reason in ("cooldown", "switch-limit")):
                 held(key, reason)
                 continue
             incidents.pop(key)
             after = route(infos, now_state())
-            switches = switches + (now,)
-            for m in models:
-                last_switch[m] = now
+            if not paced:
+                switches = switches + (now,)
+                for m in models:
+                    last_switch[m] = now
             transitions.append(
                 Transition(
                     at=now,

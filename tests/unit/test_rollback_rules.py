@@ -45,7 +45,7 @@ def run_p50(p50, config: ControllerSettings, seconds: int, cap: float = 8.0, ext
     for t in range(seconds):
         values = {"ttft_p50": p50(t), "concurrency_cap": cap, **((extra or {}).get("int4", lambda t: {})(t))}
         engines = {
-            INT4.name: EngineSignals(info=INT4, values=values, samples={"ttft_p50": 100}),
+            INT4.name: EngineSignals(info=INT4, values=values, samples={k: 100 for k in values}),
             BF16.name: EngineSignals(info=BF16, values={"ttft_p50": 0.1, "concurrency_cap": cap},
                                      samples={"ttft_p50": 100}),
         }
@@ -290,3 +290,21 @@ def test_sleep_state_survives_json_and_decide_stays_pure():
     assert state.sleeping["omni-bf16"].phase == "asleep"
     again = ControllerState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert again == state
+
+
+def test_a_raise_never_holds_back_a_rollback_it_starts_no_cooldown_and_spends_no_switch_budget():
+    shift = Rule(
+        name="int4-latency",
+        select={"variants": ["int4"]},
+        signal="ttft_p99",
+        above=0.6,
+        for_s=31,
+        min_samples=20,
+        action=RuleAction(kind="shift", to_variants=["bf16"]),
+    )
+    config = ControllerSettings(
+        rules=[RULES["latency-batch"], shift], min_dwell_s=0, cooldown_s=120, max_switches_per_hour=1
+    )
+    trs, tables, state = run_p50(lambda t: 0.9, config, 60, extra={"int4": lambda t: {"ttft_p99": 1.2}})
+    assert [(t.at, t.action) for t in trs] == [(30.0, "raise_concurrency"), (31.0, "shift")]
+    assert state.switches == (31.0,) and state.last_switch == {"omni": 31.0}
