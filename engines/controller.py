@@ -263,7 +263,12 @@ class RolloutController:
         self.state = ControllerState.from_dict(doc.state)
         table = RoutingTable.from_dict(doc.table) if doc.table else self._table(self.state)
         table = RoutingTable(
-            version=doc.version, weights=table.weights, limits=table.limits, pins=table.pins, raised=table.raised
+            version=doc.version,
+            weights=table.weights,
+            limits=table.limits,
+            pins=table.pins,
+            raised=table.raised,
+            asleep=table.asleep,
         )
         if table.version != self.pool.table.version:
             self.pool.set_table(table)

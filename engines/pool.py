@@ -141,14 +141,18 @@ class EnginePool:
         First, one engine drawn by the routing table's weights among those that are
         healthy, not ejected and under their concurrency limit; then the rest of those
         by weight; then the available engines without traffic share (fallbacks, engines
-        rolled back from); last, as a last resort, engines that are down or ejected.
+        rolled back from); last, as a last resort, engines that are down or ejected. An engine
+        the controller put to sleep (the table's ``asleep``) is not a candidate at all.
         """
         engines = self._by_model.get(model, ())
         weights = self.table.weights.get(model, {})
         weighted: list[tuple[float, Engine]] = []
         standby: list[Engine] = []
         down: list[Engine] = []
+        asleep = self.table.asleep
         for e in engines:
+            if e.name in asleep:
+                continue  # its weights are off the GPU: not even a last resort
             up = self._healthy.get(e.name, False) and self._circuits[e.name].available()
             if not up or self._full(e.name):
                 down.append(e)

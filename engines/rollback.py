@@ -310,6 +310,7 @@ def route(infos: Mapping[str, EngineInfo], state: ControllerState, version: int 
         limits=limits,
         pins=dict(state.pins),
         raised=raised,
+        asleep=tuple(sorted(n for n in state.sleeping if n in infos)),
     )
 
 

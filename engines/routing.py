@@ -39,6 +39,8 @@ class RoutingTable:
     pins: Mapping[str, str] = field(default_factory=dict)
     #: engine -> a raised cap that replaces its configured one on this replica (``limits`` and overload still win)
     raised: Mapping[str, int] = field(default_factory=dict)
+    #: engines asleep or not yet confirmed awake: no request goes to them, not even as a failover candidate
+    asleep: tuple[str, ...] = ()
 
     def weight(self, model: str, engine: str) -> float:
         return self.weights.get(model, {}).get(engine, 0.0)
@@ -54,6 +56,7 @@ class RoutingTable:
             "limits": dict(self.limits),
             "pins": dict(self.pins),
             "raised": dict(self.raised),
+            "asleep": list(self.asleep),
         }
 
     @classmethod
@@ -64,6 +67,7 @@ class RoutingTable:
             limits={e: int(x) for e, x in data.get("limits", {}).items()},
             pins={m: str(v) for m, v in data.get("pins", {}).items()},
             raised={e: int(x) for e, x in data.get("raised", {}).items()},
+            asleep=tuple(str(e) for e in data.get("asleep", ())),
         )
 
     def same_routing(self, other: "RoutingTable") -> bool:
@@ -71,6 +75,7 @@ class RoutingTable:
         if (
             self.limits != other.limits
             or self.raised != other.raised
+            or tuple(self.asleep) != tuple(other.asleep)
             or self.pins != other.pins
             or set(self.weights) != set(other.weights)
         ):

@@ -308,3 +308,21 @@ def test_a_raise_never_holds_back_a_rollback_it_starts_no_cooldown_and_spends_no
     trs, tables, state = run_p50(lambda t: 0.9, config, 60, extra={"int4": lambda t: {"ttft_p99": 1.2}})
     assert [(t.at, t.action) for t in trs] == [(30.0, "raise_concurrency"), (31.0, "shift")]
     assert state.switches == (31.0,) and state.last_switch == {"omni": 31.0}
+
+
+def test_a_sleeping_engine_is_not_even_a_failover_candidate():
+    a, b = _engine("a", max_in_flight=1), _engine("b")
+    pool = EnginePool([a, b], Metrics(CollectorRegistry()))
+    for e in (a, b):
+        pool._set_health(e, True)
+    assert sorted(e.name for e in pool.candidates("x")) == ["a", "b"]
+    pool.set_table(RoutingTable(version=1, weights={"x": {"a": 1.0, "b": 0.0}}, asleep=("b",)))
+    assert [e.name for e in pool.candidates("x")] == ["a"]
+    assert pool.acquire(a)  # a is full now: still nothing spills over to the sleeping b
+    assert [e.name for e in pool.candidates("x")] == ["a"]
+    # And the controller's table says who sleeps.
+    state = ControllerState.from_dict({"sleeping": {"omni-bf16": {
+        "engine": "omni-bf16", "phase": "waking", "by": "vram-pressure@omni-int4", "level": 1, "since": 0.0,
+        "sent_at": 0.0}}})  # fmt: skip
+    assert table(state).asleep == ("omni-bf16",)
+    assert RoutingTable.from_dict(table(state).to_dict()).asleep == ("omni-bf16",)
