@@ -208,6 +208,13 @@ def gateway_config(ups: Upstreams, port: int, sentinel: bool, caps: dict[str, in
     }
 
 
+def _code(body: bytes) -> str:
+    try:
+        return str(orjson.loads(body)["error"].get("code"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "?"
+
+
 class Load:
     """Open loop: one streamed request every 1/rate seconds, whatever the answers do."""
 
@@ -219,6 +226,8 @@ class Load:
             body |= {"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
         self.body = orjson.dumps(body)
         self.records: list[tuple[float, bool]] = []
+        #: why requests failed: HTTP status or error code -> count
+        self.why: dict[str, int] = {}
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
 
@@ -229,14 +238,20 @@ class Load:
             async with s.post(self.url, data=self.body, headers={"content-type": "application/json"}) as r:
                 if r.status != 200:
                     ok = False
-                    await r.read()
+                    body = await r.read()
+                    self._fail(f"{r.status} {_code(body)}")
                 else:
                     async for line in r.content:
                         if line.startswith(b'data: {"error"'):
                             ok = False
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+                            self._fail(f"frame {_code(line[6:])}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             ok = False
+            self._fail(type(exc).__name__)
         self.records.append((t0, ok))
+
+    def _fail(self, why: str) -> None:
+        self.why[why] = self.why.get(why, 0) + 1
 
     async def run(self, s: aiohttp.ClientSession) -> None:
         interval = 1.0 / self.rate
@@ -305,6 +320,13 @@ async def run_scenario(
             load = Load(url, rate, speech=speech is not None)
             runner = asyncio.create_task(load.run(s))
             await asyncio.sleep(warmup_s)
+            early = [t for t in (await admin_status(s, url))["recent_transitions"] if t["source"] == "auto"]
+            warm_note = (
+                "switched during the warm-up, before any fault (a loaded machine): "
+                + ", ".join(f"{t['action']}({t['reason']})" for t in early)
+                if early
+                else ""
+            )
             t0 = time.time()
             await inject(s, ups, t0)
             deadline = t0 + observe_s
@@ -344,6 +366,11 @@ async def run_scenario(
                 if isinstance(first["detail"].get("value"), (int, float)):
                     res.trigger_value = round(first["detail"]["value"], 4)
             res.requests, res.failed = load.between(t0, t1)
+            if res.failed:
+                why = ", ".join(f"{k}: {v}" for k, v in sorted(load.why.items()))
+                res.note = f"{res.note}; failures: {why}" if res.note else f"failures: {why}"
+            if warm_note:
+                res.note = f"{warm_note}; {res.note}" if res.note else warm_note
         finally:
             gw.send_signal(signal.SIGINT)
             try:
