@@ -18,6 +18,8 @@ second. Per scenario it reports:
 INT4 and BF16 share GPU "0" (INT8 is on "1"), so the VRAM rule also puts the idle BF16
 to sleep (the scripted engines serve vLLM-Omni's /v1/omni/sleep and /v1/omni/wakeup).
 ``--tiny`` shortens every phase (a smoke run: the figures are not meant to be quoted).
+
+Its length: one harness and its ten incidents, each a few lines, kept together so a run is one command.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """A scripted stand-in for a vLLM or vLLM-Omni server, speaking their wire shapes over real sockets.
 
 Tests and benchmarks point an engine adapter at it, script replies and faults, and read back what it saw.
+
+Its length: one server for both flavours, every scripted fault, and vLLM-Omni's metrics and sleep routes.
 """
 
 from __future__ import annotations
