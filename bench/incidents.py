@@ -1,7 +1,6 @@
-# Over 500 lines: one runner, its nine incidents and their table read best as one file.
 """Incident replay: drive scripted engines into incidents under steady load and time the rollback.
 
-    python -m bench.incidents [--rate 20] [--only spike,noise]
+    python -m bench.incidents [--rate 20] [--only spike,noise] [--tiny]
 
 Three scripted vLLM-Omni engines (INT4 primary, INT8 and BF16 fallbacks), each its
 own process (``python -m tests.upstream``), behind a fresh gateway process per
@@ -17,7 +16,12 @@ second. Per scenario it reports:
 * switches: automatic routing transitions during the scenario.
 
 The energy and accuracy incidents (their layouts and faults in ``bench/energy_incidents.py``)
-change the engines' roles and rules for their scenario.
+change the engines' roles and rules for their scenario. INT4 and BF16 share GPU "0" (INT8
+is on "1"), so the VRAM rule also puts the idle BF16 to sleep (the scripted engines serve
+vLLM-Omni's /v1/omni/sleep and /v1/omni/wakeup). ``--tiny`` shortens every phase (a smoke
+run: the figures are not meant to be quoted).
+
+Its length: one harness and its twelve incidents, each a few lines, kept together so a run is one command.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ from bench.energy_incidents import (
 ADMIN_KEY = secrets.token_hex(32)  # the boot refuses typed keys
 MODEL = "qwen3-omni-flash"
 VARIANTS = ("int4", "int8", "bf16")
+GPUS = {"int4": "0", "int8": "1", "bf16": "0"}
+CHINESE = "您好，请问有什么可以帮您？我们的客服代表马上为您服务，请稍等。"
+ROUTING_ACTIONS = ("shift", "set_weight", "limit_concurrency", "raise_concurrency", "restore", "eject")
 
 
 @dataclass
@@ -121,16 +128,23 @@ class Upstreams:
                 extra = {"text": said, "audio_wav": str(own)}
             await self.script(s, v, first_byte_delay_s=0.2, **extra)
             await self.post(s, v, "/_metrics", {"kv_cache_usage_perc": 0.3, "num_requests_running": None})
+            await self.post(s, v, "/v1/omni/wakeup", {"stage_ids": [0, 1, 2]})  # awake, whatever came before
 
 
-def gateway_config(ups: Upstreams, port: int, sentinel: bool, tweak: Callable[[dict], None] | None = None) -> dict:
-    cfg = _gateway_config(ups, port, sentinel)
+def gateway_config(
+    ups: Upstreams,
+    port: int,
+    sentinel: bool,
+    caps: dict[str, int] | None = None,
+    tweak: Callable[[dict], None] | None = None,
+) -> dict:
+    cfg = _gateway_config(ups, port, sentinel, caps)
     if tweak is not None:
         tweak(cfg)
     return cfg
 
 
-def _gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
+def _gateway_config(ups: Upstreams, port: int, sentinel: bool, caps: dict[str, int] | None) -> dict:
     engines = []
     for v, role in zip(VARIANTS, ("primary", "fallback", "fallback")):
         engines.append(
@@ -144,6 +158,8 @@ def _gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
                 "serves": [MODEL],
                 "first_byte_timeout_s": 10,
                 "read_timeout_s": 10,
+                "telemetry": {"gpus": [GPUS[v]]},
+                **({"max_in_flight": caps[v]} if caps else {}),
             }
         )
     # The seeds' thresholds; durations divided by ten.
@@ -151,7 +167,7 @@ def _gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
         {
             "name": "int4-latency",
             "select": {"variants": ["int4"]},
-            "signal": "ttft_p99",
+            "signal": "upstream_ttft_p99",  # the engine's, as the default rule (queueing is not INT4's fault)
             "above": 0.6,
             "for_s": 3,
             "min_samples": 20,
@@ -167,7 +183,18 @@ def _gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
             "min_samples": 0,
             "recover_below": 0.8,
             "recover_for_s": 6,
-            "action": {"kind": "limit_concurrency", "concurrency_factor": 0.5},
+            "action": {"kind": "limit_concurrency", "concurrency_factor": 0.5, "sleep_idle": True},
+        },
+        {
+            "name": "latency-batch",
+            "select": {"variants": ["int4"]},
+            "signal": "ttft_p50",
+            "above": 0.4,
+            "for_s": 3,
+            "min_samples": 20,
+            "recover_below": 0.3,
+            "recover_for_s": 12,
+            "action": {"kind": "raise_concurrency", "raise_factor": 2.0, "max_concurrency": 8},
         },
         {
             "name": "wer-drift",
@@ -186,6 +213,10 @@ def _gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
         "engines": engines,
         "admin": {"api_key": ADMIN_KEY},
         "auth": {"required": False},  # this bench drives routing, not the front door
+        # The overload cap (4) wins over a raise while the gateway counts itself overloaded (16 in flight by
+        # default), which the queueing scenario's backlog soon makes it: there the soft limit is lifted so the
+        # raise is what is measured.
+        **({"traffic": {"soft_limit": 64, "hard_limit": 256}} if caps else {}),
         "logging": {"level": "warning", "json": True},
         "routing": {
             "probe_interval_s": 1.0,
@@ -193,6 +224,7 @@ def _gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
             "signals": {"window_s": 10, "scrape_interval_s": 0.5, "scrape_timeout_s": 1},
             "sentinel": {"enabled": sentinel, "sample_share": 0.25, "queue_size": 2, "window_s": 60},
             "controller": {
+                "offload": {"retry_s": 3},
                 "interval_s": 0.25,
                 "min_dwell_s": 6,
                 "cooldown_s": 12,
@@ -202,6 +234,13 @@ def _gateway_config(ups: Upstreams, port: int, sentinel: bool) -> dict:
             "seed": 7,
         },
     }
+
+
+def _code(body: bytes) -> str:
+    try:
+        return str(orjson.loads(body)["error"].get("code"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "?"
 
 
 class Load:
@@ -215,6 +254,8 @@ class Load:
             body |= {"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
         self.body = orjson.dumps(body)
         self.records: list[tuple[float, bool]] = []
+        #: why requests failed: HTTP status or error code -> count
+        self.why: dict[str, int] = {}
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
 
@@ -225,14 +266,20 @@ class Load:
             async with s.post(self.url, data=self.body, headers={"content-type": "application/json"}) as r:
                 if r.status != 200:
                     ok = False
-                    await r.read()
+                    body = await r.read()
+                    self._fail(f"{r.status} {_code(body)}")
                 else:
                     async for line in r.content:
                         if line.startswith(b'data: {"error"'):
                             ok = False
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+                            self._fail(f"frame {_code(line[6:])}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             ok = False
+            self._fail(type(exc).__name__)
         self.records.append((t0, ok))
+
+    def _fail(self, why: str) -> None:
+        self.why[why] = self.why.get(why, 0) + 1
 
     async def run(self, s: aiohttp.ClientSession) -> None:
         interval = 1.0 / self.rate
@@ -267,6 +314,7 @@ async def upstream_count(s: aiohttp.ClientSession, ups: Upstreams, v: str) -> in
 
 
 Inject = Callable[[aiohttp.ClientSession, Upstreams, float], Awaitable[None]]
+After = Callable[[aiohttp.ClientSession, Upstreams, str, float, Result], Awaitable[None]]
 
 
 async def run_scenario(
@@ -282,18 +330,20 @@ async def run_scenario(
     speech: list | None = None,
     after_s: float = 5.0,
     restart: str | None = None,
-    watch: str = "ttft_p99",
+    watch: str = "upstream_ttft_p99",
     watch_engine: str = "int4",
     watch_low: bool = False,
     tweak: Callable[[dict], None] | None = None,
     prepare: Inject | None = None,
     note: str = "",
+    caps: dict[str, int] | None = None,
+    after: "After | None" = None,
 ) -> Result:
     res = Result(name, expected, note=note)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(gateway_config(ups, port, sentinel=speech is not None, tweak=tweak), f)
+        yaml.safe_dump(gateway_config(ups, port, sentinel=speech is not None, caps=caps, tweak=tweak), f)
         cfg_path = f.name
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         await ups.reset(s, speech)
@@ -305,6 +355,13 @@ async def run_scenario(
             load = Load(url, rate, speech=speech is not None)
             runner = asyncio.create_task(load.run(s))
             await asyncio.sleep(warmup_s)
+            early = [t for t in (await admin_status(s, url))["recent_transitions"] if t["source"] == "auto"]
+            warm_note = (
+                "switched during the warm-up, before any fault (a loaded machine): "
+                + ", ".join(f"{t['action']}({t['reason']})" for t in early)
+                if early
+                else ""
+            )
             t0 = time.time()
             await inject(s, ups, t0)
             deadline = t0 + observe_s
@@ -328,16 +385,14 @@ async def run_scenario(
                 await asyncio.sleep(2.0)
                 later = await upstream_count(s, ups, watch_engine)
                 res.after_switch_to_int4 = None if base is None or later is None else later - base
+            if after is not None:
+                await after(s, ups, url, t0, res)
             t1 = time.time()
             await load.stop()
             runner.cancel()
             st = await admin_status(s, url)
             auto = [t for t in st["recent_transitions"] if t["source"] == "auto" and t["at"] >= t0 - 1]
-            routing = [
-                t
-                for t in auto
-                if t["action"] in ("shift", "set_weight", "limit_concurrency", "restore", "eject")
-            ]
+            routing = [t for t in auto if t["action"] in ROUTING_ACTIONS]
             res.switches = len(routing)
             res.actions = [f"{t['action']}({t['reason']})" for t in auto]
             if routing:
@@ -349,6 +404,11 @@ async def run_scenario(
                     res.trigger_value = round(first["detail"]["value"], 4)
                 res.targets = first["detail"].get("targets")
             res.requests, res.failed = load.between(t0, t1)
+            if res.failed:
+                why = ", ".join(f"{k}: {v}" for k, v in sorted(load.why.items()))
+                res.note = f"{res.note}; failures: {why}" if res.note else f"failures: {why}"
+            if warm_note:
+                res.note = f"{warm_note}; {res.note}" if res.note else warm_note
         finally:
             gw.send_signal(signal.SIGINT)
             try:
@@ -371,6 +431,76 @@ async def spike(s, ups, t0):  # noqa: ANN001
 
 async def vram(s, ups, t0):  # noqa: ANN001
     await ups.post(s, "int4", "/_metrics", {"kv_cache_usage_perc": 0.95, "num_requests_running": 16})
+
+
+async def slow_engines(s, ups, t0):  # noqa: ANN001
+    # Each answer now takes about a second: the engines' caps (4 + 1 + 1) are fewer than the load needs,
+    # so requests queue in the gateway and the client's P50 time to first token climbs.
+    for v in VARIANTS:
+        await ups.script(s, v, first_byte_delay_s=0.2, chunk_delay_s=0.07)
+
+
+async def sleep_state(s: aiohttp.ClientSession, ups: Upstreams, v: str) -> float | None:
+    from engines.offload import parse_sleep_state
+
+    async with s.get(ups.url(v) + "/metrics") as r:
+        return parse_sleep_state(await r.text(), [0, 1, 2])
+
+
+async def offload_way_back(s, ups, url, t0, res) -> None:  # noqa: ANN001
+    """BF16 asleep while INT4's memory is short; the pressure ends; time until BF16 is confirmed awake."""
+    asleep = await sleep_state(s, ups, "bf16")
+    before = await upstream_count(s, ups, "bf16")
+    await ups.post(s, "int4", "/_metrics", {"kv_cache_usage_perc": 0.3, "num_requests_running": None})
+    cleared = time.time()
+    awake_at = None
+    while time.time() - cleared < 30:
+        await asyncio.sleep(0.25)
+        st = await admin_status(s, url)
+        done = [t for t in st["recent_transitions"] if t["action"] == "awake" and t["at"] >= cleared]
+        if done:
+            awake_at = done[0]["at"]
+            break
+    while_asleep = (await upstream_count(s, ups, "bf16") or 0) - (before or 0)
+    woke = "never" if awake_at is None else f"{awake_at - cleared:.2f} s after the pressure ended"
+    res.note = (
+        f"BF16 sleep level {asleep} while INT4 was short of memory; awake again (its gauge) {woke}; "
+        f"BF16 requests while asleep or waking: {while_asleep}"
+    )
+
+
+async def p50_after_raise(s, ups, url, t0, res) -> None:  # noqa: ANN001
+    st = await admin_status(s, url)
+    raised = st.get("raised", {}).get("omni-int4")
+    await asyncio.sleep(15.0 if res.switch_s is not None else 0.0)
+    st = await admin_status(s, url)
+    int4 = next(e for e in st["engines"] if e["name"] == "omni-int4")
+    p50 = int4["signals"].get("ttft_p50")
+    waiting = sum(e["waiting"] for e in st["engines"])
+    res.note = (
+        f"INT4 cap 4 -> {raised}; 15 s after: INT4 {int4['in_flight']} in flight (cap {int4['cap']}), "
+        f"{waiting} waiting in all, client P50 TTFT over the last 10 s {p50} s"
+    )
+
+
+async def unscored_speech(s, ups, url, t0, res) -> None:  # noqa: ANN001
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("engine") != "omni-int4":
+                continue
+            if sample.name == "omnigate_sentinel_unscored_total":
+                counts["unscored"] = counts.get("unscored", 0.0) + sample.value
+            elif sample.name == "omnigate_sentinel_samples_total" and sample.labels.get("outcome") == "scored":
+                counts["scored"] = sample.value
+    res.note = (
+        f"INT4 answers unscored (not English): {counts.get('unscored', 0):.0f}; scored: "
+        f"{counts.get('scored', 0):.0f}, all from the English warm-up"
+    )
 
 
 async def crash(s, ups, t0):  # noqa: ANN001
@@ -406,6 +536,15 @@ def noise_task(ups: Upstreams, base: float, jitter: float) -> Inject:
     return inject
 
 
+def zh_task(speech: list) -> Inject:
+    async def inject(s, ups, t0):  # noqa: ANN001
+        _, _, drifted = speech[0]
+        # A Chinese transcript with speech the English listener would score as all wrong, were it scored.
+        await ups.script(s, "int4", first_byte_delay_s=0.2, text=CHINESE, audio_wav=str(drifted))
+
+    return inject
+
+
 def wer_task(speech: list) -> Inject:
     async def inject(s, ups, t0):  # noqa: ANN001
         said, _, drifted = speech[0]
@@ -430,6 +569,8 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
     await power.start()
     results: list[Result] = []
     only = set(args.only.split(",")) if args.only else None
+    tiny = getattr(args, "tiny", False)
+    short = dict(warmup_s=4.0, observe_s=12.0, after_s=2.0) if tiny else {}
     try:
         plan = [
             ("spike", "latency spike on INT4 (TTFT 0.2 -> 0.9 s)", dict(inject=spike)),
@@ -472,19 +613,45 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
                 dict(inject=accuracy_inject, prepare=accuracy_prepare, tweak=accuracy_layout,
                      note="INT8 scored 0 % on the held-out set"),
             ),
+            (
+                "p50",
+                "queueing: answers take 1 s, caps 4+1+1 under 7 req/s (P50 TTFT > 400 ms)",
+                dict(
+                    inject=slow_engines,
+                    watch="ttft_p50",
+                    caps={"int4": 4, "int8": 1, "bf16": 1},
+                    after=p50_after_raise,
+                ),
+            ),
+            (
+                "offload",
+                "VRAM pressure on INT4 with an idle BF16 on its GPU, then the way back",
+                dict(inject=vram, watch="vram_usage", after=offload_way_back),
+            ),
+            (
+                "wer-zh",
+                "Chinese speech on INT4 (the sentinel hears English only)",
+                dict(inject=None, speech="zh", watch="wer", until_switch=False, observe_s=30.0,
+                     after=unscored_speech),
+            ),
         ]
         speech = None
         for key, title, kw in plan:
             if only and key not in only:
                 continue
             rate = args.rate
-            if kw.pop("speech", False):
+            kind = kw.pop("speech", False)
+            if kind:
                 from tests.speech import speech_set
 
-                speech = speech_set(Path(tempfile.mkdtemp(prefix="omnigate-speech-")))
-                kw["inject"] = wer_task(speech)
+                speech = speech or speech_set(Path(tempfile.mkdtemp(prefix="omnigate-speech-")))
+                kw["inject"] = zh_task(speech) if kind == "zh" else wer_task(speech)
                 kw["speech"] = speech
                 rate = args.speech_rate
+            if key == "p50":
+                rate = 7.0  # the load: more than caps of 6 serve (5.5/s), less than the raised 10 do (9/s)
+            for k, v in short.items():
+                kw[k] = min(kw.get(k, v), v) if k in kw else v
             print(f"-- {key}: {title}", file=sys.stderr, flush=True)
             res = await run_scenario(key, title, ups, rate=rate, **kw)
             await _cancel_background()
@@ -505,8 +672,9 @@ def table(results: list[Result]) -> str:
     ]
     for r in results:
         fmt = lambda x: "—" if x is None else f"{x:.2f} s"  # noqa: E731
+        note = f" ({r.note})" if r.note else ""
         lines.append(
-            f"| {r.expected} | {r.requests} | {r.failed} | {fmt(r.detect_s)} | {fmt(r.switch_s)} | "
+            f"| {r.expected}{note} | {r.requests} | {r.failed} | {fmt(r.detect_s)} | {fmt(r.switch_s)} | "
             f"{r.switches} {', '.join(r.actions) if r.actions else ''} | "
             f"{'—' if r.trigger_value is None else r.trigger_value} / "
             f"{'—' if r.peak_signal is None else r.peak_signal} | "
@@ -529,8 +697,11 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=20.0, help="requests per second (text scenarios)")
     p.add_argument("--speech-rate", type=float, default=4.0, help="requests per second (WER scenario)")
     p.add_argument(
-        "--only", default="", help="comma-separated: spike,vram,crash,drift,noise,noise-near,wer,energy,accuracy"
+        "--only",
+        default="",
+        help="comma-separated: spike,vram,crash,drift,noise,noise-near,wer,energy,accuracy,p50,offload,wer-zh",
     )
+    p.add_argument("--tiny", action="store_true", help="short phases: a smoke run, not figures to quote")
     args = p.parse_args()
     results = asyncio.run(main_async(args))
     print(table(results))

@@ -2,10 +2,12 @@
 
 The defaults are the operating rules the deployment started from: P99 time to first
 token above 600 ms (the engine's, from the engine request to its first token) rolls the INT4 engine back to FP16/BF16, VRAM above 90 % for 30 s
-lowers the engine's concurrency, WER above 5 % on sampled speech degrades INT4 to
-INT8, a canary takes 10 % of traffic unless its errors or latency say otherwise, a non-INT4
-engine under 100 tokens per joule shifts to INT4, and an engine under 90 % on the operator's
-held-out set is no destination of any shift.
+lowers the engine's concurrency and puts an idle variant on the same GPU to sleep, P50
+time to first token above 400 ms raises the engine's batch limit (within a ceiling),
+WER above 5 % on sampled speech degrades INT4 to INT8, a canary takes 10 % of traffic
+unless its errors or latency say otherwise, a non-INT4 engine under 100 tokens per joule
+shifts to INT4, and an engine under 90 % on the operator's held-out set is no destination
+of any shift.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, model_validator
 Variant = Literal["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
 Role = Literal["primary", "fallback", "canary"]
 RuleName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+#: a BCP 47 primary language subtag (ISO 639-1/-3), lower case: "en", "zh", "yue"
+LanguageTag = Annotated[str, Field(pattern=r"^[a-z]{2,3}$")]
 
 #: what a rule can watch; all but the scraped gauges come from the gateway's own measurements
 Signal = Literal[
@@ -123,7 +127,13 @@ class SignalSettings(_Strict):
 
 
 class SentinelSettings(_Strict):
-    """The accuracy sentinel: whisper transcribes a share of speech answers off the request path."""
+    """The accuracy sentinel: whisper transcribes a share of speech answers off the request path.
+
+    Only speech in one of ``languages`` (those the ASR model covers: tiny.en hears English only) is
+    scored; the language comes from the configuration (``model_languages``, ``tenant_languages``,
+    ``default_language``), else from the transcript (:mod:`engines.language`). Anything else is
+    counted as unscored, never as word errors.
+    """
 
     enabled: bool = False
     sample_share: Annotated[float, Field(ge=0, le=1)] = 0.10
@@ -138,6 +148,18 @@ class SentinelSettings(_Strict):
     window_s: Annotated[float, Field(gt=0)] = 900.0
     min_words: Annotated[int, Field(ge=1)] = 3
     max_audio_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+    languages: list[LanguageTag] = Field(
+        default_factory=lambda: ["en"], description="languages the ASR model covers (tiny.en: English only)"
+    )
+    default_language: LanguageTag | None = Field(
+        default=None, description="the deployment's speech language; None: decided from each transcript"
+    )
+    model_languages: dict[str, LanguageTag] = Field(
+        default_factory=dict, description="public model -> the language its speech is in"
+    )
+    tenant_languages: dict[str, LanguageTag] = Field(
+        default_factory=dict, description="tenant -> the language its speech is in (before the model's)"
+    )
 
 
 class EnergySettings(_Strict):
@@ -199,21 +221,40 @@ class RuleAction(_Strict):
     serves the same model, keeping ``trickle_weight`` on it so it can still be measured.
     ``set_weight``: set the engine's traffic share to ``weight``. ``limit_concurrency``:
     cap the engine's requests in flight at ``concurrency_factor`` times those running
-    when the rule fired (at least ``min_concurrency``). ``exclude_target``: while the condition holds,
-    the engine is no destination of any rule's shift (it moves no traffic itself, so has no way back).
+    when the rule fired (at least ``min_concurrency``); with ``sleep_idle``, also put
+    every idle engine that shares a GPU with it (no traffic share, nothing in flight,
+    a variant of ``sleep_variants`` when that list is set) to sleep through vLLM-Omni's
+    ``/v1/omni/sleep`` at ``sleep_level``, and wake them on the way back.
+    ``raise_concurrency``: raise the engine's cap on requests in flight (per replica) to
+    ``raise_factor`` times its configured cap, never above ``max_concurrency``; a lower
+    cap in force (VRAM pressure, overload) still wins. ``exclude_target``: while the
+    condition holds, the engine is no destination of any rule's shift (it moves no traffic
+    itself, so has no way back).
     """
 
-    kind: Literal["shift", "set_weight", "limit_concurrency", "exclude_target"]
+    kind: Literal["shift", "set_weight", "limit_concurrency", "raise_concurrency", "exclude_target"]
     to_variants: list[Variant] = Field(default_factory=list)
     trickle_weight: Annotated[float, Field(ge=0, le=0.5)] = 0.05
     weight: Annotated[float, Field(ge=0, le=1)] = 0.0
     concurrency_factor: Annotated[float, Field(gt=0, lt=1)] = 0.5
     min_concurrency: Annotated[int, Field(ge=1)] = 1
+    raise_factor: Annotated[float, Field(gt=1, le=16)] = 2.0
+    max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
+        default=None, description="raise_concurrency: the ceiling of the raised cap (required)"
+    )
+    sleep_idle: bool = False
+    sleep_variants: list[Variant] = Field(default_factory=list)
+    # Level 1 offloads the weights to CPU memory (a wake takes seconds); level 2 discards them.
+    sleep_level: Annotated[int, Field(ge=1, le=2)] = 1
 
     @model_validator(mode="after")
     def _complete(self) -> "RuleAction":
         if self.kind == "shift" and not self.to_variants:
             raise ValueError("a shift needs to_variants")
+        if self.kind == "raise_concurrency" and self.max_concurrency is None:
+            raise ValueError("a raise_concurrency needs max_concurrency (its ceiling)")
+        if self.sleep_idle and self.kind != "limit_concurrency":
+            raise ValueError("sleep_idle goes with limit_concurrency")
         return self
 
 
@@ -297,7 +338,20 @@ def default_rules() -> list[Rule]:
             min_samples=0,
             recover_below=0.8,
             recover_for_s=60,
-            action=RuleAction(kind="limit_concurrency", concurrency_factor=0.5),
+            action=RuleAction(kind="limit_concurrency", concurrency_factor=0.5, sleep_idle=True),
+        ),
+        # The client's time to first token, queueing in the gateway included: a P50 above 400 ms while the
+        # engine has room means requests wait for a slot the engine could batch. Raising the cap does nothing
+        # for a slow engine, so the VRAM rule's lower cap wins over it (rollback.route).
+        Rule(
+            name="latency-batch",
+            signal="ttft_p50",
+            above=0.4,
+            for_s=30,
+            min_samples=20,
+            recover_below=0.3,
+            recover_for_s=120,
+            action=RuleAction(kind="raise_concurrency", raise_factor=2.0, max_concurrency=16),
         ),
         Rule(
             name="wer-drift",
@@ -363,9 +417,20 @@ def energy_and_accuracy_rules() -> list[Rule]:
     ]
 
 
+class OffloadSettings(_Strict):
+    """How the controller puts engines to sleep and wakes them (vLLM-Omni started with --enable-sleep-mode)."""
+
+    #: the pipeline stages slept and woken: Qwen3-Omni's thinker, talker and code2wav
+    stage_ids: list[Annotated[int, Field(ge=0, le=64)]] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+    #: a sleep or wake the engine's vllm:engine_sleep_state has not confirmed after this is sent again
+    retry_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+
+
 class ControllerSettings(_Strict):
     enabled: bool = True
     interval_s: Annotated[float, Field(gt=0, le=300)] = 1.0
+    offload: OffloadSettings = OffloadSettings()
     min_dwell_s: Annotated[float, Field(ge=0)] = 60.0
     cooldown_s: Annotated[float, Field(ge=0)] = 120.0
     max_switches_per_hour: Annotated[int, Field(ge=0, le=1000)] = 6

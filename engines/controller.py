@@ -9,6 +9,11 @@ Every replica runs one, each tick (``routing.controller.interval_s``):
    writes the new state and routing table in one fenced update;
 4. the others read the table when its version changes and apply it.
 
+The leader also carries out the decision's sleep and wake intents through
+:class:`~engines.offload.OffloadClient` (after the new table is written, so a sleeping
+engine has no traffic before it is put to sleep), and reads back the sleep gauge of the
+engines it put to sleep into the next snapshot (``sleep_state``).
+
 Manual overrides (pin, unpin, freeze, resume, clear, readmit) go through the same
 store from whichever replica the admin call reached. Every transition, automatic or
 manual, is counted (``omnigate_routing_transitions_total``), logged as one
@@ -36,6 +41,7 @@ import structlog
 from engines.accuracy import HeldOutSentinel
 from engines.control_settings import RoutingSettings
 from engines.energy import EnergyBook, EnergyMeter, token_equivalents
+from engines.offload import OffloadClient
 from engines.pool import EnginePool
 from engines.rollback import (
     ControllerState,
@@ -76,6 +82,7 @@ class RolloutController:
         *,
         energy: EnergyBook | None = None,
         accuracy: HeldOutSentinel | None = None,
+        offload: OffloadClient | None = None,
     ) -> None:
         self.pool = pool
         self.settings = settings
@@ -83,6 +90,7 @@ class RolloutController:
         self.store = store
         self.telemetry = telemetry
         self.sentinel = sentinel
+        self.offload = offload
         self._clock = clock
         #: callbacks given every transition this replica makes (the audit trail registers here)
         self.on_transition: list[TransitionHook] = []
@@ -141,7 +149,7 @@ class RolloutController:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for closer in (self.telemetry, self.sentinel, self.accuracy):
+        for closer in (self.telemetry, self.sentinel, self.accuracy, self.offload):
             if closer is not None:
                 await closer.aclose()
         try:
@@ -202,6 +210,8 @@ class RolloutController:
 
     async def _lead(self) -> Decision:
         parts = await self.store.summaries(max_age_s=self._summary_ttl())
+        if self.offload is not None and self.state.sleeping:
+            await self.offload.refresh(sorted(self.state.sleeping))
         snapshot = self.snapshot(parts)
         self.last_snapshot = snapshot
         holder: dict[str, Decision] = {}
@@ -225,6 +235,12 @@ class RolloutController:
             log.info("routing_action_held", incident=hold.key, reason=hold.reason)
         for t in decision.transitions:
             self.emit(t)
+        for intent in decision.intents:
+            if self.offload is None:
+                self.metrics.engine_sleep_requests.labels(intent.engine, intent.action, "unknown").inc()
+                log.warning("engine_sleep_unconfigured", engine=intent.engine, action=intent.action)
+                continue
+            await self.offload.send(intent)
         return decision
 
     async def _follow(self) -> None:
@@ -251,6 +267,9 @@ class RolloutController:
         for name, info in self.pool.infos.items():
             values, samples = merged[name].values()
             values["in_flight"] = in_flight[name]
+            cap = self.pool.configured_cap(name)
+            if cap is not None:
+                values["concurrency_cap"] = float(cap)
             if self.telemetry is not None:
                 values.update(self.telemetry.latest(name))
             tpj = self._energy(name, info.variant, now, values, merged[name], in_flight[name])
@@ -261,12 +280,21 @@ class RolloutController:
                 acc = self.accuracy.latest(name)
                 if acc is not None:
                     values["accuracy"], samples["accuracy"] = acc[0], acc[1]
+            gpus: tuple[str, ...] = ()
+            if self.offload is not None:
+                gpus = self.offload.gpus(name)
+                if name in self.state.sleeping:
+                    state = self.offload.latest(name)
+                    if state is not None:
+                        values["sleep_state"] = state
+                        self.metrics.engine_sleep_state.labels(name).set(state)
             engines[name] = EngineSignals(
                 info=info,
                 healthy=self.pool.is_healthy(name),
                 circuit=self.pool.circuit_state(name),
                 values=values,
                 samples=samples,
+                gpus=gpus,
             )
         if self.settings.energy.usage_field:
             self.energy.update(jpt)
@@ -299,7 +327,14 @@ class RolloutController:
     def _apply(self, doc: Doc) -> None:
         self.state = ControllerState.from_dict(doc.state)
         table = RoutingTable.from_dict(doc.table) if doc.table else self._table(self.state)
-        table = RoutingTable(version=doc.version, weights=table.weights, limits=table.limits, pins=table.pins)
+        table = RoutingTable(
+            version=doc.version,
+            weights=table.weights,
+            limits=table.limits,
+            pins=table.pins,
+            raised=table.raised,
+            asleep=table.asleep,
+        )
         if table.version != self.pool.table.version:
             self.pool.set_table(table)
             self.metrics.routing_version.set(table.version)
@@ -477,6 +512,8 @@ class RolloutController:
             "version": table.version,
             "weights": {m: {e: round(w, 4) for e, w in ws.items()} for m, ws in table.weights.items()},
             "limits": dict(table.limits),
+            "raised": dict(table.raised),
+            "sleeping": {k: z.to_dict() for k, z in st.sleeping.items()},
             "incidents": {k: i.to_dict() for k, i in st.incidents.items()},
             "breaches": {k: round(now - since, 3) for k, since in st.breaches.items()},
             "holds": dict(st.holds),

@@ -11,7 +11,8 @@ Per-engine concurrency has one mechanism, here: a request claims a slot on an en
 (:meth:`EnginePool.release`). An engine's cap is the lowest of its configured
 ``max_in_flight`` (the seeds' ``max_num_seqs``, 8), its ``max_in_flight_overloaded`` (4)
 while the gateway is overloaded (see :mod:`gateway.admission`), and the routing table's
-``limits`` entry that the rollback controller's ``limit_concurrency`` action sets. When
+``limits`` entry that the rollback controller's ``limit_concurrency`` action sets (its
+``raise_concurrency`` replaces the configured cap by a higher one, ``raised``). When
 every available engine for a request is at its cap, the request waits in a bounded FIFO
 queue per engine (``max_waiting``, at most ``max_wait_s``) and a freed slot is handed
 straight to the oldest waiter, so newcomers cannot overtake; a full queue or a wait that
@@ -146,16 +147,18 @@ class EnginePool:
         First, one engine drawn by the routing table's weights among those that are
         healthy, not ejected and under their concurrency limit; then the rest of those
         by weight; then the available engines without traffic share (fallbacks, engines
-        rolled back from); last, as a last resort, engines that are down or ejected.
+        rolled back from); last, as a last resort, engines that are down or ejected. An engine
+        the controller put to sleep (the table's ``asleep``) is not a candidate at all.
         """
         engines = self._by_model.get(model, ())
         weights = self.table.weights.get(model, {})
         weighted: list[tuple[float, Engine]] = []
         standby: list[Engine] = []
         down: list[Engine] = []
+        asleep = self.table.asleep
         for e in engines:
-            if e.name in self._mismatched:
-                continue  # not even as a last resort: it would answer with another model's weights
+            if e.name in asleep or e.name in self._mismatched:
+                continue  # asleep (weights off the GPU) or serving other weights: not even a last resort
             up = self._healthy.get(e.name, False) and self._circuits[e.name].available()
             if not up or self._full(e.name):
                 down.append(e)
@@ -205,11 +208,18 @@ class EnginePool:
         """The engine's concurrency cap now: the lowest of its configured cap (normal or overloaded) and the
         routing table's; None: no cap."""
         normal, overloaded = self._caps[name]
+        raised = self.table.raised.get(name)
+        if raised is not None and normal is not None:
+            normal = max(normal, raised)  # the controller's raise_concurrency; overload still wins
         own = overloaded if self.overloaded else normal
         routed = self.table.limits.get(name)
         if own is None or routed is None:
             return routed if own is None else own
         return min(own, routed)
+
+    def configured_cap(self, name: str) -> int | None:
+        """The engine's own cap (``max_in_flight``), before overload, routing limits or raises."""
+        return self._caps[name][0]
 
     def waiting(self, name: str) -> int:
         return sum(1 for w in self._waiters[name] if not w.future.done())

@@ -22,6 +22,12 @@ Where a shift may send traffic (:func:`engines.targets.shift_targets`):
 * never to an engine whose own traffic a shift or set_weight in force moved away, except that a
   rule listed earlier ends a later rule's shift onto the engine it fires on: INT4 rolled back for
   latency ends "prefer INT4 for energy" rather than wait behind it, never the other way round.
+
+Sleeping engines (:mod:`engines.offload`): ``decide`` only says which engine should sleep or
+wake (:attr:`Decision.intents`); the controller sends them. An engine that is asleep, or
+waking and not yet confirmed awake by its ``sleep_state`` gauge, has no traffic share.
+
+Its length: the incident lifecycle and the sleep lifecycle share the routing they both change.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class EngineSignals:
     values: Mapping[str, float | None] = field(default_factory=dict)
     #: signal name -> how many samples the value rests on (sampled signals only)
     samples: Mapping[str, int] = field(default_factory=dict)
+    #: the GPUs the engine runs on (DCGM gpu labels or NVML indices); engines sharing one can trade memory
+    gpus: tuple[str, ...] = ()
 
     def reading(self, signal: str, min_samples: int) -> float | None:
         value = self.values.get(signal)
@@ -125,6 +133,41 @@ class Incident:
 
 
 @dataclass(frozen=True, slots=True)
+class Sleep:
+    """An engine put to sleep (``asleep``) or woken and not yet confirmed awake (``waking``)."""
+
+    engine: str
+    phase: str
+    #: the incident that put it to sleep ("rule@engine"), or the one that woke it
+    by: str
+    level: int
+    since: float
+    #: when the last sleep or wake intent was issued (re-sent after ``offload.retry_s`` unconfirmed)
+    sent_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "phase": self.phase,
+            "by": self.by,
+            "level": self.level,
+            "since": self.since,
+            "sent_at": self.sent_at,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Sleep":
+        return cls(
+            engine=d["engine"],
+            phase=d["phase"],
+            by=d["by"],
+            level=int(d["level"]),
+            since=float(d["since"]),
+            sent_at=float(d["sent_at"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ControllerState:
     incidents: Mapping[str, Incident] = field(default_factory=dict)
     #: "rule@engine" -> since when its condition has held (not acted on yet)
@@ -137,6 +180,8 @@ class ControllerState:
     last_switch: Mapping[str, float] = field(default_factory=dict)
     frozen: bool = False
     pins: Mapping[str, str] = field(default_factory=dict)
+    #: engine -> its sleep, while it is asleep or waking
+    sleeping: Mapping[str, Sleep] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -147,6 +192,7 @@ class ControllerState:
             "last_switch": dict(self.last_switch),
             "frozen": self.frozen,
             "pins": dict(self.pins),
+            "sleeping": {k: z.to_dict() for k, z in self.sleeping.items()},
         }
 
     @classmethod
@@ -161,6 +207,7 @@ class ControllerState:
             last_switch={k: float(v) for k, v in (d.get("last_switch") or {}).items()},
             frozen=bool(d.get("frozen", False)),
             pins=dict(d.get("pins") or {}),
+            sleeping={k: Sleep.from_dict(v) for k, v in (d.get("sleeping") or {}).items()},
         )
 
 
@@ -171,8 +218,10 @@ class ControllerState:
 class Transition:
     """One change of routing or engine state, automatic or manual: what goes to metrics, the log and audit.
 
-    ``action`` is one of shift, set_weight, limit_concurrency, restore, pin, unpin,
-    freeze, resume, eject, half_open, readmit, down, up; ``reason`` is a rule name or
+    ``action`` is one of shift, set_weight, limit_concurrency, raise_concurrency, restore,
+    sleep, wake, awake, pin, unpin, freeze, resume, eject, half_open, readmit, down, up
+    (sleep and wake: the intent was issued; awake: the engine's gauge confirmed it and it
+    may take traffic again); ``reason`` is a rule name or
     a fixed word (manual, outlier-ejection, health-probe, ...); ``source`` is auto or manual.
     """
 
@@ -203,11 +252,23 @@ class Hold:
 
 
 @dataclass(frozen=True, slots=True)
+class Intent:
+    """Something the controller must do to an engine: ``sleep`` (at ``level``) or ``wake``."""
+
+    action: str
+    engine: str
+    level: int = 1
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     state: ControllerState
     transitions: tuple[Transition, ...] = ()
     #: newly held actions (a hold is reported once, when its reason first appears)
     holds: tuple[Hold, ...] = ()
+    #: sleeps and wakes to send, in order
+    intents: tuple[Intent, ...] = ()
 
 
 # -- routing -------------------------------------------------------------------------------------------------
@@ -217,11 +278,15 @@ def route(infos: Mapping[str, EngineInfo], state: ControllerState, version: int 
     """The table implied by the configuration, the incidents in force (oldest first) and the pins."""
     weights = base_weights(infos.values())
     limits: dict[str, int] = {}
+    raised: dict[str, int] = {}
     for inc in sorted(state.incidents.values(), key=lambda i: (i.since, i.rule, i.engine)):
         if inc.engine not in infos:
             continue
         if inc.action == "limit_concurrency" and inc.limit is not None:
             limits[inc.engine] = min(limits.get(inc.engine, inc.limit), inc.limit)
+            continue
+        if inc.action == "raise_concurrency" and inc.limit is not None:
+            raised[inc.engine] = max(raised.get(inc.engine, inc.limit), inc.limit)
             continue
         for model in infos[inc.engine].serves:
             w = weights.get(model)
@@ -239,11 +304,21 @@ def route(infos: Mapping[str, EngineInfo], state: ControllerState, version: int 
         chosen = [n for n in w if infos[n].variant == variant]
         if chosen:
             weights[model] = {n: (1.0 / len(chosen) if n in chosen else 0.0) for n in w}
+    # A sleeping engine (or one whose wake is not confirmed yet) takes no traffic, pinned or not.
+    for name in sorted(state.sleeping):
+        if name not in infos:
+            continue
+        for model in infos[name].serves:
+            w = weights.get(model)
+            if w is not None and w.get(name, 0.0) > 0.0:
+                set_share(w, name, 0.0, infos)
     return RoutingTable(
         version=version,
         weights={m: normalise(w) for m, w in weights.items()},
         limits=limits,
         pins=dict(state.pins),
+        raised=raised,
+        asleep=tuple(sorted(n for n in state.sleeping if n in infos)),
     )
 
 
@@ -262,23 +337,30 @@ def _new_incident(
     snap: Snapshot,
     config: ControllerSettings,
     incidents: Mapping[str, Incident],
+    sleeping: Mapping[str, Sleep] | None = None,
 ) -> tuple[Incident | None, tuple[str, ...]]:
     a = rule.action
     base = dict(
         rule=rule.name, engine=sig.info.name, action=a.kind, since=snap.now, detected_at=since, value=value
     )
     if a.kind == "shift":
-        targets, preempts = shift_targets(rule, sig, snap, config, incidents)
+        targets, preempts = shift_targets(rule, sig, snap, config, incidents, sleeping or {})
         if not targets:
             return None, ()
         return Incident(**base, targets=targets, keep=a.trickle_weight), preempts
     return _other_incident(rule, sig, base, snap), ()
 
 
-def _other_incident(rule: Rule, sig: EngineSignals, base: dict[str, Any], snap: Snapshot) -> Incident:
+def _other_incident(rule: Rule, sig: EngineSignals, base: dict[str, Any], snap: Snapshot) -> Incident | None:
     a = rule.action
     if a.kind == "set_weight":
         return Incident(**base, weight=a.weight)
+    if a.kind == "raise_concurrency":
+        cap = sig.values.get("concurrency_cap")
+        if cap is None or a.max_concurrency is None:
+            return None  # no configured cap to raise
+        raised = min(a.max_concurrency, int(math.ceil(a.raise_factor * float(cap))))
+        return Incident(**base, limit=raised) if raised > cap else None  # at the ceiling already
     running = sig.values.get("requests_running") or sig.values.get("in_flight") or 0.0
     per_replica = a.concurrency_factor * float(running) / max(1, snap.replicas)
     return Incident(**base, limit=max(a.min_concurrency, int(math.floor(per_replica))))
@@ -315,16 +397,40 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
     last_switch = dict(state.last_switch)
     transitions: list[Transition] = []
     new_holds: list[Hold] = []
-    current = route(infos, state)
+    intents: list[Intent] = []
+    sleeping = {n: z for n, z in state.sleeping.items() if n in infos}
+    retry_s = config.offload.retry_s
 
     def held(key: str, reason: str) -> None:
         holds[key] = reason
         if state.holds.get(key) != reason:
             new_holds.append(Hold(key, reason))
 
+    def now_state() -> ControllerState:
+        return replace(state, incidents=incidents, sleeping=sleeping)
+
+    def wake(z: Sleep, by: str, reason: str) -> None:
+        sleeping[z.engine] = replace(z, phase="waking", by=by, sent_at=now)
+        intents.append(Intent("wake", z.engine, reason=reason))
+        transitions.append(_sleep_transition("wake", reason, now, infos[z.engine], {"by": by}))
+
     # Incidents whose engine left the configuration end quietly.
     for key in [k for k, i in incidents.items() if i.engine not in infos]:
         incidents.pop(key)
+
+    # Sleeps and wakes the engines' gauges confirm (or that are sent again when they do not).
+    for name, z in list(sleeping.items()):
+        gauge = snapshot.engines[name].values.get("sleep_state")
+        awake = gauge is not None and not math.isnan(float(gauge)) and float(gauge) == 0.0
+        if z.phase == "waking" and awake:
+            sleeping.pop(name)
+            transitions.append(
+                _sleep_transition("awake", z.by.split("@", 1)[0], now, infos[name], {"by": z.by})
+            )
+        elif now - z.sent_at >= retry_s and (z.phase == "waking" or awake):
+            sleeping[name] = replace(z, sent_at=now)
+            intents.append(Intent("wake" if z.phase == "waking" else "sleep", name, z.level, "retry"))
+    current = route(infos, now_state())
 
     for rule in config.rules:
         if rule.action.kind == "exclude_target":
@@ -336,6 +442,9 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
             value = sig.reading(rule.signal, rule.min_samples)
             inc = incidents.get(key)
             models = sig.info.serves
+            # A raise moves no traffic: it neither starts the model's cooldown nor spends the hourly switch
+            # budget, so it can never hold back a rollback; its own for_s, hysteresis and dwell pace it.
+            paced = rule.action.kind == "raise_concurrency"
             if inc is None:
                 if value is None or not rule.breached(value):
                     breaches.pop(key, None)
@@ -347,27 +456,45 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
                 if reason in ("frozen", "pinned"):
                     held(key, reason)
                     continue
-                probe, preempts = _new_incident(rule, sig, value, since, snapshot, config, incidents)
+                probe, preempts = _new_incident(rule, sig, value, since, snapshot, config, incidents, sleeping)
                 if probe is None:
-                    held(key, "no-target")
+                    asleep = _sleeping_targets(rule, sig, snapshot, sleeping, config, incidents)
+                    for z in asleep:
+                        if z.phase == "asleep":
+                            wake(z, key, rule.name)
+                    held(key, "waking" if asleep else "no-target")
                     continue
                 remaining = {k: i for k, i in incidents.items() if k not in preempts}
-                trial = replace(state, incidents={**remaining, key: probe})
+                trial = replace(now_state(), incidents={**remaining, key: probe})
                 after = route(infos, trial)
                 if after.same_routing(current):
                     continue  # the action would change nothing (e.g. the engine has no traffic left)
-                if reason is not None:
+                if reason is not None and not (paced and reason in ("cooldown", "switch-limit")):
                     held(key, reason)
                     continue
                 for k in preempts:
                     incidents.pop(k, None)
                 incidents[key] = probe
                 breaches.pop(key, None)
-                switches = switches + (now,)
-                for m in models:
-                    last_switch[m] = now
+                if not paced:
+                    switches = switches + (now,)
+                    for m in models:
+                        last_switch[m] = now
                 transitions.append(_fired(rule, probe, value, current, after, preempts))
                 current = after
+                if rule.action.sleep_idle:
+                    for idle in _idle_neighbours(rule, sig, snapshot, sleeping, current):
+                        sleeping[idle] = Sleep(idle, "asleep", key, rule.action.sleep_level, now, now)
+                        intents.append(Intent("sleep", idle, rule.action.sleep_level, rule.name))
+                        transitions.append(
+                            _sleep_transition(
+                                "sleep",
+                                rule.name,
+                                now,
+                                infos[idle],
+                                {"by": key, "level": rule.action.sleep_level, "pressure_on": name},
+                            )
+                        )
                 continue
             # An incident in force: watch for the way back.
             if value is not None:
@@ -383,14 +510,15 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
                 held(key, "min-dwell")
                 continue
             reason = _gate(models, replace(state, last_switch=last_switch), config, now, switches)
-            if reason is not None:
+            if reason is not None and not (paced and reason in ("cooldown", "switch-limit")):
                 held(key, reason)
                 continue
             incidents.pop(key)
-            after = route(infos, replace(state, incidents=incidents))
-            switches = switches + (now,)
-            for m in models:
-                last_switch[m] = now
+            after = route(infos, now_state())
+            if not paced:
+                switches = switches + (now,)
+                for m in models:
+                    last_switch[m] = now
             transitions.append(
                 Transition(
                     at=now,
@@ -411,10 +539,72 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
             )
             current = after
 
+    # The way back of an offload (its incident restored or cleared by hand): wake what it put to sleep.
+    for z in sorted(sleeping.values(), key=lambda z: z.engine):
+        if z.phase == "asleep" and z.by not in incidents:
+            wake(z, z.by, z.by.split("@", 1)[0])
+
     new_state = replace(
-        state, incidents=incidents, breaches=breaches, holds=holds, switches=switches, last_switch=last_switch
+        state,
+        incidents=incidents,
+        breaches=breaches,
+        holds=holds,
+        switches=switches,
+        last_switch=last_switch,
+        sleeping=sleeping,
     )
-    return Decision(new_state, tuple(transitions), tuple(new_holds))
+    return Decision(new_state, tuple(transitions), tuple(new_holds), tuple(intents))
+
+
+def _sleeping_targets(
+    rule: Rule,
+    src: EngineSignals,
+    snap: Snapshot,
+    sleeping: Mapping[str, Sleep],
+    config: ControllerSettings,
+    incidents: Mapping[str, Incident],
+) -> list[Sleep]:
+    """The sleeping engines a shift would have taken, were they awake."""
+    found, _ = shift_targets(rule, src, snap, config, incidents)
+    names = sorted({n for group in found.values() for n in group if n in sleeping})
+    return [sleeping[n] for n in names]
+
+
+def _idle_neighbours(
+    rule: Rule, src: EngineSignals, snap: Snapshot, sleeping: Mapping[str, Sleep], table: RoutingTable
+) -> list[str]:
+    """Engines on one of ``src``'s GPUs with no traffic share and nothing in flight, that may sleep."""
+    gpus = set(src.gpus)
+    if not gpus:
+        return []
+    wanted = rule.action.sleep_variants
+    out = []
+    for name, e in sorted(snap.engines.items()):
+        if name == src.info.name or name in sleeping or not gpus & set(e.gpus):
+            continue
+        if wanted and e.info.variant not in wanted:
+            continue
+        busy = (e.values.get("in_flight") or 0.0) + (e.values.get("requests_running") or 0.0)
+        if table.engine_weight(name) > 0.0 or busy > 0.0 or not e.healthy:
+            continue
+        if e.values.get("sleep_state") not in (None, 0.0):
+            continue  # already asleep by someone else's hand
+        out.append(name)
+    return out
+
+
+def _sleep_transition(
+    action: str, reason: str, now: float, info: EngineInfo, detail: Mapping[str, Any]
+) -> Transition:
+    return Transition(
+        at=now,
+        action=action,
+        reason=reason,
+        source="auto",
+        engine=info.name,
+        models=info.serves,
+        detail=dict(detail),
+    )
 
 
 def _weights_of(table: RoutingTable, models: Iterable[str]) -> dict[str, dict[str, float]]:

@@ -37,6 +37,10 @@ class RoutingTable:
     limits: Mapping[str, int] = field(default_factory=dict)
     #: public model -> pinned variant (manual override)
     pins: Mapping[str, str] = field(default_factory=dict)
+    #: engine -> a raised cap that replaces its configured one on this replica (``limits`` and overload still win)
+    raised: Mapping[str, int] = field(default_factory=dict)
+    #: engines asleep or not yet confirmed awake: no request goes to them, not even as a failover candidate
+    asleep: tuple[str, ...] = ()
 
     def weight(self, model: str, engine: str) -> float:
         return self.weights.get(model, {}).get(engine, 0.0)
@@ -51,6 +55,8 @@ class RoutingTable:
             "weights": {m: dict(w) for m, w in self.weights.items()},
             "limits": dict(self.limits),
             "pins": dict(self.pins),
+            "raised": dict(self.raised),
+            "asleep": list(self.asleep),
         }
 
     @classmethod
@@ -60,11 +66,19 @@ class RoutingTable:
             weights={m: {e: float(x) for e, x in w.items()} for m, w in data.get("weights", {}).items()},
             limits={e: int(x) for e, x in data.get("limits", {}).items()},
             pins={m: str(v) for m, v in data.get("pins", {}).items()},
+            raised={e: int(x) for e, x in data.get("raised", {}).items()},
+            asleep=tuple(str(e) for e in data.get("asleep", ())),
         )
 
     def same_routing(self, other: "RoutingTable") -> bool:
         """Equal apart from the version number (weights compared to 1e-6)."""
-        if self.limits != other.limits or self.pins != other.pins or set(self.weights) != set(other.weights):
+        if (
+            self.limits != other.limits
+            or self.raised != other.raised
+            or tuple(self.asleep) != tuple(other.asleep)
+            or self.pins != other.pins
+            or set(self.weights) != set(other.weights)
+        ):
             return False
         for model, w in self.weights.items():
             o = other.weights[model]

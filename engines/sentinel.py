@@ -9,6 +9,14 @@ way Whisper's evaluation does (case, punctuation, spelled-out numbers, British
 spellings: ``whisper_normalizer``) and scores the word error rate with jiwer. The
 per-engine window keeps word errors and reference words, so the reported WER is
 the corpus WER of the window, not an average of per-answer rates.
+
+Only speech in a language the ASR model covers (``languages``; tiny.en: English) is
+scored. The language is the tenant's, else the model's, else the deployment's as
+configured, else what the transcript shows (:func:`engines.language.detect`, which
+says English only on clear evidence); an answer in any other language, or one whose
+language cannot be told, is counted in ``omnigate_sentinel_unscored_total`` with its
+reason and never as word errors: a Chinese deployment cannot roll INT4 back on speech
+the sentinel cannot hear.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import structlog
 
 from engines.base import Completion
 from engines.control_settings import SentinelSettings
+from engines.language import detect, long_enough
 from engines.signals import WerWindow
 from observability.metrics import Metrics
 
@@ -39,6 +48,7 @@ class _Sample:
     sample_rate: int
     channels: int
     transcript: str
+    language: str = "en"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +75,7 @@ class WerScorer:
         self, model_path: str | None = None, compute_type: str = "int8", cpu_threads: int = 1
     ) -> None:
         from faster_whisper import WhisperModel
+        from whisper_normalizer.basic import BasicTextNormalizer
         from whisper_normalizer.english import EnglishTextNormalizer
 
         self._model = WhisperModel(
@@ -74,11 +85,14 @@ class WerScorer:
             cpu_threads=cpu_threads,
         )
         self._normalise = EnglishTextNormalizer()
+        # Whisper's own normaliser for other languages (a multilingual model_path with more ``languages``).
+        self._basic = BasicTextNormalizer()
 
-    def normalise(self, text: str) -> str:
-        return " ".join(self._normalise(text).split())
+    def normalise(self, text: str, language: str = "en") -> str:
+        normalise = self._normalise if language == "en" else self._basic
+        return " ".join(normalise(text).split())
 
-    def transcribe(self, pcm: bytes, sample_rate: int, channels: int = 1) -> str:
+    def transcribe(self, pcm: bytes, sample_rate: int, channels: int = 1, language: str = "en") -> str:
         import numpy as np
         import soundfile as sf
 
@@ -89,19 +103,21 @@ class WerScorer:
         sf.write(buf, samples, sample_rate, format="WAV", subtype="PCM_16")
         buf.seek(0)
         segments, _ = self._model.transcribe(
-            buf, language="en", beam_size=1, condition_on_previous_text=False, vad_filter=False
+            buf, language=language, beam_size=1, condition_on_previous_text=False, vad_filter=False
         )
         return " ".join(s.text.strip() for s in segments)
 
-    def score(self, transcript: str, pcm: bytes, sample_rate: int, channels: int = 1) -> Score | None:
+    def score(
+        self, transcript: str, pcm: bytes, sample_rate: int, channels: int = 1, language: str = "en"
+    ) -> Score | None:
         """Word errors of what whisper heard against the engine's transcript; None: nothing to score."""
         import jiwer
 
-        reference = self.normalise(transcript)
+        reference = self.normalise(transcript, language)
         if not reference:
             return None
-        heard = self.transcribe(pcm, sample_rate, channels)
-        hypothesis = self.normalise(heard)
+        heard = self.transcribe(pcm, sample_rate, channels, language)
+        hypothesis = self.normalise(heard, language)
         words = len(reference.split())
         if not hypothesis:
             return Score(errors=words, words=words, heard=heard)
@@ -158,13 +174,36 @@ class AccuracySentinel:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- request path: one random draw per speech answer ---------------------------------
-    def offer(self, engine: str, variant: str | None, completion: Completion) -> bool:
+    def language_of(self, transcript: str, model: str | None, tenant: str | None) -> tuple[str | None, str]:
+        """(language, where it came from: config or detected); None: it cannot be told."""
+        s = self.settings
+        for table, key in ((s.tenant_languages, tenant), (s.model_languages, model)):
+            if key is not None and key in table:
+                return table[key], "config"
+        if s.default_language is not None:
+            return s.default_language, "config"
+        return detect(transcript).language, "detected"
+
+    def offer(
+        self,
+        engine: str,
+        variant: str | None,
+        completion: Completion,
+        *,
+        model: str | None = None,
+        tenant: str | None = None,
+    ) -> bool:
         """Maybe take this answer for scoring; never blocks, never raises."""
         if not self.ready or self._queue is None or self._rng.random() >= self.settings.sample_share:
             return False
         transcript = completion.transcript or completion.text
-        if len(transcript.split()) < self.settings.min_words or not completion.sample_rate:
+        if not long_enough(transcript, self.settings.min_words) or not completion.sample_rate:
             self._metrics.sentinel_samples.labels(engine, "skipped").inc()
+            return False
+        language, source = self.language_of(transcript, model, tenant)
+        if language is None or language not in self.settings.languages:
+            self._metrics.sentinel_unscored.labels(engine, f"language-{source}").inc()
+            self._metrics.sentinel_samples.labels(engine, "unscored").inc()
             return False
         seconds = len(completion.audio) / (2 * max(1, completion.channels) * completion.sample_rate)
         if seconds > self.settings.max_audio_s:
@@ -179,6 +218,7 @@ class AccuracySentinel:
                     completion.sample_rate,
                     completion.channels,
                     transcript,
+                    language,
                 )
             )
         except asyncio.QueueFull:
@@ -201,6 +241,7 @@ class AccuracySentinel:
                     sample.pcm,
                     sample.sample_rate,
                     sample.channels,
+                    sample.language,
                 )
             except Exception as exc:
                 self._metrics.sentinel_samples.labels(sample.engine, "failed").inc()

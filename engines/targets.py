@@ -1,7 +1,7 @@
 """Where a rule's shift may send traffic: the engines of its wanted variants that can take it.
 
 Pure, like :func:`engines.rollback.decide`, which calls it when a shift is due. A destination is
-up, of the first of ``to_variants`` that has one for the model, not held by an ``exclude_target``
+up and awake, of the first of ``to_variants`` that has one for the model, not held by an ``exclude_target``
 rule (the held-out accuracy under its floor), and not an engine whose own traffic a shift or
 set_weight in force moved away, unless that incident is a later-listed rule's shift onto the
 engine now firing: then the new shift ends it (the rule order is the priority).
@@ -9,7 +9,7 @@ engine now firing: then the new shift ends it (the rule order is the priority).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Collection, Mapping
 
 from engines.control_settings import ControllerSettings, Rule
 
@@ -38,9 +38,10 @@ def shift_targets(
     snap: Snapshot,
     config: ControllerSettings,
     incidents: Mapping[str, Incident],
+    sleeping: Collection[str] = (),
 ) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...]]:
-    """Per model, the engines of the first wanted variant that serve it, are up and may take traffic;
-    with the incidents the shift ends (see the module docstring)."""
+    """Per model, the engines of the first wanted variant that serve it, are up (and awake: not in
+    ``sleeping``) and may take traffic; with the incidents the shift ends (see the module docstring)."""
     order = {r.name: i for i, r in enumerate(config.rules)}
     mine = order.get(rule.name, len(order))
     excluded = excluded_targets(snap, config)
@@ -66,6 +67,7 @@ def shift_targets(
                     or not e.healthy
                     or e.circuit == "open"
                     or n in excluded
+                    or n in sleeping
                 ):
                     continue
                 blocking = moved_away.get(n, [])

@@ -909,7 +909,7 @@ class Pipeline:
         if completion.audio and completion.sample_rate:
             ctx.audio_seconds = len(completion.audio) / (2 * completion.channels * completion.sample_rate)
         if completion.audio and self.sentinel is not None and ctx.engine is not None:
-            self.sentinel.offer(ctx.engine, ctx.variant, completion)
+            self.sentinel.offer(ctx.engine, ctx.variant, completion, model=ctx.public_model, tenant=ctx.tenant)
         if self.energy is not None:
             ctx.energy_joules = self.energy.estimate(ctx.engine, ctx.completion_tokens, ctx.audio_seconds)
 

@@ -14,6 +14,8 @@ import structlog
 from engines.accuracy import HeldOutSentinel
 from engines.controller import RolloutController
 from engines.energy import EnergyBook
+from engines.offload import OffloadClient
+from engines.offload import targets_from as offload_targets
 from engines.pool import EnginePool, build_engine
 from engines.rollback import Transition
 from engines.sentinel import AccuracySentinel
@@ -110,8 +112,12 @@ class Services:
             if routing.accuracy.enabled
             else None
         )
+        offload = OffloadClient(
+            offload_targets(settings.engines, {n: url for n, url, _ in targets}), routing.controller.offload, metrics
+        )
         controller = RolloutController(
-            pool, routing, metrics, state_store, telemetry, sentinel, energy=energy, accuracy=accuracy
+            pool, routing, metrics, state_store, telemetry, sentinel, energy=energy, accuracy=accuracy,
+            offload=offload,
         )
         audit = (
             AuditLog(settings.audit, build_audit_store(settings.audit), metrics) if settings.audit.enabled else None

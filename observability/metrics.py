@@ -351,6 +351,26 @@ class Metrics:
             "omnigate_accuracy_replays_total", "Replays of the held-out set, by engine and outcome",
             ["engine", "outcome"], registry=r,
         )
+        # reason: language-config (a configured tenant/model/deployment language the ASR model does not cover)
+        # or language-detected (the transcript's script or words say it is not one of those languages)
+        self.sentinel_unscored = Counter(
+            "omnigate_sentinel_unscored_total",
+            "Speech answers the accuracy sentinel did not score because its ASR model does not cover their "
+            "language (never counted as word errors)",
+            ["engine", "reason"], registry=r,
+        )
+        self.engine_sleep_requests = Counter(
+            "omnigate_engine_sleep_requests_total",
+            "Sleep and wake requests the controller sent to engines (vLLM-Omni /v1/omni/sleep, /v1/omni/wakeup), "
+            "by outcome (ok, refused, unreachable, unknown)",
+            ["engine", "action", "outcome"], registry=r,
+        )
+        self.engine_sleep_state = Gauge(
+            "omnigate_engine_sleep_state",
+            "An engine's sleep state as its vllm:engine_sleep_state reads (0 awake, 1 weights offloaded, "
+            "2 discarded); exported by the controller's leader for engines it put to sleep",
+            ["engine"], registry=r,
+        )
         # -- traffic control: admission, load shedding, per-engine limits ------------------------
         self.admissions = Counter(
             "omnigate_admission_total",

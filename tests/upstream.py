@@ -1,6 +1,8 @@
 """A scripted stand-in for a vLLM or vLLM-Omni server, speaking their wire shapes over real sockets.
 
 Tests and benchmarks point an engine adapter at it, script replies and faults, and read back what it saw.
+
+Its length: one server for both flavours, every scripted fault, and vLLM-Omni's metrics and sleep routes.
 """
 
 from __future__ import annotations
@@ -366,6 +368,15 @@ class ScriptedUpstream:
         self.speakers: list[str] = ["aiden", "chelsie", "ethan"]
         self.health_status = 200
         self.stage_metrics: dict[str, dict[str, Any]] | None = None
+        # vLLM-Omni's sleep mode (--enable-sleep-mode; off: its routes answer 501): the sleeping stages and their
+        # levels, the stages its vllm:engine_sleep_state series are exported for, how long after a wakeup the
+        # gauge still reads asleep (vLLM updates it from its stats logger), and the control calls it saw.
+        self.sleep_mode = True
+        self.sleeping_stages: dict[int, int] = {}
+        self.sleep_gauge_stages: list[int] = [0, 1, 2]
+        self.wake_delay_s = 0.0
+        self.sleep_calls: list[tuple[str, dict]] = []
+        self._woken_at: dict[int, float] = {}
         self._queue: list[Script] = []
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
@@ -382,6 +393,8 @@ class ScriptedUpstream:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/omni/sleep", self._omni_sleep)
+        app.router.add_post("/v1/omni/wakeup", self._omni_wakeup)
         app.router.add_post("/_script", self._set_script)
         app.router.add_post("/_enqueue", self._enqueue)
         app.router.add_post("/_metrics", self._set_metrics)
@@ -895,7 +908,95 @@ class ScriptedUpstream:
         ):
             if value is not None:
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{gpu} {float(value)!r}"]
+        lines += self._sleep_lines()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
+    # -- vLLM-Omni sleep mode: POST /v1/omni/sleep and /v1/omni/wakeup, the vllm:engine_sleep_state gauge
+
+    @staticmethod
+    def _invalid(loc: str, msg: str, value: Any) -> web.Response:
+        detail = [{"type": "value_error", "loc": ["body", loc], "msg": msg, "input": value}]
+        return web.json_response({"detail": detail}, status=422)
+
+    async def _control_body(self, request: web.Request, with_level: bool) -> dict | web.Response:
+        """Validated as vLLM-Omni's OmniSleepRequest/OmniWakeupRequest: stage_ids a non-empty list of ints,
+        level an int >= 0 (default 2)."""
+        try:
+            body = await request.json(loads=orjson.loads)
+        except ValueError:
+            return self._invalid("body", "JSON decode error", None)
+        if not isinstance(body, dict):
+            return self._invalid("body", "Input should be a valid dictionary", body)
+        ids = body.get("stage_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            return self._invalid("stage_ids", "Input should be a valid list of integers", ids)
+        if not ids:
+            return self._invalid("stage_ids", "List should have at least 1 item after validation, not 0", ids)
+        out: dict = {"stage_ids": ids}
+        if with_level:
+            level = body.get("level", 2)
+            if not isinstance(level, int) or isinstance(level, bool) or level < 0:
+                return self._invalid("level", "Input should be greater than or equal to 0", level)
+            out["level"] = level
+        return out
+
+    @staticmethod
+    def _acks(stage_ids: list[int]) -> list[dict]:
+        return [
+            {"task_id": f"ack-{sid}", "status": "ok", "stage_id": sid, "rank": 0, "freed_bytes": 0, "metadata": {}}
+            for sid in stage_ids
+        ]
+
+    async def _omni_sleep(self, request: web.Request) -> web.Response:
+        if not self.sleep_mode:
+            return web.json_response({"detail": "The engine does not support sleep mode"}, status=501)
+        body = await self._control_body(request, with_level=True)
+        if isinstance(body, web.Response):
+            return body
+        self.sleep_calls.append(("sleep", body))
+        for sid in body["stage_ids"]:
+            self.sleeping_stages[sid] = body["level"]
+            self._woken_at.pop(sid, None)
+        return web.json_response({"status": "SUCCESS", "acks": self._acks(body["stage_ids"])})
+
+    async def _omni_wakeup(self, request: web.Request) -> web.Response:
+        if not self.sleep_mode:
+            return web.json_response({"detail": "The engine does not support wake_up"}, status=501)
+        body = await self._control_body(request, with_level=False)
+        if isinstance(body, web.Response):
+            return body
+        self.sleep_calls.append(("wakeup", body))
+        asleep = [sid for sid in body["stage_ids"] if sid in self.sleeping_stages]
+        if not asleep:
+            return web.json_response({"status": "SKIPPED"})
+        now = time.monotonic()
+        for sid in asleep:
+            self._woken_at[sid] = now + self.wake_delay_s
+        return web.json_response({"status": "SUCCESS", "acks": self._acks(asleep)})
+
+    def sleep_level(self, stage: int) -> int:
+        """0 awake, else the stage's sleep level, as the gauge reads now (a wake shows after wake_delay_s)."""
+        until = self._woken_at.get(stage)
+        if until is not None and time.monotonic() >= until:
+            self.sleeping_stages.pop(stage, None)
+            self._woken_at.pop(stage, None)
+        return self.sleeping_stages.get(stage, 0)
+
+    def _sleep_lines(self) -> list[str]:
+        name = "vllm:engine_sleep_state"
+        model = self.models[0].replace("\\", "\\\\").replace('"', '\\"')
+        lines = [
+            f"# HELP {name} Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+            "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            f"# TYPE {name} gauge",
+        ]
+        for stage in self.sleep_gauge_stages:
+            level = self.sleep_level(stage)
+            current = {0: "awake", 1: "weights_offloaded"}.get(level, "discard_all")
+            for state in ("awake", "weights_offloaded", "discard_all"):
+                labels = f'model_name="{model}",stage="{stage}",replica="0",sleep_state="{state}"'
+                lines.append(f"{name}{{{labels}}} {1.0 if state == current else 0.0!r}")
+        return lines
 
     _TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
