@@ -28,10 +28,6 @@ from tests.ops.catalogue import (
 # Exported metrics with no panel, and why.
 NOT_ON_DASHBOARD = {
     "omnigate_build_info": "constant; carries no signal",
-    # Issue 17's rollback rules: their panels come with that issue's dashboard work (drop these then).
-    "omnigate_sentinel_unscored_total": "panel pending (issue 17 dashboards)",
-    "omnigate_engine_sleep_requests_total": "panel pending (issue 17 dashboards)",
-    "omnigate_engine_sleep_state": "panel pending (issue 17 dashboards)",
 }
 
 
