@@ -25,6 +25,7 @@ from pydantic_settings import (
 
 from engines.control_settings import EngineTelemetry, RoutingSettings
 from gateway.auth_settings import AdminKey, AuthSettings, MetricsSettings
+from gateway.settings_sources import EnvOverYaml
 
 EngineKind = Literal["vllm-omni", "vllm", "litellm", "local"]
 Variant = Literal["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
@@ -679,11 +680,9 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         path = _yaml_file.get()
-        if path is not None:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
-        return tuple(sources)
+        file = YamlConfigSettingsSource(settings_cls, yaml_file=path) if path is not None else None
+        return (init_settings, EnvOverYaml(settings_cls, env_settings, file))
 
 
 def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
