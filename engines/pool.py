@@ -103,6 +103,8 @@ class EnginePool:
             e.name: "its model has not been verified yet" for e in self.engines.values()
             if e.config.expected_model is not None or e.config.expected_revision is not None
         }
+        for name in self._mismatched:
+            metrics.engine_model_verified.labels(name, self.engines[name].config.variant).set(0)
         self._by_model: dict[str, list[Engine]] = {}
         for engine in sorted(self.engines.values(), key=lambda e: _ROLE_ORDER[e.config.role]):
             for public in engine.config.serves:
@@ -554,6 +556,8 @@ class EnginePool:
                 self._mismatched[engine.name] = problem
                 log.error("engine_model_mismatch", engine=engine.name, reason=problem,
                           expected_model=cfg.expected_model, expected_revision=cfg.expected_revision)
+        if healthy:  # a probe that did not reach the engine leaves the last verdict standing
+            self._metrics.engine_model_verified.labels(engine.name, cfg.variant).set(0 if problem else 1)
         return healthy and problem is None
 
     async def aclose(self) -> None:

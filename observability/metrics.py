@@ -125,6 +125,13 @@ class Metrics:
         self.retries = Counter(
             "omnigate_retries_total", "Attempts repeated on a post-policy's verdict", ["policy"], registry=r
         )
+        self.engine_model_verified = Gauge(
+            "omnigate_engine_model_verified",
+            "1 when the engine's last probe showed the model id and revision it is configured to serve "
+            "(expected_model, expected_revision); 0 while it serves other weights or is not verified yet. "
+            "Only engines with an expectation",
+            ["engine", "variant"], registry=r,
+        )
         self.engine_healthy = Gauge(
             "omnigate_engine_healthy", "1 when the engine's last health probe passed", ["engine", "variant"],
             registry=r,

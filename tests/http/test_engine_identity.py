@@ -56,7 +56,9 @@ def server(bg, engines):
         admin={"api_key": ADMIN["authorization"].removeprefix("Bearer ")},
         auth={"required": False},
     )
-    s = GatewayServer(bg, settings, CollectorRegistry()).start()
+    registry = CollectorRegistry()
+    s = GatewayServer(bg, settings, registry).start()
+    s.registry = registry  # type: ignore[attr-defined]
     yield s
     s.stop()
 
@@ -80,6 +82,10 @@ def _probe(server) -> None:
     server.bg.run(server.services.pool.probe_now())
 
 
+def _verified(server, engine: str) -> float | None:
+    return server.registry.get_sample_value("omnigate_engine_model_verified", {"engine": engine, "variant": "bf16"})
+
+
 def test_the_engines_serving_what_they_were_configured_with_are_routed_to(server, fresh):
     a, _ = fresh
     resp = _ask(server)
@@ -88,6 +94,7 @@ def test_the_engines_serving_what_they_were_configured_with_are_routed_to(server
     ready = httpx.get(server.url + "/readyz", headers=ADMIN, timeout=5).json()
     assert ready["engines"] == {"a": True, "b": True}
     assert ready["engine_problems"] == {}
+    assert _verified(server, "a") == 1.0 and _verified(server, "b") == 1.0
 
 
 def test_a_wrong_revision_is_never_routed_to(server, fresh):
@@ -103,6 +110,7 @@ def test_a_wrong_revision_is_never_routed_to(server, fresh):
     assert ready["engines"]["a"] is False
     assert "not the configured revision" in ready["engine_problems"]["a"]
     assert OTHER in ready["engine_problems"]["a"]
+    assert _verified(server, "a") == 0.0 and _verified(server, "b") == 1.0  # what OmnigateEngineModelMismatch reads
 
 
 def test_a_wrong_model_id_is_never_routed_to_even_as_a_last_resort(server, fresh):

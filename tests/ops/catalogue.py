@@ -63,6 +63,7 @@ EXPORTED: frozenset[str] = frozenset(
         "omnigate_engine_failovers_total",
         "omnigate_retries_total",
         "omnigate_engine_healthy",
+        "omnigate_engine_model_verified",
         "omnigate_client_disconnects_total",
         # -- API keys, tenants, rate limits, config reloads
         "omnigate_auth_failures_total",
