@@ -34,6 +34,7 @@ import asyncio
 import inspect
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Awaitable, Callable
 
 import structlog
@@ -327,14 +328,7 @@ class RolloutController:
     def _apply(self, doc: Doc) -> None:
         self.state = ControllerState.from_dict(doc.state)
         table = RoutingTable.from_dict(doc.table) if doc.table else self._table(self.state)
-        table = RoutingTable(
-            version=doc.version,
-            weights=table.weights,
-            limits=table.limits,
-            pins=table.pins,
-            raised=table.raised,
-            asleep=table.asleep,
-        )
+        table = replace(table, version=doc.version)  # every other field as stored or derived
         if table.version != self.pool.table.version:
             self.pool.set_table(table)
             self.metrics.routing_version.set(table.version)
