@@ -241,3 +241,20 @@ def test_an_unpinned_engine_cannot_pass_its_check():
     from gateway.weights import is_commit
 
     assert not is_commit(revision)
+
+
+def test_the_gateway_requires_the_revisions_the_weights_checks_verified(monkeypatch):
+    from gateway.settings import load_settings
+
+    config = compose_config("gpu", OMNI_INT4_REVISION=REVISION, OMNI_BF16_REVISION="f" * 40)
+    env = config["services"]["gateway"]["environment"]
+    assert env["OMNIGATE_ADMIN__API_KEY"] == "k" * 32  # the anchor's variable is kept beside the new ones
+    for key, value in env.items():
+        if key.startswith("OMNIGATE_ENGINES__"):
+            monkeypatch.setenv(key, value)
+    settings = load_settings(OPS / "config" / "compose-gpu.yaml")
+    by_name = {e.name: e for e in settings.engines}
+    for engine, revision in (("omni-int4", REVISION), ("omni-bf16", "f" * 40)):
+        assert by_name[engine].expected_revision == revision
+        # ... the revision the engine's weights check verified and its folder is named after
+        assert config["services"][engine]["command"][0] == f"/models/{engine}/snapshots/{revision}"
