@@ -358,3 +358,33 @@ def test_an_engine_without_a_full_pin_does_not_render(tmp_path, change, needle):
     report = helm.lint(str(CHART), {"engines": [engine]}, strict=True)
     problems = " ".join(report["errors"] + [m["error"] for m in report["messages"] if m["severity"] >= 2])
     assert problems and needle in problems, report
+
+
+def _gateway_config(objects: dict) -> dict:
+    configmap = next(o for (k, n), o in objects.items() if k == "ConfigMap" and n == "omnigate")
+    return yaml.safe_load(configmap["data"]["omnigate.yaml"])
+
+
+def test_the_gateway_requires_the_pinned_model_and_revision_of_each_engine_the_chart_runs(tmp_path):
+    values, _ = _engine_values(tmp_path)
+    engines = {e["name"]: e for e in _gateway_config(render(values))["engines"]}
+    # omni-int4 runs from the chart on verified weights: the gateway routes to it only while it lists them.
+    assert engines["omni-int4"]["expected_revision"] == REVISION
+    assert engines["omni-int4"]["expected_model"] == "qwen3-omni-int4"
+    # omni-bf16 runs elsewhere: nothing is invented for it.
+    assert "expected_revision" not in engines["omni-bf16"]
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(_gateway_config(render(values))))
+    assert check_config(str(path)) == 0
+
+
+def test_a_gateway_expectation_that_contradicts_the_pin_does_not_render(tmp_path):
+    values, _ = _engine_values(tmp_path)
+    config = yaml.safe_load((CHART / "values.yaml").read_text())["config"]
+    config["engines"][0]["expected_revision"] = "f" * 40
+    with pytest.raises(helm.HelmRenderError, match="expected_revision .* is not the revision engines.. pins"):
+        render({**values, "config": config})
+    config["engines"][0].pop("expected_revision")
+    config["engines"][0]["expected_model"] = "some-other-model"
+    with pytest.raises(helm.HelmRenderError, match="expected_model some-other-model"):
+        render({**values, "config": config})
