@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from engines.base import Completion, Delta
-from engines.openai_compat import OpenAICompatEngine, _usage, rejection
+from engines.openai_compat import OpenAICompatEngine, _choice_completion, _usage, rejection
 from gateway.audio import split_wav
 from gateway.errors import EngineFailed, EngineProtocolError, EngineRejected
 from gateway.schemas import ChatCompletionRequest
@@ -144,8 +144,17 @@ class VLLMOmniEngine(OpenAICompatEngine):
                 out.transcript += audio.get("transcript") or ""
                 audio_finish = choice.get("finish_reason") or audio_finish
             content = message.get("content")
-            if isinstance(content, str) and content:
-                out.text += content
+            if (isinstance(content, str) and content) or message.get("tool_calls") or any(
+                message.get(k) for k in ("reasoning_content", "reasoning")
+            ):
+                # The text stage's message is vLLM's (tool calls, reasoning and logprobs included).
+                part = _choice_completion(choice)
+                out.text += part.text
+                out.tool_calls += part.tool_calls
+                if part.reasoning:
+                    out.reasoning, out.reasoning_key = out.reasoning + part.reasoning, part.reasoning_key
+                if part.logprobs is not None:
+                    out.logprobs = (out.logprobs or []) + part.logprobs
                 text_finish = choice.get("finish_reason") or text_finish
         out.finish_reason = text_finish or audio_finish or "stop"
         return out

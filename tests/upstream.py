@@ -809,7 +809,9 @@ class ScriptedUpstream:
 
         n = self._completion_tokens(plan)
         message: dict[str, Any] = {"role": "assistant", "content": "".join(plan.pieces), "tool_calls": []}
-        if plan.rich:
+        # vLLM-Omni's text stage answers with vLLM's own message (its serving_chat builds vLLM's ChatMessage,
+        # tool calls and reasoning included), so the non-streamed omni flavour carries them as vLLM does.
+        if plan.rich or (script.flavour == "omni" and (script.tool_calls or script.reasoning)):
             message["tool_calls"] = [
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": "".join(args)}}
                 for _, call_id, name, args in plan.tool_pieces()

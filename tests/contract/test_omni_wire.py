@@ -299,3 +299,25 @@ def test_the_audit_record_meters_speech_in_seconds(voiced, ups):
 
     # The record is committed before the stream's last frame goes out.
     assert {"prompt_tokens": 11, "completion_tokens": 1, "audio_seconds": 0.6} in usages()
+
+
+# -- non-streamed: the text stage's message is vLLM's, tool calls and reasoning included ----------------------
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.mark.parametrize("shape", ["merged", "split"])
+def test_non_streamed_tool_calls_and_reasoning_reach_the_client(client, ups, shape):
+    ups.omni_a.default = Script(flavour="omni", text="", audio_chunks=0, omni_choices=shape,
+                                tool_calls=[{"name": "get_weather", "arguments": '{"city": "Paris"}'}],
+                                reasoning="The user wants the weather.")
+    resp = client.chat.completions.create(model=OMNI_MODEL, messages=_user("Weather in Paris?"), tools=WEATHER)
+    [choice] = resp.choices
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert orjson.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id
+    extra = choice.message.model_extra or {}
+    assert extra.get("reasoning_content") == "The user wants the weather."
