@@ -26,6 +26,9 @@ The leader also integrates each engine's GPU power over its active time into
 beside its own summary; every replica copies them into its :class:`~engines.energy.EnergyBook`,
 which the request path reads for ``usage.energy_joules``. The held-out accuracy sentinel
 (:mod:`engines.accuracy`), when configured, runs on the leader and adds ``accuracy``.
+
+Its length: the leader's tick gathers what the energy meter, the sentinels and the offload client
+measured into one snapshot; the gathering is to move to the collectors themselves with the restructuring.
 """
 
 from __future__ import annotations
