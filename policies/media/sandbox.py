@@ -58,7 +58,7 @@ class Sandbox:
             self.cfg.decode_workers,
             mp_context=ctx,
             initializer=worker.init_worker,
-            initargs=(self.cfg.decode_memory_mb, self.cfg.decode_cpu_s, 1),
+            initargs=(self.cfg.decode_memory_mb, self.cfg.decode_cpu_s, 1, os.getpid()),
             max_tasks_per_child=self.cfg.decode_tasks_per_child,
         )
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import select
 import signal
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,8 +100,10 @@ def _deny_sockets(libc: Any) -> bool:
     return libc.prctl(pr_set_seccomp, seccomp_mode_filter, ctypes.byref(prog), 0, 0) == 0
 
 
-def init_worker(memory_mb: int, cpu_s: float, threads: int) -> None:
+def init_worker(memory_mb: int, cpu_s: float, threads: int, gateway_pid: int | None = None) -> None:
     """The ProcessPoolExecutor initializer: confine this process before it decodes anything."""
+    if gateway_pid is not None:
+        _end_with(gateway_pid)  # first: before the address-space cap, and while its pid is still visible
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(threads)
     import policies.media.process  # noqa: F401  # already loaded from the forkserver; imported before the cap
@@ -116,6 +120,29 @@ def init_worker(memory_mb: int, cpu_s: float, threads: int) -> None:
         cap = mapped + memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     signal.signal(signal.SIGALRM, _alarm)
+
+
+def _end_with(pid: int) -> None:
+    """End this worker when the gateway process that owns its pool ends, however it ends.
+
+    The worker's parent is the forkserver, so no parent-death signal reaches it, and its pool's
+    queues never see end-of-file (it holds their other ends too): a SIGKILLed gateway would leave
+    its workers running and, through the pipe they hold open, its forkserver. A pidfd of the gateway
+    becomes readable when it exits; one thread waits on it. Without pidfds (Linux before 5.3) the
+    worker lives until its pool shuts it down, as before.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)  # already gone
+    except (OSError, AttributeError):
+        return
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=wait, name="omnigate-gateway-watch", daemon=True).start()
 
 
 def _address_space() -> int | None:
