@@ -71,7 +71,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigkilled_gateway_leaves_no_decode_worker_or_forkserver(tmp_path):
     port = _port()
     config = {
