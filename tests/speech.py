@@ -55,3 +55,11 @@ def speech_set(folder: Path) -> list[tuple[str, Path, Path]]:
             (said, synthesize(said, folder / f"said-{i}.wav"), synthesize(drifted, folder / f"drift-{i}.wav"))
         )
     return out
+
+
+def read_pcm(path: Path) -> tuple[bytes, int]:
+    """A synthesized WAV as 16-bit PCM bytes and its sample rate (what the sentinel is handed)."""
+    import soundfile as sf
+
+    data, rate = sf.read(path, dtype="int16")
+    return data.tobytes(), rate

@@ -6,14 +6,13 @@ import asyncio
 
 import jiwer
 import pytest
-import soundfile as sf
 from prometheus_client import CollectorRegistry
 
 from engines.base import Completion
 from engines.control_settings import SentinelSettings
 from engines.sentinel import AccuracySentinel, WerScorer
 from observability.metrics import Metrics
-from tests.speech import speech_set
+from tests.speech import read_pcm, speech_set
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,27 +27,22 @@ def scorer():
     return WerScorer()
 
 
-def _pcm(path):
-    data, rate = sf.read(path, dtype="int16")
-    return data.tobytes(), rate
-
-
 def test_matching_speech_scores_zero_after_normalising_numbers_and_case(speech, scorer):
     said, own, _ = speech[2]  # "We need twenty five chairs ..."
-    pcm, rate = _pcm(own)
+    pcm, rate = read_pcm(own)
     score = scorer.score(said, pcm, rate)
     assert score is not None and score.errors == 0 and score.words == 9  # "25" is one word
     # Whisper writes the number as digits: without normalisation the same speech would count as errors.
     assert "25" in score.heard
     assert jiwer.wer(said.lower(), score.heard.lower()) > 0
     for said, own, _ in speech[:2]:
-        pcm, rate = _pcm(own)
+        pcm, rate = read_pcm(own)
         assert scorer.score(said, pcm, rate).errors == 0
 
 
 def test_speech_that_says_something_else_scores_its_word_errors(speech, scorer):
     said, _, drifted = speech[0]
-    pcm, rate = _pcm(drifted)
+    pcm, rate = read_pcm(drifted)
     score = scorer.score(said, pcm, rate)
     assert score.words == 10 and score.errors == 4  # report, finance, team, friday
     assert score.wer == pytest.approx(0.4)
@@ -77,7 +71,7 @@ async def test_sentinel_samples_its_share_and_keeps_a_corpus_wer_per_engine(spee
         sentinel.settings = sentinel.settings.model_copy(update={"sample_share": 1.0})
         for said, own, drifted in speech[:2]:
             for engine, wav in (("good", own), ("bad", drifted)):
-                pcm, rate = _pcm(wav)
+                pcm, rate = read_pcm(wav)
                 assert sentinel.offer(engine, "int4", Completion(text=said, audio=pcm, sample_rate=rate))
         await asyncio.wait_for(sentinel.drain(), 120)
         assert sentinel.totals("good") == (0, 21, 2)
@@ -105,7 +99,7 @@ async def test_a_full_queue_drops_samples_instead_of_waiting(speech, scorer):
     await sentinel.start()
     try:
         said, own, _ = speech[0]
-        pcm, rate = _pcm(own)
+        pcm, rate = read_pcm(own)
         c = Completion(text=said, audio=pcm, sample_rate=rate)
         results = [
             sentinel.offer("e", "int4", c) for _ in range(5)

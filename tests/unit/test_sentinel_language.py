@@ -6,7 +6,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import soundfile as sf
 from prometheus_client import CollectorRegistry
 
 from engines.base import Completion
@@ -14,7 +13,7 @@ from engines.control_settings import SentinelSettings
 from engines.language import detect
 from engines.sentinel import AccuracySentinel, WerScorer
 from observability.metrics import Metrics
-from tests.speech import PAIRS, speech_set
+from tests.speech import PAIRS, read_pcm, speech_set
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -59,11 +58,6 @@ def scorer():
     return WerScorer()
 
 
-def _pcm(path):
-    data, rate = sf.read(path, dtype="int16")
-    return data.tobytes(), rate
-
-
 def _unscored(registry: CollectorRegistry, engine: str, reason: str) -> float:
     labels = {"engine": engine, "reason": reason}
     return registry.get_sample_value("omnigate_sentinel_unscored_total", labels) or 0.0
@@ -82,7 +76,7 @@ async def test_chinese_speech_is_counted_unscored_never_as_word_errors(speech, s
     try:
         # The audio does not say the transcript (the English listener would score it all wrong): not scored.
         _, own, _ = speech[0]
-        pcm, rate = _pcm(own)
+        pcm, rate = read_pcm(own)
         for text in CHINESE * 5:
             assert not sentinel.offer("omni-int4", "int4", Completion(text=text, audio=pcm, sample_rate=rate))
         await asyncio.wait_for(sentinel.drain(), 60)
@@ -94,7 +88,7 @@ async def test_chinese_speech_is_counted_unscored_never_as_word_errors(speech, s
         assert not scored
         # English speech on the same engine is scored as before.
         said, own, _ = speech[1]
-        pcm, rate = _pcm(own)
+        pcm, rate = read_pcm(own)
         assert sentinel.offer("omni-int4", "int4", Completion(text=said, audio=pcm, sample_rate=rate))
         await asyncio.wait_for(sentinel.drain(), 60)
         assert sentinel.totals("omni-int4") == (0, 11, 1)
@@ -111,7 +105,7 @@ async def test_the_configured_language_comes_first_tenant_then_model_then_deploy
         model_languages={"omni-cn": "zh", "omni": "en"},
     )
     said, own, _ = speech[0]
-    pcm, rate = _pcm(own)
+    pcm, rate = read_pcm(own)
     english = Completion(text=said, audio=pcm, sample_rate=rate)
     try:
         # An English-looking transcript for a tenant configured as Chinese: the configuration wins.
