@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Protocol, runtim
 import orjson
 
 from gateway.errors import MediaURLForbidden
+from gateway.spooled import SpooledMedia
 
 if TYPE_CHECKING:
     from gateway.schemas import ChatCompletionRequest
@@ -219,10 +220,30 @@ def wire_messages(request: "ChatCompletionRequest") -> list[dict[str, Any]]:
             if field_name is None:
                 continue
             url = getattr(part, field_name).url
-            if url[:5].lower() != _DATA_PREFIX:
+            head = url.header if isinstance(url, SpooledMedia) else url[:5]
+            if head[:5].lower() != _DATA_PREFIX:
                 param = f"messages.{mi}.content.{pi}.{field_name}.url"
                 raise MediaURLForbidden(f"{param}: media must be sent as data; this URL is not allowed", param=param)
     return [m.wire() for m in request.messages]
+
+
+def whole_strings(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each spooled payload as the one string a library that takes messages needs.
+
+    Only for adapters that hand messages to a library (litellm): the bodies this module writes take a
+    spooled payload a piece at a time instead.
+    """
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, SpooledMedia):
+            return value.text()
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    return [walk(m) for m in messages]
 
 
 # -- the request body, in pieces --------------------------------------------------------------------------
@@ -244,7 +265,7 @@ class Body:
     """
 
     #: JSON bytes and large strings, alternating (a large string stands for its JSON string)
-    pieces: list[bytes | str]
+    pieces: list[bytes | str | SpooledMedia]
 
     def chunks(self) -> Iterator[bytes]:
         for piece in self.pieces:
@@ -252,6 +273,12 @@ class Body:
                 yield piece
                 continue
             yield b'"'
+            if isinstance(piece, SpooledMedia):
+                # A header and base64: nothing JSON escapes. Re-encoded from the spool as the socket drains.
+                for text in piece.pieces():
+                    yield text.encode("ascii")
+                yield b'"'
+                continue
             for i in range(0, len(piece), BODY_PIECE):
                 yield orjson.dumps(piece[i : i + BODY_PIECE])[1:-1]
             yield b'"'
@@ -276,9 +303,12 @@ def request_body(doc: dict[str, Any]) -> bytes | Body:
     if not _has_large(messages):
         return orjson.dumps(doc)
     marker = secrets.token_hex(16)
-    large: list[str] = []
+    large: list[str | SpooledMedia] = []
 
     def walk(value: Any) -> Any:
+        if isinstance(value, SpooledMedia):
+            large.append(value)
+            return f"{marker}{len(large) - 1}"
         if isinstance(value, str):
             if len(value) < LARGE_STRING:
                 return value
@@ -300,10 +330,9 @@ def _has_large(messages: Any) -> bool:
     looked at field by field: this runs for every request)."""
     for message in messages if isinstance(messages, list) else ():
         for v in message.values() if isinstance(message, dict) else ():
-            if isinstance(v, str):
-                if len(v) >= LARGE_STRING:
-                    return True
-            elif isinstance(v, (list, dict)) and _nested_large(v):
+            if isinstance(v, SpooledMedia) or (isinstance(v, str) and len(v) >= LARGE_STRING):
+                return True
+            if isinstance(v, (list, dict)) and _nested_large(v):
                 return True
     return False
 
@@ -312,6 +341,8 @@ def _nested_large(value: Any) -> bool:
     stack = [value]
     while stack:
         v = stack.pop()
+        if isinstance(v, SpooledMedia):
+            return True
         if isinstance(v, str):
             if len(v) >= LARGE_STRING:
                 return True

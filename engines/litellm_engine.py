@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, AsyncIterator
 
-from engines.base import Capabilities, Completion, Delta, Usage, wire_messages
+from engines.base import Capabilities, Completion, Delta, Usage, whole_strings, wire_messages
 from gateway.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
 from gateway.schemas import FEATURE_FIELDS, ChatCompletionRequest
 from gateway.settings import EngineConfig
@@ -52,7 +52,7 @@ class LiteLLMEngine:
     def _kwargs(self, request: ChatCompletionRequest, stream: bool) -> dict[str, Any]:
         kw: dict[str, Any] = {
             "model": self.config.model,
-            "messages": wire_messages(request),
+            "messages": whole_strings(wire_messages(request)),
             "stream": stream,
             "timeout": self.config.first_byte_timeout_s + self.config.read_timeout_s,
             "num_retries": 0,

@@ -14,6 +14,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
+
+from gateway.spooled import SpooledMedia
 
 AudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
 
@@ -27,12 +30,14 @@ _Part = _Wire  # content parts
 
 
 class URLRef(_Part):
-    url: Annotated[str, Field(min_length=1)]
+    # A long data URI is read into the spool as the body arrives (gateway/spooled.py): the part then
+    # carries it as a SpooledMedia, never a client's choice (JSON cannot make one).
+    url: Annotated[str, Field(min_length=1)] | SkipJsonSchema[SpooledMedia]
     detail: Literal["auto", "low", "high"] | None = None
 
 
 class InputAudio(_Part):
-    data: Annotated[str, Field(min_length=1)]
+    data: Annotated[str, Field(min_length=1)] | SkipJsonSchema[SpooledMedia]
     format: str = "wav"
 
 

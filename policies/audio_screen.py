@@ -25,7 +25,7 @@ from gateway.schemas import ChatCompletionRequest
 from gateway.settings import MediaSettings
 from policies.base import PolicyConfig
 from policies.media.models import SpeechToText
-from policies.media.parts import decode_payload, media_parts
+from policies.media.parts import media_parts, payload_arg
 from policies.media.process import screen_pcm
 from policies.media.sandbox import MediaRuntime
 
@@ -81,7 +81,7 @@ class AudioScreen:
             # Decoded in the media sandbox like every client file; only the PCM comes back to be heard.
             assert self._runtime is not None
             pcm = await self._runtime.sandbox.run(
-                screen_pcm, (decode_payload(ref), ref.param, self.config.max_duration_s), param=ref.param
+                screen_pcm, (payload_arg(ref), ref.param, self.config.max_duration_s), param=ref.param
             )
             transcript = await loop.run_in_executor(self._pool, self._hear, pcm)
             ctx.input_transcripts.append(transcript)  # part of the grounding premise

@@ -32,6 +32,7 @@ from gateway.errors import (
 )
 from gateway.schemas import PART_MODALITY, ChatCompletionRequest, Message
 from gateway.settings import MediaSettings
+from gateway.spooled import SpooledMedia
 from policies.base import PolicyConfig
 from policies.media import budget as tokens
 from policies.media.budget import BudgetConfig
@@ -43,6 +44,7 @@ from policies.media.parts import (
     decode_payload,
     make_part,
     media_parts,
+    payload_arg,
     payload_size,
     replace_parts,
 )
@@ -147,6 +149,9 @@ class MediaLimits:
             payloads: dict[str, Any] = {}
             for ref in refs:
                 size = payload_size(ref)
+                if isinstance(ref.value, SpooledMedia):  # already in a file the workers map: none made here
+                    payloads[ref.path] = payload_arg(ref)
+                    continue
                 seg = shared_part(ref, size) if size >= SHARE_MIN else None
                 if seg is None:
                     payloads[ref.path] = decode_payload(ref)
@@ -179,7 +184,7 @@ class MediaLimits:
                     param=ref.param,
                 )
                 done.ref = ref
-                done.restore(lambda: _payload_bytes(payloads[ref.path], segments.get(ref.path)))
+                done.restore(lambda: _payload_bytes(ref, payloads[ref.path], segments.get(ref.path)))
                 if self._metrics is not None:
                     self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)
                 await ctx.media_budget.take(done.out_bytes, ref.param)
@@ -336,7 +341,9 @@ class MediaLimits:
             self._metrics.media_parts.labels(kind, outcome).inc()
 
 
-def _payload_bytes(payload: Any, seg: SharedPart | None) -> bytes:
+def _payload_bytes(ref: MediaRef, payload: Any, seg: SharedPart | None) -> bytes:
+    if isinstance(ref.value, SpooledMedia):
+        return ref.value.read()
     if seg is None:
         return payload
     with seg.view() as view:

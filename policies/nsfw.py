@@ -26,7 +26,7 @@ from gateway.settings import MediaSettings
 from policies.base import PolicyConfig
 from policies.media.image import ImageConfig
 from policies.media.models import NSFWModel
-from policies.media.parts import MediaRef, decode_payload, media_parts
+from policies.media.parts import MediaRef, media_parts, payload_arg
 from policies.media.process import screen_frames
 from policies.media.sandbox import MediaRuntime
 
@@ -73,7 +73,7 @@ class NSFWScreen:
         frames = await asyncio.gather(*(
             sandbox.run(
                 screen_frames,
-                (dataclasses.replace(ref, value=""), decode_payload(ref), self.config.max_video_frames, _SIZE),
+                (dataclasses.replace(ref, value=""), payload_arg(ref), self.config.max_video_frames, _SIZE),
                 param=ref.param,
             )
             for ref in refs

@@ -82,35 +82,39 @@ def validation_to_error(errors: Sequence[Any]) -> InvalidRequest:
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
 
 
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytearray:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> json_body.Reader:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
-    # One growing buffer, not a list of chunks joined at the end: joining would hold the body twice.
-    # (Never sized up front from Content-Length: a client could make every connection reserve the limit.)
-    body = bytearray()
+    # Fed to a reader as it comes: its long base64 payloads are decoded into the spool as they arrive
+    # (gateway/api/body.py), the rest grows one buffer (never sized from Content-Length: a client could
+    # make every connection reserve the limit).
+    body = json_body.Reader()
     try:
         # A client trickling its body (slowloris) holds a connection; bound the whole read.
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
-                if len(body) + len(chunk) > limit:
+                if body.size + len(chunk) > limit:
                     raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-                body += chunk
+                body.feed(chunk)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
     return body
 
 
 def _parse(
-    body: bytes | bytearray, mode: UnknownFields = "refuse", dropped: list[str] | None = None
+    body: bytes | bytearray | json_body.Reader, mode: UnknownFields = "refuse", dropped: list[str] | None = None
 ) -> ChatCompletionRequest:
     """The request in ``body``; fields dropped under ``mode`` ``drop`` are appended to ``dropped``.
 
-    A ``bytearray`` body is emptied once parsed (gateway/api/body.py): the parsed strings are the
-    request from then on, and a body carrying media would otherwise be held beside them.
+    A ``bytearray`` body (or a reader's) is emptied once parsed (gateway/api/body.py): the parsed
+    strings are the request from then on, and a body carrying media would otherwise be held beside them.
     """
     try:
-        doc = json_body.loads(body) if isinstance(body, bytearray) else orjson.loads(body)
+        if isinstance(body, json_body.Reader):
+            doc = body.result()
+        else:
+            doc = json_body.loads(body) if isinstance(body, bytearray) else orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc.msg}") from None
     if not isinstance(doc, dict):
@@ -124,7 +128,7 @@ def _parse(
     return chat
 
 
-def _parse_for(body: bytearray, ctx: RequestContext, services: Services) -> ChatCompletionRequest:
+def _parse_for(body: json_body.Reader, ctx: RequestContext, services: Services) -> ChatCompletionRequest:
     tenant = ctx.tenant_config
     mode = (tenant.unknown_fields if tenant is not None else None) or services.settings.requests.unknown_fields
     dropped: list[str] = []
@@ -161,7 +165,7 @@ async def chat_completions(request: Request) -> Response:
         await services.pipeline.admit(ctx)  # before the body: a refused request costs no read, no media
         server = services.settings.server
         body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
-        ctx.body_bytes = len(body)
+        ctx.body_bytes = body.size
         chat = _parse_for(body, ctx, services)  # empties the body
         del body
     except OmnigateError as exc:

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gateway.spooled import SpooledMedia
 from observability.audit.redact import Budget
 
 if TYPE_CHECKING:
@@ -168,7 +169,8 @@ def _part_digest(role: str, part: Any) -> dict[str, Any]:
         raw = part.audio_url.url
     else:
         raw = part.video_url.url
-    return {"role": role, "type": kind, "sha256": _sha(raw), "chars": len(raw)}
+    digest = raw.sha256() if isinstance(raw, SpooledMedia) else _sha(raw)  # a spooled payload: from its file
+    return {"role": role, "type": kind, "sha256": digest, "chars": len(raw)}
 
 
 def _content(req: "ChatCompletionRequest", mode: str, budget: Budget) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from gateway.errors import InvalidMedia
+from gateway.spooled import SpooledMedia
 from gateway.schemas import (
     AudioURLPart,
     ChatCompletionRequest,
@@ -24,6 +25,7 @@ from gateway.schemas import (
     VideoURLPart,
 )
 from policies.media.container import AUDIO_FORMATS
+from policies.media.worker import SharedBytes
 
 _KIND = {"image_url": "image", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
 _MEDIATYPE = re.compile(r"^[a-z0-9][a-z0-9!#$&^_.+-]{0,126}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}$")
@@ -39,7 +41,8 @@ class MediaRef:
     index: int
     kind: str  # image | audio | video
     type: str  # the content-part type
-    value: str  # the URL / data URI (or, for input_audio, base64 or a data URI)
+    #: the URL / data URI (or, for input_audio, base64 or a data URI); a long payload is a SpooledMedia
+    value: str | SpooledMedia
     declared_format: str | None = None  # input_audio.format, when the client set it
 
     @property
@@ -58,7 +61,15 @@ class MediaRef:
 
     @property
     def is_remote(self) -> bool:
+        if isinstance(self.value, SpooledMedia):
+            return False  # spooled from the body: a data URI's payload by construction
         return self.type != "input_audio" and not self.value.startswith("data:")
+
+    @property
+    def head(self) -> str:
+        """The start of the client's string: enough for its data URI's header."""
+        value = self.value
+        return value.header if isinstance(value, SpooledMedia) else value[:_MAX_HEADER]
 
 
 def media_parts(request: ChatCompletionRequest) -> Iterator[MediaRef]:
@@ -79,9 +90,10 @@ def media_parts(request: ChatCompletionRequest) -> Iterator[MediaRef]:
 
 def declared_type(ref: MediaRef) -> str | None:
     """The media type the client declared for the part: its data URI's, else ``input_audio.format``'s."""
-    if ref.value.startswith("data:"):
-        comma = ref.value.find(",", 5, _MAX_HEADER)
-        mediatype = ref.value[5 : comma if comma >= 0 else _MAX_HEADER].split(";")[0].strip().lower()
+    head = ref.head
+    if head.startswith("data:"):
+        comma = head.find(",", 5, _MAX_HEADER)
+        mediatype = head[5 : comma if comma >= 0 else _MAX_HEADER].split(";")[0].strip().lower()
         if mediatype:
             return mediatype
     if ref.declared_format is not None:
@@ -95,12 +107,33 @@ def decode_payload(ref: MediaRef) -> bytes:
     The payload is checked where it lies in the client's string and decoded without str slices:
     besides the decoded bytes, a data URI costs one transient byte copy of itself, plain base64 none.
     """
+    if isinstance(ref.value, SpooledMedia):
+        return _checked(ref, ref.value).read()
     text, start = _payload(ref)
     return _decode(text, start, ref.param)
 
 
+def payload_arg(ref: MediaRef) -> bytes | SharedBytes:
+    """The part's bytes as a decoding worker's argument: a spooled part's file by name, never read here."""
+    if isinstance(ref.value, SpooledMedia):
+        media = _checked(ref, ref.value)
+        return SharedBytes(media.name, media.size)
+    return decode_payload(ref)
+
+
+def _checked(ref: MediaRef, media: SpooledMedia) -> SpooledMedia:
+    """A spooled payload's header checked as a data URI's is (its base64 was checked as it arrived)."""
+    if media.header:
+        _data_header(media.header, ref.param)
+    elif ref.type != "input_audio":
+        raise InvalidMedia(f"{ref.param}: expected a data URI", param=ref.param)
+    return media
+
+
 def payload_size(ref: MediaRef) -> int:
     """The number of bytes ``decode_payload`` would return, with the same checks, decoding nothing."""
+    if isinstance(ref.value, SpooledMedia):
+        return _checked(ref, ref.value).size
     text, start = _payload(ref)
     _check_b64(text, start, ref.param)
     n = len(text) - start
@@ -157,6 +190,7 @@ def _data_header(uri: str, param: str) -> tuple[str, int]:
 
 
 def _payload(ref: MediaRef) -> tuple[str, int]:
+    assert isinstance(ref.value, str), "a spooled part is read from its file"
     if ref.type == "input_audio" and not ref.value.startswith("data:"):
         return ref.value, 0
     return ref.value, _data_header(ref.value, ref.param)[1]
@@ -184,7 +218,7 @@ def data_uri(mediatype: str, data: bytes) -> str:
     return f"data:{mediatype};base64," + base64.b64encode(data).decode("ascii")
 
 
-def make_part(ref_type: str, uri: str, audio_format: str | None = None) -> Any:
+def make_part(ref_type: str, uri: str | SpooledMedia, audio_format: str | None = None) -> Any:
     """A content part of the client's type carrying ``uri`` (input_audio takes plain base64 and a format)."""
     if ref_type == "image_url":
         return ImagePart(type="image_url", image_url=URLRef(url=uri))
@@ -193,7 +227,12 @@ def make_part(ref_type: str, uri: str, audio_format: str | None = None) -> Any:
     if ref_type == "video_url":
         return VideoURLPart(type="video_url", video_url=URLRef(url=uri))
     if ref_type == "input_audio":
-        payload = uri.partition(",")[2] if uri.startswith("data:") else uri
+        if isinstance(uri, SpooledMedia):
+            # the client's own plain base64, spooled (a data URI's payload is re-encoded by the caller)
+            assert not uri.header
+            payload: str | SpooledMedia = uri
+        else:
+            payload = uri.partition(",")[2] if uri.startswith("data:") else uri
         return InputAudioPart(
             type="input_audio", input_audio=InputAudio(data=payload, format=audio_format or "wav")
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import InvalidMedia, MediaTooLarge
+from gateway.spooled import SpooledMedia
 from policies.media import budget as tokens
 from policies.media.audio import AudioConfig, AudioResult, decode_pcm, normalise_audio, probe_audio
 from policies.media.budget import BudgetConfig
@@ -63,9 +64,12 @@ class Done:
             return
         mediatype, fmt = self.same
         value = self.ref.value
-        plain_base64 = self.ref.type == "input_audio" and not value.startswith("data:")
-        if plain_base64 or value.startswith(f"data:{mediatype};base64,"):
-            uri = value
+        head = self.ref.head
+        plain_base64 = self.ref.type == "input_audio" and not head.startswith("data:")
+        # (input_audio carries plain base64: a spooled data URI's payload cannot be cut out of its file)
+        keeps = not (self.ref.type == "input_audio" and isinstance(value, SpooledMedia))
+        if plain_base64 or (keeps and head.startswith(f"data:{mediatype};base64,")):
+            uri: str | SpooledMedia = value
         else:  # the bytes are asked for only here: a shared part is copied out only when re-encoded
             uri = data_uri(mediatype, data() if callable(data) else data)
         self.parts = [make_part(self.ref.type, uri, fmt)]

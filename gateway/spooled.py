@@ -1,0 +1,177 @@
+"""Media payloads of a request body kept outside the process heap while the request lives.
+
+A request body carrying 14 MB of base64 used to be resident twice at its peak (the body and the
+parsed string) before its media step had decoded anything, whatever the part became: a 2-minute
+44.1 kHz WAV the gateway shrinks to a 1.4 MB FLAC still cost 28 MB. The body reader
+(:mod:`gateway.api.body`) now decodes each long base64 payload as it arrives into a file of the
+shared-memory file system, written with ``write`` and never mapped by the gateway, and the parsed
+request carries a :class:`SpooledMedia` in the part's place. The decoding workers map the file by
+name (it is what they were already sent for a large part); an engine body re-encodes it a piece at a
+time as the connection takes it; nothing holds the part whole in the gateway's memory unless an
+adapter must hand a library one string (litellm) or bytes (the embedded engine).
+
+The file lives as long as the request references it: it is unlinked when the last reference goes
+(``weakref.finalize``), and it is registered with multiprocessing's resource tracker, which unlinks
+what a killed gateway left behind. Its bytes are counted by the media budgets like any part's.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import secrets
+import weakref
+from collections.abc import Iterator
+from multiprocessing import resource_tracker
+from typing import Any
+
+from pydantic import GetCoreSchemaHandler
+from pydantic_core import core_schema
+
+#: where the files go: the POSIX shared-memory file system, which the workers' ``shm_open`` reads
+SHM_DIR = "/dev/shm"
+#: decoded bytes read back per piece when re-encoding (a multiple of 3: pieces encode on their own)
+_READ = 3 << 18
+#: bytes reserved at a time while writing (a full file system is an error then, never a SIGBUS later)
+_RESERVE = 1 << 20
+
+
+class SpoolFull(OSError):
+    """No room for the payload in the shared-memory file system: the reader keeps it in memory instead."""
+
+
+class SpooledMedia:
+    """A part's base64 payload, decoded into a shared-memory file: what the parsed request carries.
+
+    ``header`` is what preceded the base64 in the client's string (``data:audio/wav;base64,``, or
+    empty for ``input_audio``'s plain base64); ``size`` the decoded bytes; ``name`` the segment's
+    name for ``multiprocessing.shared_memory``. The client's string is ``text()``: header and base64.
+    """
+
+    __slots__ = ("__weakref__", "_fd", "_finalizer", "b64_length", "header", "name", "size")
+
+    def __init__(self, header: str, name: str, fd: int, size: int, b64_length: int) -> None:
+        self.header = header
+        self.name = name
+        self.size = size
+        self.b64_length = b64_length
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, _remove, name, fd)
+
+    def __len__(self) -> int:
+        """The length of the client's string (header and base64), as ``len`` of it would be."""
+        return len(self.header) + self.b64_length
+
+    def __repr__(self) -> str:
+        return f"SpooledMedia({self.header[:60]!r}, {self.size} bytes)"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Never pickled to a worker by accident (the file would be unlinked under it): workers get the name.
+        raise TypeError("SpooledMedia is not picklable; send SharedBytes(name, size)")
+
+    def __copy__(self) -> SpooledMedia:
+        return self  # the payload does not change: copies of a request share it
+
+    def __deepcopy__(self, memo: dict[int, object]) -> SpooledMedia:
+        return self
+
+    # -- as a field of the wire models: accepted only as itself (JSON cannot make one), dumped as the
+    # client's string in JSON mode, kept as itself in Python mode (an engine body streams it)
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.is_instance_schema(
+            cls, serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda v, info: v.text() if info.mode == "json" else v, info_arg=True
+            )
+        )
+
+    def read(self) -> bytes:
+        """The decoded bytes, whole (for an adapter that needs them so)."""
+        return os.pread(self._fd, self.size, 0)
+
+    def base64_pieces(self) -> Iterator[str]:
+        """The payload's base64 (without the header), a piece at a time, re-encoded from the file."""
+        for at in range(0, self.size, _READ):
+            yield base64.b64encode(os.pread(self._fd, min(_READ, self.size - at), at)).decode("ascii")
+
+    def pieces(self) -> Iterator[str]:
+        """The client's string a piece at a time: the header, then the base64."""
+        if self.header:
+            yield self.header
+        yield from self.base64_pieces()
+
+    def text(self) -> str:
+        """The client's string, whole (what an adapter handing a library one string needs)."""
+        return "".join(self.pieces())
+
+    def sha256(self) -> str:
+        """The hex SHA-256 of :meth:`text`, computed a piece at a time."""
+        h = hashlib.sha256()
+        for piece in self.pieces():
+            h.update(piece.encode("ascii"))
+        return h.hexdigest()
+
+    def release(self) -> None:
+        """Unlink the file now (otherwise when the last reference goes)."""
+        self._finalizer()
+
+
+class SpoolWriter:
+    """One payload being written: ``write`` decoded bytes as they come, then ``close`` for the part."""
+
+    def __init__(self) -> None:
+        self.name = "omnigate-" + secrets.token_hex(12)
+        self._path = os.path.join(SHM_DIR, self.name)
+        try:
+            self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise SpoolFull(str(exc)) from None
+        # The tracker unlinks the file if this process dies before it does (as for SharedMemory).
+        resource_tracker.register("/" + self.name, "shared_memory")
+        self.size = 0
+        self._reserved = 0
+        self._done = False
+
+    def write(self, data: bytes) -> None:
+        end = self.size + len(data)
+        if end > self._reserved:
+            want = max(end, self._reserved + _RESERVE)
+            try:
+                os.posix_fallocate(self._fd, self._reserved, want - self._reserved)
+            except OSError as exc:
+                raise SpoolFull(str(exc)) from None
+            self._reserved = want
+        os.pwrite(self._fd, data, self.size)
+        self.size = end
+
+    def read_back(self) -> bytes:
+        """What was written so far (when the reader gives up on spooling this string)."""
+        return os.pread(self._fd, self.size, 0)
+
+    def finish(self, header: str, b64_length: int) -> SpooledMedia:
+        os.ftruncate(self._fd, self.size)  # the workers map the file's size: exactly the payload
+        self._done = True
+        return SpooledMedia(header, self.name, self._fd, self.size, b64_length)
+
+    def discard(self) -> None:
+        if not self._done:
+            self._done = True
+            _remove(self.name, self._fd)
+
+
+def _remove(name: str, fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+    resource_tracker.unregister("/" + name, "shared_memory")
+
+
+def available() -> bool:
+    """Whether payloads can be spooled here (a writable shared-memory file system)."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
