@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import statistics
 import time
 
@@ -132,9 +133,14 @@ def gateway_rss(repeat: int) -> dict:
                 small = _body({"type": "image_url", "image_url": {"url": data_uri("image/png", _png64())}})
                 client.post(rig.url + "/v1/chat/completions", json=small, timeout=60)  # warm the code path
                 body = orjson.dumps(_body({"type": kind, kind: {"url": uri}}))
+                # and the same request once: what is measured is a request's own, not a first use's
+                # (a module's first import, an allocator's first arena for that size)
+                client.post(rig.url + "/v1/chat/completions", content=body, timeout=120,
+                            headers={"content-type": "application/json"})
                 before = _reset_peak_kib(rig.gateway.pid)
-                resp = client.post(rig.url + "/v1/chat/completions", content=body, timeout=120,
-                                   headers={"content-type": "application/json"})
+                with _SpoolWatch(rig.gateway.pid) as spool:
+                    resp = client.post(rig.url + "/v1/chat/completions", content=body, timeout=120,
+                                       headers={"content-type": "application/json"})
                 after = hwm_kib(rig.gateway.pid)
                 forwarded = client.get(engine + "/_stats").json().get("last_body_bytes", 0)
                 growth = (after - before) * 1024
@@ -142,13 +148,53 @@ def gateway_rss(repeat: int) -> dict:
                              "body_bytes": len(body), "forwarded_bytes": forwarded,
                              "peak_rss_growth_mib": growth / 2**20, "peak_rss_mib": after / 1024,
                              "peak_over_forwarded": growth / forwarded if forwarded else None,
-                             "peak_over_body": growth / len(body)})
+                             "peak_over_body": growth / len(body),
+                             # the spooled payloads (shared-memory files, outside the RSS): their peak
+                             "spool_peak_mib": spool.peak / 2**20})
                 if kind == "video_url":
                     rows[-1]["clean_latency"] = _clean_latency(client, rig, _body({kind: {"url": uri}, "type": kind}),
                                                                repeat)
         finally:
             rig.stop()
     return {"rows": rows}
+
+
+class _SpoolWatch:
+    """The peak total size of the gateway's spool files (gateway/spooled.py) while a request runs.
+
+    Sampled every millisecond from another thread; the files are the payloads the body reader wrote,
+    which count in the shared-memory file system's use and not in the gateway's RSS.
+    """
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        self.prefix = f"omnigate-{pid}-"
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from gateway import spooled
+
+        while not self._stop.is_set():
+            total = 0
+            for entry in os.scandir(spooled.SHM_DIR):
+                if entry.name.startswith(self.prefix):
+                    try:
+                        total += entry.stat().st_size
+                    except FileNotFoundError:
+                        pass
+            self.peak = max(self.peak, total)
+            time.sleep(0.001)
+
+    def __enter__(self) -> "_SpoolWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _engine_port(rig) -> str:  # noqa: ANN001

@@ -121,7 +121,8 @@ class SpoolWriter:
     """One payload being written: ``write`` decoded bytes as they come, then ``close`` for the part."""
 
     def __init__(self) -> None:
-        self.name = "omnigate-" + secrets.token_hex(12)
+        # The owner's pid in the name: which replica's a file is (and a unique name among them).
+        self.name = f"omnigate-{os.getpid()}-{secrets.token_hex(12)}"
         self._path = os.path.join(SHM_DIR, self.name)
         try:
             self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
