@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
-def build_policy_sets(settings: Settings, plugins: Mapping[str, type] | None = None) -> dict[str, PolicyChain]:
+def build_policy_sets(
+    settings: Settings, plugins: Mapping[str, type] | None = None
+) -> dict[str, PolicyChain]:
     """Every tenant policy set, built and checked like the default chain (a bad one names itself)."""
     chains: dict[str, PolicyChain] = {}
     for name, cfg in settings.policy_sets.items():
@@ -67,7 +69,9 @@ class ChainSet:
     _closed: bool = False
 
     @classmethod
-    def build(cls, settings: Settings, plugins: Mapping[str, type] | None = None, generation: int = 0) -> ChainSet:
+    def build(
+        cls, settings: Settings, plugins: Mapping[str, type] | None = None, generation: int = 0
+    ) -> ChainSet:
         """Built and checked, not started: a bad chain or policy set raises :class:`PolicyConfigError`."""
         return cls(build_chain(settings.policies, plugins), build_policy_sets(settings, plugins), generation)
 

@@ -23,7 +23,7 @@ from engines.state_store import build_store as build_state_store
 from engines.telemetry import TelemetryCollector
 from gateway.admission import AdmissionGate
 from gateway.auth_failures import AuthFailures
-from gateway.chains import Chains, ChainSet, build_policy_sets
+from gateway.chains import Chains, ChainSet
 from gateway.directory.live import LiveDirectory
 from gateway.metrics_server import MetricsServer
 from gateway.pipeline import Pipeline
@@ -34,8 +34,8 @@ from gateway.tenants import Directory
 from observability.audit import AuditLog
 from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics
-from policies.media.sandbox import MediaRuntime
 from policies.base import Deps
+from policies.media.sandbox import MediaRuntime
 from policies.registry import PolicyChain, available_plugins
 
 log = structlog.get_logger(__name__)

@@ -69,10 +69,11 @@ class Gateway:
         upstreams.reset()
         self.bg, self.upstreams, self.media = bg, upstreams, media
         self.keys = {"plain": mint_key(), "grouped": mint_key()}
-        engine = {"name": "omni", "kind": "vllm-omni", "base_url": upstreams.omni_a.base_url, "model": "scripted",
-                  "serves": [OMNI_MODEL], "first_byte_timeout_s": 5, "read_timeout_s": 10}
+        engine = {"name": "omni", "kind": "vllm-omni", "base_url": upstreams.omni_a.base_url,
+                  "model": "scripted", "serves": [OMNI_MODEL], "read_timeout_s": 10}
         self.doc = {
-            "engines": [engine], "policies": _chain(media), "policy_sets": {"grouped": _chain(media, "window")},
+            "engines": [engine], "policies": _chain(media),
+            "policy_sets": {"grouped": _chain(media, "window")},
             "tenants": [{"name": "plain"}, {"name": "grouped", "policy_set": "grouped"}],
             "api_keys": [{"id": k.id, "tenant": t, "sha256": k.sha256} for t, k in self.keys.items()],
             "admin": {"api_key": ADMIN_KEY}, "rate_limits": {"key_prefix": redis_prefix()},
@@ -86,7 +87,7 @@ class Gateway:
                                     config_path=str(self.path)).start()
 
     @property
-    def services(self):  # noqa: ANN201
+    def services(self):
         return self.server.services
 
     def write(self) -> None:
@@ -118,6 +119,11 @@ class Gateway:
         assert len(self.media.hits) == hits + 1
         sent = self.upstreams.omni_a.requests[-1]["messages"][-1]["content"]
         assert any(p.get("type") == "image_url" and p["image_url"]["url"].startswith("data:") for p in sent)
+
+    def hello_stream(self) -> httpx.Response:
+        payload = {"model": OMNI_MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        return httpx.post(self.server.url + "/v1/chat/completions", json=payload, timeout=30,
+                          headers={"authorization": f"Bearer {self.keys['plain'].key}"})
 
     def stop(self) -> None:
         self.server.stop()
@@ -260,9 +266,7 @@ def test_a_stream_in_flight_finishes_on_its_chain_which_closes_after_it(gateway,
     assert old[-1] == ("aclose", "old") and old.count(("aclose", "old")) == 1
     assert ("feed", "new") not in LIFECYCLE
     # New requests take the new chain.
-    resp = httpx.post(gw.server.url + "/v1/chat/completions", timeout=30,
-                      headers={"authorization": f"Bearer {gw.keys['plain'].key}"},
-                      json={"model": OMNI_MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    resp = gw.hello_stream()
     assert "[new]" in resp.text
     gw.stop()
     assert LIFECYCLE[-1] == ("aclose", "new")  # shutdown closes the current chain
@@ -278,12 +282,11 @@ def test_a_chain_that_cannot_start_refuses_the_file_and_the_old_chain_keeps_serv
     gw.write()
     error = gw.reload()["error"]
     assert error["message"].startswith("config not reloaded, the running config stays: ")
-    assert "'fail-start' could not start" in error["message"] and "the model file cannot be read" in error["message"]
+    assert "'fail-start' could not start" in error["message"]
+    assert "the model file cannot be read" in error["message"]
     # What the refused chain had started is closed again; the old one was not touched.
     assert LIFECYCLE == [("start", "old"), ("start", "new"), ("aclose", "new")]
-    resp = httpx.post(gw.server.url + "/v1/chat/completions", timeout=30,
-                      headers={"authorization": f"Bearer {gw.keys['plain'].key}"},
-                      json={"model": OMNI_MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    resp = gw.hello_stream()
     assert resp.status_code == 200 and "[old]" in resp.text
     assert [p.name for p in gw.services.chain.post] == []
 

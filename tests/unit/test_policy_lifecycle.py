@@ -26,7 +26,7 @@ class Bare:
     def __init__(self, config: Empty) -> None:
         pass
 
-    async def pre(self, request, ctx):  # noqa: ANN001, ANN201
+    async def pre(self, request, ctx):
         return request
 
 
@@ -39,14 +39,14 @@ class WantsGpu(PolicyBase):
     def __init__(self, config: Empty) -> None:
         pass
 
-    async def pre(self, request, ctx):  # noqa: ANN001, ANN201
+    async def pre(self, request, ctx):
         return request
 
 
 class ListOrder(WantsGpu):
     name: ClassVar[str] = "list-order"
     uses: ClassVar[frozenset[str]] = frozenset()
-    runs_after = ["media-fetch"]  # type: ignore[assignment]
+    runs_after: ClassVar = ["media-fetch"]  # mistyped on purpose
 
 
 class SyncStart(WantsGpu):
@@ -73,7 +73,7 @@ class PreRecorder(PolicyBase):
     async def aclose(self) -> None:
         LIFECYCLE.append(("aclose", self.tag))
 
-    async def pre(self, request, ctx):  # noqa: ANN001, ANN201
+    async def pre(self, request, ctx):
         return request
 
 
@@ -92,7 +92,7 @@ def _one(name: str) -> PolicyChainConfig:
     ("sync-start", "start must be an async method"),
 ])
 def test_the_registry_refuses_a_plugin_whose_lifecycle_is_missing_or_mistyped(name, why):
-    with pytest.raises(PolicyConfigError, match=rf"policy plugin {name!r}: .*|policy plugin {name!r} uses") as err:
+    with pytest.raises(PolicyConfigError, match=rf"policy plugin {name!r}") as err:
         build_chain(_one(name), ALL)
     assert why in str(err.value)
 
@@ -129,7 +129,8 @@ async def test_a_generation_starts_each_policy_once_and_closes_them_in_reverse_o
 
 async def test_a_failed_start_closes_what_started_before_it_and_names_the_policy():
     LIFECYCLE.clear()
-    settings = Settings(policies={"pre": [_rec("a")], "post": [{"name": "fail-start"}]}, logging={"level": "warning"})
+    settings = Settings(policies={"pre": [_rec("a")], "post": [{"name": "fail-start"}]},
+                        logging={"level": "warning"})
     chains = ChainSet.build(settings, ALL)
     with pytest.raises(PolicyConfigError, match="policy 'fail-start' could not start: RuntimeError"):
         await chains.open(_deps(settings))
