@@ -32,7 +32,7 @@ def check_config(path: str) -> int:
         settings = _load(path)
         check(settings)
         chain = build_chain(settings.policies)
-        from gateway.services import build_policy_sets
+        from gateway.chains import build_policy_sets
 
         sets = build_policy_sets(settings)
     except FileNotFoundError as exc:

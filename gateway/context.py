@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 if TYPE_CHECKING:
     from engines.base import Completion
+    from gateway.chains import ChainSet
     from gateway.admission import LoadSnapshot, Ticket
     from gateway.schemas import ChatCompletionRequest
     from gateway.settings import TenantConfig
@@ -102,6 +103,8 @@ class RequestContext:
     #: the tenant's policy set (None: the default chain) and what the audit keeps of content
     policy_set: str | None = None
     audit_content: str = "digests"
+    #: the chain generation the request began on and runs to its end (a reload does not move it)
+    policies: "ChainSet | None" = None
     #: shedding and rollback state when the request was served, written by the readers of the control loops
     control_state: dict[str, Any] = field(default_factory=dict)
     #: what the audit record is built from: the request as received and what was released

@@ -39,6 +39,7 @@ from engines.base import Completion, Delta, Engine, Usage
 from engines.energy import EnergyBook
 from engines.pool import EnginePool
 from gateway import thinking
+from gateway.chains import Chains, ChainSet
 from gateway.context import RequestContext
 from gateway.errors import (
     AnswerWithheld,
@@ -182,24 +183,22 @@ class Pipeline:
     def __init__(
         self,
         pool: EnginePool,
-        chain: PolicyChain,
+        policies: Chains | PolicyChain,
         metrics: Metrics,
         *,
         audit: AuditLog | None = None,
         limiter: RateLimiter | None = None,
-        chains: dict[str, PolicyChain] | None = None,
         sentinel: Any = None,
         admission: "AdmissionGate | None" = None,
         sampling_defaults: dict[str, dict[str, Any]] | None = None,
         energy: "EnergyBook | None" = None,
     ) -> None:
         self.pool = pool
-        self.chain = chain
+        #: the chain generation new requests take (gateway/chains.py); a bare chain: one generation of it
+        self.policies = policies if isinstance(policies, Chains) else Chains(ChainSet(policies))
         self.metrics = metrics
         self.audit = audit
         self.limiter = limiter
-        #: the tenants' policy sets by name; a tenant without one gets ``chain``
-        self.chains: dict[str, PolicyChain] = chains or {}
         #: the accuracy sentinel (``offer(engine, variant, completion)``), or None
         self.sentinel = sentinel
         #: the admission gate (gateway/admission.py); None: traffic control is off
@@ -210,8 +209,19 @@ class Pipeline:
         self.energy = energy
         self._background: set[asyncio.Task[None]] = set()
 
+    @property
+    def chain(self) -> PolicyChain:
+        """The current default chain (what new requests without a policy set run)."""
+        return self.policies.current.chain
+
+    @property
+    def chains(self) -> dict[str, PolicyChain]:
+        """The current tenant policy sets by name; a tenant without one gets ``chain``."""
+        return self.policies.current.sets
+
     def _chain(self, ctx: RequestContext) -> PolicyChain:
-        return self.chains.get(ctx.policy_set, self.chain) if ctx.policy_set else self.chain
+        # The generation the request began on, to its end: a reload meanwhile does not move it.
+        return (ctx.policies or self.policies.current).for_set(ctx.policy_set)
 
     # -- the two entry points ----------------------------------------------
     async def stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> ResponseStream:
@@ -259,6 +269,7 @@ class Pipeline:
         ctx.public_model = request.model if self.pool.serves(request.model) else None
         ctx.stream = request.stream
         ctx.received = request
+        ctx.policies = self.policies.current.acquire()  # let go in _finish
         self.metrics.in_flight.inc()
 
     async def _prepare(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
@@ -290,7 +301,7 @@ class Pipeline:
         digests: asyncio.Future[Any] | None = None
         media_seen = False
         for policy in chain.pre:
-            if getattr(policy.impl, "media_only", False):
+            if type(policy.impl).media_only:
                 if not request.input_modalities() - {"text"}:
                     continue  # a media step has nothing to do on a text-only request: not run, not recorded
                 if not media_seen:
@@ -929,6 +940,8 @@ class Pipeline:
             self.admission.release(ctx)
         if ctx.media_budget is not None:
             ctx.media_budget.release()
+        if ctx.policies is not None:
+            ctx.policies.release()  # the last request of a reloaded-away generation closes it
         self.metrics.in_flight.dec()
         if ctx.engine is not None:
             # One report per request (never per chunk): latency and outcome for its window and circuit.

@@ -23,6 +23,7 @@ from engines.state_store import build_store as build_state_store
 from engines.telemetry import TelemetryCollector
 from gateway.admission import AdmissionGate
 from gateway.auth_failures import AuthFailures
+from gateway.chains import Chains, ChainSet
 from gateway.directory.live import LiveDirectory
 from gateway.metrics_server import MetricsServer
 from gateway.pipeline import Pipeline
@@ -33,30 +34,19 @@ from gateway.tenants import Directory
 from observability.audit import AuditLog
 from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics
+from policies.base import Deps
 from policies.media.sandbox import MediaRuntime
-from policies.registry import PolicyChain, available_plugins, build_chain, resources_used
+from policies.registry import PolicyChain, available_plugins
 
 log = structlog.get_logger(__name__)
-
-def build_policy_sets(settings: Settings, plugins: dict[str, type] | None = None) -> dict[str, PolicyChain]:
-    """Every tenant policy set, built and checked like the default chain (a bad one names itself)."""
-    from policies.registry import PolicyConfigError
-
-    chains: dict[str, PolicyChain] = {}
-    for name, cfg in settings.policy_sets.items():
-        try:
-            chains[name] = build_chain(cfg, plugins)
-        except PolicyConfigError as exc:
-            raise PolicyConfigError(f"policy_sets.{name}: {exc}".replace("policies.", "")) from exc
-    return chains
-
 
 @dataclass(slots=True)
 class Services:
     settings: Settings
     metrics: Metrics
     pool: EnginePool
-    chain: PolicyChain
+    #: the policy chain generations: the current one and those a reload retired (gateway/chains.py)
+    chains: Chains
     pipeline: Pipeline
     controller: RolloutController
     #: set once shutdown begins: readiness fails, open streams get a deadline
@@ -77,10 +67,14 @@ class Services:
     metrics_server: MetricsServer | None = None
     plugins: dict[str, type] | None = None
     admission: AdmissionGate | None = None
+    #: one reload at a time (gateway/reload.py)
+    reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    #: the grounding scorer, built only when a configured policy ``uses`` it; loaded by :meth:`start`
+    #: the grounding scorer, built only when a configured policy ``uses`` it; loaded by :meth:`start`.
+    #: The gateway's, not a chain's: kept across reloads (its ``grounding`` settings need a restart)
     scorer: Any = None
-    #: the media sandbox and byte budgets every chain's media steps share (policies/media/sandbox.py)
+    #: the media sandbox and byte budgets every chain's media steps share (policies/media/sandbox.py);
+    #: the gateway's, kept across reloads (``media`` needs a restart)
     media: MediaRuntime | None = None
 
     @classmethod
@@ -89,8 +83,7 @@ class Services:
 
         secret_check.check(settings)  # a placeholder or typed key never boots
         plugins = available_plugins() if plugins is None else plugins
-        chain = build_chain(settings.policies, plugins)
-        chains = build_policy_sets(settings, plugins)
+        policies = ChainSet.build(settings, plugins)  # checked now; started by the lifespan
         routing = settings.routing
         pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics, routing=routing)
         sentinel = AccuracySentinel(routing.sentinel, metrics, seed=routing.seed) if routing.sentinel.enabled else None
@@ -128,17 +121,15 @@ class Services:
             if settings.traffic.enabled
             else None
         )
+        chains = Chains(policies)
         pipeline = Pipeline(
-            pool, chain, metrics, audit=audit, limiter=limiter, chains=chains, sentinel=sentinel,
+            pool, chains, metrics, audit=audit, limiter=limiter, sentinel=sentinel,
             admission=admission, energy=energy if routing.energy.usage_field else None,
             sampling_defaults={m: c.sampling_defaults.values() for m, c in settings.models.items()},
         )
-        used = resources_used(settings.policies, plugins).union(
-            *(resources_used(c, plugins) for c in settings.policy_sets.values())
-        )
-        services = cls(settings, metrics, pool, chain, pipeline, controller, audit=audit, limiter=limiter,
+        services = cls(settings, metrics, pool, chains, pipeline, controller, audit=audit, limiter=limiter,
                        directory=Directory.build(settings), plugins=plugins, admission=admission,
-                       scorer=build_scorer_if_used(settings, metrics, used),
+                       scorer=build_scorer_if_used(settings, metrics, policies.uses()),
                        media=MediaRuntime(settings.media, eager=_names_media_limits(settings)),
                        live=LiveDirectory(settings.auth.directory, metrics),
                        auth_failures=build_auth_failures(settings, metrics),
@@ -148,6 +139,15 @@ class Services:
             # Every routing transition, automatic or manual, goes into the same tamper-evident chain.
             controller.on_transition.append(services._audit_transition)
         return services
+
+    @property
+    def chain(self) -> PolicyChain:
+        """The current default chain."""
+        return self.chains.current.chain
+
+    def deps(self, settings: Settings | None = None) -> Deps:
+        """What the policies of a chain opened under ``settings`` (default: the running ones) may use."""
+        return Deps(settings=settings or self.settings, metrics=self.metrics, media=self.media, scorer=self.scorer)
 
     def describe_scorer(self) -> dict[str, Any] | None:
         return self.scorer.describe() if self.scorer is not None else None
@@ -188,10 +188,7 @@ class Services:
         if self.media is not None:
             await self.media.start()
         # Policies load their models before traffic can arrive (the lifespan has not yielded yet).
-        for policy in self._policies():
-            start = getattr(policy.impl, "start", None)
-            if start is not None:
-                await start(self)
+        await self.chains.current.open(self.deps())
         if self.admission is not None:
             chains = {"policies": self.chain}
             chains.update({f"policy_sets.{n}": c for n, c in self.pipeline.chains.items()})
@@ -204,14 +201,6 @@ class Services:
         await self.controller.start()
         if self.metrics_server is not None:
             self.metrics_server.start()
-
-    def _policies(self) -> list:
-        """Every loaded policy instance once: the default chain and each tenant policy set."""
-        seen: dict[int, object] = {}
-        for chain in (self.chain, *self.pipeline.chains.values()):
-            for policy in chain.all():
-                seen.setdefault(id(policy.impl), policy)
-        return list(seen.values())
 
     def begin_drain(self) -> None:
         """Shutdown has begun: fail readiness now, and give open streams until the deadline."""
@@ -327,13 +316,8 @@ class Services:
         if self.audit is not None:
             with contextlib.suppress(Exception):
                 await self.audit.aclose()
-        for policy in self._policies():
-            close = getattr(policy.impl, "aclose", None)
-            if close is not None:
-                try:
-                    await close()
-                except Exception as exc:
-                    log.warning("policy_close_failed", policy=policy.name, error=str(exc))
+        # Every chain generation (each policy's aclose in reverse start order), before what they share.
+        await self.chains.aclose()
         if self.scorer is not None:
             await self.scorer.aclose()
         if self.media is not None:

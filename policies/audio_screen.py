@@ -23,7 +23,7 @@ from gateway.context import RequestContext, Screening
 from gateway.errors import ContentPolicyViolation
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import MediaSettings
-from policies.base import PolicyConfig
+from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.models import SpeechToText
 from policies.media.parts import media_parts, payload_arg
 from policies.media.process import screen_pcm
@@ -49,7 +49,7 @@ class AudioScreenConfig(PolicyConfig):
         return v
 
 
-class AudioScreen:
+class AudioScreen(PolicyBase):
     name: ClassVar[str] = "audio-screen"
     stage: ClassVar[str] = "pre"
     Config: ClassVar[type[PolicyConfig]] = AudioScreenConfig
@@ -63,14 +63,14 @@ class AudioScreen:
         self._metrics: Any = None
         self._runtime: MediaRuntime | None = None
 
-    async def start(self, services: Any) -> None:
-        self._metrics = services.metrics
-        self._runtime = getattr(services, "media", None)
+    async def start(self, deps: Deps) -> None:
+        self._metrics = deps.metrics
+        self._runtime = deps.media
         loop = asyncio.get_running_loop()
         self._stt = await loop.run_in_executor(self._pool, SpeechToText, self.config.threads)
 
     async def aclose(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)  # the thread ends once idle
 
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         refs = [r for r in media_parts(request) if r.kind == "audio" and not r.is_remote]

@@ -1,4 +1,4 @@
-"""The policy contract: three stages, one return type per hook.
+"""The policy contract: three stages, one return type per hook, and one lifecycle.
 
 A policy *plugin* is a class registered in the entry-point group
 ``omnigate.policies``. It declares:
@@ -10,21 +10,32 @@ A policy *plugin* is a class registered in the entry-point group
 ``Config``
     a pydantic model for its ``config:`` block, validated at start-up.
 
-and may declare:
+and the lifecycle of :class:`Policy`, whose defaults :class:`PolicyBase` gives (a
+plugin subclasses it, or declares every member itself; the registry checks
+either when it loads the plugin):
 
-``runs_after``
+``uses: frozenset[str]``
+    the shared resources it needs (``{"scorer"}``, one of :data:`RESOURCES`), so
+    the gateway builds and loads them only when a configured policy asks.
+``runs_after: tuple[str, ...]``
     names of policies that must run earlier in the same stage, not in shadow
     mode (the media policies need ``media-fetch`` to have turned every URL
     into data first); the chain is refused at start-up otherwise.
-``async start(services)`` and ``async aclose()``
-    called once by the app's lifespan: load models, open sessions, read the
-    engine configuration, take shared resources such as the grounding scorer
-    (``services`` is :class:`gateway.services.Services`).
-``uses``
-    the shared resources it needs (``{"scorer"}``), so the gateway builds and
-    loads them only when a configured policy asks.
+``media_only: bool``
+    skipped (not run, not recorded) for requests without media parts.
+``async start(deps)``
+    called once per instance before the chain serves (at boot, or by a reload
+    before the swap): load models, open sessions, read the engines, take shared
+    resources from ``deps`` (:class:`Deps`). Raising refuses the chain: at boot
+    the gateway does not start; on reload the file is refused, what was already
+    started is closed and the running chain keeps serving.
+``async aclose()``
+    called once, after the last request that took the chain ended, in the
+    reverse order of ``start``; only for instances whose ``start`` returned. It
+    releases what ``start`` opened and nothing in ``deps``: those belong to the
+    gateway and outlive a reload.
 
-It is constructed once as ``Plugin(config)``. Then, by stage:
+It is constructed once per chain generation as ``Plugin(config)``. Then, by stage:
 
 pre
     ``async pre(request, ctx) -> ChatCompletionRequest``: returns the request,
@@ -61,6 +72,10 @@ if TYPE_CHECKING:
     from gateway.context import RequestContext
     from gateway.errors import OmnigateError
     from gateway.schemas import ChatCompletionRequest
+    from gateway.settings import Settings
+    from observability.metrics import Metrics
+    from policies.grounding.scorer import Scorer
+    from policies.media.sandbox import MediaRuntime
 
 Stage = Literal["pre", "stream", "post"]
 StreamMode = Literal["passthrough", "window", "hold"]
@@ -124,10 +139,55 @@ class Halt(Exception):
         self.verdict = verdict
 
 
+#: the shared resources a policy may name in ``uses`` (each one a field of :class:`Deps`)
+RESOURCES = frozenset({"scorer"})
+
+
+@dataclass(frozen=True, slots=True)
+class Deps:
+    """What a policy's ``start`` may use; all of it owned by the gateway, kept across reloads.
+
+    ``settings`` are the settings the chain is opened under (on reload: the new file, with the
+    sections that need a restart kept as booted), so ``settings.engines`` are the engines that
+    serve; ``media`` the process's media sandbox and byte budgets (None outside a gateway: a
+    policy that needs one then opens its own and closes it in ``aclose``); ``scorer`` the
+    grounding scorer, loaded, when a configured policy ``uses`` it.
+    """
+
+    settings: "Settings"
+    metrics: "Metrics"
+    media: "MediaRuntime | None" = None
+    scorer: "Scorer | None" = None
+
+
+@runtime_checkable
 class Policy(Protocol):
+    """What every policy is, whatever its stage (the stage hooks are the protocols below)."""
+
     name: ClassVar[str]
     stage: ClassVar[Stage]
     Config: ClassVar[type[PolicyConfig]]
+    uses: ClassVar[frozenset[str]]
+    runs_after: ClassVar[tuple[str, ...]]
+    media_only: ClassVar[bool]
+
+    async def start(self, deps: Deps) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class PolicyBase:
+    """The lifecycle's defaults: no shared resources, no order constraint, nothing to open or close."""
+
+    uses: ClassVar[frozenset[str]] = frozenset()
+    runs_after: ClassVar[tuple[str, ...]] = ()
+    media_only: ClassVar[bool] = False
+
+    async def start(self, deps: Deps) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ from pydantic import Field
 from gateway.context import RequestContext
 from gateway.errors import InvalidRequest, PayloadTooLarge
 from gateway.schemas import ChatCompletionRequest
-from policies.base import PolicyConfig
+from policies.base import PolicyBase, PolicyConfig
 
 
 class RequestLimitsConfig(PolicyConfig):
@@ -22,7 +22,7 @@ class RequestLimitsConfig(PolicyConfig):
     max_content_parts: Annotated[int, Field(ge=1)] = 64
 
 
-class RequestLimits:
+class RequestLimits(PolicyBase):
     """Refuses oversized requests and caps the output budget.
 
     A request that asks for more output tokens than the cap is served with the

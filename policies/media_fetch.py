@@ -15,7 +15,7 @@ from gateway.context import MediaRecord, RequestContext
 from gateway.errors import OmnigateError
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import MediaSettings
-from policies.base import PolicyConfig
+from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.fetch import FetchConfig, SafeFetcher
 from policies.media.parts import (
     _MEDIATYPE,
@@ -30,7 +30,7 @@ from policies.media.sandbox import MediaRuntime
 from policies.media.targets import check_modalities, targets_from
 
 
-class MediaFetch:
+class MediaFetch(PolicyBase):
     name: ClassVar[str] = "media-fetch"
     stage: ClassVar[str] = "pre"
     #: skipped (not run, not recorded) for requests without media parts
@@ -43,11 +43,11 @@ class MediaFetch:
         self._runtime: MediaRuntime | None = None
         self._targets: dict[str, Any] = {}
 
-    async def start(self, services: Any) -> None:
-        self.fetcher = SafeFetcher(self.config, services.metrics)
-        await self.fetcher.start()
-        self._runtime = getattr(services, "media", None)
-        self._targets = targets_from(services.settings.engines)
+    async def start(self, deps: Deps) -> None:
+        self.fetcher = SafeFetcher(self.config, deps.metrics)
+        await self.fetcher.start()  # its session is this instance's: closed in aclose, with the chain
+        self._runtime = deps.media
+        self._targets = targets_from(deps.settings.engines)
 
     async def aclose(self) -> None:
         await self.fetcher.aclose()

@@ -33,7 +33,7 @@ from gateway.errors import (
 from gateway.schemas import PART_MODALITY, ChatCompletionRequest, Message
 from gateway.settings import MediaSettings
 from gateway.spooled import SpooledMedia
-from policies.base import PolicyConfig
+from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media import budget as tokens
 from policies.media.budget import BudgetConfig
 from policies.media.config import AudioConfig, ImageConfig, VideoConfig
@@ -71,7 +71,7 @@ class MediaLimitsConfig(PolicyConfig):
     )
 
 
-class MediaLimits:
+class MediaLimits(PolicyBase):
     name: ClassVar[str] = "media-limits"
     stage: ClassVar[str] = "pre"
     #: skipped (not run, not recorded) for requests without media parts
@@ -87,12 +87,13 @@ class MediaLimits:
         self._runtime: MediaRuntime | None = None
         self._own_runtime = False
 
-    async def start(self, services: Any) -> None:
-        self._targets = targets_from(services.settings.engines)
-        self._metrics = services.metrics
-        self._runtime = getattr(services, "media", None)
+    async def start(self, deps: Deps) -> None:
+        self._targets = targets_from(deps.settings.engines)
+        self._metrics = deps.metrics
+        # The gateway's runtime is the gateway's: a reload's aclose must not stop its workers.
+        self._runtime = deps.media
         if self._runtime is None:  # a chain started outside a gateway (tests): its own, closed with it
-            self._runtime = MediaRuntime(getattr(services.settings, "media", MediaSettings()))
+            self._runtime = MediaRuntime(deps.settings.media)
             self._own_runtime = True
         if self._runtime.eager:
             self._process()  # the operator configured media-limits: load the decoders before traffic

@@ -23,7 +23,7 @@ from gateway.context import RequestContext, Screening
 from gateway.errors import ContentPolicyViolation
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import MediaSettings
-from policies.base import PolicyConfig
+from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.image import ImageConfig
 from policies.media.models import NSFWModel
 from policies.media.parts import MediaRef, media_parts, payload_arg
@@ -40,7 +40,7 @@ class NSFWConfig(PolicyConfig):
     threads: Annotated[int, Field(ge=1, le=16)] = 1
 
 
-class NSFWScreen:
+class NSFWScreen(PolicyBase):
     name: ClassVar[str] = "nsfw-screen"
     stage: ClassVar[str] = "pre"
     Config: ClassVar[type[PolicyConfig]] = NSFWConfig
@@ -54,14 +54,15 @@ class NSFWScreen:
         self._decode = ImageConfig()
         self._runtime: MediaRuntime | None = None
 
-    async def start(self, services: Any) -> None:
-        self._metrics = services.metrics
-        self._runtime = getattr(services, "media", None)
+    async def start(self, deps: Deps) -> None:
+        self._metrics = deps.metrics
+        self._runtime = deps.media
         loop = asyncio.get_running_loop()
         self._model = await loop.run_in_executor(self._pool, NSFWModel, self.config.threads)
 
     async def aclose(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # The model thread is this instance's: after a reload its requests have ended, so it ends too.
+        self._pool.shutdown(wait=False, cancel_futures=True)  # the thread ends once idle
 
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         refs = [r for r in media_parts(request) if r.kind in ("image", "video") and not r.is_remote]

@@ -1,6 +1,6 @@
 """Finds policy plugins in the ``omnigate.policies`` entry-point group and builds the chain.
 
-Plugins are checked when they are loaded (stage, config model, hook signature),
+Plugins are checked when they are loaded (stage, config model, lifecycle, hook signature),
 not on first call, so a broken plugin fails the boot with its name.
 """
 
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+import inspect
 from importlib.metadata import entry_points
 from typing import Any
 
 from pydantic import ValidationError
 
 from gateway.settings import PolicyChainConfig, PolicySpec
-from policies.base import STAGE_PROTOCOL, PolicyConfig
+from policies.base import RESOURCES, STAGE_PROTOCOL, PolicyConfig
 
 ENTRY_POINT_GROUP = "omnigate.policies"
 
@@ -86,19 +87,42 @@ def _check_plugin(name: str, cls: Any) -> None:
         raise PolicyConfigError(f"policy plugin {name!r} declares unknown stage {cls.stage!r}")
     if not (isinstance(cls.Config, type) and issubclass(cls.Config, PolicyConfig)):
         raise PolicyConfigError(f"policy plugin {name!r}: Config must subclass PolicyConfig")
+    _check_lifecycle(name, cls)
 
 
-def resources_used(cfg: PolicyChainConfig, plugins: dict[str, type] | None = None) -> set[str]:
+def _check_lifecycle(name: str, cls: Any) -> None:
+    """The lifecycle members of :class:`policies.base.Policy`, typed (``PolicyBase`` gives them all)."""
+    hint = "(subclass policies.base.PolicyBase for the defaults)"
+    for hook in ("start", "aclose"):
+        if not inspect.iscoroutinefunction(getattr(cls, hook, None)):
+            raise PolicyConfigError(f"policy plugin {name!r}: {hook} must be an async method {hint}")
+    uses, runs_after, media_only = (getattr(cls, a, None) for a in ("uses", "runs_after", "media_only"))
+    if not isinstance(uses, frozenset) or not all(isinstance(u, str) for u in uses):
+        raise PolicyConfigError(f"policy plugin {name!r}: uses must be a frozenset of names {hint}")
+    if uses - RESOURCES:
+        raise PolicyConfigError(
+            f"policy plugin {name!r} uses unknown resources {sorted(uses - RESOURCES)} (known: {sorted(RESOURCES)})"
+        )
+    if not isinstance(runs_after, tuple) or not all(isinstance(r, str) for r in runs_after):
+        raise PolicyConfigError(f"policy plugin {name!r}: runs_after must be a tuple of policy names {hint}")
+    if not isinstance(media_only, bool):
+        raise PolicyConfigError(f"policy plugin {name!r}: media_only must be a bool {hint}")
+
+
+def resources_used(cfg: PolicyChainConfig, plugins: Mapping[str, type] | None = None) -> set[str]:
     """The shared resources (``uses``) the plugins a chain names ask for (unknown names: build_chain reports)."""
     plugins = available_plugins() if plugins is None else plugins
     out: set[str] = set()
     for stage in ("pre", "stream", "post"):
         for spec in getattr(cfg, stage):
-            out |= set(getattr(plugins.get(spec.name), "uses", ()) or ())
+            cls = plugins.get(spec.name)
+            if cls is not None:
+                _check_plugin(spec.name, cls)
+                out |= cls.uses
     return out
 
 
-def _load_one(spec: PolicySpec, stage: str, where: str, plugins: dict[str, type]) -> LoadedPolicy:
+def _load_one(spec: PolicySpec, stage: str, where: str, plugins: Mapping[str, type]) -> LoadedPolicy:
     cls = plugins.get(spec.name)
     if cls is None:
         known = ", ".join(sorted(plugins)) or "none"
@@ -121,7 +145,7 @@ def _load_one(spec: PolicySpec, stage: str, where: str, plugins: dict[str, type]
 def _check_order(stage: str, loaded: tuple[LoadedPolicy, ...]) -> None:
     for i, policy in enumerate(loaded):
         acting_before = {p.name for p in loaded[:i] if not p.shadow}
-        for needed in getattr(type(policy.impl), "runs_after", ()):
+        for needed in type(policy.impl).runs_after:
             if needed not in acting_before:
                 raise PolicyConfigError(
                     f"policies.{stage}[{i}].name: policy {policy.name!r} needs {needed!r} earlier in the "
@@ -164,7 +188,7 @@ def with_media_steps(specs: list[PolicySpec]) -> list[tuple[int | None, PolicySp
     return out
 
 
-def build_chain(cfg: PolicyChainConfig, plugins: dict[str, type] | None = None) -> PolicyChain:
+def build_chain(cfg: PolicyChainConfig, plugins: Mapping[str, type] | None = None) -> PolicyChain:
     plugins = available_plugins() if plugins is None else plugins
     stages: dict[str, tuple[LoadedPolicy, ...]] = {}
     for stage in ("pre", "stream", "post"):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from gateway.admission import DEGRADED_TEXT_ONLY
 from gateway.context import RequestContext
 from gateway.schemas import ChatCompletionRequest
-from policies.base import PolicyConfig
+from policies.base import PolicyBase, PolicyConfig
 
 if TYPE_CHECKING:
     from gateway.admission import LoadSnapshot
@@ -32,7 +32,7 @@ def decide(load: "LoadSnapshot | None", wants_speech: bool) -> Action:
     return "as-asked"
 
 
-class LoadShedding:
+class LoadShedding(PolicyBase):
     name: ClassVar[str] = "load-shedding"
     stage: ClassVar[str] = "pre"
     Config: ClassVar[type[PolicyConfig]] = LoadSheddingConfig

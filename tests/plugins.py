@@ -6,14 +6,18 @@ from typing import ClassVar
 
 from engines.base import Delta
 from gateway.errors import ContentPolicyViolation
-from policies.base import Accept, PolicyConfig, Retry
+from policies.base import Accept, Deps, PolicyBase, PolicyConfig, Retry
+
+#: What the lifecycle-recording plugins did, in order: ``(event, tag)`` with event ``start``, ``feed``,
+#: ``finish`` or ``aclose``; a test clears it before it starts its gateway.
+LIFECYCLE: list[tuple[str, str]] = []
 
 
 class TagConfig(PolicyConfig):
     tag: str
 
 
-class AppendTag:
+class AppendTag(PolicyBase):
     """Pre: appends ``[tag]`` to the last message's text, so the order of the chain is visible upstream."""
 
     name: ClassVar[str] = "append-tag"
@@ -34,7 +38,7 @@ class Empty(PolicyConfig):
     pass
 
 
-class AlwaysReject:
+class AlwaysReject(PolicyBase):
     name: ClassVar[str] = "always-reject"
     stage: ClassVar[str] = "pre"
     Config = Empty
@@ -46,7 +50,7 @@ class AlwaysReject:
         raise ContentPolicyViolation("refused by always-reject", param="messages")
 
 
-class RetryUnlessCold:
+class RetryUnlessCold(PolicyBase):
     """Post: asks for one retry at temperature 0 (stateless: it reads the request)."""
 
     name: ClassVar[str] = "retry-unless-cold"
@@ -79,7 +83,7 @@ class _HoldFilter:
         return out
 
 
-class HoldAll:
+class HoldAll(PolicyBase):
     name: ClassVar[str] = "hold-all"
     stage: ClassVar[str] = "stream"
     Config = HoldConfig
@@ -102,7 +106,7 @@ class _Upper:
         return []
 
 
-class Uppercase:
+class Uppercase(PolicyBase):
     name: ClassVar[str] = "uppercase"
     stage: ClassVar[str] = "stream"
     Config = Empty
@@ -115,7 +119,7 @@ class Uppercase:
         return _Upper()
 
 
-class NoHook:
+class NoHook(PolicyBase):
     name: ClassVar[str] = "no-hook"
     stage: ClassVar[str] = "pre"
     Config = Empty
@@ -124,6 +128,59 @@ class NoHook:
         pass
 
 
+class _Recording:
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def feed(self, delta: Delta) -> list[Delta]:
+        LIFECYCLE.append(("feed", self.tag))
+        return [delta]
+
+    def finish(self) -> list[Delta]:
+        LIFECYCLE.append(("finish", self.tag))
+        return [Delta(text=f"[{self.tag}]")]
+
+
+class Recorder(PolicyBase):
+    """Stream: records its start, each delta it passes, its stream's end and its close; ends each stream
+    with ``[tag]``, so a client sees which chain served it."""
+
+    name: ClassVar[str] = "recorder"
+    stage: ClassVar[str] = "stream"
+    Config = TagConfig
+    mode = "passthrough"
+
+    def __init__(self, config: TagConfig) -> None:
+        self.tag = config.tag
+
+    async def start(self, deps: Deps) -> None:
+        LIFECYCLE.append(("start", self.tag))
+
+    async def aclose(self) -> None:
+        LIFECYCLE.append(("aclose", self.tag))
+
+    def open_stream(self, request, ctx):  # noqa: ANN001, ANN201
+        return _Recording(self.tag)
+
+
+class FailStart(PolicyBase):
+    """Post: a policy whose start fails (a model file that cannot be read), so the chain cannot open."""
+
+    name: ClassVar[str] = "fail-start"
+    stage: ClassVar[str] = "post"
+    Config = Empty
+
+    def __init__(self, config: Empty) -> None:
+        pass
+
+    async def start(self, deps: Deps) -> None:
+        raise RuntimeError("the model file cannot be read")
+
+    async def post(self, request, completion, ctx):  # noqa: ANN001, ANN201
+        return Accept()
+
+
 PLUGINS = {
-    cls.name: cls for cls in (AppendTag, AlwaysReject, RetryUnlessCold, HoldAll, Uppercase, NoHook)
+    cls.name: cls
+    for cls in (AppendTag, AlwaysReject, RetryUnlessCold, HoldAll, Uppercase, NoHook, Recorder, FailStart)
 }

@@ -37,7 +37,7 @@ from gateway.context import RequestContext
 from gateway.errors import GroundingFailed
 from gateway.schemas import ChatCompletionRequest, Message
 from observability.metrics import Metrics
-from policies.base import Accept, Halt, PolicyConfig, Reject, Retry, StreamMode, Verdict
+from policies.base import Accept, Deps, Halt, PolicyBase, PolicyConfig, Reject, Retry, StreamMode, Verdict
 from policies.grounding.claims import Premise, claims_of, premise_of, split_sentences
 from policies.grounding.scorer import Judgement, Scorer
 
@@ -340,7 +340,7 @@ class WindowCheck(_Check):
 _CHECKS: dict[str, type[_Check]] = {"hold": HoldCheck, "window": WindowCheck, "passthrough": PassthroughCheck}
 
 
-class Grounding:
+class Grounding(PolicyBase):
     """The grounding guard. Shared by all requests: per-attempt state lives in the check objects."""
 
     name: ClassVar[str] = "grounding"
@@ -353,12 +353,15 @@ class Grounding:
         self._scorer: Scorer | None = None
         self._metrics: Metrics | None = None
 
-    async def start(self, services: Any) -> None:
-        """Take the gateway's scorer (built and loaded by the lifespan because this policy ``uses`` it)."""
-        if services.scorer is None:
+    async def start(self, deps: Deps) -> None:
+        """Take the gateway's scorer (built and loaded by the gateway because this policy ``uses`` it).
+
+        The scorer stays the gateway's: this policy's ``aclose`` (the default) leaves it running.
+        """
+        if deps.scorer is None:
             raise RuntimeError("the grounding policy needs the grounding scorer")
-        self._scorer = services.scorer
-        self._metrics = services.metrics
+        self._scorer = deps.scorer
+        self._metrics = deps.metrics
 
     @property
     def scorer(self) -> Scorer:

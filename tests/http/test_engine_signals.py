@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from engines.control_settings import Rule, RuleAction, SharedStateSettings, default_rules
 from gateway.settings import PolicyChainConfig, PolicySpec
-from policies.base import PolicyConfig
+from policies.base import PolicyBase, PolicyConfig
 from policies.registry import available_plugins
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import MODEL, REDIS, Trio, chat, engines, settings
@@ -31,7 +31,7 @@ class SlowConfig(PolicyConfig):
     delay_s: float
 
 
-class SlowPre:
+class SlowPre(PolicyBase):
     """Pre: takes ``delay_s`` before the engine is called, as a media fetch or a video decode does."""
 
     name: ClassVar[str] = "slow-pre"

@@ -102,11 +102,8 @@ def test_post_retry_streaming_while_held_releases_only_the_accepted_answer(serve
 
 
 def test_retry_budget_is_bounded(serve, upstreams):
-    server = serve(post=[PolicySpec(name="retry-unless-cold")])
     # The post-policy always wants a retry at temperature>0; with budget 0 it is served, flagged.
-    server.services.pipeline.chain = build_chain(
-        PolicyChainConfig(post=[PolicySpec(name="retry-unless-cold")], max_retries=0), ALL_PLUGINS
-    )
+    server = serve(post=[PolicySpec(name="retry-unless-cold")], max_retries=0)
     resp = _chat(server, temperature=0.5)
     assert resp.status_code == 200
     assert resp.headers["x-omnigate-degraded"] == "retries-exhausted"

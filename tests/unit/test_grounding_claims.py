@@ -147,6 +147,6 @@ async def test_the_policy_takes_the_gateway_scorer_when_started():
     policy = services.chain.post[0].impl
     with pytest.raises(RuntimeError, match="not started"):
         policy.scorer
-    await policy.start(services)  # the lifespan does this after loading the scorer
+    await policy.start(services.deps())  # the lifespan does this after loading the scorer
     assert policy.scorer is services.scorer
     assert Services.build(Settings(), Metrics()).scorer is None
