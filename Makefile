@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-fast test-omni bench lock clean ops-sync
+.PHONY: install serve test test-fast test-omni bench docs lock clean ops-sync
 
 $(STAMP): requirements/lock.txt requirements/models.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ test-omni: install
 
 bench: install
 	$(PY) -m bench.overhead
+
+# The manual (docs/, mkdocs.yml): the configuration reference is generated from the settings models.
+docs: install
+	$(PY) -m mkdocs build --strict -d site
 
 # Re-resolve the pinned set after changing pyproject.toml (needs pip-tools).
 lock:

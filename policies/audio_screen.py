@@ -35,8 +35,12 @@ class AudioScreenConfig(PolicyConfig):
         default_factory=list,
         description="case-insensitive regular expressions matched against the transcript",
     )
-    max_duration_s: Annotated[float, Field(gt=0)] = 3 * 3600.0
-    threads: Annotated[int, Field(ge=1, le=16)] = 1
+    max_duration_s: Annotated[float, Field(gt=0)] = Field(
+        default=3 * 3600.0, description="the longest audio decoded for screening; longer audio is refused"
+    )
+    threads: Annotated[int, Field(ge=1, le=16)] = Field(
+        default=1, description="CPU threads of the whisper model"
+    )
 
     @field_validator("patterns")
     @classmethod

@@ -93,7 +93,7 @@ class Accept:
 
     ``headers`` are response headers the pipeline adds when it acts on this
     verdict while the response has not started; ``notes`` are facts for the
-    audit record and for the stream's final event (see README, "Grounding").
+    audit record and for the stream's final event (see the grounding policy's page).
     """
 
     detail: str | None = None

@@ -13,13 +13,25 @@ from policies.base import PolicyBase, PolicyConfig
 
 
 class RequestLimitsConfig(PolicyConfig):
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
-    max_messages: Annotated[int, Field(ge=1)] = 256
-    max_output_tokens: Annotated[int, Field(ge=1)] = 8192
+    """Request size and output-token caps."""
+
+    max_body_bytes: Annotated[int, Field(ge=1024)] = Field(
+        default=16 * 1024 * 1024, description="request bodies above this are refused (413)"
+    )
+    max_messages: Annotated[int, Field(ge=1)] = Field(default=256, description="messages a request may hold")
+    max_output_tokens: Annotated[int, Field(ge=1)] = Field(
+        default=8192, description="max_tokens cap: a larger request is capped and flagged max-tokens-capped"
+    )
     #: the cap when the client asks for speech: the talker speaks every text token, so a long answer is
     #: minutes of audio (and of GPU time) that one request holds
-    max_speech_output_tokens: Annotated[int, Field(ge=1)] = 2048
-    max_content_parts: Annotated[int, Field(ge=1)] = 64
+    max_speech_output_tokens: Annotated[int, Field(ge=1)] = Field(
+        default=2048,
+        description="the cap instead when the request asks for audio out (the talker speaks every text "
+        "token)",
+    )
+    max_content_parts: Annotated[int, Field(ge=1)] = Field(
+        default=64, description="content parts a request may hold, over all its messages"
+    )
 
 
 class RequestLimits(PolicyBase):

@@ -34,10 +34,18 @@ _SIZE = (256, 256)  # what the model's own preprocessing resizes to first
 
 
 class NSFWConfig(PolicyConfig):
-    threshold: Annotated[float, Field(gt=0, le=1)] = 0.8
-    max_video_frames: Annotated[int, Field(ge=1, le=240)] = 16
-    batch_size: Annotated[int, Field(ge=1, le=64)] = 4
-    threads: Annotated[int, Field(ge=1, le=16)] = 1
+    """The Open-NSFW screen of images and video frames."""
+
+    threshold: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.8, description="a part scoring at or above this is refused (content_policy_violation)"
+    )
+    max_video_frames: Annotated[int, Field(ge=1, le=240)] = Field(
+        default=16, description="evenly spaced frames scored per video"
+    )
+    batch_size: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=4, description="images scored per model call"
+    )
+    threads: Annotated[int, Field(ge=1, le=16)] = Field(default=1, description="onnxruntime CPU threads")
 
 
 class NSFWScreen(PolicyBase):

@@ -49,15 +49,36 @@ HEADER = "x-omnigate-grounding"
 
 
 class GroundingConfig(PolicyConfig):
-    threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
-    mode: StreamMode = "hold"
-    modes_by_model: dict[str, StreamMode] = Field(default_factory=dict)
-    modes_by_tenant: dict[str, StreamMode] = Field(default_factory=dict)
-    on_exhausted: Literal["flag", "refuse"] = "flag"
-    retry_temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 0.0
-    retry_instruction: str | None = DEFAULT_INSTRUCTION
-    window_chars: Annotated[int, Field(ge=40, le=20000)] = 400
-    speech_chars_per_second: Annotated[float, Field(gt=0.0, le=200.0)] = 30.0
+    """How answers are judged, streamed and retried."""
+
+    threshold: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
+        default=0.8, description="the score an answer needs"
+    )
+    mode: StreamMode = Field(default="hold", description="stream mode: hold, window or passthrough")
+    modes_by_model: dict[str, StreamMode] = Field(
+        default_factory=dict, description="stream mode by public model (after modes_by_tenant)"
+    )
+    modes_by_tenant: dict[str, StreamMode] = Field(
+        default_factory=dict, description="stream mode by tenant (first)"
+    )
+    on_exhausted: Literal["flag", "refuse"] = Field(
+        default="flag",
+        description="no retry left: flag (serve the best attempt, x-omnigate-grounding: low) or refuse "
+        "(422)",
+    )
+    retry_temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = Field(
+        default=0.0, description="temperature of retries, never raised (null: unchanged)"
+    )
+    retry_instruction: str | None = Field(
+        default=DEFAULT_INSTRUCTION, description="added as the first system message of retries (null: none)"
+    )
+    window_chars: Annotated[int, Field(ge=40, le=20000)] = Field(
+        default=400,
+        description="window mode: the longest text held before it is judged without a sentence end",
+    )
+    speech_chars_per_second: Annotated[float, Field(gt=0.0, le=200.0)] = Field(
+        default=30.0, description="window mode: the speaking-rate bound for releasing audio"
+    )
 
 
 class SpeechGate:

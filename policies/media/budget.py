@@ -18,15 +18,28 @@ from policies.base import PolicyConfig
 
 
 class BudgetConfig(PolicyConfig):
-    max_modal_tokens: Annotated[int, Field(ge=256)] = 16384
+    """The modal-token estimate and its budget."""
+
+    max_modal_tokens: Annotated[int, Field(ge=256)] = Field(
+        default=16384,
+        description="image and video tokens a request may hold (400 modal_budget_exceeded above)",
+    )
     counted: list[str] = Field(
         default_factory=lambda: ["image", "video"],
         description="modalities counted against max_modal_tokens (all count against the engine context)",
     )
-    token_px: Annotated[int, Field(ge=8, le=112)] = 28
-    temporal_patch: Annotated[int, Field(ge=1, le=8)] = 2
-    audio_tokens_per_s: Annotated[float, Field(gt=0, le=100)] = 12.5
-    chars_per_text_token: Annotated[float, Field(gt=0, le=16)] = 4.0
+    token_px: Annotated[int, Field(ge=8, le=112)] = Field(
+        default=28, description="an image token per token_px x token_px pixels"
+    )
+    temporal_patch: Annotated[int, Field(ge=1, le=8)] = Field(
+        default=2, description="video frames merged per token frame"
+    )
+    audio_tokens_per_s: Annotated[float, Field(gt=0, le=100)] = Field(
+        default=12.5, description="tokens per second of audio"
+    )
+    chars_per_text_token: Annotated[float, Field(gt=0, le=16)] = Field(
+        default=4.0, description="characters per text token in the estimate"
+    )
 
 
 def image_tokens(width: int, height: int, cfg: BudgetConfig) -> int:

@@ -50,19 +50,35 @@ _MiB = 1024 * 1024
 class FetchConfig(PolicyConfig):
     """How media URLs are fetched. Byte caps are per part and enforced while streaming."""
 
-    schemes: list[Literal["http", "https"]] = ["http", "https"]
+    schemes: list[Literal["http", "https"]] = Field(
+        default=["http", "https"], description="URL schemes fetched"
+    )
     internal_hosts: list[str] = Field(
         default_factory=list,
         description="allow-list of internal hosts: 'name', 'name:port', '10.1.2.3', '[fd00::1]:8443', '10.0.0.0/8'",
     )
-    max_redirects: Annotated[int, Field(ge=0, le=10)] = 3
-    connect_timeout_s: Annotated[float, Field(gt=0, le=60)] = 3.0
-    total_timeout_s: Annotated[float, Field(gt=0, le=600)] = 20.0
-    max_image_bytes: Annotated[int, Field(ge=1024)] = 20 * _MiB
-    max_audio_bytes: Annotated[int, Field(ge=1024)] = 100 * _MiB
-    max_video_bytes: Annotated[int, Field(ge=1024)] = 100 * _MiB
-    max_connections: Annotated[int, Field(ge=1, le=4096)] = 64
-    user_agent: str = "omnigate-media-fetch/0.1"
+    max_redirects: Annotated[int, Field(ge=0, le=10)] = Field(
+        default=3, description="redirect hops followed, each checked like the first"
+    )
+    connect_timeout_s: Annotated[float, Field(gt=0, le=60)] = Field(
+        default=3.0, description="connect timeout of each hop"
+    )
+    total_timeout_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=20.0, description="the whole fetch: every hop and the body"
+    )
+    max_image_bytes: Annotated[int, Field(ge=1024)] = Field(
+        default=20 * _MiB, description="an image part's byte cap (413 past it)"
+    )
+    max_audio_bytes: Annotated[int, Field(ge=1024)] = Field(
+        default=100 * _MiB, description="an audio part's byte cap"
+    )
+    max_video_bytes: Annotated[int, Field(ge=1024)] = Field(
+        default=100 * _MiB, description="a video part's byte cap"
+    )
+    max_connections: Annotated[int, Field(ge=1, le=4096)] = Field(
+        default=64, description="connections of the fetcher's pool"
+    )
+    user_agent: str = Field(default="omnigate-media-fetch/0.1", description="User-Agent of media fetches")
 
     @field_validator("internal_hosts")
     @classmethod
