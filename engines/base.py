@@ -234,16 +234,17 @@ def whole_strings(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     spooled payload a piece at a time instead.
     """
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, SpooledMedia):
-            return value.text()
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        return value
+    return [_whole(m) for m in messages]
 
-    return [walk(m) for m in messages]
+
+def _whole(value: Any) -> Any:
+    if isinstance(value, SpooledMedia):
+        return value.text()
+    if isinstance(value, dict):
+        return {k: _whole(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole(v) for v in value]
+    return value
 
 
 # -- the request body, in pieces --------------------------------------------------------------------------
@@ -304,25 +305,25 @@ def request_body(doc: dict[str, Any]) -> bytes | Body:
         return orjson.dumps(doc)
     marker = secrets.token_hex(16)
     large: list[str | SpooledMedia] = []
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, SpooledMedia):
-            large.append(value)
-            return f"{marker}{len(large) - 1}"
-        if isinstance(value, str):
-            if len(value) < LARGE_STRING:
-                return value
-            large.append(value)
-            return f"{marker}{len(large) - 1}"
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        return value
-
-    skeleton = orjson.dumps({**doc, "messages": walk(messages)})
+    skeleton = orjson.dumps({**doc, "messages": _lift(messages, marker, large)})
     cut = re.split(b'"' + marker.encode() + rb'(\d+)"', skeleton)
     return Body([large[int(piece)] if i % 2 else piece for i, piece in enumerate(cut)])
+
+
+def _lift(value: Any, marker: str, large: list[str | SpooledMedia]) -> Any:
+    """``value`` with each large string (and spooled payload) appended to ``large`` and a marker in its place.
+
+    A module function, not a closure: a recursive closure is a reference cycle (the function and its
+    own cell), which would keep ``large`` (the request's media) alive until the next collection.
+    """
+    if isinstance(value, SpooledMedia) or (isinstance(value, str) and len(value) >= LARGE_STRING):
+        large.append(value)
+        return f"{marker}{len(large) - 1}"
+    if isinstance(value, dict):
+        return {k: _lift(v, marker, large) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_lift(v, marker, large) for v in value]
+    return value
 
 
 def _has_large(messages: Any) -> bool:

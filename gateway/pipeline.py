@@ -422,38 +422,43 @@ class Pipeline:
         """
         engines = self._engines_for(request)
         last: EngineError | None = None
-        while engines:
-            engine = await self.pool.claim(engines, request.model)
-            if engine is None:
-                break
-            engines = [e for e in engines if e is not engine]
-            adapted = self._adapt(engine, request, ctx)
-            if adapted is None:
-                self.pool.release(engine, settled=False)
-                continue
-            ctx.attempts += 1
-            upstream = engine.stream(adapted)
-            sent = time.perf_counter()
-            try:
-                first = await anext(upstream)
-            except StopAsyncIteration:
-                last = EngineProtocolError(f"engine {engine.name} sent an empty stream", engine=engine.name)
-            except EngineError as exc:
-                last = exc
-            except BaseException:
-                self.pool.release(engine, settled=False)
-                raise
-            else:
-                ctx.engine, ctx.variant = engine.name, engine.config.variant
-                # The engine's own time to first token: no body read, pre-policy, slot wait or hold-back in it.
-                ctx.upstream_ttft_s, ctx.upstream_e2e_s = time.perf_counter() - sent, None
-                return Attempt(engine, adapted, upstream, first, sent)
-            await upstream.aclose()
-            self._engine_failed(engine, last, ctx, more=bool(engines))
-            self.pool.release(engine, settled=last.retryable)
-            if not last.retryable:
-                raise last
-        raise last or self._no_engine(request)
+        try:
+            while engines:
+                engine = await self.pool.claim(engines, request.model)
+                if engine is None:
+                    break
+                engines = [e for e in engines if e is not engine]
+                adapted = self._adapt(engine, request, ctx)
+                if adapted is None:
+                    self.pool.release(engine, settled=False)
+                    continue
+                ctx.attempts += 1
+                upstream = engine.stream(adapted)
+                sent = time.perf_counter()
+                try:
+                    first = await anext(upstream)
+                except StopAsyncIteration:
+                    last = EngineProtocolError(f"engine {engine.name} sent an empty stream", engine=engine.name)
+                except EngineError as exc:
+                    last = exc
+                except BaseException:
+                    self.pool.release(engine, settled=False)
+                    raise
+                else:
+                    ctx.engine, ctx.variant = engine.name, engine.config.variant
+                    # The engine's own time to first token: no body read, pre-policy, slot wait or hold-back in it.
+                    ctx.upstream_ttft_s, ctx.upstream_e2e_s = time.perf_counter() - sent, None
+                    return Attempt(engine, adapted, upstream, first, sent)
+                await upstream.aclose()
+                self._engine_failed(engine, last, ctx, more=bool(engines))
+                self.pool.release(engine, settled=last.retryable)
+                if not last.retryable:
+                    raise last
+            raise last or self._no_engine(request)
+        finally:
+            # An engine error's traceback holds this frame, whose ``last`` holds the error: a cycle that
+            # would keep the request (its media) alive until the next full collection.
+            last = None
 
     def _no_engine(self, request: ChatCompletionRequest) -> EngineError:
         # Engines at their cap are waited for (or refused with engine_busy) by pool.claim; here none
@@ -519,36 +524,39 @@ class Pipeline:
     ) -> tuple[Completion, ChatCompletionRequest]:
         engines = self._engines_for(request)
         last: EngineError | None = None
-        while engines:
-            engine = await self.pool.claim(engines, request.model)
-            if engine is None:
-                break
-            engines = [e for e in engines if e is not engine]
-            adapted = self._adapt(engine, request, ctx)
-            if adapted is None:
-                self.pool.release(engine, settled=False)
-                continue
-            ctx.attempts += 1
-            sent = time.perf_counter()
-            try:
-                completion = await engine.complete(adapted)
-            except EngineError as exc:
-                last = exc
-                self._engine_failed(engine, exc, ctx, more=bool(engines))
-                self.pool.release(engine, settled=exc.retryable)
-                if not exc.retryable:
+        try:
+            while engines:
+                engine = await self.pool.claim(engines, request.model)
+                if engine is None:
+                    break
+                engines = [e for e in engines if e is not engine]
+                adapted = self._adapt(engine, request, ctx)
+                if adapted is None:
+                    self.pool.release(engine, settled=False)
+                    continue
+                ctx.attempts += 1
+                sent = time.perf_counter()
+                try:
+                    completion = await engine.complete(adapted)
+                except EngineError as exc:
+                    last = exc
+                    self._engine_failed(engine, exc, ctx, more=bool(engines))
+                    self.pool.release(engine, settled=exc.retryable)
+                    if not exc.retryable:
+                        raise
+                    continue
+                except BaseException:
+                    self.pool.release(engine, settled=False)
                     raise
-                continue
-            except BaseException:
-                self.pool.release(engine, settled=False)
-                raise
-            ctx.engine, ctx.variant = engine.name, engine.config.variant
-            ctx.ttft_s = ctx.elapsed()
-            # A whole answer has no first token to time: its engine latency is a signal of its own.
-            ctx.upstream_ttft_s, ctx.upstream_e2e_s = None, time.perf_counter() - sent
-            self._account(ctx, completion)
-            return completion, adapted
-        raise last or self._no_engine(request)
+                ctx.engine, ctx.variant = engine.name, engine.config.variant
+                ctx.ttft_s = ctx.elapsed()
+                # A whole answer has no first token to time: its engine latency is a signal of its own.
+                ctx.upstream_ttft_s, ctx.upstream_e2e_s = None, time.perf_counter() - sent
+                self._account(ctx, completion)
+                return completion, adapted
+            raise last or self._no_engine(request)
+        finally:
+            last = None  # as in _open: no cycle through this frame
 
     async def _complete_segments(
         self, request: ChatCompletionRequest, ctx: RequestContext
@@ -689,6 +697,7 @@ class Pipeline:
         finally:
             # Finished (and the record handed to the audit) before any await a cancelled task may not complete.
             fut = self._finish(ctx, error)
+            error = None  # its traceback holds this frame: no cycle through it
             try:
                 await attempt.upstream.aclose()
             finally:

@@ -315,6 +315,9 @@ class AuditLog:
             finally:
                 self._writing = 0
                 self.metrics.audit_buffered.set(self.depth)
+                # Not kept while this loop waits for the next record: the batch holds its requests (their
+                # media, under audit_content: raw) until then.
+                del batch
             await self._maybe_checkpoint()
 
     def _in_company(self, limit: int) -> bool:

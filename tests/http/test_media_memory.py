@@ -14,7 +14,9 @@ Two measures:
 
 Target (issue 15): peak memory per request at most 3x the decoded output it forwards, never more
 than the per-request budget; once the media step has replaced a part, nothing holds the client's
-base64 any more.
+base64 any more. A payload of 1 MiB or more is decoded into the spool (gateway/spooled.py) as the
+body arrives: its bytes are then in a shared-memory file (counted by the media budgets), not in the
+gateway's resident set.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import asyncio
 import base64
 import gc
 import hashlib
+import os
 import socket
 import subprocess
 import sys
@@ -36,6 +39,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from bench.common import free_port
+from gateway import spooled
 from gateway.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
 from tests.harness import GatewayServer
 from tests.media import data_uri, tone, wav
@@ -163,8 +167,13 @@ def served():
 
 
 def _peak(rig, body: bytes) -> dict:  # noqa: ANN001
-    """The served gateway's peak RSS growth over one request, and what the engine was sent."""
+    """The served gateway's peak RSS growth over one request, and what the engine was sent.
+
+    The same request is sent once before the one measured: a first use's costs (an allocator's first
+    arena for that size, a module's first import) are not what every request holds."""
     pid = rig.gateway.pid
+    assert httpx.post(rig.url + "/v1/chat/completions", content=body, timeout=120,
+                      headers={"content-type": "application/json"}).status_code == 200
     with open(f"/proc/{pid}/clear_refs", "w") as f:
         f.write("5")
     rss = _status_kib("VmRSS", pid) * 1024
@@ -172,26 +181,32 @@ def _peak(rig, body: bytes) -> dict:  # noqa: ANN001
                       headers={"content-type": "application/json"})
     assert resp.status_code == 200, resp.text
     peak = _status_kib("VmHWM", pid) * 1024 - rss
+    left = [f for f in os.listdir(spooled.SHM_DIR) if f.startswith(f"omnigate-{pid}-")]
+    assert not left, left  # the spooled payloads went with the request
     return {"peak": peak, "forwarded": _engine_stats(rig.engine)["last_body_bytes"]}
 
 
 def test_audio_forwarded_unchanged_peaks_under_3x_what_it_forwards(served):
     uri = data_uri("audio/wav", wav(tone(300.0), 16000))  # 5 min at the engine's rate: forwarded as sent
-    m = _peak(served, _body(uri))
+    body = _body(uri)
+    m = _peak(served, body)
     assert m["forwarded"] > len(uri)  # the client's data URI, in the engine's body
-    assert m["peak"] <= 3 * m["forwarded"], m  # about 2x measured; 3.0x before the bodies were streamed
+    # The payload is spooled as it arrives and re-encoded into the engine's body a piece at a time:
+    # about 0.4x measured (2x when the body was parsed whole, 3.0x before the bodies were streamed).
+    assert m["peak"] <= 3 * m["forwarded"], m
+    assert m["peak"] <= len(body), m  # never the client's string whole
     assert m["peak"] <= 256 * 2**20  # media.max_request_bytes
 
 
-def test_a_shrunk_part_peaks_at_the_floor_of_reading_its_body(served):
+def test_a_shrunk_part_peaks_under_3x_what_it_forwards(served):
     uri = data_uri("audio/wav", wav(tone(120.0, rate=44100), 44100))  # 2 min at 44.1 kHz: sent as 16 kHz FLAC
     body = _body(uri)
     m = _peak(served, body)
     assert m["forwarded"] < len(uri) / 4  # the engine gets much less than the client sent
-    # Reading and parsing a JSON body holds it twice for a moment (the bytes and the parsed string):
-    # the peak of a part the gateway shrinks is that floor, whatever the output (bench/RESULTS.md;
-    # 2.0x measured, 3.0x when orjson parsed the whole body, building the string in a scratch buffer).
-    assert m["peak"] <= 2.4 * len(body), m
+    # The body's payload never sits in the gateway's heap (it is decoded into the spool as it arrives,
+    # and decoded further in a worker): the peak follows the output. 2.5x measured; 2.0x the *input*
+    # (21x the output) when the body was read whole, 3.0x the input before that (bench/RESULTS.md).
+    assert m["peak"] <= 3 * m["forwarded"], m
 
 
 def test_audio_forwarded_unchanged_is_held_once_while_the_engine_works(gw, engine):
