@@ -1,6 +1,6 @@
 """Engine faults under load: every stream must end cleanly, with no output twice.
 
-    python -m bench.faults [--rounds 200] [--concurrency 16] [--modes ...]
+    python -m bench.faults [--rounds 200] [--concurrency 16] [--modes ...] [--out FILE] [--smoke]
 
 Two engines serve one public model: a faulty primary and a healthy fallback. For
 each fault mode the client runs ``rounds`` streamed requests, ``concurrency`` at a
@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 
 import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry
 
+from bench.common import add_smoke, emit, out_path, smoke_result
 from gateway.settings import EngineConfig, Settings
 from tests.harness import BackgroundLoop, GatewayServer
 from tests.upstream import Script, ScriptedUpstream
@@ -149,16 +151,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--modes", default=",".join(MODES))
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.concurrency = 2, 2
     bg = BackgroundLoop()
     gateway, primary, fallback = start(bg)
     out = {}
     try:
         for mode in args.modes.split(","):
             out[mode] = asyncio.run(run_mode(bg, gateway, primary, fallback, mode, args.rounds, args.concurrency))
-            print(mode, json.dumps(out[mode]), flush=True)
-        out["keepalive_closed_after_5s_idle"] = asyncio.run(run_keepalive(bg, gateway, primary, fallback))
-        print(json.dumps(out, indent=1))
+            print(mode, json.dumps(out[mode]), file=sys.stderr, flush=True)
+        keepalive = asyncio.run(run_keepalive(bg, gateway, primary, fallback, n=2 if args.smoke else 16))
+        emit(smoke_result({"modes": out, "keepalive_closed_after_5s_idle": keepalive}, args),
+             out_path(args, "faults"))
     finally:
         gateway.stop()
         bg.run(primary.stop())
