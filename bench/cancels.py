@@ -96,7 +96,8 @@ def main() -> None:
     bg = BackgroundLoop()
     gateway, up = start(bg)
     try:
-        emit(smoke_result(asyncio.run(run_cancels(bg, gateway, up, args.rounds)), args), out_path(args, "cancels"))
+        result = asyncio.run(run_cancels(bg, gateway, up, args.rounds))
+        emit(smoke_result(result, args), out_path(args, "cancels"))
     finally:
         gateway.stop()
         bg.run(up.stop())

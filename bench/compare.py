@@ -1,7 +1,8 @@
 """Side by side: the scripted upstream directly, a minimal relay, omnigate, and LiteLLM's proxy.
 
     python -m bench.compare [--levels 1,16,64,256] [--chunks 64]
-                            [--targets relay,omnigate-off,omnigate-noaudit,omnigate,litellm] [--out FILE] [--smoke]
+                            [--targets relay,omnigate-off,omnigate-noaudit,omnigate,litellm]
+                            [--out FILE] [--smoke]
 
 The proxies run on core 0 (started together, idle but for their turn); the
 upstream and this load generator share core 1. For each level, the targets take
@@ -32,8 +33,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from bench.common import (ROOT, LoadResult, add_smoke, cpu_seconds, emit, free_port, out_path, pct, pin_self, rss_kib,
-                          smoke_result, spawn, stream_load, wait_http)
+from bench.common import (ROOT, LoadResult, add_smoke, cpu_seconds, emit, free_port, out_path, pct, pin_self,
+                          rss_kib, smoke_result, spawn, stream_load, wait_http)
 
 LITELLM_VENV = ROOT / ".bench" / "litellm-venv"
 # litellm 1.101 and later move the proxy into a package `litellm-proxy` that PyPI does not serve;
@@ -244,7 +245,8 @@ def main() -> None:
         missing = {}
         if "litellm" in args.targets and not (LITELLM_VENV / "bin" / "litellm").exists():
             args.targets = [t for t in args.targets if t != "litellm"]
-            missing["litellm"] = f"LiteLLM's proxy is not installed in {LITELLM_VENV.relative_to(ROOT)} (a full run installs it)"
+            missing["litellm"] = (f"LiteLLM's proxy is not installed in {LITELLM_VENV.relative_to(ROOT)} "
+                                  "(a full run installs it)")
         emit(smoke_result(asyncio.run(run(args)), args, missing), out_path(args, "compare"))
         return
     if args.repeats == 1:

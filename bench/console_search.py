@@ -1,6 +1,7 @@
 """What the console's audit reads cost on a long chain: search pages, one filter each, a range verify, an export.
 
-    python -m bench.console_search [--records 50000] [--stores sqlite,postgres] [--repeat 15] [--out FILE] [--smoke]
+    python -m bench.console_search [--records 50000] [--stores sqlite,postgres] [--repeat 15]
+                                   [--out FILE] [--smoke]
 
 Fills a fresh store with ``--records`` request records (ten tenants, four engines;
 1 % refused, 0.2 % degraded to text-only, 0.5 % with a policy that rejected), then

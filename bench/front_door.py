@@ -1,6 +1,7 @@
 """The front door's costs: resolving a key, refusing one (with the per-address limit), and one directory refresh.
 
-``python -m bench.front_door --keys 10000 --calls 20000 [--out FILE] [--smoke]``: in-process, no HTTP; the SQLite
+``python -m bench.front_door --keys 10000 --calls 20000 [--out FILE] [--smoke]``: in-process, no HTTP; the
+SQLite
 directory in a temporary folder. Figures are wall time per operation (one core, median of
 ``--repeat`` runs).
 """

@@ -142,7 +142,8 @@ def bench_nli(assets: Path, batches: list[int], repeat: int, cpu_threads: int, c
             torch.set_num_threads(cpu_threads)
             for b in batches:
                 pairs = [(premise, hypothesis)] * b
-                res["cpu"][b] = _time(lambda: cpu.predict(pairs, batch_size=b), _nothing, max(1, min(3, repeat), repeat // 4))
+                cpu_repeat = max(1, min(3, repeat), repeat // 4)
+                res["cpu"][b] = _time(lambda: cpu.predict(pairs, batch_size=b), _nothing, cpu_repeat)
                 if not cuda:
                     continue
                 res["cuda_fp32"][b] = _time(lambda: gpu.predict(pairs, batch_size=b), _cuda_sync, repeat)
@@ -152,7 +153,8 @@ def bench_nli(assets: Path, batches: list[int], repeat: int, cpu_threads: int, c
     return out
 
 
-def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: int = 48, cuda: bool = True) -> dict:
+def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: int = 48,
+                  cuda: bool = True) -> dict:
     """Encoder over 30 s of features, then ``steps`` greedy decoder steps with the KV cache.
 
     With ``weights`` (``python -m bench.whisper_weights --out DIR --check``): the real tiny.en

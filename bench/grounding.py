@@ -31,7 +31,8 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import add_smoke, emit, free_port, out_path, pct, pin_self, smoke_result, spawn, stream_load, wait_http
+from bench.common import (add_smoke, emit, free_port, out_path, pct, pin_self, smoke_result, spawn, stream_load,
+                          wait_http)
 
 PREMISE = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
@@ -190,7 +191,9 @@ async def _ttfb(args: argparse.Namespace) -> dict:
     for port, grounded in ((off_port, False), (on_port, True)):
         cfg = tmp / f"g{int(grounded)}.yaml"
         cfg.write_text(yaml.safe_dump(_config(up_port, grounded)))
-        procs.append(spawn(["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)], cpu=0, env=env))
+        # A smoke run lets both gateways start side by side (its figures are not quoted).
+        procs.append(spawn(["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+                           cpu=None if args.smoke else 0, env=env))
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         for port in (off_port, on_port):

@@ -20,7 +20,8 @@ change the engines' roles and rules for their scenario. INT4 and BF16 share GPU 
 is on "1"), so the VRAM rule also puts the idle BF16 to sleep (the scripted engines serve
 vLLM-Omni's /v1/omni/sleep and /v1/omni/wakeup). ``--tiny`` shortens every phase (long enough
 for an incident to play out); ``--smoke`` shortens them further and, without ``--only``, runs
-the latency spike and the energy incident. Neither gives figures to quote.
+the energy incident (its layout, preparation and fault from ``bench/energy_incidents.py``).
+Neither gives figures to quote.
 
 Its length: one harness and its twelve incidents, each a few lines, kept together so a run is one command.
 """
@@ -705,10 +706,11 @@ def main() -> None:
         help="comma-separated: spike,vram,crash,drift,noise,noise-near,wer,energy,accuracy,p50,offload,wer-zh",
     )
     add_smoke(p)
-    p.add_argument("--tiny", action="store_true", help="short phases, long enough for each incident to play out")
+    p.add_argument("--tiny", action="store_true",
+                   help="short phases, long enough for each incident to play out")
     args = p.parse_args()
     if args.smoke and not args.only:
-        args.only = "spike,energy"
+        args.only = "energy"
     results = asyncio.run(main_async(args))
     print(table(results))
     if args.out or args.smoke:

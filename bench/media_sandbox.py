@@ -59,8 +59,10 @@ async def main(repeat: int, smoke: bool = False) -> dict:
     image = f"{width * height / 1e6:.0f} MP JPEG -> 2 MP"
     cases = {
         image: _ref("image", data_uri("image/jpeg", buf.getvalue())),
-        f"{seconds:.0f} s 320x240 4 fps H.264 -> 2 fps MP4": _ref("video", data_uri("video/mp4", video(seconds, fps=4))),
-        f"{minutes} min 16 kHz WAV (passed through)": _ref("audio", data_uri("audio/wav", wav(tone(minutes * 60), 16000))),
+        f"{seconds:.0f} s 320x240 4 fps H.264 -> 2 fps MP4":
+            _ref("video", data_uri("video/mp4", video(seconds, fps=4))),
+        f"{minutes} min 16 kHz WAV (passed through)":
+            _ref("audio", data_uri("audio/wav", wav(tone(minutes * 60), 16000))),
     }
     box = Sandbox(MediaSettings(decode_workers=2, decode_deadline_s=2.0 if smoke else 30.0))
     await box.start()
@@ -204,7 +206,8 @@ def _clean_latency(client, rig, hostile_body: dict, repeat: int) -> dict:
 
 
 def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rss", action="store_true", help="the per-request RSS figures (real gateways)")
     add_smoke(parser)

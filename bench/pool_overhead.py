@@ -65,7 +65,8 @@ def main() -> None:
         emit(smoke_result({"requests": n, "per_request_us": busy / n * 1e6, "ticks": len(tick_times),
                            "tick_median_ms": tick_times[len(tick_times) // 2] * 1000,
                            "tick_max_ms": tick_times[-1] * 1000,
-                           "served": {k: v.ok for k, v in summaries.items()}}, args), out_path(args, "pool_overhead"))
+                           "served": {k: v.ok for k, v in summaries.items()}}, args),
+             out_path(args, "pool_overhead"))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from bench.common import add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, stream_load, wait_http
+from bench.common import (add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, stream_load,
+                          wait_http)
 from bench.compare import _omnigate
 
 # (layer, substrings of a frame's "function (file:line)"), first match from the innermost frame wins.
@@ -136,7 +137,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.streams, args.seconds = 4, 2
-    missing = {} if shutil.which("py-spy") else {"py-spy samples": "py-spy is not installed (pip install py-spy)"}
+    missing = {}
+    if shutil.which("py-spy") is None:
+        missing["py-spy samples"] = "py-spy is not installed (pip install py-spy)"
     emit(smoke_result(asyncio.run(run(args)), args, missing), out_path(args, "profile"))
 
 

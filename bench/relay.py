@@ -59,8 +59,10 @@ def make_app(upstream: str) -> web.Application:
 
 async def smoke() -> dict:
     up_port, port = free_port(), free_port()
-    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", "8"], cpu=None)
-    relay = spawn(["-m", "bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{up_port}/v1"], cpu=None)
+    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", "8"],
+                     cpu=None)
+    relay = spawn(["-m", "bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{up_port}/v1"],
+                  cpu=None)
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         await wait_http(f"http://127.0.0.1:{port}/health")
