@@ -1,6 +1,6 @@
 """CPU per streamed chunk of the native aiohttp adapter against the litellm adapter, same upstream.
 
-    python -m bench.adapters [--requests 200] [--chunks 64]
+    python -m bench.adapters [--requests 200] [--chunks 64] [--out FILE] [--smoke]
 
 The adapters run in this process (core 0); the scripted upstream on core 1.
 CPU is this process's user+system time divided by the chunks relayed.
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from collections.abc import Awaitable, Callable
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from bench.common import free_port, pin_self, spawn, wait_http  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, wait_http)
 from engines.pool import build_engine  # noqa: E402
 from gateway.schemas import ChatCompletionRequest  # noqa: E402
 from gateway.settings import EngineConfig  # noqa: E402
@@ -41,11 +41,11 @@ async def _drive(engine, request: ChatCompletionRequest, total: int, concurrency
 
 
 async def measure(config: EngineConfig, request: ChatCompletionRequest, total: int,
-                  concurrency: int) -> tuple[float, int]:
+                  concurrency: int, warm_up: int = 10) -> tuple[float, int]:
     """CPU seconds and text chunks of ``total`` streamed requests through a fresh engine, after a warm-up."""
     engine = build_engine(config)
     await engine.start()
-    await _drive(engine, request, 10, 2)  # warm-up: imports, pools
+    await _drive(engine, request, warm_up, 2)  # warm-up: imports, pools
     cpu, chunks = await _drive(engine, request, total, concurrency)
     await engine.aclose()
     return cpu, chunks
@@ -65,7 +65,7 @@ async def run(args: argparse.Namespace) -> dict:
         for kind, model in (("vllm", "scripted"), ("litellm", "hosted_vllm/scripted")):
             config = EngineConfig(name=kind, kind=kind, base_url=base, model=model, serves=["bench"],
                                   api_key="sk-bench")
-            cpu, chunks = await measure(config, request, args.requests, args.concurrency)
+            cpu, chunks = await measure(config, request, args.requests, args.concurrency, args.warm_up)
             out[kind] = {
                 "requests": args.requests,
                 "chunks": chunks,
@@ -73,25 +73,29 @@ async def run(args: argparse.Namespace) -> dict:
                 "cpu_us_per_chunk": round(cpu / chunks * 1e6, 1),
                 "cpu_ms_per_request": round(cpu / args.requests * 1e3, 2),
             }
-        out["litellm_over_native"] = round(out["litellm"]["cpu_s"] / out["vllm"]["cpu_s"], 1)
+        out["litellm_over_native"] = round(out["litellm"]["cpu_s"] / max(out["vllm"]["cpu_s"], 1e-3), 1)
         return out
     finally:
         up.terminate()
         up.wait(10)
 
 
-def cli(doc: str | None, bench: Callable[[argparse.Namespace], Awaitable[dict]]) -> None:
+def cli(doc: str | None, bench: Callable[[argparse.Namespace], Awaitable[dict]], name: str) -> None:
     """The command line both adapter benchmarks take: run ``bench`` and print its result as JSON."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
+    add_smoke(ap)
     args = ap.parse_args()
-    print(json.dumps(asyncio.run(bench(args)), indent=2))
+    args.warm_up = 10
+    if args.smoke:
+        args.requests, args.chunks, args.concurrency, args.warm_up = 6, 8, 2, 2
+    emit(smoke_result(asyncio.run(bench(args)), args), out_path(args, name))
 
 
 def main() -> None:
-    cli(__doc__, run)
+    cli(__doc__, run, "adapters")
 
 
 if __name__ == "__main__":

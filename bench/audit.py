@@ -1,6 +1,6 @@
 """Audit write cost per request, for each store (SQLite, PostgreSQL) and commit mode (sync, group).
 
-    python -m bench.audit [--requests 2000] [--levels 1,32] [--stores sqlite,postgres]
+    python -m bench.audit [--requests 2000] [--levels 1,32] [--stores sqlite,postgres] [--out FILE] [--smoke]
 
 In-process: ``C`` concurrent simulated requests each hand one realistic record to
 the audit log (a 2 KiB prompt, a 1 KiB answer, two policy runs) and wait until it
@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from bench.common import add_smoke, emit, out_path, smoke_result
 from engines.base import Completion, Usage
 from gateway.context import PolicyRun, RequestContext
 from gateway.schemas import ChatCompletionRequest
@@ -86,7 +88,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
     for store in args.stores.split(","):
         for mode in ("sync", "group"):
             for c in levels:
-                total = args.requests if c > 1 else max(200, args.requests // 4)
+                total = args.requests if c > 1 or args.smoke else max(200, args.requests // 4)
                 if store == "sqlite":
                     with tempfile.TemporaryDirectory() as tmp:
                         settings = AuditSettings(store="sqlite", sqlite_path=Path(tmp) / "a.db", commit=mode,
@@ -101,7 +103,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
                         r = await _one_level(settings, c, total)
                 r.update(store=store, mode=mode)
                 results.append(r)
-                print(json.dumps(r), flush=True)
+                print(json.dumps(r), file=sys.stderr, flush=True)
     return results
 
 
@@ -110,8 +112,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--levels", default="1,32")
     p.add_argument("--stores", default="sqlite,postgres")
+    add_smoke(p)
     args = p.parse_args()
+    if args.smoke:
+        args.requests, args.levels = 20, "1,4"
     results = asyncio.run(run(args))
+    emit(smoke_result({"rows": results}, args), out_path(args, "audit"))
     print(f"\n{platform.processor() or platform.machine()}, Python {platform.python_version()}")
     print("| store | mode | concurrent | records | submit (request path) | ack p50 / p99 | CPU per record | records/s |")
     print("|---|---|---|---|---|---|---|---|")

@@ -1,6 +1,6 @@
 """Client cancels mid-answer: how soon does the engine see the abort?
 
-    python -m bench.cancels [--rounds 200]
+    python -m bench.cancels [--rounds 200] [--out FILE] [--smoke]
 
 The scripted upstream and omnigate run in this process's server thread; a client
 opens a request (half streaming, half not), leaves at a random moment, and the
@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from bench.common import pct
+from bench.common import add_smoke, emit, out_path, pct, smoke_result
 from gateway.settings import EngineConfig, Settings
 from tests.harness import BackgroundLoop, GatewayServer
 from tests.upstream import Script, ScriptedUpstream
@@ -90,11 +89,15 @@ def start(bg: BackgroundLoop) -> tuple[GatewayServer, ScriptedUpstream]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=200)
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds = 6
     bg = BackgroundLoop()
     gateway, up = start(bg)
     try:
-        print(json.dumps(asyncio.run(run_cancels(bg, gateway, up, args.rounds)), indent=2))
+        result = asyncio.run(run_cancels(bg, gateway, up, args.rounds))
+        emit(smoke_result(result, args), out_path(args, "cancels"))
     finally:
         gateway.stop()
         bg.run(up.stop())

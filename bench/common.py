@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import shutil
@@ -9,6 +10,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,41 @@ def emit(result: dict, out: Path | None) -> None:
     print(text)
     if out:
         out.write_text(text + "\n")
+        print(f"written to {out}", file=sys.stderr)
+
+
+SMOKE_HELP = "tiny sizes, a few seconds: shows the benchmark still runs (its figures are not to be quoted)"
+
+
+def add_smoke(ap: argparse.ArgumentParser, out: bool = True) -> None:
+    """``--smoke`` (and, with ``out``, ``--out FILE``) on a benchmark's command line."""
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    if out:
+        ap.add_argument("--out", type=Path, default=None, help="write the JSON result here too")
+
+
+def out_path(args: argparse.Namespace, name: str) -> Path | None:
+    """Where a run writes its JSON: ``--out``; in smoke mode a temporary file when none is given.
+
+    A smoke run never writes over the recorded results beside the benchmarks (``bench/*.json``).
+    """
+    out: Path | None = getattr(args, "out", None)
+    if not getattr(args, "smoke", False):
+        return out
+    if out is None:
+        return Path(tempfile.mkdtemp(prefix=f"omnigate-smoke-{name}-")) / f"{name}.json"
+    if out.resolve().parent == (ROOT / "bench").resolve():
+        raise SystemExit(f"a smoke run does not write into bench/ (the recorded results): {out}")
+    return out
+
+
+def smoke_result(result: dict, args: argparse.Namespace, not_measured: dict[str, str] | None = None) -> dict:
+    """Mark a smoke run's result as such, with what it could not measure on this host and why."""
+    if getattr(args, "smoke", False):
+        result = {"smoke": True, **result, "not_measured": not_measured or {}}
+        for what, why in (not_measured or {}).items():
+            print(f"not measured: {what}: {why}", file=sys.stderr)
+    return result
 
 
 def pin_self(cpu: int) -> None:

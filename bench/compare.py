@@ -2,6 +2,7 @@
 
     python -m bench.compare [--levels 1,16,64,256] [--chunks 64]
                             [--targets relay,omnigate-off,omnigate-noaudit,omnigate,litellm]
+                            [--out FILE] [--smoke]
 
 The proxies run on core 0 (started together, idle but for their turn); the
 upstream and this load generator share core 1. For each level, the targets take
@@ -13,6 +14,7 @@ held open, and idle RSS. ``omnigate-off`` has an empty policy chain, ``omnigate`
 default one, ``omnigate-noaudit`` an empty chain and no audit trail (what the durable
 audit costs). LiteLLM's proxy is installed on first use into
 ``.bench/litellm-venv`` (``litellm[proxy]==1.100.0``, the newest release whose proxy extra installs).
+``--smoke`` runs the targets at two small levels; LiteLLM's proxy only where it is installed already.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from bench.common import (ROOT, LoadResult, cpu_seconds, emit, free_port, pct, pin_self, rss_kib, spawn, stream_load,
-                          wait_http)
+from bench.common import (ROOT, LoadResult, add_smoke, cpu_seconds, emit, free_port, out_path, pct, pin_self,
+                          rss_kib, smoke_result, spawn, stream_load, wait_http)
 
 LITELLM_VENV = ROOT / ".bench" / "litellm-venv"
 # litellm 1.101 and later move the proxy into a package `litellm-proxy` that PyPI does not serve;
@@ -136,7 +138,7 @@ async def _held_rss(proc: subprocess.Popen, url: str, body: dict, up_port: int, 
     await _set_script(up_port, flavour="vllm", chunk_delay_s=0.5, text=" ".join(["w"] * 40))
     try:
         before = rss_kib(proc.pid)
-        held = asyncio.create_task(_hold_open(url, body, args.hold, 3.0))
+        held = asyncio.create_task(_hold_open(url, body, args.hold, args.hold_s))
         peak = before
         while not held.done():
             peak = max(peak, rss_kib(proc.pid))
@@ -234,8 +236,19 @@ def main() -> None:
     ap.add_argument("--hold", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1,
                     help="whole runs, each with fresh processes; the summary gives each figure's median and range")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--hold-s", type=float, default=3.0, help="seconds the held streams stay open")
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.levels, args.chunks, args.min_requests, args.one_stream_requests = [1, 4], 8, 8, 8
+        args.rounds, args.hold, args.hold_s, args.repeats = 2, 8, 0.5, 1
+        missing = {}
+        if "litellm" in args.targets and not (LITELLM_VENV / "bin" / "litellm").exists():
+            args.targets = [t for t in args.targets if t != "litellm"]
+            missing["litellm"] = (f"LiteLLM's proxy is not installed in {LITELLM_VENV.relative_to(ROOT)} "
+                                  "(a full run installs it)")
+        emit(smoke_result(asyncio.run(run(args)), args, missing), out_path(args, "compare"))
+        return
     if args.repeats == 1:
         emit(asyncio.run(run(args)), args.out)
         return

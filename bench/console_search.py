@@ -1,6 +1,7 @@
 """What the console's audit reads cost on a long chain: search pages, one filter each, a range verify, an export.
 
     python -m bench.console_search [--records 50000] [--stores sqlite,postgres] [--repeat 15]
+                                   [--out FILE] [--smoke]
 
 Fills a fresh store with ``--records`` request records (ten tenants, four engines;
 1 % refused, 0.2 % degraded to text-only, 0.5 % with a policy that rejected), then
@@ -19,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import add_smoke, emit, out_path, smoke_result
 from observability.audit.chain import Signer, canonical
 from observability.audit.search import AuditQuery
 from observability.audit.store import AuditStore, Entry
@@ -76,31 +78,38 @@ async def _time(fn, repeat: int) -> tuple[float, float]:
     return statistics.median(runs), max(runs)
 
 
-async def bench_store(store: AuditStore, n: int, repeat: int) -> list[tuple[str, str]]:
+async def bench_store(store: AuditStore, n: int, repeat: int) -> dict[str, dict[str, float]]:
+    """Per figure: its median and slowest run in ms (the fill and the export run once)."""
     await store.open()
     try:
         fill_s = await _fill(store, n)
-        out = [("fill", f"{n} records in {fill_s:.1f} s")]
+        out = {"fill": {"records": n, "seconds": fill_s}}
         for name, q in QUERIES.items():
             med, worst = await _time(lambda q=q: store.search(q, PAGE + 1), repeat)
-            out.append((name, f"{med:.2f} / {worst:.2f} ms"))
+            out[name] = {"median_ms": med, "slowest_ms": worst}
         signer = Signer("none", "bench", None)
-        med, worst = await _time(lambda: verify_range(store, signer, n // 2, n // 2 + 999), repeat)
-        out.append(("verify 1,000 records mid-chain", f"{med:.1f} / {worst:.1f} ms"))
+        span = min(1000, n // 2)
+        med, worst = await _time(lambda: verify_range(store, signer, n // 2, n // 2 + span - 1), repeat)
+        out[f"verify {span:,} records mid-chain"] = {"median_ms": med, "slowest_ms": worst}
         t0 = time.perf_counter()
         await export_store(store, io.BytesIO())
-        out.append((f"export all {n} (JSON lines)", f"{(time.perf_counter() - t0) * 1000:.0f} ms"))
+        out[f"export all {n} (JSON lines)"] = {"ms": (time.perf_counter() - t0) * 1000}
         return out
     finally:
         await store.close()
 
 
 async def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.console_search", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", type=int, default=50_000)
     ap.add_argument("--stores", default="sqlite,postgres")
     ap.add_argument("--repeat", type=int, default=15)
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.records, args.repeat = 400, 2
+    stores = {}
     for name in args.stores.split(","):
         if name == "sqlite":
             from observability.audit.sqlite import SQLiteStore
@@ -113,9 +122,18 @@ async def main() -> None:
 
             async with fresh_pg_database_async("omnigate_bench") as dsn:
                 rows = await bench_store(PostgresStore(dsn), args.records, args.repeat)
+        stores[name] = rows
         print(f"\n{name}: query | median / slowest of {args.repeat}")
-        for label, value in rows:
-            print(f"  {label:34s} {value}")
+        for label, value in rows.items():
+            if "median_ms" in value:
+                print(f"  {label:34s} {value['median_ms']:.2f} / {value['slowest_ms']:.2f} ms")
+            elif label == "fill":
+                print(f"  {label:34s} {value['records']} records in {value['seconds']:.1f} s")
+            else:
+                print(f"  {label:34s} {value['ms']:.0f} ms")
+    if args.out or args.smoke:
+        emit(smoke_result({"records": args.records, "repeat": args.repeat, "stores": stores}, args),
+             out_path(args, "console_search"))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Engine faults under load: every stream must end cleanly, with no output twice.
 
-    python -m bench.faults [--rounds 200] [--concurrency 16] [--modes ...]
+    python -m bench.faults [--rounds 200] [--concurrency 16] [--modes ...] [--out FILE] [--smoke]
 
 Two engines serve one public model: a faulty primary and a healthy fallback. For
 each fault mode the client runs ``rounds`` streamed requests, ``concurrency`` at a
@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 
 import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry
 
+from bench.common import add_smoke, emit, out_path, smoke_result
 from gateway.settings import EngineConfig, Settings
 from tests.harness import BackgroundLoop, GatewayServer
 from tests.upstream import Script, ScriptedUpstream
@@ -42,9 +44,10 @@ MODES: dict[str, tuple[Script, bool]] = {
 }
 
 
-def start(bg: BackgroundLoop) -> tuple[GatewayServer, ScriptedUpstream, ScriptedUpstream]:
-    primary = ScriptedUpstream(Script(text=TEXT), record=False, keepalive_timeout=5.0)
-    fallback = ScriptedUpstream(Script(text=TEXT), record=False, keepalive_timeout=5.0)
+def start(bg: BackgroundLoop,
+          keepalive_s: float = 5.0) -> tuple[GatewayServer, ScriptedUpstream, ScriptedUpstream]:
+    primary = ScriptedUpstream(Script(text=TEXT), record=False, keepalive_timeout=keepalive_s)
+    fallback = ScriptedUpstream(Script(text=TEXT), record=False, keepalive_timeout=keepalive_s)
     bg.run(primary.start())
     bg.run(fallback.start())
     engine = dict(kind="vllm", model="scripted", serves=["m"], first_byte_timeout_s=1.0, read_timeout_s=1.5)
@@ -131,14 +134,14 @@ async def run_mode(bg, gateway, primary, fallback, mode: str, rounds: int, concu
     }
 
 
-async def run_keepalive(bg, gateway, primary, fallback, n: int = 16) -> dict:
+async def run_keepalive(bg, gateway, primary, fallback, n: int = 16, silence_s: float = 6.0) -> dict:
     """Requests, 6 s of silence (the upstream closes idle connections after 5 s), requests again."""
     # Both engines answer the same: beyond the primary's concurrency cap (8) requests go to the fallback.
     bg.call(lambda: [(setattr(u, "default", Script(text=TEXT)), u.reset_stats()) for u in (primary, fallback)])
     url = gateway.url + "/v1/chat/completions"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         first = await asyncio.gather(*(_one(session, url, TEXT) for _ in range(n)))
-        await asyncio.sleep(6.0)
+        await asyncio.sleep(silence_s)
         second = await asyncio.gather(*(_one(session, url, TEXT) for _ in range(n)))
     results = first + second
     return {"requests": len(results), "clean": sum(r["ok"] and not r.get("errored") for r in results)}
@@ -149,16 +152,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--modes", default=",".join(MODES))
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.concurrency = 2, 2
     bg = BackgroundLoop()
-    gateway, primary, fallback = start(bg)
+    # A smoke run's upstreams close idle connections after 1 s instead of 5, so the silence is short too.
+    keepalive_s = 1.0 if args.smoke else 5.0
+    gateway, primary, fallback = start(bg, keepalive_s)
     out = {}
     try:
         for mode in args.modes.split(","):
             out[mode] = asyncio.run(run_mode(bg, gateway, primary, fallback, mode, args.rounds, args.concurrency))
-            print(mode, json.dumps(out[mode]), flush=True)
-        out["keepalive_closed_after_5s_idle"] = asyncio.run(run_keepalive(bg, gateway, primary, fallback))
-        print(json.dumps(out, indent=1))
+            print(mode, json.dumps(out[mode]), file=sys.stderr, flush=True)
+        keepalive = asyncio.run(run_keepalive(bg, gateway, primary, fallback, n=2 if args.smoke else 16,
+                                              silence_s=keepalive_s + 1.0))
+        emit(smoke_result({"modes": out, "keepalive_closed_after_5s_idle": keepalive}, args),
+             out_path(args, "faults"))
     finally:
         gateway.stop()
         bg.run(primary.stop())

@@ -1,6 +1,7 @@
 """The front door's costs: resolving a key, refusing one (with the per-address limit), and one directory refresh.
 
-``python -m bench.front_door --keys 10000 --calls 20000``: in-process, no HTTP; the SQLite
+``python -m bench.front_door --keys 10000 --calls 20000 [--out FILE] [--smoke]``: in-process, no HTTP; the
+SQLite
 directory in a temporary folder. Figures are wall time per operation (one core, median of
 ``--repeat`` runs).
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from bench.common import add_smoke, emit, out_path, smoke_result
 from gateway.auth_failures import AuthFailures, TooManyAuthFailures
 from gateway.auth_settings import DirectorySettings, FailureLimitSettings
 from gateway.directory.live import LiveDirectory
@@ -90,12 +92,18 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=10_000)
     parser.add_argument("--calls", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=3)
+    add_smoke(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.keys, args.calls, args.repeat = 50, 200, 1
     out = asyncio.run(_run(args.keys, args.calls, args.repeat))
     print(f"keys in the directory: {args.keys}")
     for name, value in out.items():
         unit, scale = ("ms", 1e3) if name.startswith("refresh") else ("µs", 1e6)
         print(f"{name:24s} {value * scale:10.2f} {unit}")
+    if args.out or args.smoke:
+        emit(smoke_result({"keys": args.keys, "calls": args.calls, "seconds_per_operation": out}, args),
+             out_path(args, "front_door"))
 
 
 if __name__ == "__main__":

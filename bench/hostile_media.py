@@ -1,6 +1,6 @@
 """The hostile media corpus against a real ``omnigate serve``: status, error, time to refusal, peak RSS.
 
-    python -m bench.hostile_media [--out FILE] [--keep DIR] [--index-cost]
+    python -m bench.hostile_media [--out FILE] [--keep DIR] [--index-cost] [--smoke]
 
 The corpus (``bench.hostile_corpus``: pixel bombs, lying headers, truncated
 files, polyglots, lying audio and video headers) is written to a temporary
@@ -12,7 +12,8 @@ from sending to the answer, and how much the gateway's peak RSS (VmHWM) grew.
 For comparison, clean 2, 4 and 8 s clips follow the corpus. ``--index-cost``
 also opens MP4s declaring 10^6 to 8x10^7 samples in FFmpeg without the gateway's
 check, each in a fresh process. The gateway runs on core 0, the engine and this
-client on core 1.
+client on core 1. ``--smoke`` sends the first file of each category and one clean 2 s clip
+(with ``--index-cost``, one MP4 of 10^5 samples).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import httpx
 import yaml
 
 from bench import hostile_corpus
-from bench.common import ROOT, free_port, pin_self
+from bench.common import ROOT, add_smoke, emit, free_port, out_path, pin_self, smoke_result
 from bench.hostile_corpus import Sample
 
 MODEL = "omni"
@@ -195,10 +196,11 @@ def warm_up(client: httpx.Client, rig: Rig, parts: tuple[str, ...] | None = None
             raise RuntimeError(f"warm-up {sample.name}: {resp.status_code} {resp.text[:300]}")
 
 
-def ordinary_video(client: httpx.Client, rig: Rig) -> list[dict[str, Any]]:
+def ordinary_video(client: httpx.Client, rig: Rig,
+                   lengths: tuple[float, ...] = (2.0, 4.0, 8.0)) -> list[dict[str, Any]]:
     """For comparison, clean 320x240 clips of 2, 4 and 8 s after the corpus: the peak RSS each leaves."""
     out = []
-    for seconds in (2.0, 4.0, 8.0):
+    for seconds in lengths:
         sample = hostile_corpus.clean_video(seconds)
         row = send(client, rig, sample, timeout=120)
         out.append(
@@ -262,11 +264,16 @@ def _outcome(status: int) -> str:
     return "refused" if 400 <= status < 500 else "served" if status == 200 else "other"
 
 
-def run(keep: Path | None = None, pin: bool = True) -> dict[str, Any]:
+def run(keep: Path | None = None, pin: bool = True, smoke: bool = False) -> dict[str, Any]:
     if pin:
         pin_self(1)
     corpus_dir = keep or Path(tempfile.mkdtemp(prefix="omnigate-corpus-"))
     written = hostile_corpus.write(corpus_dir)
+    if smoke:  # the first file of each category
+        firsts: dict[str, tuple[Sample, Path]] = {}
+        for sample, path in written:
+            firsts.setdefault(sample.category, (sample, path))
+        written = list(firsts.values())
     rig = Rig.start(pin=pin)
     try:
         idle = hwm_kib(rig.gateway.pid)
@@ -274,7 +281,7 @@ def run(keep: Path | None = None, pin: bool = True) -> dict[str, Any]:
             warm_up(client, rig)
             baseline = hwm_kib(rig.gateway.pid)
             rows = [send(client, rig, replace(sample, data=path.read_bytes())) for sample, path in written]
-            ordinary = ordinary_video(client, rig)
+            ordinary = ordinary_video(client, rig, (2.0,) if smoke else (2.0, 4.0, 8.0))
         alive = rig.gateway.poll() is None
     finally:
         rig.stop()
@@ -355,13 +362,18 @@ def main() -> None:
         help="also measure FFmpeg opening MP4s that declare 1e6..8e7 samples, unchecked",
     )
     ap.add_argument("--open-unchecked", type=int, default=None, help=argparse.SUPPRESS)
+    add_smoke(ap, out=False)
     args = ap.parse_args()
     if args.open_unchecked is not None:
         _open_unchecked(args.open_unchecked)
         return
-    result = run(args.keep, pin=not args.no_pin)
+    result = run(args.keep, pin=not args.no_pin, smoke=args.smoke)
     if args.index_cost:
-        result["ffmpeg_index_cost_unchecked"] = [index_cost(n) for n in (10**6, 10**7, 4 * 10**7, 8 * 10**7)]
+        sizes = (10**5,) if args.smoke else (10**6, 10**7, 4 * 10**7, 8 * 10**7)
+        result["ffmpeg_index_cost_unchecked"] = [index_cost(n) for n in sizes]
+    if args.smoke:
+        emit(smoke_result(result, args), out_path(args, "hostile_media"))
+        return
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "files"}, indent=2))

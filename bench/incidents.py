@@ -1,6 +1,6 @@
 """Incident replay: drive scripted engines into incidents under steady load and time the rollback.
 
-    python -m bench.incidents [--rate 20] [--only spike,noise] [--tiny]
+    python -m bench.incidents [--rate 20] [--only spike,noise] [--tiny | --smoke] [--out FILE]
 
 Three scripted vLLM-Omni engines (INT4 primary, INT8 and BF16 fallbacks), each its
 own process (``python -m tests.upstream``), behind a fresh gateway process per
@@ -18,8 +18,10 @@ second. Per scenario it reports:
 The energy and accuracy incidents (their layouts and faults in ``bench/energy_incidents.py``)
 change the engines' roles and rules for their scenario. INT4 and BF16 share GPU "0" (INT8
 is on "1"), so the VRAM rule also puts the idle BF16 to sleep (the scripted engines serve
-vLLM-Omni's /v1/omni/sleep and /v1/omni/wakeup). ``--tiny`` shortens every phase (a smoke
-run: the figures are not meant to be quoted).
+vLLM-Omni's /v1/omni/sleep and /v1/omni/wakeup). ``--tiny`` shortens every phase (long enough
+for an incident to play out); ``--smoke`` shortens them further and, without ``--only``, runs
+the energy incident (its layout, preparation and fault from ``bench/energy_incidents.py``).
+Neither gives figures to quote.
 
 Its length: one harness and its twelve incidents, each a few lines, kept together so a run is one command.
 """
@@ -44,7 +46,7 @@ import aiohttp
 import orjson
 import yaml
 
-from bench.common import free_port, spawn, wait_http
+from bench.common import add_smoke, emit, free_port, out_path, smoke_result, spawn, wait_http
 from bench.energy_incidents import (
     accuracy_inject,
     accuracy_layout,
@@ -571,6 +573,8 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
     only = set(args.only.split(",")) if args.only else None
     tiny = getattr(args, "tiny", False)
     short = dict(warmup_s=4.0, observe_s=12.0, after_s=2.0) if tiny else {}
+    if getattr(args, "smoke", False):
+        short = dict(warmup_s=2.0, observe_s=5.0, after_s=1.0)
     try:
         plan = [
             ("spike", "latency spike on INT4 (TTFT 0.2 -> 0.9 s)", dict(inject=spike)),
@@ -701,10 +705,17 @@ def main() -> None:
         default="",
         help="comma-separated: spike,vram,crash,drift,noise,noise-near,wer,energy,accuracy,p50,offload,wer-zh",
     )
-    p.add_argument("--tiny", action="store_true", help="short phases: a smoke run, not figures to quote")
+    add_smoke(p)
+    p.add_argument("--tiny", action="store_true",
+                   help="short phases, long enough for each incident to play out")
     args = p.parse_args()
+    if args.smoke and not args.only:
+        args.only = "energy"
     results = asyncio.run(main_async(args))
     print(table(results))
+    if args.out or args.smoke:
+        doc = smoke_result({"results": [asdict(r) for r in results]}, args)
+        emit(doc, out_path(args, "incidents"))
 
 
 if __name__ == "__main__":

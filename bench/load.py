@@ -2,6 +2,7 @@
 
     python -m bench.load --against scripted  [--users 8 --seconds 150 --out FILE]
     python -m bench.load --against real-vllm [--users 8 --seconds 150 --out FILE]
+    python -m bench.load --smoke [--out FILE]      # scripted, 2 users for 4 s
 
 ``scripted``: the gateway in front of the scripted vLLM-Omni upstream (tests/upstream.py) serving
 ``qwen3-omni-flash``; the whole mix (text, image + text, audio + text, speech out) goes there.
@@ -31,7 +32,7 @@ from typing import Any, Iterator
 import httpx
 import yaml
 
-from bench.common import ROOT, free_port, spawn
+from bench.common import ROOT, add_smoke, emit, free_port, out_path, smoke_result, spawn
 
 OMNI_MODEL = "qwen3-omni-flash"
 TEXT_MODEL = "smollm2-chat"
@@ -127,8 +128,10 @@ def main() -> None:
     p.add_argument("--seconds", type=int, default=150)
     p.add_argument("--weights", default="text=4,image=2,audio=2,speech=2")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--out", type=Path, default=None)
+    add_smoke(p)
     args = p.parse_args()
+    if args.smoke:
+        args.against, args.users, args.seconds = "scripted", 2, 4
     summary = Path(tempfile.mkdtemp(prefix="omnigate-locust-")) / "summary.json"
     with started(args.against) as (host, text_model, omni_model):
         cmd = locust_command(host, text_model, omni_model, args.users, args.seconds, summary, args.weights,
@@ -138,10 +141,7 @@ def main() -> None:
     result["against"] = args.against
     result["cpu_cores"] = os.cpu_count()
     result["locust_exit_code"] = run.returncode
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(smoke_result(result, args), out_path(args, "load"))
 
 
 if __name__ == "__main__":

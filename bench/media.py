@@ -1,10 +1,11 @@
 """Media pre-filter figures: NSFW latency, downsampling, probes, 2 fps sampling, pixel-bomb refusal memory.
 
-    python -m bench.media [--repeat N]
+    python -m bench.media [--repeat N] [--out FILE] [--smoke]
 
 Each figure is the median of N runs (wall and CPU time of this process, which
 is pinned to one core). The pixel-bomb figure runs in a fresh child process so
-its peak RSS is not hidden by what the other figures allocated.
+its peak RSS is not hidden by what the other figures allocated. ``--smoke`` takes a 2 s clip
+and a 1 min recording instead of 120 s and 45 min, one run each.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import av
 import numpy as np
 import soundfile as sf
 
-from bench.common import pin_self
+from bench.common import add_smoke, emit, out_path, pin_self, smoke_result
 from policies.media.audio import probe_audio
 from policies.media.budget import BudgetConfig, frame_size_for
 from policies.media.image import ImageConfig, normalise_image
@@ -103,7 +104,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--bomb-child", action="store_true")
+    add_smoke(parser)
     args = parser.parse_args()
+    clip_s, minutes = 120, 45
+    if args.smoke:
+        args.repeat, clip_s, minutes = 1, 2, 1
     if args.bomb_child:
         bomb_child()
         return
@@ -140,13 +145,13 @@ def main() -> None:
         )
     )
 
-    print("encoding the 120 s 720p clip (once) ...", file=sys.stderr)
-    clip = clip_720p()
+    print(f"encoding the {clip_s} s 720p clip (once) ...", file=sys.stderr)
+    clip = clip_720p(clip_s)
     info = probe_video(clip, "p")
     wall, cpu = measure(lambda: probe_video(clip, "p"), args.repeat * 4)
     rows.append(
         (
-            f"video probe, 120 s 720p30 H.264 ({len(clip) / 1e6:.1f} MB, {info.frames} frames)",
+            f"video probe, {clip_s} s 720p30 H.264 ({len(clip) / 1e6:.1f} MB, {info.frames} frames)",
             f"{wall:.2f} ms",
             f"{cpu:.2f} ms",
             "<= 10 ms",
@@ -175,7 +180,6 @@ def main() -> None:
         )
     )
 
-    minutes = 45
     pcm = (np.sin(np.arange(16000 * 60 * minutes) * 0.05) * 3000).astype(np.int16)
     for fmt, sub in (("WAV", "PCM_16"), ("FLAC", "PCM_16")):
         buf = io.BytesIO()
@@ -184,7 +188,7 @@ def main() -> None:
         wall, cpu = measure(lambda: probe_audio(data, "p"), args.repeat * 4)
         rows.append(
             (
-                f"audio duration probe, 45 min {fmt} ({len(data) / 1e6:.0f} MB)",
+                f"audio duration probe, {minutes} min {fmt} ({len(data) / 1e6:.0f} MB)",
                 f"{wall:.2f} ms",
                 f"{cpu:.2f} ms",
                 "<= 10 ms",
@@ -213,6 +217,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    if args.out or args.smoke:
+        result = {"rows": [dict(zip(("figure", "wall", "cpu", "target"), row, strict=True)) for row in rows],
+                  "bomb": bomb}
+        emit(smoke_result(result, args), out_path(args, "media"))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """What the decoding sandbox costs, and what a hostile part costs others (issue 15).
 
-    python -m bench.media_sandbox [--repeat N]
+    python -m bench.media_sandbox [--repeat N] [--rss] [--out FILE]
+    python -m bench.media_sandbox --smoke [--out FILE]
 
 Per figure, the median of N runs of ``media-limits``' per-part work (probe, then decode and
 re-encode): in this process, and through the sandbox's worker processes (pickling the part
 there and the result back included). Then the peak RSS of the worker against the media bytes
 it was handed, and the latency of a small task submitted while another worker is stuck in a
-decoder made to hang.
+decoder made to hang. ``--smoke`` runs both parts once, on small media, with a 2 s decode deadline
+for the hanging decoder.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import statistics
 import time
 
+from bench.common import add_smoke, emit, out_path, smoke_result
 from gateway.settings import MediaSettings
 from policies.media.audio import AudioConfig
 from policies.media.budget import BudgetConfig
@@ -47,17 +50,22 @@ def _worker_peak_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-async def main(repeat: int) -> dict:
+async def main(repeat: int, smoke: bool = False) -> dict:
     cfg = Settings(ImageConfig(vision_max_res=None), AudioConfig(), VideoConfig(), BudgetConfig())
     target = MediaTarget()
     buf = io.BytesIO()
-    photo(4000, 3000).save(buf, "JPEG", quality=90)
+    width, height = (1600, 1200) if smoke else (4000, 3000)
+    photo(width, height).save(buf, "JPEG", quality=90)
+    seconds, minutes = (4.0, 0.5) if smoke else (120.0, 10)
+    image = f"{width * height / 1e6:.0f} MP JPEG -> 2 MP"
     cases = {
-        "12 MP JPEG -> 2 MP": _ref("image", data_uri("image/jpeg", buf.getvalue())),
-        "120 s 320x240 4 fps H.264 -> 2 fps MP4": _ref("video", data_uri("video/mp4", video(120.0, fps=4))),
-        "10 min 16 kHz WAV (passed through)": _ref("audio", data_uri("audio/wav", wav(tone(600.0), 16000))),
+        image: _ref("image", data_uri("image/jpeg", buf.getvalue())),
+        f"{seconds:.0f} s 320x240 4 fps H.264 -> 2 fps MP4":
+            _ref("video", data_uri("video/mp4", video(seconds, fps=4))),
+        f"{minutes} min 16 kHz WAV (passed through)":
+            _ref("audio", data_uri("audio/wav", wav(tone(minutes * 60), 16000))),
     }
-    box = Sandbox(MediaSettings(decode_workers=2))
+    box = Sandbox(MediaSettings(decode_workers=2, decode_deadline_s=2.0 if smoke else 30.0))
     await box.start()
     out: dict = {"repeat": repeat, "figures": []}
     try:
@@ -81,7 +89,7 @@ async def main(repeat: int) -> dict:
                                    "sandboxed_ms": b * 1000, "overhead_ms": (b - a) * 1000,
                                    "worker_peak_rss_mib": peak / 1024})
         # A hostile part stuck in C in one worker; a clean part on the other worker meanwhile.
-        small = cases["12 MP JPEG -> 2 MP"]
+        small = cases[image]
         hostile = asyncio.create_task(box.run(hostile_decoders.hangs_in_c, (), param="h"))
         await asyncio.sleep(0.2)
         waits = []
@@ -104,7 +112,7 @@ def _body(part: dict) -> dict:
             "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]}
 
 
-def gateway_rss(repeat: int) -> dict:
+def gateway_rss(repeat: int, smoke: bool = False) -> dict:
     """A real ``omnigate serve`` per case: its peak RSS growth for one request against the media bytes.
 
     The gateway's peak is reset (``/proc/PID/clear_refs``) after a warm-up request, so the growth is
@@ -123,6 +131,8 @@ def gateway_rss(repeat: int) -> dict:
         "2 min 44.1 kHz WAV (resampled to 16 kHz FLAC)": (
             "audio_url", data_uri("audio/wav", wav(tone(120.0, rate=44100), 44100))),
         "120 s 640x360 30 fps H.264 (2 fps MP4)": ("video_url", data_uri("video/mp4", video(120.0, 30, (640, 360)))),
+    } if not smoke else {
+        "4 s 320x240 4 fps H.264 (2 fps MP4)": ("video_url", data_uri("video/mp4", video(4.0, 4))),
     }
     rows = []
     for name, (kind, uri) in cases.items():
@@ -241,9 +251,23 @@ def _clean_latency(client, rig, hostile_body: dict, repeat: int) -> dict:
     return {"alone_ms": alone, "during_video_decode_ms": statistics.median(during) * 1000}
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rss", action="store_true", help="the per-request RSS figures (real gateways)")
+    add_smoke(parser)
     args = parser.parse_args()
-    print(json.dumps(gateway_rss(args.repeat) if args.rss else asyncio.run(main(args.repeat)), indent=2))
+    if args.smoke:
+        result = {"sandbox": asyncio.run(main(1, smoke=True)), "gateway_rss": gateway_rss(1, smoke=True)}
+        emit(smoke_result(result, args), out_path(args, "media_sandbox"))
+        return
+    result = gateway_rss(args.repeat) if args.rss else asyncio.run(main(args.repeat))
+    if args.out:
+        emit(result, args.out)
+    else:
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,6 +1,6 @@
 """CPU per streamed chunk of the vLLM-Omni adapter against the plain vLLM adapter, same vLLM-Omni upstream.
 
-    python -m bench.omni_adapter [--requests 200] [--chunks 64]
+    python -m bench.omni_adapter [--requests 200] [--chunks 64] [--out FILE] [--smoke]
 
 The vLLM-Omni adapter wraps the shared SSE reading in one more generator (it judges the finish
 reason that vLLM-Omni leaves out when speech follows the text); this measures what that costs
@@ -32,7 +32,7 @@ async def run(args: argparse.Namespace) -> dict:
         out: dict = {}
         for kind in ("vllm", "vllm-omni"):
             config = EngineConfig(name=kind, kind=kind, base_url=base, model="scripted", serves=["bench"])
-            cpu, chunks = await measure(config, request, args.requests, args.concurrency)
+            cpu, chunks = await measure(config, request, args.requests, args.concurrency, args.warm_up)
             out[kind] = {"requests": args.requests, "chunks": chunks, "cpu_s": round(cpu, 3),
                          "cpu_us_per_chunk": round(cpu / chunks * 1e6, 1)}  # fmt: skip
         out["omni_extra_us_per_chunk"] = round(
@@ -45,7 +45,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    cli(__doc__, run)
+    cli(__doc__, run, "omni_adapter")
 
 
 if __name__ == "__main__":

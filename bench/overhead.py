@@ -1,6 +1,6 @@
 """The gateway's added time to first token and CPU per relayed chunk, against the scripted upstream.
 
-    python -m bench.overhead [--levels 1,16,64] [--chunks 64] [--chunk-delay-ms 2]
+    python -m bench.overhead [--levels 1,16,64] [--chunks 64] [--chunk-delay-ms 2] [--out FILE] [--smoke]
 
 The gateway runs on core 0; the upstream and this load generator on core 1.
 Each level runs the same load against the upstream directly and through
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import cpu_seconds, emit, free_port, pct, pin_self, rss_kib, spawn, stream_load, wait_http
+from bench.common import (add_smoke, cpu_seconds, emit, free_port, out_path, pct, pin_self, rss_kib, smoke_result,
+                          spawn, stream_load, wait_http)
 
 
 def _config(upstream_port: int, chain: str) -> dict:
@@ -101,9 +102,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="requests per worker at each level")
     ap.add_argument("--min-requests", type=int, default=100)
     ap.add_argument("--chain", choices=["off", "default"], default="default")
-    ap.add_argument("--out", type=Path, default=None)
+    add_smoke(ap)
     args = ap.parse_args()
-    emit(asyncio.run(run(args)), args.out)
+    if args.smoke:
+        args.levels, args.chunks, args.min_requests, args.rounds = [1, 4], 8, 8, 2
+    emit(smoke_result(asyncio.run(run(args)), args), out_path(args, "overhead"))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What the engine pool adds to one request: draw the order, claim a slot, report the outcome, release.
 
-    python -m bench.pool_overhead [--requests 200000] [--per-tick 100]
+    python -m bench.pool_overhead [--requests 200000] [--per-tick 100] [--out FILE] [--smoke]
 
 In-process, no I/O: three engines behind one model (a primary, a 10 % canary and
 a fallback), the per-request calls the pipeline makes, timed over many requests.
@@ -13,6 +13,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from bench.common import add_smoke, emit, out_path, smoke_result
 from engines.control_settings import RoutingSettings
 from engines.pool import EnginePool, build_engine
 from gateway.settings import EngineConfig
@@ -35,7 +36,10 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.pool_overhead", description=__doc__)
     p.add_argument("--requests", type=int, default=200_000)
     p.add_argument("--per-tick", type=int, default=100, help="requests between two window summaries (a tick)")
+    add_smoke(p)
     args = p.parse_args()
+    if args.smoke:
+        args.requests = 1000
     pool = build()
     n, tick_every = args.requests, args.per_tick
     tick_times: list[float] = []
@@ -57,6 +61,13 @@ def main() -> None:
     print(f"per controller tick, {tick_every} new requests, {n} in the window (off the request path): "
           f"median {tick_times[len(tick_times) // 2] * 1000:.2f} ms, max {tick_times[-1] * 1000:.2f} ms")
     print({k: (v.ok, v.errors) for k, v in summaries.items()})
+    if args.out or args.smoke:
+        emit(smoke_result({"requests": n, "per_request_us": busy / n * 1e6, "ticks": len(tick_times),
+                           "tick_median_ms": tick_times[len(tick_times) // 2] * 1000,
+                           "tick_max_ms": tick_times[-1] * 1000,
+                           "served": {k: v.ok for k, v in summaries.items()}}, args),
+             out_path(args, "pool_overhead"))
+
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """Where the gateway's CPU goes: py-spy samples of omnigate under streamed load, grouped by layer.
 
-    python -m bench.profile [--streams 64] [--seconds 20] [--chain default|off] [--out FILE]
+    python -m bench.profile [--streams 64] [--seconds 20] [--chain default|off] [--out FILE] [--smoke]
 
 omnigate runs alone on core 0 with the same configuration as ``bench.compare``
 (admission limits lifted; ``default`` is ``load-shedding`` + ``request-limits``,
@@ -11,7 +11,8 @@ thread that holds the GIL (``--gil``), so time a thread spends waiting (an idle
 worker, an fsync) is not counted. Every sample is charged to the innermost frame
 that belongs to a known layer: a sample inside aiohttp's reader called from the
 engine adapter counts as "engine client", one in a C call of the loop with no
-Python frame of a known layer as "event loop".
+Python frame of a known layer as "event loop". Without py-spy, ``--smoke`` still runs the
+gateway under the load and says that the samples were not taken.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from bench.common import emit, free_port, pin_self, spawn, stream_load, wait_http
+from bench.common import (add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, stream_load,
+                          wait_http)
 from bench.compare import _omnigate
 
 # (layer, substrings of a frame's "function (file:line)"), first match from the innermost frame wins.
@@ -73,9 +75,17 @@ def summarise(raw: Path) -> dict:
     }
 
 
+async def _load_until(url: str, body: dict, streams: int, done) -> int:  # noqa: ANN001
+    """``streams`` streams back to back until ``done()``; the requests served."""
+    served = 0
+    while not done():
+        served += (await stream_load(url, body, streams, streams)).requests
+    return served
+
+
 async def run(args: argparse.Namespace) -> dict:
     spy = shutil.which("py-spy")
-    if spy is None:
+    if spy is None and not args.smoke:
         raise SystemExit("py-spy is not installed: pip install py-spy")
     pin_self(1)
     up_port, port = free_port(), free_port()
@@ -88,20 +98,26 @@ async def run(args: argparse.Namespace) -> dict:
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         body = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4096}
         await stream_load(url, body, 4, 40)  # warm-up
-        raw = Path(tempfile.mkdtemp()) / "py-spy.txt"
-        recorder = subprocess.Popen(
-            [spy, "record", "--pid", str(gateway.pid), "--duration", str(args.seconds), "--rate", "250",
-             "--gil", "--format", "raw", "--output", str(raw)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        load = asyncio.create_task(stream_load(url, body, args.streams, 10**9))
-        while recorder.poll() is None:
-            await asyncio.sleep(0.2)
-        load.cancel()
-        await asyncio.gather(load, return_exceptions=True)
-        if not raw.exists():
-            raise SystemExit("py-spy wrote nothing (ptrace may be forbidden here)")
-        out = summarise(raw)
+        if spy is None:  # a smoke run without py-spy: the gateway under the load, no samples
+            loop = asyncio.get_running_loop()
+            until = loop.time() + args.seconds
+            served = await _load_until(url, body, args.streams, lambda: loop.time() >= until)
+            out: dict = {"requests": served}
+        else:
+            raw = Path(tempfile.mkdtemp()) / "py-spy.txt"
+            recorder = subprocess.Popen(
+                [spy, "record", "--pid", str(gateway.pid), "--duration", str(args.seconds), "--rate", "250",
+                 "--gil", "--format", "raw", "--output", str(raw)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            load = asyncio.create_task(stream_load(url, body, args.streams, 10**9))
+            while recorder.poll() is None:
+                await asyncio.sleep(0.2)
+            load.cancel()
+            await asyncio.gather(load, return_exceptions=True)
+            if not raw.exists():
+                raise SystemExit("py-spy wrote nothing (ptrace may be forbidden here)")
+            out = summarise(raw)
         out.update({"machine": f"{platform.machine()}, python {platform.python_version()}",
                     "streams": args.streams, "seconds": args.seconds, "chain": args.chain})
         return out
@@ -117,9 +133,14 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--seconds", type=int, default=20)
     ap.add_argument("--chain", choices=["default", "off"], default="default")
-    ap.add_argument("--out", type=Path)
+    add_smoke(ap)
     args = ap.parse_args()
-    emit(asyncio.run(run(args)), args.out)
+    if args.smoke:
+        args.streams, args.seconds = 4, 2
+    missing = {}
+    if shutil.which("py-spy") is None:
+        missing["py-spy samples"] = "py-spy is not installed (pip install py-spy)"
+    emit(smoke_result(asyncio.run(run(args)), args, missing), out_path(args, "profile"))
 
 
 if __name__ == "__main__":

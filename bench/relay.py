@@ -6,15 +6,22 @@ validation, no policies, no metrics: the least a relay that looks at every
 chunk can do.
 
     python -m bench.relay --port 9100 --upstream http://127.0.0.1:9001/v1
+    python -m bench.relay --smoke [--out FILE]
+
+``--smoke`` starts the scripted upstream and the relay (each its own process, as
+``bench.compare`` runs them), streams a few requests through it and reports the chunks.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import aiohttp
 import orjson
 from aiohttp import web
+
+from bench.common import add_smoke, emit, free_port, out_path, smoke_result, spawn, stream_load, wait_http
 
 
 def make_app(upstream: str) -> web.Application:
@@ -50,11 +57,36 @@ def make_app(upstream: str) -> web.Application:
     return app
 
 
+async def smoke() -> dict:
+    up_port, port = free_port(), free_port()
+    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", "8"],
+                     cpu=None)
+    relay = spawn(["-m", "bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{up_port}/v1"],
+                  cpu=None)
+    try:
+        await wait_http(f"http://127.0.0.1:{up_port}/health")
+        await wait_http(f"http://127.0.0.1:{port}/health")
+        body = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        res = await stream_load(f"http://127.0.0.1:{port}/v1/chat/completions", body, 2, 4)
+        return {"requests": res.requests, "errors": res.errors, "chunks": res.chunks,
+                "done": res.requests == 4 and res.errors == 0}
+    finally:
+        for proc in (relay, upstream):
+            proc.terminate()
+            proc.wait(10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--port", type=int, default=9100)
-    ap.add_argument("--upstream", required=True)
+    ap.add_argument("--upstream")
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        emit(smoke_result(asyncio.run(smoke()), args), out_path(args, "relay"))
+        return
+    if not args.upstream:
+        ap.error("--upstream is required")
     web.run_app(make_app(args.upstream), host="127.0.0.1", port=args.port, access_log=None, print=None)
 
 

@@ -2,6 +2,7 @@
 
     python -m bench.shedding [--store local,redis] [--peak 64] [--over 8] [--ramp-ms 30]
                              [--chunks 40] [--audio-chunks 20] [--chunk-delay-ms 60] [--engine-limit none]
+                             [--out FILE] [--smoke]
 
 One scripted vLLM-Omni upstream (core 1) and one gateway (core 0, ``omnigate serve``) with the default
 admission levels (soft 16, hard 64) and the ``load-shedding`` policy. Speech requests are started one every
@@ -9,13 +10,13 @@ admission levels (soft 16, hard 64) and the ``load-shedding`` policy. Speech req
 arrives with k others in flight. For each request: status, ``x-omnigate-degraded``, whether audio came back,
 time to first token (first text or transcript) and to first audio. Admission cost comes from the gateway's
 own histogram and from an in-process loop over the admission gate alone (this process, core 1).
+``--smoke`` lowers the levels to soft 2, hard 4 and ramps to 6 short streams, so every zone is reached.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
 import tempfile
@@ -30,7 +31,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import free_port, pct, pin_self, spawn, wait_http
+from bench.common import add_smoke, emit, free_port, out_path, pct, pin_self, smoke_result, spawn, wait_http
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 BODY = {"model": "omni", "stream": True, "messages": [{"role": "user", "content": "Tell me a story."}],
@@ -48,8 +49,13 @@ class One:
     error: str | None = None
 
 
-def _config(up_port: int, store: str, prefix: str, engine_limit: int | None, workdir: Path) -> dict:
-    traffic: dict = {"soft_limit": 16, "hard_limit": 64}
+#: the default admission levels (soft, hard)
+LIMITS = (16, 64)
+
+
+def _config(up_port: int, store: str, prefix: str, engine_limit: int | None, workdir: Path,
+            limits: tuple[int, int] = LIMITS) -> dict:
+    traffic: dict = {"soft_limit": limits[0], "hard_limit": limits[1]}
     if store == "redis":
         traffic.update(redis_url=REDIS_URL, key_prefix=prefix)
     return {
@@ -146,7 +152,7 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
     prefix = f"omnigate-bench:{uuid.uuid4().hex}"
     workdir = Path(tempfile.mkdtemp())
     cfg = workdir / "shedding.yaml"
-    cfg.write_text(yaml.safe_dump(_config(up_port, store, prefix, args.engine_limit, workdir)))
+    cfg.write_text(yaml.safe_dump(_config(up_port, store, prefix, args.engine_limit, workdir, args.limits)))
     gateway = spawn(["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(gw_port)], cpu=0)
     url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
     try:
@@ -188,7 +194,7 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
             r.delete(f"{{{prefix}}}:slots")
             r.close()
 
-    soft, hard = 16, 64
+    soft, hard = args.limits
     below = [o for o in results if o.index < soft]
     shed_zone = [o for o in results if soft <= o.index < hard]
     over = [o for o in results if o.index >= hard]
@@ -322,13 +328,13 @@ def main() -> None:
     ap.add_argument("--engine-limit", type=lambda s: None if s == "none" else int(s), default=None,
                     help="the engine's max_in_flight (its overload limit is half); none: no per-engine limit")
     ap.add_argument("--loop-requests", type=int, default=5000)
-    ap.add_argument("--out", type=Path, default=None)
+    add_smoke(ap)
     args = ap.parse_args()
-    result = asyncio.run(run(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    args.limits = LIMITS
+    if args.smoke:
+        args.limits, args.peak, args.over, args.chunks, args.audio_chunks = (2, 4), 4, 2, 6, 4
+        args.chunk_delay_ms, args.loop_requests = 20.0, 200
+    emit(smoke_result(asyncio.run(run(args)), args), out_path(args, "shedding"))
 
 
 if __name__ == "__main__":

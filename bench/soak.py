@@ -1,6 +1,6 @@
 """A long soak: N concurrent streams against omnigate for a fixed time; does its memory drift?
 
-    python -m bench.soak [--seconds 3600] [--streams 64] [--out FILE]
+    python -m bench.soak [--seconds 3600] [--streams 64] [--out FILE] [--smoke]
 
 The scripted upstream paces its chunks (64 chunks, 50 ms apart), so 64 streams
 stay open all the time without saturating the 2-core machine. The gateway's RSS
@@ -20,14 +20,15 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import free_port, pin_self, rss_kib, spawn, stream_load, wait_http
+from bench.common import (add_smoke, free_port, out_path, pin_self, rss_kib, smoke_result, spawn, stream_load,
+                          wait_http)
 
 
 async def run(args: argparse.Namespace) -> dict:
     pin_self(1)
     up_port, gw_port = free_port(), free_port()
-    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", "64",
-                      "--chunk-delay-ms", "50"], cpu=1)
+    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks",
+                      str(args.chunks), "--chunk-delay-ms", "50"], cpu=1)
     cfg = Path(tempfile.mkdtemp()) / "soak.yaml"
     cfg.write_text(yaml.safe_dump({
         # 64 streams really open at once: the per-engine cap (8, 4 under overload) and the admission limits
@@ -59,7 +60,7 @@ async def run(args: argparse.Namespace) -> dict:
         async def sample() -> None:
             while time.monotonic() < stop:
                 samples.append((time.monotonic() - t0, rss_kib(gateway.pid)))
-                await asyncio.sleep(10)
+                await asyncio.sleep(args.sample_every_s)
 
         await asyncio.gather(load(), sample())
         warm = max(120.0, args.seconds * 0.05)
@@ -82,9 +83,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=3600)
     ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--out", type=Path)
+    add_smoke(ap)
     args = ap.parse_args()
-    result = asyncio.run(run(args))
+    args.chunks, args.sample_every_s = 64, 10.0
+    if args.smoke:
+        args.seconds, args.streams, args.chunks, args.sample_every_s = 3.0, 4, 8, 1.0
+    result = smoke_result(asyncio.run(run(args)), args)
+    args.out = out_path(args, "soak")
     text = json.dumps(result, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
     if args.out:

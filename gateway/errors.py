@@ -5,40 +5,61 @@ HTTP status, OpenAI error ``type`` and ``code``. Foreign exceptions are translat
 once, at the boundary that meets them (engine adapters, the media fetcher), with
 ``raise ... from exc`` so the cause stays in the log.
 
-    OmnigateError                       500 internal_error
-    ├── InvalidRequest                  400 invalid_request_error
-    │   ├── PayloadTooLarge             413
-    │   ├── RequestTimeout              408 (the body did not arrive in time)
-    │   ├── ContentPolicyViolation      400 content_policy_violation
-    │   ├── ModelNotFound               404 model_not_found
-    │   ├── NotFound                    404 not_found             (admin resources)
-    │   ├── Conflict                    409 conflict              (admin resources)
-    │   └── ConfigInvalid               422 invalid_config        (a reload that was refused)
-    │   │   └── MediaTooLarge           413 media_too_large
-    │   ├── ContentPolicyViolation      400 content_policy_violation
-    │   ├── ModelNotFound               404 model_not_found
-    │   ├── InvalidMedia                400 invalid_media            (undecodable, malformed data URI, over a limit)
-    │   ├── MediaURLForbidden           400 media_url_forbidden      (scheme or address the fetcher refuses)
-    │   ├── MediaFetchFailed            400 media_fetch_failed       (unreachable, timeout, HTTP error)
-    │   ├── ModalBudgetExceeded         400 modal_budget_exceeded
-    │   ├── UnknownField                400 unknown_field            (a request field the gateway does not forward)
-    │   └── ContextLengthExceeded       400 context_length_exceeded
-    ├── AuthenticationFailed            401 authentication_error
-    ├── PermissionDenied                403 permission_error
-    ├── RateLimited                     429 rate_limit_exceeded   (Retry-After)
-    ├── Overloaded                      503 overloaded            (Retry-After)
-    │   ├── EngineBusy                  503 engine_busy           (Retry-After; every engine for the model is full)
-    │   └── AuditUnavailable            503 audit_unavailable     (Retry-After; the record cannot be made durable)
-    ├── GuardUnavailable                503 guard_unavailable     (a policy's model failed; fail closed)
-    ├── DirectoryUnavailable            503 directory_unavailable (Retry-After; a directory key, the directory unread too long)
-    ├── AnswerWithheld                  422 answer_withheld       (a post-policy kept every attempt back)
-    │   └── GroundingFailed             422 grounding_failed
-    └── EngineError                     502 engine_error
-        ├── EngineFailed                502 engine_error          (retryable before first byte: its 5xx)
-        ├── EngineUnavailable           503 engine_unavailable    (retryable before first byte)
-        ├── EngineTimeout               504 engine_timeout        (retryable before first byte)
-        ├── EngineRejected              4xx/502 the engine refused the request (in the gateway's words)
-        └── EngineProtocolError         502 engine_protocol_error
+    OmnigateError                       500 internal_error         internal_error
+    ├── InvalidRequest                  400 invalid_request_error  -
+    │   ├── PayloadTooLarge             413 invalid_request_error  payload_too_large
+    │   │   └── MediaTooLarge           413 invalid_request_error  media_too_large
+    │   ├── RequestTimeout              408 invalid_request_error  request_timeout
+    │   ├── ContentPolicyViolation      400 invalid_request_error  content_policy_violation
+    │   ├── ModelNotFound               404 invalid_request_error  model_not_found
+    │   ├── NotFound                    404 invalid_request_error  not_found
+    │   ├── Conflict                    409 invalid_request_error  conflict
+    │   ├── ConfigInvalid               422 invalid_request_error  invalid_config
+    │   ├── InvalidMedia                400 invalid_request_error  invalid_media
+    │   │   └── DecoderFailed           400 invalid_request_error  invalid_media  [policies.media.sandbox]
+    │   ├── MediaURLForbidden           400 invalid_request_error  media_url_forbidden
+    │   ├── MediaFetchFailed            400 invalid_request_error  media_fetch_failed
+    │   ├── ModalBudgetExceeded         400 invalid_request_error  modal_budget_exceeded
+    │   ├── UnknownField                400 invalid_request_error  unknown_field
+    │   ├── ContextLengthExceeded       400 invalid_request_error  context_length_exceeded
+    │   └── ThinkingBudgetUnsupported   400 invalid_request_error  thinking_budget_unsupported  [gateway.thinking]
+    ├── AuthenticationFailed            401 authentication_error   invalid_api_key
+    │   └── KeyRefused                  401 authentication_error   invalid_api_key  [gateway.tenants]
+    ├── PermissionDenied                403 permission_error       permission_denied
+    ├── RateLimited                     429 rate_limit_error       rate_limit_exceeded
+    │   └── TooManyAuthFailures         429 rate_limit_error       too_many_authentication_failures  [gateway.auth_failures]
+    ├── Overloaded                      503 overloaded_error       overloaded
+    │   ├── EngineBusy                  503 overloaded_error       engine_busy
+    │   └── AuditUnavailable            503 overloaded_error       audit_unavailable
+    ├── GuardUnavailable                503 api_error              guard_unavailable
+    ├── DirectoryUnavailable            503 api_error              directory_unavailable
+    ├── AnswerWithheld                  422 invalid_response_error answer_withheld
+    │   └── GroundingFailed             422 invalid_response_error grounding_failed
+    ├── EngineError                     502 api_error              engine_error
+    │   ├── EngineFailed                502 api_error              engine_error
+    │   ├── EngineUnavailable           503 api_error              engine_unavailable
+    │   ├── EngineTimeout               504 api_error              engine_timeout
+    │   ├── EngineRejected              502 api_error              engine_error
+    │   └── EngineProtocolError         502 api_error              engine_protocol_error
+    └── AdminDisabled                   404 invalid_request_error  not_found  [gateway.api.admin]
+
+Each line: the HTTP status, the OpenAI error ``type`` and ``code`` (``-``: none; the renderer
+leaves it null), and, in brackets, the module of a class defined outside this one. The tree is
+checked against the classes by ``tests/unit/test_error_tree.py``. What the columns cannot say:
+
+- ``PayloadTooLarge``, ``RequestTimeout``: the body was too large, or did not arrive in time.
+- ``NotFound``, ``Conflict``: admin resources; ``ConfigInvalid``: a reload that was refused.
+- ``InvalidMedia``: undecodable, a malformed data URI, over a limit; ``MediaURLForbidden``: a
+  scheme or address the fetcher refuses; ``MediaFetchFailed``: unreachable, timeout, HTTP error.
+- ``UnknownField``: a request field the gateway does not forward.
+- ``RateLimited``, ``Overloaded``, ``EngineBusy`` (every engine for the model is full),
+  ``AuditUnavailable`` (the record cannot be made durable) and ``DirectoryUnavailable`` (a
+  directory key, the directory unread too long) send ``Retry-After``.
+- ``GuardUnavailable``: a policy's model failed; the gateway fails closed.
+- ``AnswerWithheld``: a post-policy kept every attempt back.
+- ``EngineFailed`` (the engine's 5xx), ``EngineUnavailable`` and ``EngineTimeout`` are retryable
+  before the first byte. ``EngineRejected`` takes the engine's 4xx (but 429) as its status, with
+  type ``invalid_request_error`` and code ``engine_rejected_request``; anything else is 502.
 
 ``retryable`` says whether another engine may be tried; that is only allowed while
 nothing has been sent to the client, which the pipeline enforces.
