@@ -130,9 +130,10 @@ class SpoolWriter:
             raise SpoolFull(str(exc)) from None
         # The tracker unlinks the file if this process dies before it does (as for SharedMemory).
         resource_tracker.register("/" + self.name, "shared_memory")
+        # A body abandoned mid-payload (a timeout, a client gone) drops its writer: the file goes with it.
+        self._finalizer = weakref.finalize(self, _remove, self.name, self._fd)
         self.size = 0
         self._reserved = 0
-        self._done = False
 
     def write(self, data: bytes) -> None:
         end = self.size + len(data)
@@ -151,14 +152,13 @@ class SpoolWriter:
         return os.pread(self._fd, self.size, 0)
 
     def finish(self, header: str, b64_length: int) -> SpooledMedia:
+        """The payload, which owns the file from here on."""
         os.ftruncate(self._fd, self.size)  # the workers map the file's size: exactly the payload
-        self._done = True
+        self._finalizer.detach()
         return SpooledMedia(header, self.name, self._fd, self.size, b64_length)
 
     def discard(self) -> None:
-        if not self._done:
-            self._done = True
-            _remove(self.name, self._fd)
+        self._finalizer()
 
 
 def _remove(name: str, fd: int) -> None:
