@@ -60,7 +60,8 @@ def _as_sent(value: object) -> object:
 
 
 def _files() -> set[str]:
-    return {f for f in os.listdir(spooled.SHM_DIR) if f.startswith("omnigate-")}
+    """This process's spool files (others' tests may be spooling at the same time)."""
+    return {f for f in os.listdir(spooled.SHM_DIR) if f.startswith(f"omnigate-{os.getpid()}-")}
 
 
 DOCS = {
