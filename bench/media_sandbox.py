@@ -130,6 +130,9 @@ def gateway_rss(repeat: int, smoke: bool = False) -> dict:
         "5 min 16 kHz WAV (passed through)": ("audio_url", data_uri("audio/wav", wav(tone(300.0), 16000))),
         "2 min 44.1 kHz WAV (resampled to 16 kHz FLAC)": (
             "audio_url", data_uri("audio/wav", wav(tone(120.0, rate=44100), 44100))),
+        # the same path with a part too small to matter: what a request costs whatever its media
+        "2 s 44.1 kHz WAV (the path's fixed cost)": (
+            "audio_url", data_uri("audio/wav", wav(tone(2.0, rate=44100), 44100))),
         "120 s 640x360 30 fps H.264 (2 fps MP4)": ("video_url", data_uri("video/mp4", video(120.0, 30, (640, 360)))),
     } if not smoke else {
         "4 s 320x240 4 fps H.264 (2 fps MP4)": ("video_url", data_uri("video/mp4", video(4.0, 4))),

@@ -32,7 +32,7 @@ from pydantic_core import core_schema
 #: where the files go: the POSIX shared-memory file system, which the workers' ``shm_open`` reads
 SHM_DIR = "/dev/shm"
 #: decoded bytes read back per piece when re-encoding (a multiple of 3: pieces encode on their own)
-_READ = 3 << 18
+_READ = 3 << 16
 #: bytes reserved at a time while writing (a full file system is an error then, never a SIGBUS later)
 _RESERVE = 1 << 20
 

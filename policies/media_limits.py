@@ -47,6 +47,7 @@ from policies.media.parts import (
     payload_arg,
     payload_size,
     replace_parts,
+    spool_parts,
 )
 from policies.media.sandbox import SHARE_MIN, MediaRuntime, SharedPart, shared_part
 from policies.media.targets import MediaTarget, check_modalities, targets_from
@@ -185,6 +186,7 @@ class MediaLimits(PolicyBase):
                     param=ref.param,
                 )
                 done.ref = ref
+                done.parts = spool_parts(done.parts)  # a large output: to the spool, never a string here
                 done.restore(lambda: _payload_bytes(ref, payloads[ref.path], segments.get(ref.path)))
                 if self._metrics is not None:
                     self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)

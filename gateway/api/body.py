@@ -134,7 +134,7 @@ def _rebuild(skeleton: bytes, lifted: dict[str, str]) -> bytes:
 
 # -- reading a body a chunk at a time ---------------------------------------------------------------------
 #: a base64 payload this long or longer goes to the spool (gateway/spooled.py) as it arrives
-SPOOL_MIN = 1 << 20
+SPOOL_MIN = 1 << 18
 _STOP = re.compile(rb'["\\]')
 _NOT_B64 = re.compile(rb"[^A-Za-z0-9+/=]")
 _MEDIA_FIELDS = {"image_url": "url", "audio_url": "url", "video_url": "url", "input_audio": "data"}

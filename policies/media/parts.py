@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from gateway.errors import InvalidMedia
-from gateway.spooled import SpooledMedia
+from gateway.spooled import SpooledMedia, SpoolFull, SpoolWriter
 from gateway.schemas import (
     AudioURLPart,
     ChatCompletionRequest,
@@ -216,6 +216,50 @@ def _check_b64(text: str, start: int, param: str) -> None:
 
 def data_uri(mediatype: str, data: bytes) -> str:
     return f"data:{mediatype};base64," + base64.b64encode(data).decode("ascii")
+
+
+#: an output part this large comes back from a worker as bytes and goes to the spool, not into a string
+SPOOL_OUTPUT = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A worker's large output before it is a part: bytes cross the process boundary once, and the
+    gateway writes them to the spool (:func:`spool_parts`) instead of holding a base64 string of them."""
+
+    ref_type: str
+    mediatype: str
+    data: bytes
+    audio_format: str | None = None
+
+    @property
+    def chars(self) -> int:
+        """The length of the data URI it stands for."""
+        return len(f"data:{self.mediatype};base64,") + (len(self.data) + 2) // 3 * 4
+
+
+def output_part(ref_type: str, mediatype: str, data: bytes, audio_format: str | None = None) -> Any:
+    """The part carrying a worker's output: a data URI, or (from :data:`SPOOL_OUTPUT`) an :class:`Encoded`."""
+    if len(data) >= SPOOL_OUTPUT:
+        return Encoded(ref_type, mediatype, data, audio_format)
+    return make_part(ref_type, data_uri(mediatype, data), audio_format)
+
+
+def spool_parts(parts: list[Any]) -> list[Any]:
+    """Parts with each :class:`Encoded` written to the spool and made a part carrying it."""
+    return [_spooled(p) if isinstance(p, Encoded) else p for p in parts]
+
+
+def _spooled(enc: Encoded) -> Any:
+    plain = enc.ref_type == "input_audio"  # input_audio carries plain base64, the format beside it
+    header = "" if plain else f"data:{enc.mediatype};base64,"
+    try:
+        writer = SpoolWriter()
+        writer.write(enc.data)
+    except SpoolFull:
+        return make_part(enc.ref_type, data_uri(enc.mediatype, enc.data), enc.audio_format)
+    media = writer.finish(header, (len(enc.data) + 2) // 3 * 4)
+    return make_part(enc.ref_type, media, enc.audio_format)
 
 
 def make_part(ref_type: str, uri: str | SpooledMedia, audio_format: str | None = None) -> Any:

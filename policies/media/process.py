@@ -19,7 +19,7 @@ from policies.media.audio import AudioConfig, AudioResult, decode_pcm, normalise
 from policies.media.budget import BudgetConfig
 from policies.media.container import check_declared, check_one_file
 from policies.media.image import ImageConfig, normalise_image, open_image
-from policies.media.parts import MediaRef, data_uri, make_part
+from policies.media.parts import Encoded, MediaRef, data_uri, make_part, output_part
 from policies.media.targets import MediaTarget
 from policies.media.video import VideoConfig, encode_jpeg, encode_mp4, plan_frames, probe_video, sample_frames
 
@@ -142,6 +142,8 @@ def process_part(
 
 
 def _size(part: Any) -> int:
+    if isinstance(part, Encoded):
+        return part.chars
     url = getattr(getattr(part, part.type, None), "url", None)
     if url is None and part.type == "input_audio":
         url = part.input_audio.data
@@ -152,7 +154,7 @@ def _image(ref: MediaRef, data: bytes, cfg: Settings, declared: str | None) -> D
     r = normalise_image(data, cfg.image, ref.param, declared)
     # Unchanged bytes still get the media type they really have, whatever the client or server claimed.
     same = r.data is data or r.data == data
-    part = None if same else make_part(ref.type, data_uri(r.mediatype, r.data))
+    part = None if same else output_part(ref.type, r.mediatype, r.data)
     return Done(
         ref,
         [part] if part is not None else [],
@@ -169,7 +171,7 @@ def _audio(
     r = normalise_audio(data, cfg.audio, target.audio_rate, ref.param, declared, max_bytes=room)
     longest = max(end - start for start, end in r.boundaries)
     same = r.data is data
-    part = None if same else make_part(ref.type, data_uri(r.mediatype, r.data), r.fmt)
+    part = None if same else output_part(ref.type, r.mediatype, r.data, r.fmt)
     return Done(
         ref,
         [part] if part is not None else [],
@@ -212,7 +214,7 @@ def _video(ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, decla
             make_part("image_url", data_uri("image/jpeg", encode_jpeg(f, vcfg.frame_quality))) for f in frames
         ]
     else:
-        parts = [make_part(ref.type, data_uri("video/mp4", encode_mp4(frames, vcfg.fps, vcfg.crf)))]
+        parts = [output_part(ref.type, "video/mp4", encode_mp4(frames, vcfg.fps, vcfg.crf))]
     facts = {
         "format": info.container,
         "width": info.width,
