@@ -147,6 +147,24 @@ class SpoolWriter:
         os.pwrite(self._fd, data, self.size)
         self.size = end
 
+    def reserve(self, size: int) -> None:
+        """Size the file to ``size`` bytes, its space reserved, for a worker to write into by mapping it
+        (a decoding worker may not write files, but may fill a mapping); then ``wrote(n)`` and ``finish``."""
+        try:
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as exc:
+            raise SpoolFull(str(exc)) from None
+        self._reserved = size
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    def wrote(self, n: int) -> None:
+        """A worker filled the first ``n`` bytes of the reserved file."""
+        assert n <= self._reserved
+        self.size = n
+
     def read_back(self) -> bytes:
         """What was written so far (when the reader gives up on spooling this string)."""
         return os.pread(self._fd, self.size, 0)

@@ -32,7 +32,7 @@ from gateway.errors import (
 )
 from gateway.schemas import PART_MODALITY, ChatCompletionRequest, Message
 from gateway.settings import MediaSettings
-from gateway.spooled import SpooledMedia
+from gateway.spooled import SpooledMedia, SpoolFull, SpoolWriter
 from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media import budget as tokens
 from policies.media.budget import BudgetConfig
@@ -46,9 +46,11 @@ from policies.media.parts import (
     media_parts,
     payload_arg,
     payload_size,
+    SPOOL_OUTPUT,
     replace_parts,
     spool_parts,
 )
+from policies.media.worker import SharedOut
 from policies.media.sandbox import SHARE_MIN, MediaRuntime, SharedPart, shared_part
 from policies.media.targets import MediaTarget, check_modalities, targets_from
 
@@ -177,16 +179,27 @@ class MediaLimits(PolicyBase):
             from_client = {r.part for r in ctx.media if r.source == "data"}
             room = ctx.media_budget.room
 
+            seconds = {p.ref.path: p.seconds for p in probes}
+
             async def one(ref: MediaRef) -> _Done:
                 declared = declared_type(ref) if ref.path in from_client else None
                 t0 = time.perf_counter()
-                done: _Done = await sandbox.run(
-                    process_part,
-                    (light[ref.path], payloads[ref.path], self._part_settings, target, declared, room),
-                    param=ref.param,
-                )
+                out = _output_file(ref, seconds.get(ref.path, 0.0), target, self.config)
+                try:
+                    done: _Done = await sandbox.run(
+                        process_part,
+                        (light[ref.path], payloads[ref.path], self._part_settings, target, declared, room,
+                         None if out is None else SharedOut(out.name, out.reserved)),
+                        param=ref.param,
+                    )
+                except BaseException:
+                    if out is not None:
+                        out.discard()
+                    raise
                 done.ref = ref
-                done.parts = spool_parts(done.parts)  # a large output: to the spool, never a string here
+                # A large output: written by the worker into the file reserved for it, or to the spool
+                # here; never a base64 string of it in the gateway.
+                done.parts = spool_parts(done.parts, out)
                 done.restore(lambda: _payload_bytes(ref, payloads[ref.path], segments.get(ref.path)))
                 if self._metrics is not None:
                     self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)
@@ -342,6 +355,27 @@ class MediaLimits(PolicyBase):
     def _count(self, kind: str, outcome: str) -> None:
         if self._metrics is not None:
             self._metrics.media_parts.labels(kind, outcome).inc()
+
+
+#: what a reserved audio output may hold beyond its PCM bound (container headers, metadata)
+_OUT_SLACK = 1 << 16
+
+
+def _output_file(ref: MediaRef, seconds: float, target: MediaTarget, cfg: MediaLimitsConfig) -> SpoolWriter | None:
+    """A file reserved for an audio part's output, sized from its probed duration (16-bit mono PCM at the
+    rate it is sent at: a FLAC is smaller; an output that does not fit comes back through the pipe)."""
+    if ref.kind != "audio" or seconds <= 0:
+        return None
+    rate = min(target.audio_rate or cfg.audio.max_output_rate, cfg.audio.max_output_rate)
+    size = _OUT_SLACK + int(min(seconds, cfg.audio.segment_s) * rate * 2)
+    if size < SPOOL_OUTPUT:
+        return None
+    try:
+        out = SpoolWriter()
+        out.reserve(size)
+    except SpoolFull:
+        return None
+    return out
 
 
 def _payload_bytes(ref: MediaRef, payload: Any, seg: SharedPart | None) -> bytes:

@@ -25,7 +25,7 @@ from gateway.schemas import (
     VideoURLPart,
 )
 from policies.media.container import AUDIO_FORMATS
-from policies.media.worker import SharedBytes
+from policies.media.worker import SharedBytes, SharedOut, write_out
 
 _KIND = {"image_url": "image", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
 _MEDIATYPE = re.compile(r"^[a-z0-9][a-z0-9!#$&^_.+-]{0,126}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}$")
@@ -219,7 +219,7 @@ def data_uri(mediatype: str, data: bytes) -> str:
 
 
 #: an output part this large comes back from a worker as bytes and goes to the spool, not into a string
-SPOOL_OUTPUT = 1 << 20
+SPOOL_OUTPUT = 1 << 18
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,16 +238,48 @@ class Encoded:
         return len(f"data:{self.mediatype};base64,") + (len(self.data) + 2) // 3 * 4
 
 
-def output_part(ref_type: str, mediatype: str, data: bytes, audio_format: str | None = None) -> Any:
-    """The part carrying a worker's output: a data URI, or (from :data:`SPOOL_OUTPUT`) an :class:`Encoded`."""
+@dataclass(frozen=True, slots=True)
+class Written:
+    """A worker's output written into the file the parent reserved for it (:class:`worker.SharedOut`):
+    only its length crosses the process boundary."""
+
+    ref_type: str
+    mediatype: str
+    size: int
+    audio_format: str | None = None
+
+    @property
+    def chars(self) -> int:
+        return len(f"data:{self.mediatype};base64,") + (self.size + 2) // 3 * 4
+
+
+def output_part(
+    ref_type: str, mediatype: str, data: bytes, audio_format: str | None = None, out: SharedOut | None = None
+) -> Any:
+    """The part carrying a worker's output: written into ``out`` where the parent reserved one and it
+    fits, else (from :data:`SPOOL_OUTPUT`) an :class:`Encoded`, else a data URI."""
+    if out is not None and len(data) >= SPOOL_OUTPUT and write_out(out, data):
+        return Written(ref_type, mediatype, len(data), audio_format)
     if len(data) >= SPOOL_OUTPUT:
         return Encoded(ref_type, mediatype, data, audio_format)
     return make_part(ref_type, data_uri(mediatype, data), audio_format)
 
 
-def spool_parts(parts: list[Any]) -> list[Any]:
-    """Parts with each :class:`Encoded` written to the spool and made a part carrying it."""
-    return [_spooled(p) if isinstance(p, Encoded) else p for p in parts]
+def spool_parts(parts: list[Any], out: SpoolWriter | None = None) -> list[Any]:
+    """Parts with each :class:`Encoded` written to the spool, and a :class:`Written` taken from ``out``
+    (the file reserved for it, discarded when the worker did not use it), each made a part carrying it."""
+    made = [_spooled(p) if isinstance(p, Encoded) else _written(p, out) if isinstance(p, Written) else p
+            for p in parts]
+    if out is not None and not any(isinstance(p, Written) for p in parts):
+        out.discard()
+    return made
+
+
+def _written(w: Written, out: SpoolWriter | None) -> Any:
+    assert out is not None, "a worker wrote into a file the parent did not reserve"
+    out.wrote(w.size)
+    header = "" if w.ref_type == "input_audio" else f"data:{w.mediatype};base64,"
+    return make_part(w.ref_type, out.finish(header, (w.size + 2) // 3 * 4), w.audio_format)
 
 
 def _spooled(enc: Encoded) -> Any:

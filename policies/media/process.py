@@ -19,8 +19,9 @@ from policies.media.audio import AudioConfig, AudioResult, decode_pcm, normalise
 from policies.media.budget import BudgetConfig
 from policies.media.container import check_declared, check_one_file
 from policies.media.image import ImageConfig, normalise_image, open_image
-from policies.media.parts import Encoded, MediaRef, data_uri, make_part, output_part
+from policies.media.parts import Encoded, MediaRef, Written, data_uri, make_part, output_part
 from policies.media.targets import MediaTarget
+from policies.media.worker import SharedOut
 from policies.media.video import VideoConfig, encode_jpeg, encode_mp4, plan_frames, probe_video, sample_frames
 
 
@@ -111,7 +112,8 @@ def probe_part(ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget) -
 
 
 def process_part(
-    ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, declared: str | None, room: int
+    ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, declared: str | None, room: int,
+    out: SharedOut | None = None,
 ) -> Done:
     """Decode and normalise one part; ``room`` is the bytes of output the request may still hold.
 
@@ -123,7 +125,7 @@ def process_part(
     if ref.kind == "image":
         done = _image(ref, data, cfg, declared)
     elif ref.kind == "audio":
-        done = _audio(ref, data, cfg, target, declared, room)
+        done = _audio(ref, data, cfg, target, declared, room, out)
     else:
         done = _video(ref, data, cfg, target, declared)
     done.out_bytes = sum(_size(p) for p in done.parts) + (
@@ -142,7 +144,7 @@ def process_part(
 
 
 def _size(part: Any) -> int:
-    if isinstance(part, Encoded):
+    if isinstance(part, (Encoded, Written)):
         return part.chars
     url = getattr(getattr(part, part.type, None), "url", None)
     if url is None and part.type == "input_audio":
@@ -166,12 +168,13 @@ def _image(ref: MediaRef, data: bytes, cfg: Settings, declared: str | None) -> D
 
 
 def _audio(
-    ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, declared: str | None, room: int
+    ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, declared: str | None, room: int,
+    out: SharedOut | None = None,
 ) -> Done:
     r = normalise_audio(data, cfg.audio, target.audio_rate, ref.param, declared, max_bytes=room)
     longest = max(end - start for start, end in r.boundaries)
     same = r.data is data
-    part = None if same else output_part(ref.type, r.mediatype, r.data, r.fmt)
+    part = None if same else output_part(ref.type, r.mediatype, r.data, r.fmt, out)
     return Done(
         ref,
         [part] if part is not None else [],

@@ -177,6 +177,28 @@ class SharedBytes:
     size: int
 
 
+@dataclass(frozen=True, slots=True)
+class SharedOut:
+    """A file the parent reserved for a task's output: the worker maps it and writes into it."""
+
+    name: str
+    size: int
+
+
+def write_out(out: SharedOut, data: bytes) -> bool:
+    """Write ``data`` into the parent's reserved file; False (nothing written) where it does not fit."""
+    if len(data) > out.size:
+        return False
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=out.name)
+    try:
+        shm.buf[: len(data)] = data
+    finally:
+        shm.close()
+    return True
+
+
 def _resolve(arg: Any) -> Any:
     if not isinstance(arg, SharedBytes):
         return arg

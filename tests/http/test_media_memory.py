@@ -201,17 +201,13 @@ def test_audio_forwarded_unchanged_peaks_under_3x_what_it_forwards(served):
 def test_a_shrunk_part_peaks_under_3x_what_it_forwards(served):
     uri = data_uri("audio/wav", wav(tone(120.0, rate=44100), 44100))  # 2 min at 44.1 kHz: sent as 16 kHz FLAC
     body = _body(uri)
-    # What the same path costs a request whatever its media (a 2 s part: buffers, the worker's reply,
-    # the response), measured the same way, so that what is compared with the output is the media's.
-    fixed = _peak(served, _body(data_uri("audio/wav", wav(tone(2.0, rate=44100), 44100))))["peak"]
     m = _peak(served, body)
     assert m["forwarded"] < len(uri) / 4  # the engine gets much less than the client sent
-    # The body's payload never sits in the gateway's heap (it is decoded into the spool as it arrives,
-    # and decoded further in a worker): the peak follows the output. 2.5-3.4x measured in all, under 3x
-    # beyond the fixed cost; 2.0x the *input* (21x the output) when the body was read whole, 3.0x the
-    # input before that (bench/RESULTS.md).
-    assert m["peak"] - fixed <= 3 * m["forwarded"], {**m, "fixed": fixed}
-    assert m["peak"] <= 4 * m["forwarded"], m
+    # Neither the body's payload nor the output sits in the gateway's heap: the payload is decoded into
+    # the spool as it arrives, the worker writes the FLAC into a file reserved for it from the probed
+    # duration, and the engine's body is re-encoded from that file a piece at a time. 0.3x measured;
+    # 2.0x the *input* (21x the output) when the body was read whole, 3.0x the input before that.
+    assert m["peak"] <= 3 * m["forwarded"], m
 
 
 def test_audio_forwarded_unchanged_is_held_once_while_the_engine_works(gw, engine):
