@@ -165,7 +165,7 @@ async def stream_load(url: str, body: dict, concurrency: int, total: int) -> Loa
                         result.gaps.append(now - last)
                     last = now
                     result.chunks += 1
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             result.errors += 1
             return
         result.requests += 1

@@ -33,8 +33,22 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from bench.common import (ROOT, LoadResult, add_smoke, cpu_seconds, emit, free_port, out_path, pct, pin_self,
-                          rss_kib, smoke_result, spawn, stream_load, wait_http)
+from bench.common import (
+    ROOT,
+    LoadResult,
+    add_smoke,
+    cpu_seconds,
+    emit,
+    free_port,
+    out_path,
+    pct,
+    pin_self,
+    rss_kib,
+    smoke_result,
+    spawn,
+    stream_load,
+    wait_http,
+)
 
 LITELLM_VENV = ROOT / ".bench" / "litellm-venv"
 # litellm 1.101 and later move the proxy into a package `litellm-proxy` that PyPI does not serve;

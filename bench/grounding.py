@@ -31,8 +31,18 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import (add_smoke, emit, free_port, out_path, pct, pin_self, smoke_result, spawn, stream_load,
-                          wait_http)
+from bench.common import (
+    add_smoke,
+    emit,
+    free_port,
+    out_path,
+    pct,
+    pin_self,
+    smoke_result,
+    spawn,
+    stream_load,
+    wait_http,
+)
 
 PREMISE = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "

@@ -38,9 +38,10 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import orjson
@@ -275,7 +276,7 @@ class Load:
                         if line.startswith(b'data: {"error"'):
                             ok = False
                             self._fail(f"frame {_code(line[6:])}")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             ok = False
             self._fail(type(exc).__name__)
         self.records.append((t0, ok))
@@ -339,7 +340,7 @@ async def run_scenario(
     prepare: Inject | None = None,
     note: str = "",
     caps: dict[str, int] | None = None,
-    after: "After | None" = None,
+    after: After | None = None,
 ) -> Result:
     res = Result(name, expected, note=note)
     port = free_port()

@@ -19,8 +19,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Callable
 
 import av
 import numpy as np

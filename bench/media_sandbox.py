@@ -198,7 +198,7 @@ class _SpoolWatch:
             self.peak = max(self.peak, total)
             time.sleep(0.001)
 
-    def __enter__(self) -> "_SpoolWatch":
+    def __enter__(self) -> _SpoolWatch:
         self._thread.start()
         return self
 

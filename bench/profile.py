@@ -26,8 +26,17 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from bench.common import (add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, stream_load,
-                          wait_http)
+from bench.common import (
+    add_smoke,
+    emit,
+    free_port,
+    out_path,
+    pin_self,
+    smoke_result,
+    spawn,
+    stream_load,
+    wait_http,
+)
 from bench.compare import _omnigate
 
 # (layer, substrings of a frame's "function (file:line)"), first match from the innermost frame wins.

@@ -22,9 +22,10 @@ import base64
 import mimetypes
 import re
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import orjson
 import structlog

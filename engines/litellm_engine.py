@@ -8,7 +8,8 @@ vLLM-Omni engines use their own adapter instead.
 from __future__ import annotations
 
 import os
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from engines.base import Capabilities, Completion, Delta, Usage, whole_strings, wire_messages
 from gateway.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError

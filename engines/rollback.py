@@ -33,8 +33,9 @@ Its length: the incident lifecycle and the sleep lifecycle share the routing the
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from engines.control_settings import SAMPLED_SIGNALS, ControllerSettings, Rule
 from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
@@ -116,7 +117,7 @@ class Incident:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Incident":
+    def from_dict(cls, d: Mapping[str, Any]) -> Incident:
         return cls(
             rule=d["rule"],
             engine=d["engine"],
@@ -156,7 +157,7 @@ class Sleep:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Sleep":
+    def from_dict(cls, d: Mapping[str, Any]) -> Sleep:
         return cls(
             engine=d["engine"],
             phase=d["phase"],
@@ -196,7 +197,7 @@ class ControllerState:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "ControllerState":
+    def from_dict(cls, d: Mapping[str, Any] | None) -> ControllerState:
         if not d:
             return cls()
         return cls(

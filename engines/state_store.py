@@ -21,8 +21,9 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import orjson
 import structlog
@@ -40,7 +41,7 @@ class Doc:
         return orjson.dumps({"version": self.version, "state": self.state, "table": self.table})
 
     @classmethod
-    def loads(cls, raw: bytes | str | None) -> "Doc":
+    def loads(cls, raw: bytes | str | None) -> Doc:
         if not raw:
             return cls()
         d = orjson.loads(raw)

@@ -33,8 +33,9 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import aiohttp
 import orjson

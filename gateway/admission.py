@@ -33,8 +33,9 @@ import itertools
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal, Protocol
+from typing import Literal, Protocol
 
 import structlog
 
@@ -58,7 +59,7 @@ class Limits:
     hard: int
     tenant_quota: int | None = None
 
-    def scaled(self, share: float) -> "Limits":
+    def scaled(self, share: float) -> Limits:
         """The limits one replica applies alone (fail-open): a share of each, never below 1 for hard ones."""
         if share >= 1.0:
             return self
@@ -103,15 +104,15 @@ class Grant:
     in_flight: int
     tenant_in_flight: int
     limits: Limits
-    store: "SlotStore"
+    store: SlotStore
 
 
 class Ticket:
     """One admitted request's slot; :meth:`release` gives it back exactly once, however often it is called."""
 
-    __slots__ = ("lease_id", "tenant", "store", "released")
+    __slots__ = ("lease_id", "released", "store", "tenant")
 
-    def __init__(self, lease_id: str, tenant: str | None, store: "SlotStore") -> None:
+    def __init__(self, lease_id: str, tenant: str | None, store: SlotStore) -> None:
         self.lease_id = lease_id
         self.tenant = tenant
         self.store = store

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Awaitable, Callable, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Literal
 
 import structlog
 from starlette.responses import Response

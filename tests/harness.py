@@ -14,9 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import uvicorn
@@ -74,7 +75,7 @@ class GatewayServer:
     def services(self):  # noqa: ANN201
         return self.app.state.services
 
-    def start(self, ready_timeout: float = 120.0, wait_ready: bool = True) -> "GatewayServer":
+    def start(self, ready_timeout: float = 120.0, wait_ready: bool = True) -> GatewayServer:
         async def _start() -> None:
             self._task = asyncio.create_task(self.server.serve())
             while not self.server.started:

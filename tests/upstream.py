@@ -252,7 +252,7 @@ def _logprobs(piece: str, top: int | None) -> list[dict]:
 class _Progress:
     """Per-request bookkeeping, so an injected reset is not mistaken for a client abort."""
 
-    __slots__ = ("finished", "self_reset", "aborted")
+    __slots__ = ("aborted", "finished", "self_reset")
 
     def __init__(self) -> None:
         self.finished = False

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable
 
 from sentencex import segment
 from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS

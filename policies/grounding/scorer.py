@@ -17,16 +17,16 @@ loaded per gateway, in the lifespan (:mod:`gateway.services`).
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import asyncio
 import math
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import structlog
@@ -68,14 +68,14 @@ class Judgement:
     claims: tuple[ClaimScore, ...]
 
     @classmethod
-    def of(cls, claims: Sequence[ClaimScore]) -> "Judgement":
+    def of(cls, claims: Sequence[ClaimScore]) -> Judgement:
         return cls(min((c.score for c in claims), default=1.0), tuple(claims))
 
     @property
     def weakest(self) -> ClaimScore | None:
         return min(self.claims, key=lambda c: c.score) if self.claims else None
 
-    def merge(self, other: "Judgement") -> "Judgement":
+    def merge(self, other: Judgement) -> Judgement:
         return Judgement.of(self.claims + other.claims)
 
 

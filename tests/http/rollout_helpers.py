@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import secrets
-
 import base64
+import secrets
 from dataclasses import dataclass
 
 import httpx

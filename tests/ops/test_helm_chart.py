@@ -283,7 +283,7 @@ ENGINE = {
 }
 
 
-def _engine_values(tmp_path) -> tuple[dict, "object"]:
+def _engine_values(tmp_path) -> tuple[dict, object]:
     """A generated snapshot and the chart values pinning it (its files' sums, as weights-manifest prints)."""
     from gateway.weights import parse_manifest, write_manifest
 

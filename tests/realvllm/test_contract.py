@@ -235,7 +235,7 @@ def test_vllms_metrics_feed_the_engine_telemetry(real_gateway, vllm, bg):
     while True:
         bg.run(telemetry.collect_once())
         after = telemetry.latest(ENGINE)
-        if "engine_ttft_p99" in after and after.get("requests_running") == 0 or time.monotonic() > deadline:
+        if ("engine_ttft_p99" in after and after.get("requests_running") == 0) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert after["requests_running"] == 0, after

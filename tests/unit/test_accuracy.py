@@ -12,7 +12,14 @@ import soundfile as sf
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from engines.accuracy import HeldOutItem, HeldOutSentinel, HeldOutSetError, choice_letter, is_correct, load_set
+from engines.accuracy import (
+    HeldOutItem,
+    HeldOutSentinel,
+    HeldOutSetError,
+    choice_letter,
+    is_correct,
+    load_set,
+)
 from engines.control_settings import AccuracySettings, ControllerSettings, Rule, RuleAction, default_rules
 from engines.pool import build_engine
 from engines.rollback import ControllerState, EngineSignals, Snapshot, decide

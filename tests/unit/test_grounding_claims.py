@@ -6,6 +6,7 @@ import pytest
 
 from engines.base import Delta
 from gateway.schemas import ChatCompletionRequest
+from gateway.settings import PolicyChainConfig, PolicySpec
 from policies.grounding.claims import (
     claims_of,
     date_supported,
@@ -18,7 +19,6 @@ from policies.grounding.claims import (
 )
 from policies.grounding.policy import GroundingConfig, SpeechGate
 from policies.registry import PolicyConfigError, available_plugins, build_chain
-from gateway.settings import PolicyChainConfig, PolicySpec
 
 
 def _req(messages: list[dict]) -> ChatCompletionRequest:

@@ -39,7 +39,7 @@ LABELS = {0: "contradiction", 1: "entailment", 2: "neutral"}
 
 
 def tiny_cross_encoder(path: Path, bias: tuple[float, ...], labels: dict[int, str] = LABELS) -> Path:
-    words = "the eiffel tower in paris was completed on 31 march 1889 it is 330 metres tall 1925 . ,".split()
+    words = ["the", "eiffel", "tower", "in", "paris", "was", "completed", "on", "31", "march", "1889", "it", "is", "330", "metres", "tall", "1925", ".", ","]
     path.mkdir(parents=True, exist_ok=True)
     (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True)

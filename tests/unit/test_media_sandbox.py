@@ -303,7 +303,7 @@ def test_undoing_a_parts_base64_costs_only_its_bytes(shape):
     the request's peak). Counting a part's bytes, or reading its declared type, allocates nothing."""
     import base64
 
-    from policies.media.parts import MediaRef, decode_payload, declared_type, payload_size
+    from policies.media.parts import MediaRef, declared_type, decode_payload, payload_size
 
     raw = np.random.default_rng(1).integers(0, 256, 3_000_000, dtype=np.uint8).tobytes()
     text = base64.b64encode(raw).decode()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from engines.control_settings import ControllerSettings, OffloadSettings, Rule, RuleAction, default_rules
 from engines.pool import EnginePool, build_engine
@@ -16,7 +17,6 @@ from engines.rollback import ControllerState, EngineSignals, Intent, Snapshot, T
 from engines.routing import EngineInfo, RoutingTable
 from gateway.settings import EngineConfig
 from observability.metrics import Metrics
-from prometheus_client import CollectorRegistry
 
 INT4 = EngineInfo("omni-int4", "int4", "primary", ("omni",))
 BF16 = EngineInfo("omni-bf16", "bf16", "fallback", ("omni",))
