@@ -26,7 +26,7 @@ from gateway.tenants import Directory, KeyEntry, KeyRefused, mint_key
 from observability.metrics import Metrics
 
 
-def _per_call(fn, calls: int) -> float:  # noqa: ANN001
+def _per_call(fn, calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         fn()

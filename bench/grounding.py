@@ -96,7 +96,7 @@ def _minilm_cross_encoder(root: Path, encoder_dir: Path | None) -> Path:
     return out
 
 
-def _timed(scorer, premise, claims, answers: int, clear: str | None) -> list[float]:  # noqa: ANN001
+def _timed(scorer, premise, claims, answers: int, clear: str | None) -> list[float]:
     from policies.grounding.scorer import FallbackScorer
 
     scorer.judge_sync(premise, claims)  # warm
@@ -116,7 +116,7 @@ def _timed(scorer, premise, claims, answers: int, clear: str | None) -> list[flo
     return times
 
 
-async def _concurrent(scorer, premise, claims, n: int) -> float:  # noqa: ANN001
+async def _concurrent(scorer, premise, claims, n: int) -> float:
     """Wall time for ``n`` answers judged at once through the batcher (one model call per batch)."""
     await scorer.start()
     try:

@@ -207,7 +207,7 @@ class _SpoolWatch:
         self._thread.join()
 
 
-def _engine_port(rig) -> str:  # noqa: ANN001
+def _engine_port(rig) -> str:
     return rig.upstream.args[rig.upstream.args.index("--port") + 1]
 
 

@@ -84,7 +84,7 @@ def summarise(raw: Path) -> dict:
     }
 
 
-async def _load_until(url: str, body: dict, streams: int, done) -> int:  # noqa: ANN001
+async def _load_until(url: str, body: dict, streams: int, done) -> int:
     """``streams`` streams back to back until ``done()``; the requests served."""
     served = 0
     while not done():

@@ -408,7 +408,7 @@ class RedisSlots:
         if len(self._releasing) == 1:
             self._spawn(self._flush_releases())
 
-    def _spawn(self, coro) -> None:  # noqa: ANN001
+    def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

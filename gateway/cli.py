@@ -18,7 +18,7 @@ def _format_validation(exc: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-def _load(path: str | None):  # noqa: ANN202
+def _load(path: str | None):
     from gateway.settings import load_settings
 
     return load_settings(path)
@@ -89,7 +89,7 @@ def check_config(path: str) -> int:
     return 0
 
 
-def auth_banner(settings) -> list[str]:  # noqa: ANN001
+def auth_banner(settings) -> list[str]:
     """What the start-up banner and ``check-config`` say about authentication (decided here, at boot)."""
     d = settings.auth.directory
     where = ("shared PostgreSQL" if d.shared else f"SQLite {d.sqlite_path}, this process only")
@@ -121,13 +121,13 @@ class _DrainingServer:
     """
 
     @staticmethod
-    def build(config, services):  # noqa: ANN001, ANN205
+    def build(config, services):
         import asyncio
 
         import uvicorn
 
         class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame) -> None:  # noqa: ANN001
+            def handle_exit(self, sig, frame) -> None:
                 if services.draining.is_set():
                     super().handle_exit(sig, frame)
                     return
@@ -176,7 +176,7 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
     return 0
 
 
-def _audit_settings(args: argparse.Namespace):  # noqa: ANN202
+def _audit_settings(args: argparse.Namespace):
     settings = _load(args.config)
     audit = settings.audit
     if args.sqlite:

@@ -72,7 +72,7 @@ class GatewayServer:
         self._task: asyncio.Task[None] | None = None
 
     @property
-    def services(self):  # noqa: ANN201
+    def services(self):
         return self.app.state.services
 
     def start(self, ready_timeout: float = 120.0, wait_ready: bool = True) -> GatewayServer:

@@ -270,7 +270,7 @@ class CrossEncoderScorer(_BaseScorer):
         cfg = self.settings
         try:
             model = CrossEncoder(cfg.model, device=cfg.device, max_length=cfg.max_length)
-        except Exception as exc:  # noqa: BLE001 - any load failure is reported with the configured name
+        except Exception as exc:  # any load failure is reported with the configured name
             raise ScorerLoadError(f"grounding.model: cannot load cross-encoder {cfg.model!r}: {exc}") from exc
         model.eval()
         labels = {int(k): str(v) for k, v in (getattr(model.model.config, "id2label", None) or {}).items()}
@@ -385,7 +385,7 @@ class FallbackScorer(_BaseScorer):
             raise ScorerLoadError(f"grounding.embedding_model: no such directory {path!r}")
         try:
             self._model = SentenceTransformer(path, device=self.settings.device)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise ScorerLoadError(f"grounding.embedding_model: cannot load {path!r}: {exc}") from exc
         self._path = path
         dates_in("It opened on 31 March 1889.")  # dateparser builds its language data on first use

@@ -28,7 +28,7 @@ def figures(request: pytest.FixtureRequest) -> Callable[..., None]:
     return record
 
 
-def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
+def pytest_terminal_summary(terminalreporter) -> None:
     if not _FIGURES:
         return
     terminalreporter.section("hardening figures")

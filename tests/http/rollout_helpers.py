@@ -55,7 +55,7 @@ class Trio:
 
         self.bg.call(_reset)
 
-    def set(self, upstream: ScriptedUpstream, **attrs) -> None:  # noqa: ANN003
+    def set(self, upstream: ScriptedUpstream, **attrs) -> None:
         def _set() -> None:
             for k, v in attrs.items():
                 setattr(upstream, k, v)

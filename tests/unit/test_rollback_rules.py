@@ -220,7 +220,8 @@ def test_vram_pressure_limits_the_engine_and_sleeps_the_idle_variant_on_its_gpu_
 
 def test_an_engine_with_traffic_work_in_flight_or_on_another_gpu_is_not_put_to_sleep():
     rule = RULES["vram-pressure"]
-    busy = lambda t: {**vram(t), BF16.name: {"in_flight": 2.0}}  # noqa: E731
+    def busy(t):
+        return {**vram(t), BF16.name: {"in_flight": 2.0}}
     trs, _, _, engines = run_offload(busy, cfg(rule), 60)
     assert [t.action for t in trs] == ["limit_concurrency"] and engines.sent == []
     trs, _, _, engines = run_offload(vram, cfg(rule), 60, gpus={INT4.name: ("0",), BF16.name: ("1",)})
