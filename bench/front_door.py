@@ -65,9 +65,9 @@ async def _run(keys: int, calls: int, repeat: int) -> dict[str, float]:
             d = Directory.build(settings, live.tenants, live.keys, live.read_at)
             good = f"Bearer {minted[len(minted) // 2].key}"
             bad = f"Bearer {mint_key().key}"
-            results["authenticate_ok"].append(_per_call(lambda: d.authenticate(good), calls))
+            results["authenticate_ok"].append(_per_call(lambda d=d, good=good: d.authenticate(good), calls))
 
-            def refuse() -> None:
+            def refuse(d: Directory = d, bad: str = bad) -> None:
                 try:
                     d.authenticate(bad)
                 except KeyRefused:

@@ -185,7 +185,7 @@ def main() -> None:
         buf = io.BytesIO()
         sf.write(buf, pcm, 16000, format=fmt, subtype=sub)
         data = buf.getvalue()
-        wall, cpu = measure(lambda: probe_audio(data, "p"), args.repeat * 4)
+        wall, cpu = measure(lambda data=data: probe_audio(data, "p"), args.repeat * 4)
         rows.append(
             (
                 f"audio duration probe, {minutes} min {fmt} ({len(data) / 1e6:.0f} MB)",

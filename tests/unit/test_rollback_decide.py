@@ -103,7 +103,7 @@ def test_noise_of_twenty_percent_never_switches():
     for base in (0.45, 0.55):
         crossed = 0
 
-        def noisy(t: float) -> float:
+        def noisy(t: float, base: float = base) -> float:
             nonlocal crossed
             v = base * rng.uniform(0.8, 1.2)
             crossed += v > 0.6
