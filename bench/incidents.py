@@ -149,7 +149,7 @@ def gateway_config(
 
 def _gateway_config(ups: Upstreams, port: int, sentinel: bool, caps: dict[str, int] | None) -> dict:
     engines = []
-    for v, role in zip(VARIANTS, ("primary", "fallback", "fallback")):
+    for v, role in zip(VARIANTS, ("primary", "fallback", "fallback"), strict=True):
         engines.append(
             {
                 "name": f"omni-{v}",

@@ -232,7 +232,7 @@ class OutcomeWindow:
             slot.ok += 1
             slot.tokens += tokens
             slot.audio_s += audio_s
-            for name, value in zip(LATENCIES, (ttft, first_audio, e2e, up_ttft, up_e2e)):
+            for name, value in zip(LATENCIES, (ttft, first_audio, e2e, up_ttft, up_e2e), strict=True):
                 if value == value:  # not NaN
                     buckets = slot.latency[name]
                     i = bucket_index(value)

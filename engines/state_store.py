@@ -227,7 +227,7 @@ class RedisStore:
         if not ids:
             return {}
         raws = await self._redis.mget([self._k(f"summary:{i}") for i in ids])
-        return {i: orjson.loads(r) for i, r in zip(ids, raws) if r}
+        return {i: orjson.loads(r) for i, r in zip(ids, raws, strict=True) if r}
 
     async def withdraw(self) -> None:
         """Leave the replica set (shutdown): the leader stops counting this replica at once."""

@@ -394,7 +394,7 @@ class RedisSlots:
                     p.future.set_exception(_StoreDown())
             return
         orphans = []
-        for p, res in zip(batch, results):
+        for p, res in zip(batch, results, strict=True):
             if not p.future.done():
                 p.future.set_result(res)
             elif res[0] == 1:

@@ -54,7 +54,7 @@ class Upstreams:
 
     def reset(self) -> None:
         def _reset() -> None:
-            for u, flavour in zip(self.all, ("omni", "omni", "vllm")):
+            for u, flavour in zip(self.all, ("omni", "omni", "vllm"), strict=True):
                 u.default = Script(flavour=flavour)
                 u.clear_queue()
                 u.reset_stats()

@@ -193,7 +193,4 @@ def dates_in(text: str) -> set[DateKey]:
 
 def date_supported(claim: DateKey, premise: set[DateKey]) -> bool:
     """Every part the claim states is stated, equal, by one premise date."""
-    for p in premise:
-        if all(c is None or c == q for c, q in zip(claim, p)):
-            return True
-    return False
+    return any(all(c is None or c == q for c, q in zip(claim, p, strict=True)) for p in premise)

@@ -168,7 +168,7 @@ class _Batcher(Generic[J, R]):
                     if not j.future.done():
                         j.future.set_exception(exc)
                 continue
-            for j, r in zip(live, results):
+            for j, r in zip(live, results, strict=True):
                 if not j.future.done():
                     j.future.set_result(r)
 
@@ -326,7 +326,7 @@ class CrossEncoderScorer(_BaseScorer):
         entail = probs if self._column is None else probs[:, self._column]
         out: list[Judgement] = []
         i = 0
-        for (premise, claims), (n_claims, n_chunks) in zip(jobs, shapes):
+        for (_, claims), (_, n_chunks) in zip(jobs, shapes, strict=True):
             scores = []
             for claim in claims:
                 best = float(np.max(entail[i : i + n_chunks]))
@@ -413,7 +413,7 @@ class FallbackScorer(_BaseScorer):
                 missing, batch_size=self.settings.batch_size, normalize_embeddings=True,
                 convert_to_numpy=True, show_progress_bar=False,
             )
-            for t, v in zip(missing, vecs):
+            for t, v in zip(missing, vecs, strict=True):
                 self._emb_cache[t] = v
             while len(self._emb_cache) > 4096:
                 self._emb_cache.popitem(last=False)

@@ -308,7 +308,7 @@ def test_engines_start_only_after_their_weights_are_verified(tmp_path):
     (engine,) = pod["containers"]
     args = init["args"]
     assert args[:2] == ["verify-weights", "--download"]
-    flag = dict(zip(args[2::2], args[3::2]))
+    flag = dict(zip(args[2::2], args[3::2], strict=True))
     assert flag["--model"] == ENGINE["model"] and flag["--revision"] == REVISION
     # The engine loads the folder that was verified, by the path that names its revision.
     snapshot = f"/models/omni-int4/snapshots/{REVISION}"

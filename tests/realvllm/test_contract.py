@@ -135,7 +135,7 @@ def same_greedy_tokens(got: list, want: list, tie: float = 0.5) -> None:
         # Greedy: each relayed token is its own top candidate, with that candidate's logprob.
         assert g.logprob == max(t.logprob for t in g.top_logprobs)
         assert g.token in {t.token for t in g.top_logprobs}
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         if g.token == w.token:
             # bf16 noise between two runs moves a logprob by a few hundredths, rarely a tenth.
             assert g.logprob == pytest.approx(w.logprob, abs=0.25)

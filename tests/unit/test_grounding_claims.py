@@ -146,7 +146,7 @@ async def test_the_policy_takes_the_gateway_scorer_when_started():
     services = Services.build(Settings(policies=cfg), Metrics())
     policy = services.chain.post[0].impl
     with pytest.raises(RuntimeError, match="not started"):
-        policy.scorer
+        _ = policy.scorer  # the property raises before the scorer is started
     await policy.start(services.deps())  # the lifespan does this after loading the scorer
     assert policy.scorer is services.scorer
     assert Services.build(Settings(), Metrics()).scorer is None

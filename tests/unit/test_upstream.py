@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import itertools
 import json
 import math
 import os
@@ -192,7 +193,7 @@ async def test_omni_stream_with_audio(up, session):
         assert len(pcm) == round(0.2 * 24000)
         assert np.abs(pcm).max() > 1000  # audible, not silence
         signals.append(pcm)
-    assert all(not np.array_equal(a, b) for a, b in zip(signals, signals[1:]))
+    assert all(not np.array_equal(a, b) for a, b in itertools.pairwise(signals))
     assert up.voices == ["Chelsie"]
 
 
