@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -191,10 +192,8 @@ class _SpoolWatch:
             total = 0
             for entry in os.scandir(spooled.SHM_DIR):
                 if entry.name.startswith(self.prefix):
-                    try:
+                    with contextlib.suppress(FileNotFoundError):
                         total += entry.stat().st_size
-                    except FileNotFoundError:
-                        pass
             self.peak = max(self.peak, total)
             time.sleep(0.001)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import mimetypes
 import re
 import time
@@ -246,10 +247,8 @@ class HeldOutSentinel:
                     self._pending.discard(name)
                     await self.replay(name)
             self._wake.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=min(self.settings.interval_s, 5.0))
-            except TimeoutError:
-                pass
 
     async def replay(self, name: str) -> Replay | None:
         """Ask the engine every item, one at a time; an engine error leaves the item unscored."""

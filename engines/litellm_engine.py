@@ -7,6 +7,7 @@ vLLM-Omni engines use their own adapter instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -128,10 +129,8 @@ class LiteLLMEngine:
         finally:
             close = getattr(response, "aclose", None)
             if close is not None:
-                try:
+                with contextlib.suppress(Exception):  # closing a broken stream may raise again; it is already gone
                     await close()
-                except Exception:  # closing a broken stream may raise again; it is already gone
-                    pass
 
     async def complete(self, request: ChatCompletionRequest) -> Completion:
         lib = self._lib

@@ -10,6 +10,7 @@ kept together until the engine facts move onto the adapter's capabilities.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -536,7 +537,5 @@ class LocalEngine:
                 log.warning("local_generation_failed", engine=self.name, error=str(exc))
             _post(job, ("error", exc))
         finally:
-            try:
+            with contextlib.suppress(RuntimeError):
                 job.loop.call_soon_threadsafe(job.done.set_result, None)
-            except RuntimeError:
-                pass
