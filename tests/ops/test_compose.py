@@ -80,8 +80,8 @@ def _mounted(svc: dict, target: str) -> Path:
 
 
 def test_gateway_config_is_valid_and_reachable_by_proxy_and_prometheus(profile, capsys):
-    name, config = profile
-    gw_name, gw = _gateway(config)
+    _name, config = profile
+    _gw_name, gw = _gateway(config)
     assert gw["command"][:3] == ["serve", "--config", "/etc/omnigate/omnigate.yaml"]
     config_file = _mounted(gw, "/etc/omnigate/omnigate.yaml")
     assert check_config(str(config_file)) == 0, capsys.readouterr().err
