@@ -382,7 +382,7 @@ def test_a_gateway_expectation_that_contradicts_the_pin_does_not_render(tmp_path
     values, _ = _engine_values(tmp_path)
     config = yaml.safe_load((CHART / "values.yaml").read_text())["config"]
     config["engines"][0]["expected_revision"] = "f" * 40
-    with pytest.raises(helm.HelmRenderError, match="expected_revision .* is not the revision engines.. pins"):
+    with pytest.raises(helm.HelmRenderError, match=r"expected_revision .* is not the revision engines.. pins"):
         render({**values, "config": config})
     config["engines"][0].pop("expected_revision")
     config["engines"][0]["expected_model"] = "some-other-model"

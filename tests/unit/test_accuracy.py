@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 
 import numpy as np
 import orjson
@@ -128,7 +129,7 @@ def test_the_set_has_a_size_limit_and_cannot_be_empty(tmp_path):
 
 
 def test_enabling_the_sentinel_needs_a_set():
-    with pytest.raises(ValueError, match="needs routing.accuracy.set_path"):
+    with pytest.raises(ValueError, match=re.escape("needs routing.accuracy.set_path")):
         AccuracySettings(enabled=True)
 
 
