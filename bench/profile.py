@@ -120,7 +120,7 @@ async def run(args: argparse.Namespace) -> dict:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
             load = asyncio.create_task(stream_load(url, body, args.streams, 10**9))
-            while recorder.poll() is None:
+            while recorder.poll() is None:  # noqa: ASYNC110 - py-spy is a child process, not something to await
                 await asyncio.sleep(0.2)
             load.cancel()
             await asyncio.gather(load, return_exceptions=True)

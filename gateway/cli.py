@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -243,12 +244,9 @@ def audit_command(args: argparse.Namespace) -> int:
                     assert p is not None
                     print(f"audit chain BROKEN at record {p.seq} ({p.kind}): {p.message}")
                 return 0 if report.ok else 1
-            out = open(args.out, "wb") if args.out and args.out != "-" else sys.stdout.buffer
-            try:
+            to_file = args.out and args.out != "-"
+            with open(args.out, "wb") if to_file else contextlib.nullcontext(sys.stdout.buffer) as out:  # noqa: ASYNC230 - the command's only task: nothing else waits on the loop
                 n = await export_store(store, out, args.after)
-            finally:
-                if out is not sys.stdout.buffer:
-                    out.close()
             print(f"exported {n} records", file=sys.stderr)
             return 0
         finally:

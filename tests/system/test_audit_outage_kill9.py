@@ -118,7 +118,7 @@ class StoreLock:
                 async with conn.transaction():
                     await conn.execute("LOCK TABLE audit_log IN ACCESS EXCLUSIVE MODE")
                     self._held.set()
-                    while not self._release.is_set():
+                    while not self._release.is_set():  # noqa: ASYNC110 - a threading.Event, set from the test's thread
                         await asyncio.sleep(0.05)
             finally:
                 await conn.close()
