@@ -132,8 +132,8 @@ def bench_nli(assets: Path, batches: list[int], repeat: int, cpu_threads: int, c
     shapes = {"minilm_l12_h384": (384, 12, 12, 1536), "bert_base": (768, 12, 12, 3072)}
     with tempfile.TemporaryDirectory() as tmp:
         for name in sizes:
-            h, l, a, i = shapes[name]
-            where = _cross_encoder(assets / "vocab.txt", h, l, a, i, Path(tmp) / name)
+            hidden, layers, heads, inter = shapes[name]
+            where = _cross_encoder(assets / "vocab.txt", hidden, layers, heads, inter, Path(tmp) / name)
             res: dict = {"cpu": {}, "cuda_fp32": {}, "cuda_fp16": {}}
             cpu = CrossEncoder(str(where), device="cpu", max_length=512)
             if cuda:

@@ -20,7 +20,7 @@ from typing import Any
 # Buckets: 1 ms to ~2 min, each 2 % wider than the last; values outside are clamped.
 _GROWTH = 1.02
 _MIN_S = 0.001
-_N_BUCKETS = int(math.ceil(math.log(120.0 / _MIN_S) / math.log(_GROWTH))) + 1
+_N_BUCKETS = math.ceil(math.log(120.0 / _MIN_S) / math.log(_GROWTH)) + 1
 _UPPER = [_MIN_S * _GROWTH**k for k in range(1, _N_BUCKETS + 1)]
 
 #: client-visible (from the request's arrival: body read, pre-policies and hold-back included) and, as

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -125,7 +125,7 @@ class Reject:
     error: OmnigateError
 
 
-Verdict = Union[Accept, Retry, Reject]
+Verdict = Accept | Retry | Reject
 
 
 class Halt(Exception):

@@ -742,15 +742,13 @@ class ScriptedUpstream:
             if mid_fault and fault_at == 0:
                 request.writer.send_headers()  # aiohttp otherwise holds headers back for the first body write
             for i, frame in enumerate(frames):
-                if mid_fault and i == fault_at:
-                    if await self._mid_fault(request, state, resp, fault):
-                        return resp
+                if mid_fault and i == fault_at and await self._mid_fault(request, state, resp, fault):
+                    return resp
                 if i and delay > 0:
                     await asyncio.sleep(delay)
                 await resp.write(frame)
-            if mid_fault and fault_at == len(frames):
-                if await self._mid_fault(request, state, resp, fault):
-                    return resp
+            if mid_fault and fault_at == len(frames) and await self._mid_fault(request, state, resp, fault):
+                return resp
             if delay > 0:
                 await asyncio.sleep(delay)
             await resp.write(tail)
@@ -867,7 +865,7 @@ class ScriptedUpstream:
             "model": plan.model,
             "choices": choices,
             "usage": {"prompt_tokens": script.prompt_tokens, "completion_tokens": n,
-                      "total_tokens": script.prompt_tokens + n},  # fmt: skip
+                      "total_tokens": script.prompt_tokens + n},
         }
         state.finished = True
         self.completed += 1

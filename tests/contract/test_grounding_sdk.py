@@ -329,10 +329,11 @@ def test_window_mode_speech_passes_whole_when_grounded(serve, upstreams):
 def test_a_client_leaving_during_the_hold_aborts_the_upstream(serve, upstreams):
     server, _ = serve("hold")
     upstreams.vllm.default = Script(flavour="vllm", text=RIGHT, chunk_delay_s=0.3)
-    with pytest.raises(httpx.ReadTimeout):
-        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=httpx.Timeout(5, read=0.5),
-                          json={"model": TEXT_MODEL, "messages": _messages(), "stream": True}) as r:
-            r.read()
+    with pytest.raises(httpx.ReadTimeout), httpx.stream(
+        "POST", server.url + "/v1/chat/completions", timeout=httpx.Timeout(5, read=0.5),
+        json={"model": TEXT_MODEL, "messages": _messages(), "stream": True},
+    ) as r:
+        r.read()
     assert wait_until(lambda: upstreams.vllm.aborts == 1, timeout=10)
     assert upstreams.vllm.completed == 0
 
@@ -407,10 +408,12 @@ def test_a_failing_scorer_is_a_503_not_an_unjudged_answer(bg, upstreams, tmp_pat
         upstreams.reset()
         upstreams.vllm.default = Script(flavour="vllm", text=RIGHT)
         long_context = "The Eiffel Tower is 330 metres tall. " * 60
-        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
-            with pytest.raises(openai.InternalServerError) as err:
-                client.chat.completions.create(model=TEXT_MODEL, stream=True, messages=[
-                    {"role": "system", "content": long_context}, {"role": "user", "content": QUESTION}])
+        with (
+            openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client,
+            pytest.raises(openai.InternalServerError) as err,
+        ):
+            client.chat.completions.create(model=TEXT_MODEL, stream=True, messages=[
+                {"role": "system", "content": long_context}, {"role": "user", "content": QUESTION}])
         assert err.value.status_code == 503
         assert err.value.body["code"] == "guard_unavailable"
     finally:

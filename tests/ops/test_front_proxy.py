@@ -97,12 +97,12 @@ http {{
         return run([_binary("nginx"), "-t", "-c", str(self.conf), "-p", str(self.dir)])
 
     def start(self) -> Nginx:
-        out = open(self.dir / "logs" / "stdout.log", "wb")
-        self.proc = subprocess.Popen(
-            [_binary("nginx"), "-c", str(self.conf), "-p", str(self.dir)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        with open(self.dir / "logs" / "stdout.log", "wb") as out:  # nginx keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [_binary("nginx"), "-c", str(self.conf), "-p", str(self.dir)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
         def listening() -> bool:
             try:

@@ -38,7 +38,7 @@ def test_premise_is_system_user_and_tool_text_not_assistant_turns():
     assert "Oslo" in p.text and "5.5 million" in p.text and "snowing" in p.text
     assert "Bergen" not in p.text
     assert "You are helpful." not in p.text
-    assert [s.strip() for s in p.sentences][0] == "Doc: Oslo is the capital of Norway."
+    assert next(s.strip() for s in p.sentences) == "Doc: Oslo is the capital of Norway."
 
 
 def test_premise_chunks_are_sentence_aligned_and_bounded():
