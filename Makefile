@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-fast test-omni bench docs lock clean ops-sync
+.PHONY: install serve test test-fast test-omni bench docs lint lock clean ops-sync
 
 $(STAMP): requirements/lock.txt requirements/models.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ bench: install
 # The manual (docs/, mkdocs.yml): the configuration reference is generated from the settings models.
 docs: install
 	$(PY) -m mkdocs build --strict -d site
+
+# The lint gate: ruff's rule set (pyproject [tool.ruff.lint]) and the formatter, which only checks here.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Re-resolve the pinned set after changing pyproject.toml (needs pip-tools).
 lock:

@@ -16,11 +16,10 @@ from collections.abc import Awaitable, Callable
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from bench.common import (  # noqa: E402
-    add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, wait_http)
-from engines.pool import build_engine  # noqa: E402
-from gateway.schemas import ChatCompletionRequest  # noqa: E402
-from gateway.settings import EngineConfig  # noqa: E402
+from bench.common import add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, wait_http
+from engines.pool import build_engine
+from gateway.schemas import ChatCompletionRequest
+from gateway.settings import EngineConfig
 
 
 async def _drive(engine, request: ChatCompletionRequest, total: int, concurrency: int) -> tuple[float, int]:

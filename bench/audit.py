@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path

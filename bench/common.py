@@ -30,7 +30,7 @@ def free_port() -> int:
 def spawn(args: list[str], cpu: int | None, env: dict[str, str] | None = None) -> subprocess.Popen:
     prefix = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
     return subprocess.Popen(
-        prefix + [sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
+        [*prefix, sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
 
@@ -165,7 +165,7 @@ async def stream_load(url: str, body: dict, concurrency: int, total: int) -> Loa
                         result.gaps.append(now - last)
                     last = now
                     result.chunks += 1
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             result.errors += 1
             return
         result.requests += 1

@@ -36,7 +36,7 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   num_key_value_heads=2, vocab_size=32000)  # fmt: skip
 
 
-def _nvml():  # noqa: ANN202 - pynvml's handle type
+def _nvml():
     """NVML's module and the first GPU's handle, or (None, why) where NVML cannot be read."""
     try:
         import pynvml

@@ -83,12 +83,12 @@ def energy_layout(cfg: dict) -> None:
     cfg["routing"]["controller"]["rules"].append(ENERGY_RULE)
 
 
-async def energy_prepare(s, ups, t0):  # noqa: ANN001
+async def energy_prepare(s, ups, t0):
     # ~20 requests/s of 10 tokens each on BF16: 1.2 W reads ~170 tokens/J, above the line.
     power.watts.update({"int4": 1.0, "int8": 1.0, "bf16": 1.2})
 
 
-async def energy_inject(s, ups, t0):  # noqa: ANN001
+async def energy_inject(s, ups, t0):
     power.watts["bf16"] = 4.0  # ~50 tokens/J: under 100
 
 
@@ -109,10 +109,10 @@ def held_out_set() -> Path:
     return path
 
 
-async def accuracy_prepare(s, ups, t0):  # noqa: ANN001
+async def accuracy_prepare(s, ups, t0):
     for v, text in (("int4", "B"), ("int8", "A"), ("bf16", "B")):  # INT8 answers every item wrong
         await ups.script(s, v, first_byte_delay_s=0.2, text=text)
 
 
-async def accuracy_inject(s, ups, t0):  # noqa: ANN001
+async def accuracy_inject(s, ups, t0):
     await ups.script(s, "int4", first_byte_delay_s=0.9, text="B")

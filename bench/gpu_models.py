@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -91,17 +92,17 @@ def bench_nsfw(assets: Path, batches: list[int], repeat: int, cuda: bool = True)
     for b in batches:
         x = rng.uniform(0, 255, size=[b, *shape[1:]]).astype("float32")
         ref = sess.run(None, {inp.name: x})[0]
-        out["cpu_onnxruntime"][b] = _time(lambda: sess.run(None, {inp.name: x}), _nothing, repeat)
+        out["cpu_onnxruntime"][b] = _time(lambda x=x: sess.run(None, {inp.name: x}), _nothing, repeat)
         if not cuda:
             continue
         xt = torch.from_numpy(x).cuda()
         with torch.inference_mode():
             got = model(xt).float().cpu().numpy()
-            out["cuda_fp32"][b] = _time(lambda: model(xt), _cuda_sync, repeat)
+            out["cuda_fp32"][b] = _time(lambda xt=xt: model(xt), _cuda_sync, repeat)
             # The converted graph casts internally, so fp16 runs under autocast rather than .half().
             with torch.autocast("cuda", dtype=torch.float16):
                 got16 = model(xt).float().cpu().numpy()
-                out["cuda_fp16"][b] = _time(lambda: model(xt), _cuda_sync, repeat)
+                out["cuda_fp16"][b] = _time(lambda xt=xt: model(xt), _cuda_sync, repeat)
         out.setdefault("max_abs_diff_vs_onnxruntime", {})[b] = {
             "fp32": float(np.abs(got - ref).max()), "fp16": float(np.abs(got16 - ref).max())}
     return out
@@ -131,8 +132,8 @@ def bench_nli(assets: Path, batches: list[int], repeat: int, cpu_threads: int, c
     shapes = {"minilm_l12_h384": (384, 12, 12, 1536), "bert_base": (768, 12, 12, 3072)}
     with tempfile.TemporaryDirectory() as tmp:
         for name in sizes:
-            h, l, a, i = shapes[name]
-            where = _cross_encoder(assets / "vocab.txt", h, l, a, i, Path(tmp) / name)
+            hidden, layers, heads, inter = shapes[name]
+            where = _cross_encoder(assets / "vocab.txt", hidden, layers, heads, inter, Path(tmp) / name)
             res: dict = {"cpu": {}, "cuda_fp32": {}, "cuda_fp16": {}}
             cpu = CrossEncoder(str(where), device="cpu", max_length=512)
             if cuda:
@@ -143,11 +144,11 @@ def bench_nli(assets: Path, batches: list[int], repeat: int, cpu_threads: int, c
             for b in batches:
                 pairs = [(premise, hypothesis)] * b
                 cpu_repeat = max(1, min(3, repeat), repeat // 4)
-                res["cpu"][b] = _time(lambda: cpu.predict(pairs, batch_size=b), _nothing, cpu_repeat)
+                res["cpu"][b] = _time(partial(cpu.predict, pairs, batch_size=b), _nothing, cpu_repeat)
                 if not cuda:
                     continue
-                res["cuda_fp32"][b] = _time(lambda: gpu.predict(pairs, batch_size=b), _cuda_sync, repeat)
-                res["cuda_fp16"][b] = _time(lambda: gpu16.predict(pairs, batch_size=b), _cuda_sync, repeat)
+                res["cuda_fp32"][b] = _time(partial(gpu.predict, pairs, batch_size=b), _cuda_sync, repeat)
+                res["cuda_fp16"][b] = _time(partial(gpu16.predict, pairs, batch_size=b), _cuda_sync, repeat)
             res["tokens_per_pair"] = len(cpu.tokenizer(premise, hypothesis, truncation=True, max_length=512)["input_ids"])
             out[name] = res
     return out
@@ -202,13 +203,13 @@ def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: 
         feats = one.repeat(b, 1, 1)
         with torch.inference_mode():
             if b <= 8:
-                out["cpu"][b] = _time(lambda: decode(base, feats), _nothing, max(min(2, repeat), repeat // 5))
+                out["cpu"][b] = _time(partial(decode, base, feats), _nothing, max(min(2, repeat), repeat // 5))
             if not cuda:
                 continue
             f = feats.cuda()
-            out["cuda_fp32"][b] = _time(lambda: decode(gpu, f), _cuda_sync, repeat)
+            out["cuda_fp32"][b] = _time(partial(decode, gpu, f), _cuda_sync, repeat)
             f16 = f.half()
-            out["cuda_fp16"][b] = _time(lambda: decode(gpu16, f16), _cuda_sync, repeat)
+            out["cuda_fp16"][b] = _time(partial(decode, gpu16, f16), _cuda_sync, repeat)
     return out
 
 

@@ -31,8 +31,18 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import (add_smoke, emit, free_port, out_path, pct, pin_self, smoke_result, spawn, stream_load,
-                          wait_http)
+from bench.common import (
+    add_smoke,
+    emit,
+    free_port,
+    out_path,
+    pct,
+    pin_self,
+    smoke_result,
+    spawn,
+    stream_load,
+    wait_http,
+)
 
 PREMISE = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
@@ -86,7 +96,7 @@ def _minilm_cross_encoder(root: Path, encoder_dir: Path | None) -> Path:
     return out
 
 
-def _timed(scorer, premise, claims, answers: int, clear: str | None) -> list[float]:  # noqa: ANN001
+def _timed(scorer, premise, claims, answers: int, clear: str | None) -> list[float]:
     from policies.grounding.scorer import FallbackScorer
 
     scorer.judge_sync(premise, claims)  # warm
@@ -106,7 +116,7 @@ def _timed(scorer, premise, claims, answers: int, clear: str | None) -> list[flo
     return times
 
 
-async def _concurrent(scorer, premise, claims, n: int) -> float:  # noqa: ANN001
+async def _concurrent(scorer, premise, claims, n: int) -> float:
     """Wall time for ``n`` answers judged at once through the batcher (one model call per batch)."""
     await scorer.start()
     try:

@@ -139,7 +139,7 @@ def _spawn(args: list[str], log: Path, cpu: int | None) -> subprocess.Popen:
     prefix = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
     with log.open("wb") as out:  # a file, not a pipe: a full pipe would stall the process
         return subprocess.Popen(
-            prefix + [sys.executable, *args],
+            [*prefix, sys.executable, *args],
             cwd=ROOT,
             env=os.environ.copy(),
             stdout=out,

@@ -38,9 +38,10 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import orjson
@@ -148,7 +149,7 @@ def gateway_config(
 
 def _gateway_config(ups: Upstreams, port: int, sentinel: bool, caps: dict[str, int] | None) -> dict:
     engines = []
-    for v, role in zip(VARIANTS, ("primary", "fallback", "fallback")):
+    for v, role in zip(VARIANTS, ("primary", "fallback", "fallback"), strict=True):
         engines.append(
             {
                 "name": f"omni-{v}",
@@ -275,7 +276,7 @@ class Load:
                         if line.startswith(b'data: {"error"'):
                             ok = False
                             self._fail(f"frame {_code(line[6:])}")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             ok = False
             self._fail(type(exc).__name__)
         self.records.append((t0, ok))
@@ -339,7 +340,7 @@ async def run_scenario(
     prepare: Inject | None = None,
     note: str = "",
     caps: dict[str, int] | None = None,
-    after: "After | None" = None,
+    after: After | None = None,
 ) -> Result:
     res = Result(name, expected, note=note)
     port = free_port()
@@ -427,15 +428,15 @@ async def run_scenario(
 # -- the incidents --------------------------------------------------------------------------------
 
 
-async def spike(s, ups, t0):  # noqa: ANN001
+async def spike(s, ups, t0):
     await ups.script(s, "int4", first_byte_delay_s=0.9)
 
 
-async def vram(s, ups, t0):  # noqa: ANN001
+async def vram(s, ups, t0):
     await ups.post(s, "int4", "/_metrics", {"kv_cache_usage_perc": 0.95, "num_requests_running": 16})
 
 
-async def slow_engines(s, ups, t0):  # noqa: ANN001
+async def slow_engines(s, ups, t0):
     # Each answer now takes about a second: the engines' caps (4 + 1 + 1) are fewer than the load needs,
     # so requests queue in the gateway and the client's P50 time to first token climbs.
     for v in VARIANTS:
@@ -449,7 +450,7 @@ async def sleep_state(s: aiohttp.ClientSession, ups: Upstreams, v: str) -> float
         return parse_sleep_state(await r.text(), [0, 1, 2])
 
 
-async def offload_way_back(s, ups, url, t0, res) -> None:  # noqa: ANN001
+async def offload_way_back(s, ups, url, t0, res) -> None:
     """BF16 asleep while INT4's memory is short; the pressure ends; time until BF16 is confirmed awake."""
     asleep = await sleep_state(s, ups, "bf16")
     before = await upstream_count(s, ups, "bf16")
@@ -471,7 +472,7 @@ async def offload_way_back(s, ups, url, t0, res) -> None:  # noqa: ANN001
     )
 
 
-async def p50_after_raise(s, ups, url, t0, res) -> None:  # noqa: ANN001
+async def p50_after_raise(s, ups, url, t0, res) -> None:
     st = await admin_status(s, url)
     raised = st.get("raised", {}).get("omni-int4")
     await asyncio.sleep(15.0 if res.switch_s is not None else 0.0)
@@ -485,7 +486,7 @@ async def p50_after_raise(s, ups, url, t0, res) -> None:  # noqa: ANN001
     )
 
 
-async def unscored_speech(s, ups, url, t0, res) -> None:  # noqa: ANN001
+async def unscored_speech(s, ups, url, t0, res) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     async with s.get(url + "/metrics") as r:
@@ -505,12 +506,12 @@ async def unscored_speech(s, ups, url, t0, res) -> None:  # noqa: ANN001
     )
 
 
-async def crash(s, ups, t0):  # noqa: ANN001
+async def crash(s, ups, t0):
     ups.kill("int4")
 
 
 def drift_task(ups: Upstreams, start: float, end: float, seconds: float) -> Inject:
-    async def inject(s, ups_, t0):  # noqa: ANN001
+    async def inject(s, ups_, t0):
         async def ramp() -> None:
             while True:
                 frac = min(1.0, (time.time() - t0) / seconds)
@@ -526,7 +527,7 @@ def drift_task(ups: Upstreams, start: float, end: float, seconds: float) -> Inje
 def noise_task(ups: Upstreams, base: float, jitter: float) -> Inject:
     rng = random.Random(5)
 
-    async def inject(s, ups_, t0):  # noqa: ANN001
+    async def inject(s, ups_, t0):
         async def jitterer() -> None:
             while True:
                 await ups.script(s, "int4", first_byte_delay_s=base * rng.uniform(1 - jitter, 1 + jitter))
@@ -539,7 +540,7 @@ def noise_task(ups: Upstreams, base: float, jitter: float) -> Inject:
 
 
 def zh_task(speech: list) -> Inject:
-    async def inject(s, ups, t0):  # noqa: ANN001
+    async def inject(s, ups, t0):
         _, _, drifted = speech[0]
         # A Chinese transcript with speech the English listener would score as all wrong, were it scored.
         await ups.script(s, "int4", first_byte_delay_s=0.2, text=CHINESE, audio_wav=str(drifted))
@@ -548,7 +549,7 @@ def zh_task(speech: list) -> Inject:
 
 
 def wer_task(speech: list) -> Inject:
-    async def inject(s, ups, t0):  # noqa: ANN001
+    async def inject(s, ups, t0):
         said, _, drifted = speech[0]
         await ups.script(s, "int4", first_byte_delay_s=0.2, text=said, audio_wav=str(drifted))
 
@@ -675,7 +676,8 @@ def table(results: list[Result]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        fmt = lambda x: "—" if x is None else f"{x:.2f} s"  # noqa: E731
+        def fmt(x):
+            return "—" if x is None else f"{x:.2f} s"
         note = f" ({r.note})" if r.note else ""
         lines.append(
             f"| {r.expected}{note} | {r.requests} | {r.failed} | {fmt(r.detect_s)} | {fmt(r.switch_s)} | "

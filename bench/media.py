@@ -11,6 +11,7 @@ and a 1 min recording instead of 120 s and 45 min, one run each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -19,8 +20,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Callable
 
 import av
 import numpy as np
@@ -74,10 +75,8 @@ def bomb_child() -> None:
 
     cfg = ImageConfig()
     data = png_bomb(50_000, 50_000)
-    try:  # warm the code path once with a small file so imports are not counted
+    with contextlib.suppress(InvalidMedia):  # warm the code path once with a small file so imports are not counted
         normalise_image(png_bomb(9000, 9000), cfg, "p")
-    except InvalidMedia:
-        pass
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     try:
@@ -185,7 +184,7 @@ def main() -> None:
         buf = io.BytesIO()
         sf.write(buf, pcm, 16000, format=fmt, subtype=sub)
         data = buf.getvalue()
-        wall, cpu = measure(lambda: probe_audio(data, "p"), args.repeat * 4)
+        wall, cpu = measure(lambda data=data: probe_audio(data, "p"), args.repeat * 4)
         rows.append(
             (
                 f"audio duration probe, {minutes} min {fmt} ({len(data) / 1e6:.0f} MB)",

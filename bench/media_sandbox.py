@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -194,14 +195,12 @@ class _SpoolWatch:
             total = 0
             for entry in os.scandir(spooled.SHM_DIR):
                 if entry.name.startswith(self.prefix):
-                    try:
+                    with contextlib.suppress(FileNotFoundError):
                         total += entry.stat().st_size
-                    except FileNotFoundError:
-                        pass
             self.peak = max(self.peak, total)
             time.sleep(0.001)
 
-    def __enter__(self) -> "_SpoolWatch":
+    def __enter__(self) -> _SpoolWatch:
         self._thread.start()
         return self
 
@@ -210,7 +209,7 @@ class _SpoolWatch:
         self._thread.join()
 
 
-def _engine_port(rig) -> str:  # noqa: ANN001
+def _engine_port(rig) -> str:
     return rig.upstream.args[rig.upstream.args.index("--port") + 1]
 
 

@@ -18,8 +18,20 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import (add_smoke, cpu_seconds, emit, free_port, out_path, pct, pin_self, rss_kib, smoke_result,
-                          spawn, stream_load, wait_http)
+from bench.common import (
+    add_smoke,
+    cpu_seconds,
+    emit,
+    free_port,
+    out_path,
+    pct,
+    pin_self,
+    rss_kib,
+    smoke_result,
+    spawn,
+    stream_load,
+    wait_http,
+)
 
 
 def _config(upstream_port: int, chain: str) -> dict:

@@ -26,8 +26,17 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from bench.common import (add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, stream_load,
-                          wait_http)
+from bench.common import (
+    add_smoke,
+    emit,
+    free_port,
+    out_path,
+    pin_self,
+    smoke_result,
+    spawn,
+    stream_load,
+    wait_http,
+)
 from bench.compare import _omnigate
 
 # (layer, substrings of a frame's "function (file:line)"), first match from the innermost frame wins.
@@ -75,7 +84,7 @@ def summarise(raw: Path) -> dict:
     }
 
 
-async def _load_until(url: str, body: dict, streams: int, done) -> int:  # noqa: ANN001
+async def _load_until(url: str, body: dict, streams: int, done) -> int:
     """``streams`` streams back to back until ``done()``; the requests served."""
     served = 0
     while not done():
@@ -111,7 +120,7 @@ async def run(args: argparse.Namespace) -> dict:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
             load = asyncio.create_task(stream_load(url, body, args.streams, 10**9))
-            while recorder.poll() is None:
+            while recorder.poll() is None:  # noqa: ASYNC110 - py-spy is a child process, not something to await
                 await asyncio.sleep(0.2)
             load.cancel()
             await asyncio.gather(load, return_exceptions=True)

@@ -98,7 +98,7 @@ async def _one(session: aiohttp.ClientSession, url: str, index: int) -> One:
                         out.audio = True
                         if out.first_audio is None:
                             out.first_audio = now
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         out.error = type(exc).__name__
     return out
 

@@ -20,8 +20,17 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import (add_smoke, free_port, out_path, pin_self, rss_kib, smoke_result, spawn, stream_load,
-                          wait_http)
+from bench.common import (
+    add_smoke,
+    free_port,
+    out_path,
+    pin_self,
+    rss_kib,
+    smoke_result,
+    spawn,
+    stream_load,
+    wait_http,
+)
 
 
 async def run(args: argparse.Namespace) -> dict:

@@ -90,7 +90,8 @@ def read_ct2(path: Path) -> dict[str, np.ndarray]:
 
 
 def _attention(out: dict, prefix: str, var: dict, src: str, *, fused_qkv: bool) -> None:
-    g = lambda k: var[f"{src}/{k}"]  # noqa: E731
+    def g(k):
+        return var[f"{src}/{k}"]
     out[f"{prefix}.out_proj.weight"] = g("linear_1/weight" if fused_qkv else "linear_2/weight")
     out[f"{prefix}.out_proj.bias"] = g("linear_1/bias" if fused_qkv else "linear_2/bias")
     if fused_qkv:
@@ -156,7 +157,7 @@ def write_shards(state: dict[str, np.ndarray], out: Path, shard_mb: int) -> list
     return names
 
 
-def load_model(weights: Path, dtype=None):  # noqa: ANN001, ANN201 - torch types stay optional here
+def load_model(weights: Path, dtype=None):
     """A transformers Whisper tiny.en with the shards in ``weights`` loaded (all keys must match)."""
     import torch
     from safetensors.torch import load_file
@@ -175,7 +176,7 @@ def load_model(weights: Path, dtype=None):  # noqa: ANN001, ANN201 - torch types
     return model.to(dtype or torch.float32)
 
 
-def decoder_step(model, ids, enc, cache):  # noqa: ANN001, ANN201
+def decoder_step(model, ids, enc, cache):
     """One decoder step with the KV cache, under transformers' new (``cache``) or old (``past_key_values``) name."""
     import inspect
 
@@ -201,7 +202,7 @@ def suppressed(ct2_config: Path) -> list[int]:
     return sorted(set(cfg["suppress_ids"]) | set(range(50363, TINY_EN["vocab_size"])))
 
 
-def transcribe(model, feats, suppress: list[int], max_tokens: int = 96) -> list[int]:  # noqa: ANN001
+def transcribe(model, feats, suppress: list[int], max_tokens: int = 96) -> list[int]:
     """Greedy decoding of (batch 1) features after ``<|startoftranscript|> <|notimestamps|>``, as faster-whisper."""
     import torch
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import mimetypes
 import re
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import orjson
 import structlog
@@ -245,10 +247,8 @@ class HeldOutSentinel:
                     self._pending.discard(name)
                     await self.replay(name)
             self._wake.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=min(self.settings.interval_s, 5.0))
-            except TimeoutError:
-                pass
 
     async def replay(self, name: str) -> Replay | None:
         """Ask the engine every item, one at a time; an engine error leaves the item unscored."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import secrets
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import orjson
 
@@ -185,14 +186,14 @@ class Engine(Protocol):
     """
 
     name: str
-    config: "EngineConfig"
+    config: EngineConfig
     capabilities: Capabilities
 
     async def start(self) -> None: ...
 
-    def stream(self, request: "ChatCompletionRequest") -> AsyncIterator[Delta]: ...
+    def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]: ...
 
-    async def complete(self, request: "ChatCompletionRequest") -> Completion: ...
+    async def complete(self, request: ChatCompletionRequest) -> Completion: ...
 
     async def health(self) -> bool: ...
 
@@ -205,7 +206,7 @@ _URL_FIELDS = {"image_url": "image_url", "audio_url": "audio_url", "video_url": 
 _DATA_PREFIX = "data:"
 
 
-def wire_messages(request: "ChatCompletionRequest") -> list[dict[str, Any]]:
+def wire_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The request's messages as every adapter sends them, refusing any media part that is not data.
 
     This is the last check before bytes leave for an engine and it cannot be configured away: an

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from engines.control_settings import CircuitSettings
 
@@ -21,16 +22,16 @@ State = Literal["closed", "open", "half_open"]
 
 class Circuit:
     __slots__ = (
-        "cfg",
         "_clock",
-        "state",
+        "_closed_at",
+        "_failures",
+        "_outcomes",
+        "cfg",
         "consecutive",
         "ejections",
         "open_until",
+        "state",
         "trials",
-        "_outcomes",
-        "_failures",
-        "_closed_at",
     )
 
     def __init__(self, cfg: CircuitSettings, clock: Callable[[], float] = time.monotonic) -> None:

@@ -237,7 +237,7 @@ class AccuracySettings(_Strict):
     )
 
     @model_validator(mode="after")
-    def _needs_set(self) -> "AccuracySettings":
+    def _needs_set(self) -> AccuracySettings:
         if self.enabled and not self.set_path:
             raise ValueError("routing.accuracy.enabled needs routing.accuracy.set_path")
         return self
@@ -313,7 +313,7 @@ class RuleAction(_Strict):
     )
 
     @model_validator(mode="after")
-    def _complete(self) -> "RuleAction":
+    def _complete(self) -> RuleAction:
         if self.kind == "shift" and not self.to_variants:
             raise ValueError("a shift needs to_variants")
         if self.kind == "raise_concurrency" and self.max_concurrency is None:
@@ -350,7 +350,7 @@ class Rule(_Strict):
     )
 
     @model_validator(mode="after")
-    def _hysteresis(self) -> "Rule":
+    def _hysteresis(self) -> Rule:
         if (self.above is None) == (self.below is None):
             raise ValueError(f"rule {self.name}: set exactly one of above and below")
         if self.below is not None:
@@ -531,7 +531,7 @@ class ControllerSettings(_Strict):
     )
 
     @model_validator(mode="after")
-    def _unique(self) -> "ControllerSettings":
+    def _unique(self) -> ControllerSettings:
         names = [r.name for r in self.rules]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

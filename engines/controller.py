@@ -37,8 +37,9 @@ import asyncio
 import inspect
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import structlog
 

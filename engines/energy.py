@@ -22,8 +22,8 @@ Nothing here does I/O; :class:`EnergyMeter` is fed by the controller and by ``be
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 
 def trapezoid_joules(samples: Iterable[tuple[float, float, bool]]) -> float:

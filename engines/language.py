@@ -29,10 +29,7 @@ _FUNCTION_SHARE = 0.12
 
 # The commonest English function words: a Latin-script sentence in another language rarely has many.
 _ENGLISH = frozenset(
-    """a about after all also am an and any are as at be been before but by can could did do does for from had
-    has have he her here him his how i if in into is it its just me my no not now of on or our out she so some
-    than that the their them then there these they this those to up us was we were what when where which who
-    will with would you your""".split()
+    ["a", "about", "after", "all", "also", "am", "an", "and", "any", "are", "as", "at", "be", "been", "before", "but", "by", "can", "could", "did", "do", "does", "for", "from", "had", "has", "have", "he", "her", "here", "him", "his", "how", "i", "if", "in", "into", "is", "it", "its", "just", "me", "my", "no", "not", "now", "of", "on", "or", "our", "out", "she", "so", "some", "than", "that", "the", "their", "them", "then", "there", "these", "they", "this", "those", "to", "up", "us", "was", "we", "were", "what", "when", "where", "which", "who", "will", "with", "would", "you", "your"]
 )
 _WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)?")
 

@@ -7,8 +7,10 @@ vLLM-Omni engines use their own adapter instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from engines.base import Capabilities, Completion, Delta, Usage, whole_strings, wire_messages
 from gateway.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
@@ -127,10 +129,8 @@ class LiteLLMEngine:
         finally:
             close = getattr(response, "aclose", None)
             if close is not None:
-                try:
+                with contextlib.suppress(Exception):  # closing a broken stream may raise again; it is already gone
                     await close()
-                except Exception:  # closing a broken stream may raise again; it is already gone
-                    pass
 
     async def complete(self, request: ChatCompletionRequest) -> Completion:
         lib = self._lib

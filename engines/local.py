@@ -10,6 +10,7 @@ kept together until the engine facts move onto the adapter's capabilities.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -19,9 +20,10 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -54,7 +56,7 @@ def _import_hf() -> tuple[Any, Any]:
 class _Job:
     """What one generation needs and what it reports back, shared by the loop and the worker."""
 
-    request: "ChatCompletionRequest"
+    request: ChatCompletionRequest
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[tuple[str, Any]]
     done: asyncio.Future[None]
@@ -64,7 +66,7 @@ class _Job:
 class _Finish:
     """The final accounting of one generation."""
 
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens")
+    __slots__ = ("completion_tokens", "finish_reason", "prompt_tokens")
 
     def __init__(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
         self.finish_reason = finish_reason
@@ -206,7 +208,7 @@ def _post(job: _Job, item: tuple[str, Any]) -> None:
 class LocalEngine:
     """Runs a GGUF chat model in-process (kind ``local``)."""
 
-    def __init__(self, config: "EngineConfig") -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.name = config.name
         self.config = config
         ins, outs = config.modalities()
@@ -380,7 +382,7 @@ class LocalEngine:
         )
 
     # -- generation ------------------------------------------------------
-    async def stream(self, request: "ChatCompletionRequest") -> AsyncIterator[Delta]:
+    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
         """One piece per decoded token, then a text-less delta with finish_reason and usage."""
         if self._model is None or self._closed:
             raise EngineUnavailable(f"local engine {self.name!r} is not loaded", engine=self.name)
@@ -424,7 +426,7 @@ class LocalEngine:
             finally:
                 self._active.discard(job)
 
-    async def complete(self, request: "ChatCompletionRequest") -> Completion:
+    async def complete(self, request: ChatCompletionRequest) -> Completion:
         out = Completion()
         gen = self.stream(request)
         try:
@@ -434,7 +436,7 @@ class LocalEngine:
             await gen.aclose()  # type: ignore[attr-defined]
         return out
 
-    def _prompt_ids(self, request: "ChatCompletionRequest") -> Any:
+    def _prompt_ids(self, request: ChatCompletionRequest) -> Any:
         messages = [{"role": _ROLE_MAP.get(m.role, m.role), "content": m.text()} for m in request.messages]
         # template variables only: never let a client swap the template or the call's own options
         extra = {k: v for k, v in (request.chat_template_kwargs or {}).items() if k not in self._template_params}
@@ -535,7 +537,5 @@ class LocalEngine:
                 log.warning("local_generation_failed", engine=self.name, error=str(exc))
             _post(job, ("error", exc))
         finally:
-            try:
+            with contextlib.suppress(RuntimeError):
                 job.loop.call_soon_threadsafe(job.done.set_result, None)
-            except RuntimeError:
-                pass

@@ -21,8 +21,8 @@ The gauge is vLLM's, relabelled per stage and replica by vLLM-Omni: one series p
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import httpx
 import structlog

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -294,7 +295,7 @@ class OpenAICompatEngine:
             raise EngineProtocolError(f"engine {self.name} sent an unexpected response", engine=self.name) from exc
 
     # -- translation -----------------------------------------------------
-    def _translator(self):  # noqa: ANN202 - returns a per-stream closure
+    def _translator(self):
         """A fresh per-stream translation function; per-stream state lives in its closure."""
         name = self.name
         state: dict[str, Any] = {}

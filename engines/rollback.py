@@ -33,8 +33,9 @@ Its length: the incident lifecycle and the sleep lifecycle share the routing the
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from engines.control_settings import SAMPLED_SIGNALS, ControllerSettings, Rule
 from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
@@ -116,7 +117,7 @@ class Incident:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Incident":
+    def from_dict(cls, d: Mapping[str, Any]) -> Incident:
         return cls(
             rule=d["rule"],
             engine=d["engine"],
@@ -156,7 +157,7 @@ class Sleep:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Sleep":
+    def from_dict(cls, d: Mapping[str, Any]) -> Sleep:
         return cls(
             engine=d["engine"],
             phase=d["phase"],
@@ -196,7 +197,7 @@ class ControllerState:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "ControllerState":
+    def from_dict(cls, d: Mapping[str, Any] | None) -> ControllerState:
         if not d:
             return cls()
         return cls(
@@ -359,11 +360,11 @@ def _other_incident(rule: Rule, sig: EngineSignals, base: dict[str, Any], snap: 
         cap = sig.values.get("concurrency_cap")
         if cap is None or a.max_concurrency is None:
             return None  # no configured cap to raise
-        raised = min(a.max_concurrency, int(math.ceil(a.raise_factor * float(cap))))
+        raised = min(a.max_concurrency, math.ceil(a.raise_factor * float(cap)))
         return Incident(**base, limit=raised) if raised > cap else None  # at the ceiling already
     running = sig.values.get("requests_running") or sig.values.get("in_flight") or 0.0
     per_replica = a.concurrency_factor * float(running) / max(1, snap.replicas)
-    return Incident(**base, limit=max(a.min_concurrency, int(math.floor(per_replica))))
+    return Incident(**base, limit=max(a.min_concurrency, math.floor(per_replica)))
 
 
 def _gate(
@@ -477,7 +478,7 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
                 incidents[key] = probe
                 breaches.pop(key, None)
                 if not paced:
-                    switches = switches + (now,)
+                    switches = (*switches, now)
                     for m in models:
                         last_switch[m] = now
                 transitions.append(_fired(rule, probe, value, current, after, preempts))
@@ -516,7 +517,7 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
             incidents.pop(key)
             after = route(infos, now_state())
             if not paced:
-                switches = switches + (now,)
+                switches = (*switches, now)
                 for m in models:
                     last_switch[m] = now
             transitions.append(

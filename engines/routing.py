@@ -6,8 +6,9 @@ off the request path and share it across replicas; the request path only reads i
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 _EPS = 1e-9
 _ROLE_ORDER = {"primary": 0, "canary": 1, "fallback": 2}
@@ -60,7 +61,7 @@ class RoutingTable:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RoutingTable":
+    def from_dict(cls, data: Mapping[str, Any]) -> RoutingTable:
         return cls(
             version=int(data.get("version", 0)),
             weights={m: {e: float(x) for e, x in w.items()} for m, w in data.get("weights", {}).items()},
@@ -70,7 +71,7 @@ class RoutingTable:
             asleep=tuple(str(e) for e in data.get("asleep", ())),
         )
 
-    def same_routing(self, other: "RoutingTable") -> bool:
+    def same_routing(self, other: RoutingTable) -> bool:
         """Equal apart from the version number (weights compared to 1e-6)."""
         if (
             self.limits != other.limits

@@ -13,13 +13,14 @@ import math
 import time
 from bisect import bisect_left
 from collections import Counter, deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 # Buckets: 1 ms to ~2 min, each 2 % wider than the last; values outside are clamped.
 _GROWTH = 1.02
 _MIN_S = 0.001
-_N_BUCKETS = int(math.ceil(math.log(120.0 / _MIN_S) / math.log(_GROWTH))) + 1
+_N_BUCKETS = math.ceil(math.log(120.0 / _MIN_S) / math.log(_GROWTH)) + 1
 _UPPER = [_MIN_S * _GROWTH**k for k in range(1, _N_BUCKETS + 1)]
 
 #: client-visible (from the request's arrival: body read, pre-policies and hold-back included) and, as
@@ -91,7 +92,7 @@ class EngineSummary:
     def wer(self) -> float | None:
         return self.wer_errors / self.wer_words if self.wer_words else None
 
-    def merge(self, other: "EngineSummary") -> "EngineSummary":
+    def merge(self, other: EngineSummary) -> EngineSummary:
         return EngineSummary(
             ok=self.ok + other.ok,
             errors=self.errors + other.errors,
@@ -120,7 +121,7 @@ class EngineSummary:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "EngineSummary":
+    def from_dict(cls, d: Mapping[str, Any]) -> EngineSummary:
         return cls(
             ok=int(d.get("ok", 0)),
             errors=int(d.get("errors", 0)),
@@ -152,7 +153,7 @@ class EngineSummary:
 class _Slot:
     """Aggregated outcomes of one slice of time."""
 
-    __slots__ = ("start", "ok", "errors", "latency", "tokens", "audio_s")
+    __slots__ = ("audio_s", "errors", "latency", "ok", "start", "tokens")
 
     def __init__(self, start: float) -> None:
         self.start = start
@@ -172,7 +173,7 @@ class OutcomeWindow:
     tick costs in proportion to the new requests, not to the window's size.
     """
 
-    __slots__ = ("_q", "_clock", "_window_s", "_slot_s", "_slots", "_finished")
+    __slots__ = ("_clock", "_finished", "_q", "_slot_s", "_slots", "_window_s")
 
     def __init__(
         self, max_samples: int = 20_000, clock: Any = time.monotonic, window_s: float = 60.0, slots: int = 30
@@ -231,7 +232,7 @@ class OutcomeWindow:
             slot.ok += 1
             slot.tokens += tokens
             slot.audio_s += audio_s
-            for name, value in zip(LATENCIES, (ttft, first_audio, e2e, up_ttft, up_e2e)):
+            for name, value in zip(LATENCIES, (ttft, first_audio, e2e, up_ttft, up_e2e), strict=True):
                 if value == value:  # not NaN
                     buckets = slot.latency[name]
                     i = bucket_index(value)

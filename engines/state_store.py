@@ -21,8 +21,9 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import orjson
 import structlog
@@ -40,7 +41,7 @@ class Doc:
         return orjson.dumps({"version": self.version, "state": self.state, "table": self.table})
 
     @classmethod
-    def loads(cls, raw: bytes | str | None) -> "Doc":
+    def loads(cls, raw: bytes | str | None) -> Doc:
         if not raw:
             return cls()
         d = orjson.loads(raw)
@@ -226,7 +227,7 @@ class RedisStore:
         if not ids:
             return {}
         raws = await self._redis.mget([self._k(f"summary:{i}") for i in ids])
-        return {i: orjson.loads(r) for i, r in zip(ids, raws) if r}
+        return {i: orjson.loads(r) for i, r in zip(ids, raws, strict=True) if r}
 
     async def withdraw(self) -> None:
         """Leave the replica set (shutdown): the leader stops counting this replica at once."""

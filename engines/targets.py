@@ -9,7 +9,8 @@ engine now firing: then the new shift ends it (the rule order is the priority).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection, Mapping
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 from engines.control_settings import ControllerSettings, Rule
 

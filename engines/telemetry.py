@@ -30,11 +30,13 @@ or a replica that stops leading, removes them rather than leave a stale value.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import aiohttp
 import orjson
@@ -279,10 +281,8 @@ class TelemetryCollector:
         if self._session is not None:
             await self._session.close()
         if self._nvml is not None:
-            try:
+            with contextlib.suppress(Exception):  # NVML already gone: nothing to release
                 self._nvml.nvmlShutdown()
-            except Exception:  # NVML already gone: nothing to release
-                pass
 
     async def _run(self) -> None:
         while True:

@@ -33,8 +33,9 @@ import itertools
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal, Protocol
+from typing import Literal, Protocol
 
 import structlog
 
@@ -58,7 +59,7 @@ class Limits:
     hard: int
     tenant_quota: int | None = None
 
-    def scaled(self, share: float) -> "Limits":
+    def scaled(self, share: float) -> Limits:
         """The limits one replica applies alone (fail-open): a share of each, never below 1 for hard ones."""
         if share >= 1.0:
             return self
@@ -103,15 +104,15 @@ class Grant:
     in_flight: int
     tenant_in_flight: int
     limits: Limits
-    store: "SlotStore"
+    store: SlotStore
 
 
 class Ticket:
     """One admitted request's slot; :meth:`release` gives it back exactly once, however often it is called."""
 
-    __slots__ = ("lease_id", "tenant", "store", "released")
+    __slots__ = ("lease_id", "released", "store", "tenant")
 
-    def __init__(self, lease_id: str, tenant: str | None, store: "SlotStore") -> None:
+    def __init__(self, lease_id: str, tenant: str | None, store: SlotStore) -> None:
         self.lease_id = lease_id
         self.tenant = tenant
         self.store = store
@@ -393,7 +394,7 @@ class RedisSlots:
                     p.future.set_exception(_StoreDown())
             return
         orphans = []
-        for p, res in zip(batch, results):
+        for p, res in zip(batch, results, strict=True):
             if not p.future.done():
                 p.future.set_result(res)
             elif res[0] == 1:
@@ -407,7 +408,7 @@ class RedisSlots:
         if len(self._releasing) == 1:
             self._spawn(self._flush_releases())
 
-    def _spawn(self, coro) -> None:  # noqa: ANN001
+    def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
 
 import structlog
 from fastapi import FastAPI
@@ -138,4 +138,4 @@ def create_app(
     return app
 
 
-__all__ = ["create_app", "InvalidRequest"]
+__all__ = ["InvalidRequest", "create_app"]

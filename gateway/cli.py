@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ def _format_validation(exc: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-def _load(path: str | None):  # noqa: ANN202
+def _load(path: str | None):
     from gateway.settings import load_settings
 
     return load_settings(path)
@@ -89,7 +90,7 @@ def check_config(path: str) -> int:
     return 0
 
 
-def auth_banner(settings) -> list[str]:  # noqa: ANN001
+def auth_banner(settings) -> list[str]:
     """What the start-up banner and ``check-config`` say about authentication (decided here, at boot)."""
     d = settings.auth.directory
     where = ("shared PostgreSQL" if d.shared else f"SQLite {d.sqlite_path}, this process only")
@@ -121,13 +122,13 @@ class _DrainingServer:
     """
 
     @staticmethod
-    def build(config, services):  # noqa: ANN001, ANN205
+    def build(config, services):
         import asyncio
 
         import uvicorn
 
         class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame) -> None:  # noqa: ANN001
+            def handle_exit(self, sig, frame) -> None:
                 if services.draining.is_set():
                     super().handle_exit(sig, frame)
                     return
@@ -176,7 +177,7 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
     return 0
 
 
-def _audit_settings(args: argparse.Namespace):  # noqa: ANN202
+def _audit_settings(args: argparse.Namespace):
     settings = _load(args.config)
     audit = settings.audit
     if args.sqlite:
@@ -243,12 +244,9 @@ def audit_command(args: argparse.Namespace) -> int:
                     assert p is not None
                     print(f"audit chain BROKEN at record {p.seq} ({p.kind}): {p.message}")
                 return 0 if report.ok else 1
-            out = open(args.out, "wb") if args.out and args.out != "-" else sys.stdout.buffer
-            try:
+            to_file = args.out and args.out != "-"
+            with open(args.out, "wb") if to_file else contextlib.nullcontext(sys.stdout.buffer) as out:  # noqa: ASYNC230 - the command's only task: nothing else waits on the loop
                 n = await export_store(store, out, args.after)
-            finally:
-                if out is not sys.stdout.buffer:
-                    out.close()
             print(f"exported {n} records", file=sys.stderr)
             return 0
         finally:

@@ -7,13 +7,14 @@ access log event and the audit record are built from it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from engines.base import Completion
-    from gateway.chains import ChainSet
     from gateway.admission import LoadSnapshot, Ticket
+    from gateway.chains import ChainSet
     from gateway.schemas import ChatCompletionRequest
     from gateway.settings import TenantConfig
     from observability.audit.record import OutputDigest
@@ -74,7 +75,7 @@ class Segmentation:
 
     part: str
     boundaries: list[tuple[float, float]]
-    build: Callable[["ChatCompletionRequest", int], "ChatCompletionRequest"]
+    build: Callable[[ChatCompletionRequest, int], ChatCompletionRequest]
     separator: str = "\n\n"
 
 
@@ -87,7 +88,7 @@ class RequestContext:
     body_bytes: int = 0
     tenant: str | None = None
     #: the resolved tenant (models, policy set, limits); None when authentication is off
-    tenant_config: "TenantConfig | None" = None
+    tenant_config: TenantConfig | None = None
     #: the API key's public id (never the key); None when authentication is off or failed
     key_id: str | None = None
     #: priority class and concurrency quota of the tenant, read by admission
@@ -97,23 +98,23 @@ class RequestContext:
     #: the class the client asked for with the priority header (it may only lower its own)
     requested_priority: str | None = None
     #: the admission slot this request holds, released once when the request finishes
-    admission: "Ticket | None" = None
+    admission: Ticket | None = None
     #: the load the request was admitted under (what load shedding decides on)
-    load: "LoadSnapshot | None" = None
+    load: LoadSnapshot | None = None
     #: the tenant's policy set (None: the default chain) and what the audit keeps of content
     policy_set: str | None = None
     audit_content: str = "digests"
     #: the chain generation the request began on and runs to its end (a reload does not move it)
-    policies: "ChainSet | None" = None
+    policies: ChainSet | None = None
     #: shedding and rollback state when the request was served, written by the readers of the control loops
     control_state: dict[str, Any] = field(default_factory=dict)
     #: what the audit record is built from: the request as received and what was released
-    received: "ChatCompletionRequest | None" = None
+    received: ChatCompletionRequest | None = None
     #: the digests of the received parts (a list, or the task making it), once the pipeline has let go of
     #: the client's media strings; ``received`` then keeps the text only (observability/audit/record.py)
     input_digests: Any = None
-    output: "OutputDigest | None" = None
-    completion: "Completion | None" = None
+    output: OutputDigest | None = None
+    completion: Completion | None = None
     started: float = field(default_factory=time.perf_counter)
     public_model: str | None = None
     stream: bool = False

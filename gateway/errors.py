@@ -107,7 +107,7 @@ class OmnigateError(Exception):
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
             return {}
-        return {"Retry-After": str(max(1, int(round(self.retry_after))))}
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
 
 
 class InvalidRequest(OmnigateError):

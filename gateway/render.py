@@ -36,8 +36,22 @@ def error_frame(exc: OmnigateError) -> bytes:
 class ChunkRenderer:
     """Renders one stream's deltas as SSE frames. One instance per stream."""
 
-    __slots__ = ("_head", "_text_open", "_text_close", "_speech", "_audio_id", "_fmt", "_audio_started",
-                 "_first", "_finish", "_include_usage", "_ctx", "_audio_head", "_expires", "_others")
+    __slots__ = (
+        "_audio_head",
+        "_audio_id",
+        "_audio_started",
+        "_ctx",
+        "_expires",
+        "_finish",
+        "_first",
+        "_fmt",
+        "_head",
+        "_include_usage",
+        "_others",
+        "_speech",
+        "_text_close",
+        "_text_open",
+    )
 
     def __init__(self, request: ChatCompletionRequest, ctx: RequestContext, completion_id: str) -> None:
         created = int(time.time())

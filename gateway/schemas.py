@@ -11,7 +11,7 @@ no field through which a client could set an engine's URL, key or headers, and
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
@@ -67,7 +67,7 @@ class VideoURLPart(_Part):
 
 
 ContentPart = Annotated[
-    Union[TextPart, ImagePart, InputAudioPart, AudioURLPart, VideoURLPart],
+    TextPart | ImagePart | InputAudioPart | AudioURLPart | VideoURLPart,
     Field(discriminator="type"),
 ]
 
@@ -103,7 +103,7 @@ class Message(_Wire):
     tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="after")
-    def _content_present(self) -> "Message":
+    def _content_present(self) -> Message:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for role {self.role!r}")
         if self.tool_calls is not None and self.role != "assistant":
@@ -273,7 +273,7 @@ class ChatCompletionRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _audio_needs_format(self) -> "ChatCompletionRequest":
+    def _audio_needs_format(self) -> ChatCompletionRequest:
         if self.modalities and "audio" in self.modalities and self.audio is None:
             object.__setattr__(self, "audio", AudioRequest())
         return self

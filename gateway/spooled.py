@@ -18,6 +18,7 @@ what a killed gateway left behind. Its bytes are counted by the media budgets li
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 import secrets
@@ -180,14 +181,10 @@ class SpoolWriter:
 
 
 def _remove(name: str, fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass
     resource_tracker.unregister("/" + name, "shared_memory")
 
 

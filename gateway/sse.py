@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Awaitable, Callable, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Literal
 
 import structlog
 from starlette.responses import Response
@@ -101,7 +102,7 @@ class SSEResponse(Response):
         self._tick: asyncio.TimerHandle | None = None
         self._keepalive_task: asyncio.Task | None = None
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI callables
+    async def __call__(self, scope, receive, send) -> None:
         loop = asyncio.get_running_loop()
         task = self._task = asyncio.current_task()
         assert task is not None
@@ -141,7 +142,7 @@ class SSEResponse(Response):
                 streams.discard(self._cut)
             await self._close(task)
 
-    async def _pump(self, send) -> None:  # noqa: ANN001
+    async def _pump(self, send) -> None:
         lock = self._lock
         async for frame in self._frames:
             async with lock:
@@ -173,7 +174,7 @@ class SSEResponse(Response):
     def _cut(self) -> None:
         self._interrupt("drain")
 
-    async def _watch(self, receive) -> None:  # noqa: ANN001
+    async def _watch(self, receive) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":

@@ -24,7 +24,7 @@ class ThinkingBudgetUnsupported(InvalidRequest):
     code = "thinking_budget_unsupported"
 
 
-def needs_enforcement(request: "ChatCompletionRequest") -> bool:
+def needs_enforcement(request: ChatCompletionRequest) -> bool:
     """The client's budget is tighter than what max_tokens already bounds: only an engine can keep it."""
     budget = request.thinking_token_budget
     if budget is None or request.thinking_off:
@@ -33,7 +33,7 @@ def needs_enforcement(request: "ChatCompletionRequest") -> bool:
     return limit is None or budget < limit
 
 
-def refuse(request: "ChatCompletionRequest") -> ThinkingBudgetUnsupported:
+def refuse(request: ChatCompletionRequest) -> ThinkingBudgetUnsupported:
     return ThinkingBudgetUnsupported(
         f"the model {request.model!r} cannot enforce a thinking_token_budget; its thinking is bounded only "
         "by max_tokens: set max_tokens to at most the budget, or leave thinking_token_budget out",
@@ -41,7 +41,7 @@ def refuse(request: "ChatCompletionRequest") -> ThinkingBudgetUnsupported:
     )
 
 
-def fit(engine: "Engine", request: "ChatCompletionRequest") -> tuple["ChatCompletionRequest", str | None]:
+def fit(engine: Engine, request: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str | None]:
     """The request as ``engine`` is sent it, and the degradation it carries (None: as asked)."""
     cap = engine.config.max_thinking_tokens
     asked = request.thinking_token_budget

@@ -62,8 +62,9 @@ post
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -116,15 +117,15 @@ class Retry:
     reason: str
     update: dict[str, Any] = field(default_factory=dict)
     score: float | None = None
-    exhausted: "Accept | Reject | None" = None
+    exhausted: Accept | Reject | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Reject:
-    error: "OmnigateError"
+    error: OmnigateError
 
 
-Verdict = Union[Accept, Retry, Reject]
+Verdict = Accept | Retry | Reject
 
 
 class Halt(Exception):
@@ -134,7 +135,7 @@ class Halt(Exception):
     exactly as on a verdict at the end of the stream.
     """
 
-    def __init__(self, verdict: "Retry | Reject") -> None:
+    def __init__(self, verdict: Retry | Reject) -> None:
         super().__init__(type(verdict).__name__)
         self.verdict = verdict
 
@@ -154,10 +155,10 @@ class Deps:
     grounding scorer, loaded, when a configured policy ``uses`` it.
     """
 
-    settings: "Settings"
-    metrics: "Metrics"
-    media: "MediaRuntime | None" = None
-    scorer: "Scorer | None" = None
+    settings: Settings
+    metrics: Metrics
+    media: MediaRuntime | None = None
+    scorer: Scorer | None = None
 
 
 @runtime_checkable
@@ -192,27 +193,27 @@ class PolicyBase:
 
 @runtime_checkable
 class PrePolicy(Protocol):
-    async def pre(self, request: "ChatCompletionRequest", ctx: "RequestContext") -> "ChatCompletionRequest": ...
+    async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest: ...
 
 
 @runtime_checkable
 class StreamFilter(Protocol):
-    def feed(self, delta: "Delta") -> list["Delta"]: ...
+    def feed(self, delta: Delta) -> list[Delta]: ...
 
-    def finish(self) -> list["Delta"]: ...
+    def finish(self) -> list[Delta]: ...
 
 
 @runtime_checkable
 class StreamPolicy(Protocol):
     mode: StreamMode
 
-    def open_stream(self, request: "ChatCompletionRequest", ctx: "RequestContext") -> StreamFilter: ...
+    def open_stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> StreamFilter: ...
 
 
 @runtime_checkable
 class PostPolicy(Protocol):
     async def post(
-        self, request: "ChatCompletionRequest", completion: "Completion", ctx: "RequestContext"
+        self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext
     ) -> Verdict: ...
 
 
@@ -227,18 +228,18 @@ class StreamCheck(Protocol):
     attempt anyway).
     """
 
-    async def feed(self, delta: "Delta") -> list["Delta"]: ...
+    async def feed(self, delta: Delta) -> list[Delta]: ...
 
     async def finish(self) -> Verdict: ...
 
-    def release(self) -> list["Delta"]: ...
+    def release(self) -> list[Delta]: ...
 
 
 @runtime_checkable
 class StreamingPostPolicy(Protocol):
-    def stream_mode(self, request: "ChatCompletionRequest", ctx: "RequestContext") -> StreamMode: ...
+    def stream_mode(self, request: ChatCompletionRequest, ctx: RequestContext) -> StreamMode: ...
 
-    def open_check(self, request: "ChatCompletionRequest", ctx: "RequestContext") -> StreamCheck: ...
+    def open_check(self, request: ChatCompletionRequest, ctx: RequestContext) -> StreamCheck: ...
 
 
 STAGE_PROTOCOL: dict[str, type] = {"pre": PrePolicy, "stream": StreamPolicy, "post": PostPolicy}

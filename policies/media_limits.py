@@ -171,7 +171,7 @@ class MediaLimits(PolicyBase):
                     probe_part, (light[ref.path], payloads[ref.path], self._part_settings, target), param=ref.param
                 ),
             )
-            for ref, probed in zip(refs, probes):
+            for ref, probed in zip(refs, probes, strict=True):
                 probed.ref = ref
             self._check_probes(request, probes, target)
             # A client's own data URI declares a type the bytes must match; a fetched part's type is a
@@ -220,7 +220,7 @@ class MediaLimits(PolicyBase):
     async def _each(self, refs: list[MediaRef], fn: Any) -> list[Any]:
         """``fn`` for every part concurrently; the first part's error (in part order) is the answer."""
         results = await asyncio.gather(*(fn(ref) for ref in refs), return_exceptions=True)
-        for ref, res in zip(refs, results):
+        for ref, res in zip(refs, results, strict=True):
             if isinstance(res, BaseException):
                 self._count(ref.kind, "refused")
                 if isinstance(res, InvalidMedia) and res.param is None:

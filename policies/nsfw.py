@@ -90,7 +90,7 @@ class NSFWScreen(PolicyBase):
         loop = asyncio.get_running_loop()
         scores = await loop.run_in_executor(self._pool, self._score_all, frames)
         flagged: MediaRef | None = None
-        for ref, score in zip(refs, scores):
+        for ref, score in zip(refs, scores, strict=True):
             hit = score >= self.config.threshold
             ctx.screenings.append(Screening(self.name, ref.path, round(score, 4), hit))
             if self._metrics is not None:
@@ -114,7 +114,7 @@ class NSFWScreen(PolicyBase):
             owners.extend([i] * len(frames))
         scores = self._model.score(images, self.config.batch_size)
         best = [0.0] * len(per_part)
-        for owner, score in zip(owners, scores):
+        for owner, score in zip(owners, scores, strict=True):
             best[owner] = max(best[owner], score)
         return best
 

@@ -6,9 +6,9 @@ not on first call, so a broken plugin fails the boot with its name.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-import inspect
 from importlib.metadata import entry_points
 from typing import Any
 

@@ -25,7 +25,7 @@ class LoadSheddingConfig(PolicyConfig):
     """No knobs: the limits are the admission's (``traffic.soft_limit`` and the priority classes)."""
 
 
-def decide(load: "LoadSnapshot | None", wants_speech: bool) -> Action:
+def decide(load: LoadSnapshot | None, wants_speech: bool) -> Action:
     """Text-only when speech was asked for and the request was admitted above its soft limit."""
     if wants_speech and load is not None and load.above_soft_limit:
         return "text-only"

@@ -10,9 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from gateway.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings  # noqa: E402
-from tests.harness import BackgroundLoop, GatewayServer  # noqa: E402
-from tests.upstream import Script, ScriptedUpstream  # noqa: E402
+from gateway.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from tests.harness import BackgroundLoop, GatewayServer
+from tests.upstream import Script, ScriptedUpstream
 
 OMNI_MODEL = "qwen3-omni-flash"
 TEXT_MODEL = "text-model"
@@ -54,7 +54,7 @@ class Upstreams:
 
     def reset(self) -> None:
         def _reset() -> None:
-            for u, flavour in zip(self.all, ("omni", "omni", "vllm")):
+            for u, flavour in zip(self.all, ("omni", "omni", "vllm"), strict=True):
                 u.default = Script(flavour=flavour)
                 u.clear_queue()
                 u.reset_stats()

@@ -14,9 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import uvicorn
@@ -71,10 +72,10 @@ class GatewayServer:
         self._task: asyncio.Task[None] | None = None
 
     @property
-    def services(self):  # noqa: ANN201
+    def services(self):
         return self.app.state.services
 
-    def start(self, ready_timeout: float = 120.0, wait_ready: bool = True) -> "GatewayServer":
+    def start(self, ready_timeout: float = 120.0, wait_ready: bool = True) -> GatewayServer:
         async def _start() -> None:
             self._task = asyncio.create_task(self.server.serve())
             while not self.server.started:

@@ -248,7 +248,7 @@ class MediaServer:
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self) -> "MediaServer":
+    async def start(self) -> MediaServer:
         app = web.Application()
         app.router.add_get("/m/{name}", self._file)
         app.router.add_get("/redirect", self._redirect)
@@ -303,7 +303,7 @@ class Canary:
         self.port = 0
         self.ipv6 = False
 
-    async def start(self) -> "Canary":
+    async def start(self) -> Canary:
         async def record(request: web.Request) -> web.Response:
             self.requests.append(f"{request.host}{request.path_qs}")
             return web.Response(body=png(plain_image(8)), headers={"Content-Type": "image/png"})

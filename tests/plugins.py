@@ -27,7 +27,7 @@ class AppendTag(PolicyBase):
     def __init__(self, config: TagConfig) -> None:
         self.tag = config.tag
 
-    async def pre(self, request, ctx):  # noqa: ANN001, ANN201
+    async def pre(self, request, ctx):
         messages = list(request.messages)
         last = messages[-1]
         messages[-1] = last.model_copy(update={"content": last.text() + f"[{self.tag}]"})
@@ -46,7 +46,7 @@ class AlwaysReject(PolicyBase):
     def __init__(self, config: Empty) -> None:
         pass
 
-    async def pre(self, request, ctx):  # noqa: ANN001, ANN201
+    async def pre(self, request, ctx):
         raise ContentPolicyViolation("refused by always-reject", param="messages")
 
 
@@ -60,7 +60,7 @@ class RetryUnlessCold(PolicyBase):
     def __init__(self, config: Empty) -> None:
         pass
 
-    async def post(self, request, completion, ctx):  # noqa: ANN001, ANN201
+    async def post(self, request, completion, ctx):
         if request.temperature == 0.0:
             return Accept()
         return Retry(reason="too-warm", update={"temperature": 0.0})
@@ -92,7 +92,7 @@ class HoldAll(PolicyBase):
     def __init__(self, config: HoldConfig) -> None:
         pass
 
-    def open_stream(self, request, ctx):  # noqa: ANN001, ANN201
+    def open_stream(self, request, ctx):
         return _HoldFilter()
 
 
@@ -115,7 +115,7 @@ class Uppercase(PolicyBase):
     def __init__(self, config: Empty) -> None:
         pass
 
-    def open_stream(self, request, ctx):  # noqa: ANN001, ANN201
+    def open_stream(self, request, ctx):
         return _Upper()
 
 
@@ -159,7 +159,7 @@ class Recorder(PolicyBase):
     async def aclose(self) -> None:
         LIFECYCLE.append(("aclose", self.tag))
 
-    def open_stream(self, request, ctx):  # noqa: ANN001, ANN201
+    def open_stream(self, request, ctx):
         return _Recording(self.tag)
 
 
@@ -176,7 +176,7 @@ class FailStart(PolicyBase):
     async def start(self, deps: Deps) -> None:
         raise RuntimeError("the model file cannot be read")
 
-    async def post(self, request, completion, ctx):  # noqa: ANN001, ANN201
+    async def post(self, request, completion, ctx):
         return Accept()
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Callable
+from collections.abc import Callable
 
 _SECRET = re.compile(
     r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}|\b(?:sk|og|pk|rk)[-_][A-Za-z0-9_-]{16,}|\bAKIA[0-9A-Z]{16}\b"

@@ -23,7 +23,7 @@ class TCPProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    async def start(self, mode: str = "up") -> "TCPProxy":
+    async def start(self, mode: str = "up") -> TCPProxy:
         self.mode = mode
         if self._server is None:
             self._server = await asyncio.start_server(self._client, "127.0.0.1", self.port, reuse_address=True)

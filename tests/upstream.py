@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -252,7 +253,7 @@ def _logprobs(piece: str, top: int | None) -> list[dict]:
 class _Progress:
     """Per-request bookkeeping, so an injected reset is not mistaken for a client abort."""
 
-    __slots__ = ("finished", "self_reset", "aborted")
+    __slots__ = ("aborted", "finished", "self_reset")
 
     def __init__(self) -> None:
         self.finished = False
@@ -311,10 +312,8 @@ def _reset(request: web.Request) -> None:
         return
     sock = transport.get_extra_info("socket")
     if sock is not None:
-        try:
+        with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:
-            pass
     transport.abort()
 
 
@@ -743,15 +742,13 @@ class ScriptedUpstream:
             if mid_fault and fault_at == 0:
                 request.writer.send_headers()  # aiohttp otherwise holds headers back for the first body write
             for i, frame in enumerate(frames):
-                if mid_fault and i == fault_at:
-                    if await self._mid_fault(request, state, resp, fault):
-                        return resp
+                if mid_fault and i == fault_at and await self._mid_fault(request, state, resp, fault):
+                    return resp
                 if i and delay > 0:
                     await asyncio.sleep(delay)
                 await resp.write(frame)
-            if mid_fault and fault_at == len(frames):
-                if await self._mid_fault(request, state, resp, fault):
-                    return resp
+            if mid_fault and fault_at == len(frames) and await self._mid_fault(request, state, resp, fault):
+                return resp
             if delay > 0:
                 await asyncio.sleep(delay)
             await resp.write(tail)
@@ -868,7 +865,7 @@ class ScriptedUpstream:
             "model": plan.model,
             "choices": choices,
             "usage": {"prompt_tokens": script.prompt_tokens, "completion_tokens": n,
-                      "total_tokens": script.prompt_tokens + n},  # fmt: skip
+                      "total_tokens": script.prompt_tokens + n},
         }
         state.finished = True
         self.completed += 1
@@ -1113,10 +1110,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             await up.stop()
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ import structlog
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse
 
-from gateway.console import session as console_session
 from gateway.api.auth import client_address
+from gateway.console import session as console_session
 from gateway.errors import AuthenticationFailed, OmnigateError
 from gateway.services import Services
 from gateway.settings import Settings

@@ -70,7 +70,7 @@ def _services(request: Request) -> Services:
     return request.app.state.services
 
 
-def _result(services: Services, transition) -> JSONResponse:  # noqa: ANN001
+def _result(services: Services, transition) -> JSONResponse:
     return JSONResponse(
         {
             "changed": transition is not None,

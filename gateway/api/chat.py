@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
 
 import orjson
 import structlog
@@ -245,4 +246,4 @@ async def _frames(stream: ResponseStream, renderer: ChunkRenderer) -> AsyncItera
         yield error_frame(OmnigateError("internal error; see the gateway log for this request id"))
 
 
-__all__ = ["routes", "validation_to_error", "JSONResponse"]
+__all__ = ["JSONResponse", "routes", "validation_to_error"]

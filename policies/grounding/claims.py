@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable
 
 from sentencex import segment
 from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
@@ -193,7 +193,4 @@ def dates_in(text: str) -> set[DateKey]:
 
 def date_supported(claim: DateKey, premise: set[DateKey]) -> bool:
     """Every part the claim states is stated, equal, by one premise date."""
-    for p in premise:
-        if all(c is None or c == q for c, q in zip(claim, p)):
-            return True
-    return False
+    return any(all(c is None or c == q for c, q in zip(claim, p, strict=True)) for p in premise)

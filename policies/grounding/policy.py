@@ -143,7 +143,7 @@ class _Check:
 
     mode: StreamMode = "hold"
 
-    def __init__(self, policy: "Grounding", request: ChatCompletionRequest, ctx: RequestContext) -> None:
+    def __init__(self, policy: Grounding, request: ChatCompletionRequest, ctx: RequestContext) -> None:
         self.policy = policy
         self.cfg = policy.config
         self.ctx = ctx

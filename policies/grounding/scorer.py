@@ -17,16 +17,16 @@ loaded per gateway, in the lifespan (:mod:`gateway.services`).
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import asyncio
 import math
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import structlog
@@ -68,14 +68,14 @@ class Judgement:
     claims: tuple[ClaimScore, ...]
 
     @classmethod
-    def of(cls, claims: Sequence[ClaimScore]) -> "Judgement":
+    def of(cls, claims: Sequence[ClaimScore]) -> Judgement:
         return cls(min((c.score for c in claims), default=1.0), tuple(claims))
 
     @property
     def weakest(self) -> ClaimScore | None:
         return min(self.claims, key=lambda c: c.score) if self.claims else None
 
-    def merge(self, other: "Judgement") -> "Judgement":
+    def merge(self, other: Judgement) -> Judgement:
         return Judgement.of(self.claims + other.claims)
 
 
@@ -168,7 +168,7 @@ class _Batcher(Generic[J, R]):
                     if not j.future.done():
                         j.future.set_exception(exc)
                 continue
-            for j, r in zip(live, results):
+            for j, r in zip(live, results, strict=True):
                 if not j.future.done():
                     j.future.set_result(r)
 
@@ -270,7 +270,7 @@ class CrossEncoderScorer(_BaseScorer):
         cfg = self.settings
         try:
             model = CrossEncoder(cfg.model, device=cfg.device, max_length=cfg.max_length)
-        except Exception as exc:  # noqa: BLE001 - any load failure is reported with the configured name
+        except Exception as exc:  # any load failure is reported with the configured name
             raise ScorerLoadError(f"grounding.model: cannot load cross-encoder {cfg.model!r}: {exc}") from exc
         model.eval()
         labels = {int(k): str(v) for k, v in (getattr(model.model.config, "id2label", None) or {}).items()}
@@ -326,7 +326,7 @@ class CrossEncoderScorer(_BaseScorer):
         entail = probs if self._column is None else probs[:, self._column]
         out: list[Judgement] = []
         i = 0
-        for (premise, claims), (n_claims, n_chunks) in zip(jobs, shapes):
+        for (_, claims), (_, n_chunks) in zip(jobs, shapes, strict=True):
             scores = []
             for claim in claims:
                 best = float(np.max(entail[i : i + n_chunks]))
@@ -385,7 +385,7 @@ class FallbackScorer(_BaseScorer):
             raise ScorerLoadError(f"grounding.embedding_model: no such directory {path!r}")
         try:
             self._model = SentenceTransformer(path, device=self.settings.device)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise ScorerLoadError(f"grounding.embedding_model: cannot load {path!r}: {exc}") from exc
         self._path = path
         dates_in("It opened on 31 March 1889.")  # dateparser builds its language data on first use
@@ -413,7 +413,7 @@ class FallbackScorer(_BaseScorer):
                 missing, batch_size=self.settings.batch_size, normalize_embeddings=True,
                 convert_to_numpy=True, show_progress_bar=False,
             )
-            for t, v in zip(missing, vecs):
+            for t, v in zip(missing, vecs, strict=True):
                 self._emb_cache[t] = v
             while len(self._emb_cache) > 4096:
                 self._emb_cache.popitem(last=False)

@@ -197,7 +197,7 @@ def hidden_file(data: bytes) -> str | None:
         # central directory's own position is checked: right before the end record, with its signature.
         if (
             entries
-            and 0 <= cd_start
+            and cd_start >= 0
             and cd_offset <= cd_start
             and data[cd_start : cd_start + 4] == b"PK\x01\x02"
         ):

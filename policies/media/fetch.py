@@ -207,9 +207,9 @@ class AddressPolicy:
         if self.name_allowed(host, port):
             return None
         for a in self._allow:
-            if a.network is not None and a.port in (None, port) and ip.version == a.network.version:
-                if ip in a.network:
-                    return None
+            if a.network is not None and a.port in (None, port) and ip.version == a.network.version \
+                    and ip in a.network:
+                return None
         return refusal(ip)
 
 

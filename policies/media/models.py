@@ -7,7 +7,7 @@ the event loop.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image

@@ -9,11 +9,11 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from gateway.errors import InvalidMedia
-from gateway.spooled import SpooledMedia, SpoolFull, SpoolWriter
 from gateway.schemas import (
     AudioURLPart,
     ChatCompletionRequest,
@@ -24,6 +24,7 @@ from gateway.schemas import (
     URLRef,
     VideoURLPart,
 )
+from gateway.spooled import SpooledMedia, SpoolFull, SpoolWriter
 from policies.media.container import AUDIO_FORMATS
 from policies.media.worker import SharedBytes, SharedOut, write_out
 

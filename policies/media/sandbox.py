@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -210,10 +211,8 @@ def _kill(pool: ProcessPoolExecutor) -> None:
     processes = dict(getattr(pool, "_processes", None) or {})
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in processes.values():
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             proc.kill()
-        except (OSError, AttributeError):
-            pass
 
 
 def _too_slow(param: str) -> DecoderFailed:

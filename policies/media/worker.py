@@ -106,7 +106,7 @@ def init_worker(memory_mb: int, cpu_s: float, threads: int, gateway_pid: int | N
         _end_with(gateway_pid)  # first: before the address-space cap, and while its pid is still visible
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(threads)
-    import policies.media.process  # noqa: F401  # already loaded from the forkserver; imported before the cap
+    import policies.media.process  # noqa: F401 - already loaded from the forkserver; imported before the cap
 
     _state["cpu_s"] = cpu_s
     _state["network"] = _no_network()
@@ -236,7 +236,7 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...], deadline_s: float) -> tup
         return "memory", None
     except OmnigateError as exc:
         return "error", (type(exc).__name__, exc.message, exc.param, exc.code)
-    except Exception as exc:  # noqa: BLE001 - any decoder bug is this part's failure, reported by name
+    except Exception as exc:  # any decoder bug is this part's failure, reported by name
         return "crash", (type(exc).__name__, traceback.format_exc(limit=5))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -174,7 +174,7 @@ def test_window_mode_retries_before_the_first_release(serve, upstreams):
 
 
 def test_window_mode_releases_sentence_sized_chunks(serve, upstreams):
-    server, client = serve("window")
+    _server, client = serve("window")
     upstreams.vllm.default = Script(flavour="vllm", text=RIGHT)
     pieces = []
     for chunk in client.chat.completions.create(model=TEXT_MODEL, messages=_messages(), stream=True):
@@ -216,7 +216,7 @@ def test_passthrough_mode_releases_at_once_and_reports_the_verdict_last(serve, u
 
 
 def test_exhausted_retries_serve_the_best_scoring_answer_flagged(serve, upstreams):
-    server, client = serve("hold", "flag", 1)
+    _server, client = serve("hold", "flag", 1)
     # The first answer has no wrong fact but is vague (low similarity); the second names a wrong year.
     upstreams.vllm.enqueue(Script(flavour="vllm", text=VAGUE), Script(flavour="vllm", text=WRONG))
     raw = client.chat.completions.with_raw_response.create(model=TEXT_MODEL, messages=_messages(), stream=True)
@@ -230,7 +230,7 @@ def test_exhausted_retries_serve_the_best_scoring_answer_flagged(serve, upstream
 
 
 def test_exhausted_retries_refuse_when_configured(serve, upstreams):
-    server, client = serve("hold", "refuse", 1)
+    _server, client = serve("hold", "refuse", 1)
     upstreams.vllm.default = Script(flavour="vllm", text=WRONG)
     with pytest.raises(openai.UnprocessableEntityError) as err:
         client.chat.completions.create(model=TEXT_MODEL, messages=_messages(), stream=True)
@@ -243,7 +243,7 @@ def test_exhausted_retries_refuse_when_configured(serve, upstreams):
 
 
 def test_non_streaming_retry(serve, upstreams):
-    server, client = serve("hold")
+    _server, client = serve("hold")
     upstreams.vllm.enqueue(Script(flavour="vllm", text=WRONG), Script(flavour="vllm", text=RIGHT))
     resp = client.chat.completions.create(model=TEXT_MODEL, messages=_messages(), temperature=1.0)
     assert resp.choices[0].message.content == RIGHT
@@ -266,7 +266,7 @@ def _seconds(pcm: bytes, rate: int = 24000) -> float:
 
 
 def test_hold_mode_releases_no_audio_of_a_failing_answer(serve, upstreams):
-    server, client = serve("hold")
+    _server, client = serve("hold")
     # The failing first answer speaks 7 chunks, the supported second one 3: only those 3 may arrive.
     upstreams.omni_a.enqueue(
         Script(flavour="omni", text=WRONG, audio_chunks=7),
@@ -279,7 +279,7 @@ def test_hold_mode_releases_no_audio_of_a_failing_answer(serve, upstreams):
 
 
 def test_hold_mode_refusal_releases_no_audio_at_all(serve, upstreams):
-    server, client = serve("hold", "refuse", 1)
+    server, _client = serve("hold", "refuse", 1)
     upstreams.omni_a.default = Script(flavour="omni", text=WRONG, audio_chunks=5, audio_interleave=1)
     with httpx.stream(
         "POST", server.url + "/v1/chat/completions", timeout=30,
@@ -293,7 +293,7 @@ def test_hold_mode_refusal_releases_no_audio_at_all(serve, upstreams):
 
 
 def test_window_mode_releases_audio_only_within_the_passed_text_bound(serve, upstreams):
-    server, client = serve("window")
+    _server, client = serve("window")
     first = "It is 330 metres tall. "
     # Audio arrives interleaved with the text; the second sentence names a wrong year.
     upstreams.omni_a.default = Script(
@@ -315,11 +315,11 @@ def test_window_mode_releases_audio_only_within_the_passed_text_bound(serve, ups
     released = _seconds(got["audio"])
     assert 0 < released <= bound + 1e-9
     # More audio than the bound had arrived by then (it was held back, then dropped with the stream).
-    assert 12 * 0.2 > bound
+    assert bound < 12 * 0.2
 
 
 def test_window_mode_speech_passes_whole_when_grounded(serve, upstreams):
-    server, client = serve("window")
+    _server, client = serve("window")
     upstreams.omni_a.default = Script(flavour="omni", text=RIGHT, audio_chunks=6, audio_interleave=2)
     got = _collect(_speech(client))
     assert got["text"] == RIGHT
@@ -329,10 +329,11 @@ def test_window_mode_speech_passes_whole_when_grounded(serve, upstreams):
 def test_a_client_leaving_during_the_hold_aborts_the_upstream(serve, upstreams):
     server, _ = serve("hold")
     upstreams.vllm.default = Script(flavour="vllm", text=RIGHT, chunk_delay_s=0.3)
-    with pytest.raises(httpx.ReadTimeout):
-        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=httpx.Timeout(5, read=0.5),
-                          json={"model": TEXT_MODEL, "messages": _messages(), "stream": True}) as r:
-            r.read()
+    with pytest.raises(httpx.ReadTimeout), httpx.stream(
+        "POST", server.url + "/v1/chat/completions", timeout=httpx.Timeout(5, read=0.5),
+        json={"model": TEXT_MODEL, "messages": _messages(), "stream": True},
+    ) as r:
+        r.read()
     assert wait_until(lambda: upstreams.vllm.aborts == 1, timeout=10)
     assert upstreams.vllm.completed == 0
 
@@ -376,7 +377,7 @@ def test_shadow_grounding_records_but_never_holds_or_retries(bg, upstreams):
 
 
 def test_window_mode_last_attempt_is_held_whole_and_served_flagged(serve, upstreams):
-    server, client = serve("window", "flag", 1)
+    _server, client = serve("window", "flag", 1)
     upstreams.vllm.default = Script(flavour="vllm", text=WRONG)
     raw = client.chat.completions.with_raw_response.create(model=TEXT_MODEL, messages=_messages(), stream=True)
     got = _collect(raw.parse())
@@ -388,7 +389,7 @@ def test_window_mode_last_attempt_is_held_whole_and_served_flagged(serve, upstre
 
 
 def test_window_mode_refuses_before_any_release(serve, upstreams):
-    server, client = serve("window", "refuse", 0)
+    _server, client = serve("window", "refuse", 0)
     upstreams.vllm.default = Script(flavour="vllm", text=WRONG)
     with pytest.raises(openai.UnprocessableEntityError) as err:
         client.chat.completions.create(model=TEXT_MODEL, messages=_messages(), stream=True)
@@ -407,10 +408,12 @@ def test_a_failing_scorer_is_a_503_not_an_unjudged_answer(bg, upstreams, tmp_pat
         upstreams.reset()
         upstreams.vllm.default = Script(flavour="vllm", text=RIGHT)
         long_context = "The Eiffel Tower is 330 metres tall. " * 60
-        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
-            with pytest.raises(openai.InternalServerError) as err:
-                client.chat.completions.create(model=TEXT_MODEL, stream=True, messages=[
-                    {"role": "system", "content": long_context}, {"role": "user", "content": QUESTION}])
+        with (
+            openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client,
+            pytest.raises(openai.InternalServerError) as err,
+        ):
+            client.chat.completions.create(model=TEXT_MODEL, stream=True, messages=[
+                {"role": "system", "content": long_context}, {"role": "user", "content": QUESTION}])
         assert err.value.status_code == 503
         assert err.value.body["code"] == "guard_unavailable"
     finally:

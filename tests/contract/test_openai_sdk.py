@@ -162,12 +162,14 @@ def test_slow_first_byte_times_out_and_fails_over(client, ups):
 def test_client_disconnect_aborts_upstream(gateway, ups):
     ups.omni_a.default = Script(flavour="omni", chunk_delay_s=0.3)
     body = {"model": OMNI_MODEL, "messages": _user(), "stream": True}
-    with httpx.Client(timeout=10) as http:
-        with http.stream("POST", gateway.url + "/v1/chat/completions", json=body) as resp:
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data:"):
-                    break  # one chunk in, then leave
+    with (
+        httpx.Client(timeout=10) as http,
+        http.stream("POST", gateway.url + "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                break  # one chunk in, then leave
     assert wait_until(lambda: ups.omni_a.aborts == 1, timeout=3)
     assert ups.omni_a.completed == 0
     metrics = httpx.get(gateway.url + "/metrics").text
@@ -177,10 +179,12 @@ def test_client_disconnect_aborts_upstream(gateway, ups):
 def test_mid_stream_failure_is_an_error_frame_then_done(gateway, ups):
     ups.omni_a.enqueue(Script(flavour="omni", fault="reset_mid_stream", fault_after_chunks=2))
     body = {"model": OMNI_MODEL, "messages": _user(), "stream": True}
-    with httpx.Client(timeout=10) as http:
-        with http.stream("POST", gateway.url + "/v1/chat/completions", json=body) as resp:
-            assert resp.status_code == 200
-            frames = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    with (
+        httpx.Client(timeout=10) as http,
+        http.stream("POST", gateway.url + "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        frames = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     assert frames[-1] == "[DONE]"
     error = httpx.Response(200, content=frames[-2]).json()["error"]
     assert error["code"] == "engine_unavailable" and error["type"] == "api_error"

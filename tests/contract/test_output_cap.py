@@ -62,7 +62,7 @@ def test_default_cap_applies_to_speech_streams_too(client, ups):
         for choice in chunk.choices:
             audio = getattr(choice.delta, "audio", None)
             if audio:
-                get = audio.get if isinstance(audio, dict) else lambda k: getattr(audio, k, None)
+                get = audio.get if isinstance(audio, dict) else lambda k, audio=audio: getattr(audio, k, None)
                 transcript += get("transcript") or ""
                 audio_pieces += 1 if get("data") else 0
             finish = choice.finish_reason or finish

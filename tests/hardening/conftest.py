@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -27,7 +28,7 @@ def figures(request: pytest.FixtureRequest) -> Callable[..., None]:
     return record
 
 
-def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
+def pytest_terminal_summary(terminalreporter) -> None:
     if not _FIGURES:
         return
     terminalreporter.section("hardening figures")

@@ -65,7 +65,7 @@ def _send(port: int, head: bytes, body_iter, read_timeout: float = 10) -> tuple[
                 if not data:
                     break
                 reply += data
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             pass
     return reply, time.monotonic() - t0
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import secrets
-
 import base64
+import secrets
 from dataclasses import dataclass
 
 import httpx
@@ -56,7 +55,7 @@ class Trio:
 
         self.bg.call(_reset)
 
-    def set(self, upstream: ScriptedUpstream, **attrs) -> None:  # noqa: ANN003
+    def set(self, upstream: ScriptedUpstream, **attrs) -> None:
         def _set() -> None:
             for k, v in attrs.items():
                 setattr(upstream, k, v)

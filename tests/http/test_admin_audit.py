@@ -13,7 +13,17 @@ import orjson
 import pytest
 import yaml
 
-from tests.console_setup import ADMIN_KEY, OMNI, SIGNING_KEY, admin, chat, config, request_id, start, tenant_keys
+from tests.console_setup import (
+    ADMIN_KEY,
+    OMNI,
+    SIGNING_KEY,
+    admin,
+    chat,
+    config,
+    request_id,
+    start,
+    tenant_keys,
+)
 from tests.harness import wait_until
 from tests.stores import fresh_pg_database
 

@@ -140,12 +140,14 @@ async def test_levels_in_order_serve_shed_refuse(serve, upstreams):
             await r.aclose()
     await assert_no_leak(server)
     assert await eventually(lambda: upstreams.omni_a.aborts == 4)
-    m = lambda result: _metric(server, "omnigate_admission_total", {"priority": "standard", "result": result})  # noqa: E731
+    def m(result):
+        return _metric(server, "omnigate_admission_total", {"priority": "standard", "result": result})
     assert (m("admitted"), m("above_soft_limit"), m("refused_overload")) == (2, 2, 2)
     assert _metric(server, "omnigate_degradations_total", {"reason": "load-text-only"}) == 2
     # Admission decides before the body is read (issue 15), so a refused request's model is not known.
     assert _metric(server, "omnigate_requests_total", {"model": "unknown", "outcome": "refused"}) == 2
-    shed = lambda reason: _metric(server, "omnigate_admission_shed_total", {"reason": reason})  # noqa: E731
+    def shed(reason):
+        return _metric(server, "omnigate_admission_shed_total", {"reason": reason})
     assert (shed("text_only"), shed("overload"), shed("tenant_quota"), shed("engine_busy")) == (2, 2, 0, 0)
 
 
@@ -230,8 +232,10 @@ async def test_priority_header_classes(serve, upstreams):
     server = serve({"soft_limit": 2, "hard_limit": 4})  # batch: soft 1, hard 3
     batch = {"x-omnigate-priority": "batch"}
     async with httpx.AsyncClient(timeout=20) as client:
-        count = lambda: server.bg.call(lambda: server.services.admission.store.count)  # noqa: E731
-        shed = lambda r: r.headers.get("x-omnigate-degraded") == "load-text-only"  # noqa: E731
+        def count():
+            return server.bg.call(lambda: server.services.admission.store.count)
+        def shed(r):
+            return r.headers.get("x-omnigate-degraded") == "load-text-only"
         first = await _open(client, server)
         assert not shed(first)
         b1 = await _open(client, server, headers=batch)
@@ -350,7 +354,8 @@ async def test_per_engine_limits_spill_over_then_queue_then_refuse(serve, upstre
 async def test_overload_lowers_engine_limits_and_recovery_restores_them(serve, upstreams):
     server = serve({"soft_limit": 2, "hard_limit": 8, "overload_exit_below": 1, "monitor_interval_s": 0.05},
                    engines={"omni-int4": {"max_in_flight": 4, "max_in_flight_overloaded": 3}})
-    limit = lambda: _metric(server, "omnigate_engine_concurrency_limit", {"engine": "omni-int4"})  # noqa: E731
+    def limit():
+        return _metric(server, "omnigate_engine_concurrency_limit", {"engine": "omni-int4"})
     assert limit() == 4
     async with httpx.AsyncClient(timeout=20) as client:
         opened = [await _open(client, server) for _ in range(3)]

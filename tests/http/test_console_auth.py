@@ -64,7 +64,7 @@ def test_console_is_off_by_default_and_its_cookie_opens_nothing(bg, eng, tmp_pat
 
 
 def test_console_without_an_admin_key_is_refused_at_start_up():
-    with pytest.raises(ValidationError, match="admin.console.enabled needs admin.api_key"):
+    with pytest.raises(ValidationError, match=re.escape("admin.console.enabled needs admin.api_key")):
         Settings(admin={"console": {"enabled": True}})
 
 

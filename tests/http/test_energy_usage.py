@@ -100,7 +100,7 @@ def _signals(url: str, engine: str) -> dict:
 
 
 def test_the_engines_gpu_power_becomes_tokens_per_joule_and_each_answer_its_energy(stack):
-    server, dcgm = stack
+    server, _dcgm = stack
     url = server.url
     assert "energy_joules" not in _ask(url)  # no figure yet: no estimate rather than a guess
     deadline = time.monotonic() + 20

@@ -87,7 +87,7 @@ def _verified(server, engine: str) -> float | None:
 
 
 def test_the_engines_serving_what_they_were_configured_with_are_routed_to(server, fresh):
-    a, _ = fresh
+    # fresh: both engines serve the pinned model and revision, and were probed
     resp = _ask(server)
     assert resp.status_code == 200
     assert resp.json()["choices"][0]["message"]["content"] == "from a"
@@ -98,7 +98,7 @@ def test_the_engines_serving_what_they_were_configured_with_are_routed_to(server
 
 
 def test_a_wrong_revision_is_never_routed_to(server, fresh):
-    a, b = fresh
+    a, _b = fresh
     _serve(a, "org/pinned", OTHER)
     _probe(server)
     for _ in range(3):

@@ -5,6 +5,7 @@ credential on every admin change, /readyz detail for the admin only and /metrics
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import sqlite3
 
@@ -119,7 +120,7 @@ def test_required_false_next_to_tenants_or_a_shared_directory_is_refused():
 
     from gateway.settings import Settings
 
-    with pytest.raises(ValidationError, match="auth.required is false, but the config names tenants"):
+    with pytest.raises(ValidationError, match=re.escape("auth.required is false, but the config names tenants")):
         Settings(auth={"required": False}, tenants=[{"name": "a"}])
     with pytest.raises(ValidationError, match="a shared directory"):
         Settings(auth={"required": False, "directory": {"backend": "postgres", "postgres_dsn": "postgresql://x/y"}})

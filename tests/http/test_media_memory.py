@@ -166,7 +166,7 @@ def served():
     rig.stop()
 
 
-def _peak(rig, body: bytes) -> dict:  # noqa: ANN001
+def _peak(rig, body: bytes) -> dict:
     """The served gateway's peak RSS growth over one request, and what the engine was sent.
 
     The same request is sent once before the one measured: a first use's costs (an allocator's first

@@ -74,7 +74,7 @@ def _post(gw: GatewayServer, part: dict, stream: bool = False) -> httpx.Response
                       headers={"content-type": "application/json", "authorization": f"Bearer {gw.key}"})
 
 
-def _sent_part(upstream) -> dict:  # noqa: ANN001
+def _sent_part(upstream) -> dict:
     return upstream.requests[-1]["messages"][0]["content"][1]
 
 

@@ -13,7 +13,7 @@ from tests.http.rollout_helpers import chat, engines, settings
 pytestmark = pytest.mark.timeout(120)
 
 
-def _on_gpu(engine, gpu: str):  # noqa: ANN001, ANN202
+def _on_gpu(engine, gpu: str):
     return engine.model_copy(update={"telemetry": engine.telemetry.model_copy(update={"gpus": [gpu]})})
 
 

@@ -36,10 +36,12 @@ def quiet_gateway(bg, upstreams, tmp_path):
 
 
 def _lines(url: str) -> list[str]:
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", url + "/v1/chat/completions", json=BODY) as resp:
-            assert resp.status_code == 200
-            return [line for line in resp.iter_lines() if line]
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", url + "/v1/chat/completions", json=BODY) as resp,
+    ):
+        assert resp.status_code == 200
+        return [line for line in resp.iter_lines() if line]
 
 
 def test_an_idle_stream_gets_keepalive_comments_and_its_text_whole(quiet_gateway, upstreams) -> None:
@@ -69,13 +71,15 @@ def test_a_stream_open_at_the_drain_deadline_ends_with_a_terminal_event(quiet_ga
     upstreams.bg.call(lambda: setattr(upstreams.vllm, "default",
                                       Script(flavour="vllm", text=" ".join(["w"] * 100), chunk_delay_s=0.05)))
     services = quiet_gateway.services
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", quiet_gateway.url + "/v1/chat/completions", json=BODY) as resp:
-            lines = resp.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            # Drain now with a deadline in 0.3 s (the CLI sets it from drain_delay_s and the grace period).
-            quiet_gateway.bg.call(lambda: services.streams.cut_at(time.monotonic() + 0.3))
-            rest = [line for line in lines if line.startswith("data: ")]
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", quiet_gateway.url + "/v1/chat/completions", json=BODY) as resp,
+    ):
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        # Drain now with a deadline in 0.3 s (the CLI sets it from drain_delay_s and the grace period).
+        quiet_gateway.bg.call(lambda: services.streams.cut_at(time.monotonic() + 0.3))
+        rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     error = orjson.loads(rest[-2][6:])
     assert error["error"]["code"] == "shutting_down"

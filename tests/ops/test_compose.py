@@ -80,8 +80,8 @@ def _mounted(svc: dict, target: str) -> Path:
 
 
 def test_gateway_config_is_valid_and_reachable_by_proxy_and_prometheus(profile, capsys):
-    name, config = profile
-    gw_name, gw = _gateway(config)
+    _name, config = profile
+    _gw_name, gw = _gateway(config)
     assert gw["command"][:3] == ["serve", "--config", "/etc/omnigate/omnigate.yaml"]
     config_file = _mounted(gw, "/etc/omnigate/omnigate.yaml")
     assert check_config(str(config_file)) == 0, capsys.readouterr().err
@@ -210,7 +210,7 @@ def test_each_engine_starts_only_after_its_pinned_weights_are_verified(tmp_path)
         assert svc["depends_on"][f"weights-{engine}"]["condition"] == "service_completed_successfully"
         args = check["command"]
         assert args[:2] == ["verify-weights", "--download"]
-        flag = dict(zip(args[2::2], args[3::2]))
+        flag = dict(zip(args[2::2], args[3::2], strict=True))
         assert flag["--revision"] == revision
         # The engine loads the folder that was verified, by the path that names its revision.
         snapshot = f"/models/{engine}/snapshots/{revision}"
@@ -231,13 +231,13 @@ def test_each_engine_starts_only_after_its_pinned_weights_are_verified(tmp_path)
         (folder / "config.json").write_text("{}")
         assert main(["verify-weights", "--dir", str(folder), "--manifest", str(shipped), "--revision", revision]) == 1
     assert dict(zip(config["services"]["weights-omni-int4"]["command"][2::2],
-                    config["services"]["weights-omni-int4"]["command"][3::2]))["--model"] == "org/int4-checkpoint"
+                    config["services"]["weights-omni-int4"]["command"][3::2], strict=True))["--model"] == "org/int4-checkpoint"
 
 
 def test_an_unpinned_engine_cannot_pass_its_check():
     config = compose_config("gpu")  # no revision in the environment
     args = config["services"]["weights-omni-int4"]["command"]
-    revision = dict(zip(args[2::2], args[3::2]))["--revision"]
+    revision = dict(zip(args[2::2], args[3::2], strict=True))["--revision"]
     from gateway.weights import is_commit
 
     assert not is_commit(revision)

@@ -97,12 +97,12 @@ http {{
         return run([_binary("nginx"), "-t", "-c", str(self.conf), "-p", str(self.dir)])
 
     def start(self) -> Nginx:
-        out = open(self.dir / "logs" / "stdout.log", "wb")
-        self.proc = subprocess.Popen(
-            [_binary("nginx"), "-c", str(self.conf), "-p", str(self.dir)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        with open(self.dir / "logs" / "stdout.log", "wb") as out:  # nginx keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [_binary("nginx"), "-c", str(self.conf), "-p", str(self.dir)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
         def listening() -> bool:
             try:
@@ -195,18 +195,17 @@ def test_requests_pass_through_with_a_request_id(proxy, ups):
 def test_streams_are_relayed_frame_by_frame_and_disconnects_reach_the_engine(proxy, ups):
     # Forty pieces half a second apart: the whole answer takes twenty seconds upstream.
     ups.vllm.default = Script(flavour="vllm", text=" ".join(f"w{i}" for i in range(40)), chunk_delay_s=0.5)
-    with httpx.Client(timeout=HANG_GUARD_S) as client:
-        with client.stream(
-            "POST",
-            proxy.url + "/v1/chat/completions",
-            json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "Count."}]},
-        ) as r:
-            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-            lines = r.iter_lines()
-            first = next(line for line in lines if line.startswith("data: ") and '"content":"w' in line)
-            assert '"content":"w0' in first
-            # The first words arrived while the engine was still generating: nothing was buffered.
-            assert ups.bg.call(lambda: ups.vllm.stats())["completed"] == 0
+    with httpx.Client(timeout=HANG_GUARD_S) as client, client.stream(
+        "POST",
+        proxy.url + "/v1/chat/completions",
+        json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "Count."}]},
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: ") and '"content":"w' in line)
+        assert '"content":"w0' in first
+        # The first words arrived while the engine was still generating: nothing was buffered.
+        assert ups.bg.call(lambda: ups.vllm.stats())["completed"] == 0
     # Leaving mid-stream closes the gateway's connection, which closes the engine's request.
     assert wait_until(lambda: ups.bg.call(lambda: ups.vllm.stats())["aborts"] == 1, timeout=HANG_GUARD_S)
 

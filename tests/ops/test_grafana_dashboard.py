@@ -64,7 +64,7 @@ def test_dashboard_is_well_formed():
     cells: set[tuple[int, int]] = set()
     for p in _panels(d):
         g = p["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
         for x in range(g["x"], g["x"] + g["w"]):
             for y in range(g["y"], g["y"] + g["h"]):
                 assert (x, y) not in cells, f"{p['title']} overlaps another panel"
@@ -186,8 +186,8 @@ THRESHOLD_PANELS = {
 
 @pytest.mark.parametrize("alert,title", sorted(THRESHOLD_PANELS.items()))
 def test_each_threshold_has_a_panel_drawing_it_as_a_line(alert, title):
-    from tests.ops.test_prometheus_rules import _threshold
     from tests.ops.catalogue import alert_rules
+    from tests.ops.test_prometheus_rules import _threshold
 
     panel = next(p for p in _query_panels() if p["title"] == title)
     lhs, value = _threshold(alert_rules()[alert]["expr"])

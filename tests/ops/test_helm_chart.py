@@ -283,7 +283,7 @@ ENGINE = {
 }
 
 
-def _engine_values(tmp_path) -> tuple[dict, "object"]:
+def _engine_values(tmp_path) -> tuple[dict, object]:
     """A generated snapshot and the chart values pinning it (its files' sums, as weights-manifest prints)."""
     from gateway.weights import parse_manifest, write_manifest
 
@@ -308,7 +308,7 @@ def test_engines_start_only_after_their_weights_are_verified(tmp_path):
     (engine,) = pod["containers"]
     args = init["args"]
     assert args[:2] == ["verify-weights", "--download"]
-    flag = dict(zip(args[2::2], args[3::2]))
+    flag = dict(zip(args[2::2], args[3::2], strict=True))
     assert flag["--model"] == ENGINE["model"] and flag["--revision"] == REVISION
     # The engine loads the folder that was verified, by the path that names its revision.
     snapshot = f"/models/omni-int4/snapshots/{REVISION}"
@@ -382,7 +382,7 @@ def test_a_gateway_expectation_that_contradicts_the_pin_does_not_render(tmp_path
     values, _ = _engine_values(tmp_path)
     config = yaml.safe_load((CHART / "values.yaml").read_text())["config"]
     config["engines"][0]["expected_revision"] = "f" * 40
-    with pytest.raises(helm.HelmRenderError, match="expected_revision .* is not the revision engines.. pins"):
+    with pytest.raises(helm.HelmRenderError, match=r"expected_revision .* is not the revision engines.. pins"):
         render({**values, "config": config})
     config["engines"][0].pop("expected_revision")
     config["engines"][0]["expected_model"] = "some-other-model"

@@ -10,7 +10,6 @@ import yaml
 from prometheus_client import CollectorRegistry, Histogram
 
 from observability.metrics import Metrics
-
 from tests.ops.catalogue import (
     EXPORTED,
     OPS,

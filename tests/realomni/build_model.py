@@ -79,7 +79,7 @@ def build_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def build_config():  # noqa: ANN201 - transformers' config type
+def build_config():
     from transformers import Qwen3OmniMoeConfig
 
     rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [6, 5, 5],

@@ -25,7 +25,7 @@ class OmniServer(VllmServer):
 
     served_name = "qwen3-omni"
 
-    def __init__(self, prepared: Prepared) -> None:  # noqa: D107 - the base's, with this suite's Prepared
+    def __init__(self, prepared: Prepared) -> None:
         self.prepared = prepared  # type: ignore[assignment]
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None

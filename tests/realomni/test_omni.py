@@ -247,7 +247,7 @@ def test_the_real_per_stage_metrics_are_read_for_the_thinker(omni_gateway, omni,
     while True:
         bg.run(telemetry.collect_once())
         after = telemetry.latest(ENGINE)
-        if after.get("engine_ttft_p99", 0) > 0 and after.get("requests_running") == 0 or time.monotonic() > deadline:
+        if (after.get("engine_ttft_p99", 0) > 0 and after.get("requests_running") == 0) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert after["requests_running"] == 0, after

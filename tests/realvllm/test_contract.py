@@ -135,7 +135,7 @@ def same_greedy_tokens(got: list, want: list, tie: float = 0.5) -> None:
         # Greedy: each relayed token is its own top candidate, with that candidate's logprob.
         assert g.logprob == max(t.logprob for t in g.top_logprobs)
         assert g.token in {t.token for t in g.top_logprobs}
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         if g.token == w.token:
             # bf16 noise between two runs moves a logprob by a few hundredths, rarely a tenth.
             assert g.logprob == pytest.approx(w.logprob, abs=0.25)
@@ -235,7 +235,7 @@ def test_vllms_metrics_feed_the_engine_telemetry(real_gateway, vllm, bg):
     while True:
         bg.run(telemetry.collect_once())
         after = telemetry.latest(ENGINE)
-        if "engine_ttft_p99" in after and after.get("requests_running") == 0 or time.monotonic() > deadline:
+        if ("engine_ttft_p99" in after and after.get("requests_running") == 0) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert after["requests_running"] == 0, after

@@ -81,7 +81,7 @@ class Load:
         async with httpx.AsyncClient(timeout=15) as client:
             await asyncio.gather(*(self._one(client, w) for w in range(6)))
 
-    def start(self) -> "Load":
+    def start(self) -> Load:
         self._thread.start()
         return self
 
@@ -106,7 +106,7 @@ class StoreLock:
         self._held = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "StoreLock":
+    def __enter__(self) -> StoreLock:
         if self.audit["store"] == "sqlite":
             self._sqlite = sqlite3.connect(self.audit["sqlite_path"], isolation_level=None, timeout=30)
             self._sqlite.execute("BEGIN EXCLUSIVE")
@@ -118,7 +118,7 @@ class StoreLock:
                 async with conn.transaction():
                     await conn.execute("LOCK TABLE audit_log IN ACCESS EXCLUSIVE MODE")
                     self._held.set()
-                    while not self._release.is_set():
+                    while not self._release.is_set():  # noqa: ASYNC110 - a threading.Event, set from the test's thread
                         await asyncio.sleep(0.05)
             finally:
                 await conn.close()

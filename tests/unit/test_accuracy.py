@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 
 import numpy as np
 import orjson
@@ -12,7 +13,14 @@ import soundfile as sf
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from engines.accuracy import HeldOutItem, HeldOutSentinel, HeldOutSetError, choice_letter, is_correct, load_set
+from engines.accuracy import (
+    HeldOutItem,
+    HeldOutSentinel,
+    HeldOutSetError,
+    choice_letter,
+    is_correct,
+    load_set,
+)
 from engines.control_settings import AccuracySettings, ControllerSettings, Rule, RuleAction, default_rules
 from engines.pool import build_engine
 from engines.rollback import ControllerState, EngineSignals, Snapshot, decide
@@ -121,7 +129,7 @@ def test_the_set_has_a_size_limit_and_cannot_be_empty(tmp_path):
 
 
 def test_enabling_the_sentinel_needs_a_set():
-    with pytest.raises(ValueError, match="needs routing.accuracy.set_path"):
+    with pytest.raises(ValueError, match=re.escape("needs routing.accuracy.set_path")):
         AccuracySettings(enabled=True)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import sqlite3
 import subprocess
 import sys
@@ -247,7 +248,7 @@ async def test_export_writes_verifiable_json_lines(tmp_path):
         await store.close()
     lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
     assert [r["seq"] for r in lines] == [3, 4, 5]
-    for a, b in zip(lines, lines[1:]):
+    for a, b in itertools.pairwise(lines):
         assert b["prev_hash"] == a["hash"]
     assert lines[0]["data"]["payload"] == {"n": 3}
 

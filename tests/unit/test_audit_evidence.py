@@ -13,8 +13,8 @@ import dataclasses
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import asyncpg
 import orjson

@@ -89,7 +89,7 @@ def test_a_body_trickled_a_byte_at_a_time_reads_the_same():
 
 
 def test_a_spooled_payload_is_the_parts_bytes_and_no_string_of_it():
-    doc, reader = _read(orjson.dumps(DOCS["small and large"]))
+    doc, _reader = _read(orjson.dumps(DOCS["small and large"]))
     parts = doc["messages"][0]["content"]
     assert isinstance(parts[1]["image_url"]["url"], str)  # small: an ordinary string
     media = parts[2]["input_audio"]["data"]

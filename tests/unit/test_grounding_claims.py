@@ -6,6 +6,7 @@ import pytest
 
 from engines.base import Delta
 from gateway.schemas import ChatCompletionRequest
+from gateway.settings import PolicyChainConfig, PolicySpec
 from policies.grounding.claims import (
     claims_of,
     date_supported,
@@ -18,7 +19,6 @@ from policies.grounding.claims import (
 )
 from policies.grounding.policy import GroundingConfig, SpeechGate
 from policies.registry import PolicyConfigError, available_plugins, build_chain
-from gateway.settings import PolicyChainConfig, PolicySpec
 
 
 def _req(messages: list[dict]) -> ChatCompletionRequest:
@@ -38,7 +38,7 @@ def test_premise_is_system_user_and_tool_text_not_assistant_turns():
     assert "Oslo" in p.text and "5.5 million" in p.text and "snowing" in p.text
     assert "Bergen" not in p.text
     assert "You are helpful." not in p.text
-    assert [s.strip() for s in p.sentences][0] == "Doc: Oslo is the capital of Norway."
+    assert next(s.strip() for s in p.sentences) == "Doc: Oslo is the capital of Norway."
 
 
 def test_premise_chunks_are_sentence_aligned_and_bounded():
@@ -146,7 +146,7 @@ async def test_the_policy_takes_the_gateway_scorer_when_started():
     services = Services.build(Settings(policies=cfg), Metrics())
     policy = services.chain.post[0].impl
     with pytest.raises(RuntimeError, match="not started"):
-        policy.scorer
+        _ = policy.scorer  # the property raises before the scorer is started
     await policy.start(services.deps())  # the lifespan does this after loading the scorer
     assert policy.scorer is services.scorer
     assert Services.build(Settings(), Metrics()).scorer is None

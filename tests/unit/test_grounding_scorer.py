@@ -9,6 +9,7 @@ configured NLI model takes.
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ LABELS = {0: "contradiction", 1: "entailment", 2: "neutral"}
 
 
 def tiny_cross_encoder(path: Path, bias: tuple[float, ...], labels: dict[int, str] = LABELS) -> Path:
-    words = "the eiffel tower in paris was completed on 31 march 1889 it is 330 metres tall 1925 . ,".split()
+    words = ["the", "eiffel", "tower", "in", "paris", "was", "completed", "on", "31", "march", "1889", "it", "is", "330", "metres", "tall", "1925", ".", ","]
     path.mkdir(parents=True, exist_ok=True)
     (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True)
@@ -94,7 +95,7 @@ def test_cross_encoder_contradiction_scores_low_and_min_aggregates(tmp_path):
 def test_cross_encoder_entailment_label_by_name_and_index(tmp_path):
     labels = {0: "supported", 1: "unsupported"}
     path = tiny_cross_encoder(tmp_path / "binary", (3.0, -3.0), labels)
-    with pytest.raises(ScorerLoadError, match="set grounding.entailment_label"):
+    with pytest.raises(ScorerLoadError, match=re.escape("set grounding.entailment_label")):
         CrossEncoderScorer(GroundingSettings(model=str(path))).load()
     by_name = CrossEncoderScorer(GroundingSettings(model=str(path), entailment_label="supported"))
     by_name.load()
@@ -107,7 +108,7 @@ def test_cross_encoder_entailment_label_by_name_and_index(tmp_path):
 
 
 def test_cross_encoder_bad_path_fails_loading_with_the_field_named(tmp_path):
-    with pytest.raises(ScorerLoadError, match="grounding.model"):
+    with pytest.raises(ScorerLoadError, match=re.escape("grounding.model")):
         CrossEncoderScorer(GroundingSettings(model=str(tmp_path / "missing"))).load()
 
 
@@ -203,7 +204,7 @@ def test_fallback_score_mapping_is_on_the_threshold_scale(fallback):
 
 
 def test_fallback_with_a_missing_embedding_directory_fails_loading(tmp_path):
-    with pytest.raises(ScorerLoadError, match="grounding.embedding_model"):
+    with pytest.raises(ScorerLoadError, match=re.escape("grounding.embedding_model")):
         FallbackScorer(GroundingSettings(embedding_model=str(tmp_path / "nope"))).load()
 
 
@@ -236,6 +237,6 @@ async def test_a_scorer_that_cannot_load_fails_the_gateway_start(tmp_path):
     )
     services = Services.build(settings, Metrics())
     assert services.describe_scorer()["kind"] == "cross-encoder"
-    with pytest.raises(ScorerLoadError, match="grounding.model"):
+    with pytest.raises(ScorerLoadError, match=re.escape("grounding.model")):
         await services.start()
     await services.aclose()

@@ -303,7 +303,7 @@ def test_undoing_a_parts_base64_costs_only_its_bytes(shape):
     the request's peak). Counting a part's bytes, or reading its declared type, allocates nothing."""
     import base64
 
-    from policies.media.parts import MediaRef, decode_payload, declared_type, payload_size
+    from policies.media.parts import MediaRef, declared_type, decode_payload, payload_size
 
     raw = np.random.default_rng(1).integers(0, 256, 3_000_000, dtype=np.uint8).tobytes()
     text = base64.b64encode(raw).decode()
@@ -348,12 +348,13 @@ def test_a_large_part_crosses_to_a_worker_without_a_copy_left_in_the_gateway():
     import tracemalloc
 
     data = np.random.default_rng(2).integers(0, 256, 8_000_000, dtype=np.uint8).tobytes()
+    has_shm = os.path.isdir("/dev/shm")
 
     async def go():
         box = _sandbox()
         await box.start()
         try:
-            segments = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+            segments = set(os.listdir("/dev/shm")) if has_shm else set()
             tracemalloc.start()
             try:
                 before = tracemalloc.get_traced_memory()[0]

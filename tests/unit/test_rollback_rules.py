@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from engines.control_settings import ControllerSettings, OffloadSettings, Rule, RuleAction, default_rules
 from engines.pool import EnginePool, build_engine
@@ -16,7 +17,6 @@ from engines.rollback import ControllerState, EngineSignals, Intent, Snapshot, T
 from engines.routing import EngineInfo, RoutingTable
 from gateway.settings import EngineConfig
 from observability.metrics import Metrics
-from prometheus_client import CollectorRegistry
 
 INT4 = EngineInfo("omni-int4", "int4", "primary", ("omni",))
 BF16 = EngineInfo("omni-bf16", "bf16", "fallback", ("omni",))
@@ -60,7 +60,7 @@ def test_a_p50_over_400_ms_for_30_s_raises_the_cap_to_twice_within_the_ceiling_a
     rule = RULES["latency-batch"]
     assert rule.signal == "ttft_p50" and rule.above == 0.4 and rule.for_s == 30
     assert rule.action.kind == "raise_concurrency" and rule.action.max_concurrency == 16
-    trs, tables, state = run_p50(lambda t: 0.55 if t < 100 else 0.2, cfg(rule, dwell=60), 300)
+    trs, tables, _state = run_p50(lambda t: 0.55 if t < 100 else 0.2, cfg(rule, dwell=60), 300)
     assert [(t.at, t.action, t.engine) for t in trs] == [
         (30.0, "raise_concurrency", "omni-int4"),
         (220.0, "restore", "omni-int4"),  # below 0.3 from t=100, for recover_for_s=120
@@ -220,7 +220,8 @@ def test_vram_pressure_limits_the_engine_and_sleeps_the_idle_variant_on_its_gpu_
 
 def test_an_engine_with_traffic_work_in_flight_or_on_another_gpu_is_not_put_to_sleep():
     rule = RULES["vram-pressure"]
-    busy = lambda t: {**vram(t), BF16.name: {"in_flight": 2.0}}  # noqa: E731
+    def busy(t):
+        return {**vram(t), BF16.name: {"in_flight": 2.0}}
     trs, _, _, engines = run_offload(busy, cfg(rule), 60)
     assert [t.action for t in trs] == ["limit_concurrency"] and engines.sent == []
     trs, _, _, engines = run_offload(vram, cfg(rule), 60, gpus={INT4.name: ("0",), BF16.name: ("1",)})
@@ -253,7 +254,7 @@ def test_traffic_shifts_to_a_sleeping_engine_only_after_its_gauge_confirms_it_aw
         out[INT4.name]["upstream_ttft_p99"] = 0.9 if t >= 60 else 0.3
         return out
 
-    trs, tables, state, engines = run_offload(series, cfg(vram_rule, latency), 120, engines=Engines(wake_s=7))
+    trs, tables, state, _engines = run_offload(series, cfg(vram_rule, latency), 120, engines=Engines(wake_s=7))
     actions = [(t.at, t.action, t.engine) for t in trs]
     assert actions[:2] == [(30.0, "limit_concurrency", "omni-int4"), (30.0, "sleep", "omni-bf16")]
     # Latency breaches from 60; due at 65: BF16 is asleep, so the shift waits and BF16 is woken first.
@@ -305,7 +306,7 @@ def test_a_raise_never_holds_back_a_rollback_it_starts_no_cooldown_and_spends_no
     config = ControllerSettings(
         rules=[RULES["latency-batch"], shift], min_dwell_s=0, cooldown_s=120, max_switches_per_hour=1
     )
-    trs, tables, state = run_p50(lambda t: 0.9, config, 60, extra={"int4": lambda t: {"ttft_p99": 1.2}})
+    trs, _tables, state = run_p50(lambda t: 0.9, config, 60, extra={"int4": lambda t: {"ttft_p99": 1.2}})
     assert [(t.at, t.action) for t in trs] == [(30.0, "raise_concurrency"), (31.0, "shift")]
     assert state.switches == (31.0,) and state.last_switch == {"omni": 31.0}
 

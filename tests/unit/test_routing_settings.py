@@ -14,7 +14,7 @@ ENGINES = [
 ]  # fmt: skip
 
 
-def _rule(**over) -> dict:  # noqa: ANN003
+def _rule(**over) -> dict:
     rule = {"name": "r", "signal": "ttft_p99", "above": 0.6, "action": {"kind": "shift", "to_variants": ["bf16"]}}
     return rule | over
 

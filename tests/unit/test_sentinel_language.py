@@ -63,7 +63,7 @@ def _unscored(registry: CollectorRegistry, engine: str, reason: str) -> float:
     return registry.get_sample_value("omnigate_sentinel_unscored_total", labels) or 0.0
 
 
-async def _sentinel(registry: CollectorRegistry, scorer, **settings) -> AccuracySentinel:  # noqa: ANN001
+async def _sentinel(registry: CollectorRegistry, scorer, **settings) -> AccuracySentinel:
     s = SentinelSettings(enabled=True, sample_share=1.0, queue_size=64, min_words=3, **settings)
     sentinel = AccuracySentinel(s, Metrics(registry), seed=3, scorer=scorer)
     await sentinel.start()

@@ -34,9 +34,11 @@ async def _read(pieces: list[bytes]) -> list[list[bytes]]:
     port = sock.getsockname()[1]
     await web.SockSite(runner, sock).start()
     try:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"http://127.0.0.1:{port}/") as resp:
-                return [batch async for batch in sse_data(resp.content, "e")]
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/") as resp,
+        ):
+            return [batch async for batch in sse_data(resp.content, "e")]
     finally:
         await runner.cleanup()
 

@@ -11,7 +11,6 @@ import psutil
 import torch
 from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
-
 from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
 
 logger = init_logger(__name__)

@@ -10,6 +10,7 @@ process, so processes that never import it pay nothing.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import sys
 from typing import Any
@@ -34,10 +35,8 @@ def define_schemas() -> None:
 
     lib = torch.library.Library("torchvision", "FRAGMENT")
     for schema in _SCHEMAS:
-        try:
+        with contextlib.suppress(RuntimeError):  # defined already: the extension did load
             lib.define(schema)
-        except RuntimeError:  # defined already: the extension did load
-            pass
     _libraries.append(lib)
 
 
