@@ -35,7 +35,7 @@ from gateway.tenants import Directory
 from observability.audit import AuditLog
 from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics
-from policies.base import Deps
+from policies.base import Deps, LoadShedder
 from policies.media.sandbox import MediaRuntime
 from policies.registry import PolicyChain, available_plugins
 
@@ -196,7 +196,7 @@ class Services:
         if self.admission is not None:
             chains = {"policies": self.chain}
             chains.update({f"policy_sets.{n}": c for n, c in self.pipeline.chains.items()})
-            unshed = [w for w, c in chains.items() if not any(p.name == "load-shedding" for p in c.pre)]
+            unshed = unshed_chains(chains)
             if unshed:
                 log.warning("load_shedding_not_in_chain", chains=unshed,
                             detail="admission limits apply, but speech is not shed there above the soft limit")
@@ -330,6 +330,12 @@ class Services:
             # Last: admission, the controller's state store, the limiters and the failure window are closed.
             with contextlib.suppress(Exception):
                 await self.redis.aclose()
+
+
+def unshed_chains(chains: dict[str, PolicyChain]) -> list[str]:
+    """The chains (by where they are configured) without a :class:`~policies.base.LoadShedder` pre-policy."""
+    return [where for where, c in chains.items()
+            if not any(p.stage == "pre" for p in c.implementing(LoadShedder))]
 
 
 def build_auth_failures(
