@@ -74,7 +74,7 @@ async def _run(keys: int, calls: int, repeat: int) -> dict[str, float]:
                     pass
 
             results["authenticate_refused"].append(_per_call(refuse, calls))
-            failures = AuthFailures(FailureLimitSettings(max_failures=100_000), metrics, redis_url=None, key_prefix="b")
+            failures = AuthFailures(FailureLimitSettings(max_failures=100_000), metrics, redis=None, key_prefix="b")
             start = time.perf_counter()
             for i in range(calls):
                 refuse()

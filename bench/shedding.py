@@ -57,8 +57,9 @@ def _config(up_port: int, store: str, prefix: str, engine_limit: int | None, wor
             limits: tuple[int, int] = LIMITS) -> dict:
     traffic: dict = {"soft_limit": limits[0], "hard_limit": limits[1]}
     if store == "redis":
-        traffic.update(redis_url=REDIS_URL, key_prefix=prefix)
+        traffic.update(key_prefix=prefix)
     return {
+        **({"redis": {"url": REDIS_URL}} if store == "redis" else {}),
         "engines": [{"name": "omni", "kind": "vllm-omni", "base_url": f"http://127.0.0.1:{up_port}/v1",
                      "model": "scripted", "serves": ["omni"], "max_in_flight": engine_limit,
                      "max_in_flight_overloaded": None if engine_limit is None else max(1, engine_limit // 2),
@@ -261,13 +262,14 @@ async def _admission_loop(store: str, n: int, concurrency: int) -> dict:
     """The gate alone in this process: admit + release, sequentially and ``concurrency`` at a time."""
     from gateway.admission import AdmissionGate
     from gateway.context import RequestContext
-    from gateway.settings import TrafficSettings
+    from gateway.redis_client import SharedRedis
+    from gateway.settings import RedisSettings, TrafficSettings
     from observability.metrics import Metrics
 
     prefix = f"omnigate-bench:{uuid.uuid4().hex}"
-    cfg = TrafficSettings(hard_limit=100000, soft_limit=100000,
-                          **({"redis_url": REDIS_URL, "key_prefix": prefix} if store == "redis" else {}))
-    gate = AdmissionGate(cfg, Metrics(CollectorRegistry()))
+    cfg = TrafficSettings(hard_limit=100000, soft_limit=100000, key_prefix=prefix)
+    redis = SharedRedis(RedisSettings(url=REDIS_URL if store == "redis" else None))
+    gate = AdmissionGate(cfg, Metrics(CollectorRegistry()), redis=redis)
     await gate.start()
     try:
         for _ in range(200):  # warm-up
@@ -293,6 +295,7 @@ async def _admission_loop(store: str, n: int, concurrency: int) -> dict:
             await asyncio.gather(*gate.store._tasks)
     finally:
         await gate.aclose()
+        await redis.aclose()
     return {
         "store": store,
         "sequential_us": {"p50": round(pct(seq, 50) * 1e6, 1), "p99": round(pct(seq, 99) * 1e6, 1),

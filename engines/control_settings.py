@@ -540,14 +540,11 @@ class ControllerSettings(_Strict):
 
 
 class SharedStateSettings(_Strict):
-    """Where the routing table and controller state live: one process, or Redis across replicas."""
+    """Where the routing table and controller state live: one process, or Redis (``redis.url``) across replicas."""
 
     backend: Literal["memory", "redis"] = Field(
         default="memory",
         description="memory (one process) or redis (replicas share the table, one leader decides)",
-    )
-    redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0", description="Redis of the shared routing state"
     )
     key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.-]{1,100}$")] = Field(
         default="omnigate:routing", description="Redis key prefix of the routing state"

@@ -148,11 +148,10 @@ return 0
 class RedisStore:
     """Many replicas sharing one Redis; see the module docstring for the keys."""
 
-    def __init__(self, url: str, prefix: str, replica_id: str | None = None) -> None:
-        from redis import asyncio as aioredis
-
+    def __init__(self, client: Any, prefix: str, replica_id: str | None = None) -> None:
+        """``client``: a ``redis.asyncio.Redis`` over the gateway's shared pool (not opened here)."""
         self.replica_id = replica_id or default_replica_id()
-        self._redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._redis = client
         self._p = prefix
         self._renew = self._redis.register_script(_RENEW)
         self._release = self._redis.register_script(_RELEASE)
@@ -237,7 +236,8 @@ class RedisStore:
             await pipe.execute()
 
 
-def build_store(backend: str, url: str, prefix: str, replica_id: str | None) -> StateStore:
+def build_store(backend: str, prefix: str, replica_id: str | None, client: Callable[[], Any]) -> StateStore:
+    """``client`` hands out a Redis client over the gateway's pool; called only for the redis backend."""
     if backend == "redis":
-        return RedisStore(url, prefix, replica_id)
+        return RedisStore(client(), prefix, replica_id)
     return MemoryStore(replica_id)

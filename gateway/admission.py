@@ -41,7 +41,8 @@ import structlog
 
 from gateway.context import RequestContext
 from gateway.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
-from gateway.settings import TrafficSettings
+from gateway.redis_client import SharedRedis
+from gateway.settings import RedisSettings, TrafficSettings
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.traffic")
@@ -282,28 +283,15 @@ class RedisSlots:
 
     name = "redis"
 
-    def __init__(self, cfg: TrafficSettings, metrics: Metrics, replica_id: str) -> None:
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
-        assert cfg.redis_url is not None
+    def __init__(self, cfg: TrafficSettings, metrics: Metrics, replica_id: str, redis: SharedRedis) -> None:
         self._cfg = cfg
+        self._redis = redis.settings
         self._metrics = metrics
         self.replica_id = replica_id
         self._ttl_ms = int(cfg.lease_ttl_s * 1000)
-        # No retries: a slow or absent Redis must cost at most one timeout before failing open. A bounded
-        # pool that makes callers wait for a connection (up to the same timeout): a burst of admissions
-        # queues for connections rather than being taken for an outage.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            cfg.redis_url.get_secret_value(),
-            max_connections=cfg.redis_max_connections,
-            timeout=cfg.redis_timeout_s,
-            socket_timeout=cfg.redis_timeout_s,
-            socket_connect_timeout=cfg.redis_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
-        self.client = aioredis.Redis.from_pool(pool)
+        # The replica's shared pool: no retries and a bounded wait for a connection (gateway/redis_client.py),
+        # so a slow or absent Redis costs at most one timeout before failing open.
+        self.client = redis.client()
         self._acquire = self.client.register_script(ACQUIRE_LUA)
         self._release = self.client.register_script(RELEASE_LUA)
         self._renew = self.client.register_script(RENEW_LUA)
@@ -330,14 +318,14 @@ class RedisSlots:
     async def aclose(self) -> None:
         self._closing = True
         if self._loop_task is not None:
-            await _stop(self._loop_task, self._cfg.redis_timeout_s * 4 + 1)
+            await _stop(self._loop_task, self._redis.timeout_s * 4 + 1)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         # Streams still open at shutdown: give their slots back now rather than after the TTL.
         if self.held:
             await self._give_back(list(self.held.items()))
         self.held.clear()
-        await self.client.aclose()
+        await self.client.aclose()  # the pool stays open for the other users; the services close it
 
     # -- the request path ----------------------------------------------------------------------------------
     async def acquire(self, lease_id: str, tenant: str | None, limits: Limits) -> Grant:
@@ -385,7 +373,7 @@ class RedisSlots:
                 k = keys.index(p.tenant_key) + 1
             args += [p.lease_id, p.limits.hard, p.limits.tenant_quota or 0, k]
         try:
-            async with asyncio.timeout(self._cfg.redis_timeout_s * 2):
+            async with asyncio.timeout(self._redis.timeout_s * 2):
                 results = await self._acquire(keys=keys, args=args)
         except Exception as exc:  # redis errors, OSError, timeouts: all mean "unreachable" here
             self._mark_down("acquire", exc)
@@ -429,7 +417,7 @@ class RedisSlots:
                 k = keys.index(tkey) + 1
             args += [lease, k]
         try:
-            async with asyncio.timeout(self._cfg.redis_timeout_s * 2):
+            async with asyncio.timeout(self._redis.timeout_s * 2):
                 await self._release(keys=keys, args=args)
         except Exception as exc:
             # The leases expire by themselves after lease_ttl_s: nothing renews them any more.
@@ -440,7 +428,7 @@ class RedisSlots:
     async def in_flight(self) -> int:
         if self.up:
             try:
-                async with asyncio.timeout(self._cfg.redis_timeout_s * 2):
+                async with asyncio.timeout(self._redis.timeout_s * 2):
                     return int(await self._count(keys=[self.slots_key]))
             except Exception as exc:
                 self._mark_down("count", exc)
@@ -468,7 +456,7 @@ class RedisSlots:
 
     async def _probe(self) -> None:
         try:
-            async with asyncio.timeout(self._cfg.redis_timeout_s * 2):
+            async with asyncio.timeout(self._redis.timeout_s * 2):
                 await self.client.ping()
         except Exception as exc:
             self._mark_down("ping", exc)
@@ -476,9 +464,9 @@ class RedisSlots:
             self._mark_up()
 
     async def _maintain(self) -> None:
-        """Renew this replica's leases every heartbeat; while Redis is down, probe it every redis_probe_s."""
+        """Renew this replica's leases every heartbeat; while Redis is down, probe it every redis.probe_s."""
         heartbeat = self._cfg.heartbeat_interval_s
-        tick = min(heartbeat, self._cfg.redis_probe_s)
+        tick = min(heartbeat, self._redis.probe_s)
         next_renew = time.monotonic() + heartbeat
         while not self._closing:
             await asyncio.sleep(tick)
@@ -503,7 +491,7 @@ class RedisSlots:
                 k = index[tkey]
             args += [lease, k]
         try:
-            async with asyncio.timeout(self._cfg.redis_timeout_s * 4):
+            async with asyncio.timeout(self._redis.timeout_s * 4):
                 lost = await self._renew(keys=keys, args=args)
         except Exception as exc:
             self._mark_down("renew", exc)
@@ -541,12 +529,15 @@ class AdmissionGate:
         metrics: Metrics,
         on_overload: Callable[[bool], None] | None = None,
         replica_id: str | None = None,
+        redis: SharedRedis | None = None,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self._timeout_s = redis.settings.timeout_s if redis is not None else RedisSettings().timeout_s
         self.store: LocalSlots | RedisSlots = (
-            RedisSlots(cfg, metrics, self.replica_id) if cfg.redis_url is not None else LocalSlots()
+            RedisSlots(cfg, metrics, self.replica_id, redis) if redis is not None and redis.configured
+            else LocalSlots()
         )
         self._on_overload = on_overload
         self._rank = {c.name: i for i, c in enumerate(cfg.priorities)}
@@ -572,7 +563,7 @@ class AdmissionGate:
     async def aclose(self) -> None:
         self._closing = True
         if self._monitor_task is not None:
-            await _stop(self._monitor_task, self.cfg.redis_timeout_s * 4 + 1)
+            await _stop(self._monitor_task, self._timeout_s * 4 + 1)
         await self.store.aclose()
 
     # -- the request path ----------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ by reason, the number of distinct addresses and the busiest few. Over
 instead of 401. Only failures are counted: a valid key behind the same address is
 never refused for someone else's failures, and a successful request costs nothing here.
 
-The window is shared through Redis where traffic limits are shared (``store: auto``
-with ``traffic.redis_url`` set); while Redis cannot be reached, each process counts alone.
+The window is shared through the replica's Redis pool where one is configured (``store: auto``
+with ``redis.url`` set); while Redis cannot be reached, each process counts alone.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import structlog
 
 from gateway.auth_settings import FailureLimitSettings
 from gateway.errors import RateLimited
+from gateway.redis_client import SharedRedis
 from observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -70,7 +71,7 @@ class FailureSummary:
 
 
 class AuthFailures:
-    def __init__(self, settings: FailureLimitSettings, metrics: Metrics, *, redis_url: str | None,
+    def __init__(self, settings: FailureLimitSettings, metrics: Metrics, *, redis: SharedRedis | None,
                  key_prefix: str) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -78,9 +79,8 @@ class AuthFailures:
         self.item: Any = None
         self._local: Any = None
         self._shared: Any = None
-        self._redis_url = redis_url
+        self._redis = redis
         self._prefix = key_prefix
-        self._pool: Any = None
         self._errors: tuple[type[BaseException], ...] = (OSError,)
         self._blocked: OrderedDict[str, float] = OrderedDict()
         self._last_warning = 0.0
@@ -94,19 +94,16 @@ class AuthFailures:
 
             self.item = RateLimitItemPerSecond(self.settings.max_failures, self.settings.window_s)
             self._local = MovingWindowRateLimiter(MemoryStorage())
-        if self._redis_url is None:
+        if self._redis is None or not self._redis.configured:
             return self._local
         if self._shared is None:
-            import redis.asyncio as redis_asyncio
             from limits.aio.storage import RedisStorage
             from limits.aio.strategies import MovingWindowRateLimiter
             from redis.exceptions import RedisError
 
             self._errors = (RedisError, OSError)
-            self._pool = redis_asyncio.ConnectionPool.from_url(
-                self._redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
-            storage = RedisStorage("async+" + self._redis_url, implementation="redispy",
-                                   key_prefix=self._prefix, connection_pool=self._pool)
+            storage = RedisStorage("async+" + self._redis.url, implementation="redispy",
+                                   key_prefix=self._prefix, connection_pool=self._redis.pool)
             self._shared = MovingWindowRateLimiter(storage)
         return self._shared
 
@@ -165,5 +162,4 @@ class AuthFailures:
         return None if done.empty() else done.to_json(time.time())
 
     async def aclose(self) -> None:
-        if self._pool is not None:
-            await self._pool.aclose()
+        """Nothing of its own to close: the Redis pool is the services'."""

@@ -68,7 +68,7 @@ class FailureLimitSettings(_Strict):
     )
     store: Literal["auto", "memory", "redis"] = Field(
         default="auto",
-        description="auto: Redis (rate_limits.redis_url) when traffic.redis_url is set, i.e. limits are shared",
+        description="auto: Redis when redis.url is set (the replicas share the window), else memory",
     )
     summary_interval_s: Annotated[float, Field(ge=1, le=3600)] = Field(
         default=60.0, description="one aggregated audit record and log line of refused requests per interval"

@@ -83,7 +83,7 @@ def check_config(path: str) -> int:
         print("traffic: admission off")
     else:
         shared = (f"shared through Redis (prefix {t.key_prefix}, lease {t.lease_ttl_s:g} s)"
-                  if t.redis_url is not None else "in-process")
+                  if settings.redis.url is not None else "in-process")
         print(f"traffic: soft limit {t.soft_limit}, hard limit {t.hard_limit} in flight; {shared}")
         classes = ", ".join(f"{c.name} {'/'.join(map(str, t.class_limits(c.name)))}" for c in t.priorities)
         print(f"  classes (soft/hard, highest first): {classes}")

@@ -1,4 +1,5 @@
-"""Per-tenant request and token rate limits, shared by every replica through Redis (the ``limits`` library).
+"""Per-tenant request and token rate limits (the ``limits`` library), shared by every replica through
+the replica's Redis pool when ``redis.url`` is set, counted in-process otherwise.
 
 Requests per minute use a moving window: each request takes one slot atomically
 before it is served. Tokens per minute are only known afterwards, so the budget is
@@ -10,16 +11,16 @@ past the limit (an overdraft then blocks the tenant until the window resets).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from gateway.errors import Overloaded, RateLimited
+from gateway.redis_client import SharedRedis
 from gateway.settings import RateLimitSettings, TenantConfig
 from observability.metrics import Metrics
 
 if TYPE_CHECKING:
-    import redis.asyncio as redis_asyncio
     from limits.aio.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
 
 log = structlog.get_logger(__name__)
@@ -28,10 +29,10 @@ _WARN_EVERY_S = 30.0
 
 
 class RateLimiter:
-    def __init__(self, settings: RateLimitSettings, metrics: Metrics) -> None:
+    def __init__(self, settings: RateLimitSettings, metrics: Metrics, redis: SharedRedis | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
-        self._pool: redis_asyncio.ConnectionPool | None = None
+        self._redis = redis
         self._requests: MovingWindowRateLimiter | None = None
         self._tokens: FixedWindowRateLimiter | None = None
         self._last_warning = 0.0
@@ -39,31 +40,32 @@ class RateLimiter:
         self._errors: tuple[type[BaseException], ...] = (OSError,)
 
     def _connect(self) -> None:
-        """Build the Redis pool and the two limiters on the first limited request.
+        """Build the two limiters on the first limited request, over the shared Redis pool when there is one.
 
         Tenants (and their limits) can arrive at run time through the admin API, so the
         limiter always exists; a gateway whose tenants have no limits never imports redis.
         """
-        import redis.asyncio as redis_asyncio
-        from limits.aio.storage import RedisStorage
         from limits.aio.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
-        from redis.exceptions import RedisError
 
-        self._errors = (RedisError, OSError)
-        s = self.settings
-        self._pool = redis_asyncio.ConnectionPool.from_url(
-            s.redis_url, socket_connect_timeout=1.0, socket_timeout=1.0
-        )
-        storage = RedisStorage(
-            "async+" + s.redis_url, implementation="redispy", key_prefix=s.key_prefix,
-            connection_pool=self._pool,
-        )
+        storage: Any
+        if self._redis is not None and self._redis.configured:
+            from limits.aio.storage import RedisStorage
+            from redis.exceptions import RedisError
+
+            self._errors = (RedisError, OSError)
+            storage = RedisStorage(
+                "async+" + self._redis.url, implementation="redispy", key_prefix=self.settings.key_prefix,
+                connection_pool=self._redis.pool,
+            )
+        else:
+            from limits.aio.storage import MemoryStorage
+
+            storage = MemoryStorage()
         self._requests = MovingWindowRateLimiter(storage)
         self._tokens = FixedWindowRateLimiter(storage)
 
     async def aclose(self) -> None:
-        if self._pool is not None:
-            await self._pool.aclose()
+        """Nothing of its own to close: the Redis pool is the services'."""
 
     async def admit(self, tenant: TenantConfig) -> None:
         """Take one request slot and check the token budget; raise :class:`RateLimited` when spent."""

@@ -7,8 +7,8 @@ refused as a whole and the running config stays; the reason is logged
 What applies at once: tenants, keys, policy chains and policy sets, rate limits, the
 admin key, requests, models (sampling defaults). What needs a restart (the running
 copy is kept, and a reload that changes it says so in ``restart_required``):
-``server``, ``engines``, ``audit``, ``logging``, ``rate_limits`` (the Redis connection),
-``traffic`` (the admission gate and its store), ``auth``, ``metrics``, ``media`` (the
+``server``, ``engines``, ``audit``, ``logging``, ``rate_limits``, ``traffic`` (the admission
+gate and its store), ``redis`` (the one connection pool), ``auth``, ``metrics``, ``media`` (the
 decoding sandbox), ``routing`` (the engine pool, the rollback controller, its telemetry,
 sentinels and shared state are built from it once) and ``grounding`` (the scorer and its
 model). Whether a key is required is decided at boot: a reload that removes the last
@@ -46,7 +46,7 @@ from policies.registry import PolicyConfigError
 log = structlog.get_logger(__name__)
 
 RESTART_ONLY = (
-    "server", "engines", "audit", "rate_limits", "logging", "traffic", "auth", "metrics", "media", "routing",
+    "server", "engines", "audit", "rate_limits", "logging", "traffic", "redis", "auth", "metrics", "media", "routing",
     "grounding",
 )
 

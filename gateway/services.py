@@ -28,13 +28,14 @@ from gateway.directory.live import LiveDirectory
 from gateway.metrics_server import MetricsServer
 from gateway.pipeline import Pipeline
 from gateway.ratelimit import RateLimiter
+from gateway.redis_client import SharedRedis
 from gateway.settings import Settings, TenantConfig
 from gateway.sse import OpenStreams
 from gateway.tenants import Directory
 from observability.audit import AuditLog
 from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics
-from policies.base import Deps
+from policies.base import Deps, LoadShedder
 from policies.media.sandbox import MediaRuntime
 from policies.registry import PolicyChain, available_plugins
 
@@ -73,6 +74,8 @@ class Services:
     #: the grounding scorer, built only when a configured policy ``uses`` it; loaded by :meth:`start`.
     #: The gateway's, not a chain's: kept across reloads (its ``grounding`` settings need a restart)
     scorer: Any = None
+    #: the replica's one Redis connection pool (``redis``), closed once, after everything that uses it
+    redis: SharedRedis | None = None
     #: the media sandbox and byte budgets every chain's media steps share (policies/media/sandbox.py);
     #: the gateway's, kept across reloads (``media`` needs a restart)
     media: MediaRuntime | None = None
@@ -88,7 +91,8 @@ class Services:
         pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics, routing=routing)
         sentinel = AccuracySentinel(routing.sentinel, metrics, seed=routing.seed) if routing.sentinel.enabled else None
         state = routing.state
-        state_store = build_state_store(state.backend, state.redis_url, state.key_prefix, state.replica_id)
+        redis = SharedRedis(settings.redis)  # the one pool every shared feature draws from
+        state_store = build_state_store(state.backend, state.key_prefix, state.replica_id, redis.client)
         controller: RolloutController
         url_for = TelemetryCollector.metrics_url_for
         targets = [
@@ -115,9 +119,9 @@ class Services:
         audit = (
             AuditLog(settings.audit, build_audit_store(settings.audit), metrics) if settings.audit.enabled else None
         )
-        limiter = RateLimiter(settings.rate_limits, metrics)
+        limiter = RateLimiter(settings.rate_limits, metrics, redis)
         admission = (
-            AdmissionGate(settings.traffic, metrics, on_overload=pool.set_overloaded)
+            AdmissionGate(settings.traffic, metrics, on_overload=pool.set_overloaded, redis=redis)
             if settings.traffic.enabled
             else None
         )
@@ -132,7 +136,7 @@ class Services:
                        scorer=build_scorer_if_used(settings, metrics, policies.uses()),
                        media=MediaRuntime(settings.media, eager=_names_media_limits(settings)),
                        live=LiveDirectory(settings.auth.directory, metrics),
-                       auth_failures=build_auth_failures(settings, metrics),
+                       auth_failures=build_auth_failures(settings, metrics, redis), redis=redis,
                        auth_required=settings.auth_required,
                        metrics_server=MetricsServer(settings, metrics) if settings.metrics.port is not None else None)
         if audit is not None:
@@ -192,7 +196,7 @@ class Services:
         if self.admission is not None:
             chains = {"policies": self.chain}
             chains.update({f"policy_sets.{n}": c for n, c in self.pipeline.chains.items()})
-            unshed = [w for w, c in chains.items() if not any(p.name == "load-shedding" for p in c.pre)]
+            unshed = unshed_chains(chains)
             if unshed:
                 log.warning("load_shedding_not_in_chain", chains=unshed,
                             detail="admission limits apply, but speech is not shed there above the soft limit")
@@ -322,14 +326,26 @@ class Services:
             await self.scorer.aclose()
         if self.media is not None:
             await self.media.aclose()
+        if self.redis is not None:
+            # Last: admission, the controller's state store, the limiters and the failure window are closed.
+            with contextlib.suppress(Exception):
+                await self.redis.aclose()
 
 
-def build_auth_failures(settings: Settings, metrics: Metrics) -> AuthFailures:
-    """The failure limit, shared through Redis where traffic limits are (``store: auto``)."""
+def unshed_chains(chains: dict[str, PolicyChain]) -> list[str]:
+    """The chains (by where they are configured) without a :class:`~policies.base.LoadShedder` pre-policy."""
+    return [where for where, c in chains.items()
+            if not any(p.stage == "pre" for p in c.implementing(LoadShedder))]
+
+
+def build_auth_failures(
+    settings: Settings, metrics: Metrics, redis: SharedRedis | None = None
+) -> AuthFailures:
+    """The failure limit, shared through Redis where one is configured (``store: auto``)."""
     f = settings.auth.failures
-    shared = f.store == "redis" or (f.store == "auto" and settings.traffic.redis_url is not None)
-    rl = settings.rate_limits
-    return AuthFailures(f, metrics, redis_url=rl.redis_url if shared else None, key_prefix=f"{rl.key_prefix}:auth")
+    shared = redis is not None and redis.configured and f.store != "memory"
+    return AuthFailures(f, metrics, redis=redis if shared else None,
+                        key_prefix=f"{settings.rate_limits.key_prefix}:auth")
 
 
 def _names_media_limits(settings: Settings) -> bool:

@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import structlog
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -26,6 +27,8 @@ from pydantic_settings import (
 from engines.control_settings import EngineTelemetry, RoutingSettings
 from gateway.auth_settings import AdminKey, AuthSettings, MetricsSettings
 from gateway.settings_sources import EnvOverYaml
+
+_log = structlog.get_logger("omnigate.settings")
 
 EngineKind = Literal["vllm-omni", "vllm", "litellm", "local"]
 Variant = Literal["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
@@ -456,15 +459,96 @@ class ApiKeyConfig(_Strict):
 
 
 class RateLimitSettings(_Strict):
-    """Per-tenant rate limits, shared by every replica through Redis."""
+    """Per-tenant rate limits, shared by every replica through Redis when ``redis.url`` is set."""
 
-    redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0", description="where the shared rate-limit counters live"
-    )
     key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = Field(
         default="omnigate", description="Redis key prefix of the counters"
     )
     fail_open: bool = Field(default=True, description="serve unlimited while Redis is unreachable")
+
+
+class RedisSettings(_Strict):
+    """The one Redis the replicas share (gateway/redis_client.py): admission slots, rate limits, failed
+    authentications and the routing state each keep their keys under their own prefix, over one
+    connection pool per replica."""
+
+    url: SecretStr | None = Field(
+        default=None,
+        description="redis://[user:password@]host:port/db (secret: never logged or printed); "
+        "unset: every count stays in its own process and routing.state.backend redis is refused",
+    )
+    timeout_s: Annotated[float, Field(gt=0, le=30)] = Field(
+        default=0.25, description="a Redis call slower than this counts as Redis unreachable"
+    )
+    max_connections: Annotated[int, Field(ge=1, le=10000)] = Field(
+        default=64, description="connections to Redis per replica; more callers wait up to timeout_s"
+    )
+    probe_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=1.0, description="while Redis is unreachable, how often admission tries it again"
+    )
+
+
+#: keys of earlier releases that now live in the ``redis`` block: (path of the old key, field of ``redis``)
+DEPRECATED_REDIS_KEYS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("rate_limits", "redis_url"), "url"),
+    (("traffic", "redis_url"), "url"),
+    (("routing", "state", "redis_url"), "url"),
+    (("traffic", "redis_timeout_s"), "timeout_s"),
+    (("traffic", "redis_max_connections"), "max_connections"),
+    (("traffic", "redis_probe_s"), "probe_s"),
+)
+
+
+def _plain(value: Any) -> Any:
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
+
+
+def _take_deprecated_redis_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """Move the old per-feature Redis keys into ``redis`` (one warning each); refuse two that disagree."""
+    found: dict[str, list[tuple[str, Any]]] = {}
+    for path, field in DEPRECATED_REDIS_KEYS:
+        parent: Any = data
+        parents: list[tuple[Any, str]] = []
+        for part in path[:-1]:
+            if not isinstance(parent, dict) or not isinstance(parent.get(part), dict):
+                parent = None
+                break
+            parents.append((parent, part))
+            parent = parent[part]
+        if not isinstance(parent, dict) or path[-1] not in parent:
+            continue
+        # copies along the path: the caller's dicts are left as they were given
+        if not found:
+            data = dict(data)
+        node = data
+        for _, part in parents:
+            node[part] = dict(node[part])
+            node = node[part]
+        value = node.pop(path[-1])
+        if value is not None:
+            found.setdefault(field, []).append((".".join(path), value))
+    if not found:
+        return data
+    block = data.get("redis")
+    new: dict[str, Any] = (
+        dict(block) if isinstance(block, dict)
+        else block.model_dump(exclude_unset=True) if isinstance(block, BaseModel) else {}
+    )
+    for field, olds in found.items():
+        first_key, first = olds[0]
+        for key, value in olds[1:]:
+            if str(_plain(value)) != str(_plain(first)):
+                raise ValueError(f"{first_key} and {key} name different values, and there is one Redis now: "
+                                 f"set redis.{field} and remove both")
+        if field in new and new[field] is not None and str(_plain(new[field])) != str(_plain(first)):
+            raise ValueError(f"redis.{field} and {first_key} (deprecated) name different values: "
+                             f"keep redis.{field} and remove {first_key}")
+        new[field] = _plain(first)
+        for key, _ in olds:
+            _log.warning("deprecated_setting", key=key, use=f"redis.{field}",
+                         detail=f"{key} is read as redis.{field} for one more release; move it there")
+    data["redis"] = new
+    return data
 
 
 # -- audit trail ---------------------------------------------------------------------------------------
@@ -571,7 +655,7 @@ def _default_priorities() -> list[PriorityClass]:
 
 
 class TrafficSettings(_Strict):
-    """Admission and load shedding (gateway/admission.py); shared across replicas when ``redis_url`` is set."""
+    """Admission and load shedding (gateway/admission.py); shared across replicas when ``redis.url`` is set."""
 
     enabled: bool = Field(
         default=True, description="false: no admission limits (per-engine caps still apply)"
@@ -602,7 +686,6 @@ class TrafficSettings(_Strict):
     monitor_interval_s: Annotated[float, Field(gt=0, le=60)] = Field(
         default=0.5, description="how often the admitted count is read to switch the engines' overload caps"
     )
-    redis_url: SecretStr | None = Field(default=None, description="share counts through Redis; unset: in-process")
     key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.-]{1,64}$")] = Field(
         default="omnigate:traffic", description="Redis key prefix (one per gateway fleet)"
     )
@@ -611,15 +694,6 @@ class TrafficSettings(_Strict):
     )
     heartbeat_s: Annotated[float, Field(gt=0, le=600)] | None = Field(
         default=None, description="how often a replica renews its leases; default lease_ttl_s / 3"
-    )
-    redis_timeout_s: Annotated[float, Field(gt=0, le=30)] = Field(
-        default=0.25, description="a Redis call slower than this counts as Redis unreachable"
-    )
-    redis_max_connections: Annotated[int, Field(ge=1, le=10000)] = Field(
-        default=64, description="connections to Redis per replica; more callers wait up to redis_timeout_s"
-    )
-    redis_probe_s: Annotated[float, Field(gt=0, le=600)] = Field(
-        default=1.0, description="while Redis is unreachable, how often it is tried again"
     )
     fail_open_share: Annotated[float, Field(gt=0, le=1)] = Field(
         default=1.0, description="share of each limit one replica applies alone while Redis is unreachable"
@@ -751,6 +825,7 @@ class Settings(BaseSettings):
     audit: AuditSettings = AuditSettings()
     routing: RoutingSettings = RoutingSettings()
     traffic: TrafficSettings = TrafficSettings()
+    redis: RedisSettings = RedisSettings()
     auth: AuthSettings = AuthSettings()
     metrics: MetricsSettings = MetricsSettings()
     media: MediaSettings = MediaSettings()
@@ -764,6 +839,20 @@ class Settings(BaseSettings):
         if self.auth.required is not None:
             return self.auth.required
         return bool(self.tenants or self.api_keys or self.admin.enabled or self.auth.directory.shared)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_redis_keys(cls, data: Any) -> Any:
+        return _take_deprecated_redis_keys(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _redis_where_needed(self) -> "Settings":
+        if self.redis.url is None:
+            if self.routing.state.backend == "redis":
+                raise ValueError("routing.state.backend is redis, but redis.url is not set")
+            if self.auth.failures.store == "redis":
+                raise ValueError("auth.failures.store is redis, but redis.url is not set")
+        return self
 
     @model_validator(mode="after")
     def _directory_path(self) -> "Settings":

@@ -192,6 +192,16 @@ class PolicyBase:
 
 
 @runtime_checkable
+class LoadShedder(Protocol):
+    """A pre-policy that acts on the admission's decision (``ctx.load``): above a class's soft limit it
+    serves less instead of refusing (the built-in ``load-shedding`` serves speech as text). The gateway
+    finds it by this, whatever its name, and warns at start-up about a chain with admission limits and
+    no shedder."""
+
+    sheds_load: ClassVar[bool]
+
+
+@runtime_checkable
 class PrePolicy(Protocol):
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest: ...
 

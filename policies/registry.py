@@ -45,6 +45,10 @@ class PolicyChain:
     def all(self) -> tuple[LoadedPolicy, ...]:
         return self.pre + self.stream + self.post
 
+    def implementing(self, protocol: type) -> tuple[LoadedPolicy, ...]:
+        """The policies whose implementation is a ``protocol`` (a ``runtime_checkable`` one), in chain order."""
+        return tuple(p for p in self.all() if isinstance(p.impl, protocol))
+
     def describe(self) -> dict[str, list[str]]:
         def names(ps: tuple[LoadedPolicy, ...]) -> list[str]:
             return [p.name + (" (shadow)" if p.shadow else "") for p in ps]

@@ -36,6 +36,8 @@ class LoadShedding(PolicyBase):
     name: ClassVar[str] = "load-shedding"
     stage: ClassVar[str] = "pre"
     Config: ClassVar[type[PolicyConfig]] = LoadSheddingConfig
+    #: a :class:`policies.base.LoadShedder`
+    sheds_load: ClassVar[bool] = True
 
     def __init__(self, config: LoadSheddingConfig) -> None:
         self.config = config

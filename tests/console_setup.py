@@ -75,6 +75,9 @@ def config(eng: Engines, tmp_path: Path, keys: dict[str, MintedKey], *, console:
                     **({"state": state} if state else {}),
                     "signals": {"window_s": 3.0, "scrape_interval_s": 0.1, "scrape_timeout_s": 1}},
         "logging": {"level": "warning"},
+        # A shared routing state is the one Redis's, with admission under a prefix of the test's own.
+        **({"redis": {"url": "redis://127.0.0.1:6379/0"}, "traffic": {"key_prefix": f"{redis_prefix()}:traffic"}}
+           if state and state.get("backend") == "redis" else {}),
     }
 
 

@@ -57,7 +57,8 @@ def replicas(tmp_path, upstream, rdb):
         "engines": [{"name": "omni", "kind": "vllm-omni", "base_url": upstream.base_url, "model": "scripted",
                      "serves": ["omni"], "max_in_flight": 16}],
         "policies": {"pre": [{"name": "load-shedding"}, {"name": "request-limits"}]},
-        "traffic": {"soft_limit": 2, "hard_limit": 4, "redis_url": REDIS_URL, "key_prefix": prefix,
+        "redis": {"url": REDIS_URL},
+        "traffic": {"soft_limit": 2, "hard_limit": 4, "key_prefix": prefix,
                     "lease_ttl_s": LEASE_TTL_S, "heartbeat_s": 0.3, "monitor_interval_s": 0.1},
         "logging": {"level": "info"},
     }

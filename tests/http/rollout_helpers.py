@@ -144,6 +144,7 @@ def settings(
     window_s: float = 3.0,
     interval_s: float = 0.1,
     seed: int | None = 1,
+    redis_url: str | None = None,
 ) -> Settings:
     routing = RoutingSettings(
         probe_interval_s=probe_interval_s,
@@ -163,6 +164,9 @@ def settings(
     return Settings(
         engines=engine_list, routing=routing, admin={"api_key": ADMIN_KEY}, logging={"level": "warning"},
         auth={"required": False},  # these tests drive routing; the front door has its own
+        # Redis (its own URL, or the local one for a shared state), with admission under the test's prefix.
+        **({"redis": {"url": redis_url or REDIS}, "traffic": {"key_prefix": f"{state.key_prefix}:traffic"}}
+           if state is not None and state.backend == "redis" else {}),
     )
 
 

@@ -25,7 +25,7 @@ def dcgm(bg):
 
 
 def _replica(bg, trio, dcgm, prefix: str, name: str) -> GatewayServer:
-    state = SharedStateSettings(backend="redis", redis_url=REDIS, key_prefix=prefix, lease_ttl_s=1.0,
+    state = SharedStateSettings(backend="redis", key_prefix=prefix, lease_ttl_s=1.0,
                                 replica_id=name)  # fmt: skip
     engine_list = engines(trio)
     engine_list[0] = engine_list[0].model_copy(

@@ -127,7 +127,7 @@ def test_a_slow_engine_rolls_int4_back(bg, fresh):
 
 def test_two_replicas_on_redis_roll_back_for_a_slow_engine_not_for_a_slow_pre_policy(bg, fresh, prefix):
     def state(name: str) -> SharedStateSettings:
-        return SharedStateSettings(backend="redis", redis_url=REDIS, key_prefix=prefix, lease_ttl_s=1.0,
+        return SharedStateSettings(backend="redis", key_prefix=prefix, lease_ttl_s=1.0,
                                    replica_id=name)  # fmt: skip
 
     a = _start(bg, fresh, pre_delay_s=0.3, state=state("replica-a"))

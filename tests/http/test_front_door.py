@@ -220,7 +220,7 @@ def test_the_failure_limit_is_shared_through_redis_by_replicas(started):
     k = mint_key()
     common = {"tenants": [{"name": "t"}], "api_keys": [{"id": k.id, "tenant": "t", "sha256": k.sha256}],
               "auth": {"failures": {"max_failures": 6}},
-              "traffic": {"redis_url": "redis://127.0.0.1:6379/0", "key_prefix": redis_prefix()},
+              "redis": {"url": "redis://127.0.0.1:6379/0"}, "traffic": {"key_prefix": redis_prefix()},
               "rate_limits": {"key_prefix": redis_prefix()}}
     a, b = started(**common), started(**common)
     assert [_chat(a).status_code for _ in range(3)] == [401] * 3

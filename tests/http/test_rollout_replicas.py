@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry
 from engines.control_settings import Rule, RuleAction, RuleSelector, SharedStateSettings
 from engines.rollback import ControllerState
 from engines.state_store import NotLeader, RedisStore
+from gateway.redis_client import SharedRedis
+from gateway.settings import RedisSettings
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import MODEL, REDIS, admin, chat, engines, settings
 from tests.upstream import Script
@@ -33,9 +35,7 @@ RULE = Rule(
 
 
 def _replica(bg, trio, prefix: str, name: str, rules=(RULE,)) -> GatewayServer:
-    state = SharedStateSettings(
-        backend="redis", redis_url=REDIS, key_prefix=prefix, lease_ttl_s=1.0, replica_id=name
-    )
+    state = SharedStateSettings(backend="redis", key_prefix=prefix, lease_ttl_s=1.0, replica_id=name)
     return GatewayServer(bg, settings(engines(trio), list(rules), state=state), CollectorRegistry()).start()
 
 
@@ -119,8 +119,9 @@ def test_the_follower_takes_over_with_the_state_when_the_leader_stops(bg, trio, 
 
 
 async def test_redis_store_lease_is_exclusive_and_writes_are_fenced_on_it(prefix):
-    one = RedisStore(REDIS, prefix, "one")
-    two = RedisStore(REDIS, prefix, "two")
+    redis = SharedRedis(RedisSettings(url=REDIS))  # the two replicas' stores over one pool, as two gateways would
+    one = RedisStore(redis.client(), prefix, "one")
+    two = RedisStore(redis.client(), prefix, "two")
     try:
         assert await one.acquire_lease(5) and not await two.acquire_lease(5)
         assert await one.acquire_lease(5)  # renewal
@@ -162,6 +163,7 @@ async def test_redis_store_lease_is_exclusive_and_writes_are_fenced_on_it(prefix
     finally:
         await one.aclose()
         await two.aclose()
+        await redis.aclose()
 
 
 def test_a_replica_that_cannot_reach_redis_serves_with_the_configured_split(bg, trio, prefix):
@@ -169,11 +171,10 @@ def test_a_replica_that_cannot_reach_redis_serves_with_the_configured_split(bg, 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead = sock.getsockname()[1]  # nothing listens here once the socket closes
-    state = SharedStateSettings(
-        backend="redis", redis_url=f"redis://127.0.0.1:{dead}/0", key_prefix=prefix, lease_ttl_s=1.0
-    )
+    state = SharedStateSettings(backend="redis", key_prefix=prefix, lease_ttl_s=1.0)
     registry = CollectorRegistry()
-    server = GatewayServer(bg, settings(engines(trio), [RULE], state=state), registry).start()
+    cfg = settings(engines(trio), [RULE], state=state, redis_url=f"redis://127.0.0.1:{dead}/0")
+    server = GatewayServer(bg, cfg, registry).start()
     try:
         assert all(chat(server.url).ok for _ in range(3))
         assert trio.counts()["int4"] == 3

@@ -53,6 +53,8 @@ def server(bg, upstreams, keys, tmp_path_factory):
         api_keys=[{"id": k.id, "tenant": name, "sha256": k.sha256, "enabled": name != "revoked"}
                   for name, k in keys.items()],
         rate_limits={"key_prefix": redis_prefix()},
+        redis={"url": "redis://127.0.0.1:6379/0"},  # the limits as replicas share them
+        traffic={"key_prefix": f"{redis_prefix()}:traffic"},
         audit={"sqlite_path": str(db)},
     )
     s = GatewayServer(bg, settings, CollectorRegistry(), plugins={**available_plugins(), **PLUGINS}).start()

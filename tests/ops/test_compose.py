@@ -89,6 +89,10 @@ def test_gateway_config_is_valid_and_reachable_by_proxy_and_prometheus(profile, 
     port = settings["server"]["port"]
     assert gw["networks"]["default"]["aliases"] == ["omnigate"]
     assert gw["environment"]["OMNIGATE_ADMIN__API_KEY"] == "k" * 32
+    # The one Redis block, set from the environment, names the compose file's own Redis service.
+    redis_url = gw["environment"]["OMNIGATE_REDIS__URL"]
+    assert redis_url.startswith("redis://redis:") and "redis" in config["services"]
+    assert "redis" in gw["depends_on"]
     assert str(port) in gw["expose"]
     assert config["services"]["proxy"]["environment"]["OMNIGATE_UPSTREAM"] == f"omnigate:{port}"
     prom = yaml.safe_load((OPS / "prometheus" / "prometheus.yml").read_text())

@@ -259,6 +259,12 @@ def test_one_replica_may_keep_its_own_directory_and_several_share_postgres():
         "name": "omnigate-directory", "key": "dsn"}
 
 
+def test_the_redis_url_comes_from_a_secret_as_the_one_redis_block():
+    assert "OMNIGATE_REDIS__URL" not in _env(render())  # no Secret named: each replica counts alone
+    env = _env(render({"redis": {"existingSecret": "omnigate-redis"}}))
+    assert env["OMNIGATE_REDIS__URL"]["valueFrom"]["secretKeyRef"] == {"name": "omnigate-redis", "key": "url"}
+
+
 def test_metrics_port_is_wired_through_container_service_and_monitor():
     objects = render({"metrics": {"port": 9300}})
     (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]

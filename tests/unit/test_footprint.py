@@ -11,11 +11,13 @@ import json
 import subprocess
 import sys
 import textwrap
+import uuid
 
 from prometheus_client import CollectorRegistry
 
 from gateway.ratelimit import RateLimiter
-from gateway.settings import RateLimitSettings, TenantConfig
+from gateway.redis_client import SharedRedis
+from gateway.settings import RateLimitSettings, RedisSettings, TenantConfig
 from observability.metrics import Metrics
 
 HEAVY = ("numpy", "soundfile", "redis", "limits", "PIL", "av", "onnxruntime", "torch", "litellm")
@@ -56,12 +58,15 @@ def test_a_text_gateway_serves_without_loading_media_audio_or_rate_limit_librari
 
 
 async def test_the_rate_limiter_connects_only_for_a_tenant_with_a_limit() -> None:
-    limiter = RateLimiter(RateLimitSettings(), Metrics(CollectorRegistry()))
+    redis = SharedRedis(RedisSettings(url="redis://127.0.0.1:6379/0"))
+    limiter = RateLimiter(RateLimitSettings(key_prefix=f"omnigate-test-{uuid.uuid4().hex}"),
+                          Metrics(CollectorRegistry()), redis)
     await limiter.admit(TenantConfig(name="unlimited"))
     await limiter.charge(TenantConfig(name="unlimited"), 500)
-    assert limiter._pool is None
+    assert not redis.opened
     try:
         await limiter.admit(TenantConfig(name="limited", requests_per_minute=1000))
-        assert limiter._pool is not None
+        assert redis.opened
     finally:
         await limiter.aclose()
+        await redis.aclose()

@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 from gateway.admission import AdmissionGate, Limits, LocalSlots, RedisSlots, Ticket
 from gateway.context import RequestContext
 from gateway.errors import Overloaded, RateLimited
-from gateway.settings import TrafficSettings
+from gateway.redis_client import SharedRedis
+from gateway.settings import RedisSettings, TrafficSettings
 from observability.metrics import Metrics
 from tests.harness import eventually
 from tests.tcpproxy import TCPProxy
@@ -48,18 +49,21 @@ async def prefix(redis_client):
 
 @pytest.fixture
 async def gates():
-    made: list[AdmissionGate] = []
+    made: list[tuple[AdmissionGate, SharedRedis]] = []
 
-    async def make(prefix: str, url: str = REDIS_URL, **traffic) -> AdmissionGate:
-        cfg = TrafficSettings(redis_url=url, key_prefix=prefix, **traffic)
-        gate = AdmissionGate(cfg, Metrics(CollectorRegistry()))
+    async def make(prefix: str, url: str = REDIS_URL, *, redis_probe_s: float = 1.0, redis_timeout_s: float = 0.25,
+                   **traffic) -> AdmissionGate:
+        cfg = TrafficSettings(key_prefix=prefix, **traffic)
+        redis = SharedRedis(RedisSettings(url=url, probe_s=redis_probe_s, timeout_s=redis_timeout_s))
+        gate = AdmissionGate(cfg, Metrics(CollectorRegistry()), redis=redis)
         await gate.start()
-        made.append(gate)
+        made.append((gate, redis))
         return gate
 
     yield make
-    for g in made:
+    for g, redis in made:
         await g.aclose()
+        await redis.aclose()
 
 
 def _ctx(**kw) -> RequestContext:
