@@ -1,13 +1,14 @@
 """The engines behind each public model: a small facade over the pool's three jobs.
 
 - :mod:`engines.health`: probed health, model identity and each engine's circuit breaker;
-- :mod:`engines.slots`: per-engine concurrency and the bounded FIFO wait;
+- :mod:`engines.slots`: per-engine concurrency, the bounded FIFO wait and the :class:`Lease` a request
+  holds on its engine;
 - :mod:`engines.choice`: the order to try a model's engines in, drawn from the routing table
   (:mod:`engines.routing`) that the rollback controller publishes; the request path only reads it.
 
-The pipeline asks :meth:`EnginePool.candidates` for the order, claims a slot on the first engine with
-a free one (:meth:`EnginePool.claim`), gives it back (:meth:`EnginePool.release`) and reports outcomes;
-the admin views and the controller read the rest.
+The pipeline asks :meth:`EnginePool.candidates` for the order, takes a :meth:`EnginePool.lease` on the
+first engine with a free slot and reports outcomes back; the admin views and the controller read the
+rest.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from engines.health import Health
 from engines.rollback import Transition
 from engines.routing import EngineInfo, RoutingTable, base_weights
 from engines.signals import EngineSummary
-from engines.slots import Slots
+from engines.slots import Lease, Slots
 from gateway.settings import EngineConfig
 from observability.metrics import Metrics
 
-__all__ = ["EnginePool", "build_engine"]
+__all__ = ["EnginePool", "Lease", "build_engine"]
 
 log = structlog.get_logger(__name__)
 
@@ -176,6 +177,12 @@ class EnginePool:
     async def claim(self, engines: list[Engine], model: str | None = None) -> Engine | None:
         """A slot on the first of ``engines`` that has one (see :meth:`engines.slots.Slots.claim`)."""
         return await self.slots.claim(engines, model)
+
+    async def lease(self, engines: list[Engine], model: str | None = None) -> Lease | None:
+        """:meth:`claim`, held as a :class:`Lease` that settles the slot once; None: no engine could be
+        claimed."""
+        engine = await self.slots.claim(engines, model)
+        return None if engine is None else Lease(engine, self.slots.release, self.health.failure)
 
     def release(self, engine: Engine | str, *, settled: bool = True) -> None:
         """End a claim. ``settled=False``: no outcome was reported (the half-open trial is given back)."""

@@ -1,15 +1,15 @@
-"""Per-engine concurrency: slots and the bounded FIFO wait for one.
+"""Per-engine concurrency: slots, the bounded FIFO wait for one, and the lease a request holds.
 
 A request claims a slot on an engine (:meth:`Slots.acquire`, :meth:`Slots.claim`) and gives it back
-(:meth:`Slots.release`). An engine's cap is the lowest of its configured ``max_in_flight`` (the seeds'
-``max_num_seqs``, 8), its ``max_in_flight_overloaded`` (4) while the gateway is overloaded (see
-:mod:`gateway.admission`), and the routing table's ``limits`` entry that the rollback controller's
-``limit_concurrency`` action sets (its ``raise_concurrency`` replaces the configured cap by a higher one,
-``raised``). When every available engine for a request is at its cap, the request waits in a bounded
-FIFO queue per engine (``max_waiting``, at most ``max_wait_s``) and a freed slot is handed straight to
-the oldest waiter, so newcomers cannot overtake; a full queue or a wait that runs out is
-:class:`gateway.errors.EngineBusy` (503 with ``Retry-After``). All of it runs on the event loop thread
-and needs no locks.
+(:meth:`Slots.release`); the pipeline holds it as a :class:`Lease`, which settles it exactly once. An
+engine's cap is the lowest of its configured ``max_in_flight`` (the seeds' ``max_num_seqs``, 8), its
+``max_in_flight_overloaded`` (4) while the gateway is overloaded (see :mod:`gateway.admission`), and the
+routing table's ``limits`` entry that the rollback controller's ``limit_concurrency`` action sets (its
+``raise_concurrency`` replaces the configured cap by a higher one, ``raised``). When every available
+engine for a request is at its cap, the request waits in a bounded FIFO queue per engine
+(``max_waiting``, at most ``max_wait_s``) and a freed slot is handed straight to the oldest waiter, so
+newcomers cannot overtake; a full queue or a wait that runs out is :class:`gateway.errors.EngineBusy`
+(503 with ``Retry-After``). All of it runs on the event loop thread and needs no locks.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 
 import structlog
 
 from engines.base import Engine
 from engines.health import Health
 from engines.routing import RoutingTable
-from gateway.errors import EngineBusy
+from gateway.errors import EngineBusy, EngineError
 from observability.metrics import Metrics
 
 log = structlog.get_logger("engines.pool")
@@ -44,6 +45,59 @@ class _Waiter:
 
     engines: tuple[str, ...]
     future: asyncio.Future[Engine]
+
+
+class Lease:
+    """One request's claimed slot on ``engine``, settled exactly once however the request goes.
+
+    Used as ``async with lease:`` around one engine call. Leaving the block by an exception settles
+    it: an :class:`~gateway.errors.EngineError` that allows failover first counts as a failure for the
+    engine's circuit and then settles the slot as an outcome; any other error (a non-retryable engine
+    error, cancellation, a bug) gives it back without one. Leaving it normally gives the slot back too,
+    unless :meth:`keep` handed it on to the request, which then :meth:`settle`\\ s it when it ends or
+    moves on to another engine. Settling twice is a no-op, so no path can release a slot twice.
+    """
+
+    __slots__ = ("_failed", "_held", "_kept", "_release", "engine")
+
+    def __init__(self, engine: Engine, release: Callable[..., None], failed: Callable[[str], None]) -> None:
+        self.engine = engine
+        self._release = release
+        self._failed = failed
+        self._held = True
+        self._kept = False
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def keep(self) -> None:
+        """The engine call succeeded: the slot stays with the request past this block."""
+        self._kept = True
+
+    def settle(self, *, reported: bool) -> None:
+        """Give the slot back, once. ``reported=False``: no outcome was reported (a half-open trial is
+        given back to the circuit)."""
+        if not self._held:
+            return
+        self._held = False
+        self._release(self.engine, settled=reported)
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # Nothing of the exception is kept: its traceback holds the caller's frame (and its request).
+        if exc is None:
+            if not self._kept:
+                self.settle(reported=False)
+            return
+        retryable = isinstance(exc, EngineError) and exc.retryable
+        if retryable and self._held:
+            self._failed(self.engine.name)
+        self.settle(reported=retryable)
 
 
 class Slots:
