@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 if TYPE_CHECKING:
     from engines.base import Completion
+    from engines.slots import Lease
     from gateway.chains import ChainSet
     from gateway.admission import LoadSnapshot, Ticket
     from gateway.schemas import ChatCompletionRequest
@@ -98,6 +99,8 @@ class RequestContext:
     requested_priority: str | None = None
     #: the admission slot this request holds, released once when the request finishes
     admission: "Ticket | None" = None
+    #: the engine slot the request's current attempt holds (engines/slots.Lease), settled once by the pipeline
+    lease: "Lease | None" = None
     #: the load the request was admitted under (what load shedding decides on)
     load: "LoadSnapshot | None" = None
     #: the tenant's policy set (None: the default chain) and what the audit keeps of content

@@ -21,8 +21,10 @@ into one response: the first segment's first chunk is the commit point; later
 segments may still fail over before their own first chunk; only the last
 segment's ``finish_reason`` is released and usage is summed.
 
-Its length: the JSON and stream paths still have an attempt loop each; folding them into one loop with
-the relay and the accounting beside it is the planned restructuring (issue: one kernel, one request loop).
+Both paths share one attempt loop (gateway/pipeline/attempt.py): engine choice and failover, each try
+holding a lease on its engine slot that is settled exactly once.
+
+Its length: the relay and the accounting are still here; they move to files beside it next.
 """
 
 from __future__ import annotations
@@ -38,19 +40,10 @@ import structlog
 from engines.base import Completion, Delta, Engine, Usage
 from engines.energy import EnergyBook
 from engines.pool import EnginePool
-from gateway import thinking
 from gateway.chains import Chains, ChainSet
 from gateway.context import RequestContext
-from gateway.errors import (
-    AnswerWithheld,
-    EngineError,
-    EngineProtocolError,
-    EngineUnavailable,
-    InvalidRequest,
-    ModelNotFound,
-    OmnigateError,
-    Overloaded,
-)
+from gateway.errors import AnswerWithheld, EngineError, InvalidRequest, ModelNotFound, OmnigateError, Overloaded
+from gateway.pipeline.attempt import Attempt, Attempts, first_chunk
 from gateway.ratelimit import RateLimiter
 from gateway.schemas import ChatCompletionRequest
 from gateway.speech import check_speech
@@ -64,18 +57,6 @@ if TYPE_CHECKING:
     from gateway.admission import AdmissionGate
 
 log = structlog.get_logger("omnigate.request")
-
-
-@dataclass(slots=True)
-class Attempt:
-    """One engine call that produced a first chunk (the commit point)."""
-
-    engine: Engine
-    request: ChatCompletionRequest
-    upstream: AsyncIterator[Delta]
-    first: Delta
-    #: perf_counter() when the engine request was sent (0: not one engine call, e.g. joined segments)
-    sent: float = 0.0
 
 
 @dataclass(slots=True)
@@ -208,6 +189,8 @@ class Pipeline:
         #: the engines' joules per token (engines/energy.py), for usage.energy_joules; None: not estimated
         self.energy = energy
         self._background: set[asyncio.Task[None]] = set()
+        #: the one attempt loop both paths share (gateway/pipeline/attempt.py)
+        self.attempts = Attempts(pool, metrics)
 
     @property
     def chain(self) -> PolicyChain:
@@ -370,107 +353,6 @@ class Pipeline:
         self.metrics.policy_decisions.labels(policy.name, policy.stage, verdict, str(policy.shadow).lower()).inc()
         self.metrics.policy_duration.labels(policy.name, policy.stage).observe(seconds)
 
-    def _adapt(self, engine: Engine, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest | None:
-        """Fit the request to what the engine can do; None when it cannot serve it at all."""
-        missing = request.input_modalities() - engine.capabilities.input_modalities
-        if missing:
-            return None
-        request, held = thinking.fit(engine, request)
-        if held is not None:
-            ctx.degrade(held)
-        if request.wants_audio and not engine.capabilities.speaks:
-            ctx.degrade("engine-text-only")
-            return request.model_copy(update={"modalities": ["text"], "audio": None})
-        return request
-
-    def _engines_for(self, request: ChatCompletionRequest) -> list[Engine]:
-        engines = self.pool.candidates(request.model)
-        if not engines:
-            raise self._no_engine(request)  # every engine of the model serves other weights than configured
-        fitting = [e for e in engines if not (request.input_modalities() - e.capabilities.input_modalities)]
-        if not fitting:
-            kinds = ", ".join(sorted(request.input_modalities() - {"text"}))
-            raise InvalidRequest(f"the model {request.model!r} does not accept {kinds} input", param="messages")
-        features = request.features()
-        if features:
-            # A field an engine cannot honour is refused, never dropped on the way to it.
-            able = [e for e in fitting if features <= e.capabilities.features]
-            if not able:
-                field = min(features - set().union(*(e.capabilities.features for e in fitting)) or features)
-                raise InvalidRequest(f"the model {request.model!r} does not support {field}", param=field)
-            fitting = able
-        if thinking.needs_enforcement(request):
-            fitting = [e for e in fitting if e.capabilities.thinking_budget]
-            if not fitting:
-                raise thinking.refuse(request)
-        return fitting
-
-    def _engine_failed(self, engine: Engine, exc: EngineError, ctx: RequestContext, more: bool) -> None:
-        self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
-        if exc.retryable:
-            self.pool.report_failure(engine)
-        log.warning("engine_attempt_failed", engine=engine.name, kind=exc.kind, error=exc.detail,
-                    failover=exc.retryable and more)
-        if exc.retryable and more:
-            self.metrics.failovers.labels(engine.name).inc()
-
-    async def _open(self, request: ChatCompletionRequest, ctx: RequestContext) -> Attempt:
-        """Call engines in order until one yields its first chunk.
-
-        Each try first claims a slot on the first engine left that has one (waiting boundedly
-        when all are at their cap, see engines/pool.py); a failed engine is dropped from the list.
-        """
-        engines = self._engines_for(request)
-        last: EngineError | None = None
-        try:
-            while engines:
-                engine = await self.pool.claim(engines, request.model)
-                if engine is None:
-                    break
-                engines = [e for e in engines if e is not engine]
-                adapted = self._adapt(engine, request, ctx)
-                if adapted is None:
-                    self.pool.release(engine, settled=False)
-                    continue
-                ctx.attempts += 1
-                upstream = engine.stream(adapted)
-                sent = time.perf_counter()
-                try:
-                    first = await anext(upstream)
-                except StopAsyncIteration:
-                    last = EngineProtocolError(f"engine {engine.name} sent an empty stream", engine=engine.name)
-                except EngineError as exc:
-                    last = exc
-                except BaseException:
-                    self.pool.release(engine, settled=False)
-                    raise
-                else:
-                    ctx.engine, ctx.variant = engine.name, engine.config.variant
-                    # The engine's own time to first token: no body read, pre-policy, slot wait or hold-back in it.
-                    ctx.upstream_ttft_s, ctx.upstream_e2e_s = time.perf_counter() - sent, None
-                    return Attempt(engine, adapted, upstream, first, sent)
-                await upstream.aclose()
-                self._engine_failed(engine, last, ctx, more=bool(engines))
-                self.pool.release(engine, settled=last.retryable)
-                if not last.retryable:
-                    raise last
-            raise last or self._no_engine(request)
-        finally:
-            # An engine error's traceback holds this frame, whose ``last`` holds the error: a cycle that
-            # would keep the request (its media) alive until the next full collection.
-            last = None
-
-    def _no_engine(self, request: ChatCompletionRequest) -> EngineError:
-        # Engines at their cap are waited for (or refused with engine_busy) by pool.claim; here none
-        # could be claimed at all (e.g. half-open with its trials taken, the others unavailable).
-        return EngineUnavailable(f"no engine can serve {request.model!r} now")
-
-    def _unbind(self, ctx: RequestContext) -> None:
-        """Give back the engine slot of an attempt being replaced (post-policy retry, next segment)."""
-        if ctx.engine is not None:
-            self.pool.release(ctx.engine, settled=False)
-            ctx.engine = None
-
     async def _complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
         budget = self._chain(ctx).max_retries
         candidates: list[_Candidate] = []
@@ -519,44 +401,31 @@ class Pipeline:
             if v.notes:
                 ctx.notes.update(v.notes)
 
+    # -- the engine calls (the one attempt loop) ------------------------------
+    async def _open(self, request: ChatCompletionRequest, ctx: RequestContext) -> Attempt:
+        """The stream path's attempt: engines in order until one yields its first chunk."""
+        answered = await self.attempts.call(request, ctx, first_chunk)
+        upstream, first = answered.result
+        # The engine's own time to first token: no body read, pre-policy, slot wait or hold-back in it.
+        ctx.upstream_ttft_s, ctx.upstream_e2e_s = time.perf_counter() - answered.sent, None
+        return Attempt(answered.engine, answered.request, upstream, first, answered.sent)
+
     async def _complete_once(
         self, request: ChatCompletionRequest, ctx: RequestContext
     ) -> tuple[Completion, ChatCompletionRequest]:
-        engines = self._engines_for(request)
-        last: EngineError | None = None
-        try:
-            while engines:
-                engine = await self.pool.claim(engines, request.model)
-                if engine is None:
-                    break
-                engines = [e for e in engines if e is not engine]
-                adapted = self._adapt(engine, request, ctx)
-                if adapted is None:
-                    self.pool.release(engine, settled=False)
-                    continue
-                ctx.attempts += 1
-                sent = time.perf_counter()
-                try:
-                    completion = await engine.complete(adapted)
-                except EngineError as exc:
-                    last = exc
-                    self._engine_failed(engine, exc, ctx, more=bool(engines))
-                    self.pool.release(engine, settled=exc.retryable)
-                    if not exc.retryable:
-                        raise
-                    continue
-                except BaseException:
-                    self.pool.release(engine, settled=False)
-                    raise
-                ctx.engine, ctx.variant = engine.name, engine.config.variant
-                ctx.ttft_s = ctx.elapsed()
-                # A whole answer has no first token to time: its engine latency is a signal of its own.
-                ctx.upstream_ttft_s, ctx.upstream_e2e_s = None, time.perf_counter() - sent
-                self._account(ctx, completion)
-                return completion, adapted
-            raise last or self._no_engine(request)
-        finally:
-            last = None  # as in _open: no cycle through this frame
+        """The JSON path's attempt: engines in order until one returns a whole answer."""
+        answered = await self.attempts.call(request, ctx, lambda engine, adapted: engine.complete(adapted))
+        ctx.ttft_s = ctx.elapsed()
+        # A whole answer has no first token to time: its engine latency is a signal of its own.
+        ctx.upstream_ttft_s, ctx.upstream_e2e_s = None, time.perf_counter() - answered.sent
+        self._account(ctx, answered.result)
+        return answered.result, answered.request
+
+    def _engines_for(self, request: ChatCompletionRequest) -> list[Engine]:
+        return self.attempts.engines_for(request)
+
+    def _unbind(self, ctx: RequestContext) -> None:
+        self.attempts.unbind(ctx)
 
     async def _complete_segments(
         self, request: ChatCompletionRequest, ctx: RequestContext
@@ -952,13 +821,14 @@ class Pipeline:
         if ctx.policies is not None:
             ctx.policies.release()  # the last request of a reloaded-away generation closes it
         self.metrics.in_flight.dec()
-        if ctx.engine is not None:
+        lease, ctx.lease = ctx.lease, None
+        if ctx.engine is not None and error is None:
             # One report per request (never per chunk): latency and outcome for its window and circuit.
-            if error is None:
-                self.pool.report_success(ctx.engine, ctx.ttft_s, ctx.first_audio_s, ctx.elapsed(),
-                                         ctx.upstream_ttft_s, ctx.upstream_e2e_s,
-                                         ctx.completion_tokens, ctx.audio_seconds)
-            self.pool.release(ctx.engine, settled=error is None or isinstance(error, EngineError))
+            self.pool.report_success(ctx.engine, ctx.ttft_s, ctx.first_audio_s, ctx.elapsed(),
+                                     ctx.upstream_ttft_s, ctx.upstream_e2e_s,
+                                     ctx.completion_tokens, ctx.audio_seconds)
+        if lease is not None:
+            lease.settle(reported=error is None or isinstance(error, EngineError))
         if error is None:
             ctx.outcome = "degraded" if ctx.degraded else "served"
         elif isinstance(error, OmnigateError):
