@@ -16,7 +16,7 @@ settled exactly once. :meth:`Pipeline.stream` returns only once the first chunk 
 before that (a retry, a refusal, a header such as ``x-omnigate-grounding``) still shapes
 the HTTP response; after it, a failure ends the stream with an error frame.
 
-A segmented input (``ctx.segmentation``, set by a pre-policy for audio too long for
+A segmented input (``ctx.segmentation``, a plan a pre-policy made for audio too long for
 one call) is served as one engine call per segment (gateway/pipeline/segments.py).
 """
 
@@ -38,7 +38,7 @@ from gateway.errors import InvalidRequest, ModelNotFound, OmnigateError
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.attempt import Attempt, Attempts, first_chunk
 from gateway.pipeline.relay import Candidate, Relay
-from gateway.pipeline.segments import join, segmented
+from gateway.pipeline.segments import join, segment_request, segmented
 from gateway.pipeline.stream import ResponseStream, run_stream
 from gateway.ratelimit import RateLimiter
 from gateway.schemas import ChatCompletionRequest
@@ -295,7 +295,7 @@ class Pipeline:
         for i in range(1, len(plan.boundaries)):
             self.metrics.segments.inc()
             self.attempts.unbind(ctx)  # the previous segment's engine slot: one slot per request at a time
-            more, _ = await self._complete_once(plan.build(served, i), ctx)
+            more, _ = await self._complete_once(segment_request(served, plan, i), ctx)
             parts.append(more)
         joined = join(parts, plan.separator)
         self.accounting.account(ctx, joined)

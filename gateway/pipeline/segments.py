@@ -1,5 +1,5 @@
-"""Segmented input (``ctx.segmentation``, set by a pre-policy for audio too long for one call), served
-as one engine call per segment, in order, concatenated into one response.
+"""Segmented input (a :class:`gateway.context.SegmentPlan` a pre-policy made for audio too long for one
+call), served as one engine call per segment, in order, concatenated into one response.
 
 The first segment's first chunk is the commit point; later segments may still fail over before their
 own first chunk; only the last segment's ``finish_reason`` is released and usage is summed.
@@ -12,14 +12,27 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from engines.base import Completion, Delta, Usage
-from gateway.context import RequestContext, Segmentation
+from gateway.context import RequestContext, SegmentPlan
 from gateway.pipeline.attempt import Attempt
 from gateway.schemas import ChatCompletionRequest
 
 
-def segmented(plan: Segmentation | None) -> bool:
+def segmented(plan: SegmentPlan | None) -> bool:
     """More than one segment: the request is served as several engine calls."""
     return plan is not None and len(plan.boundaries) > 1
+
+
+def segment_request(request: ChatCompletionRequest, plan: SegmentPlan, i: int) -> ChatCompletionRequest:
+    """The request for segment ``i``: ``request`` (which carries segment 0) with the plan's first part
+    replaced by segment ``i``'s; the prompt and every other part go with every segment."""
+    old, new = plan.first, plan.parts[i]
+    messages = []
+    for message in request.messages:
+        if isinstance(message.content, list) and any(p == old for p in message.content):
+            content = [new if p == old else p for p in message.content]
+            message = message.model_copy(update={"content": content})
+        messages.append(message)
+    return request.model_copy(update={"messages": messages})
 
 
 def join(parts: list[Completion], separator: str) -> Completion:
@@ -36,7 +49,7 @@ def join(parts: list[Completion], separator: str) -> Completion:
 
 async def concat(
     attempt: Attempt,
-    plan: Segmentation,
+    plan: SegmentPlan,
     ctx: RequestContext,
     open_attempt: Callable[[ChatCompletionRequest, RequestContext], Awaitable[Attempt]],
     unbind: Callable[[RequestContext], None],
@@ -54,7 +67,7 @@ async def concat(
             if i:
                 counted()
                 unbind(ctx)
-                current = await open_attempt(plan.build(attempt.request, i), ctx)
+                current = await open_attempt(segment_request(attempt.request, plan, i), ctx)
                 if plan.separator:
                     yield Delta(text=plan.separator)
             sent_usage = False
