@@ -20,7 +20,7 @@ engines' concurrency caps (``EnginePool.set_overloaded``); the request path neve
 
 Every decision is written to the request's audit record (``ctx.control_state["admission"]``), and every
 request shed for load is counted once in ``omnigate_admission_shed_total`` by reason: ``tenant_quota``,
-``overload``, ``text_only`` (counted when the request finishes) and ``engine_busy`` (engines/pool.py).
+``overload``, ``text_only`` (counted when the request finishes) and ``engine_busy`` (engines/slots.py).
 
 Its length: the local and the Redis-shared counters implement one admission rule and are kept side by
 side so the two cannot drift.

@@ -7,12 +7,13 @@ access log event and the audit record are built from it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from engines.base import Completion
+    from engines.slots import Lease
     from gateway.admission import LoadSnapshot, Ticket
     from gateway.chains import ChainSet
     from gateway.schemas import ChatCompletionRequest
@@ -64,18 +65,21 @@ class Screening:
     flagged: bool
 
 
-@dataclass(slots=True)
-class Segmentation:
-    """A long input cut into consecutive segments: one engine call per segment, in order.
+@dataclass(frozen=True, slots=True)
+class SegmentPlan:
+    """A long input cut into consecutive segments: what the pipeline executes, one engine call per segment.
 
-    The request the pre-policies return carries segment 0; ``build(request, i)``
-    returns the request for segment ``i`` from it. ``boundaries`` are seconds
-    into the original part, kept for the audit record.
+    Data, not code to call back: the request the pre-policies return carries segment 0 as the content
+    part ``first``; the request for segment ``i`` is that request with ``first`` replaced by ``parts[i]``
+    (``gateway/pipeline/segments.py`` makes it). ``parts`` is a sequence of content parts (it may make each
+    on access, so only one segment's media is held at a time). ``boundaries`` are seconds into the
+    original part, kept for the audit record.
     """
 
     part: str
     boundaries: list[tuple[float, float]]
-    build: Callable[[ChatCompletionRequest, int], ChatCompletionRequest]
+    first: Any
+    parts: Sequence[Any]
     separator: str = "\n\n"
 
 
@@ -99,6 +103,8 @@ class RequestContext:
     requested_priority: str | None = None
     #: the admission slot this request holds, released once when the request finishes
     admission: Ticket | None = None
+    #: the engine slot the request's current attempt holds (engines/slots.Lease), settled once by the pipeline
+    lease: Lease | None = None
     #: the load the request was admitted under (what load shedding decides on)
     load: LoadSnapshot | None = None
     #: the tenant's policy set (None: the default chain) and what the audit keeps of content
@@ -140,7 +146,8 @@ class RequestContext:
     energy_joules: float | None = None
     media: list[MediaRecord] = field(default_factory=list)
     screenings: list[Screening] = field(default_factory=list)
-    segmentation: Segmentation | None = None
+    #: the segments a pre-policy cut a long input into (the pipeline makes one engine call per segment)
+    segmentation: SegmentPlan | None = None
     #: the media bytes this request holds (policies/media/sandbox.RequestBudget); released by the pipeline
     media_budget: Any = None
     #: retries the pipeline can still make for this request (a streaming check reads it)

@@ -165,7 +165,7 @@ class EngineConfig(_Strict):
         description="the thinking budget: sent as min(requested, this) where enforced (this when unset); "
         "elsewhere max_tokens is held to it while thinking is not turned off",
     )
-    # Per-engine concurrency caps (see engines/pool.py); the seeds' max_num_seqs: 8, and 4 under overload.
+    # Per-engine concurrency caps (see engines/slots.py); the seeds' max_num_seqs: 8, and 4 under overload.
     max_in_flight: Annotated[int, Field(ge=1, le=100000)] | None = Field(
         default=8, description="requests this engine serves at once; null: no limit"
     )

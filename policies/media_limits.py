@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from gateway.context import MediaRecord, RequestContext, Segmentation
+from gateway.context import MediaRecord, RequestContext, SegmentPlan
 from gateway.errors import (
     ContextLengthExceeded,
     InvalidMedia,
@@ -55,6 +57,7 @@ from policies.media.sandbox import SHARE_MIN, MediaRuntime, SharedPart, shared_p
 from policies.media.targets import MediaTarget, check_modalities, targets_from
 
 if TYPE_CHECKING:
+    from policies.media.audio import AudioResult  # the decoders load only where media is served
     from policies.media.process import Done as _Done
     from policies.media.process import Probed
 
@@ -316,14 +319,11 @@ class MediaLimits(PolicyBase):
         assert audio is not None
         first = d.parts[0]
 
-        # The builder lives as long as the request: it keeps the decoded audio, never the part's
+        # The plan lives as long as the request: it keeps the decoded audio, never the part's
         # reference (whose value is the client's string).
-        def build(req: ChatCompletionRequest, i: int) -> ChatCompletionRequest:
-            part = make_part(kind, data_uri(audio.mediatype, audio.segment(i, encoding)), audio.fmt)
-            return _swap_part(req, first, part)
-
-        ctx.segmentation = Segmentation(
-            d.ref.path, audio.boundaries, build, self.config.audio.segment_separator
+        ctx.segmentation = SegmentPlan(
+            d.ref.path, audio.boundaries, first, _AudioSegments(audio, encoding, kind),
+            self.config.audio.segment_separator,
         )
         return request
 
@@ -409,12 +409,19 @@ def _split(message: Message) -> list[Message]:
     return [message.model_copy(update={"content": g}) for g in groups if g]
 
 
-def _swap_part(request: ChatCompletionRequest, old: Any, new: Any) -> ChatCompletionRequest:
-    messages = []
-    for message in request.messages:
-        if isinstance(message.content, list) and any(p == old for p in message.content):
-            message = message.model_copy(
-                update={"content": [new if p == old else p for p in message.content]}
-            )
-        messages.append(message)
-    return request.model_copy(update={"messages": messages})
+@dataclass(frozen=True, slots=True)
+class _AudioSegments(Sequence[Any]):
+    """The content part of each segment of one decoded audio part, encoded when the pipeline asks for it."""
+
+    audio: AudioResult
+    encoding: str
+    kind: str
+
+    def __len__(self) -> int:
+        return len(self.audio.boundaries)
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        audio = self.audio
+        return make_part(self.kind, data_uri(audio.mediatype, audio.segment(i, self.encoding)), audio.fmt)

@@ -12,6 +12,7 @@ import soundfile as sf
 from prometheus_client import CollectorRegistry
 
 from gateway.context import RequestContext
+from gateway.pipeline.segments import segment_request
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import PolicyChainConfig, PolicySpec
 from policies.media_limits import MediaLimits, MediaLimitsConfig
@@ -138,6 +139,6 @@ async def test_segment_boundaries_are_recorded_on_the_context(recording):
     assert seg is not None and seg.part == "messages.0.content.1"
     assert seg.boundaries == [(0.0, 2400.0), (2400.0, 2700.0)]
     assert "audio-split" in ctx.degraded and ctx.media[0].duration_s == 2700.0
-    second = seg.build(first, 1)
+    second = segment_request(first, seg, 1)  # what the pipeline sends as the second segment
     assert _sent_seconds(orjson.loads(second.model_dump_json())) == pytest.approx(300.0)
     assert second.messages[0].content[0] == first.messages[0].content[0]  # the prompt goes with every segment

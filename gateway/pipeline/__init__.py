@@ -1,0 +1,371 @@
+"""How one chat completion request is served, top to bottom; a newcomer starts here.
+
+    admission (audit room, tenant rate limits, model access, a concurrency slot: gateway/admission.py)
+      → pre-policies (the tenant's chain; load-shedding first)                  this file
+      → engine choice → first upstream chunk (failover point)                   attempt.py
+      → stream filters → streaming post-checks → first released chunk (commit)  relay.py, stream.py
+      → post-policies (retry while nothing was sent)                            this file, stream.py
+      → accounting → audit record (committed before the response is complete)   accounting.py
+
+Nothing here knows about HTTP: the transport renders what :meth:`Pipeline.stream`
+and :meth:`Pipeline.complete` return. Both run the one attempt loop
+(:class:`gateway.pipeline.attempt.Attempts`): before the first upstream chunk a failing
+engine is replaced by the next one, each try holding a lease on its engine slot that is
+settled exactly once. :meth:`Pipeline.stream` returns only once the first chunk is
+*released* to the client (or the stream ended), so everything a held-back check decides
+before that (a retry, a refusal, a header such as ``x-omnigate-grounding``) still shapes
+the HTTP response; after it, a failure ends the stream with an error frame.
+
+A segmented input (``ctx.segmentation``, a plan a pre-policy made for audio too long for
+one call) is served as one engine call per segment (gateway/pipeline/segments.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from engines.base import Completion
+from engines.energy import EnergyBook
+from engines.pool import EnginePool
+from gateway.chains import Chains, ChainSet
+from gateway.context import RequestContext
+from gateway.errors import InvalidRequest, ModelNotFound, OmnigateError
+from gateway.pipeline.accounting import Accounting
+from gateway.pipeline.attempt import Attempt, Attempts, first_chunk
+from gateway.pipeline.relay import Candidate, Relay
+from gateway.pipeline.segments import join, segment_request, segmented
+from gateway.pipeline.stream import ResponseStream, run_stream
+from gateway.ratelimit import RateLimiter
+from gateway.schemas import ChatCompletionRequest
+from gateway.speech import check_speech
+from observability.audit.log import AuditLog
+from observability.audit.record import InputDigests
+from observability.metrics import Metrics
+from policies.base import Accept, Reject, Retry
+from policies.registry import LoadedPolicy, PolicyChain
+
+if TYPE_CHECKING:
+    from gateway.admission import AdmissionGate
+
+__all__ = ["Attempt", "CompletionResult", "Pipeline", "ResponseStream"]
+
+log = structlog.get_logger("omnigate.request")
+
+
+@dataclass(slots=True)
+class CompletionResult:
+    request: ChatCompletionRequest
+    completion: Completion
+    ctx: RequestContext
+
+
+def _text_only(request: ChatCompletionRequest) -> ChatCompletionRequest:
+    """The request without its media parts (what a ``digests`` or ``redacted`` record reads of it)."""
+    messages = [
+        m.model_copy(update={"content": [p for p in m.content if p.type == "text"]})
+        if isinstance(m.content, list) else m
+        for m in request.messages
+    ]
+    return request.model_copy(update={"messages": messages})
+
+
+class Pipeline:
+    def __init__(
+        self,
+        pool: EnginePool,
+        policies: Chains | PolicyChain,
+        metrics: Metrics,
+        *,
+        audit: AuditLog | None = None,
+        limiter: RateLimiter | None = None,
+        sentinel: Any = None,
+        admission: AdmissionGate | None = None,
+        sampling_defaults: dict[str, dict[str, Any]] | None = None,
+        energy: EnergyBook | None = None,
+    ) -> None:
+        self.pool = pool
+        #: the chain generation new requests take (gateway/chains.py); a bare chain: one generation of it
+        self.policies = policies if isinstance(policies, Chains) else Chains(ChainSet(policies))
+        self.metrics = metrics
+        self.limiter = limiter
+        #: per public model, the sampling parameters a request that sets none of its own is served with
+        self.sampling_defaults: dict[str, dict[str, Any]] = sampling_defaults or {}
+        #: the collaborators, each handed what it uses (they keep nothing of a request)
+        self.accounting = Accounting(pool, metrics, audit=audit, limiter=limiter, sentinel=sentinel,
+                                     admission=admission, energy=energy)
+        self.attempts = Attempts(pool, metrics)
+        self.relay = Relay(pool, metrics, self.accounting)
+
+    # what the accounting uses, under the names the services and tests read
+    @property
+    def audit(self) -> AuditLog | None:
+        return self.accounting.audit
+
+    @property
+    def admission(self) -> AdmissionGate | None:
+        """The admission gate (gateway/admission.py); None: traffic control is off."""
+        return self.accounting.admission
+
+    @property
+    def sentinel(self) -> Any:
+        """The accuracy sentinel (``offer(engine, variant, completion)``), or None."""
+        return self.accounting.sentinel
+
+    @property
+    def energy(self) -> EnergyBook | None:
+        """The engines' joules per token (engines/energy.py), for usage.energy_joules; None: not estimated."""
+        return self.accounting.energy
+
+    @property
+    def chain(self) -> PolicyChain:
+        """The current default chain (what new requests without a policy set run)."""
+        return self.policies.current.chain
+
+    @property
+    def chains(self) -> dict[str, PolicyChain]:
+        """The current tenant policy sets by name; a tenant without one gets ``chain``."""
+        return self.policies.current.sets
+
+    def _chain(self, ctx: RequestContext) -> PolicyChain:
+        # The generation the request began on, to its end: a reload meanwhile does not move it.
+        return (ctx.policies or self.policies.current).for_set(ctx.policy_set)
+
+    # -- the two entry points ----------------------------------------------
+    async def stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> ResponseStream:
+        """Run everything up to the first upstream chunk; raise before committing."""
+        self._begin(ctx, request)
+        try:
+            prepared = self._prepare(request, ctx)
+            del request  # the media steps replace its parts: nothing here may keep the client's strings alive
+            request = await prepared
+            attempt = await self._open(request, ctx)
+        except BaseException as exc:  # cancellation included: every request is accounted for once
+            await self.accounting.settle(ctx, exc)
+            raise
+        rs = ResponseStream(self, attempt.request, ctx, attempt)
+        await rs._prime()  # the stream's own teardown accounts for errors from here on
+        return rs
+
+    async def complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
+        self._begin(ctx, request)
+        try:
+            prepared = self._prepare(request, ctx)
+            del request  # as in stream
+            request = await prepared
+            result = await self._complete(request, ctx)
+        except BaseException as exc:  # as in stream
+            await self.accounting.settle(ctx, exc)
+            raise
+        ctx.completion = result.completion
+        await self.accounting.settle(ctx, None)
+        return result
+
+    async def admit(self, ctx: RequestContext) -> None:
+        """Take the request's admission slot, once; the transport calls it before reading the body, so a
+        request admission refuses costs neither its body nor any media work. Held until it finishes."""
+        if self.admission is not None and ctx.admission is None:
+            ctx.admission = await self.admission.admit(ctx)
+
+    async def refused(self, ctx: RequestContext, error: OmnigateError) -> None:
+        """A request the transport refused before the pipeline (its key, its body): counted and audited."""
+        self.metrics.in_flight.inc()
+        await self.accounting.settle(ctx, error)
+
+    # -- admission and pre-policies -----------------------------------------
+    def _begin(self, ctx: RequestContext, request: ChatCompletionRequest) -> None:
+        ctx.public_model = request.model if self.pool.serves(request.model) else None
+        ctx.stream = request.stream
+        ctx.received = request
+        ctx.policies = self.policies.current.acquire()  # let go in Accounting.finish
+        self.metrics.in_flight.inc()
+
+    async def _prepare(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
+        if self.audit is not None:
+            self.audit.admit()
+        tenant = ctx.tenant_config
+        if tenant is not None and self.limiter is not None:
+            await self.limiter.admit(tenant)
+        if not self.pool.serves(request.model) or (
+            tenant is not None and tenant.models is not None and request.model not in tenant.models
+        ):
+            raise ModelNotFound(
+                f"the model {request.model!r} does not exist or you do not have access to it", param="model"
+            )
+        check_speech(request, [e for e in self.pool.engines.values() if request.model in e.config.serves])
+        await self.admit(ctx)
+        defaults = self.sampling_defaults.get(request.model)
+        if defaults:
+            # Each default fills only a parameter the client left unset; what was filled is audited.
+            applied = {k: v for k, v in defaults.items() if getattr(request, k) is None}
+            if applied:
+                request = request.model_copy(update=applied)
+                ctx.sampling_defaults = applied
+        chain = self._chain(ctx)
+        if request.choices > 1 and (chain.post or chain.stream):
+            # Post-policies and stream filters judge and retry one answer; n answers would pass unjudged.
+            raise InvalidRequest(
+                "n > 1 is not available for this model: its answers are checked one at a time", param="n"
+            )
+        digests: asyncio.Future[Any] | None = None
+        media_seen = False
+        for policy in chain.pre:
+            if type(policy.impl).media_only:
+                if not request.input_modalities() - {"text"}:
+                    continue  # a media step has nothing to do on a text-only request: not run, not recorded
+                if not media_seen:
+                    media_seen, digests = True, self._let_go_of_media(ctx)
+            request = await self._run_pre(policy, request, ctx)
+        if digests is not None:
+            await digests  # made, so the client's strings are gone before the engine is called
+        return request
+
+    def _let_go_of_media(self, ctx: RequestContext) -> asyncio.Future[Any] | None:
+        """Keep for the audit record only the digests of the client's parts, so that its media strings
+        go as soon as the media steps have replaced them (a request otherwise holds its input until it
+        ends: what its peak memory would be made of). Hashed on a thread while the media steps run.
+        ``audit_content: raw`` keeps the request as sent, media included: that is what it records."""
+        received = ctx.received
+        if received is None or ctx.input_digests is not None or ctx.audit_content == "raw":
+            return None
+        ctx.received = _text_only(received)
+        if self.audit is None:
+            return None
+        digests = ctx.input_digests = InputDigests(received)
+        return asyncio.get_running_loop().run_in_executor(None, digests.get)
+
+    async def _run_pre(
+        self, policy: LoadedPolicy, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> ChatCompletionRequest:
+        t0 = time.perf_counter()
+        verdict, detail = "accept", None
+        if policy.shadow:
+            degraded, control = len(ctx.degraded), set(ctx.control_state)
+        try:
+            out = await policy.impl.pre(request, ctx)
+            if out is not request:
+                verdict = "rewrite"
+        except OmnigateError as exc:
+            verdict, detail = "reject", exc.code
+            if not policy.shadow:
+                raise
+            out = request
+        finally:
+            self.accounting.policy_ran(policy, ctx, verdict, time.perf_counter() - t0, detail)
+        if policy.shadow:
+            # A shadow policy's rewrite is not served, so it is neither announced nor audited as done.
+            del ctx.degraded[degraded:]
+            for key in set(ctx.control_state) - control:
+                del ctx.control_state[key]
+            return request
+        return out
+
+    # -- the engine calls (the one attempt loop) ------------------------------
+    async def _open(self, request: ChatCompletionRequest, ctx: RequestContext) -> Attempt:
+        """The stream path's attempt: engines in order until one yields its first chunk."""
+        answered = await self.attempts.call(request, ctx, first_chunk)
+        upstream, first = answered.result
+        # The engine's own time to first token: no body read, pre-policy, slot wait or hold-back in it.
+        ctx.upstream_ttft_s, ctx.upstream_e2e_s = time.perf_counter() - answered.sent, None
+        return Attempt(answered.engine, answered.request, upstream, first, answered.sent)
+
+    async def _complete_once(
+        self, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> tuple[Completion, ChatCompletionRequest]:
+        """The JSON path's attempt: engines in order until one returns a whole answer."""
+        answered = await self.attempts.call(request, ctx, lambda engine, adapted: engine.complete(adapted))
+        ctx.ttft_s = ctx.elapsed()
+        # A whole answer has no first token to time: its engine latency is a signal of its own.
+        ctx.upstream_ttft_s, ctx.upstream_e2e_s = None, time.perf_counter() - answered.sent
+        self.accounting.account(ctx, answered.result)
+        return answered.result, answered.request
+
+    async def _complete_segments(
+        self, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> tuple[Completion, ChatCompletionRequest]:
+        completion, served = await self._complete_once(request, ctx)
+        plan = ctx.segmentation
+        if plan is None or not segmented(plan):
+            return completion, served
+        parts = [completion]
+        for i in range(1, len(plan.boundaries)):
+            self.metrics.segments.inc()
+            self.attempts.unbind(ctx)  # the previous segment's engine slot: one slot per request at a time
+            more, _ = await self._complete_once(segment_request(served, plan, i), ctx)
+            parts.append(more)
+        joined = join(parts, plan.separator)
+        self.accounting.account(ctx, joined)
+        return joined, served
+
+    # -- post-policies and the retry budget ------------------------------------
+    async def _complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
+        chain = self._chain(ctx)
+        budget = chain.max_retries
+        candidates: list[Candidate] = []
+        while True:
+            ctx.retries_left = budget
+            completion, served = await self._complete_segments(request, ctx)
+            verdict, accepted = await self.relay.post(chain.post, served, completion, ctx)
+            if isinstance(verdict, Accept):
+                self._apply(accepted, ctx, committed=False)
+                return CompletionResult(served, completion, ctx)
+            if isinstance(verdict, Reject):
+                raise verdict.error
+            candidates.append(Candidate(verdict, served, completion, lambda: []))
+            if budget > 0:
+                budget -= 1
+                request = self._retry(request, verdict, ctx)
+                self.attempts.unbind(ctx)
+                continue
+            best = self._exhausted(candidates, ctx)
+            self.accounting.account(ctx, best.completion)
+            return CompletionResult(best.request, best.completion, ctx)
+
+    def _exhausted(self, candidates: list[Candidate], ctx: RequestContext) -> Candidate:
+        """No retry left: serve the best-scoring attempt as its verdict says, or raise its refusal."""
+        ctx.degrade("retries-exhausted")
+        best = max(
+            enumerate(candidates),
+            key=lambda ic: (ic[1].verdict.score if ic[1].verdict.score is not None else float("-inf"), ic[0]),
+        )[1]
+        outcome = best.verdict.exhausted
+        policy = next((p for p in self._chain(ctx).post if p.name == best.verdict.reason), None)
+        if policy is not None:
+            kind = "exhausted_reject" if isinstance(outcome, Reject) else "exhausted_serve"
+            self.accounting.policy_ran(policy, ctx, kind, 0.0, None, best.verdict.score)
+        if isinstance(outcome, Reject):
+            raise outcome.error
+        if isinstance(outcome, Accept):
+            self._apply([outcome], ctx, committed=False)
+        return best
+
+    def _apply(self, accepted: list[Accept], ctx: RequestContext, committed: bool) -> None:
+        """Headers and notes of the verdicts acted on; headers only while the response has not started."""
+        for v in accepted:
+            if v.headers and not committed:
+                ctx.response_headers.update(v.headers)
+            if v.notes:
+                ctx.notes.update(v.notes)
+
+    def _retry(
+        self, request: ChatCompletionRequest, verdict: Retry, ctx: RequestContext
+    ) -> ChatCompletionRequest:
+        ctx.retries += 1
+        self.metrics.retries.labels(verdict.reason).inc()
+        log.info("request_retry", reason=verdict.reason, attempt=ctx.retries, engine=ctx.engine,
+                 score=verdict.score, adjusted=sorted(verdict.update) or None)
+        return request.model_copy(update=verdict.update) if verdict.update else request
+
+    # -- names older callers and tests reach for -------------------------------
+    def _engines_for(self, request: ChatCompletionRequest) -> list[Any]:
+        return self.attempts.engines_for(request)
+
+    def _finish(self, ctx: RequestContext, error: BaseException | None) -> asyncio.Future[int] | None:
+        return self.accounting.finish(ctx, error)
+
+    def _run_stream(self, rs: ResponseStream) -> Any:
+        return run_stream(self, rs)

@@ -1,0 +1,257 @@
+"""Between the engine and the client: stream filters, streaming post-checks and post-policies.
+
+:meth:`Relay.relay` moves one attempt's deltas through the stream filters and the hold-back, window or
+passthrough checks (NeMo's trade-off: release first and only be able to terminate, or hold back and be
+able to block or retry); :meth:`Relay.end` and :meth:`Relay.post` judge a finished attempt. Per-stream
+state lives in the filters and checks opened for each attempt, never here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import structlog
+
+from engines.base import Completion, Delta, Usage
+from engines.pool import EnginePool
+from gateway.context import RequestContext
+from gateway.errors import EngineError
+from gateway.pipeline.accounting import Accounting
+from gateway.pipeline.attempt import Attempt
+from gateway.schemas import ChatCompletionRequest
+from observability.metrics import Metrics
+from policies.base import Accept, Halt, Retry, StreamCheck, StreamFilter, StreamingPostPolicy, Verdict
+from policies.registry import LoadedPolicy
+
+log = structlog.get_logger("omnigate.request")
+
+_DEAD: Any = object()  # a shadow check that halted: not fed any more
+
+Filters = list[tuple[LoadedPolicy, StreamFilter]]
+Checks = list[tuple[LoadedPolicy, Any]]
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A complete attempt that a post-policy wanted retried: served if it scores best when retries run out."""
+
+    verdict: Retry
+    request: ChatCompletionRequest
+    completion: Completion
+    release: Callable[[], list[Delta]]
+
+
+class Relay:
+    def __init__(self, pool: EnginePool, metrics: Metrics, accounting: Accounting) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self._ran = accounting.policy_ran
+
+    # -- judging a finished attempt -------------------------------------------
+    async def post(
+        self, post: Sequence[LoadedPolicy], request: ChatCompletionRequest, completion: Completion,
+        ctx: RequestContext,
+    ) -> tuple[Verdict, list[Accept]]:
+        """Post-policies in order; the first acting non-Accept verdict wins. Also returns the Accepts seen."""
+        accepted: list[Accept] = []
+        for policy in post:
+            t0 = time.perf_counter()
+            verdict = await policy.impl.post(request, completion, ctx)
+            out = self.judged(policy, ctx, verdict, t0, accepted)
+            if out is not None:
+                return out, accepted
+        return Accept(), accepted
+
+    def judged(
+        self, policy: LoadedPolicy, ctx: RequestContext, verdict: Verdict, t0: float, accepted: list[Accept]
+    ) -> Verdict | None:
+        """Record one post verdict; the verdict to act on, or None to go on with the next policy."""
+        name = type(verdict).__name__.lower()
+        self._ran(policy, ctx, name, time.perf_counter() - t0, getattr(verdict, "reason", None) or getattr(
+            verdict, "detail", None), getattr(verdict, "score", None))
+        if policy.shadow:
+            return None
+        if isinstance(verdict, Accept):
+            accepted.append(verdict)
+            return None
+        if isinstance(verdict, Retry):
+            return replace(verdict, reason=policy.name)
+        return verdict
+
+    @staticmethod
+    def open_checks(
+        post: Sequence[LoadedPolicy], request: ChatCompletionRequest, ctx: RequestContext
+    ) -> Checks:
+        """One entry per post-policy, in order: its stream check, or None for a plain post-policy."""
+        out: Checks = []
+        for p in post:
+            impl = p.impl
+            out.append((p, impl.open_check(request, ctx) if isinstance(impl, StreamingPostPolicy) else None))
+        return out if any(c is not None for _, c in out) else []
+
+    async def end(
+        self,
+        request: ChatCompletionRequest,
+        completion: Completion,
+        ctx: RequestContext,
+        filters: Filters,
+        checks: Checks,
+    ) -> tuple[Verdict, Callable[[], list[Delta]], list[Accept]]:
+        """End of an attempt: the filters' tails go through the checks, then each post verdict in order.
+
+        A check's held deltas move on to the next check only after it accepted,
+        so every check judges all that would reach the client.
+        """
+        batch = self.flush(filters)
+        accepted: list[Accept] = []
+        for policy, check in checks:
+            if check is _DEAD:
+                continue
+            t0 = time.perf_counter()
+            if check is None:
+                verdict: Verdict = await policy.impl.post(request, completion, ctx)
+                out = batch
+            else:
+                out = []
+                try:
+                    for d in batch:
+                        out.extend(await check.feed(d))
+                except Halt as h:
+                    verdict = h.verdict
+                else:
+                    verdict = await check.finish()
+            acting = self.judged(policy, ctx, verdict, t0, accepted)
+            if acting is None:
+                if check is not None:
+                    batch = batch if policy.shadow else out + check.release()
+                continue
+            held: StreamCheck | None = check
+
+            def release(out: list[Delta] = out, held: StreamCheck | None = held) -> list[Delta]:
+                return out + (held.release() if held is not None else [])
+
+            return acting, release, accepted
+        return Accept(), (lambda batch=batch: batch), accepted
+
+    # -- the stream -------------------------------------------------------------
+    async def relay(
+        self, attempt: Attempt, filters: Filters, checks: Checks, completion: Completion, ctx: RequestContext
+    ) -> AsyncIterator[Delta]:
+        engine = attempt.engine
+        gap = self.metrics.chunk_gap.labels(engine.name, engine.config.variant)
+        upstream = attempt.upstream
+        first: Delta | None = attempt.first
+        last_t = 0.0
+        cap = attempt.request.output_token_limit
+        if cap is not None:
+            cap *= attempt.request.choices  # n > 1: the pieces of every choice arrive on one stream
+        pieces = 0
+        try:
+            while True:
+                if first is not None:
+                    delta, first = first, None
+                else:
+                    try:
+                        delta = await anext(upstream)
+                    except StopAsyncIteration:
+                        if attempt.sent:
+                            ctx.upstream_e2e_s = time.perf_counter() - attempt.sent
+                        break
+                cut = False
+                if cap is not None and (n := delta.output_pieces):
+                    # The engine ignored max_tokens: each streamed piece (text, reasoning, a tool call's
+                    # arguments) carries at least one token, so more pieces than the cap means more tokens
+                    # than the cap. Cut it there.
+                    pieces += n
+                    if pieces > cap:
+                        ctx.degrade("output-capped")
+                        delta = Delta(finish_reason="length")
+                        completion.usage = Usage(completion.usage.prompt_tokens, cap)
+                        cut = True
+                completion.add(delta)
+                out = [delta] if not filters else self.feed(filters, delta)
+                if checks:
+                    out = await self.feed_checks(checks, out, ctx)
+                for d in out:
+                    now = time.perf_counter()
+                    if last_t:
+                        gap.observe(now - last_t)
+                    last_t = now
+                    if ctx.ttft_s is None and (d.text or d.audio):
+                        ctx.ttft_s = now - ctx.started
+                    if ctx.first_audio_s is None and d.audio:
+                        ctx.first_audio_s = now - ctx.started
+                    yield d
+                if cut:
+                    break
+        except EngineError as exc:
+            self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
+            self.pool.report_failure(engine)
+            log.warning("engine_stream_failed", engine=engine.name, kind=exc.kind, error=exc.detail)
+            raise
+        finally:
+            await upstream.aclose()
+
+    async def feed_checks(self, checks: Checks, batch: list[Delta], ctx: RequestContext) -> list[Delta]:
+        for i, (policy, check) in enumerate(checks):
+            if check is None or check is _DEAD or not batch:
+                continue
+            released: list[Delta] = []
+            for d in batch:
+                t0 = time.perf_counter()
+                try:
+                    out = await check.feed(d)
+                except Halt as h:
+                    v = h.verdict
+                    self._ran(policy, ctx, type(v).__name__.lower(), time.perf_counter() - t0, "halted",
+                              getattr(v, "score", None))
+                    if not policy.shadow:
+                        if isinstance(v, Retry):
+                            h.verdict = replace(v, reason=policy.name)
+                        raise
+                    checks[i] = (policy, _DEAD)
+                    released = batch
+                    break
+                released.extend([d] if policy.shadow else out)
+            batch = released
+        return batch
+
+    @staticmethod
+    def feed(filters: Filters, delta: Delta) -> list[Delta]:
+        batch = [delta]
+        for policy, f in filters:
+            released: list[Delta] = []
+            for d in batch:
+                out = f.feed(d)
+                released.extend([d] if policy.shadow else out)
+            batch = released
+        return batch
+
+    @staticmethod
+    def flush(filters: Filters) -> list[Delta]:
+        """End of stream: each filter's held tail, passed through the filters after it."""
+        batch: list[Delta] = []
+        for policy, f in filters:
+            if policy.shadow:
+                f.finish()
+                continue
+            out: list[Delta] = []
+            for d in batch:
+                out.extend(f.feed(d))
+            out.extend(f.finish())
+            batch = out
+        return batch
+
+    @staticmethod
+    def mark(ctx: RequestContext, d: Delta) -> Delta:
+        """A delta released at the end of an attempt (held back until then): first text/audio, digest."""
+        if ctx.output is not None:
+            ctx.output.add(d)
+        if ctx.ttft_s is None and (d.text or d.audio):
+            ctx.ttft_s = ctx.elapsed()
+        if ctx.first_audio_s is None and d.audio:
+            ctx.first_audio_s = ctx.elapsed()
+        return d

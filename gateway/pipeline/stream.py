@@ -1,0 +1,183 @@
+"""The committed stream: :class:`ResponseStream`, and the loop that serves it (:func:`run_stream`).
+
+It relays one attempt through the relay (gateway/pipeline/relay.py); a post-policy's retry opens a new
+attempt through the attempt loop (gateway/pipeline/attempt.py) only while nothing has been released.
+Its teardown accounts for the request (gateway/pipeline/accounting.py) and waits for the audit record
+before the stream's last frame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engines.base import Completion, Delta
+from gateway.context import RequestContext
+from gateway.errors import AnswerWithheld
+from gateway.pipeline.attempt import Attempt
+from gateway.pipeline.relay import Candidate
+from gateway.pipeline.segments import concat, segmented
+from gateway.schemas import ChatCompletionRequest
+from observability.audit.record import OutputDigest
+from policies.base import Accept, Halt, Reject, Verdict
+
+if TYPE_CHECKING:
+    from gateway.pipeline import Pipeline
+
+
+@dataclass(slots=True)
+class ResponseStream:
+    """A committed stream. Iterate :meth:`deltas` once, then always :meth:`aclose`.
+
+    :meth:`Pipeline.stream` primes it: it has already run up to the first
+    released delta (held in ``_head``), so ``request`` is the attempt being
+    served and ``ctx.response_headers`` holds what the verdicts added.
+    """
+
+    pipeline: Pipeline
+    request: ChatCompletionRequest
+    ctx: RequestContext
+    attempt: Attempt
+    _released: bool = False
+    _gen: AsyncIterator[Delta] | None = None
+    _head: Delta | None = None
+    _ended: bool = False
+    _iterated: bool = False
+
+    async def _prime(self) -> None:
+        """Run until the first released delta or the end; errors before that reach the caller."""
+        self._gen = run_stream(self.pipeline, self)
+        try:
+            self._head = await anext(self._gen)
+        except StopAsyncIteration:
+            self._ended = True
+        except BaseException:  # cancellation included: the generator's own finally accounts for it
+            await self._gen.aclose()  # type: ignore[attr-defined]
+            raise
+
+    def deltas(self) -> AsyncIterator[Delta]:
+        if self._iterated or self._gen is None:
+            raise RuntimeError("a response stream is primed, then iterated once")
+        self._iterated = True
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[Delta]:
+        assert self._gen is not None
+        if self._head is not None:
+            head, self._head = self._head, None
+            yield head
+        if not self._ended:
+            async for d in self._gen:
+                yield d
+
+    async def aclose(self) -> None:
+        """Release the upstream; safe to call whether or not iteration started or ended."""
+        if self._gen is None:
+            self._gen = _closed()
+            await self.attempt.upstream.aclose()
+            self.pipeline.accounting.finish(self.ctx, GeneratorExit())
+        else:
+            await self._gen.aclose()  # type: ignore[attr-defined]
+
+
+async def _closed() -> AsyncIterator[Delta]:
+    return
+    yield  # pragma: no cover
+
+
+async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncIterator[Delta]:
+    """Relay one stream through filters and checks; retry only while nothing was released."""
+    ctx, attempt = rs.ctx, rs.attempt
+    relay, accounting = p.relay, p.accounting
+    chain = p._chain(ctx)
+    budget = chain.max_retries
+    candidates: list[Candidate] = []
+    error: BaseException | None = None
+    released = ctx.output = (
+        OutputDigest(ctx.audit_content != "digests") if accounting.audit is not None else None
+    )
+    try:
+        while True:
+            ctx.retries_left = budget
+            rs.attempt, rs.request = attempt, attempt.request
+            filters = [(pol, pol.impl.open_stream(attempt.request, ctx)) for pol in chain.stream]
+            checks = relay.open_checks(chain.post, attempt.request, ctx)
+            completion = Completion()
+            relayed = attempt
+            plan = ctx.segmentation
+            if plan is not None and segmented(plan):
+                joined = concat(attempt, plan, ctx, p._open, p.attempts.unbind, p.metrics.segments.inc)
+                relayed = Attempt(attempt.engine, attempt.request, joined, await anext(joined))
+            halted: Halt | None = None
+            try:
+                async for delta in relay.relay(relayed, filters, checks, completion, ctx):
+                    rs._released = True
+                    if released is not None:
+                        released.add(delta)
+                    yield delta
+            except Halt as h:
+                halted = h
+            accepted: list[Accept] = []
+            if halted is not None:
+                verdict: Verdict = halted.verdict
+                release: Callable[[], list[Delta]] = list
+            elif checks:
+                verdict, release, accepted = await relay.end(
+                    attempt.request, completion, ctx, filters, checks
+                )
+            else:
+                verdict, accepted = await relay.post(chain.post, attempt.request, completion, ctx)
+                release = lambda filters=filters: relay.flush(filters)  # noqa: E731
+            if isinstance(verdict, Reject):
+                raise verdict.error
+            if isinstance(verdict, Accept):
+                p._apply(accepted, ctx, committed=rs._released)
+                for out in release():
+                    rs._released = True
+                    yield relay.mark(ctx, out)
+                accounting.account(ctx, completion)
+                return
+            # Retry. Only a whole attempt can be served later; a halted one was cut short.
+            if halted is None and not rs._released:
+                candidates.append(Candidate(verdict, attempt.request, completion, release))
+            if budget > 0 and not rs._released:
+                budget -= 1
+                request = p._retry(attempt.request, verdict, ctx)
+                p.attempts.unbind(ctx)
+                attempt = await p._open(request, ctx)
+                continue
+            if rs._released:
+                # Too late to hold anything back: terminate if the policy says so, else finish flagged.
+                if isinstance(verdict.exhausted, Reject):
+                    raise verdict.exhausted.error
+                ctx.degrade("retries-exhausted")
+                if isinstance(verdict.exhausted, Accept):
+                    p._apply([verdict.exhausted], ctx, committed=True)
+                for out in release():
+                    yield relay.mark(ctx, out)
+                accounting.account(ctx, completion)
+                return
+            if not candidates:
+                if isinstance(verdict.exhausted, Reject):
+                    raise verdict.exhausted.error
+                raise AnswerWithheld(f"policy {verdict.reason} held the answer back and no retry is left")
+            best = p._exhausted(candidates, ctx)
+            rs.request = best.request
+            for out in best.release():
+                rs._released = True
+                yield relay.mark(ctx, out)
+            accounting.account(ctx, best.completion)
+            return
+    except BaseException as exc:  # GeneratorExit and cancellation are outcomes too (a client that left)
+        error = exc
+        raise
+    finally:
+        # Finished (and the record handed to the audit) before any await a cancelled task may not complete.
+        fut = accounting.finish(ctx, error)
+        error = None  # its traceback holds this frame: no cycle through it
+        try:
+            await attempt.upstream.aclose()
+        finally:
+            # The audit record is committed before the stream's last frame and [DONE] go out.
+            await accounting.durable(ctx, fut)
