@@ -19,8 +19,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 from bench.common import (  # noqa: E402
     add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, wait_http)
 from engines.pool import build_engine  # noqa: E402
-from gateway.schemas import ChatCompletionRequest  # noqa: E402
-from gateway.settings import EngineConfig  # noqa: E402
+from core.schemas import ChatCompletionRequest  # noqa: E402
+from core.settings import EngineConfig  # noqa: E402
 
 
 async def _drive(engine, request: ChatCompletionRequest, total: int, concurrency: int) -> tuple[float, int]:

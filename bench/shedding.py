@@ -260,8 +260,8 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
 async def _admission_loop(store: str, n: int, concurrency: int) -> dict:
     """The gate alone in this process: admit + release, sequentially and ``concurrency`` at a time."""
     from gateway.admission import AdmissionGate
-    from gateway.context import RequestContext
-    from gateway.settings import TrafficSettings
+    from core.context import RequestContext
+    from core.settings import TrafficSettings
     from observability.metrics import Metrics
 
     prefix = f"omnigate-bench:{uuid.uuid4().hex}"

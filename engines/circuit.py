@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Callable, Literal
 
-from engines.control_settings import CircuitSettings
+from core.control_settings import CircuitSettings
 
 State = Literal["closed", "open", "half_open"]
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 from typing import Any, AsyncIterator
 
-from engines.base import Capabilities, Completion, Delta, Usage, whole_strings, wire_messages
-from gateway.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
-from gateway.schemas import FEATURE_FIELDS, ChatCompletionRequest
-from gateway.settings import EngineConfig
+from engines.base import Capabilities, whole_strings, wire_messages
+from core.events import Completion, Delta, Usage
+from core.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
+from core.schemas import FEATURE_FIELDS, ChatCompletionRequest
+from core.settings import EngineConfig
 
 _PASS = ("temperature", "top_p", "stop", "seed", "user", "parallel_tool_calls", "logprobs", "top_logprobs",
          "presence_penalty", "frequency_penalty", "logit_bias", "reasoning_effort")

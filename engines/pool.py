@@ -16,7 +16,7 @@ while the gateway is overloaded (see :mod:`gateway.admission`), and the routing 
 every available engine for a request is at its cap, the request waits in a bounded FIFO
 queue per engine (``max_waiting``, at most ``max_wait_s``) and a freed slot is handed
 straight to the oldest waiter, so newcomers cannot overtake; a full queue or a wait that
-runs out is :class:`gateway.errors.EngineBusy` (503 with ``Retry-After``). All of it runs
+runs out is :class:`core.errors.EngineBusy` (503 with ``Retry-After``). All of it runs
 on the event loop thread and needs no locks.
 
 Its length: weighted choice, slots, circuits, health probing and metrics are still one class; splitting it
@@ -36,13 +36,13 @@ import structlog
 
 from engines.base import Engine
 from engines.circuit import Circuit
-from engines.control_settings import RoutingSettings
+from core.control_settings import RoutingSettings
 from engines.identity import identity_problem
 from engines.rollback import Transition
 from engines.routing import EngineInfo, RoutingTable, base_weights
 from engines.signals import EngineSummary, OutcomeWindow
-from gateway.errors import EngineBusy
-from gateway.settings import EngineConfig
+from core.errors import EngineBusy
+from core.settings import EngineConfig
 from observability.metrics import ENGINE_STATES, Metrics
 
 log = structlog.get_logger(__name__)

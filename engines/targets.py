@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Collection, Mapping
 
-from engines.control_settings import ControllerSettings, Rule
+from core.control_settings import ControllerSettings, Rule
 
 if TYPE_CHECKING:
     from engines.rollback import EngineSignals, Incident, Snapshot

@@ -21,8 +21,8 @@ from typing import Any
 
 import structlog
 
-from gateway.auth_settings import FailureLimitSettings
-from gateway.errors import RateLimited
+from core.auth_settings import FailureLimitSettings
+from core.errors import RateLimited
 from observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)

@@ -19,7 +19,7 @@ def _format_validation(exc: ValidationError) -> str:
 
 
 def _load(path: str | None):  # noqa: ANN202
-    from gateway.settings import load_settings
+    from core.settings import load_settings
 
     return load_settings(path)
 

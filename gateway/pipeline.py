@@ -34,14 +34,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import structlog
+from core.events import Completion, Delta, Usage
 
-from engines.base import Completion, Delta, Engine, Usage
-from engines.energy import EnergyBook
-from engines.pool import EnginePool
-from gateway import thinking
-from gateway.chains import Chains, ChainSet
-from gateway.context import RequestContext
-from gateway.errors import (
+from core.context import RequestContext
+from core.errors import (
     AnswerWithheld,
     EngineError,
     EngineProtocolError,
@@ -51,8 +47,13 @@ from gateway.errors import (
     OmnigateError,
     Overloaded,
 )
+from core.schemas import ChatCompletionRequest
+from engines.base import Engine
+from engines.energy import EnergyBook
+from engines.pool import EnginePool
+from gateway import thinking
+from gateway.chains import Chains, ChainSet
 from gateway.ratelimit import RateLimiter
-from gateway.schemas import ChatCompletionRequest
 from gateway.speech import check_speech
 from observability.audit.log import AuditLog
 from observability.audit.record import InputDigests, OutputDigest, RequestSnapshot
@@ -360,7 +361,7 @@ class Pipeline:
         detail: str | None,
         score: float | None = None,
     ) -> None:
-        from gateway.context import PolicyRun
+        from core.context import PolicyRun
 
         ctx.policy_runs.append(
             PolicyRun(

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gateway.errors import Overloaded, RateLimited
-from gateway.settings import RateLimitSettings, TenantConfig
+from core.errors import Overloaded, RateLimited
+from core.settings import RateLimitSettings, TenantConfig
 from observability.metrics import Metrics
 
 if TYPE_CHECKING:

@@ -11,6 +11,7 @@ from typing import Any
 
 import structlog
 
+from core.settings import Settings, TenantConfig
 from engines.accuracy import HeldOutSentinel
 from engines.controller import RolloutController
 from engines.energy import EnergyBook
@@ -28,7 +29,6 @@ from gateway.directory.live import LiveDirectory
 from gateway.metrics_server import MetricsServer
 from gateway.pipeline import Pipeline
 from gateway.ratelimit import RateLimiter
-from gateway.settings import Settings, TenantConfig
 from gateway.sse import OpenStreams
 from gateway.tenants import Directory
 from observability.audit import AuditLog

@@ -22,7 +22,7 @@ from typing import AsyncIterator, Awaitable, Callable, Literal
 import structlog
 from starlette.responses import Response
 
-from gateway.errors import Overloaded
+from core.errors import Overloaded
 from gateway.render import error_frame
 
 log = structlog.get_logger(__name__)

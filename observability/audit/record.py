@@ -19,13 +19,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gateway.spooled import SpooledMedia
+from core.spooled import SpooledMedia
 from observability.audit.redact import Budget
 
 if TYPE_CHECKING:
-    from engines.base import Completion, Delta
-    from gateway.context import RequestContext
-    from gateway.schemas import ChatCompletionRequest
+    from core.events import Completion, Delta
+    from core.context import RequestContext
+    from core.schemas import ChatCompletionRequest
 
 
 class OutputDigest:
@@ -72,7 +72,7 @@ class OutputDigest:
 
     @classmethod
     def of(cls, completion: "Completion", keep_text: bool = False) -> "OutputDigest":
-        from engines.base import Delta
+        from core.events import Delta
 
         out = cls(keep_text)
         for c in (completion, *completion.alternatives):  # every choice of n > 1 was released

@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from gateway.errors import InvalidMedia
-from gateway.spooled import SpooledMedia
-from gateway.schemas import (
+from core.errors import InvalidMedia
+from core.spooled import SpooledMedia
+from core.schemas import (
     AudioURLPart,
     ChatCompletionRequest,
     ImagePart,

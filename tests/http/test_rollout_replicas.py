@@ -10,7 +10,7 @@ import socket
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.control_settings import Rule, RuleAction, RuleSelector, SharedStateSettings
+from core.control_settings import Rule, RuleAction, RuleSelector, SharedStateSettings
 from engines.rollback import ControllerState
 from engines.state_store import NotLeader, RedisStore
 from tests.harness import GatewayServer, wait_until

@@ -15,7 +15,7 @@ import textwrap
 from prometheus_client import CollectorRegistry
 
 from gateway.ratelimit import RateLimiter
-from gateway.settings import RateLimitSettings, TenantConfig
+from core.settings import RateLimitSettings, TenantConfig
 from observability.metrics import Metrics
 
 HEAVY = ("numpy", "soundfile", "redis", "limits", "PIL", "av", "onnxruntime", "torch", "litellm")
@@ -25,7 +25,7 @@ _SCRIPT = textwrap.dedent(
     import json, sys
     from starlette.testclient import TestClient
     from gateway.app import create_app
-    from gateway.settings import Settings
+    from core.settings import Settings
 
     settings = Settings.model_validate({
         "engines": [{"name": "text", "kind": "vllm", "base_url": sys.argv[1], "model": "scripted",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engines.base import Delta
-from gateway.schemas import ChatCompletionRequest
+from core.events import Delta
+from core.schemas import ChatCompletionRequest
 from policies.grounding.claims import (
     claims_of,
     date_supported,
@@ -18,7 +18,7 @@ from policies.grounding.claims import (
 )
 from policies.grounding.policy import GroundingConfig, SpeechGate
 from policies.registry import PolicyConfigError, available_plugins, build_chain
-from gateway.settings import PolicyChainConfig, PolicySpec
+from core.settings import PolicyChainConfig, PolicySpec
 
 
 def _req(messages: list[dict]) -> ChatCompletionRequest:
@@ -136,7 +136,7 @@ def test_retry_adjustment_lowers_temperature_and_adds_the_instruction_once():
 
 async def test_the_policy_takes_the_gateway_scorer_when_started():
     from gateway.services import Services
-    from gateway.settings import Settings
+    from core.settings import Settings
     from observability.metrics import Metrics
     from policies.registry import resources_used
 

@@ -13,9 +13,9 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from gateway.admission import AdmissionGate, Limits, LocalSlots, RedisSlots, Ticket
-from gateway.context import RequestContext
-from gateway.errors import Overloaded, RateLimited
-from gateway.settings import TrafficSettings
+from core.context import RequestContext
+from core.errors import Overloaded, RateLimited
+from core.settings import TrafficSettings
 from observability.metrics import Metrics
 from tests.harness import eventually
 from tests.tcpproxy import TCPProxy

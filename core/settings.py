@@ -23,9 +23,9 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from engines.control_settings import EngineTelemetry, RoutingSettings
-from gateway.auth_settings import AdminKey, AuthSettings, MetricsSettings
-from gateway.settings_sources import EnvOverYaml
+from core.control_settings import EngineTelemetry, RoutingSettings
+from core.auth_settings import AdminKey, AuthSettings, MetricsSettings
+from core.settings_sources import EnvOverYaml
 
 EngineKind = Literal["vllm-omni", "vllm", "litellm", "local"]
 Variant = Literal["int4", "int8", "fp8", "fp16", "bf16", "fp32"]

@@ -11,14 +11,32 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 if TYPE_CHECKING:
-    from engines.base import Completion
+    from core.events import Completion
     from gateway.chains import ChainSet
-    from gateway.admission import LoadSnapshot, Ticket
-    from gateway.schemas import ChatCompletionRequest
-    from gateway.settings import TenantConfig
+    from gateway.admission import Ticket
+    from core.schemas import ChatCompletionRequest
+    from core.settings import TenantConfig
     from observability.audit.record import OutputDigest
 
 Outcome = Literal["served", "degraded", "refused", "failed", "cancelled"]
+
+#: the degradation reason of a speech request served text-only above its soft limit
+DEGRADED_TEXT_ONLY = "load-text-only"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The load a request arrived at (admitted or refused); the ``load-shedding`` policy decides on it."""
+
+    priority: str
+    in_flight: int  # admitted requests in flight when this one arrived, not counting it
+    soft_limit: int
+    hard_limit: int
+    store: str  # "local" or "redis"
+
+    @property
+    def above_soft_limit(self) -> bool:
+        return self.in_flight >= self.soft_limit
 
 
 @dataclass(slots=True)
