@@ -56,7 +56,8 @@ from gateway.chains import Chains, ChainSet
 from gateway.ratelimit import RateLimiter
 from gateway.speech import check_speech
 from observability.audit.log import AuditLog
-from observability.audit.record import InputDigests, OutputDigest, RequestSnapshot
+from observability.audit.record import InputDigests, RequestSnapshot
+from core.digest import OutputDigest
 from observability.metrics import Metrics
 from policies.base import Accept, Halt, Reject, Retry, StreamCheck, StreamFilter, StreamingPostPolicy, Verdict
 from policies.registry import LoadedPolicy, PolicyChain
@@ -221,8 +222,10 @@ class Pipeline:
         return self.policies.current.sets
 
     def _chain(self, ctx: RequestContext) -> PolicyChain:
-        # The generation the request began on, to its end: a reload meanwhile does not move it.
-        return (ctx.policies or self.policies.current).for_set(ctx.policy_set)
+        # The generation the request began on, to its end: a reload meanwhile does not move it. The context
+        # holds it as a lease (core knows no chains); the pipeline put it there, so it is a ChainSet.
+        generation = ctx.policies if isinstance(ctx.policies, ChainSet) else self.policies.current
+        return generation.for_set(ctx.policy_set)
 
     # -- the two entry points ----------------------------------------------
     async def stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> ResponseStream:

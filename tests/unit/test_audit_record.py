@@ -7,7 +7,8 @@ import hashlib
 from core.events import Completion, Delta, Usage
 from core.context import PolicyRun, RequestContext
 from core.schemas import ChatCompletionRequest
-from observability.audit.record import OutputDigest, RequestSnapshot, request_payload
+from core.digest import OutputDigest
+from observability.audit.record import RequestSnapshot, request_payload
 
 
 def _sha(s: str | bytes) -> str:

@@ -15,7 +15,7 @@ from gateway.fields import UnknownField, parse_request
 from gateway.pipeline import Pipeline
 from core.schemas import ChatCompletionRequest
 from core.settings import EngineConfig, PolicyChainConfig
-from observability.audit.record import OutputDigest
+from core.digest import OutputDigest
 from observability.metrics import Metrics
 from policies.registry import available_plugins, build_chain
 
