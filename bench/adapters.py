@@ -18,8 +18,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 from bench.common import add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, wait_http
 from engines.pool import build_engine
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import EngineConfig
+from core.schemas import ChatCompletionRequest
+from core.settings import EngineConfig
 
 
 async def _drive(engine, request: ChatCompletionRequest, total: int, concurrency: int) -> tuple[float, int]:

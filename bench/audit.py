@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from engines.base import Completion, Usage
-from gateway.context import PolicyRun, RequestContext
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import AuditSettings
+from core.events import Completion, Usage
+from core.context import PolicyRun, RequestContext
+from core.schemas import ChatCompletionRequest
+from core.settings import AuditSettings
 from observability.audit.log import AuditLog
 from observability.audit.record import RequestSnapshot
 from observability.audit.store import build_store

@@ -19,7 +19,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from bench.common import add_smoke, emit, out_path, pct, smoke_result
-from gateway.settings import EngineConfig, Settings
+from core.settings import EngineConfig, Settings
 from tests.harness import BackgroundLoop, GatewayServer
 from tests.upstream import Script, ScriptedUpstream
 

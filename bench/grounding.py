@@ -131,8 +131,8 @@ async def _concurrent(scorer, premise, claims, n: int) -> float:
 def _scorer_latency(args: argparse.Namespace) -> dict:
     import torch
 
-    from gateway.schemas import ChatCompletionRequest
-    from gateway.settings import GroundingSettings
+    from core.schemas import ChatCompletionRequest
+    from core.settings import GroundingSettings
     from policies.grounding.claims import claims_of, premise_of, split_sentences
     from policies.grounding.scorer import CrossEncoderScorer, FallbackScorer
 

@@ -71,7 +71,7 @@ def clip_720p(seconds: int = 120, fps: int = 30) -> bytes:
 
 def bomb_child() -> None:
     """Runs in a child: RSS before and after refusing the 50k x 50k PNG header."""
-    from gateway.errors import InvalidMedia
+    from core.errors import InvalidMedia
 
     cfg = ImageConfig()
     data = png_bomb(50_000, 50_000)

@@ -23,7 +23,7 @@ import statistics
 import time
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from gateway.settings import MediaSettings
+from core.settings import MediaSettings
 from policies.media.audio import AudioConfig
 from policies.media.budget import BudgetConfig
 from policies.media.image import ImageConfig
@@ -36,7 +36,7 @@ from tests.media import data_uri, photo, tone, video, wav
 
 
 def _ref(kind: str, uri: str):
-    from gateway.schemas import ChatCompletionRequest
+    from core.schemas import ChatCompletionRequest
 
     part = {"image": {"type": "image_url", "image_url": {"url": uri}},
             "video": {"type": "video_url", "video_url": {"url": uri}},
@@ -174,7 +174,7 @@ def gateway_rss(repeat: int, smoke: bool = False) -> dict:
 
 
 class _SpoolWatch:
-    """The peak total size of the gateway's spool files (gateway/spooled.py) while a request runs.
+    """The peak total size of the gateway's spool files (core/spooled.py) while a request runs.
 
     Sampled every millisecond from another thread; the files are the payloads the body reader wrote,
     which count in the shared-memory file system's use and not in the gateway's RSS.
@@ -189,7 +189,7 @@ class _SpoolWatch:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from gateway import spooled
+        from core import spooled
 
         while not self._stop.is_set():
             total = 0

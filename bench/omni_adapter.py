@@ -14,8 +14,8 @@ import argparse
 
 from bench.adapters import cli, measure
 from bench.common import free_port, pin_self, spawn, wait_http
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import EngineConfig
+from core.schemas import ChatCompletionRequest
+from core.settings import EngineConfig
 
 
 async def run(args: argparse.Namespace) -> dict:

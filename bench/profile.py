@@ -48,11 +48,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("HTTP server (uvicorn, httptools)", ("uvicorn/", "httptools")),
     ("framework (Starlette, FastAPI middleware)", ("starlette/", "fastapi/", "gateway/middleware.py")),
     ("SSE response and rendering", ("gateway/sse.py", "gateway/render.py", "gateway/api/chat.py")),
-    ("pipeline and policies", ("gateway/pipeline/", "policies/", "gateway/admission.py", "gateway/context.py")),
+    ("pipeline and policies", ("gateway/pipeline/", "policies/", "gateway/admission.py", "core/context.py")),
     ("engine pool and routing", ("engines/pool.py", "engines/slots.py", "engines/health.py", "engines/choice.py",
                                  "engines/routing.py", "engines/circuit.py", "engines/signals.py",
                                  "engines/controller.py")),
-    ("request parsing (pydantic, orjson)", ("pydantic", "gateway/schemas.py")),
+    ("request parsing (pydantic, orjson)", ("pydantic", "core/schemas.py")),
     ("asyncio (Python parts)", ("asyncio/",)),
 ]
 

@@ -43,8 +43,8 @@ from typing import Any
 
 import structlog
 
+from core.control_settings import RoutingSettings
 from engines.accuracy import HeldOutSentinel
-from engines.control_settings import RoutingSettings
 from engines.energy import EnergyBook, EnergyMeter, token_equivalents
 from engines.offload import OffloadClient
 from engines.pool import EnginePool

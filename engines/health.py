@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import structlog
 
+from core.control_settings import RoutingSettings
 from engines.base import Engine
 from engines.circuit import Circuit
-from engines.control_settings import RoutingSettings
 from engines.identity import identity_problem
 from engines.rollback import Transition
 from engines.routing import EngineInfo, RoutingTable

@@ -12,10 +12,11 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engines.base import Capabilities, Completion, Delta, Usage, whole_strings, wire_messages
-from gateway.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
-from gateway.schemas import FEATURE_FIELDS, ChatCompletionRequest
-from gateway.settings import EngineConfig
+from engines.base import Capabilities, whole_strings, wire_messages
+from core.events import Completion, Delta, Usage
+from core.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
+from core.schemas import FEATURE_FIELDS, ChatCompletionRequest
+from core.settings import EngineConfig
 
 _PASS = ("temperature", "top_p", "stop", "seed", "user", "parallel_tool_calls", "logprobs", "top_logprobs",
          "presence_penalty", "frequency_penalty", "logit_bias", "reasoning_effort")

@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from engines.base import Capabilities, Completion, Delta, Usage
-from gateway.errors import EngineError, EngineUnavailable, InvalidRequest, OmnigateError
+from engines.base import Capabilities
+from core.events import Completion, Delta, Usage
+from core.errors import EngineError, EngineUnavailable, InvalidRequest, OmnigateError
 
 if TYPE_CHECKING:
-    from gateway.schemas import ChatCompletionRequest
-    from gateway.settings import EngineConfig
+    from core.schemas import ChatCompletionRequest
+    from core.settings import EngineConfig
 
 log = structlog.get_logger(__name__)
 

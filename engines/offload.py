@@ -28,7 +28,7 @@ import httpx
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.control_settings import OffloadSettings
+from core.control_settings import OffloadSettings
 from engines.rollback import Intent
 from observability.metrics import Metrics
 

@@ -24,8 +24,9 @@ import aiohttp
 import orjson
 import structlog
 
-from engines.base import Body, Capabilities, Completion, Delta, Usage, request_body, wire_messages
-from gateway.errors import (
+from engines.base import Body, Capabilities, request_body, wire_messages
+from core.events import Completion, Delta, Usage
+from core.errors import (
     EngineError,
     EngineFailed,
     EngineProtocolError,
@@ -34,8 +35,8 @@ from gateway.errors import (
     EngineUnavailable,
     OmnigateError,
 )
-from gateway.schemas import FEATURE_FIELDS, ChatCompletionRequest
-from gateway.settings import EngineConfig
+from core.schemas import FEATURE_FIELDS, ChatCompletionRequest
+from core.settings import EngineConfig
 
 log = structlog.get_logger(__name__)
 

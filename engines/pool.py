@@ -20,13 +20,13 @@ import structlog
 
 from engines import choice
 from engines.base import Engine
-from engines.control_settings import RoutingSettings
+from core.control_settings import RoutingSettings
 from engines.health import Health
 from engines.rollback import Transition
 from engines.routing import EngineInfo, RoutingTable, base_weights
 from engines.signals import EngineSummary
 from engines.slots import Lease, Slots
-from gateway.settings import EngineConfig
+from core.settings import EngineConfig
 from observability.metrics import Metrics
 
 __all__ = ["EnginePool", "Lease", "build_engine"]

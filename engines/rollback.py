@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engines.control_settings import SAMPLED_SIGNALS, ControllerSettings, Rule
+from core.control_settings import SAMPLED_SIGNALS, ControllerSettings, Rule
 from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
 from engines.targets import shift_targets
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from core.events import Completion
 
-from engines.base import Completion
-from engines.control_settings import SentinelSettings
+from core.control_settings import SentinelSettings
 from engines.language import detect, long_enough
 from engines.signals import WerWindow
 from observability.metrics import Metrics

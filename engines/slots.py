@@ -8,7 +8,7 @@ routing table's ``limits`` entry that the rollback controller's ``limit_concurre
 ``raise_concurrency`` replaces the configured cap by a higher one, ``raised``). When every available
 engine for a request is at its cap, the request waits in a bounded FIFO queue per engine
 (``max_waiting``, at most ``max_wait_s``) and a freed slot is handed straight to the oldest waiter, so
-newcomers cannot overtake; a full queue or a wait that runs out is :class:`gateway.errors.EngineBusy`
+newcomers cannot overtake; a full queue or a wait that runs out is :class:`core.errors.EngineBusy`
 (503 with ``Retry-After``). All of it runs on the event loop thread and needs no locks.
 """
 
@@ -27,7 +27,7 @@ import structlog
 from engines.base import Engine
 from engines.health import Health
 from engines.routing import RoutingTable
-from gateway.errors import EngineBusy, EngineError
+from core.errors import EngineBusy, EngineError
 from observability.metrics import Metrics
 
 log = structlog.get_logger("engines.pool")
@@ -51,7 +51,7 @@ class Lease:
     """One request's claimed slot on ``engine``, settled exactly once however the request goes.
 
     Used as ``async with lease:`` around one engine call. Leaving the block by an exception settles
-    it: an :class:`~gateway.errors.EngineError` that allows failover first counts as a failure for the
+    it: an :class:`~core.errors.EngineError` that allows failover first counts as a failure for the
     engine's circuit and then settles the slot as an outcome; any other error (a non-retryable engine
     error, cancellation, a bug) gives it back without one. Leaving it normally gives the slot back too,
     unless :meth:`keep` handed it on to the request, which then :meth:`settle`\\ s it when it ends or

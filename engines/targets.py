@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
-from engines.control_settings import ControllerSettings, Rule
+from core.control_settings import ControllerSettings, Rule
 
 if TYPE_CHECKING:
     from engines.rollback import EngineSignals, Incident, Snapshot

@@ -43,7 +43,7 @@ import orjson
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.control_settings import EngineTelemetry, SignalSettings
+from core.control_settings import EngineTelemetry, SignalSettings
 from observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)

@@ -9,7 +9,7 @@ against the cap. Not streaming: one merged choice (0.30.0) or two choices that
 both say ``index: 0`` (older builds), told apart by what they hold, never by
 position. The voice goes as top-level ``voice``/``speaker``, lowercased. A prompt
 over the context comes back as HTTP 500 with vLLM's words (0.30.0): it is the
-client's 400. All of it becomes :class:`engines.base.Delta` so audio can never be
+client's 400. All of it becomes :class:`core.events.Delta` so audio can never be
 taken for text.
 """
 
@@ -23,12 +23,12 @@ from typing import Any
 
 import aiohttp
 
-from engines.base import Completion, Delta
+from core.events import Completion, Delta
 from engines.openai_compat import OpenAICompatEngine, _choice_completion, _usage, rejection
-from gateway.audio import split_wav
-from gateway.errors import EngineFailed, EngineProtocolError, EngineRejected
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import EngineConfig
+from core.audio import split_wav
+from core.errors import EngineFailed, EngineProtocolError, EngineRejected
+from core.schemas import ChatCompletionRequest
+from core.settings import EngineConfig
 
 # vLLM-Omni's answer to a speaker its talker does not have (serving_chat.py), before any chunk.
 _INVALID_SPEAKER = re.compile(r"Invalid speaker '([^']*)'\. Supported: (.*)$", re.DOTALL)

@@ -39,19 +39,15 @@ from typing import Literal, Protocol
 
 import structlog
 
-from gateway.context import RequestContext
-from gateway.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
+from core.context import RequestContext
+from core.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
+from core.settings import RedisSettings, TrafficSettings
 from gateway.redis_client import SharedRedis
-from gateway.settings import RedisSettings, TrafficSettings
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.traffic")
 
 Result = Literal["admit", "refuse_quota", "refuse_overload"]
-
-#: the degradation reason of a speech request served text-only above its soft limit
-DEGRADED_TEXT_ONLY = "load-text-only"
-
 
 # -- pure decisions -----------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -82,21 +78,6 @@ def decide_overload(overloaded: bool, in_flight: int, enter_above: int, exit_at_
     if overloaded:
         return in_flight > exit_at_or_below
     return in_flight > enter_above
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    """The load a request arrived at (admitted or refused); the ``load-shedding`` policy decides on it."""
-
-    priority: str
-    in_flight: int  # admitted requests in flight when this one arrived, not counting it
-    soft_limit: int
-    hard_limit: int
-    store: str  # "local" or "redis"
-
-    @property
-    def above_soft_limit(self) -> bool:
-        return self.in_flight >= self.soft_limit
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ from typing import Any
 
 import structlog
 
-from gateway.auth_settings import FailureLimitSettings
-from gateway.errors import RateLimited
+from core.auth_settings import FailureLimitSettings
+from core.errors import RateLimited
 from gateway.redis_client import SharedRedis
 from observability.metrics import Metrics
 

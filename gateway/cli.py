@@ -20,7 +20,7 @@ def _format_validation(exc: ValidationError) -> str:
 
 
 def _load(path: str | None):
-    from gateway.settings import load_settings
+    from core.settings import load_settings
 
     return load_settings(path)
 

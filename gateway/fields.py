@@ -1,6 +1,6 @@
 """Fields the gateway does not know: refused by name (the default) or dropped and announced.
 
-Every wire model forbids unknown fields (gateway/schemas.py), so validation
+Every wire model forbids unknown fields (core/schemas.py), so validation
 reports each one with its location. With ``unknown_fields: refuse`` the request
 is answered 400 naming the first, as OpenAI answers an unknown parameter. With
 ``drop`` (set globally under ``requests`` or per tenant) they are removed from the
@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from gateway.errors import UnknownField
-from gateway.schemas import ChatCompletionRequest
+from core.errors import UnknownField
+from core.schemas import ChatCompletionRequest
 
 UnknownFields = Literal["refuse", "drop"]
 DROPPED_HEADER = "x-omnigate-dropped-fields"

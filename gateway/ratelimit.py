@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from gateway.errors import Overloaded, RateLimited
+from core.errors import Overloaded, RateLimited
+from core.settings import RateLimitSettings, TenantConfig
 from gateway.redis_client import SharedRedis
-from gateway.settings import RateLimitSettings, TenantConfig
 from observability.metrics import Metrics
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gateway.settings import RedisSettings
+from core.settings import RedisSettings
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis

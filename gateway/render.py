@@ -13,12 +13,12 @@ import time
 from typing import Any
 
 import orjson
+from core.events import Completion, Delta
 
-from engines.base import Completion, Delta
-from gateway import audio as audio_codec
-from gateway.context import RequestContext
-from gateway.errors import OmnigateError
-from gateway.schemas import ChatCompletionRequest
+from core import audio as audio_codec
+from core.context import RequestContext
+from core.errors import OmnigateError
+from core.schemas import ChatCompletionRequest
 
 DONE = b"data: [DONE]\n\n"
 AUDIO_TTL_S = 3600

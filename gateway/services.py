@@ -11,6 +11,7 @@ from typing import Any
 
 import structlog
 
+from core.settings import Settings, TenantConfig
 from engines.accuracy import HeldOutSentinel
 from engines.controller import RolloutController
 from engines.energy import EnergyBook
@@ -29,7 +30,6 @@ from gateway.metrics_server import MetricsServer
 from gateway.pipeline import Pipeline
 from gateway.ratelimit import RateLimiter
 from gateway.redis_client import SharedRedis
-from gateway.settings import Settings, TenantConfig
 from gateway.sse import OpenStreams
 from gateway.tenants import Directory
 from observability.audit import AuditLog

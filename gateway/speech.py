@@ -1,7 +1,7 @@
 """What a speech request may ask for, checked before any engine work: a format the gateway can serve, a known voice.
 
 Engines always hand the gateway PCM (vLLM-Omni is asked for WAV), and the gateway
-encodes what the client asked for (``gateway.audio.encode``); a format it cannot
+encodes what the client asked for (``core.audio.encode``); a format it cannot
 encode would cost the engine its work and the client a 500, so it is a 400 here.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from core.audio import ENCODABLE_FORMATS, STREAMABLE_FORMATS
+from core.errors import InvalidRequest
+from core.schemas import ChatCompletionRequest
 from engines.base import Engine
-from gateway.audio import ENCODABLE_FORMATS, STREAMABLE_FORMATS
-from gateway.errors import InvalidRequest
-from gateway.schemas import ChatCompletionRequest
 
 
 def check_speech(request: ChatCompletionRequest, engines: Iterable[Engine]) -> None:

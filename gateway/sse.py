@@ -23,7 +23,7 @@ from typing import Literal
 import structlog
 from starlette.responses import Response
 
-from gateway.errors import Overloaded
+from core.errors import Overloaded
 from gateway.render import error_frame
 
 log = structlog.get_logger(__name__)

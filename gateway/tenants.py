@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-from gateway.errors import AuthenticationFailed, DirectoryUnavailable
-from gateway.settings import ApiKeyConfig, Settings, TenantConfig
+from core.errors import AuthenticationFailed, DirectoryUnavailable
+from core.settings import ApiKeyConfig, Settings, TenantConfig
 
 KEY_PREFIX = "og_"
 _ID_LEN = 12

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gateway.errors import InvalidRequest
+from core.errors import InvalidRequest
 
 if TYPE_CHECKING:
+    from core.schemas import ChatCompletionRequest
     from engines.base import Engine
-    from gateway.schemas import ChatCompletionRequest
 
 
 class ThinkingBudgetUnsupported(InvalidRequest):

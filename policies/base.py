@@ -39,7 +39,7 @@ It is constructed once per chain generation as ``Plugin(config)``. Then, by stag
 
 pre
     ``async pre(request, ctx) -> ChatCompletionRequest``: returns the request,
-    rewritten or not, or raises an :class:`gateway.errors.OmnigateError` to refuse.
+    rewritten or not, or raises an :class:`core.errors.OmnigateError` to refuse.
 stream
     ``open_stream(request, ctx) -> StreamFilter``: a fresh per-stream object whose
     ``feed(delta)`` returns the deltas to release now and ``finish()`` the rest at
@@ -69,11 +69,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
-    from engines.base import Completion, Delta
-    from gateway.context import RequestContext
-    from gateway.errors import OmnigateError
-    from gateway.schemas import ChatCompletionRequest
-    from gateway.settings import Settings
+    from core.events import Completion, Delta
+    from core.context import RequestContext
+    from core.errors import OmnigateError
+    from core.schemas import ChatCompletionRequest
+    from core.settings import Settings
     from observability.metrics import Metrics
     from policies.grounding.scorer import Scorer
     from policies.media.sandbox import MediaRuntime

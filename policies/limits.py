@@ -6,9 +6,9 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from gateway.context import RequestContext
-from gateway.errors import InvalidRequest, PayloadTooLarge
-from gateway.schemas import ChatCompletionRequest
+from core.context import RequestContext
+from core.errors import InvalidRequest, PayloadTooLarge
+from core.schemas import ChatCompletionRequest
 from policies.base import PolicyBase, PolicyConfig
 
 

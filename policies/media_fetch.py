@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar
 
-from gateway.context import MediaRecord, RequestContext
-from gateway.errors import OmnigateError
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import MediaSettings
+from core.context import MediaRecord, RequestContext
+from core.errors import OmnigateError
+from core.schemas import ChatCompletionRequest
+from core.settings import MediaSettings
 from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.fetch import FetchConfig, SafeFetcher
 from policies.media.parts import (

@@ -10,7 +10,7 @@ Every probe and decode runs in a confined worker process (policies/media/sandbox
 of every part first, so budgets and context are checked before anything is decoded; decoded output
 counts against the request's media budget. Every rewrite is a
 degradation reason (``x-omnigate-degraded``) and is listed on the part's
-:class:`gateway.context.MediaRecord`.
+:class:`core.context.MediaRecord`.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from gateway.context import MediaRecord, RequestContext, SegmentPlan
-from gateway.errors import (
+from core.context import MediaRecord, RequestContext, SegmentPlan
+from core.errors import (
     ContextLengthExceeded,
     InvalidMedia,
     InvalidRequest,
     MediaURLForbidden,
     ModalBudgetExceeded,
 )
-from gateway.schemas import PART_MODALITY, ChatCompletionRequest, Message
-from gateway.settings import MediaSettings
-from gateway.spooled import SpooledMedia, SpoolFull, SpoolWriter
+from core.schemas import PART_MODALITY, ChatCompletionRequest, Message
+from core.settings import MediaSettings
+from core.spooled import SpooledMedia, SpoolFull, SpoolWriter
 from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media import budget as tokens
 from policies.media.budget import BudgetConfig

@@ -19,10 +19,10 @@ from typing import Annotated, Any, ClassVar
 from PIL import Image
 from pydantic import Field
 
-from gateway.context import RequestContext, Screening
-from gateway.errors import ContentPolicyViolation
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import MediaSettings
+from core.context import RequestContext, Screening
+from core.errors import ContentPolicyViolation
+from core.schemas import ChatCompletionRequest
+from core.settings import MediaSettings
 from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.image import ImageConfig
 from policies.media.models import NSFWModel

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.settings import PolicyChainConfig, PolicySpec
+from core.settings import PolicyChainConfig, PolicySpec
 from policies.base import RESOURCES, STAGE_PROTOCOL, PolicyConfig
 
 ENTRY_POINT_GROUP = "omnigate.policies"

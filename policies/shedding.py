@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from gateway.admission import DEGRADED_TEXT_ONLY
-from gateway.context import RequestContext
-from gateway.schemas import ChatCompletionRequest
+from core.context import DEGRADED_TEXT_ONLY
+from core.context import RequestContext
+from core.schemas import ChatCompletionRequest
 from policies.base import PolicyBase, PolicyConfig
 
 if TYPE_CHECKING:
-    from gateway.admission import LoadSnapshot
+    from core.context import LoadSnapshot
 
 Action = Literal["as-asked", "text-only"]
 

@@ -24,7 +24,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from gateway.app import create_app
-from gateway.settings import Settings
+from core.settings import Settings
 
 T = TypeVar("T")
 

@@ -2,9 +2,9 @@
 
 A page asks for one with a marker on a line of its own:
 
-- ``<!-- config-reference: settings -->``: every key of ``gateway.settings.Settings``;
+- ``<!-- config-reference: settings -->``: every key of ``core.settings.Settings``;
 - ``<!-- config-reference: policy NAME -->``: the ``config:`` keys of one installed policy;
-- ``<!-- error-tree -->``: the classes of ``gateway.errors`` with their status, type and code.
+- ``<!-- error-tree -->``: the classes of ``core.errors`` with their status, type and code.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def on_config(config: Any) -> Any:
 
 
 def _error_tree() -> str:
-    from gateway import errors
+    from core import errors
 
     lines: list[str] = []
 

@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse
 
 from gateway.api.auth import client_address
 from gateway.console import session as console_session
-from gateway.errors import AuthenticationFailed, OmnigateError
+from core.errors import AuthenticationFailed, OmnigateError
 from gateway.services import Services
-from gateway.settings import Settings
+from core.settings import Settings
 
 
 class AdminDisabled(OmnigateError):

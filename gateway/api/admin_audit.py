@@ -18,9 +18,9 @@ from fastapi import APIRouter, Depends, Path, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.responses import JSONResponse, StreamingResponse
 
+from core.errors import Conflict, NotFound
 from gateway.api.admin import require_admin
 from gateway.api.chat import validation_to_error
-from gateway.errors import Conflict, NotFound
 from gateway.services import Services
 from observability.audit import AuditLog
 from observability.audit.chain import Row, Signer

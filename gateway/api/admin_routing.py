@@ -13,10 +13,10 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
-from engines.control_settings import Variant
+from core.control_settings import Variant
 from gateway.api.admin import credential_of, require_admin
 from gateway.api.chat import validation_to_error
-from gateway.errors import InvalidRequest, ModelNotFound
+from core.errors import InvalidRequest, ModelNotFound
 from gateway.services import Services
 
 router = APIRouter(prefix="/admin/routing", include_in_schema=False, dependencies=[Depends(require_admin)])

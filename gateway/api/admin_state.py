@@ -23,10 +23,10 @@ from starlette.responses import JSONResponse
 from gateway.api.admin import require_admin
 from gateway.api.chat import validation_to_error
 from gateway.chains import build_policy_sets
-from gateway.errors import Conflict
+from core.errors import Conflict
 from gateway.reload import RESTART_ONLY, format_config_error
 from gateway.services import Services
-from gateway.settings import load_settings
+from core.settings import load_settings
 from observability.audit.search import AuditQuery
 from observability.metrics import SHED_REASONS
 from policies.registry import build_chain

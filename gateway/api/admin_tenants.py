@@ -17,12 +17,12 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import JSONResponse
 
+from core.errors import ConfigInvalid, Conflict, NotFound
+from core.settings import Name, TenantConfig
 from gateway.api.admin import credential_of, require_admin
 from gateway.directory.live import LiveDirectory
-from gateway.errors import ConfigInvalid, Conflict, NotFound
 from gateway.reload import reload_config
 from gateway.services import Services
-from gateway.settings import Name, TenantConfig
 from gateway.tenants import KeyEntry, mint_key
 from observability.audit import AuditLog
 from observability.audit.chain import Signer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import structlog
 from fastapi import Request
 
-from gateway.context import RequestContext
+from core.context import RequestContext
 from gateway.services import Services
 from gateway.tenants import KeyRefused, Principal
 

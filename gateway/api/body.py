@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from gateway import spooled
+from core import spooled
 
 #: bodies below this are parsed by orjson as they are; strings below LIFT stay in the skeleton
 MIN_BODY = 1 << 20
@@ -133,7 +133,7 @@ def _rebuild(skeleton: bytes, lifted: dict[str, str]) -> bytes:
 
 
 # -- reading a body a chunk at a time ---------------------------------------------------------------------
-#: a base64 payload this long or longer goes to the spool (gateway/spooled.py) as it arrives
+#: a base64 payload this long or longer goes to the spool (core/spooled.py) as it arrives
 SPOOL_MIN = 1 << 18
 _STOP = re.compile(rb'["\\]')
 _NOT_B64 = re.compile(rb"[^A-Za-z0-9+/=]")
@@ -146,10 +146,10 @@ class Reader:
     The bytes are followed with a JSON string lexer (is this byte inside a string, after a backslash?)
     that jumps from quote to quote with ``find``. A string that grows past :data:`SPOOL_MIN` characters
     with nothing but a data URI's header and base64 in it has those characters moved to a
-    :class:`~gateway.spooled.SpoolWriter`, and from then on its base64 is decoded group by group into
+    :class:`~core.spooled.SpoolWriter`, and from then on its base64 is decoded group by group into
     the file instead of being kept; the skeleton gets a marker in its place. The skeleton is what the
     body would be with those strings replaced, so orjson parses it, and each marker found as a media
-    part's ``url`` / ``data`` becomes the part's :class:`~gateway.spooled.SpooledMedia`.
+    part's ``url`` / ``data`` becomes the part's :class:`~core.spooled.SpooledMedia`.
 
     Exact: a spooled string's characters are its header and the base64 of the bytes written, which
     re-encode to the same characters (four alphabet characters without padding are three bytes and

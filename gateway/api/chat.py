@@ -20,15 +20,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from core.context import RequestContext
+from core.errors import InvalidRequest, OmnigateError, PayloadTooLarge, RequestTimeout
+from core.schemas import ChatCompletionRequest
 from gateway.api import body as json_body
 from gateway.api.auth import authenticate
 from gateway.auth_failures import TooManyAuthFailures
-from gateway.context import RequestContext
-from gateway.errors import InvalidRequest, OmnigateError, PayloadTooLarge, RequestTimeout
 from gateway.fields import DROPPED_HEADER, UnknownFields, parse_request
 from gateway.pipeline import ResponseStream
 from gateway.render import ChunkRenderer, completion_body, error_frame
-from gateway.schemas import ChatCompletionRequest
 from gateway.services import Services
 from gateway.sse import SSEResponse
 from gateway.tenants import KeyRefused

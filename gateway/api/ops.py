@@ -9,10 +9,10 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
+from core.context import RequestContext
+from core.errors import NotFound
 from gateway.api.admin import admin_credential
 from gateway.api.auth import authenticate
-from gateway.context import RequestContext
-from gateway.errors import NotFound
 from gateway.services import Services
 
 router = APIRouter()

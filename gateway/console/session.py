@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from gateway.errors import PermissionDenied
+from core.errors import PermissionDenied
 
 COOKIE = "omnigate_console"
 CSRF_HEADER = "x-csrf-token"

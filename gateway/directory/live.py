@@ -15,10 +15,10 @@ import time
 
 import structlog
 
-from gateway.auth_settings import DirectorySettings
+from core.auth_settings import DirectorySettings
+from core.errors import Conflict, DirectoryUnavailable
+from core.settings import Settings, TenantConfig
 from gateway.directory.store import DirectoryStore, build_store
-from gateway.errors import Conflict, DirectoryUnavailable
-from gateway.settings import Settings, TenantConfig
 from gateway.tenants import KeyEntry
 from observability.metrics import Metrics
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 
-from gateway.settings import Settings, TenantConfig
+from core.settings import Settings, TenantConfig
 from gateway.tenants import KeyEntry
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gateway.auth_settings import DirectorySettings
+from core.auth_settings import DirectorySettings
 from gateway.tenants import KeyEntry
 
 #: table names of their own, so the directory may share a database with the audit trail

@@ -29,19 +29,19 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from engines.base import Completion
+from core.context import RequestContext
+from core.errors import InvalidRequest, ModelNotFound, OmnigateError
+from core.events import Completion
+from core.schemas import ChatCompletionRequest
 from engines.energy import EnergyBook
 from engines.pool import EnginePool
 from gateway.chains import Chains, ChainSet
-from gateway.context import RequestContext
-from gateway.errors import InvalidRequest, ModelNotFound, OmnigateError
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.attempt import Attempt, Attempts, first_chunk
 from gateway.pipeline.relay import Candidate, Relay
 from gateway.pipeline.segments import join, segment_request, segmented
 from gateway.pipeline.stream import ResponseStream, run_stream
 from gateway.ratelimit import RateLimiter
-from gateway.schemas import ChatCompletionRequest
 from gateway.speech import check_speech
 from observability.audit.log import AuditLog
 from observability.audit.record import InputDigests
@@ -133,7 +133,9 @@ class Pipeline:
 
     def _chain(self, ctx: RequestContext) -> PolicyChain:
         # The generation the request began on, to its end: a reload meanwhile does not move it.
-        return (ctx.policies or self.policies.current).for_set(ctx.policy_set)
+        # The context holds it as a lease (core knows no chains); the pipeline put it there, so it is a ChainSet.
+        generation = ctx.policies if isinstance(ctx.policies, ChainSet) else self.policies.current
+        return generation.for_set(ctx.policy_set)
 
     # -- the two entry points ----------------------------------------------
     async def stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> ResponseStream:

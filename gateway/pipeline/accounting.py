@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from engines.base import Completion
+from core.context import PolicyRun, RequestContext
+from core.errors import EngineError, OmnigateError, Overloaded
+from core.events import Completion
 from engines.energy import EnergyBook
 from engines.pool import EnginePool
-from gateway.context import PolicyRun, RequestContext
-from gateway.errors import EngineError, OmnigateError, Overloaded
 from gateway.ratelimit import RateLimiter
 from observability.audit.log import AuditLog
 from observability.audit.record import RequestSnapshot

@@ -15,12 +15,13 @@ from typing import Generic, TypeVar
 
 import structlog
 
-from engines.base import Delta, Engine
+from core.context import RequestContext
+from core.errors import EngineError, EngineProtocolError, EngineUnavailable, InvalidRequest
+from core.events import Delta
+from core.schemas import ChatCompletionRequest
+from engines.base import Engine
 from engines.pool import EnginePool
 from gateway import thinking
-from gateway.context import RequestContext
-from gateway.errors import EngineError, EngineProtocolError, EngineUnavailable, InvalidRequest
-from gateway.schemas import ChatCompletionRequest
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.request")

@@ -15,13 +15,13 @@ from typing import Any
 
 import structlog
 
-from engines.base import Completion, Delta, Usage
+from core.context import RequestContext
+from core.errors import EngineError
+from core.events import Completion, Delta, Usage
+from core.schemas import ChatCompletionRequest
 from engines.pool import EnginePool
-from gateway.context import RequestContext
-from gateway.errors import EngineError
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.attempt import Attempt
-from gateway.schemas import ChatCompletionRequest
 from observability.metrics import Metrics
 from policies.base import Accept, Halt, Retry, StreamCheck, StreamFilter, StreamingPostPolicy, Verdict
 from policies.registry import LoadedPolicy

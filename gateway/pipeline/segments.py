@@ -1,4 +1,4 @@
-"""Segmented input (a :class:`gateway.context.SegmentPlan` a pre-policy made for audio too long for one
+"""Segmented input (a :class:`core.context.SegmentPlan` a pre-policy made for audio too long for one
 call), served as one engine call per segment, in order, concatenated into one response.
 
 The first segment's first chunk is the commit point; later segments may still fail over before their
@@ -11,10 +11,10 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from engines.base import Completion, Delta, Usage
-from gateway.context import RequestContext, SegmentPlan
+from core.context import RequestContext, SegmentPlan
+from core.events import Completion, Delta, Usage
+from core.schemas import ChatCompletionRequest
 from gateway.pipeline.attempt import Attempt
-from gateway.schemas import ChatCompletionRequest
 
 
 def segmented(plan: SegmentPlan | None) -> bool:

@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engines.base import Completion, Delta
-from gateway.context import RequestContext
-from gateway.errors import AnswerWithheld
+from core.context import RequestContext
+from core.digest import OutputDigest
+from core.errors import AnswerWithheld
+from core.events import Completion, Delta
+from core.schemas import ChatCompletionRequest
 from gateway.pipeline.attempt import Attempt
 from gateway.pipeline.relay import Candidate
 from gateway.pipeline.segments import concat, segmented
-from gateway.schemas import ChatCompletionRequest
-from observability.audit.record import OutputDigest
 from policies.base import Accept, Halt, Reject, Verdict
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ from typing import Any, Awaitable, Callable, Literal
 
 import orjson
 
-from gateway.settings import AuditSigning
+from core.settings import AuditSigning
 
 GENESIS = "0" * 64
 _DOMAIN = b"omnigate-audit-v1\n"

@@ -38,8 +38,8 @@ from typing import Any, Callable
 
 import structlog
 
-from gateway.errors import AuditUnavailable, Overloaded
-from gateway.settings import AuditSettings
+from core.errors import AuditUnavailable, Overloaded
+from core.settings import AuditSettings
 from observability.audit.chain import MAX_BATCH, Checkpoint, Row, Seal, Signer, canonical
 from observability.audit.record import RequestSnapshot, request_payload
 from observability.audit.spool import Spool

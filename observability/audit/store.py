@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from gateway.settings import AuditSettings
+from core.settings import AuditSettings
 from observability.audit.chain import GENESIS, Checkpoint, Row, Seal, link
 from observability.audit.search import AuditQuery
 

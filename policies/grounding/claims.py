@@ -3,7 +3,7 @@
 The premise is the text of the request's ``system``, ``developer``, ``user`` and
 ``tool`` messages (text parts only; ``tool`` messages are where retrieved
 documents arrive), plus transcripts of input audio that a pre-policy put in
-:attr:`gateway.context.RequestContext.input_transcripts`. Earlier ``assistant``
+:attr:`core.context.RequestContext.input_transcripts`. Earlier ``assistant``
 turns are not evidence: they may be the very thing that went wrong.
 
 An answer is split into sentences with sentencex (rule-based, abbreviation
@@ -24,7 +24,7 @@ from functools import lru_cache
 from sentencex import segment
 from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 
-from gateway.schemas import ChatCompletionRequest
+from core.schemas import ChatCompletionRequest
 
 PREMISE_ROLES = frozenset({"system", "developer", "user", "tool"})
 

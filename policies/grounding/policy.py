@@ -32,10 +32,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from engines.base import Completion, Delta
-from gateway.context import RequestContext
-from gateway.errors import GroundingFailed
-from gateway.schemas import ChatCompletionRequest, Message
+from core.events import Completion, Delta
+from core.context import RequestContext
+from core.errors import GroundingFailed
+from core.schemas import ChatCompletionRequest, Message
 from observability.metrics import Metrics
 from policies.base import Accept, Deps, Halt, PolicyBase, PolicyConfig, Reject, Retry, StreamMode, Verdict
 from policies.grounding.claims import Premise, claims_of, premise_of, split_sentences

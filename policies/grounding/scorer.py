@@ -31,8 +31,8 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import structlog
 
-from gateway.errors import GuardUnavailable
-from gateway.settings import GroundingSettings
+from core.errors import GuardUnavailable
+from core.settings import GroundingSettings
 from observability.metrics import Metrics
 from policies.grounding.claims import (
     Premise,

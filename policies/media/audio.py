@@ -22,8 +22,8 @@ import numpy as np
 import soundfile as sf
 import structlog
 
-from gateway.audio import wav_header
-from gateway.errors import InvalidMedia, MediaTooLarge
+from core.audio import wav_header
+from core.errors import InvalidMedia, MediaTooLarge
 from policies.media.config import AudioConfig
 from policies.media.container import check_declared, check_isobmff, open_av
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 
-from gateway.errors import InvalidMedia
+from core.errors import InvalidMedia
 
 # -- which demuxer opens the bytes ---------------------------------------------------------------------------
 

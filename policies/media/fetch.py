@@ -32,7 +32,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from pydantic import Field, field_validator
 from yarl import URL
 
-from gateway.errors import MediaFetchFailed, MediaTooLarge, MediaURLForbidden
+from core.errors import MediaFetchFailed, MediaTooLarge, MediaURLForbidden
 from policies.base import PolicyConfig
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

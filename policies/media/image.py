@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import structlog
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from gateway.errors import InvalidMedia
+from core.errors import InvalidMedia
 from policies.media.config import ImageConfig
 from policies.media.container import Truncated, check_declared, image_end, is_text
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import InvalidMedia
-from gateway.schemas import (
+from core.errors import InvalidMedia
+from core.schemas import (
     AudioURLPart,
     ChatCompletionRequest,
     ImagePart,
@@ -24,7 +24,7 @@ from gateway.schemas import (
     URLRef,
     VideoURLPart,
 )
-from gateway.spooled import SpooledMedia, SpoolFull, SpoolWriter
+from core.spooled import SpooledMedia, SpoolFull, SpoolWriter
 from policies.media.container import AUDIO_FORMATS
 from policies.media.worker import SharedBytes, SharedOut, write_out
 

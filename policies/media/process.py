@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import InvalidMedia, MediaTooLarge
-from gateway.spooled import SpooledMedia
+from core.errors import InvalidMedia, MediaTooLarge
+from core.spooled import SpooledMedia
 from policies.media import budget as tokens
 from policies.media.audio import AudioConfig, AudioResult, decode_pcm, normalise_audio, probe_audio
 from policies.media.budget import BudgetConfig

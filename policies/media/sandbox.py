@@ -27,9 +27,9 @@ from typing import Any
 
 import structlog
 
-from gateway import errors
-from gateway.errors import InvalidMedia, MediaTooLarge, Overloaded
-from gateway.settings import MediaSettings
+from core import errors
+from core.errors import InvalidMedia, MediaTooLarge, Overloaded
+from core.settings import MediaSettings
 from policies.media import worker
 from policies.media.parts import MediaRef, decode_payload_into
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import InvalidRequest
-from gateway.schemas import ChatCompletionRequest
+from core.errors import InvalidRequest
+from core.schemas import ChatCompletionRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ import numpy as np
 import structlog
 from PIL import Image
 
-from gateway.errors import InvalidMedia
+from core.errors import InvalidMedia
 from policies.media.config import VideoConfig
 from policies.media.container import check_isobmff, open_av
 

@@ -221,7 +221,7 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...], deadline_s: float) -> tup
     as its parts, and anything else as its class name only (the parent logs it, the client gets a
     generic message).
     """
-    from gateway.errors import OmnigateError
+    from core.errors import OmnigateError
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
     used = usage.ru_utime + usage.ru_stime

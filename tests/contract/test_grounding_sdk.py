@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from gateway.settings import PolicyChainConfig, PolicySpec
+from core.settings import PolicyChainConfig, PolicySpec
 from policies.grounding.policy import DEFAULT_INSTRUCTION
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until

@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.settings import DEFAULT_PUBLIC_MODEL, load_settings
+from core.settings import DEFAULT_PUBLIC_MODEL, load_settings
 from tests.harness import GatewayServer, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from bench.common import free_port, rss_kib
 from gateway.api.chat import _parse
-from gateway.errors import InvalidRequest
+from core.errors import InvalidRequest
 from tests.conftest import TEXT_MODEL
 
 pytestmark = pytest.mark.timeout(600)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from bench.common import free_port
-from gateway import spooled
+from core import spooled
 from tests.media import data_uri, tone, wav
 
 pytestmark = pytest.mark.timeout(180)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import httpx
 import orjson
 
-from engines.control_settings import (
+from core.control_settings import (
     CircuitSettings,
     ControllerSettings,
     RoutingSettings,
@@ -18,7 +18,7 @@ from engines.control_settings import (
     SharedStateSettings,
     SignalSettings,
 )
-from gateway.settings import EngineConfig, Settings
+from core.settings import EngineConfig, Settings
 from tests.harness import BackgroundLoop
 from tests.upstream import Script, ScriptedUpstream
 

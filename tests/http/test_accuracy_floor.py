@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from engines.control_settings import AccuracySettings, Rule, RuleAction, RuleSelector, default_rules
+from core.control_settings import AccuracySettings, Rule, RuleAction, RuleSelector, default_rules
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import Trio, admin, chat, engines, settings
 from tests.upstream import Script

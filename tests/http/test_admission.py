@@ -13,9 +13,9 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.context import RequestContext
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import PolicyChainConfig, PolicySpec, Settings
+from core.context import RequestContext
+from core.schemas import ChatCompletionRequest
+from core.settings import PolicyChainConfig, PolicySpec, Settings
 from gateway.tenants import mint_key
 from policies.registry import available_plugins
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings

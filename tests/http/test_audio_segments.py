@@ -11,10 +11,10 @@ import pytest
 import soundfile as sf
 from prometheus_client import CollectorRegistry
 
-from gateway.context import RequestContext
+from core.context import RequestContext
 from gateway.pipeline.segments import segment_request
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import PolicyChainConfig, PolicySpec
+from core.schemas import ChatCompletionRequest
+from core.settings import PolicyChainConfig, PolicySpec
 from policies.media_limits import MediaLimits, MediaLimitsConfig
 from tests.conftest import OMNI_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from gateway.console import session
 from gateway.console.routes import CSP
-from gateway.settings import Settings
+from core.settings import Settings
 from tests.console_setup import ADMIN, ADMIN_KEY, config, start, tenant_keys
 
 pytestmark = pytest.mark.timeout(120)

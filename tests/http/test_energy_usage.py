@@ -8,8 +8,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from engines.control_settings import EnergySettings, EngineTelemetry, RoutingSettings, SignalSettings
-from gateway.settings import EngineConfig, Settings
+from core.control_settings import EnergySettings, EngineTelemetry, RoutingSettings, SignalSettings
+from core.settings import EngineConfig, Settings
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import ADMIN, ADMIN_KEY
 from tests.upstream import Script, ScriptedUpstream

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
 from tests.harness import GatewayServer
 from tests.upstream import Script, ScriptedUpstream
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.control_settings import Rule, RuleAction, SharedStateSettings, default_rules
-from gateway.settings import PolicyChainConfig, PolicySpec
+from core.control_settings import Rule, RuleAction, SharedStateSettings, default_rules
+from core.settings import PolicyChainConfig, PolicySpec
 from policies.base import PolicyBase, PolicyConfig
 from policies.registry import available_plugins
 from tests.harness import GatewayServer, wait_until

@@ -16,7 +16,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from gateway.reload import reload_config
-from gateway.settings import load_settings
+from core.settings import load_settings
 from gateway.tenants import mint_key
 from tests.conftest import TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
@@ -118,7 +118,7 @@ def test_removing_the_last_tenant_by_reload_does_not_open_the_gateway(bg, upstre
 def test_required_false_next_to_tenants_or_a_shared_directory_is_refused():
     from pydantic import ValidationError
 
-    from gateway.settings import Settings
+    from core.settings import Settings
 
     with pytest.raises(ValidationError, match=re.escape("auth.required is false, but the config names tenants")):
         Settings(auth={"required": False}, tenants=[{"name": "a"}])

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.services import Services
-from gateway.settings import PolicyChainConfig, PolicySpec, Settings
+from core.settings import PolicyChainConfig, PolicySpec, Settings
 from gateway.tenants import mint_key
 from observability.metrics import Metrics
 from policies.registry import PolicyConfigError
@@ -202,7 +202,7 @@ def test_after_a_hot_reload_the_new_chain_still_fetches_and_bounds_media(bg, ups
            "routing": {"controller": {"enabled": False}}}
     path = tmp_path / "omnigate.yaml"
     path.write_text(yaml.safe_dump(doc))
-    from gateway.settings import load_settings
+    from core.settings import load_settings
 
     server = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
     try:

@@ -12,7 +12,7 @@ import soundfile as sf
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from gateway.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer
 from tests.media import (

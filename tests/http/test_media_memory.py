@@ -14,7 +14,7 @@ Two measures:
 
 Target (issue 15): peak memory per request at most 3x the decoded output it forwards, never more
 than the per-request budget; once the media step has replaced a part, nothing holds the client's
-base64 any more. A payload of 1 MiB or more is decoded into the spool (gateway/spooled.py) as the
+base64 any more. A payload of 1 MiB or more is decoded into the spool (core/spooled.py) as the
 body arrives: its bytes are then in a shared-memory file (counted by the media budgets), not in the
 gateway's resident set.
 """
@@ -39,8 +39,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from bench.common import free_port
-from gateway import spooled
-from gateway.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from core import spooled
+from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
 from tests.harness import GatewayServer
 from tests.media import data_uri, tone, wav
 
@@ -230,8 +230,8 @@ def test_once_the_engine_has_the_request_only_the_caller_holds_the_clients_strin
     """The string the parsed request carries, by reference count: the pipeline (its frames, the request
     context, the audit's copy of the request, the media step's leftovers) keeps no reference to it.
     ``audit_content: raw`` records the request as sent, media included: there the context keeps it."""
-    from gateway.context import RequestContext
-    from gateway.schemas import ChatCompletionRequest
+    from core.context import RequestContext
+    from core.schemas import ChatCompletionRequest
 
     pcm = wav(tone(30.0, rate=44100), 44100)  # resampled: the part is replaced, not reused
     request = ChatCompletionRequest.model_validate({"model": MODEL, "max_tokens": 8, "messages": [

@@ -15,8 +15,8 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway import spooled
-from gateway.settings import PolicyChainConfig, PolicySpec
+from core import spooled
+from core.settings import PolicyChainConfig, PolicySpec
 from gateway.tenants import mint_key
 from tests.conftest import OMNI_MODEL, gateway_settings
 from tests.harness import GatewayServer

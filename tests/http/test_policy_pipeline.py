@@ -6,7 +6,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.settings import PolicyChainConfig, PolicySpec
+from core.settings import PolicyChainConfig, PolicySpec
 from policies.registry import PolicyConfigError, available_plugins, build_chain
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer

@@ -14,7 +14,7 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
-from engines.control_settings import (
+from core.control_settings import (
     CircuitSettings,
     EngineTelemetry,
     Rule,

@@ -10,11 +10,11 @@ import socket
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.control_settings import Rule, RuleAction, RuleSelector, SharedStateSettings
+from core.control_settings import Rule, RuleAction, RuleSelector, SharedStateSettings
 from engines.rollback import ControllerState
 from engines.state_store import NotLeader, RedisStore
 from gateway.redis_client import SharedRedis
-from gateway.settings import RedisSettings
+from core.settings import RedisSettings
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import MODEL, REDIS, admin, chat, engines, settings
 from tests.upstream import Script

@@ -12,7 +12,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from gateway.reload import reload_config
-from gateway.settings import load_settings
+from core.settings import load_settings
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
 

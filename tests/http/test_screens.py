@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.settings import PolicyChainConfig, PolicySpec
+from core.settings import PolicyChainConfig, PolicySpec
 from policies.media.models import NSFWModel
 from tests.conftest import OMNI_MODEL, gateway_settings
 from tests.harness import GatewayServer

@@ -11,7 +11,7 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
-from gateway.settings import PolicyChainConfig, PolicySpec
+from core.settings import PolicyChainConfig, PolicySpec
 from gateway.tenants import mint_key
 from policies.registry import available_plugins
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings

@@ -248,7 +248,7 @@ def test_an_unpinned_engine_cannot_pass_its_check():
 
 
 def test_the_gateway_requires_the_revisions_the_weights_checks_verified(monkeypatch):
-    from gateway.settings import load_settings
+    from core.settings import load_settings
 
     config = compose_config("gpu", OMNI_INT4_REVISION=REVISION, OMNI_BF16_REVISION="f" * 40)
     env = config["services"]["gateway"]["environment"]

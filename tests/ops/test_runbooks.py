@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.app import create_app
-from gateway.settings import Settings
+from core.settings import Settings
 from tests.conftest import gateway_settings
 from tests.harness import GatewayServer
 from tests.ops.catalogue import (

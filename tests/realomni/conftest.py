@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
 from tests.harness import GatewayServer
 from tests.realomni.prepare import prepare
 from tests.realomni.server import OmniServer

@@ -6,7 +6,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
 from tests.harness import GatewayServer
 from tests.realvllm.prepare import prepare
 from tests.realvllm.server import VllmServer

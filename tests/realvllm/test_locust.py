@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
 from tests.harness import GatewayServer
 from tests.realvllm.conftest import ENGINE, MODEL
 from tests.upstream import Script, ScriptedUpstream

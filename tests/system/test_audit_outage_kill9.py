@@ -27,7 +27,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.settings import AuditSettings
+from core.settings import AuditSettings
 from gateway.tenants import mint_key
 from observability.audit.chain import Signer
 from observability.audit.store import build_store

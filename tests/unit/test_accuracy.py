@@ -21,11 +21,11 @@ from engines.accuracy import (
     is_correct,
     load_set,
 )
-from engines.control_settings import AccuracySettings, ControllerSettings, Rule, RuleAction, default_rules
+from core.control_settings import AccuracySettings, ControllerSettings, Rule, RuleAction, default_rules
 from engines.pool import build_engine
 from engines.rollback import ControllerState, EngineSignals, Snapshot, decide
 from engines.routing import EngineInfo
-from gateway.settings import EngineConfig
+from core.settings import EngineConfig
 from observability.metrics import Metrics
 from tests.upstream import Script, ScriptedUpstream
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.api.admin_state import _engine_json
-from gateway.settings import EngineConfig
+from core.settings import EngineConfig
 
 
 def test_engine_credentials_are_left_out():

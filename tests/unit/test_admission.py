@@ -6,11 +6,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from gateway.admission import AdmissionGate, Limits, LoadSnapshot, decide, decide_overload
-from gateway.context import RequestContext
-from gateway.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import EngineConfig, Settings, TrafficSettings
+from gateway.admission import AdmissionGate, Limits, decide, decide_overload
+from core.context import LoadSnapshot
+from core.context import RequestContext
+from core.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
+from core.schemas import ChatCompletionRequest
+from core.settings import EngineConfig, Settings, TrafficSettings
 from observability.metrics import Metrics
 from policies.shedding import LoadShedding, LoadSheddingConfig
 from policies.shedding import decide as shed

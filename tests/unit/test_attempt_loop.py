@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.base import Completion, Delta
+from core.events import Completion, Delta
 from engines.pool import EnginePool, build_engine
-from gateway.context import RequestContext
-from gateway.errors import EngineFailed, EngineProtocolError, EngineUnavailable
+from core.context import RequestContext
+from core.errors import EngineFailed, EngineProtocolError, EngineUnavailable
 from gateway.pipeline.attempt import Attempts, first_chunk
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import EngineConfig
+from core.schemas import ChatCompletionRequest
+from core.settings import EngineConfig
 from observability.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(30)

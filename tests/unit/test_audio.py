@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from gateway.audio import encode, split_wav, wav_header
-from gateway.errors import EngineProtocolError
+from core.audio import encode, split_wav, wav_header
+from core.errors import EngineProtocolError
 
 
 def _tone(n: int = 2400) -> bytes:

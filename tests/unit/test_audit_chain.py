@@ -14,7 +14,7 @@ import orjson
 import pytest
 from pydantic import SecretStr
 
-from gateway.settings import AuditSettings
+from core.settings import AuditSettings
 from observability.audit.chain import Signer, link
 from observability.audit.log import AuditLog
 from observability.audit.store import build_store

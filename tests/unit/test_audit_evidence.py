@@ -20,7 +20,7 @@ import asyncpg
 import orjson
 import pytest
 
-from gateway.settings import AuditSettings
+from core.settings import AuditSettings
 from observability.audit.chain import GENESIS, Checkpoint, Signer, link
 from observability.audit.log import AuditLog
 from observability.audit.store import build_store

@@ -11,7 +11,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from gateway.settings import AuditSettings
+from core.settings import AuditSettings
 from observability.audit import AuditLog
 from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 
-from engines.base import Completion, Delta, Usage
-from gateway.context import PolicyRun, RequestContext
-from gateway.schemas import ChatCompletionRequest
-from observability.audit.record import OutputDigest, RequestSnapshot, request_payload
+from core.events import Completion, Delta, Usage
+from core.context import PolicyRun, RequestContext
+from core.schemas import ChatCompletionRequest
+from core.digest import OutputDigest
+from observability.audit.record import RequestSnapshot, request_payload
 
 
 def _sha(s: str | bytes) -> str:

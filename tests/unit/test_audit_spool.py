@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.settings import AuditSettings
+from core.settings import AuditSettings
 from observability.audit.chain import Signer, canonical
 from observability.audit.log import AuditLog
 from observability.audit.store import Entry, build_store

@@ -20,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engines.base import Body, request_body, whole_strings, wire_messages
-from gateway import spooled
+from core import spooled
 from gateway.api import body as client_body
-from gateway.schemas import ChatCompletionRequest
-from gateway.spooled import SpooledMedia
+from core.schemas import ChatCompletionRequest
+from core.spooled import SpooledMedia
 
 RAW = os.urandom(3 * (1 << 19) + 2)  # decodes from 2 MiB of base64 with padding
 B64 = base64.b64encode(RAW).decode()
@@ -224,7 +224,7 @@ def test_a_killed_process_leaves_no_file():
     # The resource tracker unlinks what a process registered and did not unregister.
     code = (
         "import os, sys, signal\n"
-        "from gateway.spooled import SpoolWriter\n"
+        "from core.spooled import SpoolWriter\n"
         "w = SpoolWriter(); w.write(b'x' * 4096); m = w.finish('', 4)\n"
         "print(m.name, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"

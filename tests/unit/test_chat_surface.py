@@ -7,15 +7,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from engines.base import Completion, Delta, merge_tool_calls
+from core.events import Completion, Delta, merge_tool_calls
 from engines.openai_compat import rejection
 from engines.pool import EnginePool, build_engine
-from gateway.errors import EngineFailed, InvalidRequest
+from core.errors import EngineFailed, InvalidRequest
 from gateway.fields import UnknownField, parse_request
 from gateway.pipeline import Pipeline
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import EngineConfig, PolicyChainConfig
-from observability.audit.record import OutputDigest
+from core.schemas import ChatCompletionRequest
+from core.settings import EngineConfig, PolicyChainConfig
+from core.digest import OutputDigest
 from observability.metrics import Metrics
 from policies.registry import available_plugins, build_chain
 
@@ -128,7 +128,7 @@ def test_an_engine_that_cannot_honour_a_field_is_never_sent_it():
 def test_the_audit_record_digests_the_tool_calls_a_conversation_carries():
     import hashlib
 
-    from gateway.context import RequestContext
+    from core.context import RequestContext
     from observability.audit.record import RequestSnapshot, request_payload
 
     req = ChatCompletionRequest.model_validate({"model": "m", "messages": [

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.settings import DEFAULT_PUBLIC_MODEL, load_settings
+from core.settings import DEFAULT_PUBLIC_MODEL, load_settings
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "ops" / "config" / "omnigate.yaml"
 

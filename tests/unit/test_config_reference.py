@@ -20,7 +20,7 @@ from gateway.config_reference import (
     settings_reference,
     walk,
 )
-from gateway.settings import Settings, load_settings
+from core.settings import Settings, load_settings
 
 BUILT_IN = {"request-limits", "load-shedding", "grounding", "media-fetch", "media-limits", "nsfw-screen",
             "audio-screen"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from engines.control_settings import ControllerSettings, Rule, RuleAction, RuleSelector, default_rules
+from core.control_settings import ControllerSettings, Rule, RuleAction, RuleSelector, default_rules
 from engines.energy import EnergyBook, EnergyMeter, token_equivalents, trapezoid_joules
 from engines.rollback import ControllerState, EngineSignals, Snapshot, decide, route
 from engines.routing import EngineInfo

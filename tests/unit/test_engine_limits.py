@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry
 
 from engines.pool import EnginePool, build_engine
 from engines.routing import RoutingTable
-from gateway.errors import EngineBusy
-from gateway.settings import EngineConfig
+from core.errors import EngineBusy
+from core.settings import EngineConfig
 from observability.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,9 +1,9 @@
-"""The error tree drawn in ``gateway/errors.py``'s docstring is the tree the classes make.
+"""The error tree drawn in ``core/errors.py``'s docstring is the tree the classes make.
 
 The tree is rendered from ``OmnigateError.__subclasses__()``, walked depth first with each
 class's children in the order they are defined, one line per class: its status, OpenAI
 ``type`` and ``code`` (``-`` where the class has none), and the module of a class defined
-outside ``gateway.errors``. Every module of the project that subclasses an error class is
+outside ``core.errors``. Every module of the project that subclasses an error class is
 imported first (found by reading the sources), so a class added anywhere shows up.
 """
 
@@ -14,11 +14,11 @@ import importlib
 import inspect
 from pathlib import Path
 
-import gateway.errors
-from gateway.errors import OmnigateError
+import core.errors
+from core.errors import OmnigateError
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("gateway", "engines", "policies", "observability")
+PACKAGES = ("core", "gateway", "engines", "policies", "observability")
 NAME_WIDTH = 36
 TYPE_WIDTH = 23
 CODE_WIDTH = 24
@@ -59,12 +59,12 @@ def _walk(cls: type) -> list[type]:
 
 def _children(cls: type) -> list[type]:
     subs = [s for s in cls.__subclasses__() if not s.__module__.startswith("tests")]
-    return sorted(subs, key=lambda s: (s.__module__ != "gateway.errors", s.__module__,
+    return sorted(subs, key=lambda s: (s.__module__ != "core.errors", s.__module__,
                                        inspect.getsourcelines(s)[1]))
 
 
 def _line(cls: type) -> str:
-    where = "" if cls.__module__ == "gateway.errors" else f"  [{cls.__module__}]"
+    where = "" if cls.__module__ == "core.errors" else f"  [{cls.__module__}]"
     return f"{cls.status} {cls.type:<{TYPE_WIDTH}}{cls.code or '-':<{CODE_WIDTH}}".rstrip() + where
 
 
@@ -85,7 +85,7 @@ def render() -> list[str]:
 
 def drawn() -> list[str]:
     """The tree block of the module docstring: from the ``OmnigateError`` line to the next blank line."""
-    doc = gateway.errors.__doc__ or ""
+    doc = core.errors.__doc__ or ""
     lines = doc.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("    OmnigateError "))
     block = []
@@ -100,7 +100,7 @@ def test_the_docstring_draws_every_error_class_once_where_it_is():
     _import_subclassing_modules()
     rendered = render()
     expected = "\n".join("    " + x for x in rendered)
-    assert drawn() == rendered, "gateway/errors.py's tree should read:\n" + expected
+    assert drawn() == rendered, "core/errors.py's tree should read:\n" + expected
 
 
 def test_every_error_class_appears_once_in_the_tree():

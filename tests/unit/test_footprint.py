@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.ratelimit import RateLimiter
 from gateway.redis_client import SharedRedis
-from gateway.settings import RateLimitSettings, RedisSettings, TenantConfig
+from core.settings import RateLimitSettings, RedisSettings, TenantConfig
 from observability.metrics import Metrics
 
 HEAVY = ("numpy", "soundfile", "redis", "limits", "PIL", "av", "onnxruntime", "torch", "litellm")
@@ -27,7 +27,7 @@ _SCRIPT = textwrap.dedent(
     import json, sys
     from starlette.testclient import TestClient
     from gateway.app import create_app
-    from gateway.settings import Settings
+    from core.settings import Settings
 
     settings = Settings.model_validate({
         "engines": [{"name": "text", "kind": "vllm", "base_url": sys.argv[1], "model": "scripted",

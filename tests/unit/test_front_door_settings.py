@@ -14,7 +14,7 @@ import pytest
 
 from gateway.cli import auth_banner
 from gateway.secret_check import WeakSecret, check, problems
-from gateway.settings import Settings
+from core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "ops" / "config" / "omnigate.yaml"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engines.base import Delta
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import PolicyChainConfig, PolicySpec
+from core.events import Delta
+from core.schemas import ChatCompletionRequest
+from core.settings import PolicyChainConfig, PolicySpec
 from policies.grounding.claims import (
     claims_of,
     date_supported,
@@ -136,7 +136,7 @@ def test_retry_adjustment_lowers_temperature_and_adds_the_instruction_once():
 
 async def test_the_policy_takes_the_gateway_scorer_when_started():
     from gateway.services import Services
-    from gateway.settings import Settings
+    from core.settings import Settings
     from observability.metrics import Metrics
     from policies.registry import resources_used
 

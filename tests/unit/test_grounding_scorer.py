@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import GroundingSettings
+from core.schemas import ChatCompletionRequest
+from core.settings import GroundingSettings
 from observability.metrics import Metrics
 from policies.grounding.claims import claims_of, premise_of, split_sentences
 from policies.grounding.scorer import (
@@ -209,7 +209,7 @@ def test_fallback_with_a_missing_embedding_directory_fails_loading(tmp_path):
 
 
 async def test_a_failing_model_fails_closed_with_guard_unavailable(tmp_path):
-    from gateway.errors import GuardUnavailable
+    from core.errors import GuardUnavailable
 
     # The tiny model has 128 positions; allowing 512-token inputs makes a long premise overflow them.
     path = tiny_cross_encoder(tmp_path / "short", (-4.0, 4.0, -4.0))
@@ -229,7 +229,7 @@ async def test_a_failing_model_fails_closed_with_guard_unavailable(tmp_path):
 
 async def test_a_scorer_that_cannot_load_fails_the_gateway_start(tmp_path):
     from gateway.services import Services
-    from gateway.settings import PolicyChainConfig, PolicySpec, Settings
+    from core.settings import PolicyChainConfig, PolicySpec, Settings
 
     settings = Settings(
         policies=PolicyChainConfig(post=[PolicySpec(name="grounding")]),

@@ -15,7 +15,7 @@ _SCRIPT = textwrap.dedent(
     from starlette.testclient import TestClient
     from gateway import heap
     from gateway.app import create_app
-    from gateway.settings import Settings
+    from core.settings import Settings
 
     class Node:
         pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gateway.settings import EngineConfig, Settings
+from core.settings import EngineConfig, Settings
 
 
 def _engine(**kw) -> dict:

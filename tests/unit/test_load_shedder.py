@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gateway.context import RequestContext
-from gateway.schemas import ChatCompletionRequest
+from core.context import RequestContext
+from core.schemas import ChatCompletionRequest
 from gateway.services import unshed_chains
-from gateway.settings import PolicyChainConfig, PolicySpec
+from core.settings import PolicyChainConfig, PolicySpec
 from policies.base import LoadShedder, PolicyBase, PolicyConfig
 from policies.registry import available_plugins, build_chain
 from policies.shedding import LoadShedding

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import structlog.testing
 
-from engines.base import Completion, Delta
+from core.events import Completion, Delta
 from engines.local import LocalEngine
-from gateway.errors import EngineUnavailable
-from gateway.schemas import ChatCompletionRequest
-from gateway.settings import EngineConfig, LocalEngineOptions
+from core.errors import EngineUnavailable
+from core.schemas import ChatCompletionRequest
+from core.settings import EngineConfig, LocalEngineOptions
 
 pytestmark = pytest.mark.slow
 

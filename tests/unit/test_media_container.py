@@ -18,8 +18,8 @@ import soundfile as sf
 from PIL import Image, ImageCms
 
 from bench import hostile_corpus
-from gateway.errors import InvalidMedia
-from gateway.schemas import ChatCompletionRequest
+from core.errors import InvalidMedia
+from core.schemas import ChatCompletionRequest
 from policies.media.audio import AudioConfig, normalise_audio, probe_audio
 from policies.media.container import check_declared, check_isobmff, hidden_file
 from policies.media.image import ImageConfig, normalise_image

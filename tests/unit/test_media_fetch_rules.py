@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 from yarl import URL
 
-from gateway.errors import MediaURLForbidden
+from core.errors import MediaURLForbidden
 from policies.media.fetch import AddressPolicy, FetchConfig, SafeFetcher, literal_ip, refusal
 
 

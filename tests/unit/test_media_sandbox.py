@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from gateway.errors import InvalidMedia, MediaTooLarge, MediaURLForbidden, Overloaded
-from gateway.settings import MediaSettings
+from core.errors import InvalidMedia, MediaTooLarge, MediaURLForbidden, Overloaded
+from core.settings import MediaSettings
 from policies.media.audio import AudioConfig, decode_pcm, normalise_audio
 from policies.media.container import open_av, sniff_demuxer
 from policies.media.sandbox import ByteBudget, DecoderFailed, RequestBudget, Sandbox
@@ -267,7 +267,7 @@ def test_the_process_budget_makes_requests_wait_then_503():
 
 def test_urls_never_reach_an_engine_adapter():
     from engines.base import wire_messages
-    from gateway.schemas import ChatCompletionRequest
+    from core.schemas import ChatCompletionRequest
 
     for url in ("https://example.com/a.png", "http://127.0.0.1/x", "file:///etc/passwd", "ftp://x/y"):
         req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [

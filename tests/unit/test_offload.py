@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.control_settings import OffloadSettings
+from core.control_settings import OffloadSettings
 from engines.offload import OffloadClient, OffloadTarget, parse_sleep_state
 from engines.rollback import Intent
 from observability.metrics import Metrics

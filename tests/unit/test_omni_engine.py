@@ -7,10 +7,10 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.control_settings import EngineTelemetry, SignalSettings
+from core.control_settings import EngineTelemetry, SignalSettings
 from engines.telemetry import TelemetryCollector, parse_vllm
 from engines.vllm_omni import VLLMOmniEngine
-from gateway.settings import EngineConfig
+from core.settings import EngineConfig
 from observability.metrics import Metrics
 from tests.upstream import Script, ScriptedUpstream
 

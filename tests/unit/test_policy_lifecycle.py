@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.chains import Chains, ChainSet
-from gateway.settings import PolicyChainConfig, PolicySpec, Settings
+from core.settings import PolicyChainConfig, PolicySpec, Settings
 from observability.metrics import Metrics
 from policies.base import Deps, Policy, PolicyBase
 from policies.registry import PolicyConfigError, available_plugins, build_chain

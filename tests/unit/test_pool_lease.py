@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engines.pool import EnginePool, Lease, build_engine
-from gateway.errors import EngineProtocolError, EngineTimeout
-from gateway.settings import EngineConfig
+from core.errors import EngineProtocolError, EngineTimeout
+from core.settings import EngineConfig
 from observability.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(30)

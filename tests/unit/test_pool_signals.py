@@ -9,12 +9,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engines.circuit import Circuit
-from engines.control_settings import CircuitSettings, RoutingSettings
+from core.control_settings import CircuitSettings, RoutingSettings
 from engines.pool import EnginePool, build_engine
 from engines.routing import EngineInfo, RoutingTable, base_weights
 from engines.signals import EngineSummary, OutcomeWindow, bucket_counts, quantile
 from engines.telemetry import bucket_delta, histogram_quantile, parse_dcgm, parse_vllm
-from gateway.settings import EngineConfig
+from core.settings import EngineConfig
 from observability.metrics import Metrics
 
 

@@ -14,10 +14,10 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from gateway.admission import AdmissionGate, Limits, LocalSlots, RedisSlots, Ticket
-from gateway.context import RequestContext
-from gateway.errors import Overloaded, RateLimited
+from core.context import RequestContext
+from core.errors import Overloaded, RateLimited
 from gateway.redis_client import SharedRedis
-from gateway.settings import RedisSettings, TrafficSettings
+from core.settings import RedisSettings, TrafficSettings
 from observability.metrics import Metrics
 from tests.harness import eventually
 from tests.tcpproxy import TCPProxy

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from gateway.redis_client import SharedRedis
 from gateway.services import Services
-from gateway.settings import RedisSettings, load_settings
+from core.settings import RedisSettings, load_settings
 from observability.metrics import Metrics
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

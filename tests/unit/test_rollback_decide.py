@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from engines.control_settings import ControllerSettings, Rule, RuleAction, RuleSelector, default_rules
+from core.control_settings import ControllerSettings, Rule, RuleAction, RuleSelector, default_rules
 from engines.rollback import ControllerState, EngineSignals, Snapshot, Transition, decide, pin, route
 from engines.routing import EngineInfo, RoutingTable
 

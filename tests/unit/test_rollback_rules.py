@@ -11,11 +11,11 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.control_settings import ControllerSettings, OffloadSettings, Rule, RuleAction, default_rules
+from core.control_settings import ControllerSettings, OffloadSettings, Rule, RuleAction, default_rules
 from engines.pool import EnginePool, build_engine
 from engines.rollback import ControllerState, EngineSignals, Intent, Snapshot, Transition, decide, route
 from engines.routing import EngineInfo, RoutingTable
-from gateway.settings import EngineConfig
+from core.settings import EngineConfig
 from observability.metrics import Metrics
 
 INT4 = EngineInfo("omni-int4", "int4", "primary", ("omni",))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gateway.settings import Settings
+from core.settings import Settings
 
 ENGINES = [
     {"name": "a", "kind": "vllm", "base_url": "http://127.0.0.1:9/v1", "model": "m", "serves": ["x"]},

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from engines.base import Completion, Usage
-from gateway.context import SegmentPlan
+from core.events import Completion, Usage
+from core.context import SegmentPlan
 from gateway.pipeline.segments import join, segment_request, segmented
-from gateway.schemas import ChatCompletionRequest
+from core.schemas import ChatCompletionRequest
 
 
 def _audio(data: str) -> dict:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.base import Completion
-from engines.control_settings import SentinelSettings
+from core.events import Completion
+from core.control_settings import SentinelSettings
 from engines.language import detect
 from engines.sentinel import AccuracySentinel, WerScorer
 from observability.metrics import Metrics
@@ -134,7 +134,7 @@ async def test_the_configured_language_comes_first_tenant_then_model_then_deploy
 def test_the_example_deployment_turns_the_sentinel_on_for_english():
     import yaml
 
-    from gateway.settings import Settings
+    from core.settings import Settings
 
     path = Path(__file__).resolve().parents[2] / "ops" / "config" / "omnigate.yaml"
     routing = Settings(**yaml.safe_load(path.read_text())).routing

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from engines.openai_compat import _MAX_LINE_BYTES, sse_data
-from gateway.errors import EngineProtocolError
+from core.errors import EngineProtocolError
 
 
 async def _read(pieces: list[bytes]) -> list[list[bytes]]:

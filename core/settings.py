@@ -24,9 +24,9 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from engines.control_settings import EngineTelemetry, RoutingSettings
-from gateway.auth_settings import AdminKey, AuthSettings, MetricsSettings
-from gateway.settings_sources import EnvOverYaml
+from core.control_settings import EngineTelemetry, RoutingSettings
+from core.auth_settings import AdminKey, AuthSettings, MetricsSettings
+from core.settings_sources import EnvOverYaml
 
 _log = structlog.get_logger("omnigate.settings")
 

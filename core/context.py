@@ -1,7 +1,9 @@
 """Per-request state: one :class:`RequestContext` per request, never shared.
 
 Policies, the pipeline and the observability layer write what happened here; the
-access log event and the audit record are built from it.
+access log event and the audit record are built from it. The kernel knows the gateway's
+per-request leases (the admission slot, the policy chain generation) only as :class:`Lease`:
+the gateway puts them here and lets go of them, through ``release``, when the request ends.
 """
 
 from __future__ import annotations
@@ -9,18 +11,41 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from core.digest import OutputDigest
 
 if TYPE_CHECKING:
-    from engines.base import Completion
-    from engines.slots import Lease
-    from gateway.admission import LoadSnapshot, Ticket
-    from gateway.chains import ChainSet
-    from gateway.schemas import ChatCompletionRequest
-    from gateway.settings import TenantConfig
-    from observability.audit.record import OutputDigest
+    from core.events import Completion
+    from core.schemas import ChatCompletionRequest
+    from core.settings import TenantConfig
 
 Outcome = Literal["served", "degraded", "refused", "failed", "cancelled"]
+
+#: the degradation reason of a speech request served text-only above its soft limit
+DEGRADED_TEXT_ONLY = "load-text-only"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The load a request arrived at (admitted or refused); the ``load-shedding`` policy decides on it."""
+
+    priority: str
+    in_flight: int  # admitted requests in flight when this one arrived, not counting it
+    soft_limit: int
+    hard_limit: int
+    store: str  # "local" or "redis"
+
+    @property
+    def above_soft_limit(self) -> bool:
+        return self.in_flight >= self.soft_limit
+
+
+class Lease(Protocol):
+    """Something a request holds from start to end and gives back once (gateway/admission.py's
+    ``Ticket``, gateway/chains.py's ``ChainSet`` generation)."""
+
+    def release(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -92,7 +117,7 @@ class RequestContext:
     body_bytes: int = 0
     tenant: str | None = None
     #: the resolved tenant (models, policy set, limits); None when authentication is off
-    tenant_config: TenantConfig | None = None
+    tenant_config: "TenantConfig | None" = None
     #: the API key's public id (never the key); None when authentication is off or failed
     key_id: str | None = None
     #: priority class and concurrency quota of the tenant, read by admission
@@ -102,25 +127,26 @@ class RequestContext:
     #: the class the client asked for with the priority header (it may only lower its own)
     requested_priority: str | None = None
     #: the admission slot this request holds, released once when the request finishes
-    admission: Ticket | None = None
-    #: the engine slot the request's current attempt holds (engines/slots.Lease), settled once by the pipeline
-    lease: Lease | None = None
+    admission: Lease | None = None
+    #: the engine slot the request's current attempt holds (an engines.slots.Lease: the kernel imports
+    #: nothing above it), settled once by the pipeline
+    lease: Any = None
     #: the load the request was admitted under (what load shedding decides on)
-    load: LoadSnapshot | None = None
+    load: "LoadSnapshot | None" = None
     #: the tenant's policy set (None: the default chain) and what the audit keeps of content
     policy_set: str | None = None
     audit_content: str = "digests"
     #: the chain generation the request began on and runs to its end (a reload does not move it)
-    policies: ChainSet | None = None
+    policies: Lease | None = None
     #: shedding and rollback state when the request was served, written by the readers of the control loops
     control_state: dict[str, Any] = field(default_factory=dict)
     #: what the audit record is built from: the request as received and what was released
-    received: ChatCompletionRequest | None = None
+    received: "ChatCompletionRequest | None" = None
     #: the digests of the received parts (a list, or the task making it), once the pipeline has let go of
     #: the client's media strings; ``received`` then keeps the text only (observability/audit/record.py)
     input_digests: Any = None
     output: OutputDigest | None = None
-    completion: Completion | None = None
+    completion: "Completion | None" = None
     started: float = field(default_factory=time.perf_counter)
     public_model: str | None = None
     stream: bool = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import struct
 
-from gateway.errors import EngineProtocolError
+from core.errors import EngineProtocolError
 
 # A streamed WAV cannot know its length up front; 0xFFFFFFFF is the convention
 # streaming servers use, and libsndfile and browsers read up to the real end.

@@ -113,7 +113,7 @@ class OmnigateError(Exception):
 class InvalidRequest(OmnigateError):
     status = 400
     type = "invalid_request_error"
-    code = None
+    code: str | None = None
 
 
 class PayloadTooLarge(InvalidRequest):
