@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import orjson

@@ -39,7 +39,7 @@ from typing import Literal, Protocol
 
 import structlog
 
-from core.context import RequestContext
+from core.context import DEGRADED_TEXT_ONLY, LoadSnapshot, RequestContext
 from core.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
 from core.settings import RedisSettings, TrafficSettings
 from gateway.redis_client import SharedRedis
