@@ -17,9 +17,9 @@ from collections.abc import Awaitable, Callable
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 from bench.common import add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, wait_http
-from engines.pool import build_engine
 from core.schemas import ChatCompletionRequest
 from core.settings import EngineConfig
+from engines.pool import build_engine
 
 
 async def _drive(engine, request: ChatCompletionRequest, total: int, concurrency: int) -> tuple[float, int]:
@@ -39,8 +39,9 @@ async def _drive(engine, request: ChatCompletionRequest, total: int, concurrency
     return time.process_time() - t0, chunks
 
 
-async def measure(config: EngineConfig, request: ChatCompletionRequest, total: int,
-                  concurrency: int, warm_up: int = 10) -> tuple[float, int]:
+async def measure(
+    config: EngineConfig, request: ChatCompletionRequest, total: int, concurrency: int, warm_up: int = 10
+) -> tuple[float, int]:
     """CPU seconds and text chunks of ``total`` streamed requests through a fresh engine, after a warm-up."""
     engine = build_engine(config)
     await engine.start()
@@ -53,17 +54,26 @@ async def measure(config: EngineConfig, request: ChatCompletionRequest, total: i
 async def run(args: argparse.Namespace) -> dict:
     pin_self(0)
     port = free_port()
-    up = spawn(["-m", "tests.upstream", "--port", str(port), "--flavour", "vllm", "--chunks", str(args.chunks)], cpu=1)
+    up = spawn(
+        ["-m", "tests.upstream", "--port", str(port), "--flavour", "vllm", "--chunks", str(args.chunks)],
+        cpu=1,
+    )
     try:
         await wait_http(f"http://127.0.0.1:{port}/health")
         base = f"http://127.0.0.1:{port}/v1"
         request = ChatCompletionRequest.model_validate(
-            {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 1000}
+            {
+                "model": "bench",
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+                "max_tokens": 1000,
+            }
         )
         out = {}
         for kind, model in (("vllm", "scripted"), ("litellm", "hosted_vllm/scripted")):
-            config = EngineConfig(name=kind, kind=kind, base_url=base, model=model, serves=["bench"],
-                                  api_key="sk-bench")
+            config = EngineConfig(
+                name=kind, kind=kind, base_url=base, model=model, serves=["bench"], api_key="sk-bench"
+            )
             cpu, chunks = await measure(config, request, args.requests, args.concurrency, args.warm_up)
             out[kind] = {
                 "requests": args.requests,

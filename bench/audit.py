@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from core.events import Completion, Usage
 from core.context import PolicyRun, RequestContext
+from core.events import Completion, Usage
 from core.schemas import ChatCompletionRequest
 from core.settings import AuditSettings
 from observability.audit.log import AuditLog
@@ -38,12 +38,29 @@ ANSWER = ("Revenue grew, costs held, and the outlook is steady. " * 20)[:1024]
 
 def _snapshot(i: int) -> RequestSnapshot:
     request = ChatCompletionRequest.model_validate(
-        {"model": "bench", "messages": [{"role": "system", "content": "Be brief."},
-                                        {"role": "user", "content": PROMPT}]})
-    ctx = RequestContext(request_id=f"bench-{i}", tenant="acme", key_id="abcdefgh1234", public_model="bench",
-                         engine="bench-vllm", variant="fp16", attempts=1, outcome="served", stream=True,
-                         prompt_tokens=512, completion_tokens=256, ttft_s=0.05)
-    ctx.policy_runs = [PolicyRun("request-limits", "pre", "accept", 0.02), PolicyRun("nsfw", "post", "accept", 3.1)]
+        {
+            "model": "bench",
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}],
+        }
+    )
+    ctx = RequestContext(
+        request_id=f"bench-{i}",
+        tenant="acme",
+        key_id="abcdefgh1234",
+        public_model="bench",
+        engine="bench-vllm",
+        variant="fp16",
+        attempts=1,
+        outcome="served",
+        stream=True,
+        prompt_tokens=512,
+        completion_tokens=256,
+        ttft_s=0.05,
+    )
+    ctx.policy_runs = [
+        PolicyRun("request-limits", "pre", "accept", 0.02),
+        PolicyRun("nsfw", "post", "accept", 3.1),
+    ]
     completion = Completion(text=ANSWER, usage=Usage(512, 256))
     return RequestSnapshot(ctx, request, None, completion, 812.5)
 
@@ -74,9 +91,11 @@ async def _one_level(settings: AuditSettings, concurrency: int, total: int) -> d
     await audit.aclose()
     q = statistics.quantiles(ack_s, n=100, method="inclusive")
     return {
-        "concurrency": concurrency, "records": total,
+        "concurrency": concurrency,
+        "records": total,
         "submit_us": statistics.fmean(submit_s) * 1e6,
-        "ack_p50_ms": q[49] * 1000, "ack_p99_ms": q[98] * 1000,
+        "ack_p50_ms": q[49] * 1000,
+        "ack_p99_ms": q[98] * 1000,
         "cpu_per_record_us": cpu / total * 1e6,
         "records_per_s": total / wall,
     }
@@ -91,15 +110,20 @@ async def run(args: argparse.Namespace) -> list[dict]:
                 total = args.requests if c > 1 or args.smoke else max(200, args.requests // 4)
                 if store == "sqlite":
                     with tempfile.TemporaryDirectory() as tmp:
-                        settings = AuditSettings(store="sqlite", sqlite_path=Path(tmp) / "a.db", commit=mode,
-                                                 signing={"key": "bench"})
+                        settings = AuditSettings(
+                            store="sqlite",
+                            sqlite_path=Path(tmp) / "a.db",
+                            commit=mode,
+                            signing={"key": "bench"},
+                        )
                         r = await _one_level(settings, c, total)
                 else:
                     from tests.stores import fresh_pg_database_async
 
                     async with fresh_pg_database_async("omnigate_bench") as dsn:
-                        settings = AuditSettings(store="postgres", postgres_dsn=dsn, commit=mode,
-                                                 signing={"key": "bench"})
+                        settings = AuditSettings(
+                            store="postgres", postgres_dsn=dsn, commit=mode, signing={"key": "bench"}
+                        )
                         r = await _one_level(settings, c, total)
                 r.update(store=store, mode=mode)
                 results.append(r)
@@ -119,12 +143,16 @@ def main() -> None:
     results = asyncio.run(run(args))
     emit(smoke_result({"rows": results}, args), out_path(args, "audit"))
     print(f"\n{platform.processor() or platform.machine()}, Python {platform.python_version()}")
-    print("| store | mode | concurrent | records | submit (request path) | ack p50 / p99 | CPU per record | records/s |")
+    print(
+        "| store | mode | concurrent | records | submit (request path) | ack p50 / p99 | CPU per record | records/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['store']} | {r['mode']} | {r['concurrency']} | {r['records']} | {r['submit_us']:.1f} µs | "
-              f"{r['ack_p50_ms']:.2f} / {r['ack_p99_ms']:.2f} ms | {r['cpu_per_record_us']:.0f} µs | "
-              f"{r['records_per_s']:.0f} |")
+        print(
+            f"| {r['store']} | {r['mode']} | {r['concurrency']} | {r['records']} | {r['submit_us']:.1f} µs | "
+            f"{r['ack_p50_ms']:.2f} / {r['ack_p99_ms']:.2f} ms | {r['cpu_per_record_us']:.0f} µs | "
+            f"{r['records_per_s']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

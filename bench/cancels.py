@@ -43,8 +43,9 @@ async def _cancel_one(session: aiohttp.ClientSession, url: str, stream: bool, rn
     return closed
 
 
-async def run_cancels(bg: BackgroundLoop, gateway: GatewayServer, up: ScriptedUpstream, rounds: int,
-                      seed: int = 7) -> dict:
+async def run_cancels(
+    bg: BackgroundLoop, gateway: GatewayServer, up: ScriptedUpstream, rounds: int, seed: int = 7
+) -> dict:
     rng = random.Random(seed)
     url = gateway.url + "/v1/chat/completions"
     results: dict[str, list[float]] = {"stream": [], "json": []}

@@ -30,8 +30,11 @@ def free_port() -> int:
 def spawn(args: list[str], cpu: int | None, env: dict[str, str] | None = None) -> subprocess.Popen:
     prefix = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
     return subprocess.Popen(
-        [*prefix, sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [*prefix, sys.executable, *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
 
 

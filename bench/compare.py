@@ -69,8 +69,10 @@ def _litellm_bin() -> Path:
     exe = LITELLM_VENV / "bin" / "litellm"
     if not exe.exists():
         subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
-        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", f"litellm[proxy]=={LITELLM_VERSION}"],
-                       check=True)
+        subprocess.run(
+            [str(LITELLM_VENV / "bin" / "pip"), "install", "-q", f"litellm[proxy]=={LITELLM_VERSION}"],
+            check=True,
+        )
     return exe
 
 
@@ -78,10 +80,21 @@ def _omnigate(up_port: int, port: int, chain: str, audit: bool = True) -> list[s
     # The relay and LiteLLM's proxy have no admission limits or per-engine caps; lift omnigate's so the
     # comparison measures relaying (with its defaults it sheds above 16 and refuses above 64 streams).
     cfg = {
-        "engines": [{"name": "bench-vllm", "kind": "vllm", "base_url": f"http://127.0.0.1:{up_port}/v1",
-                     "model": "scripted", "variant": "fp16", "serves": ["bench"],
-                     "max_in_flight": 10000, "max_in_flight_overloaded": None}],
-        "policies": {"pre": [] if chain == "off" else [{"name": "load-shedding"}, {"name": "request-limits"}]},
+        "engines": [
+            {
+                "name": "bench-vllm",
+                "kind": "vllm",
+                "base_url": f"http://127.0.0.1:{up_port}/v1",
+                "model": "scripted",
+                "variant": "fp16",
+                "serves": ["bench"],
+                "max_in_flight": 10000,
+                "max_in_flight_overloaded": None,
+            }
+        ],
+        "policies": {
+            "pre": [] if chain == "off" else [{"name": "load-shedding"}, {"name": "request-limits"}]
+        },
         "traffic": {"soft_limit": 10000, "hard_limit": 10000},
         "logging": {"level": "warning"},
         "audit": {"enabled": audit},
@@ -99,18 +112,44 @@ def _start(target: str, up_port: int, port: int) -> tuple[subprocess.Popen, str]
     if target in ("omnigate", "omnigate-off", "omnigate-noaudit"):
         # omnigate-noaudit: policies off and no audit trail, to see what the durable audit costs.
         chain = "default" if target == "omnigate" else "off"
-        return spawn(_omnigate(up_port, port, chain, audit=target != "omnigate-noaudit"), cpu=0), \
-            f"http://127.0.0.1:{port}/readyz"
+        return spawn(
+            _omnigate(up_port, port, chain, audit=target != "omnigate-noaudit"), cpu=0
+        ), f"http://127.0.0.1:{port}/readyz"
     if target == "litellm":
         exe = _litellm_bin()
-        cfg = {"model_list": [{"model_name": "bench", "litellm_params": {
-            "model": "hosted_vllm/scripted", "api_base": f"http://127.0.0.1:{up_port}/v1", "api_key": "x"}}],
-            "litellm_settings": {"drop_params": True, "telemetry": False}}
+        cfg = {
+            "model_list": [
+                {
+                    "model_name": "bench",
+                    "litellm_params": {
+                        "model": "hosted_vllm/scripted",
+                        "api_base": f"http://127.0.0.1:{up_port}/v1",
+                        "api_key": "x",
+                    },
+                }
+            ],
+            "litellm_settings": {"drop_params": True, "telemetry": False},
+        }
         path = Path(tempfile.mkdtemp()) / "litellm.yaml"
         path.write_text(yaml.safe_dump(cfg))
         env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
-        proc = subprocess.Popen(["taskset", "-c", "0", str(exe), "--config", str(path), "--port", str(port),
-                                 "--num_workers", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                "taskset",
+                "-c",
+                "0",
+                str(exe),
+                "--config",
+                str(path),
+                "--port",
+                str(port),
+                "--num_workers",
+                "1",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         return proc, f"http://127.0.0.1:{port}/health/liveliness"
     raise ValueError(target)
 
@@ -147,7 +186,9 @@ async def _hold_open(url: str, body: dict, n: int, seconds: float) -> int:
     return count
 
 
-async def _held_rss(proc: subprocess.Popen, url: str, body: dict, up_port: int, args: argparse.Namespace) -> dict:
+async def _held_rss(
+    proc: subprocess.Popen, url: str, body: dict, up_port: int, args: argparse.Namespace
+) -> dict:
     """RSS per open stream: ``args.hold`` streams held open on a slow upstream."""
     await _set_script(up_port, flavour="vllm", chunk_delay_s=0.5, text=" ".join(["w"] * 40))
     try:
@@ -159,20 +200,46 @@ async def _held_rss(proc: subprocess.Popen, url: str, body: dict, up_port: int, 
             await asyncio.sleep(0.2)
         opened = held.result()
     finally:
-        await _set_script(up_port, flavour="vllm", chunk_delay_s=args.chunk_delay_ms / 1000,
-                          text=" ".join(["w"] * args.chunks))
+        await _set_script(
+            up_port,
+            flavour="vllm",
+            chunk_delay_s=args.chunk_delay_ms / 1000,
+            text=" ".join(["w"] * args.chunks),
+        )
     return {"held_streams": opened, "rss_kib_per_open_stream": (peak - before) / max(1, opened)}
 
 
 async def run(args: argparse.Namespace) -> dict:
     pin_self(1)
     up_port = free_port()
-    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", str(args.chunks),
-                      "--chunk-delay-ms", str(args.chunk_delay_ms)], cpu=1)
-    body = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4096}
-    out: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
-                 "chunks_per_request": args.chunks, "chunk_delay_ms": args.chunk_delay_ms, "targets": {},
-                 "direct": {}}
+    upstream = spawn(
+        [
+            "-m",
+            "tests.upstream",
+            "--port",
+            str(up_port),
+            "--flavour",
+            "vllm",
+            "--chunks",
+            str(args.chunks),
+            "--chunk-delay-ms",
+            str(args.chunk_delay_ms),
+        ],
+        cpu=1,
+    )
+    body = {
+        "model": "bench",
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4096,
+    }
+    out: dict = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
+        "chunks_per_request": args.chunks,
+        "chunk_delay_ms": args.chunk_delay_ms,
+        "targets": {},
+        "direct": {},
+    }
     procs: dict[str, subprocess.Popen] = {}
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
@@ -201,7 +268,7 @@ async def run(args: argparse.Namespace) -> dict:
             cpu = dict.fromkeys(args.targets, 0.0)
             for i in range(args.rounds):
                 # Direct and proxied runs alternate, and the targets take turns in a rotating order.
-                for target in args.targets[i % len(args.targets):] + args.targets[:i % len(args.targets)]:
+                for target in args.targets[i % len(args.targets) :] + args.targets[: i % len(args.targets)]:
                     _merge(direct[target], await stream_load(direct_url, direct_body, c, per_round))
                     cpu0 = cpu_seconds(procs[target].pid)
                     _merge(proxied[target], await stream_load(urls[target], body, c, per_round))
@@ -209,11 +276,15 @@ async def run(args: argparse.Namespace) -> dict:
             for target in args.targets:
                 d, r = direct[target], proxied[target]
                 out["direct"].setdefault(target, {})[c] = {
-                    "ttft_p50_ms": pct(d.ttft, 50) * 1e3, "ttft_p99_ms": pct(d.ttft, 99) * 1e3,
-                    "requests_per_s": d.requests / d.wall}
+                    "ttft_p50_ms": pct(d.ttft, 50) * 1e3,
+                    "ttft_p99_ms": pct(d.ttft, 99) * 1e3,
+                    "requests_per_s": d.requests / d.wall,
+                }
                 out["targets"][target]["levels"][c] = {
-                    "requests": r.requests, "errors": r.errors,
-                    "ttft_p50_ms": pct(r.ttft, 50) * 1e3, "ttft_p99_ms": pct(r.ttft, 99) * 1e3,
+                    "requests": r.requests,
+                    "errors": r.errors,
+                    "ttft_p50_ms": pct(r.ttft, 50) * 1e3,
+                    "ttft_p99_ms": pct(r.ttft, 99) * 1e3,
                     "added_ttft_p50_ms": (pct(r.ttft, 50) - pct(d.ttft, 50)) * 1e3,
                     "added_ttft_p99_ms": (pct(r.ttft, 99) - pct(d.ttft, 99)) * 1e3,
                     "added_gap_p50_ms": (pct(r.gaps, 50) - pct(d.gaps, 50)) * 1e3,
@@ -239,17 +310,28 @@ async def run(args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", default="1,16,64,256", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--targets", default="relay,omnigate-off,omnigate-noaudit,omnigate,litellm",
-                    type=lambda s: s.split(","))
+    ap.add_argument(
+        "--targets",
+        default="relay,omnigate-off,omnigate-noaudit,omnigate,litellm",
+        type=lambda s: s.split(","),
+    )
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--chunk-delay-ms", type=float, default=0.0)
     ap.add_argument("--min-requests", type=int, default=200)
-    ap.add_argument("--one-stream-requests", type=int, default=1200,
-                    help="requests at one stream (where the TTFT target is), per target and side")
+    ap.add_argument(
+        "--one-stream-requests",
+        type=int,
+        default=1200,
+        help="requests at one stream (where the TTFT target is), per target and side",
+    )
     ap.add_argument("--rounds", type=int, default=4, help="direct and proxied runs alternate this many times")
     ap.add_argument("--hold", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="whole runs, each with fresh processes; the summary gives each figure's median and range")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="whole runs, each with fresh processes; the summary gives each figure's median and range",
+    )
     ap.add_argument("--hold-s", type=float, default=3.0, help="seconds the held streams stay open")
     add_smoke(ap)
     args = ap.parse_args()
@@ -259,15 +341,20 @@ def main() -> None:
         missing = {}
         if "litellm" in args.targets and not (LITELLM_VENV / "bin" / "litellm").exists():
             args.targets = [t for t in args.targets if t != "litellm"]
-            missing["litellm"] = (f"LiteLLM's proxy is not installed in {LITELLM_VENV.relative_to(ROOT)} "
-                                  "(a full run installs it)")
+            missing["litellm"] = (
+                f"LiteLLM's proxy is not installed in {LITELLM_VENV.relative_to(ROOT)} "
+                "(a full run installs it)"
+            )
         emit(smoke_result(asyncio.run(run(args)), args, missing), out_path(args, "compare"))
         return
     if args.repeats == 1:
         emit(asyncio.run(run(args)), args.out)
         return
     runs = [asyncio.run(run(args)) for _ in range(args.repeats)]
-    emit({"machine": runs[0]["machine"], "repeats": args.repeats, "summary": summarize(runs), "runs": runs}, args.out)
+    emit(
+        {"machine": runs[0]["machine"], "repeats": args.repeats, "summary": summarize(runs), "runs": runs},
+        args.out,
+    )
 
 
 _SUMMARIZED = ("added_ttft_p50_ms", "added_ttft_p99_ms", "cpu_ms_per_request", "requests_per_s")
@@ -287,10 +374,15 @@ def summarize(runs: list[dict]) -> dict:
                 row[key] = _spread([r["targets"][target]["levels"][level][key] for r in runs])
             # Against the relay of the same run: what the issue's ratios compare.
             if target != "relay" and "relay" in runs[0]["targets"]:
-                row["added_ttft_p50_to_relay"] = _spread([
-                    r["targets"][target]["levels"][level]["added_ttft_p50_ms"]
-                    / r["targets"]["relay"]["levels"][level]["added_ttft_p50_ms"] for r in runs])
+                row["added_ttft_p50_to_relay"] = _spread(
+                    [
+                        r["targets"][target]["levels"][level]["added_ttft_p50_ms"]
+                        / r["targets"]["relay"]["levels"][level]["added_ttft_p50_ms"]
+                        for r in runs
+                    ]
+                )
     return out
+
 
 if __name__ == "__main__":
     main()

@@ -39,9 +39,10 @@ def _entry(i: int) -> Entry:
         "engine": None if refused else f"engine-{i % 4}",
         "status": 400 if refused else 200,
         "degraded": ["load-text-only"] if i % 500 == 3 else [],
-        "policies": [{"name": "request-limits", "verdict": "rewrite", "duration_ms": 0.03},
-                     {"name": "nsfw-screen", "verdict": "reject" if i % 200 == 11 else "accept",
-                      "duration_ms": 4.1}],
+        "policies": [
+            {"name": "request-limits", "verdict": "rewrite", "duration_ms": 0.03},
+            {"name": "nsfw-screen", "verdict": "reject" if i % 200 == 11 else "accept", "duration_ms": 4.1},
+        ],
         "input": [{"role": "user", "type": "text", "sha256": "0" * 64, "chars": 2048}],
     }
     tenant = f"tenant-{i % 10}"
@@ -57,7 +58,9 @@ QUERIES: dict[str, AuditQuery] = {
     "outcome refused (1 %)": AuditQuery(outcome="refused"),
     "policy + verdict (0.5 %)": AuditQuery(policy="nsfw-screen", verdict="reject"),
     "degraded text-only (0.2 %)": AuditQuery(degraded="load-text-only"),
-    "time range, one hour": AuditQuery(since="2026-03-01T05:00:00.000000Z", until="2026-03-01T06:00:00.000000Z"),
+    "time range, one hour": AuditQuery(
+        since="2026-03-01T05:00:00.000000Z", until="2026-03-01T06:00:00.000000Z"
+    ),
     "no match (whole chain)": AuditQuery(engine="engine-9"),
 }
 
@@ -100,8 +103,11 @@ async def bench_store(store: AuditStore, n: int, repeat: int) -> dict[str, dict[
 
 
 async def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.console_search", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.console_search",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--records", type=int, default=50_000)
     ap.add_argument("--stores", default="sqlite,postgres")
     ap.add_argument("--repeat", type=int, default=15)
@@ -132,8 +138,10 @@ async def main() -> None:
             else:
                 print(f"  {label:34s} {value['ms']:.0f} ms")
     if args.out or args.smoke:
-        emit(smoke_result({"records": args.records, "repeat": args.repeat, "stores": stores}, args),
-             out_path(args, "console_search"))
+        emit(
+            smoke_result({"records": args.records, "repeat": args.repeat, "stores": stores}, args),
+            out_path(args, "console_search"),
+        )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,15 @@ def _nvml():
         return None, f"NVML could not be read ({exc})"
 
 
-def measure(batches: list[int], new_tokens: int, prompt_len: int, idle_s: float, device: str = "cuda",
-            shape: dict | None = None, require_power: bool = True) -> dict:
+def measure(
+    batches: list[int],
+    new_tokens: int,
+    prompt_len: int,
+    idle_s: float,
+    device: str = "cuda",
+    shape: dict | None = None,
+    require_power: bool = True,
+) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -97,8 +104,12 @@ def measure(batches: list[int], new_tokens: int, prompt_len: int, idle_s: float,
         "driver": pynvml.nvmlSystemGetDriverVersion() if pynvml else None,
         "power_limit_w": pynvml.nvmlDeviceGetPowerManagementLimit(h) / 1000.0 if pynvml else None,
         "torch": torch.__version__,
-        "model": {"shape": shape, "params": sum(p.numel() for p in model.parameters()), "dtype": "bfloat16",
-                  "weights": "random"},
+        "model": {
+            "shape": shape,
+            "params": sum(p.numel() for p in model.parameters()),
+            "dtype": "bfloat16",
+            "weights": "random",
+        },
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "sample_period_s": 0.05,
@@ -126,18 +137,20 @@ def integrate(raw: dict) -> dict:
         busy_w = [w for _, w, b in part if b]
         idle_w = [w for _, w, b in part if not b]
         secs = run["end"] - run["start"]
-        out.append({
-            "batch": run["batch"],
-            "tokens": run["tokens"],
-            "seconds": round(secs, 3),
-            "tokens_per_s": round(run["tokens"] / secs, 1),
-            "joules": round(joules, 1),
-            "tokens_per_joule": round(meter.tokens_per_joule("gpu", run["tokens"]) or 0.0, 3),
-            "mean_busy_w": round(sum(busy_w) / len(busy_w), 1) if busy_w else None,
-            "mean_idle_w": round(sum(idle_w) / len(idle_w), 1) if idle_w else None,
-            "joules_if_idle_counted": round(trapezoid_joules((t, w, True) for t, w, _ in part), 1),
-            "samples": len(part),
-        })
+        out.append(
+            {
+                "batch": run["batch"],
+                "tokens": run["tokens"],
+                "seconds": round(secs, 3),
+                "tokens_per_s": round(run["tokens"] / secs, 1),
+                "joules": round(joules, 1),
+                "tokens_per_joule": round(meter.tokens_per_joule("gpu", run["tokens"]) or 0.0, 3),
+                "mean_busy_w": round(sum(busy_w) / len(busy_w), 1) if busy_w else None,
+                "mean_idle_w": round(sum(idle_w) / len(idle_w), 1) if idle_w else None,
+                "joules_if_idle_counted": round(trapezoid_joules((t, w, True) for t, w, _ in part), 1),
+                "samples": len(part),
+            }
+        )
     return {"device": raw["device"], "driver": raw["driver"], "runs": out}
 
 
@@ -152,14 +165,20 @@ def smoke(args: argparse.Namespace) -> None:
     if not raw["samples"]:
         missing["gpu power (NVML)"] = _nvml()[1] or "no samples"
     recorded = json.loads((ROOT / "bench" / "energy-gpu-h200-raw.json").read_text())
-    result = {"measure": raw, "integrate": integrate(recorded),
-              "integrate_measured": integrate(raw) if raw["samples"] else None}
+    result = {
+        "measure": raw,
+        "integrate": integrate(recorded),
+        "integrate_measured": integrate(raw) if raw["samples"] else None,
+    }
     emit(smoke_result(result, args, missing), out_path(args, "energy_gpu"))
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.energy_gpu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.energy_gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     p.add_argument("--out", type=Path, default=None, help="with --smoke: write the JSON result here")
     sub = p.add_subparsers(dest="cmd")
@@ -178,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd is None:
         p.error("a command is required: measure or integrate")
     if args.cmd == "measure":
-        raw = measure([int(b) for b in args.batches.split(",")], args.new_tokens, args.prompt_len, args.idle_s)
+        raw = measure(
+            [int(b) for b in args.batches.split(",")], args.new_tokens, args.prompt_len, args.idle_s
+        )
         with open(args.raw_out, "w") as f:
             json.dump(raw, f)
         print(json.dumps({k: v for k, v in raw.items() if k != "samples"}, indent=1))

@@ -44,8 +44,9 @@ MODES: dict[str, tuple[Script, bool]] = {
 }
 
 
-def start(bg: BackgroundLoop,
-          keepalive_s: float = 5.0) -> tuple[GatewayServer, ScriptedUpstream, ScriptedUpstream]:
+def start(
+    bg: BackgroundLoop, keepalive_s: float = 5.0
+) -> tuple[GatewayServer, ScriptedUpstream, ScriptedUpstream]:
     primary = ScriptedUpstream(Script(text=TEXT), record=False, keepalive_timeout=keepalive_s)
     fallback = ScriptedUpstream(Script(text=TEXT), record=False, keepalive_timeout=keepalive_s)
     bg.run(primary.start())
@@ -84,8 +85,12 @@ async def _one(session: aiohttp.ClientSession, url: str, expected: str) -> dict:
     clean_end = bool(frames) and frames[-1] == b"[DONE]"
     error_placed = not errors or errors == [len(frames) - 2]
     prefix = expected.startswith(text) and (bool(errors) or text == expected)
-    return {"status": 200, "ok": clean_end and error_placed and prefix, "errored": bool(errors),
-            "why": None if clean_end else "no [DONE]"}
+    return {
+        "status": 200,
+        "ok": clean_end and error_placed and prefix,
+        "errored": bool(errors),
+        "why": None if clean_end else "no [DONE]",
+    }
 
 
 async def run_mode(bg, gateway, primary, fallback, mode: str, rounds: int, concurrency: int) -> dict:
@@ -137,7 +142,9 @@ async def run_mode(bg, gateway, primary, fallback, mode: str, rounds: int, concu
 async def run_keepalive(bg, gateway, primary, fallback, n: int = 16, silence_s: float = 6.0) -> dict:
     """Requests, 6 s of silence (the upstream closes idle connections after 5 s), requests again."""
     # Both engines answer the same: beyond the primary's concurrency cap (8) requests go to the fallback.
-    bg.call(lambda: [(setattr(u, "default", Script(text=TEXT)), u.reset_stats()) for u in (primary, fallback)])
+    bg.call(
+        lambda: [(setattr(u, "default", Script(text=TEXT)), u.reset_stats()) for u in (primary, fallback)]
+    )
     url = gateway.url + "/v1/chat/completions"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         first = await asyncio.gather(*(_one(session, url, TEXT) for _ in range(n)))
@@ -163,12 +170,19 @@ def main() -> None:
     out = {}
     try:
         for mode in args.modes.split(","):
-            out[mode] = asyncio.run(run_mode(bg, gateway, primary, fallback, mode, args.rounds, args.concurrency))
+            out[mode] = asyncio.run(
+                run_mode(bg, gateway, primary, fallback, mode, args.rounds, args.concurrency)
+            )
             print(mode, json.dumps(out[mode]), file=sys.stderr, flush=True)
-        keepalive = asyncio.run(run_keepalive(bg, gateway, primary, fallback, n=2 if args.smoke else 16,
-                                              silence_s=keepalive_s + 1.0))
-        emit(smoke_result({"modes": out, "keepalive_closed_after_5s_idle": keepalive}, args),
-             out_path(args, "faults"))
+        keepalive = asyncio.run(
+            run_keepalive(
+                bg, gateway, primary, fallback, n=2 if args.smoke else 16, silence_s=keepalive_s + 1.0
+            )
+        )
+        emit(
+            smoke_result({"modes": out, "keepalive_closed_after_5s_idle": keepalive}, args),
+            out_path(args, "faults"),
+        )
     finally:
         gateway.stop()
         bg.run(primary.stop())

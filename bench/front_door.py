@@ -18,10 +18,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from gateway.auth_failures import AuthFailures, TooManyAuthFailures
 from core.auth_settings import DirectorySettings, FailureLimitSettings
-from gateway.directory.live import LiveDirectory
 from core.settings import Settings
+from gateway.auth_failures import AuthFailures, TooManyAuthFailures
+from gateway.directory.live import LiveDirectory
 from gateway.tenants import Directory, KeyEntry, KeyRefused, mint_key
 from observability.metrics import Metrics
 
@@ -40,7 +40,9 @@ async def _run(keys: int, calls: int, repeat: int) -> dict[str, float]:
         await live.read()
         await live.store.put_tenant("acme", '{"name": "acme"}', "now")
         minted = [mint_key() for _ in range(keys)]
-        await live.store.add_key(KeyEntry(minted[0].id, "acme", minted[0].sha256, True, "admin", "now"), "bench")
+        await live.store.add_key(
+            KeyEntry(minted[0].id, "acme", minted[0].sha256, True, "admin", "now"), "bench"
+        )
         rows = [(m.id, "acme", m.sha256, 1, "now", "bench") for m in minted[1:]]
 
         def bulk() -> None:  # one transaction: the bench measures reads, not 10,000 fsyncs
@@ -51,8 +53,13 @@ async def _run(keys: int, calls: int, repeat: int) -> dict[str, float]:
             db.execute("COMMIT")
 
         await live.store._run(bulk)
-        results: dict[str, list[float]] = {"refresh_unchanged": [], "refresh_changed": [], "authenticate_ok": [],
-                                           "authenticate_refused": [], "refused_with_limit": []}
+        results: dict[str, list[float]] = {
+            "refresh_unchanged": [],
+            "refresh_changed": [],
+            "authenticate_ok": [],
+            "authenticate_refused": [],
+            "refused_with_limit": [],
+        }
         settings = Settings()
         for _ in range(repeat):
             t = time.perf_counter()
@@ -74,7 +81,9 @@ async def _run(keys: int, calls: int, repeat: int) -> dict[str, float]:
                     pass
 
             results["authenticate_refused"].append(_per_call(refuse, calls))
-            failures = AuthFailures(FailureLimitSettings(max_failures=100_000), metrics, redis=None, key_prefix="b")
+            failures = AuthFailures(
+                FailureLimitSettings(max_failures=100_000), metrics, redis=None, key_prefix="b"
+            )
             start = time.perf_counter()
             for i in range(calls):
                 refuse()
@@ -102,8 +111,10 @@ def main() -> None:
         unit, scale = ("ms", 1e3) if name.startswith("refresh") else ("µs", 1e6)
         print(f"{name:24s} {value * scale:10.2f} {unit}")
     if args.out or args.smoke:
-        emit(smoke_result({"keys": args.keys, "calls": args.calls, "seconds_per_operation": out}, args),
-             out_path(args, "front_door"))
+        emit(
+            smoke_result({"keys": args.keys, "calls": args.calls, "seconds_per_operation": out}, args),
+            out_path(args, "front_door"),
+        )
 
 
 if __name__ == "__main__":

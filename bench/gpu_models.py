@@ -82,7 +82,13 @@ def bench_nsfw(assets: Path, batches: list[int], repeat: int, cuda: bool = True)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     inp = sess.get_inputs()[0]
     shape = [d if isinstance(d, int) else 1 for d in inp.shape]
-    out: dict = {"input": inp.name, "input_shape": inp.shape, "cpu_onnxruntime": {}, "cuda_fp32": {}, "cuda_fp16": {}}
+    out: dict = {
+        "input": inp.name,
+        "input_shape": inp.shape,
+        "cpu_onnxruntime": {},
+        "cuda_fp32": {},
+        "cuda_fp16": {},
+    }
     if cuda:
         import onnx
         from onnx2torch import convert
@@ -104,7 +110,9 @@ def bench_nsfw(assets: Path, batches: list[int], repeat: int, cuda: bool = True)
                 got16 = model(xt).float().cpu().numpy()
                 out["cuda_fp16"][b] = _time(lambda xt=xt: model(xt), _cuda_sync, repeat)
         out.setdefault("max_abs_diff_vs_onnxruntime", {})[b] = {
-            "fp32": float(np.abs(got - ref).max()), "fp16": float(np.abs(got16 - ref).max())}
+            "fp32": float(np.abs(got - ref).max()),
+            "fp16": float(np.abs(got16 - ref).max()),
+        }
     return out
 
 
@@ -112,18 +120,30 @@ def _cross_encoder(vocab: Path, hidden: int, layers: int, heads: int, inter: int
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
     tok = BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True)
-    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-                     num_attention_heads=heads, intermediate_size=inter, num_labels=3,
-                     id2label={0: "contradiction", 1: "entailment", 2: "neutral"},
-                     label2id={"contradiction": 0, "entailment": 1, "neutral": 2})
+    cfg = BertConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=inter,
+        num_labels=3,
+        id2label={0: "contradiction", 1: "entailment", 2: "neutral"},
+        label2id={"contradiction": 0, "entailment": 1, "neutral": 2},
+    )
     torch.manual_seed(0)
     BertForSequenceClassification(cfg).save_pretrained(where)
     tok.save_pretrained(where)
     return where
 
 
-def bench_nli(assets: Path, batches: list[int], repeat: int, cpu_threads: int, cuda: bool = True,
-              sizes: tuple[str, ...] = ("minilm_l12_h384", "bert_base")) -> dict:
+def bench_nli(
+    assets: Path,
+    batches: list[int],
+    repeat: int,
+    cpu_threads: int,
+    cuda: bool = True,
+    sizes: tuple[str, ...] = ("minilm_l12_h384", "bert_base"),
+) -> dict:
     from sentence_transformers import CrossEncoder
 
     premise = " ".join(["The quarterly report states that revenue grew by 12 percent in Europe"] * 16)
@@ -149,13 +169,16 @@ def bench_nli(assets: Path, batches: list[int], repeat: int, cpu_threads: int, c
                     continue
                 res["cuda_fp32"][b] = _time(partial(gpu.predict, pairs, batch_size=b), _cuda_sync, repeat)
                 res["cuda_fp16"][b] = _time(partial(gpu16.predict, pairs, batch_size=b), _cuda_sync, repeat)
-            res["tokens_per_pair"] = len(cpu.tokenizer(premise, hypothesis, truncation=True, max_length=512)["input_ids"])
+            res["tokens_per_pair"] = len(
+                cpu.tokenizer(premise, hypothesis, truncation=True, max_length=512)["input_ids"]
+            )
             out[name] = res
     return out
 
 
-def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: int = 48,
-                  cuda: bool = True) -> dict:
+def bench_whisper(
+    batches: list[int], repeat: int, weights: Path | None, steps: int = 48, cuda: bool = True
+) -> dict:
     """Encoder over 30 s of features, then ``steps`` greedy decoder steps with the KV cache.
 
     With ``weights`` (``python -m bench.whisper_weights --out DIR --check``): the real tiny.en
@@ -185,8 +208,13 @@ def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: 
             ids = torch.cat([ids, nxt], dim=1)
         return ids
 
-    out: dict = {"weights": "tiny.en (converted from faster-whisper's model)" if weights else "random",
-                 "decoder_steps": steps, "cpu": {}, "cuda_fp32": {}, "cuda_fp16": {}}
+    out: dict = {
+        "weights": "tiny.en (converted from faster-whisper's model)" if weights else "random",
+        "decoder_steps": steps,
+        "cpu": {},
+        "cuda_fp32": {},
+        "cuda_fp16": {},
+    }
     gpu = copy.deepcopy(base).cuda() if cuda else None
     gpu16 = copy.deepcopy(base).cuda().half() if cuda else None
     if weights is not None:
@@ -203,7 +231,9 @@ def bench_whisper(batches: list[int], repeat: int, weights: Path | None, steps: 
         feats = one.repeat(b, 1, 1)
         with torch.inference_mode():
             if b <= 8:
-                out["cpu"][b] = _time(partial(decode, base, feats), _nothing, max(min(2, repeat), repeat // 5))
+                out["cpu"][b] = _time(
+                    partial(decode, base, feats), _nothing, max(min(2, repeat), repeat // 5)
+                )
             if not cuda:
                 continue
             f = feats.cuda()
@@ -219,8 +249,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true", help="small batches and few repeats (a smoke run)")
     ap.add_argument("--only", default="nsfw,nli,whisper", help="comma-separated sections to run")
-    ap.add_argument("--whisper-weights", type=Path, default=None,
-                    help="Whisper tiny.en's real weights (python -m bench.whisper_weights --out DIR --check)")
+    ap.add_argument(
+        "--whisper-weights",
+        type=Path,
+        default=None,
+        help="Whisper tiny.en's real weights (python -m bench.whisper_weights --out DIR --check)",
+    )
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
     args.assets = args.assets or packaged_assets()
@@ -238,10 +272,21 @@ def main() -> None:
     small = [1] if args.smoke else [1, 8] if args.quick else None
     sections = {
         "nsfw": lambda: bench_nsfw(args.assets, small or [1, 8, 32, 128], repeat, cuda),
-        "nli": lambda: bench_nli(args.assets, small or [1, 8, 32, 128], repeat, cpu_threads, cuda,
-                                 ("minilm_l12_h384",) if args.smoke else ("minilm_l12_h384", "bert_base")),
-        "whisper": lambda: bench_whisper([1] if args.smoke else [1, 4] if args.quick else [1, 8, 32], repeat,
-                                         args.whisper_weights, 8 if args.smoke else 48, cuda),
+        "nli": lambda: bench_nli(
+            args.assets,
+            small or [1, 8, 32, 128],
+            repeat,
+            cpu_threads,
+            cuda,
+            ("minilm_l12_h384",) if args.smoke else ("minilm_l12_h384", "bert_base"),
+        ),
+        "whisper": lambda: bench_whisper(
+            [1] if args.smoke else [1, 4] if args.quick else [1, 8, 32],
+            repeat,
+            args.whisper_weights,
+            8 if args.smoke else 48,
+            cuda,
+        ),
     }
     for name, fn in sections.items():
         if name not in args.only.split(","):

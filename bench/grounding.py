@@ -138,8 +138,12 @@ def _scorer_latency(args: argparse.Namespace) -> dict:
 
     if args.device == "cpu":
         torch.set_num_threads(1)
-    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [
-        {"role": "system", "content": PREMISE}, {"role": "user", "content": QUESTION}]})
+    request = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "system", "content": PREMISE}, {"role": "user", "content": QUESTION}],
+        }
+    )
     premise = premise_of(request)
     tmp = Path(tempfile.mkdtemp())
     scorers = {}
@@ -160,30 +164,66 @@ def _scorer_latency(args: argparse.Namespace) -> dict:
             for n in args.claim_counts:
                 claims = claims_of(split_sentences(" ".join(ANSWER_SENTENCES[:n])))
                 times = _timed(scorer, premise, claims, args.answers, variant)
-                rows.append({
-                    "scorer": name, "premise": variant or "-", "claims": len(claims), "load_s": round(load_s, 2),
-                    "p50_ms": round(pct(times, 50) * 1e3, 1), "p99_ms": round(pct(times, 99) * 1e3, 1),
-                    "mean_ms": round(statistics.fmean(times) * 1e3, 1),
-                })
+                rows.append(
+                    {
+                        "scorer": name,
+                        "premise": variant or "-",
+                        "claims": len(claims),
+                        "load_s": round(load_s, 2),
+                        "p50_ms": round(pct(times, 50) * 1e3, 1),
+                        "p99_ms": round(pct(times, 99) * 1e3, 1),
+                        "mean_ms": round(statistics.fmean(times) * 1e3, 1),
+                    }
+                )
         if isinstance(scorer, FallbackScorer):
             continue  # its embedding cache makes identical concurrent answers nearly free: no fair figure
         claims = claims_of(split_sentences(" ".join(ANSWER_SENTENCES[:3])))
         wall = asyncio.run(_concurrent(scorer, premise, claims, args.concurrent))
-        concurrent.append({"scorer": name, "answers": args.concurrent, "claims_each": len(claims),
-                           "wall_ms": round(wall * 1e3, 1), "per_answer_ms": round(wall / args.concurrent * 1e3, 1)})
-    return {"device": args.device, "premise_sentences": len(premise.sentences), "rows": rows,
-            "concurrent": concurrent}
+        concurrent.append(
+            {
+                "scorer": name,
+                "answers": args.concurrent,
+                "claims_each": len(claims),
+                "wall_ms": round(wall * 1e3, 1),
+                "per_answer_ms": round(wall / args.concurrent * 1e3, 1),
+            }
+        )
+    return {
+        "device": args.device,
+        "premise_sentences": len(premise.sentences),
+        "rows": rows,
+        "concurrent": concurrent,
+    }
 
 
 def _config(up_port: int, grounded: bool) -> dict:
     serves = ["bench-off"] if not grounded else ["bench-passthrough", "bench-window", "bench-hold"]
     policies: dict = {"pre": [{"name": "request-limits"}]}
     if grounded:
-        policies["post"] = [{"name": "grounding", "config": {"mode": "hold", "modes_by_model": {
-            "bench-passthrough": "passthrough", "bench-window": "window", "bench-hold": "hold"}}}]
+        policies["post"] = [
+            {
+                "name": "grounding",
+                "config": {
+                    "mode": "hold",
+                    "modes_by_model": {
+                        "bench-passthrough": "passthrough",
+                        "bench-window": "window",
+                        "bench-hold": "hold",
+                    },
+                },
+            }
+        ]
     return {
-        "engines": [{"name": "bench-vllm", "kind": "vllm", "base_url": f"http://127.0.0.1:{up_port}/v1",
-                     "model": "scripted", "variant": "fp16", "serves": serves}],
+        "engines": [
+            {
+                "name": "bench-vllm",
+                "kind": "vllm",
+                "base_url": f"http://127.0.0.1:{up_port}/v1",
+                "model": "scripted",
+                "variant": "fp16",
+                "serves": serves,
+            }
+        ],
         "policies": policies,
         "logging": {"level": "warning"},
     }
@@ -194,16 +234,34 @@ async def _ttfb(args: argparse.Namespace) -> dict:
     answer = " ".join(ANSWER_SENTENCES)
     up_port, off_port, on_port = free_port(), free_port(), free_port()
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--text", answer,
-                      "--chunk-delay-ms", str(args.chunk_delay_ms)], cpu=1)
+    upstream = spawn(
+        [
+            "-m",
+            "tests.upstream",
+            "--port",
+            str(up_port),
+            "--flavour",
+            "vllm",
+            "--text",
+            answer,
+            "--chunk-delay-ms",
+            str(args.chunk_delay_ms),
+        ],
+        cpu=1,
+    )
     procs = [upstream]
     tmp = Path(tempfile.mkdtemp())
     for port, grounded in ((off_port, False), (on_port, True)):
         cfg = tmp / f"g{int(grounded)}.yaml"
         cfg.write_text(yaml.safe_dump(_config(up_port, grounded)))
         # A smoke run lets both gateways start side by side (its figures are not quoted).
-        procs.append(spawn(["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
-                           cpu=None if args.smoke else 0, env=env))
+        procs.append(
+            spawn(
+                ["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+                cpu=None if args.smoke else 0,
+                env=env,
+            )
+        )
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         for port in (off_port, on_port):
@@ -211,7 +269,12 @@ async def _ttfb(args: argparse.Namespace) -> dict:
         messages = [{"role": "system", "content": PREMISE}, {"role": "user", "content": QUESTION}]
         rows = []
         base = None
-        for mode, port in (("no guard", off_port), ("passthrough", on_port), ("window", on_port), ("hold", on_port)):
+        for mode, port in (
+            ("no guard", off_port),
+            ("passthrough", on_port),
+            ("window", on_port),
+            ("hold", on_port),
+        ):
             model = "bench-off" if mode == "no guard" else f"bench-{mode}"
             body = {"model": model, "stream": True, "messages": messages}
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -220,9 +283,16 @@ async def _ttfb(args: argparse.Namespace) -> dict:
             p50, p99 = pct(res.ttft, 50) * 1e3, pct(res.ttft, 99) * 1e3
             if base is None:
                 base = p50
-            rows.append({"mode": mode, "requests": res.requests, "errors": res.errors,
-                         "ttfb_p50_ms": round(p50, 1), "ttfb_p99_ms": round(p99, 1),
-                         "added_p50_ms": round(p50 - base, 1)})
+            rows.append(
+                {
+                    "mode": mode,
+                    "requests": res.requests,
+                    "errors": res.errors,
+                    "ttfb_p50_ms": round(p50, 1),
+                    "ttfb_p99_ms": round(p99, 1),
+                    "added_p50_ms": round(p50 - base, 1),
+                }
+            )
         return {"answer_words": len(answer.split()), "chunk_delay_ms": args.chunk_delay_ms, "rows": rows}
     finally:
         for p in procs:
@@ -241,9 +311,15 @@ def main() -> None:
     ap.add_argument("--skip-ttfb", action="store_true")
     ap.add_argument("--device", default="cpu", help="torch device for the scorers (cpu, cuda)")
     ap.add_argument("--scorers", choices=["all", "fallback", "cross-encoder"], default="all")
-    ap.add_argument("--concurrent", type=int, default=16, help="answers judged at once for the batching figure")
-    ap.add_argument("--encoder-dir", type=Path, default=None,
-                    help="a MiniLM config + tokenizer directory (weights optional) instead of the package's")
+    ap.add_argument(
+        "--concurrent", type=int, default=16, help="answers judged at once for the batching figure"
+    )
+    ap.add_argument(
+        "--encoder-dir",
+        type=Path,
+        default=None,
+        help="a MiniLM config + tokenizer directory (weights optional) instead of the package's",
+    )
     add_smoke(ap)
     args = ap.parse_args()
     args.claim_counts, args.warm = (1, 3, 8), 3

@@ -945,11 +945,22 @@ def clean_video(seconds: float) -> Sample:
 def _demuxer_tricks() -> Iterator[Sample]:
     """Text that FFmpeg's probe takes for a demuxer that opens other files or URLs (issue 15)."""
     concat = b"ffconcat version 1.0\nfile recording-1.wav\n"  # 42 bytes: a file in the working directory
-    yield Sample("ffconcat-as-audio", "demuxer_trick", "input_audio", "audio/wav", concat,
-                 what="concat demuxer reading a file from the gateway's working directory")
+    yield Sample(
+        "ffconcat-as-audio",
+        "demuxer_trick",
+        "input_audio",
+        "audio/wav",
+        concat,
+        what="concat demuxer reading a file from the gateway's working directory",
+    )
     yield Sample("ffconcat-as-video", "demuxer_trick", "video_url", "video/mp4", concat)
-    yield Sample("concat-absolute-path", "demuxer_trick", "audio_url", "audio/wav",
-                 b"ffconcat version 1.0\nfile /etc/hostname\n")
+    yield Sample(
+        "concat-absolute-path",
+        "demuxer_trick",
+        "audio_url",
+        "audio/wav",
+        b"ffconcat version 1.0\nfile /etc/hostname\n",
+    )
     hls = b"#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1,\nhttp://169.254.169.254/latest\n#EXT-X-ENDLIST\n"
     yield Sample("hls-playlist-as-video", "demuxer_trick", "video_url", "video/mp4", hls)
     yield Sample("hls-playlist-as-audio", "demuxer_trick", "audio_url", "audio/mpeg", hls)

@@ -196,8 +196,9 @@ def warm_up(client: httpx.Client, rig: Rig, parts: tuple[str, ...] | None = None
             raise RuntimeError(f"warm-up {sample.name}: {resp.status_code} {resp.text[:300]}")
 
 
-def ordinary_video(client: httpx.Client, rig: Rig,
-                   lengths: tuple[float, ...] = (2.0, 4.0, 8.0)) -> list[dict[str, Any]]:
+def ordinary_video(
+    client: httpx.Client, rig: Rig, lengths: tuple[float, ...] = (2.0, 4.0, 8.0)
+) -> list[dict[str, Any]]:
     """For comparison, clean 320x240 clips of 2, 4 and 8 s after the corpus: the peak RSS each leaves."""
     out = []
     for seconds in lengths:

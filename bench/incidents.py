@@ -375,7 +375,8 @@ async def run_scenario(
                 watched = next(e for e in st["engines"] if e["name"] == f"omni-{watch_engine}")
                 seen = watched["signals"].get(watch)
                 if isinstance(seen, (int, float)) and (
-                    res.peak_signal is None or (seen < res.peak_signal if watch_low else seen > res.peak_signal)
+                    res.peak_signal is None
+                    or (seen < res.peak_signal if watch_low else seen > res.peak_signal)
                 ):
                     res.peak_signal = round(seen, 4)
                 auto = [t for t in st["recent_transitions"] if t["source"] == "auto" and t["at"] >= t0 - 1]
@@ -498,7 +499,9 @@ async def unscored_speech(s, ups, url, t0, res) -> None:
                 continue
             if sample.name == "omnigate_sentinel_unscored_total":
                 counts["unscored"] = counts.get("unscored", 0.0) + sample.value
-            elif sample.name == "omnigate_sentinel_samples_total" and sample.labels.get("outcome") == "scored":
+            elif (
+                sample.name == "omnigate_sentinel_samples_total" and sample.labels.get("outcome") == "scored"
+            ):
                 counts["scored"] = sample.value
     res.note = (
         f"INT4 answers unscored (not English): {counts.get('unscored', 0):.0f}; scored: "
@@ -608,15 +611,26 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
             (
                 "energy",
                 "energy: BF16 (serving) falls to ~50 tokens/J (GPU 1.2 -> 4 W at ~200 tokens/s)",
-                dict(inject=energy_inject, prepare=energy_prepare, tweak=energy_layout, watch="tokens_per_joule",
-                     watch_engine="bf16", watch_low=True, observe_s=60.0,
-                     note="BF16 serves first here; its last column counts BF16 requests, the signal is the lowest seen"),
+                dict(
+                    inject=energy_inject,
+                    prepare=energy_prepare,
+                    tweak=energy_layout,
+                    watch="tokens_per_joule",
+                    watch_engine="bf16",
+                    watch_low=True,
+                    observe_s=60.0,
+                    note="BF16 serves first here; its last column counts BF16 requests, the signal is the lowest seen",
+                ),
             ),
             (
                 "accuracy",
                 "latency spike on INT4 while INT8 scores 0 % on the held-out set (targets: INT8, then BF16)",
-                dict(inject=accuracy_inject, prepare=accuracy_prepare, tweak=accuracy_layout,
-                     note="INT8 scored 0 % on the held-out set"),
+                dict(
+                    inject=accuracy_inject,
+                    prepare=accuracy_prepare,
+                    tweak=accuracy_layout,
+                    note="INT8 scored 0 % on the held-out set",
+                ),
             ),
             (
                 "p50",
@@ -636,8 +650,14 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
             (
                 "wer-zh",
                 "Chinese speech on INT4 (the sentinel hears English only)",
-                dict(inject=None, speech="zh", watch="wer", until_switch=False, observe_s=30.0,
-                     after=unscored_speech),
+                dict(
+                    inject=None,
+                    speech="zh",
+                    watch="wer",
+                    until_switch=False,
+                    observe_s=30.0,
+                    after=unscored_speech,
+                ),
             ),
         ]
         speech = None
@@ -676,8 +696,10 @@ def table(results: list[Result]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+
         def fmt(x):
             return "—" if x is None else f"{x:.2f} s"
+
         note = f" ({r.note})" if r.note else ""
         lines.append(
             f"| {r.expected}{note} | {r.requests} | {r.failed} | {fmt(r.detect_s)} | {fmt(r.switch_s)} | "
@@ -708,8 +730,9 @@ def main() -> None:
         help="comma-separated: spike,vram,crash,drift,noise,noise-near,wer,energy,accuracy,p50,offload,wer-zh",
     )
     add_smoke(p)
-    p.add_argument("--tiny", action="store_true",
-                   help="short phases, long enough for each incident to play out")
+    p.add_argument(
+        "--tiny", action="store_true", help="short phases, long enough for each incident to play out"
+    )
     args = p.parse_args()
     if args.smoke and not args.only:
         args.only = "energy"

@@ -72,8 +72,14 @@ def gateway_config(engines: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def omni_engine(port: int) -> dict[str, Any]:
-    return {"name": "omni-scripted", "kind": "vllm-omni", "base_url": f"http://127.0.0.1:{port}/v1",
-            "model": "scripted", "serves": [OMNI_MODEL], "variant": "bf16"}
+    return {
+        "name": "omni-scripted",
+        "kind": "vllm-omni",
+        "base_url": f"http://127.0.0.1:{port}/v1",
+        "model": "scripted",
+        "serves": [OMNI_MODEL],
+        "variant": "bf16",
+    }
 
 
 @contextmanager
@@ -92,11 +98,19 @@ def started(against: str) -> Iterator[tuple[str, str, str]]:
             from tests.realvllm.server import VllmServer
 
             vllm = VllmServer(prepare()).start()
-            engines.append({
-                "name": "real-vllm", "kind": "vllm", "base_url": vllm.base_url, "model": "smollm2",
-                "serves": [TEXT_MODEL], "variant": "bf16", "first_byte_timeout_s": 120, "read_timeout_s": 120,
-                "max_context_tokens": 2048,
-            })
+            engines.append(
+                {
+                    "name": "real-vllm",
+                    "kind": "vllm",
+                    "base_url": vllm.base_url,
+                    "model": "smollm2",
+                    "serves": [TEXT_MODEL],
+                    "variant": "bf16",
+                    "first_byte_timeout_s": 120,
+                    "read_timeout_s": 120,
+                    "max_context_tokens": 2048,
+                }
+            )
             text_model = TEXT_MODEL
         cfg = Path(tempfile.mkdtemp(prefix="omnigate-load-")) / "gateway.yaml"
         cfg.write_text(yaml.safe_dump(gateway_config(engines)))
@@ -111,14 +125,46 @@ def started(against: str) -> Iterator[tuple[str, str, str]]:
             vllm.stop()
 
 
-def locust_command(host: str, text_model: str, omni_model: str, users: int, seconds: int, summary: Path,
-                   weights: str, max_tokens: int) -> list[str]:
+def locust_command(
+    host: str,
+    text_model: str,
+    omni_model: str,
+    users: int,
+    seconds: int,
+    summary: Path,
+    weights: str,
+    max_tokens: int,
+) -> list[str]:
     return [
-        sys.executable, "-m", "locust", "-f", str(ROOT / "bench" / "locustfile.py"), "--headless",
-        "-u", str(users), "-r", str(users), "-t", f"{seconds}s", "--host", host, "--only-summary",
-        "--stop-timeout", "30", "--text-model", text_model, "--omni-model", omni_model,
-        "--weights", weights, "--max-tokens", str(max_tokens), "--summary-json", str(summary),
-        "--loglevel", "WARNING",
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(ROOT / "bench" / "locustfile.py"),
+        "--headless",
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "-t",
+        f"{seconds}s",
+        "--host",
+        host,
+        "--only-summary",
+        "--stop-timeout",
+        "30",
+        "--text-model",
+        text_model,
+        "--omni-model",
+        omni_model,
+        "--weights",
+        weights,
+        "--max-tokens",
+        str(max_tokens),
+        "--summary-json",
+        str(summary),
+        "--loglevel",
+        "WARNING",
     ]
 
 
@@ -135,8 +181,9 @@ def main() -> None:
         args.against, args.users, args.seconds = "scripted", 2, 4
     summary = Path(tempfile.mkdtemp(prefix="omnigate-locust-")) / "summary.json"
     with started(args.against) as (host, text_model, omni_model):
-        cmd = locust_command(host, text_model, omni_model, args.users, args.seconds, summary, args.weights,
-                             args.max_tokens)
+        cmd = locust_command(
+            host, text_model, omni_model, args.users, args.seconds, summary, args.weights, args.max_tokens
+        )
         run = subprocess.run(cmd, cwd=ROOT, env={**os.environ}, timeout=args.seconds + 300)
     result = json.loads(summary.read_text())
     result["against"] = args.against

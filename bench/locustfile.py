@@ -226,9 +226,7 @@ def build_summary(env: Environment) -> dict[str, Any]:
     duration = max(wall, 1e-9)
     all_ttft = [v for k in KINDS for v in SAMPLES.ttft[k]]
     after = _scrape(env)
-    engine_p99 = (
-        quantile_of(0.99, SAMPLES.engine_before or {}, after) if after is not None else None
-    )
+    engine_p99 = quantile_of(0.99, SAMPLES.engine_before or {}, after) if after is not None else None
     ttft = summarise(all_ttft)
     audio = summarise(SAMPLES.first_audio)
     rps = requests_done / duration if requests_done else 0.0
@@ -311,8 +309,12 @@ class OmniUser(HttpUser):
         ttft = audio_at = None
         done = False
         with self.client.post(
-            "/v1/chat/completions", json=self.body(kind), headers=self.headers, stream=True,
-            name=f"chat {kind}", catch_response=True,
+            "/v1/chat/completions",
+            json=self.body(kind),
+            headers=self.headers,
+            stream=True,
+            name=f"chat {kind}",
+            catch_response=True,
         ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
@@ -355,9 +357,21 @@ class OmniUser(HttpUser):
                 return
             resp.success()
         SAMPLES.ttft[kind].append(ttft)
-        fire(request_type="TTFT", name=kind, response_time=ttft * 1000, response_length=0, exception=None,
-             context={})
+        fire(
+            request_type="TTFT",
+            name=kind,
+            response_time=ttft * 1000,
+            response_length=0,
+            exception=None,
+            context={},
+        )
         if audio_at is not None:
             SAMPLES.first_audio.append(audio_at)
-            fire(request_type="first-audio", name=kind, response_time=audio_at * 1000, response_length=0,
-                 exception=None, context={})
+            fire(
+                request_type="first-audio",
+                name=kind,
+                response_time=audio_at * 1000,
+                response_length=0,
+                exception=None,
+                context={},
+            )

@@ -75,7 +75,9 @@ def bomb_child() -> None:
 
     cfg = ImageConfig()
     data = png_bomb(50_000, 50_000)
-    with contextlib.suppress(InvalidMedia):  # warm the code path once with a small file so imports are not counted
+    with contextlib.suppress(
+        InvalidMedia
+    ):  # warm the code path once with a small file so imports are not counted
         normalise_image(png_bomb(9000, 9000), cfg, "p")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
@@ -217,8 +219,10 @@ def main() -> None:
     for row in rows:
         print("| " + " | ".join(row) + " |")
     if args.out or args.smoke:
-        result = {"rows": [dict(zip(("figure", "wall", "cpu", "target"), row, strict=True)) for row in rows],
-                  "bomb": bomb}
+        result = {
+            "rows": [dict(zip(("figure", "wall", "cpu", "target"), row, strict=True)) for row in rows],
+            "bomb": bomb,
+        }
         emit(smoke_result(result, args), out_path(args, "media"))
 
 

@@ -38,10 +38,14 @@ from tests.media import data_uri, photo, tone, video, wav
 def _ref(kind: str, uri: str):
     from core.schemas import ChatCompletionRequest
 
-    part = {"image": {"type": "image_url", "image_url": {"url": uri}},
-            "video": {"type": "video_url", "video_url": {"url": uri}},
-            "audio": {"type": "audio_url", "audio_url": {"url": uri}}}[kind]
-    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [part]}]})
+    part = {
+        "image": {"type": "image_url", "image_url": {"url": uri}},
+        "video": {"type": "video_url", "video_url": {"url": uri}},
+        "audio": {"type": "audio_url", "audio_url": {"url": uri}},
+    }[kind]
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": [part]}]}
+    )
     return next(media_parts(req))
 
 
@@ -61,10 +65,12 @@ async def main(repeat: int, smoke: bool = False) -> dict:
     image = f"{width * height / 1e6:.0f} MP JPEG -> 2 MP"
     cases = {
         image: _ref("image", data_uri("image/jpeg", buf.getvalue())),
-        f"{seconds:.0f} s 320x240 4 fps H.264 -> 2 fps MP4":
-            _ref("video", data_uri("video/mp4", video(seconds, fps=4))),
-        f"{minutes} min 16 kHz WAV (passed through)":
-            _ref("audio", data_uri("audio/wav", wav(tone(minutes * 60), 16000))),
+        f"{seconds:.0f} s 320x240 4 fps H.264 -> 2 fps MP4": _ref(
+            "video", data_uri("video/mp4", video(seconds, fps=4))
+        ),
+        f"{minutes} min 16 kHz WAV (passed through)": _ref(
+            "audio", data_uri("audio/wav", wav(tone(minutes * 60), 16000))
+        ),
     }
     box = Sandbox(MediaSettings(decode_workers=2, decode_deadline_s=2.0 if smoke else 30.0))
     await box.start()
@@ -86,9 +92,16 @@ async def main(repeat: int, smoke: bool = False) -> dict:
                 sandboxed.append(time.perf_counter() - t0)
             peak = await box.run(_worker_peak_kib, (), param="p")
             a, b = statistics.median(inproc), statistics.median(sandboxed)
-            out["figures"].append({"case": name, "media_bytes": len(ref.value), "in_process_ms": a * 1000,
-                                   "sandboxed_ms": b * 1000, "overhead_ms": (b - a) * 1000,
-                                   "worker_peak_rss_mib": peak / 1024})
+            out["figures"].append(
+                {
+                    "case": name,
+                    "media_bytes": len(ref.value),
+                    "in_process_ms": a * 1000,
+                    "sandboxed_ms": b * 1000,
+                    "overhead_ms": (b - a) * 1000,
+                    "worker_peak_rss_mib": peak / 1024,
+                }
+            )
         # A hostile part stuck in C in one worker; a clean part on the other worker meanwhile.
         small = cases[image]
         hostile = asyncio.create_task(box.run(hostile_decoders.hangs_in_c, (), param="h"))
@@ -109,8 +122,11 @@ async def main(repeat: int, smoke: bool = False) -> dict:
 
 
 def _body(part: dict) -> dict:
-    return {"model": "omni", "max_tokens": 16,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]}
+    return {
+        "model": "omni",
+        "max_tokens": 16,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}],
+    }
 
 
 def gateway_rss(repeat: int, smoke: bool = False) -> dict:
@@ -126,18 +142,35 @@ def gateway_rss(repeat: int, smoke: bool = False) -> dict:
 
     buf = io.BytesIO()
     photo(4000, 3000).save(buf, "JPEG", quality=90)
-    cases = {
-        "12 MP JPEG (downsampled to 1024x768, vision_max_res)": ("image_url", data_uri("image/jpeg", buf.getvalue())),
-        "5 min 16 kHz WAV (passed through)": ("audio_url", data_uri("audio/wav", wav(tone(300.0), 16000))),
-        "2 min 44.1 kHz WAV (resampled to 16 kHz FLAC)": (
-            "audio_url", data_uri("audio/wav", wav(tone(120.0, rate=44100), 44100))),
-        # the same path with a part too small to matter: what a request costs whatever its media
-        "2 s 44.1 kHz WAV (the path's fixed cost)": (
-            "audio_url", data_uri("audio/wav", wav(tone(2.0, rate=44100), 44100))),
-        "120 s 640x360 30 fps H.264 (2 fps MP4)": ("video_url", data_uri("video/mp4", video(120.0, 30, (640, 360)))),
-    } if not smoke else {
-        "4 s 320x240 4 fps H.264 (2 fps MP4)": ("video_url", data_uri("video/mp4", video(4.0, 4))),
-    }
+    cases = (
+        {
+            "12 MP JPEG (downsampled to 1024x768, vision_max_res)": (
+                "image_url",
+                data_uri("image/jpeg", buf.getvalue()),
+            ),
+            "5 min 16 kHz WAV (passed through)": (
+                "audio_url",
+                data_uri("audio/wav", wav(tone(300.0), 16000)),
+            ),
+            "2 min 44.1 kHz WAV (resampled to 16 kHz FLAC)": (
+                "audio_url",
+                data_uri("audio/wav", wav(tone(120.0, rate=44100), 44100)),
+            ),
+            # the same path with a part too small to matter: what a request costs whatever its media
+            "2 s 44.1 kHz WAV (the path's fixed cost)": (
+                "audio_url",
+                data_uri("audio/wav", wav(tone(2.0, rate=44100), 44100)),
+            ),
+            "120 s 640x360 30 fps H.264 (2 fps MP4)": (
+                "video_url",
+                data_uri("video/mp4", video(120.0, 30, (640, 360))),
+            ),
+        }
+        if not smoke
+        else {
+            "4 s 320x240 4 fps H.264 (2 fps MP4)": ("video_url", data_uri("video/mp4", video(4.0, 4))),
+        }
+    )
     rows = []
     for name, (kind, uri) in cases.items():
         rig = Rig.start()
@@ -149,25 +182,42 @@ def gateway_rss(repeat: int, smoke: bool = False) -> dict:
                 body = orjson.dumps(_body({"type": kind, kind: {"url": uri}}))
                 # and the same request once: what is measured is a request's own, not a first use's
                 # (a module's first import, an allocator's first arena for that size)
-                client.post(rig.url + "/v1/chat/completions", content=body, timeout=120,
-                            headers={"content-type": "application/json"})
+                client.post(
+                    rig.url + "/v1/chat/completions",
+                    content=body,
+                    timeout=120,
+                    headers={"content-type": "application/json"},
+                )
                 before = _reset_peak_kib(rig.gateway.pid)
                 with _SpoolWatch(rig.gateway.pid) as spool:
-                    resp = client.post(rig.url + "/v1/chat/completions", content=body, timeout=120,
-                                       headers={"content-type": "application/json"})
+                    resp = client.post(
+                        rig.url + "/v1/chat/completions",
+                        content=body,
+                        timeout=120,
+                        headers={"content-type": "application/json"},
+                    )
                 after = hwm_kib(rig.gateway.pid)
                 forwarded = client.get(engine + "/_stats").json().get("last_body_bytes", 0)
                 growth = (after - before) * 1024
-                rows.append({"case": name, "status": resp.status_code, "media_bytes": len(uri),
-                             "body_bytes": len(body), "forwarded_bytes": forwarded,
-                             "peak_rss_growth_mib": growth / 2**20, "peak_rss_mib": after / 1024,
-                             "peak_over_forwarded": growth / forwarded if forwarded else None,
-                             "peak_over_body": growth / len(body),
-                             # the spooled payloads (shared-memory files, outside the RSS): their peak
-                             "spool_peak_mib": spool.peak / 2**20})
+                rows.append(
+                    {
+                        "case": name,
+                        "status": resp.status_code,
+                        "media_bytes": len(uri),
+                        "body_bytes": len(body),
+                        "forwarded_bytes": forwarded,
+                        "peak_rss_growth_mib": growth / 2**20,
+                        "peak_rss_mib": after / 1024,
+                        "peak_over_forwarded": growth / forwarded if forwarded else None,
+                        "peak_over_body": growth / len(body),
+                        # the spooled payloads (shared-memory files, outside the RSS): their peak
+                        "spool_peak_mib": spool.peak / 2**20,
+                    }
+                )
                 if kind == "video_url":
-                    rows[-1]["clean_latency"] = _clean_latency(client, rig, _body({kind: {"url": uri}, "type": kind}),
-                                                               repeat)
+                    rows[-1]["clean_latency"] = _clean_latency(
+                        client, rig, _body({kind: {"url": uri}, "type": kind}), repeat
+                    )
         finally:
             rig.stop()
     return {"rows": rows}
@@ -254,8 +304,9 @@ def _clean_latency(client, rig, hostile_body: dict, repeat: int) -> dict:
 
 
 def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rss", action="store_true", help="the per-request RSS figures (real gateways)")
     add_smoke(parser)

@@ -38,16 +38,20 @@ async def main_async(gib: float, gpu: int, smoke: bool = False) -> tuple[dict, d
         if before is None:
             if not smoke:
                 raise SystemExit("NVML could not be read: no NVIDIA driver on this host?")
-            return ({"gpu": None, "allocated_gib": 0.0, "vram_usage_before": None},
-                    {"vram_usage (NVML)": "NVML could not be read: no NVIDIA driver on this host"})
+            return (
+                {"gpu": None, "allocated_gib": 0.0, "vram_usage_before": None},
+                {"vram_usage (NVML)": "NVML could not be read: no NVIDIA driver on this host"},
+            )
         import pynvml
         import torch
 
         if not torch.cuda.is_available():
             if not smoke:
                 raise SystemExit("torch sees no CUDA device to allocate on")
-            return ({"gpu": None, "allocated_gib": 0.0, "vram_usage_before": round(before, 4)},
-                    {"vram_usage_during (allocation)": "torch sees no CUDA device to allocate on"})
+            return (
+                {"gpu": None, "allocated_gib": 0.0, "vram_usage_before": round(before, 4)},
+                {"vram_usage_during (allocation)": "torch sees no CUDA device to allocate on"},
+            )
         block = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=f"cuda:{gpu}")
         block.fill_(1)
         torch.cuda.synchronize()
@@ -73,8 +77,11 @@ async def main_async(gib: float, gpu: int, smoke: bool = False) -> tuple[dict, d
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.nvml_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.nvml_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--gib", type=float, default=40.0)
     p.add_argument("--gpu", type=int, default=0)
     add_smoke(p)

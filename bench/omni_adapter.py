@@ -21,13 +21,21 @@ from core.settings import EngineConfig
 async def run(args: argparse.Namespace) -> dict:
     pin_self(0)
     port = free_port()
-    up = spawn(["-m", "tests.upstream", "--port", str(port), "--flavour", "omni", "--chunks", str(args.chunks)], cpu=1)
+    up = spawn(
+        ["-m", "tests.upstream", "--port", str(port), "--flavour", "omni", "--chunks", str(args.chunks)],
+        cpu=1,
+    )
     try:
         await wait_http(f"http://127.0.0.1:{port}/health")
         base = f"http://127.0.0.1:{port}/v1"
         request = ChatCompletionRequest.model_validate(
-            {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-             "max_tokens": 1000, "modalities": ["text"]}
+            {
+                "model": "bench",
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+                "max_tokens": 1000,
+                "modalities": ["text"],
+            }
         )
         out: dict = {}
         for kind in ("vllm", "vllm-omni"):

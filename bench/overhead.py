@@ -37,10 +37,16 @@ from bench.common import (
 def _config(upstream_port: int, chain: str) -> dict:
     pre = [] if chain == "off" else [{"name": "request-limits"}]
     return {
-        "engines": [{
-            "name": "bench-vllm", "kind": "vllm", "base_url": f"http://127.0.0.1:{upstream_port}/v1",
-            "model": "scripted", "variant": "fp16", "serves": ["bench"],
-        }],
+        "engines": [
+            {
+                "name": "bench-vllm",
+                "kind": "vllm",
+                "base_url": f"http://127.0.0.1:{upstream_port}/v1",
+                "model": "scripted",
+                "variant": "fp16",
+                "serves": ["bench"],
+            }
+        ],
         "policies": {"pre": pre},
         "logging": {"level": "warning"},
     }
@@ -49,8 +55,21 @@ def _config(upstream_port: int, chain: str) -> dict:
 async def run(args: argparse.Namespace) -> dict:
     pin_self(1)
     up_port, gw_port = free_port(), free_port()
-    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks",
-                      str(args.chunks), "--chunk-delay-ms", str(args.chunk_delay_ms)], cpu=1)
+    upstream = spawn(
+        [
+            "-m",
+            "tests.upstream",
+            "--port",
+            str(up_port),
+            "--flavour",
+            "vllm",
+            "--chunks",
+            str(args.chunks),
+            "--chunk-delay-ms",
+            str(args.chunk_delay_ms),
+        ],
+        cpu=1,
+    )
     cfg = Path(tempfile.mkdtemp()) / "bench.yaml"
     cfg.write_text(yaml.safe_dump(_config(up_port, args.chain)))
     gateway = spawn(["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(gw_port)], cpu=0)
@@ -58,7 +77,12 @@ async def run(args: argparse.Namespace) -> dict:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         await wait_http(f"http://127.0.0.1:{gw_port}/readyz")
         idle_rss = rss_kib(gateway.pid)
-        body = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}
+        body = {
+            "model": "bench",
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1000,
+        }
         direct_body = {**body, "model": "scripted"}
         # warm both paths (connection pools, first-call imports)
         await stream_load(f"http://127.0.0.1:{up_port}/v1/chat/completions", direct_body, 4, 20)
@@ -66,29 +90,33 @@ async def run(args: argparse.Namespace) -> dict:
         levels = []
         for c in args.levels:
             total = max(args.min_requests, c * args.rounds)
-            direct = await stream_load(f"http://127.0.0.1:{up_port}/v1/chat/completions", direct_body, c, total)
+            direct = await stream_load(
+                f"http://127.0.0.1:{up_port}/v1/chat/completions", direct_body, c, total
+            )
             cpu0 = cpu_seconds(gateway.pid)
             t0 = time.perf_counter()
             via = await stream_load(f"http://127.0.0.1:{gw_port}/v1/chat/completions", body, c, total)
             wall = time.perf_counter() - t0
             cpu = cpu_seconds(gateway.pid) - cpu0
-            levels.append({
-                "concurrency": c,
-                "requests": via.requests,
-                "errors": direct.errors + via.errors,
-                "direct_ttft_ms": {"p50": pct(direct.ttft, 50) * 1e3, "p99": pct(direct.ttft, 99) * 1e3},
-                "gateway_ttft_ms": {"p50": pct(via.ttft, 50) * 1e3, "p99": pct(via.ttft, 99) * 1e3},
-                "added_ttft_ms": {
-                    "p50": (pct(via.ttft, 50) - pct(direct.ttft, 50)) * 1e3,
-                    "p99": (pct(via.ttft, 99) - pct(direct.ttft, 99)) * 1e3,
-                },
-                "added_gap_ms_p50": (pct(via.gaps, 50) - pct(direct.gaps, 50)) * 1e3,
-                "gateway_cpu_s": cpu,
-                "cpu_us_per_chunk": cpu / max(1, via.chunks) * 1e6,
-                "cpu_ms_per_request": cpu / max(1, via.requests) * 1e3,
-                "requests_per_s": via.requests / wall,
-                "rss_kib_after": rss_kib(gateway.pid),
-            })
+            levels.append(
+                {
+                    "concurrency": c,
+                    "requests": via.requests,
+                    "errors": direct.errors + via.errors,
+                    "direct_ttft_ms": {"p50": pct(direct.ttft, 50) * 1e3, "p99": pct(direct.ttft, 99) * 1e3},
+                    "gateway_ttft_ms": {"p50": pct(via.ttft, 50) * 1e3, "p99": pct(via.ttft, 99) * 1e3},
+                    "added_ttft_ms": {
+                        "p50": (pct(via.ttft, 50) - pct(direct.ttft, 50)) * 1e3,
+                        "p99": (pct(via.ttft, 99) - pct(direct.ttft, 99)) * 1e3,
+                    },
+                    "added_gap_ms_p50": (pct(via.gaps, 50) - pct(direct.gaps, 50)) * 1e3,
+                    "gateway_cpu_s": cpu,
+                    "cpu_us_per_chunk": cpu / max(1, via.chunks) * 1e6,
+                    "cpu_ms_per_request": cpu / max(1, via.requests) * 1e3,
+                    "requests_per_s": via.requests / wall,
+                    "rss_kib_after": rss_kib(gateway.pid),
+                }
+            )
         return {
             "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}",
             "chunks_per_request": args.chunks,

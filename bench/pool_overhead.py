@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from bench.common import add_smoke, emit, out_path, smoke_result
 from core.control_settings import RoutingSettings
-from engines.pool import EnginePool, build_engine
 from core.settings import EngineConfig
+from engines.pool import EnginePool, build_engine
 from observability.metrics import Metrics
 
 
@@ -25,8 +25,14 @@ def build() -> EnginePool:
         return EngineConfig(name=name, kind="vllm", base_url="http://127.0.0.1:9/v1", model="m", variant=variant,
                             role=role, weight=weight, serves=["omni"])  # fmt: skip
 
-    engines = [cfg("int4", "int4", "primary"), cfg("next", "int4", "canary", 0.1), cfg("bf16", "bf16", "fallback")]
-    pool = EnginePool([build_engine(c) for c in engines], Metrics(CollectorRegistry()), routing=RoutingSettings(seed=1))
+    engines = [
+        cfg("int4", "int4", "primary"),
+        cfg("next", "int4", "canary", 0.1),
+        cfg("bf16", "bf16", "fallback"),
+    ]
+    pool = EnginePool(
+        [build_engine(c) for c in engines], Metrics(CollectorRegistry()), routing=RoutingSettings(seed=1)
+    )
     for name in pool.engines:
         pool._healthy[name] = True
     return pool
@@ -58,15 +64,26 @@ def main() -> None:
     summaries = pool.summaries(60.0)
     tick_times.sort()
     print(f"per request: {busy / n * 1e6:.2f} µs (candidates + acquire + report_success + release)")
-    print(f"per controller tick, {tick_every} new requests, {n} in the window (off the request path): "
-          f"median {tick_times[len(tick_times) // 2] * 1000:.2f} ms, max {tick_times[-1] * 1000:.2f} ms")
+    print(
+        f"per controller tick, {tick_every} new requests, {n} in the window (off the request path): "
+        f"median {tick_times[len(tick_times) // 2] * 1000:.2f} ms, max {tick_times[-1] * 1000:.2f} ms"
+    )
     print({k: (v.ok, v.errors) for k, v in summaries.items()})
     if args.out or args.smoke:
-        emit(smoke_result({"requests": n, "per_request_us": busy / n * 1e6, "ticks": len(tick_times),
-                           "tick_median_ms": tick_times[len(tick_times) // 2] * 1000,
-                           "tick_max_ms": tick_times[-1] * 1000,
-                           "served": {k: v.ok for k, v in summaries.items()}}, args),
-             out_path(args, "pool_overhead"))
+        emit(
+            smoke_result(
+                {
+                    "requests": n,
+                    "per_request_us": busy / n * 1e6,
+                    "ticks": len(tick_times),
+                    "tick_median_ms": tick_times[len(tick_times) // 2] * 1000,
+                    "tick_max_ms": tick_times[-1] * 1000,
+                    "served": {k: v.ok for k, v in summaries.items()},
+                },
+                args,
+            ),
+            out_path(args, "pool_overhead"),
+        )
 
 
 if __name__ == "__main__":

@@ -44,14 +44,27 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("audit (writer task, SQLite thread)", ("observability/audit/",)),
     ("metrics (prometheus_client)", ("prometheus_client/",)),
     ("logging (structlog)", ("structlog/",)),
-    ("engine client (aiohttp, SSE parsing)", ("aiohttp/", "engines/openai_compat.py", "engines/vllm_omni.py")),
+    (
+        "engine client (aiohttp, SSE parsing)",
+        ("aiohttp/", "engines/openai_compat.py", "engines/vllm_omni.py"),
+    ),
     ("HTTP server (uvicorn, httptools)", ("uvicorn/", "httptools")),
     ("framework (Starlette, FastAPI middleware)", ("starlette/", "fastapi/", "gateway/middleware.py")),
     ("SSE response and rendering", ("gateway/sse.py", "gateway/render.py", "gateway/api/chat.py")),
     ("pipeline and policies", ("gateway/pipeline/", "policies/", "gateway/admission.py", "core/context.py")),
-    ("engine pool and routing", ("engines/pool.py", "engines/slots.py", "engines/health.py", "engines/choice.py",
-                                 "engines/routing.py", "engines/circuit.py", "engines/signals.py",
-                                 "engines/controller.py")),
+    (
+        "engine pool and routing",
+        (
+            "engines/pool.py",
+            "engines/slots.py",
+            "engines/health.py",
+            "engines/choice.py",
+            "engines/routing.py",
+            "engines/circuit.py",
+            "engines/signals.py",
+            "engines/controller.py",
+        ),
+    ),
     ("request parsing (pydantic, orjson)", ("pydantic", "core/schemas.py")),
     ("asyncio (Python parts)", ("asyncio/",)),
 ]
@@ -99,14 +112,21 @@ async def run(args: argparse.Namespace) -> dict:
         raise SystemExit("py-spy is not installed: pip install py-spy")
     pin_self(1)
     up_port, port = free_port(), free_port()
-    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", "64"], cpu=1)
+    upstream = spawn(
+        ["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", "64"], cpu=1
+    )
     gateway = None
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         gateway = spawn(_omnigate(up_port, port, args.chain), cpu=0)
         await wait_http(f"http://127.0.0.1:{port}/readyz", timeout=120)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        body = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4096}
+        body = {
+            "model": "bench",
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4096,
+        }
         await stream_load(url, body, 4, 40)  # warm-up
         if spy is None:  # a smoke run without py-spy: the gateway under the load, no samples
             loop = asyncio.get_running_loop()
@@ -116,9 +136,23 @@ async def run(args: argparse.Namespace) -> dict:
         else:
             raw = Path(tempfile.mkdtemp()) / "py-spy.txt"
             recorder = subprocess.Popen(
-                [spy, "record", "--pid", str(gateway.pid), "--duration", str(args.seconds), "--rate", "250",
-                 "--gil", "--format", "raw", "--output", str(raw)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    spy,
+                    "record",
+                    "--pid",
+                    str(gateway.pid),
+                    "--duration",
+                    str(args.seconds),
+                    "--rate",
+                    "250",
+                    "--gil",
+                    "--format",
+                    "raw",
+                    "--output",
+                    str(raw),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             load = asyncio.create_task(stream_load(url, body, args.streams, 10**9))
             while recorder.poll() is None:  # noqa: ASYNC110 - py-spy is a child process, not something to await
@@ -128,8 +162,14 @@ async def run(args: argparse.Namespace) -> dict:
             if not raw.exists():
                 raise SystemExit("py-spy wrote nothing (ptrace may be forbidden here)")
             out = summarise(raw)
-        out.update({"machine": f"{platform.machine()}, python {platform.python_version()}",
-                    "streams": args.streams, "seconds": args.seconds, "chain": args.chain})
+        out.update(
+            {
+                "machine": f"{platform.machine()}, python {platform.python_version()}",
+                "streams": args.streams,
+                "seconds": args.seconds,
+                "chain": args.chain,
+            }
+        )
         return out
     finally:
         for proc in (gateway, upstream):

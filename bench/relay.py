@@ -37,7 +37,9 @@ def make_app(upstream: str) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         async with app["session"].post(url, data=body, headers={"content-type": "application/json"}) as up:
-            resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+            resp = web.StreamResponse(
+                headers={"content-type": "text/event-stream", "cache-control": "no-cache"}
+            )
             await resp.prepare(request)
             async for line in up.content:
                 if not line.startswith(b"data: "):
@@ -59,17 +61,23 @@ def make_app(upstream: str) -> web.Application:
 
 async def smoke() -> dict:
     up_port, port = free_port(), free_port()
-    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", "8"],
-                     cpu=None)
-    relay = spawn(["-m", "bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{up_port}/v1"],
-                  cpu=None)
+    upstream = spawn(
+        ["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", "8"], cpu=None
+    )
+    relay = spawn(
+        ["-m", "bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{up_port}/v1"], cpu=None
+    )
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         await wait_http(f"http://127.0.0.1:{port}/health")
         body = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         res = await stream_load(f"http://127.0.0.1:{port}/v1/chat/completions", body, 2, 4)
-        return {"requests": res.requests, "errors": res.errors, "chunks": res.chunks,
-                "done": res.requests == 4 and res.errors == 0}
+        return {
+            "requests": res.requests,
+            "errors": res.errors,
+            "chunks": res.chunks,
+            "done": res.requests == 4 and res.errors == 0,
+        }
     finally:
         for proc in (relay, upstream):
             proc.terminate()

@@ -34,8 +34,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common import add_smoke, emit, free_port, out_path, pct, pin_self, smoke_result, spawn, wait_http
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-BODY = {"model": "omni", "stream": True, "messages": [{"role": "user", "content": "Tell me a story."}],
-        "modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
+BODY = {
+    "model": "omni",
+    "stream": True,
+    "messages": [{"role": "user", "content": "Tell me a story."}],
+    "modalities": ["text", "audio"],
+    "audio": {"voice": "Ethan", "format": "wav"},
+}
 
 
 @dataclass
@@ -53,17 +58,32 @@ class One:
 LIMITS = (16, 64)
 
 
-def _config(up_port: int, store: str, prefix: str, engine_limit: int | None, workdir: Path,
-            limits: tuple[int, int] = LIMITS) -> dict:
+def _config(
+    up_port: int,
+    store: str,
+    prefix: str,
+    engine_limit: int | None,
+    workdir: Path,
+    limits: tuple[int, int] = LIMITS,
+) -> dict:
     traffic: dict = {"soft_limit": limits[0], "hard_limit": limits[1]}
     if store == "redis":
         traffic.update(key_prefix=prefix)
     return {
         **({"redis": {"url": REDIS_URL}} if store == "redis" else {}),
-        "engines": [{"name": "omni", "kind": "vllm-omni", "base_url": f"http://127.0.0.1:{up_port}/v1",
-                     "model": "scripted", "serves": ["omni"], "max_in_flight": engine_limit,
-                     "max_in_flight_overloaded": None if engine_limit is None else max(1, engine_limit // 2),
-                     "max_wait_s": 120, "read_timeout_s": 120}],
+        "engines": [
+            {
+                "name": "omni",
+                "kind": "vllm-omni",
+                "base_url": f"http://127.0.0.1:{up_port}/v1",
+                "model": "scripted",
+                "serves": ["omni"],
+                "max_in_flight": engine_limit,
+                "max_in_flight_overloaded": None if engine_limit is None else max(1, engine_limit // 2),
+                "max_wait_s": 120,
+                "read_timeout_s": 120,
+            }
+        ],
         "policies": {"pre": [{"name": "load-shedding"}, {"name": "request-limits"}]},
         "traffic": traffic,
         # The audit trail is on, as in production: each request's record (with its admission decision).
@@ -76,7 +96,9 @@ async def _one(session: aiohttp.ClientSession, url: str, index: int) -> One:
     out = One(index)
     t0 = time.perf_counter()
     try:
-        async with session.post(url, data=orjson.dumps(BODY), headers={"content-type": "application/json"}) as r:
+        async with session.post(
+            url, data=orjson.dumps(BODY), headers={"content-type": "application/json"}
+        ) as r:
             out.status = r.status
             out.degraded = r.headers.get("x-omnigate-degraded", "")
             if r.status != 200:
@@ -147,9 +169,23 @@ def _ms(values: list[float], q: float) -> float | None:
 
 async def _ramp(args: argparse.Namespace, store: str) -> dict:
     up_port, gw_port = free_port(), free_port()
-    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "omni", "--chunks",
-                      str(args.chunks), "--audio-chunks", str(args.audio_chunks), "--chunk-delay-ms",
-                      str(args.chunk_delay_ms)], cpu=1)
+    upstream = spawn(
+        [
+            "-m",
+            "tests.upstream",
+            "--port",
+            str(up_port),
+            "--flavour",
+            "omni",
+            "--chunks",
+            str(args.chunks),
+            "--audio-chunks",
+            str(args.audio_chunks),
+            "--chunk-delay-ms",
+            str(args.chunk_delay_ms),
+        ],
+        cpu=1,
+    )
     prefix = f"omnigate-bench:{uuid.uuid4().hex}"
     workdir = Path(tempfile.mkdtemp())
     cfg = workdir / "shedding.yaml"
@@ -159,8 +195,9 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         await wait_http(f"http://127.0.0.1:{gw_port}/readyz")
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=300)) as session:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
+        ) as session:
             for _ in range(3):  # warm the connection pools and first-call paths
                 await _one(session, url, -1)
             async with session.get(f"http://127.0.0.1:{gw_port}/metrics") as r:
@@ -215,8 +252,9 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
         "gateway_shed": {k: v - shed_before.get(k, 0.0) for k, v in sorted(shed_after.items())},
         "client_counts": {
             "ok_with_speech": sum(1 for o in results if o.status == 200 and o.audio and not o.degraded),
-            "ok_text_only": sum(1 for o in results if o.status == 200 and o.degraded == "load-text-only"
-                                and not o.audio),
+            "ok_text_only": sum(
+                1 for o in results if o.status == 200 and o.degraded == "load-text-only" and not o.audio
+            ),
             "refused_503": sum(1 for o in results if o.status == 503),
             "errors_mid_stream": sum(1 for o in results if o.error),
         },
@@ -227,8 +265,9 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
         },
         "soft_to_hard": {
             "requests": len(shed_zone),
-            "text_only": sum(1 for o in shed_zone if o.status == 200 and o.degraded == "load-text-only"
-                             and not o.audio),
+            "text_only": sum(
+                1 for o in shed_zone if o.status == 200 and o.degraded == "load-text-only" and not o.audio
+            ),
             "errors": sum(1 for o in shed_zone if o.status != 200 or o.error),
         },
         "above_hard": {
@@ -260,10 +299,10 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
 
 async def _admission_loop(store: str, n: int, concurrency: int) -> dict:
     """The gate alone in this process: admit + release, sequentially and ``concurrency`` at a time."""
-    from gateway.admission import AdmissionGate
     from core.context import RequestContext
-    from gateway.redis_client import SharedRedis
     from core.settings import RedisSettings, TrafficSettings
+    from gateway.admission import AdmissionGate
+    from gateway.redis_client import SharedRedis
     from observability.metrics import Metrics
 
     prefix = f"omnigate-bench:{uuid.uuid4().hex}"
@@ -298,10 +337,15 @@ async def _admission_loop(store: str, n: int, concurrency: int) -> dict:
         await redis.aclose()
     return {
         "store": store,
-        "sequential_us": {"p50": round(pct(seq, 50) * 1e6, 1), "p99": round(pct(seq, 99) * 1e6, 1),
-                          "mean": round(statistics.fmean(seq) * 1e6, 1)},
-        f"concurrent_{concurrency}_us": {"p50": round(pct(conc, 50) * 1e6, 1),
-                                         "p99": round(pct(conc, 99) * 1e6, 1)},
+        "sequential_us": {
+            "p50": round(pct(seq, 50) * 1e6, 1),
+            "p99": round(pct(seq, 99) * 1e6, 1),
+            "mean": round(statistics.fmean(seq) * 1e6, 1),
+        },
+        f"concurrent_{concurrency}_us": {
+            "p50": round(pct(conc, 50) * 1e6, 1),
+            "p99": round(pct(conc, 99) * 1e6, 1),
+        },
     }
 
 
@@ -311,9 +355,13 @@ async def run(args: argparse.Namespace) -> dict:
     loops = [await _admission_loop(store, args.loop_requests, 64) for store in args.store]
     return {
         "machine": f"{platform.machine()}, python {platform.python_version()}",
-        "ramp": {"peak": args.peak, "over": args.over, "interval_ms": args.ramp_ms,
-                 "stream_s": (args.chunks + args.audio_chunks) * args.chunk_delay_ms / 1000,
-                 "engine_limit": args.engine_limit},
+        "ramp": {
+            "peak": args.peak,
+            "over": args.over,
+            "interval_ms": args.ramp_ms,
+            "stream_s": (args.chunks + args.audio_chunks) * args.chunk_delay_ms / 1000,
+            "engine_limit": args.engine_limit,
+        },
         "ramps": ramps,
         "admission_in_process": loops,
     }
@@ -328,8 +376,12 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=40)
     ap.add_argument("--audio-chunks", type=int, default=20)
     ap.add_argument("--chunk-delay-ms", type=float, default=60.0)
-    ap.add_argument("--engine-limit", type=lambda s: None if s == "none" else int(s), default=None,
-                    help="the engine's max_in_flight (its overload limit is half); none: no per-engine limit")
+    ap.add_argument(
+        "--engine-limit",
+        type=lambda s: None if s == "none" else int(s),
+        default=None,
+        help="the engine's max_in_flight (its overload limit is half); none: no per-engine limit",
+    )
     ap.add_argument("--loop-requests", type=int, default=5000)
     add_smoke(ap)
     args = ap.parse_args()

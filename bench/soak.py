@@ -36,25 +36,56 @@ from bench.common import (
 async def run(args: argparse.Namespace) -> dict:
     pin_self(1)
     up_port, gw_port = free_port(), free_port()
-    upstream = spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks",
-                      str(args.chunks), "--chunk-delay-ms", "50"], cpu=1)
+    upstream = spawn(
+        [
+            "-m",
+            "tests.upstream",
+            "--port",
+            str(up_port),
+            "--flavour",
+            "vllm",
+            "--chunks",
+            str(args.chunks),
+            "--chunk-delay-ms",
+            "50",
+        ],
+        cpu=1,
+    )
     cfg = Path(tempfile.mkdtemp()) / "soak.yaml"
-    cfg.write_text(yaml.safe_dump({
-        # 64 streams really open at once: the per-engine cap (8, 4 under overload) and the admission limits
-        # (shed above 16, refuse above 64) would otherwise hold most of them in the engine's wait queue and
-        # refuse the rest with 503 engine_busy, which is admission working, not the streaming path soaking.
-        "engines": [{"name": "soak", "kind": "vllm", "base_url": f"http://127.0.0.1:{up_port}/v1",
-                     "model": "scripted", "serves": ["soak"], "max_in_flight": None, "max_in_flight_overloaded": None}],
-        "traffic": {"soft_limit": 1000, "hard_limit": 1000},
-        "logging": {"level": "warning"},
-    }))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                # 64 streams really open at once: the per-engine cap (8, 4 under overload) and the admission limits
+                # (shed above 16, refuse above 64) would otherwise hold most of them in the engine's wait queue and
+                # refuse the rest with 503 engine_busy, which is admission working, not the streaming path soaking.
+                "engines": [
+                    {
+                        "name": "soak",
+                        "kind": "vllm",
+                        "base_url": f"http://127.0.0.1:{up_port}/v1",
+                        "model": "scripted",
+                        "serves": ["soak"],
+                        "max_in_flight": None,
+                        "max_in_flight_overloaded": None,
+                    }
+                ],
+                "traffic": {"soft_limit": 1000, "hard_limit": 1000},
+                "logging": {"level": "warning"},
+            }
+        )
+    )
     gateway = spawn(["-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(gw_port)], cpu=0)
     samples: list[tuple[float, int]] = []
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         await wait_http(f"http://127.0.0.1:{gw_port}/readyz")
         url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
-        body = {"model": "soak", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
+        body = {
+            "model": "soak",
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 100,
+        }
         t0 = time.monotonic()
         stop = t0 + args.seconds
         totals = {"requests": 0, "errors": 0, "chunks": 0}
@@ -77,9 +108,13 @@ async def run(args: argparse.Namespace) -> dict:
         base, end, peak = after_warm[0], after_warm[-1], max(after_warm)
         return {
             "machine": f"{platform.machine()}, python {platform.python_version()}",
-            "seconds": args.seconds, "streams": args.streams, **totals,
-            "rss_mib_after_warmup": round(base / 1024, 1), "rss_mib_end": round(end / 1024, 1),
-            "rss_mib_peak": round(peak / 1024, 1), "drift_pct": round((end - base) / base * 100, 2),
+            "seconds": args.seconds,
+            "streams": args.streams,
+            **totals,
+            "rss_mib_after_warmup": round(base / 1024, 1),
+            "rss_mib_end": round(end / 1024, 1),
+            "rss_mib_peak": round(peak / 1024, 1),
+            "drift_pct": round((end - base) / base * 100, 2),
             "samples": [(round(t), kib) for t, kib in samples],
         }
     finally:

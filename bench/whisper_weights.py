@@ -40,10 +40,23 @@ from bench.common import SMOKE_HELP, emit, out_path, smoke_result
 # CTranslate2's DataType enum
 _DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16}
 
-TINY_EN = dict(vocab_size=51864, num_mel_bins=80, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6,
-               decoder_attention_heads=6, d_model=384, encoder_ffn_dim=1536, decoder_ffn_dim=1536,
-               max_source_positions=1500, max_target_positions=448, decoder_start_token_id=50257,
-               eos_token_id=50256, pad_token_id=50256, bos_token_id=50257)
+TINY_EN = dict(
+    vocab_size=51864,
+    num_mel_bins=80,
+    encoder_layers=4,
+    decoder_layers=4,
+    encoder_attention_heads=6,
+    decoder_attention_heads=6,
+    d_model=384,
+    encoder_ffn_dim=1536,
+    decoder_ffn_dim=1536,
+    max_source_positions=1500,
+    max_target_positions=448,
+    decoder_start_token_id=50257,
+    eos_token_id=50256,
+    pad_token_id=50256,
+    bos_token_id=50257,
+)
 
 
 def default_model_dir() -> Path:
@@ -66,7 +79,7 @@ def read_ct2(path: Path) -> dict[str, np.ndarray]:
     def string() -> str:
         nonlocal pos
         (n,) = take("H")
-        s = data[pos:pos + n].decode().rstrip("\0")
+        s = data[pos : pos + n].decode().rstrip("\0")
         pos += n
         return s
 
@@ -83,8 +96,9 @@ def read_ct2(path: Path) -> dict[str, np.ndarray]:
         dims = take("I" * rank) if rank else ()
         (dtype,) = take("B")
         (nbytes,) = take("I")
-        out[name] = np.frombuffer(data, dtype=_DTYPES[dtype], count=nbytes // np.dtype(_DTYPES[dtype]).itemsize,
-                                  offset=pos).reshape(dims)
+        out[name] = np.frombuffer(
+            data, dtype=_DTYPES[dtype], count=nbytes // np.dtype(_DTYPES[dtype]).itemsize, offset=pos
+        ).reshape(dims)
         pos += nbytes
     return out
 
@@ -92,6 +106,7 @@ def read_ct2(path: Path) -> dict[str, np.ndarray]:
 def _attention(out: dict, prefix: str, var: dict, src: str, *, fused_qkv: bool) -> None:
     def g(k):
         return var[f"{src}/{k}"]
+
     out[f"{prefix}.out_proj.weight"] = g("linear_1/weight" if fused_qkv else "linear_2/weight")
     out[f"{prefix}.out_proj.bias"] = g("linear_1/bias" if fused_qkv else "linear_2/bias")
     if fused_qkv:
@@ -232,7 +247,9 @@ def speech(sentence: str) -> np.ndarray:
     subprocess.run(["espeak-ng", "-w", str(wav), sentence], check=True)
     audio, rate = sf.read(wav, dtype="float32")
     if rate != 16000:
-        audio = np.interp(np.arange(0, len(audio), rate / 16000), np.arange(len(audio)), audio).astype(np.float32)
+        audio = np.interp(np.arange(0, len(audio), rate / 16000), np.arange(len(audio)), audio).astype(
+            np.float32
+        )
     return audio
 
 
@@ -247,12 +264,20 @@ def _check(weights: Path, model_dir: Path) -> dict:
     audio = speech(SENTENCE)
     feats = features(audio)
     np.save(weights / "speech-features.npy", feats)
-    tokens = transcribe(load_model(weights), torch.from_numpy(feats)[None], suppressed(model_dir / "config.json"))
+    tokens = transcribe(
+        load_model(weights), torch.from_numpy(feats)[None], suppressed(model_dir / "config.json")
+    )
     ours = Tokenizer.from_file(str(model_dir / "tokenizer.json")).decode(tokens).strip()
     segments, _ = WhisperModel(str(model_dir), device="cpu", compute_type="float32").transcribe(
-        audio, language="en", beam_size=1, without_timestamps=True)
+        audio, language="en", beam_size=1, without_timestamps=True
+    )
     theirs = " ".join(s.text.strip() for s in segments)
-    return {"spoken": SENTENCE, "transformers_converted": ours, "faster_whisper": theirs, "agree": ours == theirs}
+    return {
+        "spoken": SENTENCE,
+        "transformers_converted": ours,
+        "faster_whisper": theirs,
+        "agree": ours == theirs,
+    }
 
 
 def smoke(args: argparse.Namespace, model_dir: Path) -> None:
@@ -265,8 +290,11 @@ def smoke(args: argparse.Namespace, model_dir: Path) -> None:
         model = load_model(weights)
         silence = torch.from_numpy(features(np.zeros(16000, dtype=np.float32)))[None]
         tokens = transcribe(model, silence, suppressed(weights / "ct2-config.json"), max_tokens=4)
-        result = {"shards": names, "loaded_parameters": sum(p.numel() for p in model.parameters()),
-                  "tokens_from_silence": len(tokens)}
+        result = {
+            "shards": names,
+            "loaded_parameters": sum(p.numel() for p in model.parameters()),
+            "tokens_from_silence": len(tokens),
+        }
         missing = {}
         if shutil.which("espeak-ng"):
             result["check"] = _check(weights, model_dir)
@@ -281,9 +309,12 @@ def smoke(args: argparse.Namespace, model_dir: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="the CTranslate2 model directory (default: the package's)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="the folder the weights go to (with --smoke: the JSON result)")
+    ap.add_argument(
+        "--model", type=Path, default=None, help="the CTranslate2 model directory (default: the package's)"
+    )
+    ap.add_argument(
+        "--out", type=Path, default=None, help="the folder the weights go to (with --smoke: the JSON result)"
+    )
     ap.add_argument("--shard-mb", type=int, default=40)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)

@@ -23,7 +23,8 @@ class DirectorySettings(_Strict):
         default="sqlite", description="sqlite (one process) or postgres (shared by the replicas)"
     )
     sqlite_path: Path | None = Field(
-        default=None, description="default: omnigate-directory.db beside audit.sqlite_path (a file of its own)"
+        default=None,
+        description="default: omnigate-directory.db beside audit.sqlite_path (a file of its own)",
     )
     postgres_dsn: SecretStr | None = Field(
         default=None, description="PostgreSQL DSN of the shared directory (secret)"
@@ -108,4 +109,6 @@ class MetricsSettings(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] | None = Field(
         default=None, description="serve /metrics only on this port; unset: on the main port"
     )
-    host: str | None = Field(default=None, description="bind address of the metrics port; default server.host")
+    host: str | None = Field(
+        default=None, description="bind address of the metrics port; default server.host"
+    )

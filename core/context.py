@@ -117,7 +117,7 @@ class RequestContext:
     body_bytes: int = 0
     tenant: str | None = None
     #: the resolved tenant (models, policy set, limits); None when authentication is off
-    tenant_config: "TenantConfig | None" = None
+    tenant_config: TenantConfig | None = None
     #: the API key's public id (never the key); None when authentication is off or failed
     key_id: str | None = None
     #: priority class and concurrency quota of the tenant, read by admission
@@ -132,7 +132,7 @@ class RequestContext:
     #: nothing above it), settled once by the pipeline
     lease: Any = None
     #: the load the request was admitted under (what load shedding decides on)
-    load: "LoadSnapshot | None" = None
+    load: LoadSnapshot | None = None
     #: the tenant's policy set (None: the default chain) and what the audit keeps of content
     policy_set: str | None = None
     audit_content: str = "digests"
@@ -141,12 +141,12 @@ class RequestContext:
     #: shedding and rollback state when the request was served, written by the readers of the control loops
     control_state: dict[str, Any] = field(default_factory=dict)
     #: what the audit record is built from: the request as received and what was released
-    received: "ChatCompletionRequest | None" = None
+    received: ChatCompletionRequest | None = None
     #: the digests of the received parts (a list, or the task making it), once the pipeline has let go of
     #: the client's media strings; ``received`` then keeps the text only (observability/audit/record.py)
     input_digests: Any = None
     output: OutputDigest | None = None
-    completion: "Completion | None" = None
+    completion: Completion | None = None
     started: float = field(default_factory=time.perf_counter)
     public_model: str | None = None
     stream: bool = False

@@ -207,7 +207,8 @@ class EnergySettings(_Strict):
         "tokens); 12.5: the codec frames a second Qwen3-Omni's talker emits",
     )
     min_joules: Annotated[float, Field(ge=0)] = Field(
-        default=50.0, description="tokens_per_joule stays unknown until the window holds this much active energy"
+        default=50.0,
+        description="tokens_per_joule stays unknown until the window holds this much active energy",
     )
     usage_field: bool = Field(default=True, description="add usage.energy_joules where power is measured")
 
@@ -342,7 +343,8 @@ class Rule(_Strict):
         default=None, description="the way back: the signal below this (default 80 % of above) ..."
     )
     recover_above: float | None = Field(
-        default=None, description="the way back of a below rule: the signal above this (default 125 % of below)"
+        default=None,
+        description="the way back of a below rule: the signal above this (default 125 % of below)",
     )
     recover_for_s: Annotated[float, Field(ge=0)] = Field(default=120.0, description="... for this long")
     auto_recover: bool = Field(

@@ -70,14 +70,23 @@ class OutputDigest:
     def of(cls, completion: Completion, keep_text: bool = False) -> OutputDigest:
         out = cls(keep_text)
         for c in (completion, *completion.alternatives):  # every choice of n > 1 was released
-            out.add(Delta(text=c.text, audio=c.audio, transcript=c.transcript,
-                          tool_calls=c.tool_calls or None, reasoning=c.reasoning))
+            out.add(
+                Delta(
+                    text=c.text,
+                    audio=c.audio,
+                    transcript=c.transcript,
+                    tool_calls=c.tool_calls or None,
+                    reasoning=c.reasoning,
+                )
+            )
         return out
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "text_sha256": self._text.hexdigest(), "text_chars": self.text_chars,
-            "audio_sha256": self._audio.hexdigest(), "audio_bytes": self.audio_bytes,
+            "text_sha256": self._text.hexdigest(),
+            "text_chars": self.text_chars,
+            "audio_sha256": self._audio.hexdigest(),
+            "audio_bytes": self.audio_bytes,
             "transcript_sha256": self._transcript.hexdigest(),
         }
         # Present only when the answer had them, so records of plain answers keep their shape.

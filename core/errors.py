@@ -269,7 +269,9 @@ class EngineError(OmnigateError):
     kind = "error"
     public = "the model failed to answer; retry the request"
 
-    def __init__(self, detail: str, *, engine: str | None = None, public: str | None = None, **kw: Any) -> None:
+    def __init__(
+        self, detail: str, *, engine: str | None = None, public: str | None = None, **kw: Any
+    ) -> None:
         super().__init__(public or self.public, **kw)
         self.detail = detail
         self.engine = engine

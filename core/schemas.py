@@ -201,8 +201,16 @@ CHAT_TEMPLATE_KWARGS: frozenset[str] = frozenset({"enable_thinking", "thinking"}
 
 #: the request fields that only an engine speaking OpenAI's full surface can honour (engines/base.py)
 FEATURE_FIELDS: tuple[str, ...] = (
-    "tools", "tool_choice", "parallel_tool_calls", "response_format", "logprobs", "top_logprobs",
-    "presence_penalty", "frequency_penalty", "logit_bias", "reasoning_effort",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "reasoning_effort",
 )
 
 
@@ -233,9 +241,15 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
-                               Annotated[float, Field(ge=-100.0, le=100.0)]],
-                          Field(max_length=1024)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100.0, le=100.0)]
+            ],
+            Field(max_length=1024),
+        ]
+        | None
+    ) = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM extras, allow-listed
     top_k: Annotated[int, Field(ge=-1)] | None = None

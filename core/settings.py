@@ -24,8 +24,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from core.control_settings import EngineTelemetry, RoutingSettings
 from core.auth_settings import AdminKey, AuthSettings, MetricsSettings
+from core.control_settings import EngineTelemetry, RoutingSettings
 from core.settings_sources import EnvOverYaml
 
 _log = structlog.get_logger("omnigate.settings")
@@ -47,8 +47,18 @@ _DEFAULT_MODALITIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 
 
 # How each kind takes video and input audio by default (see EngineConfig.video_input, audio_input_rate).
-_DEFAULT_VIDEO_INPUT: dict[str, str] = {"vllm-omni": "video", "vllm": "frames", "litellm": "frames", "local": "frames"}
-_DEFAULT_AUDIO_RATE: dict[str, int | None] = {"vllm-omni": 16000, "vllm": None, "litellm": None, "local": None}
+_DEFAULT_VIDEO_INPUT: dict[str, str] = {
+    "vllm-omni": "video",
+    "vllm": "frames",
+    "litellm": "frames",
+    "local": "frames",
+}
+_DEFAULT_AUDIO_RATE: dict[str, int | None] = {
+    "vllm-omni": 16000,
+    "vllm": None,
+    "litellm": None,
+    "local": None,
+}
 
 
 class _Strict(BaseModel):
@@ -141,18 +151,21 @@ class EngineConfig(_Strict):
         description="video as a re-encoded short video or as sampled frames (image parts); default by kind",
     )
     audio_input_rate: Annotated[int, Field(ge=8000, le=48000)] | None = Field(
-        default=None, description="sample rate input audio is resampled to; default by kind (vllm-omni: 16000)"
+        default=None,
+        description="sample rate input audio is resampled to; default by kind (vllm-omni: 16000)",
     )
     max_context_tokens: Annotated[int, Field(ge=1024)] = Field(
         default=65536, description="the engine's context window, for the media budget check"
     )
     local: LocalEngineOptions = LocalEngineOptions()
     expected_model: str | None = Field(
-        default=None, description="vllm / vllm-omni: the id /v1/models must list (--served-model-name); when "
+        default=None,
+        description="vllm / vllm-omni: the id /v1/models must list (--served-model-name); when "
         "set, checked at start-up and on every health probe, and an engine that differs is never routed to",
     )
     expected_revision: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,128}$")] | None = Field(
-        default=None, description="vllm / vllm-omni: the revision the engine must serve: the last segment of the "
+        default=None,
+        description="vllm / vllm-omni: the revision the engine must serve: the last segment of the "
         "listed model's root (it loads .../snapshots/<revision>); enforced like expected_model",
     )
     thinking_budget: bool = Field(
@@ -185,20 +198,20 @@ class EngineConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _needs_url(self) -> "EngineConfig":
+    def _needs_url(self) -> EngineConfig:
         if self.kind in ("vllm", "vllm-omni") and self.base_url is None:
             raise ValueError(f"engine {self.name!r} of kind {self.kind} needs base_url")
         return self
 
     @model_validator(mode="after")
-    def _budget_needs_vllm(self) -> "EngineConfig":
+    def _budget_needs_vllm(self) -> EngineConfig:
         for key in ("thinking_budget", "expected_model", "expected_revision"):
             if getattr(self, key) and self.kind not in ("vllm", "vllm-omni"):
                 raise ValueError(f"engine {self.name!r}: {key} is for vllm and vllm-omni engines")
         return self
 
     @model_validator(mode="after")
-    def _overload_limit_is_lower(self) -> "EngineConfig":
+    def _overload_limit_is_lower(self) -> EngineConfig:
         hi, lo = self.max_in_flight, self.max_in_flight_overloaded
         explicit = "max_in_flight_overloaded" in self.model_fields_set
         if explicit and lo is not None and hi is not None and lo > hi:
@@ -336,7 +349,8 @@ class AdminSettings(_Strict):
     """The admin API under ``/admin``: off the public OpenAPI schema, and 404 unless a key is set."""
 
     api_key: SecretStr | None = Field(
-        default=None, description="Bearer key for /admin (recorded as credential api_key); unset with no keys: off"
+        default=None,
+        description="Bearer key for /admin (recorded as credential api_key); unset with no keys: off",
     )
     keys: list[AdminKey] = Field(default_factory=list, description="named admin credentials (SHA-256 only)")
     console: ConsoleSettings = ConsoleSettings()
@@ -346,7 +360,7 @@ class AdminSettings(_Strict):
         return self.api_key is not None or bool(self.keys)
 
     @model_validator(mode="after")
-    def _console_needs_key(self) -> "AdminSettings":
+    def _console_needs_key(self) -> AdminSettings:
         # The console signs in with the admin key; enabled without one it would be a door with no lock.
         if self.console.enabled and self.api_key is None:
             raise ValueError("admin.console.enabled needs admin.api_key (the console signs in with it)")
@@ -372,7 +386,8 @@ class GroundingSettings(_Strict):
         default=None, description="the entailment label's name or index; default: the one named *entail*"
     )
     embedding_model: str | None = Field(
-        default=None, description="fallback scorer: a local sentence-transformers directory; default: all-MiniLM-L6-v2"
+        default=None,
+        description="fallback scorer: a local sentence-transformers directory; default: all-MiniLM-L6-v2",
     )
     similarity_floor: Annotated[float, Field(gt=0.0, lt=1.0)] = Field(
         default=0.35, description="fallback scorer: the cosine similarity that maps to the 0.8 threshold"
@@ -531,22 +546,33 @@ def _take_deprecated_redis_keys(data: dict[str, Any]) -> dict[str, Any]:
         return data
     block = data.get("redis")
     new: dict[str, Any] = (
-        dict(block) if isinstance(block, dict)
-        else block.model_dump(exclude_unset=True) if isinstance(block, BaseModel) else {}
+        dict(block)
+        if isinstance(block, dict)
+        else block.model_dump(exclude_unset=True)
+        if isinstance(block, BaseModel)
+        else {}
     )
     for field, olds in found.items():
         first_key, first = olds[0]
         for key, value in olds[1:]:
             if str(_plain(value)) != str(_plain(first)):
-                raise ValueError(f"{first_key} and {key} name different values, and there is one Redis now: "
-                                 f"set redis.{field} and remove both")
+                raise ValueError(
+                    f"{first_key} and {key} name different values, and there is one Redis now: "
+                    f"set redis.{field} and remove both"
+                )
         if field in new and new[field] is not None and str(_plain(new[field])) != str(_plain(first)):
-            raise ValueError(f"redis.{field} and {first_key} (deprecated) name different values: "
-                             f"keep redis.{field} and remove {first_key}")
+            raise ValueError(
+                f"redis.{field} and {first_key} (deprecated) name different values: "
+                f"keep redis.{field} and remove {first_key}"
+            )
         new[field] = _plain(first)
         for key, _ in olds:
-            _log.warning("deprecated_setting", key=key, use=f"redis.{field}",
-                         detail=f"{key} is read as redis.{field} for one more release; move it there")
+            _log.warning(
+                "deprecated_setting",
+                key=key,
+                use=f"redis.{field}",
+                detail=f"{key} is read as redis.{field} for one more release; move it there",
+            )
     data["redis"] = new
     return data
 
@@ -608,27 +634,33 @@ class AuditSettings(_Strict):
     )
     signing: AuditSigning = AuditSigning()
     witness_path: Path | None = Field(
-        default=None, description="append each signed head here too (JSON lines, fsynced): a witness kept "
-                                  "outside the store for `omnigate audit verify --expect-file`",
+        default=None,
+        description="append each signed head here too (JSON lines, fsynced): a witness kept "
+        "outside the store for `omnigate audit verify --expect-file`",
     )
     on_unavailable: Literal["refuse", "spool"] = Field(
         default="refuse",
         description="when the store does not take a record within half of ack_timeout_s: refuse (503 until it "
-                    "does) or spool (an fsynced local journal, replayed into the store in order when it returns)",
+        "does) or spool (an fsynced local journal, replayed into the store in order when it returns)",
     )
     spool_path: Path | None = Field(
-        default=None, description="the local journal (spooled records, open gap markers); default: the SQLite "
-                                  "file's path with .spool, or var/omnigate-audit.spool",
+        default=None,
+        description="the local journal (spooled records, open gap markers); default: the SQLite "
+        "file's path with .spool, or var/omnigate-audit.spool",
     )
 
     @property
     def spool_file(self) -> Path:
         if self.spool_path is not None:
             return self.spool_path
-        return self.sqlite_path.with_suffix(".spool") if self.store == "sqlite" else Path("var/omnigate-audit.spool")
+        return (
+            self.sqlite_path.with_suffix(".spool")
+            if self.store == "sqlite"
+            else Path("var/omnigate-audit.spool")
+        )
 
     @model_validator(mode="after")
-    def _needs_dsn(self) -> "AuditSettings":
+    def _needs_dsn(self) -> AuditSettings:
         if self.enabled and self.store == "postgres" and self.postgres_dsn is None:
             raise ValueError("audit.store postgres needs audit.postgres_dsn")
         return self
@@ -666,7 +698,9 @@ class TrafficSettings(_Strict):
     hard_limit: Annotated[int, Field(ge=1)] = Field(
         default=64, description="above this many requests in flight, requests are refused with 503"
     )
-    retry_after_s: Annotated[float, Field(ge=0)] = Field(default=1.0, description="Retry-After on a 503 or 429")
+    retry_after_s: Annotated[float, Field(ge=0)] = Field(
+        default=1.0, description="Retry-After on a 503 or 429"
+    )
     priorities: Annotated[list[PriorityClass], Field(min_length=1)] = Field(
         default_factory=_default_priorities, description="request classes, highest priority first"
     )
@@ -700,7 +734,7 @@ class TrafficSettings(_Strict):
     )
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TrafficSettings":
+    def _consistent(self) -> TrafficSettings:
         if self.soft_limit > self.hard_limit:
             raise ValueError(f"soft_limit ({self.soft_limit}) exceeds hard_limit ({self.hard_limit})")
         names = [c.name for c in self.priorities]
@@ -721,7 +755,9 @@ class TrafficSettings(_Strict):
                 )
             above = (soft, hard)
         if self.overload_exit > self.soft_limit:
-            raise ValueError(f"overload_exit_below ({self.overload_exit}) exceeds soft_limit ({self.soft_limit})")
+            raise ValueError(
+                f"overload_exit_below ({self.overload_exit}) exceeds soft_limit ({self.soft_limit})"
+            )
         if self.heartbeat_s is not None and self.heartbeat_s >= self.lease_ttl_s:
             raise ValueError("heartbeat_s must be shorter than lease_ttl_s")
         return self
@@ -738,7 +774,7 @@ class TrafficSettings(_Strict):
         if self.header_priorities is not None:
             return list(self.header_priorities)
         names = [c.name for c in self.priorities]
-        return names[names.index(self.default_priority):]
+        return names[names.index(self.default_priority) :]
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -746,7 +782,9 @@ class TrafficSettings(_Strict):
 
     @property
     def overload_exit(self) -> int:
-        return self.overload_exit_below if self.overload_exit_below is not None else (self.soft_limit * 3) // 4
+        return (
+            self.overload_exit_below if self.overload_exit_below is not None else (self.soft_limit * 3) // 4
+        )
 
 
 def _default_engines() -> list[EngineConfig]:
@@ -795,7 +833,7 @@ class MediaSettings(_Strict):
     )
 
     @model_validator(mode="after")
-    def _request_fits(self) -> "MediaSettings":
+    def _request_fits(self) -> MediaSettings:
         if self.max_request_bytes > self.max_inflight_bytes:
             raise ValueError("media.max_request_bytes: larger than media.max_inflight_bytes")
         return self
@@ -846,7 +884,7 @@ class Settings(BaseSettings):
         return _take_deprecated_redis_keys(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
-    def _redis_where_needed(self) -> "Settings":
+    def _redis_where_needed(self) -> Settings:
         if self.redis.url is None:
             if self.routing.state.backend == "redis":
                 raise ValueError("routing.state.backend is redis, but redis.url is not set")
@@ -855,24 +893,33 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _directory_path(self) -> "Settings":
+    def _directory_path(self) -> Settings:
         d = self.auth.directory
         if d.sqlite_path is None:
             d.sqlite_path = self.audit.sqlite_path.with_name("omnigate-directory.db")
         return self
 
     @model_validator(mode="after")
-    def _auth_cannot_be_off_with_keys(self) -> "Settings":
+    def _auth_cannot_be_off_with_keys(self) -> Settings:
         if self.auth.required is False:
-            named = [what for what, present in (("tenants", self.tenants), ("api_keys", self.api_keys),
-                                                ("a shared directory", self.auth.directory.shared)) if present]
+            named = [
+                what
+                for what, present in (
+                    ("tenants", self.tenants),
+                    ("api_keys", self.api_keys),
+                    ("a shared directory", self.auth.directory.shared),
+                )
+                if present
+            ]
             if named:
-                raise ValueError(f"auth.required is false, but the config names {' and '.join(named)}: "
-                                 "keys that nothing checks would only look like protection")
+                raise ValueError(
+                    f"auth.required is false, but the config names {' and '.join(named)}: "
+                    "keys that nothing checks would only look like protection"
+                )
         return self
 
     @model_validator(mode="after")
-    def _unique_engines(self) -> "Settings":
+    def _unique_engines(self) -> Settings:
         seen: set[str] = set()
         for e in self.engines:
             if e.name in seen:
@@ -881,7 +928,7 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _tenants_consistent(self) -> "Settings":
+    def _tenants_consistent(self) -> Settings:
         names: set[str] = set()
         for i, t in enumerate(self.tenants):
             if t.name in names:
@@ -905,7 +952,7 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _models_are_served(self) -> "Settings":
+    def _models_are_served(self) -> Settings:
         served = {m for e in self.engines for m in e.serves}
         for name in self.models:
             if name not in served:
@@ -913,7 +960,7 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _weights(self) -> "Settings":
+    def _weights(self) -> Settings:
         for model in {m for e in self.engines for m in e.serves}:
             fixed = [e for e in self.engines if model in e.serves and e.role != "primary" and e.weight]
             if sum(e.weight or 0 for e in fixed) > 1 + 1e-9:

@@ -37,8 +37,10 @@ def _as_list(over: dict[str, Any], path: tuple[str, ...]) -> list[Any]:
     indexes = sorted(int(k) for k in over)
     if indexes != list(range(len(indexes))):
         missing = next(i for i in range(len(indexes) + 1) if i not in indexes)
-        raise ValueError(f"{_variable((*path, str(missing)))} is missing: list entries set from the environment "
-                         "must be numbered from 0 without a gap")
+        raise ValueError(
+            f"{_variable((*path, str(missing)))} is missing: list entries set from the environment "
+            "must be numbered from 0 without a gap"
+        )
     return [merge(None, over[str(i)], (*path, str(i))) for i in indexes]
 
 

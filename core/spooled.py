@@ -80,11 +80,14 @@ class SpooledMedia:
     # -- as a field of the wire models: accepted only as itself (JSON cannot make one), dumped as the
     # client's string in JSON mode, kept as itself in Python mode (an engine body streams it)
     @classmethod
-    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+    def __get_pydantic_core_schema__(
+        cls, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
         return core_schema.is_instance_schema(
-            cls, serialization=core_schema.plain_serializer_function_ser_schema(
+            cls,
+            serialization=core_schema.plain_serializer_function_ser_schema(
                 lambda v, info: v.text() if info.mode == "json" else v, info_arg=True
-            )
+            ),
         )
 
     def read(self) -> bytes:

@@ -129,7 +129,9 @@ def parse_item(raw: Any, root: Path, where: str) -> HeldOutItem:
     if choices:
         answer = answer.strip().upper()
         if len(answer) != 1 or answer not in LETTERS[: len(choices)]:
-            raise HeldOutSetError(f"{where}: a multiple-choice answer is one of the letters A..{LETTERS[len(choices) - 1]}")
+            raise HeldOutSetError(
+                f"{where}: a multiple-choice answer is one of the letters A..{LETTERS[len(choices) - 1]}"
+            )
     media = raw.get("media") or []
     if isinstance(media, str):
         media = [media]
@@ -202,7 +204,9 @@ class HeldOutSentinel:
         if not self.items:
             assert self.settings.set_path is not None
             try:
-                self.items = await asyncio.to_thread(load_set, self.settings.set_path, self.settings.max_items)
+                self.items = await asyncio.to_thread(
+                    load_set, self.settings.set_path, self.settings.max_items
+                )
             except (OSError, HeldOutSetError) as exc:
                 log.error("accuracy_set_unusable", error=str(exc))
                 return
@@ -281,7 +285,9 @@ class HeldOutSentinel:
         if result.accuracy is not None:
             self.results[name] = result
             self._metrics.engine_accuracy.labels(name, variant).set(result.accuracy)
-        log.info("accuracy_replayed", engine=name, variant=variant, correct=correct, scored=scored, failed=failed)
+        log.info(
+            "accuracy_replayed", engine=name, variant=variant, correct=correct, scored=scored, failed=failed
+        )
         return result
 
     def latest(self, name: str) -> tuple[float, int] | None:

@@ -89,7 +89,9 @@ def wire_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
             head = url.header if isinstance(url, SpooledMedia) else url[:5]
             if head[:5].lower() != _DATA_PREFIX:
                 param = f"messages.{mi}.content.{pi}.{field_name}.url"
-                raise MediaURLForbidden(f"{param}: media must be sent as data; this URL is not allowed", param=param)
+                raise MediaURLForbidden(
+                    f"{param}: media must be sent as data; this URL is not allowed", param=param
+                )
     return [m.wire() for m in request.messages]
 
 

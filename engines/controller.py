@@ -254,7 +254,12 @@ class RolloutController:
         if self.settings.energy.usage_field and self.telemetry is not None and self.telemetry.measures_power:
             parts = await self.store.summaries(max_age_s=self._summary_ttl())
             self.energy.update(
-                {n: d["joules_per_token"] for p in parts.values() for n, d in p.items() if "joules_per_token" in d}
+                {
+                    n: d["joules_per_token"]
+                    for p in parts.values()
+                    for n, d in p.items()
+                    if "joules_per_token" in d
+                }
             )
 
     def snapshot(self, parts: dict[str, dict[str, Any]]) -> Snapshot:
@@ -306,7 +311,13 @@ class RolloutController:
         return Snapshot(now=now, engines=engines, replicas=max(1, len(parts)))
 
     def _energy(
-        self, name: str, variant: str, now: float, values: dict[str, Any], summary: EngineSummary, in_flight: float
+        self,
+        name: str,
+        variant: str,
+        now: float,
+        values: dict[str, Any],
+        summary: EngineSummary,
+        in_flight: float,
     ) -> float | None:
         """Integrate the engine's power since the last tick (busy: requests in flight or new ones counted)."""
         counted = summary.finished_total

@@ -28,7 +28,9 @@ log = structlog.get_logger("engines.pool")
 
 _CIRCUIT_ACTIONS = {"open": "eject", "half_open": "half_open", "closed": "readmit"}
 _CIRCUIT_REASONS = {
-    "eject": "outlier-ejection", "half_open": "ejection-elapsed", "readmit": "half-open-success",
+    "eject": "outlier-ejection",
+    "half_open": "ejection-elapsed",
+    "readmit": "half-open-success",
 }
 
 
@@ -50,7 +52,8 @@ class Health:
         self.healthy: dict[str, bool] = {name: False for name in engines}
         #: engines serving another model id or revision than configured: never routed to, with the reason
         self.mismatched: dict[str, str] = {
-            e.name: "its model has not been verified yet" for e in engines.values()
+            e.name: "its model has not been verified yet"
+            for e in engines.values()
             if e.config.expected_model is not None or e.config.expected_revision is not None
         }
         for name in self.mismatched:
@@ -173,8 +176,14 @@ class Health:
         if not first and self.transition_sink is not None:
             # The first probe result is where an engine starts, not a change of state.
             self.transition_sink(
-                Transition(at=time.time(), action="up" if healthy else "down", reason="health-probe",
-                           source="auto", engine=name, models=self.infos[name].serves)
+                Transition(
+                    at=time.time(),
+                    action="up" if healthy else "down",
+                    reason="health-probe",
+                    source="auto",
+                    engine=name,
+                    models=self.infos[name].serves,
+                )
             )
 
     async def start(self) -> None:
@@ -215,8 +224,9 @@ class Health:
         problem: str | None = None
         if healthy:
             try:
-                problem = identity_problem(cfg.expected_model, cfg.expected_revision,
-                                           await engine.served_models())  # type: ignore[attr-defined]
+                problem = identity_problem(
+                    cfg.expected_model, cfg.expected_revision, await engine.served_models()
+                )  # type: ignore[attr-defined]
             except Exception as exc:
                 problem = f"its model list could not be read ({type(exc).__name__})"
         elif engine.name in self.mismatched:
@@ -224,12 +234,21 @@ class Health:
         if problem != self.mismatched.get(engine.name):
             if problem is None:
                 del self.mismatched[engine.name]
-                log.info("engine_model_verified", engine=engine.name, model=cfg.expected_model,
-                         revision=cfg.expected_revision)
+                log.info(
+                    "engine_model_verified",
+                    engine=engine.name,
+                    model=cfg.expected_model,
+                    revision=cfg.expected_revision,
+                )
             else:
                 self.mismatched[engine.name] = problem
-                log.error("engine_model_mismatch", engine=engine.name, reason=problem,
-                          expected_model=cfg.expected_model, expected_revision=cfg.expected_revision)
+                log.error(
+                    "engine_model_mismatch",
+                    engine=engine.name,
+                    reason=problem,
+                    expected_model=cfg.expected_model,
+                    expected_revision=cfg.expected_revision,
+                )
         if healthy:  # a probe that did not reach the engine leaves the last verdict standing
             self._metrics.engine_model_verified.labels(engine.name, cfg.variant).set(0 if problem else 1)
         return healthy and problem is None

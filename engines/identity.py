@@ -18,8 +18,9 @@ def revision_of(root: str) -> str:
     return root.rstrip("/").rsplit("/", 1)[-1]
 
 
-def identity_problem(expected_model: str | None, expected_revision: str | None,
-                     served: list[dict[str, Any]]) -> str | None:
+def identity_problem(
+    expected_model: str | None, expected_revision: str | None, served: list[dict[str, Any]]
+) -> str | None:
     """Why the engine's ``/v1/models`` listing does not match what it was configured with; None when it does."""
     if expected_model is None and expected_revision is None:
         return None

@@ -12,14 +12,26 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engines.base import Capabilities, whole_strings, wire_messages
-from core.events import Completion, Delta, Usage
 from core.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
+from core.events import Completion, Delta, Usage
 from core.schemas import FEATURE_FIELDS, ChatCompletionRequest
 from core.settings import EngineConfig
+from engines.base import Capabilities, whole_strings, wire_messages
 
-_PASS = ("temperature", "top_p", "stop", "seed", "user", "parallel_tool_calls", "logprobs", "top_logprobs",
-         "presence_penalty", "frequency_penalty", "logit_bias", "reasoning_effort")
+_PASS = (
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "user",
+    "parallel_tool_calls",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "reasoning_effort",
+)
 _PASS_MODELS = ("tool_choice", "response_format")
 
 
@@ -38,8 +50,9 @@ class LiteLLMEngine:
         self.config = config
         ins, outs = config.modalities()
         # litellm maps these onto each provider, and raises (a 400 here) for one that lacks them.
-        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs,
-                                         features=frozenset(FEATURE_FIELDS))
+        self.capabilities = Capabilities(
+            input_modalities=ins, output_modalities=outs, features=frozenset(FEATURE_FIELDS)
+        )
         self._lib: Any = None
 
     async def start(self) -> None:
@@ -75,7 +88,9 @@ class LiteLLMEngine:
         for key in _PASS_MODELS:
             value = getattr(request, key)
             if value is not None:
-                kw[key] = value if isinstance(value, str) else value.model_dump(exclude_none=True, by_alias=True)
+                kw[key] = (
+                    value if isinstance(value, str) else value.model_dump(exclude_none=True, by_alias=True)
+                )
         if request.tools is not None:
             kw["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
         return kw
@@ -86,8 +101,15 @@ class LiteLLMEngine:
         text = f"engine {self.name} failed: {type(exc).__name__}"
         if isinstance(exc, lib.exceptions.Timeout):
             return EngineTimeout(text, engine=self.name)
-        if isinstance(exc, (lib.exceptions.RateLimitError, lib.exceptions.ServiceUnavailableError,
-                            lib.exceptions.APIConnectionError, lib.exceptions.InternalServerError)):
+        if isinstance(
+            exc,
+            (
+                lib.exceptions.RateLimitError,
+                lib.exceptions.ServiceUnavailableError,
+                lib.exceptions.APIConnectionError,
+                lib.exceptions.InternalServerError,
+            ),
+        ):
             return EngineUnavailable(text, engine=self.name)
         if isinstance(status, int) and 400 <= status < 500 and status not in (401, 403, 429):
             return EngineRejected(text, engine=self.name, upstream_status=status)
@@ -109,7 +131,14 @@ class LiteLLMEngine:
                 calls = _plain(getattr(delta, "tool_calls", None)) if delta is not None else None
                 reasoning = (getattr(delta, "reasoning_content", None) or "") if delta is not None else ""
                 logprobs = _plain(getattr(choices[0], "logprobs", None)) if choices else None
-                if not text and finish is None and usage is None and not calls and not reasoning and not logprobs:
+                if (
+                    not text
+                    and finish is None
+                    and usage is None
+                    and not calls
+                    and not reasoning
+                    and not logprobs
+                ):
                     continue
                 yield Delta(
                     text=text,
@@ -125,12 +154,16 @@ class LiteLLMEngine:
             if lib is not None and isinstance(exc, lib.exceptions.OpenAIError | lib.exceptions.APIError):
                 raise self._map(exc) from exc
             if isinstance(exc, (OSError, TimeoutError)):
-                raise EngineUnavailable(f"engine {self.name} failed: {type(exc).__name__}", engine=self.name) from exc
+                raise EngineUnavailable(
+                    f"engine {self.name} failed: {type(exc).__name__}", engine=self.name
+                ) from exc
             raise
         finally:
             close = getattr(response, "aclose", None)
             if close is not None:
-                with contextlib.suppress(Exception):  # closing a broken stream may raise again; it is already gone
+                with contextlib.suppress(
+                    Exception
+                ):  # closing a broken stream may raise again; it is already gone
                     await close()
 
     async def complete(self, request: ChatCompletionRequest) -> Completion:
@@ -150,9 +183,14 @@ class LiteLLMEngine:
             finish_reason=choice.finish_reason or "stop",
             usage=Usage(getattr(usage, "prompt_tokens", 0) or 0, getattr(usage, "completion_tokens", 0) or 0),
             tool_calls=[
-                {"id": c.get("id") or "", "type": "function",
-                 "function": {"name": (c.get("function") or {}).get("name") or "",
-                              "arguments": (c.get("function") or {}).get("arguments") or ""}}
+                {
+                    "id": c.get("id") or "",
+                    "type": "function",
+                    "function": {
+                        "name": (c.get("function") or {}).get("name") or "",
+                        "arguments": (c.get("function") or {}).get("arguments") or "",
+                    },
+                }
                 for c in calls
             ],
             reasoning=getattr(choice.message, "reasoning_content", None) or "",

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from engines.base import Capabilities
-from core.events import Completion, Delta, Usage
 from core.errors import EngineError, EngineUnavailable, InvalidRequest, OmnigateError
+from core.events import Completion, Delta, Usage
+from engines.base import Capabilities
 
 if TYPE_CHECKING:
     from core.schemas import ChatCompletionRequest
@@ -394,7 +394,9 @@ class LocalEngine:
         job = _Job(request=request, loop=loop, queue=asyncio.Queue(), done=loop.create_future())
         job.done.add_done_callback(lambda _: self._slots.release())
         self._active.add(job)
-        worker = threading.Thread(target=self._generate, args=(job,), name=f"omnigate-{self.name}", daemon=True)
+        worker = threading.Thread(
+            target=self._generate, args=(job,), name=f"omnigate-{self.name}", daemon=True
+        )
         try:
             worker.start()
         except BaseException:
@@ -440,7 +442,9 @@ class LocalEngine:
     def _prompt_ids(self, request: ChatCompletionRequest) -> Any:
         messages = [{"role": _ROLE_MAP.get(m.role, m.role), "content": m.text()} for m in request.messages]
         # template variables only: never let a client swap the template or the call's own options
-        extra = {k: v for k, v in (request.chat_template_kwargs or {}).items() if k not in self._template_params}
+        extra = {
+            k: v for k, v in (request.chat_template_kwargs or {}).items() if k not in self._template_params
+        }
         try:
             enc = self._tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, return_tensors="pt", return_dict=True, **extra
@@ -483,7 +487,9 @@ class LocalEngine:
                 top_p=None,
                 top_k=None,
                 repetition_penalty=request.repetition_penalty or 1.0,
-                pad_token_id=gen_config.pad_token_id if gen_config.pad_token_id is not None else min(self._eos_ids),
+                pad_token_id=gen_config.pad_token_id
+                if gen_config.pad_token_id is not None
+                else min(self._eos_ids),
             )
             processors: list[Any] = []
             if request.temperature:  # None or 0 means greedy

@@ -133,7 +133,9 @@ class OffloadClient:
             log.warning("engine_sleep_failed", engine=intent.engine, action=intent.action, error=str(exc))
             return False
         ok = r.status_code == 200
-        self._metrics.engine_sleep_requests.labels(intent.engine, intent.action, "ok" if ok else "refused").inc()
+        self._metrics.engine_sleep_requests.labels(
+            intent.engine, intent.action, "ok" if ok else "refused"
+        ).inc()
         status = None
         if ok:
             try:
@@ -141,7 +143,11 @@ class OffloadClient:
             except ValueError:
                 status = None
         log.info(
-            "engine_sleep_sent", engine=intent.engine, action=intent.action, http_status=r.status_code, status=status
+            "engine_sleep_sent",
+            engine=intent.engine,
+            action=intent.action,
+            http_status=r.status_code,
+            status=status,
         )
         return ok
 

@@ -24,8 +24,6 @@ import aiohttp
 import orjson
 import structlog
 
-from engines.base import Body, Capabilities, request_body, wire_messages
-from core.events import Completion, Delta, Usage
 from core.errors import (
     EngineError,
     EngineFailed,
@@ -35,8 +33,10 @@ from core.errors import (
     EngineUnavailable,
     OmnigateError,
 )
+from core.events import Completion, Delta, Usage
 from core.schemas import FEATURE_FIELDS, ChatCompletionRequest
 from core.settings import EngineConfig
+from engines.base import Body, Capabilities, request_body, wire_messages
 
 log = structlog.get_logger(__name__)
 
@@ -70,7 +70,9 @@ async def sse_data(content: aiohttp.StreamReader, engine: str) -> AsyncIterator[
             if batch:
                 yield batch
         if len(tail) > _MAX_LINE_BYTES:
-            raise EngineProtocolError(f"engine {engine} sent an SSE line over {_MAX_LINE_BYTES} bytes", engine=engine)
+            raise EngineProtocolError(
+                f"engine {engine} sent an SSE line over {_MAX_LINE_BYTES} bytes", engine=engine
+            )
     if tail.startswith(_DATA):
         yield [tail[5:].strip()]
 
@@ -104,8 +106,12 @@ class OpenAICompatEngine:
         self._url = self._base + "/chat/completions"
         # n > 1 only where every choice is read back (plain vLLM); vLLM-Omni's answers fold choices into one.
         features = frozenset(FEATURE_FIELDS) | ({"n"} if config.kind == "vllm" else set())
-        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs, features=features,
-                                         thinking_budget=config.thinking_budget)
+        self.capabilities = Capabilities(
+            input_modalities=ins,
+            output_modalities=outs,
+            features=features,
+            thinking_budget=config.thinking_budget,
+        )
         self._headers = {"Content-Type": "application/json"}
         if config.api_key is not None:
             self._headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
@@ -117,7 +123,9 @@ class OpenAICompatEngine:
         # Idle pooled connections are dropped before the engine's own keep-alive timeout
         # (uvicorn, under vLLM, closes after 5 s): reusing one it just closed would fail a request.
         connector = aiohttp.TCPConnector(
-            limit=self.config.max_connections, ttl_dns_cache=300, keepalive_timeout=self.config.keepalive_timeout_s
+            limit=self.config.max_connections,
+            ttl_dns_cache=300,
+            keepalive_timeout=self.config.keepalive_timeout_s,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -158,8 +166,9 @@ class OpenAICompatEngine:
             async with asyncio.timeout(self.config.connect_timeout_s + 2):
                 async with session.get(self._base + "/models", headers=self._headers) as resp:
                     if resp.status != 200:
-                        raise EngineUnavailable(f"engine {self.name} answered {resp.status} to /v1/models",
-                                                engine=self.name)
+                        raise EngineUnavailable(
+                            f"engine {self.name} answered {resp.status} to /v1/models", engine=self.name
+                        )
                     doc = orjson.loads(await resp.read())
         except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
             raise EngineUnavailable(f"engine {self.name} did not list its models", engine=self.name) from exc
@@ -191,7 +200,9 @@ class OpenAICompatEngine:
         for key in _PASS_MODELS:
             value = getattr(request, key)
             if value is not None:
-                body[key] = value if isinstance(value, str) else value.model_dump(exclude_none=True, by_alias=True)
+                body[key] = (
+                    value if isinstance(value, str) else value.model_dump(exclude_none=True, by_alias=True)
+                )
         if request.tools is not None:
             body["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
         if request.choices > 1:
@@ -249,7 +260,9 @@ class OpenAICompatEngine:
                     try:
                         chunk = orjson.loads(data)
                     except orjson.JSONDecodeError as exc:
-                        raise EngineProtocolError(f"engine {self.name} sent malformed JSON", engine=self.name) from exc
+                        raise EngineProtocolError(
+                            f"engine {self.name} sent malformed JSON", engine=self.name
+                        ) from exc
                     delta = translate(chunk)
                     if delta is not None:
                         yield delta
@@ -262,7 +275,9 @@ class OpenAICompatEngine:
         except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
             raise EngineTimeout(f"engine {self.name} timed out", engine=self.name) from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(f"engine {self.name} failed: {type(exc).__name__}", engine=self.name) from exc
+            raise EngineUnavailable(
+                f"engine {self.name} failed: {type(exc).__name__}", engine=self.name
+            ) from exc
         finally:
             if resp is not None:
                 if not finished:
@@ -288,12 +303,16 @@ class OpenAICompatEngine:
         except TimeoutError as exc:
             raise EngineTimeout(f"engine {self.name} timed out", engine=self.name) from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(f"engine {self.name} failed: {type(exc).__name__}", engine=self.name) from exc
+            raise EngineUnavailable(
+                f"engine {self.name} failed: {type(exc).__name__}", engine=self.name
+            ) from exc
         try:
             doc = orjson.loads(raw)
             return self._completion(doc)
         except (orjson.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError) as exc:
-            raise EngineProtocolError(f"engine {self.name} sent an unexpected response", engine=self.name) from exc
+            raise EngineProtocolError(
+                f"engine {self.name} sent an unexpected response", engine=self.name
+            ) from exc
 
     # -- translation -----------------------------------------------------
     def _translator(self):
@@ -314,7 +333,11 @@ class OpenAICompatEngine:
         return translate
 
     def _choice_delta(
-        self, chunk: dict[str, Any], choice: dict[str, Any], usage: dict[str, Any] | None, state: dict[str, Any]
+        self,
+        chunk: dict[str, Any],
+        choice: dict[str, Any],
+        usage: dict[str, Any] | None,
+        state: dict[str, Any],
     ) -> Delta | None:
         """One streamed choice as a Delta (OpenAI's shape: text in ``delta.content``, calls in ``tool_calls``)."""
         delta = choice.get("delta") or {}
@@ -329,10 +352,14 @@ class OpenAICompatEngine:
                 return None
             return Delta(finish_reason=finish, usage=_usage(usage) if usage else None, index=index)
         return Delta(
-            text=text, finish_reason=finish, usage=_usage(usage) if usage else None,
+            text=text,
+            finish_reason=finish,
+            usage=_usage(usage) if usage else None,
             tool_calls=[_call_fragment(c) for c in calls] if calls else None,
-            reasoning=reasoning, reasoning_key=key,
-            logprobs=_logprob_entries(lp), index=index,
+            reasoning=reasoning,
+            reasoning_key=key,
+            logprobs=_logprob_entries(lp),
+            index=index,
         )
 
     def _completion(self, doc: dict[str, Any]) -> Completion:
@@ -345,27 +372,67 @@ class OpenAICompatEngine:
 
 
 # Sampling fields passed as the client set them; the models below are dumped by their wire names.
-_PASS = ("temperature", "top_p", "stop", "seed", "user", "top_k", "repetition_penalty", "chat_template_kwargs",
-         "parallel_tool_calls", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-         "reasoning_effort")
+_PASS = (
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "user",
+    "top_k",
+    "repetition_penalty",
+    "chat_template_kwargs",
+    "parallel_tool_calls",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "reasoning_effort",
+)
 _PASS_MODELS = ("tool_choice", "response_format")
 
 # What an engine's 400 says, mapped to the gateway's own words: (pattern in its message, code, param, message).
 # Its text itself never reaches the client (it names the engine's model, limits and internals).
 _REJECTIONS: tuple[tuple[re.Pattern[str], str, str | None, str], ...] = (
-    (re.compile(r"^'?max_(completion_)?tokens", re.IGNORECASE), "context_length_exceeded", "max_tokens",
-     "max_tokens is more than the model's context window leaves for the answer; lower it"),
-    (re.compile(r"context length|model length|max_model_len|too long|maximum context|prompt \(length", re.IGNORECASE),
-     "context_length_exceeded", "messages",
-     "the messages and max_tokens together exceed the model's context window; shorten them"),
-    (re.compile(r"tool.?choice|tool.?call|tools", re.IGNORECASE), "engine_rejected_request", "tools",
-     "the model does not accept these tools or this tool_choice"),
-    (re.compile(r"json.?schema|response.?format|grammar|guided|structured", re.IGNORECASE), "engine_rejected_request",
-     "response_format", "the model does not accept this response_format"),
-    (re.compile(r"logprob", re.IGNORECASE), "engine_rejected_request", "top_logprobs",
-     "the model does not return logprobs as asked"),
-    (re.compile(r"\bn must\b|\bn\b.*\bgreedy", re.IGNORECASE), "engine_rejected_request", "n",
-     "the model cannot return n answers with these sampling settings (greedy decoding gives one)"),
+    (
+        re.compile(r"^'?max_(completion_)?tokens", re.IGNORECASE),
+        "context_length_exceeded",
+        "max_tokens",
+        "max_tokens is more than the model's context window leaves for the answer; lower it",
+    ),
+    (
+        re.compile(
+            r"context length|model length|max_model_len|too long|maximum context|prompt \(length",
+            re.IGNORECASE,
+        ),
+        "context_length_exceeded",
+        "messages",
+        "the messages and max_tokens together exceed the model's context window; shorten them",
+    ),
+    (
+        re.compile(r"tool.?choice|tool.?call|tools", re.IGNORECASE),
+        "engine_rejected_request",
+        "tools",
+        "the model does not accept these tools or this tool_choice",
+    ),
+    (
+        re.compile(r"json.?schema|response.?format|grammar|guided|structured", re.IGNORECASE),
+        "engine_rejected_request",
+        "response_format",
+        "the model does not accept this response_format",
+    ),
+    (
+        re.compile(r"logprob", re.IGNORECASE),
+        "engine_rejected_request",
+        "top_logprobs",
+        "the model does not return logprobs as asked",
+    ),
+    (
+        re.compile(r"\bn must\b|\bn\b.*\bgreedy", re.IGNORECASE),
+        "engine_rejected_request",
+        "n",
+        "the model cannot return n answers with these sampling settings (greedy decoding gives one)",
+    ),
 )
 
 
@@ -378,8 +445,9 @@ def rejection(detail: str, engine_message: str, *, engine: str, upstream_status:
     """An engine's 4xx as the gateway's own error: the engine's words go to the log only."""
     for pattern, code, param, public in _REJECTIONS:
         if pattern.search(engine_message):
-            return EngineRejected(detail, engine=engine, upstream_status=upstream_status, code=code,
-                                  param=param, public=public)
+            return EngineRejected(
+                detail, engine=engine, upstream_status=upstream_status, code=code, param=param, public=public
+            )
     return EngineRejected(detail, engine=engine, upstream_status=upstream_status)
 
 
@@ -390,7 +458,8 @@ def _choice_completion(choice: dict[str, Any]) -> Completion:
         text=message.get("content") or "",
         finish_reason=choice.get("finish_reason") or "stop",
         tool_calls=[_whole_call(c) for c in message.get("tool_calls") or ()],
-        reasoning=reasoning, reasoning_key=key,
+        reasoning=reasoning,
+        reasoning_key=key,
         logprobs=_logprob_entries(choice.get("logprobs")),
     )
 
@@ -418,8 +487,11 @@ def _call_fragment(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _whole_call(raw: dict[str, Any]) -> dict[str, Any]:
     fn = raw.get("function") or {}
-    return {"id": raw.get("id") or "", "type": "function",
-            "function": {"name": fn.get("name") or "", "arguments": fn.get("arguments") or ""}}
+    return {
+        "id": raw.get("id") or "",
+        "type": "function",
+        "function": {"name": fn.get("name") or "", "arguments": fn.get("arguments") or ""},
+    }
 
 
 def _logprob_entries(raw: Any) -> list[dict[str, Any]] | None:
@@ -451,4 +523,3 @@ def _retry_after(value: str | None) -> float | None:
         return max(0.0, float(value))
     except ValueError:
         return None
-

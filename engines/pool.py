@@ -18,15 +18,15 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
+from core.control_settings import RoutingSettings
+from core.settings import EngineConfig
 from engines import choice
 from engines.base import Engine
-from core.control_settings import RoutingSettings
 from engines.health import Health
 from engines.rollback import Transition
 from engines.routing import EngineInfo, RoutingTable, base_weights
 from engines.signals import EngineSummary
 from engines.slots import Lease, Slots
-from core.settings import EngineConfig
 from observability.metrics import Metrics
 
 __all__ = ["EnginePool", "Lease", "build_engine"]
@@ -197,8 +197,9 @@ class EnginePool:
                        upstream_e2e_s: float | None = None, tokens: int = 0,
                        audio_s: float = 0.0) -> None:  # fmt: skip
         name = engine if isinstance(engine, str) else engine.name
-        self.health.success(name, ttft_s, first_audio_s, e2e_s, upstream_ttft_s, upstream_e2e_s, tokens,
-                            audio_s)
+        self.health.success(
+            name, ttft_s, first_audio_s, e2e_s, upstream_ttft_s, upstream_e2e_s, tokens, audio_s
+        )
 
     def report_failure(self, engine: Engine | str) -> None:
         """A request failed at the engine (refused, reset, timed out, 5xx, broken stream)."""

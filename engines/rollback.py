@@ -457,7 +457,9 @@ def decide(snapshot: Snapshot, state: ControllerState, config: ControllerSetting
                 if reason in ("frozen", "pinned"):
                     held(key, reason)
                     continue
-                probe, preempts = _new_incident(rule, sig, value, since, snapshot, config, incidents, sleeping)
+                probe, preempts = _new_incident(
+                    rule, sig, value, since, snapshot, config, incidents, sleeping
+                )
                 if probe is None:
                     asleep = _sleeping_targets(rule, sig, snapshot, sleeping, config, incidents)
                     for z in asleep:

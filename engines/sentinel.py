@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from core.events import Completion
 
 from core.control_settings import SentinelSettings
+from core.events import Completion
 from engines.language import detect, long_enough
 from engines.signals import WerWindow
 from observability.metrics import Metrics

@@ -178,7 +178,9 @@ class OutcomeWindow:
     def __init__(
         self, max_samples: int = 20_000, clock: Any = time.monotonic, window_s: float = 60.0, slots: int = 30
     ) -> None:
-        self._q: deque[tuple[float, float, float, float, float, float, int, float]] = deque(maxlen=max_samples)
+        self._q: deque[tuple[float, float, float, float, float, float, int, float]] = deque(
+            maxlen=max_samples
+        )
         self._clock = clock
         self._window_s = window_s
         self._slot_s = window_s / slots

@@ -24,10 +24,10 @@ from types import TracebackType
 
 import structlog
 
+from core.errors import EngineBusy, EngineError
 from engines.base import Engine
 from engines.health import Health
 from engines.routing import RoutingTable
-from core.errors import EngineBusy, EngineError
 from observability.metrics import Metrics
 
 log = structlog.get_logger("engines.pool")
@@ -287,8 +287,13 @@ class Slots:
             return
         self.overloaded = overloaded
         for name in self.engines:
-            log.info("engine_limit_changed", engine=name, limit=self.limit(name), overloaded=overloaded,
-                     in_flight=self.in_flight[name])
+            log.info(
+                "engine_limit_changed",
+                engine=name,
+                limit=self.limit(name),
+                overloaded=overloaded,
+                in_flight=self.in_flight[name],
+            )
             self.grow(name)
 
     def publish(self, name: str) -> None:

@@ -23,12 +23,12 @@ from typing import Any
 
 import aiohttp
 
-from core.events import Completion, Delta
-from engines.openai_compat import OpenAICompatEngine, _choice_completion, _usage, rejection
 from core.audio import split_wav
 from core.errors import EngineFailed, EngineProtocolError, EngineRejected
+from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
 from core.settings import EngineConfig
+from engines.openai_compat import OpenAICompatEngine, _choice_completion, _usage, rejection
 
 # vLLM-Omni's answer to a speaker its talker does not have (serving_chat.py), before any chunk.
 _INVALID_SPEAKER = re.compile(r"Invalid speaker '([^']*)'\. Supported: (.*)$", re.DOTALL)
@@ -63,16 +63,21 @@ class VLLMOmniEngine(OpenAICompatEngine):
             # is not failed over and does not count against the engine's health.
             raise rejection(exc.detail, exc.detail, engine=self.name, upstream_status=400) from exc
         except EngineRejected as exc:
-            found = _INVALID_SPEAKER.search(exc.detail)  # the engine's own words (the message is the public one)
+            found = _INVALID_SPEAKER.search(
+                exc.detail
+            )  # the engine's own words (the message is the public one)
             if found is None:
                 raise
             supported = sorted({v.strip().lower() for v in found.group(2).split(",") if v.strip()})
             if supported and self.config.voices is None:
                 self.voices = frozenset(supported)
             # The voices are the model's public surface, so the client is told them in the gateway's words.
-            message = f"audio.voice {found.group(1)!r} is not one of this model's voices: {', '.join(supported)}"
-            refused = EngineRejected(message, engine=self.name, upstream_status=400, param="audio.voice",
-                                     public=message)
+            message = (
+                f"audio.voice {found.group(1)!r} is not one of this model's voices: {', '.join(supported)}"
+            )
+            refused = EngineRejected(
+                message, engine=self.name, upstream_status=400, param="audio.voice", public=message
+            )
             refused.code = "invalid_voice"
             raise refused from exc
 
@@ -103,7 +108,11 @@ class VLLMOmniEngine(OpenAICompatEngine):
             await inner.aclose()  # type: ignore[attr-defined]
 
     def _choice_delta(
-        self, chunk: dict[str, Any], choice: dict[str, Any], usage: dict[str, Any] | None, state: dict[str, Any]
+        self,
+        chunk: dict[str, Any],
+        choice: dict[str, Any],
+        usage: dict[str, Any] | None,
+        state: dict[str, Any],
     ) -> Delta | None:
         modality = chunk.get("modality")
         if modality != "audio":
@@ -119,7 +128,11 @@ class VLLMOmniEngine(OpenAICompatEngine):
         pcm = b""
         if content:
             pcm, state["rate"], state["channels"] = _decode_audio(
-                content, choice.get("audio_metadata") or {}, state.get("rate"), state.get("channels"), self.name
+                content,
+                choice.get("audio_metadata") or {},
+                state.get("rate"),
+                state.get("channels"),
+                self.name,
             )
             state["audio"] = True
         if not pcm and finish is None:
@@ -144,8 +157,10 @@ class VLLMOmniEngine(OpenAICompatEngine):
                 out.transcript += audio.get("transcript") or ""
                 audio_finish = choice.get("finish_reason") or audio_finish
             content = message.get("content")
-            if (isinstance(content, str) and content) or message.get("tool_calls") or any(
-                message.get(k) for k in ("reasoning_content", "reasoning")
+            if (
+                (isinstance(content, str) and content)
+                or message.get("tool_calls")
+                or any(message.get(k) for k in ("reasoning_content", "reasoning"))
             ):
                 # The text stage's message is vLLM's (tool calls, reasoning and logprobs included).
                 part = _choice_completion(choice)
@@ -172,11 +187,14 @@ def _decode_audio(
         return split_wav(raw)
     fmt = str(meta.get("format") or "").lower()
     if fmt not in ("", "wav", "pcm", "pcm16"):
-        raise EngineProtocolError(f"engine {engine} sent audio as {fmt!r}; the gateway asks for wav", engine=engine)
+        raise EngineProtocolError(
+            f"engine {engine} sent audio as {fmt!r}; the gateway asks for wav", engine=engine
+        )
     # A build that sends the WAV header on the first piece only: the rest is bare PCM at the header's rate.
     rate = int(meta.get("sample_rate_hz") or 0) or rate
     channels = int(meta.get("channels") or 0) or channels or 1
     if not rate:
-        raise EngineProtocolError(f"engine {engine} sent headerless audio without a sample rate", engine=engine)
+        raise EngineProtocolError(
+            f"engine {engine} sent headerless audio without a sample rate", engine=engine
+        )
     return raw, rate, channels
-

@@ -49,6 +49,7 @@ log = structlog.get_logger("omnigate.traffic")
 
 Result = Literal["admit", "refuse_quota", "refuse_overload"]
 
+
 # -- pure decisions -----------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Limits:
@@ -174,7 +175,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # KEYS[1] slots, KEYS[2..] tenants' slots (only for quotas)
 # ARGV[1] ttl ms, then per request: lease id, hard limit, tenant quota, index into KEYS of its tenant (0: none)
 # -> per request {1 admitted | 2 refused: quota | 3 refused: hard limit, in flight before, tenant's before}
-ACQUIRE_LUA = _NOW + """
+ACQUIRE_LUA = (
+    _NOW
+    + """
 local ttl = tonumber(ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local n = redis.call('ZCARD', KEYS[1])
@@ -207,6 +210,7 @@ for k = 1, #KEYS do
 end
 return out
 """
+)
 
 # KEYS[1] slots, KEYS[2..] tenant keys; ARGV: (lease id, index into KEYS or 0) pairs -> leases removed
 RELEASE_LUA = """
@@ -221,7 +225,9 @@ return removed
 
 # KEYS[1] slots, KEYS[2..] tenant keys; ARGV[1] ttl ms, then (lease id, index into KEYS or 0) pairs
 # -> the lease ids that were no longer there (expired or removed); they are not brought back
-RENEW_LUA = _NOW + """
+RENEW_LUA = (
+    _NOW
+    + """
 local exp = now + tonumber(ARGV[1])
 local lost = {}
 for i = 2, #ARGV, 2 do
@@ -239,12 +245,16 @@ for i = 1, #KEYS do
 end
 return lost
 """
+)
 
 # KEYS[1] slots -> live leases
-COUNT_LUA = _NOW + """
+COUNT_LUA = (
+    _NOW
+    + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return redis.call('ZCARD', KEYS[1])
 """
+)
 
 
 @dataclass(eq=False, slots=True)
@@ -335,7 +345,10 @@ class RedisSlots:
         # Alone, this replica counts what it holds: its Redis leases as well as its local slots.
         tkey = self.tenant_key(tenant) if tenant is not None else None
         return await self.fallback.acquire(
-            lease_id, tenant, limits.scaled(self._cfg.fail_open_share), base=len(self.held),
+            lease_id,
+            tenant,
+            limits.scaled(self._cfg.fail_open_share),
+            base=len(self.held),
             tenant_base=sum(1 for k in self.held.values() if k is not None and k == tkey),
         )
 
@@ -403,8 +416,12 @@ class RedisSlots:
         except Exception as exc:
             # The leases expire by themselves after lease_ttl_s: nothing renews them any more.
             self._metrics.traffic_store_errors.labels("release").inc()
-            log.warning("admission_release_failed", leases=len(leases), error=repr(exc),
-                        expires_in_s=self._cfg.lease_ttl_s)
+            log.warning(
+                "admission_release_failed",
+                leases=len(leases),
+                error=repr(exc),
+                expires_in_s=self._cfg.lease_ttl_s,
+            )
 
     async def in_flight(self) -> int:
         if self.up:
@@ -484,8 +501,11 @@ class RedisSlots:
             if self.held.pop(lease, False) is not False:
                 # Only a lease that was still held is lost; one released meanwhile is simply gone.
                 self._metrics.lease_renewals.labels("lost").inc()
-                log.warning("admission_lease_lost", lease=lease,
-                            reason="expired in Redis before renewal; the stream runs on uncounted")
+                log.warning(
+                    "admission_lease_lost",
+                    lease=lease,
+                    reason="expired in Redis before renewal; the stream runs on uncounted",
+                )
 
 
 async def _stop(task: asyncio.Task[None], timeout: float) -> None:
@@ -517,7 +537,8 @@ class AdmissionGate:
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self._timeout_s = redis.settings.timeout_s if redis is not None else RedisSettings().timeout_s
         self.store: LocalSlots | RedisSlots = (
-            RedisSlots(cfg, metrics, self.replica_id, redis) if redis is not None and redis.configured
+            RedisSlots(cfg, metrics, self.replica_id, redis)
+            if redis is not None and redis.configured
             else LocalSlots()
         )
         self._on_overload = on_overload
@@ -559,7 +580,8 @@ class AdmissionGate:
         if asked not in self._rank:
             known = ", ".join(self._rank)
             raise InvalidRequest(
-                f"unknown priority class {asked!r} in header {header} (classes: {known})", code="invalid_priority"
+                f"unknown priority class {asked!r} in header {header} (classes: {known})",
+                code="invalid_priority",
             )
         if asked != own and (asked not in self._header_classes or self._rank[asked] < self._rank[own]):
             raise PermissionDenied(f"priority class {asked!r} may not be requested with header {header}")
@@ -629,8 +651,13 @@ class AdmissionGate:
         if state != self.overloaded:
             self.overloaded = state
             self.metrics.overloaded.set(1 if state else 0)
-            log.warning("gateway_overload_changed", overloaded=state, in_flight=n,
-                        soft_limit=self.cfg.soft_limit, exit_at_or_below=self.cfg.overload_exit)
+            log.warning(
+                "gateway_overload_changed",
+                overloaded=state,
+                in_flight=n,
+                soft_limit=self.cfg.soft_limit,
+                exit_at_or_below=self.cfg.overload_exit,
+            )
             if self._on_overload is not None:
                 self._on_overload(state)
         return state

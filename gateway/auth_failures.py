@@ -71,8 +71,9 @@ class FailureSummary:
 
 
 class AuthFailures:
-    def __init__(self, settings: FailureLimitSettings, metrics: Metrics, *, redis: SharedRedis | None,
-                 key_prefix: str) -> None:
+    def __init__(
+        self, settings: FailureLimitSettings, metrics: Metrics, *, redis: SharedRedis | None, key_prefix: str
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         # Built on the first failure: a gateway nobody fails against never imports limits or redis.
@@ -102,8 +103,12 @@ class AuthFailures:
             from redis.exceptions import RedisError
 
             self._errors = (RedisError, OSError)
-            storage = RedisStorage("async+" + self._redis.url, implementation="redispy",
-                                   key_prefix=self._prefix, connection_pool=self._redis.pool)
+            storage = RedisStorage(
+                "async+" + self._redis.url,
+                implementation="redispy",
+                key_prefix=self._prefix,
+                connection_pool=self._redis.pool,
+            )
             self._shared = MovingWindowRateLimiter(storage)
         return self._shared
 
@@ -150,8 +155,11 @@ class AuthFailures:
         now = time.monotonic()
         if now - self._last_warning >= 30.0:
             self._last_warning = now
-            log.warning("auth_failure_limit_unshared", error=type(exc).__name__,
-                        detail="Redis unreachable: each process counts failures alone")
+            log.warning(
+                "auth_failure_limit_unshared",
+                error=type(exc).__name__,
+                detail="Redis unreachable: each process counts failures alone",
+            )
 
     def take_summary(self) -> dict[str, Any] | None:
         """The interval's counts (None when nothing was refused), and a fresh interval begins."""

@@ -68,22 +68,33 @@ def check_config(path: str) -> int:
         print(line)
     a = settings.audit
     if a.enabled:
-        signed = f"signed ({a.signing.algorithm})" if a.signing.key is not None else "UNSIGNED (no audit.signing.key)"
+        signed = (
+            f"signed ({a.signing.algorithm})"
+            if a.signing.key is not None
+            else "UNSIGNED (no audit.signing.key)"
+        )
         witness = str(a.witness_path) if a.witness_path else "the log only"
-        print(f"audit: {a.store}, on_unavailable {a.on_unavailable}, checkpoints {signed} every "
-              f"{a.checkpoint_every}, heads published to {witness}")
+        print(
+            f"audit: {a.store}, on_unavailable {a.on_unavailable}, checkpoints {signed} every "
+            f"{a.checkpoint_every}, heads published to {witness}"
+        )
     else:
         print("audit: disabled")
     if any("scorer" in getattr(p.impl, "uses", ()) for c in (chain, *sets.values()) for p in c.all()):
         g = settings.grounding
-        which = f"cross-encoder {g.model}" if g.model else "fallback (numbers, dates, names + all-MiniLM-L6-v2)"
+        which = (
+            f"cross-encoder {g.model}" if g.model else "fallback (numbers, dates, names + all-MiniLM-L6-v2)"
+        )
         print(f"grounding scorer: {which} on {g.device}")
     t = settings.traffic
     if not t.enabled:
         print("traffic: admission off")
     else:
-        shared = (f"shared through Redis (prefix {t.key_prefix}, lease {t.lease_ttl_s:g} s)"
-                  if settings.redis.url is not None else "in-process")
+        shared = (
+            f"shared through Redis (prefix {t.key_prefix}, lease {t.lease_ttl_s:g} s)"
+            if settings.redis.url is not None
+            else "in-process"
+        )
         print(f"traffic: soft limit {t.soft_limit}, hard limit {t.hard_limit} in flight; {shared}")
         classes = ", ".join(f"{c.name} {'/'.join(map(str, t.class_limits(c.name)))}" for c in t.priorities)
         print(f"  classes (soft/hard, highest first): {classes}")
@@ -93,22 +104,33 @@ def check_config(path: str) -> int:
 def auth_banner(settings) -> list[str]:
     """What the start-up banner and ``check-config`` say about authentication (decided here, at boot)."""
     d = settings.auth.directory
-    where = ("shared PostgreSQL" if d.shared else f"SQLite {d.sqlite_path}, this process only")
+    where = "shared PostgreSQL" if d.shared else f"SQLite {d.sqlite_path}, this process only"
     if not settings.auth_required:
-        why = "auth.required: false" if settings.auth.required is False else (
-            "no config names tenants, API keys, an admin key or a shared directory")
+        why = (
+            "auth.required: false"
+            if settings.auth.required is False
+            else ("no config names tenants, API keys, an admin key or a shared directory")
+        )
         return [f"authentication: OFF ({why}): every request is served, unauthenticated"]
-    lines = [(f"authentication: required (keys checked on every /v1 request); directory: {where}, "
-              f"changes honoured on every replica within {d.bound_s:g} s, directory keys refused after "
-              f"{d.fail_closed_after_s:g} s without a read")]
+    lines = [
+        (
+            f"authentication: required (keys checked on every /v1 request); directory: {where}, "
+            f"changes honoured on every replica within {d.bound_s:g} s, directory keys refused after "
+            f"{d.fail_closed_after_s:g} s without a read"
+        )
+    ]
     if settings.tenants:
-        lines.append(f"tenants: {', '.join(t.name for t in settings.tenants)} ({len(settings.api_keys)} keys)"
-                     " in the config, plus those of the directory")
+        lines.append(
+            f"tenants: {', '.join(t.name for t in settings.tenants)} ({len(settings.api_keys)} keys)"
+            " in the config, plus those of the directory"
+        )
     else:
         lines.append("tenants: none in the config; until the directory has some, every request gets 401")
     if settings.auth.replicas > 1 and not d.shared:
-        lines.append(f"admin writes to tenants and keys: refused (auth.replicas is {settings.auth.replicas} "
-                     "and the directory is per process; use auth.directory.backend: postgres)")
+        lines.append(
+            f"admin writes to tenants and keys: refused (auth.replicas is {settings.auth.replicas} "
+            "and the directory is per process; use auth.directory.backend: postgres)"
+        )
     return lines
 
 
@@ -228,15 +250,21 @@ def audit_command(args: argparse.Namespace) -> int:
                 if args.json:
                     print(json.dumps(doc, indent=2))
                 elif report.ok:
-                    print(f"audit chain OK: {report.records} records (seq {report.first_seq or 0}.."
-                          f"{report.head_seq}), {report.checkpoints_signed} signed checkpoints verified, "
-                          f"{report.checkpoints_unchecked} not checkable, head {report.head_hash}")
+                    print(
+                        f"audit chain OK: {report.records} records (seq {report.first_seq or 0}.."
+                        f"{report.head_seq}), {report.checkpoints_signed} signed checkpoints verified, "
+                        f"{report.checkpoints_unchecked} not checkable, head {report.head_hash}"
+                    )
                     if report.anchored_at:
-                        print(f"  starts after a retention cut anchored by the checkpoint at record "
-                              f"{report.anchored_at}")
+                        print(
+                            f"  starts after a retention cut anchored by the checkpoint at record "
+                            f"{report.anchored_at}"
+                        )
                     if doc["uncovered_records"]:
-                        print(f"  {doc['uncovered_records']} records after the newest checkpoint are not yet "
-                              "covered by a signature")
+                        print(
+                            f"  {doc['uncovered_records']} records after the newest checkpoint are not yet "
+                            "covered by a signature"
+                        )
                     for g in report.gaps:
                         print(f"  gap record at seq {g[0]}: {g[1]} records were not written (buffer full)")
                 else:
@@ -276,8 +304,10 @@ def directory_import(config: str | None) -> int:
         print(_format_validation(exc) if isinstance(exc, ValidationError) else str(exc), file=sys.stderr)
         return 2
     done = asyncio.run(import_from_audit(settings))
-    print(f"imported {done.tenants} tenants and {done.keys} keys into the {settings.auth.directory.backend} "
-          f"directory ({done.skipped} already there, left as they are)")
+    print(
+        f"imported {done.tenants} tenants and {done.keys} keys into the {settings.auth.directory.backend} "
+        f"directory ({done.skipped} already there, left as they are)"
+    )
     return 0
 
 
@@ -287,8 +317,11 @@ def verify_weights(args: argparse.Namespace) -> int:
 
     folder = Path(args.dir)
     if args.revision is not None and not weights.is_commit(args.revision):
-        print(f"weights NOT verified: revision {args.revision!r} is not a commit (40 hex digits): a branch or "
-              "tag can move, so only a commit pins the weights", file=sys.stderr)
+        print(
+            f"weights NOT verified: revision {args.revision!r} is not a commit (40 hex digits): a branch or "
+            "tag can move, so only a commit pins the weights",
+            file=sys.stderr,
+        )
         return 1
     try:
         manifest = weights.parse_manifest(Path(args.manifest).read_text())
@@ -302,7 +335,10 @@ def verify_weights(args: argparse.Namespace) -> int:
         try:
             weights.download(args.model, args.revision, folder)
         except Exception as exc:  # any failure to fetch is a failure to verify
-            print(f"weights NOT verified: download of {args.model}@{args.revision} failed: {exc}", file=sys.stderr)
+            print(
+                f"weights NOT verified: download of {args.model}@{args.revision} failed: {exc}",
+                file=sys.stderr,
+            )
             return 1
     report = weights.verify(folder, manifest, args.revision)
     if not report.ok:
@@ -325,7 +361,9 @@ def weights_manifest(folder: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="omnigate", description="A guarded gateway for omni-modal LLM engines.")
+    parser = argparse.ArgumentParser(
+        prog="omnigate", description="A guarded gateway for omni-modal LLM engines."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="run the gateway")
     p_serve.add_argument("--config", help="YAML config file (default: the embedded local engine)")
@@ -335,8 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     p_check.add_argument("file", type=Path)
     p_audit = sub.add_parser("audit", help="verify or export the audit trail")
     audit_sub = p_audit.add_subparsers(dest="audit_command", required=True)
-    for name, text in (("verify", "re-walk the hash chain and check the signed checkpoints"),
-                       ("export", "write the records as JSON lines (for a SIEM)")):
+    for name, text in (
+        ("verify", "re-walk the hash chain and check the signed checkpoints"),
+        ("export", "write the records as JSON lines (for a SIEM)"),
+    ):
         p = audit_sub.add_parser(name, help=text)
         p.add_argument("--config", help="the gateway's config file (names the store and the signing key)")
         p.add_argument("--sqlite", help="verify/export this SQLite file instead of the configured store")
@@ -344,31 +384,51 @@ def main(argv: list[str] | None = None) -> int:
         if name == "verify":
             p.add_argument("--public-key", help="Ed25519 public key (base64) to check checkpoints with")
             p.add_argument("--json", action="store_true", help="print the report as JSON")
-            p.add_argument("--expect", action="append", metavar="SEQ:HASH",
-                           help="a head published outside the store (repeatable): record SEQ must have HASH")
-            p.add_argument("--expect-file", action="append", metavar="PATH",
-                           help="a file of published heads (audit.witness_path, or SEQ:HASH lines)")
-            p.add_argument("--require-covered", action="store_true",
-                           help="fail if records after the newest checkpoint are not covered by a signature "
-                                "(a stopped gateway seals its head)")
+            p.add_argument(
+                "--expect",
+                action="append",
+                metavar="SEQ:HASH",
+                help="a head published outside the store (repeatable): record SEQ must have HASH",
+            )
+            p.add_argument(
+                "--expect-file",
+                action="append",
+                metavar="PATH",
+                help="a file of published heads (audit.witness_path, or SEQ:HASH lines)",
+            )
+            p.add_argument(
+                "--require-covered",
+                action="store_true",
+                help="fail if records after the newest checkpoint are not covered by a signature "
+                "(a stopped gateway seals its head)",
+            )
         else:
             p.add_argument("--after", type=int, default=0, help="only records with seq greater than this")
             p.add_argument("--out", default="-", help="output file (default: standard output)")
     p_keys = sub.add_parser("keys", help="API keys")
     keys_sub = p_keys.add_subparsers(dest="keys_command", required=True)
-    p_new = keys_sub.add_parser("new", help="mint a key: prints it once, and the config entry with its digest")
+    p_new = keys_sub.add_parser(
+        "new", help="mint a key: prints it once, and the config entry with its digest"
+    )
     p_new.add_argument("--tenant", required=True)
     p_dir = sub.add_parser("directory", help="the tenant directory")
     dir_sub = p_dir.add_subparsers(dest="directory_command", required=True)
-    p_imp = dir_sub.add_parser("import", help="copy tenants and keys an older version kept in the audit database")
+    p_imp = dir_sub.add_parser(
+        "import", help="copy tenants and keys an older version kept in the audit database"
+    )
     p_imp.add_argument("--config", help="the gateway's config file (names the audit store and the directory)")
-    p_vw = sub.add_parser("verify-weights", help="check a model snapshot against its SHA-256 manifest "
-                                               "before an engine loads it (exit 1 on any difference)")
+    p_vw = sub.add_parser(
+        "verify-weights",
+        help="check a model snapshot against its SHA-256 manifest "
+        "before an engine loads it (exit 1 on any difference)",
+    )
     p_vw.add_argument("--dir", required=True, help="the snapshot folder (.../snapshots/<revision>)")
     p_vw.add_argument("--manifest", required=True, help="SHA-256 sums of every file, sha256sum format")
     p_vw.add_argument("--model", help="the Hugging Face model id (with --download)")
     p_vw.add_argument("--revision", help="the pinned revision: the folder must be named after it")
-    p_vw.add_argument("--download", action="store_true", help="fetch the snapshot at --revision into --dir first")
+    p_vw.add_argument(
+        "--download", action="store_true", help="fetch the snapshot at --revision into --dir first"
+    )
     p_wm = sub.add_parser("weights-manifest", help="print the SHA-256 manifest of a model folder")
     p_wm.add_argument("dir")
     args = parser.parse_args(argv)

@@ -236,7 +236,8 @@ def settings_reference() -> str:
     out: list[str] = []
     for name, field in Settings.model_fields.items():
         rows = [
-            r for r in walk(Settings)
+            r
+            for r in walk(Settings)
             if r.key.startswith((f"{name}.", f"{name}[")) or (r.key == name and r.type != "section")
         ]
         intro = _description(field, field.annotation)

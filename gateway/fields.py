@@ -73,9 +73,7 @@ def parse_request(doc: dict[str, Any], mode: UnknownFields) -> tuple[ChatComplet
                 raise
             if mode == "refuse":
                 path = _locate(doc, extras[0], delete=False) or ".".join(str(p) for p in extras[0])
-                raise UnknownField(
-                    f"unrecognized request argument supplied: {path}", param=path
-                ) from None
+                raise UnknownField(f"unrecognized request argument supplied: {path}", param=path) from None
             for loc in extras:
                 path = _locate(doc, loc, delete=True)
                 if path is not None and path not in dropped:

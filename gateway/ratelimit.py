@@ -29,7 +29,9 @@ _WARN_EVERY_S = 30.0
 
 
 class RateLimiter:
-    def __init__(self, settings: RateLimitSettings, metrics: Metrics, redis: SharedRedis | None = None) -> None:
+    def __init__(
+        self, settings: RateLimitSettings, metrics: Metrics, redis: SharedRedis | None = None
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self._redis = redis
@@ -54,7 +56,9 @@ class RateLimiter:
 
             self._errors = (RedisError, OSError)
             storage = RedisStorage(
-                "async+" + self._redis.url, implementation="redispy", key_prefix=self.settings.key_prefix,
+                "async+" + self._redis.url,
+                implementation="redispy",
+                key_prefix=self.settings.key_prefix,
                 connection_pool=self._redis.pool,
             )
         else:
@@ -109,8 +113,9 @@ class RateLimiter:
         from limits import RateLimitItemPerMinute
 
         try:
-            await self._tokens.hit(RateLimitItemPerMinute(tenant.tokens_per_minute), "tokens", tenant.name,
-                                   cost=tokens)
+            await self._tokens.hit(
+                RateLimitItemPerMinute(tenant.tokens_per_minute), "tokens", tenant.name, cost=tokens
+            )
         except self._errors as exc:
             self._unreachable(exc)
 
@@ -119,7 +124,9 @@ class RateLimiter:
         now = time.monotonic()
         if now - self._last_warning >= _WARN_EVERY_S:
             self._last_warning = now
-            log.warning("rate_limiter_unreachable", error=type(exc).__name__, fail_open=self.settings.fail_open)
+            log.warning(
+                "rate_limiter_unreachable", error=type(exc).__name__, fail_open=self.settings.fail_open
+            )
         if not self.settings.fail_open:
             raise Overloaded("rate limits cannot be checked right now", retry_after=1) from exc
 

@@ -46,7 +46,17 @@ from policies.registry import PolicyConfigError
 log = structlog.get_logger(__name__)
 
 RESTART_ONLY = (
-    "server", "engines", "audit", "rate_limits", "logging", "traffic", "redis", "auth", "metrics", "media", "routing",
+    "server",
+    "engines",
+    "audit",
+    "rate_limits",
+    "logging",
+    "traffic",
+    "redis",
+    "auth",
+    "metrics",
+    "media",
+    "routing",
     "grounding",
 )
 
@@ -58,8 +68,11 @@ class ReloadResult:
     restart_required: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"status": "reloaded" if self.ok else "refused", "message": self.message,
-                "restart_required": self.restart_required}
+        return {
+            "status": "reloaded" if self.ok else "refused",
+            "message": self.message,
+            "restart_required": self.restart_required,
+        }
 
 
 def format_config_error(exc: Exception) -> str:
@@ -103,7 +116,9 @@ async def _open_chains(services: Services, settings: Settings) -> ChainSet:
     return chains
 
 
-async def reload_config(services: Services, path: str | Path, by: dict[str, str] | None = None) -> ReloadResult:
+async def reload_config(
+    services: Services, path: str | Path, by: dict[str, str] | None = None
+) -> ReloadResult:
     """``by`` says who asked: the admin credential, or the signal (recorded with the reload)."""
     async with services.reload_lock:  # a SIGHUP and an admin call at once: one after the other
         return await _reload(services, path, by)
@@ -131,14 +146,28 @@ async def _reload(services: Services, path: str | Path, by: dict[str, str] | Non
     services.pipeline.sampling_defaults = {m: c.sampling_defaults.values() for m, c in new.models.items()}
     await services.refresh_directory()
     services.metrics.config_reloads.labels("ok").inc()
-    log.info("config_reloaded", path=str(path), restart_required=pending or None, generation=chains.generation,
-             retired_in_flight=retired.inflight, policies=chains.chain.describe(), policy_sets=sorted(chains.sets),
-             tenants=len(services.directory.tenants))
+    log.info(
+        "config_reloaded",
+        path=str(path),
+        restart_required=pending or None,
+        generation=chains.generation,
+        retired_in_flight=retired.inflight,
+        policies=chains.chain.describe(),
+        policy_sets=sorted(chains.sets),
+        tenants=len(services.directory.tenants),
+    )
     if services.audit is not None:
-        await services.audit.append_event("config_reload", {
-            "by": by, "path": str(path), "restart_required": pending, "policies": chains.chain.describe(),
-            "policy_sets": sorted(chains.sets), "tenants": sorted(services.directory.tenants),
-        })
+        await services.audit.append_event(
+            "config_reload",
+            {
+                "by": by,
+                "path": str(path),
+                "restart_required": pending,
+                "policies": chains.chain.describe(),
+                "policy_sets": sorted(chains.sets),
+                "tenants": sorted(services.directory.tenants),
+            },
+        )
     heap.refreeze()
     message = "reloaded" + (f"; restart to apply: {', '.join(pending)}" if pending else "")
     return ReloadResult(True, message, pending)

@@ -13,11 +13,11 @@ import time
 from typing import Any
 
 import orjson
-from core.events import Completion, Delta
 
 from core import audio as audio_codec
 from core.context import RequestContext
 from core.errors import OmnigateError
+from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
 
 DONE = b"data: [DONE]\n\n"
@@ -56,8 +56,13 @@ class ChunkRenderer:
     def __init__(self, request: ChatCompletionRequest, ctx: RequestContext, completion_id: str) -> None:
         created = int(time.time())
         self._head = (
-            b'data: {"id":' + orjson.dumps(completion_id) + b',"object":"chat.completion.chunk","created":'
-            + str(created).encode() + b',"model":' + orjson.dumps(request.model) + b',"choices":'
+            b'data: {"id":'
+            + orjson.dumps(completion_id)
+            + b',"object":"chat.completion.chunk","created":'
+            + str(created).encode()
+            + b',"model":'
+            + orjson.dumps(request.model)
+            + b',"choices":'
         )
         self._speech = request.wants_audio
         self._audio_id = "audio_" + ctx.request_id
@@ -66,7 +71,7 @@ class ChunkRenderer:
         self._audio_head = b'[{"index":0,"delta":{"audio":{"id":' + orjson.dumps(self._audio_id)
         if self._speech:
             self._text_open = self._audio_head + b',"transcript":'
-            self._text_close = b"}},\"finish_reason\":null}]}\n\n"
+            self._text_close = b'}},"finish_reason":null}]}\n\n'
         else:
             self._text_open = b'[{"index":0,"delta":{"content":'
             self._text_close = b'},"finish_reason":null}]}\n\n'
@@ -80,7 +85,9 @@ class ChunkRenderer:
 
     def _role(self) -> bytes:
         self._first = False
-        return self._head + b'[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+        return (
+            self._head + b'[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+        )
 
     def render(self, d: Delta) -> bytes:
         if d.index:
@@ -101,8 +108,12 @@ class ChunkRenderer:
         out = b""
         if d.index not in self._others:
             self._others[d.index] = None
-            out = (self._head + b'[{"index":' + str(d.index).encode()
-                   + b',"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n')
+            out = (
+                self._head
+                + b'[{"index":'
+                + str(d.index).encode()
+                + b',"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+            )
         if d.finish_reason is not None:
             self._others[d.index] = d.finish_reason
         if d.text or d.tool_calls or d.reasoning or d.logprobs:
@@ -133,8 +144,13 @@ class ChunkRenderer:
             if self._fmt == "wav":
                 pcm = audio_codec.wav_header(d.sample_rate, d.channels) + pcm
         return (
-            self._head + self._audio_head + b',"data":' + orjson.dumps(base64.b64encode(pcm).decode("ascii"))
-            + b',"expires_at":' + str(self._expires).encode() + b'}},"finish_reason":null}]}\n\n'
+            self._head
+            + self._audio_head
+            + b',"data":'
+            + orjson.dumps(base64.b64encode(pcm).decode("ascii"))
+            + b',"expires_at":'
+            + str(self._expires).encode()
+            + b'}},"finish_reason":null}]}\n\n'
         )
 
     def final(self) -> bytes:
@@ -142,11 +158,21 @@ class ChunkRenderer:
         out = self._role() if self._first else b""
         notes = b',"omnigate":' + orjson.dumps(self._ctx.notes) if self._ctx.notes else b""
         for index, finish in sorted(self._others.items()):
-            out += (self._head + b'[{"index":' + str(index).encode() + b',"delta":{},"finish_reason":'
-                    + orjson.dumps(finish or "stop") + b"}]}\n\n")
+            out += (
+                self._head
+                + b'[{"index":'
+                + str(index).encode()
+                + b',"delta":{},"finish_reason":'
+                + orjson.dumps(finish or "stop")
+                + b"}]}\n\n"
+            )
         out += (
-            self._head + b'[{"index":0,"delta":{},"finish_reason":' + orjson.dumps(self._finish or "stop") + b"}]"
-            + notes + b"}\n\n"
+            self._head
+            + b'[{"index":0,"delta":{},"finish_reason":'
+            + orjson.dumps(self._finish or "stop")
+            + b"}]"
+            + notes
+            + b"}\n\n"
         )
         if self._include_usage:
             ctx = self._ctx
@@ -171,8 +197,12 @@ def _text_choice(index: int, completion: Completion) -> dict[str, Any]:
             message["content"] = None
     if completion.reasoning:
         message[completion.reasoning_key] = completion.reasoning
-    return {"index": index, "message": message, "finish_reason": completion.finish_reason,
-            "logprobs": {"content": completion.logprobs} if completion.logprobs else None}
+    return {
+        "index": index,
+        "message": message,
+        "finish_reason": completion.finish_reason,
+        "logprobs": {"content": completion.logprobs} if completion.logprobs else None,
+    }
 
 
 def completion_body(

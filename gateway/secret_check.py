@@ -79,13 +79,17 @@ def problems(settings: Settings) -> list[str]:
                 raw = b""
             # An Ed25519 seed is 32 random bytes; a repeated or counting pattern is not one.
             if len(raw) == 32 and estimated_bits(raw) < MIN_BITS:
-                found.append("audit.signing.key: the Ed25519 seed has too little entropy "
-                             "(generate one with `openssl rand -base64 32`)")
+                found.append(
+                    "audit.signing.key: the Ed25519 seed has too little entropy "
+                    "(generate one with `openssl rand -base64 32`)"
+                )
     for i, e in enumerate(settings.engines):
         if e.api_key is not None and _placeholder(e.api_key.get_secret_value()):
             found.append(f"engines[{i}].api_key: a placeholder value, not the engine's key")
-    for dsn_field, dsn in (("audit.postgres_dsn", settings.audit.postgres_dsn),
-                           ("auth.directory.postgres_dsn", settings.auth.directory.postgres_dsn)):
+    for dsn_field, dsn in (
+        ("audit.postgres_dsn", settings.audit.postgres_dsn),
+        ("auth.directory.postgres_dsn", settings.auth.directory.postgres_dsn),
+    ):
         if dsn is not None and _placeholder(dsn.get_secret_value().split("@")[0]):
             found.append(f"{dsn_field}: the password is a placeholder value")
     return [p for p in found if p]

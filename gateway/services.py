@@ -41,6 +41,7 @@ from policies.registry import PolicyChain, available_plugins
 
 log = structlog.get_logger(__name__)
 
+
 @dataclass(slots=True)
 class Services:
     settings: Settings
@@ -81,7 +82,7 @@ class Services:
     media: MediaRuntime | None = None
 
     @classmethod
-    def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> "Services":
+    def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> Services:
         from gateway import secret_check
 
         secret_check.check(settings)  # a placeholder or typed key never boots
@@ -89,7 +90,11 @@ class Services:
         policies = ChainSet.build(settings, plugins)  # checked now; started by the lifespan
         routing = settings.routing
         pool = EnginePool([build_engine(cfg) for cfg in settings.engines], metrics, routing=routing)
-        sentinel = AccuracySentinel(routing.sentinel, metrics, seed=routing.seed) if routing.sentinel.enabled else None
+        sentinel = (
+            AccuracySentinel(routing.sentinel, metrics, seed=routing.seed)
+            if routing.sentinel.enabled
+            else None
+        )
         state = routing.state
         redis = SharedRedis(settings.redis)  # the one pool every shared feature draws from
         state_store = build_state_store(state.backend, state.key_prefix, state.replica_id, redis.client)
@@ -100,24 +105,40 @@ class Services:
             for e in settings.engines
         ]
         telemetry = TelemetryCollector(
-            targets, routing.signals, metrics, active=lambda: controller.is_leader,
+            targets,
+            routing.signals,
+            metrics,
+            active=lambda: controller.is_leader,
             variants={e.name: e.variant for e in settings.engines},
         )
         energy = EnergyBook(routing.energy.audio_tokens_per_s)
         accuracy = (
-            HeldOutSentinel(routing.accuracy, lambda: pool.engines, metrics, active=lambda: controller.is_leader)
+            HeldOutSentinel(
+                routing.accuracy, lambda: pool.engines, metrics, active=lambda: controller.is_leader
+            )
             if routing.accuracy.enabled
             else None
         )
         offload = OffloadClient(
-            offload_targets(settings.engines, {n: url for n, url, _ in targets}), routing.controller.offload, metrics
+            offload_targets(settings.engines, {n: url for n, url, _ in targets}),
+            routing.controller.offload,
+            metrics,
         )
         controller = RolloutController(
-            pool, routing, metrics, state_store, telemetry, sentinel, energy=energy, accuracy=accuracy,
+            pool,
+            routing,
+            metrics,
+            state_store,
+            telemetry,
+            sentinel,
+            energy=energy,
+            accuracy=accuracy,
             offload=offload,
         )
         audit = (
-            AuditLog(settings.audit, build_audit_store(settings.audit), metrics) if settings.audit.enabled else None
+            AuditLog(settings.audit, build_audit_store(settings.audit), metrics)
+            if settings.audit.enabled
+            else None
         )
         limiter = RateLimiter(settings.rate_limits, metrics, redis)
         admission = (
@@ -127,18 +148,36 @@ class Services:
         )
         chains = Chains(policies)
         pipeline = Pipeline(
-            pool, chains, metrics, audit=audit, limiter=limiter, sentinel=sentinel,
-            admission=admission, energy=energy if routing.energy.usage_field else None,
+            pool,
+            chains,
+            metrics,
+            audit=audit,
+            limiter=limiter,
+            sentinel=sentinel,
+            admission=admission,
+            energy=energy if routing.energy.usage_field else None,
             sampling_defaults={m: c.sampling_defaults.values() for m, c in settings.models.items()},
         )
-        services = cls(settings, metrics, pool, chains, pipeline, controller, audit=audit, limiter=limiter,
-                       directory=Directory.build(settings), plugins=plugins, admission=admission,
-                       scorer=build_scorer_if_used(settings, metrics, policies.uses()),
-                       media=MediaRuntime(settings.media, eager=_names_media_limits(settings)),
-                       live=LiveDirectory(settings.auth.directory, metrics),
-                       auth_failures=build_auth_failures(settings, metrics, redis), redis=redis,
-                       auth_required=settings.auth_required,
-                       metrics_server=MetricsServer(settings, metrics) if settings.metrics.port is not None else None)
+        services = cls(
+            settings,
+            metrics,
+            pool,
+            chains,
+            pipeline,
+            controller,
+            audit=audit,
+            limiter=limiter,
+            directory=Directory.build(settings),
+            plugins=plugins,
+            admission=admission,
+            scorer=build_scorer_if_used(settings, metrics, policies.uses()),
+            media=MediaRuntime(settings.media, eager=_names_media_limits(settings)),
+            live=LiveDirectory(settings.auth.directory, metrics),
+            auth_failures=build_auth_failures(settings, metrics, redis),
+            redis=redis,
+            auth_required=settings.auth_required,
+            metrics_server=MetricsServer(settings, metrics) if settings.metrics.port is not None else None,
+        )
         if audit is not None:
             # Every routing transition, automatic or manual, goes into the same tamper-evident chain.
             controller.on_transition.append(services._audit_transition)
@@ -151,7 +190,9 @@ class Services:
 
     def deps(self, settings: Settings | None = None) -> Deps:
         """What the policies of a chain opened under ``settings`` (default: the running ones) may use."""
-        return Deps(settings=settings or self.settings, metrics=self.metrics, media=self.media, scorer=self.scorer)
+        return Deps(
+            settings=settings or self.settings, metrics=self.metrics, media=self.media, scorer=self.scorer
+        )
 
     def describe_scorer(self) -> dict[str, Any] | None:
         return self.scorer.describe() if self.scorer is not None else None
@@ -185,10 +226,16 @@ class Services:
         elif not self.directory.tenants:
             log.warning("auth_required_no_tenants", reason=auth["reason"], directory=auth["directory"])
         else:
-            log.info("auth_required", tenants=len(self.directory.tenants), keys=len(self.directory.keys),
-                     directory=auth["directory"])
+            log.info(
+                "auth_required",
+                tenants=len(self.directory.tenants),
+                keys=len(self.directory.keys),
+                directory=auth["directory"],
+            )
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory-refresh"))
-        self._tasks.append(asyncio.create_task(self._summarise_failures_forever(), name="auth-failure-summary"))
+        self._tasks.append(
+            asyncio.create_task(self._summarise_failures_forever(), name="auth-failure-summary")
+        )
         if self.media is not None:
             await self.media.start()
         # Policies load their models before traffic can arrive (the lifespan has not yielded yet).
@@ -198,8 +245,11 @@ class Services:
             chains.update({f"policy_sets.{n}": c for n, c in self.pipeline.chains.items()})
             unshed = unshed_chains(chains)
             if unshed:
-                log.warning("load_shedding_not_in_chain", chains=unshed,
-                            detail="admission limits apply, but speech is not shed there above the soft limit")
+                log.warning(
+                    "load_shedding_not_in_chain",
+                    chains=unshed,
+                    detail="admission limits apply, but speech is not shed there above the soft limit",
+                )
             await self.admission.start()
         await self.pool.start()
         await self.controller.start()
@@ -211,10 +261,14 @@ class Services:
         if self.draining.is_set():
             return
         server = self.settings.server
-        self.drain_deadline = time.monotonic() + server.drain_delay_s + max(0.0, server.graceful_shutdown_s - 1.0)
+        self.drain_deadline = (
+            time.monotonic() + server.drain_delay_s + max(0.0, server.graceful_shutdown_s - 1.0)
+        )
         self.draining.set()
         self.streams.cut_at(self.drain_deadline)
-        log.warning("gateway_draining", drain_delay_s=server.drain_delay_s, grace_s=server.graceful_shutdown_s)
+        log.warning(
+            "gateway_draining", drain_delay_s=server.drain_delay_s, grace_s=server.graceful_shutdown_s
+        )
 
     def describe_auth(self) -> dict[str, Any]:
         """Whether keys are required and why; what ``/readyz`` (to the admin), the banner and the log say."""
@@ -237,11 +291,19 @@ class Services:
         else:
             reason = f"authentication is required ({origin})"
         return {
-            "required": self.auth_required, "reason": reason, "tenants": tenants, "keys": len(self.directory.keys),
-            "directory": {"backend": d.backend, "shared": shared, "replicas": s.auth.replicas,
-                          "fresh": not self.directory.stale(), "refresh_s": d.refresh_s,
-                          "fail_closed_after_s": d.fail_closed_after_s,
-                          "admin_writes": write_refusal(s, self.auth_required, shared) or "allowed"},
+            "required": self.auth_required,
+            "reason": reason,
+            "tenants": tenants,
+            "keys": len(self.directory.keys),
+            "directory": {
+                "backend": d.backend,
+                "shared": shared,
+                "replicas": s.auth.replicas,
+                "fresh": not self.directory.stale(),
+                "refresh_s": d.refresh_s,
+                "fail_closed_after_s": d.fail_closed_after_s,
+                "admin_writes": write_refusal(s, self.auth_required, shared) or "allowed",
+            },
         }
 
     async def refresh_directory(self, *, rebuild: bool = True) -> None:
@@ -268,7 +330,9 @@ class Services:
             await asyncio.sleep(self.settings.auth.directory.refresh_s)
             try:
                 await self.refresh_directory(rebuild=False)
-            except Exception as exc:  # a bug must not end the loop: the snapshot would freeze, then fail closed
+            except (
+                Exception
+            ) as exc:  # a bug must not end the loop: the snapshot would freeze, then fail closed
                 log.warning("directory_refresh_failed", error=f"{type(exc).__name__}: {exc}")
 
     async def summarise_failures(self) -> dict[str, Any] | None:
@@ -334,8 +398,9 @@ class Services:
 
 def unshed_chains(chains: dict[str, PolicyChain]) -> list[str]:
     """The chains (by where they are configured) without a :class:`~policies.base.LoadShedder` pre-policy."""
-    return [where for where, c in chains.items()
-            if not any(p.stage == "pre" for p in c.implementing(LoadShedder))]
+    return [
+        where for where, c in chains.items() if not any(p.stage == "pre" for p in c.implementing(LoadShedder))
+    ]
 
 
 def build_auth_failures(
@@ -344,8 +409,9 @@ def build_auth_failures(
     """The failure limit, shared through Redis where one is configured (``store: auto``)."""
     f = settings.auth.failures
     shared = redis is not None and redis.configured and f.store != "memory"
-    return AuthFailures(f, metrics, redis=redis if shared else None,
-                        key_prefix=f"{settings.rate_limits.key_prefix}:auth")
+    return AuthFailures(
+        f, metrics, redis=redis if shared else None, key_prefix=f"{settings.rate_limits.key_prefix}:auth"
+    )
 
 
 def _names_media_limits(settings: Settings) -> bool:

@@ -24,7 +24,9 @@ def check_speech(request: ChatCompletionRequest, engines: Iterable[Engine]) -> N
         raise InvalidRequest(f"streamed audio must be wav or pcm16, not {fmt}", param="audio.format")
     if fmt not in ENCODABLE_FORMATS:
         served = ", ".join(sorted(ENCODABLE_FORMATS - {"pcm"}))
-        raise InvalidRequest(f"audio.format {fmt} cannot be served; use one of {served}", param="audio.format")
+        raise InvalidRequest(
+            f"audio.format {fmt} cannot be served; use one of {served}", param="audio.format"
+        )
     # Only engines that list their voices can judge one; any engine that cannot leaves it to the engines.
     known = [getattr(e, "voices", None) for e in engines if e.capabilities.speaks]
     if not known or any(v is None for v in known):

@@ -128,9 +128,13 @@ class SSEResponse(Response):
                     raise  # cancelled from outside (the server is stopping): not ours to absorb
                 task.uncancel()
             if self._stop == "drain":
-                shutting_down = Overloaded("the gateway is shutting down; retry the request", code="shutting_down")
+                shutting_down = Overloaded(
+                    "the gateway is shutting down; retry the request", code="shutting_down"
+                )
                 async with self._lock:
-                    await send({"type": "http.response.body", "body": error_frame(shutting_down), "more_body": False})
+                    await send(
+                        {"type": "http.response.body", "body": error_frame(shutting_down), "more_body": False}
+                    )
         except OSError:
             log.info("client_gone_during_send")
         finally:

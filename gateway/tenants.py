@@ -21,8 +21,9 @@ import hmac
 import secrets
 import string
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Literal
 
 from core.errors import AuthenticationFailed, DirectoryUnavailable
 from core.settings import ApiKeyConfig, Settings, TenantConfig
@@ -112,7 +113,7 @@ class Directory:
         db_tenants: list[TenantConfig] = (),  # type: ignore[assignment]
         db_keys: list[KeyEntry] = (),  # type: ignore[assignment]
         read_at: float | None = None,
-    ) -> "Directory":
+    ) -> Directory:
         """Config entries win over database ones of the same name (the file is the operator's word)."""
         tenants: dict[str, TenantEntry] = {t.name: TenantEntry(t, "admin") for t in db_tenants}
         tenants.update({t.name: TenantEntry(t, "config") for t in settings.tenants})

@@ -47,7 +47,9 @@ def fit(engine: Engine, request: ChatCompletionRequest) -> tuple[ChatCompletionR
     asked = request.thinking_token_budget
     if engine.capabilities.thinking_budget:
         if request.thinking_off:
-            return (request.model_copy(update={"thinking_token_budget": None}) if asked is not None else request), None
+            return (
+                request.model_copy(update={"thinking_token_budget": None}) if asked is not None else request
+            ), None
         if asked is None:
             return request.model_copy(update={"thinking_token_budget": cap}), None
         if asked > cap:

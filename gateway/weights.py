@@ -94,7 +94,9 @@ def verify(folder: Path, manifest: dict[str, str], revision: str | None = None) 
         report.problems.append(f"{folder}: no such folder")
         return report
     if revision is not None and folder.name != revision:
-        report.problems.append(f"{folder}: not the snapshot of revision {revision} (its folder is {folder.name})")
+        report.problems.append(
+            f"{folder}: not the snapshot of revision {revision} (its folder is {folder.name})"
+        )
     present = set(_files(folder))
     for rel, want in sorted(manifest.items()):
         if rel not in present:

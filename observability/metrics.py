@@ -14,7 +14,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 # target), 0.3 (first audio packet), 0.4 (P50: raise the batch limit), 0.5 (P95: scale out), 0.6
 # (P99: roll back). tests/ops checks every alert threshold on a quantile against these.
 _LATENCY = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.234, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.2,
+    0.234,
+    0.3,
+    0.4,
+    0.5,
+    0.6,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _ADMISSION = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -114,7 +132,10 @@ class Metrics:
             registry=r,
         )
         self.engine_errors = Counter(
-            "omnigate_engine_errors_total", "Engine failures by engine and kind", ["engine", "kind"], registry=r
+            "omnigate_engine_errors_total",
+            "Engine failures by engine and kind",
+            ["engine", "kind"],
+            registry=r,
         )
         self.failovers = Counter(
             "omnigate_engine_failovers_total",
@@ -130,10 +151,13 @@ class Metrics:
             "1 when the engine's last probe showed the model id and revision it is configured to serve "
             "(expected_model, expected_revision); 0 while it serves other weights or is not verified yet. "
             "Only engines with an expectation",
-            ["engine", "variant"], registry=r,
+            ["engine", "variant"],
+            registry=r,
         )
         self.engine_healthy = Gauge(
-            "omnigate_engine_healthy", "1 when the engine's last health probe passed", ["engine", "variant"],
+            "omnigate_engine_healthy",
+            "1 when the engine's last health probe passed",
+            ["engine", "variant"],
             registry=r,
         )
         self.client_disconnects = Counter(
@@ -141,7 +165,9 @@ class Metrics:
         )
         # -- identity, limits, audit, config (enterprise front door) --------------------------------
         self.auth_failures = Counter(
-            "omnigate_auth_failures_total", "Requests refused for their API key, by reason", ["reason"],
+            "omnigate_auth_failures_total",
+            "Requests refused for their API key, by reason",
+            ["reason"],
             registry=r,
         )
         # -- the tenant directory and unauthenticated traffic (gateway/directory, gateway/api/auth.py)
@@ -151,10 +177,14 @@ class Metrics:
             registry=r,
         )
         self.directory_read_age = Gauge(
-            "omnigate_directory_read_age_seconds", "Seconds since the tenant directory was last read", registry=r
+            "omnigate_directory_read_age_seconds",
+            "Seconds since the tenant directory was last read",
+            registry=r,
         )
         self.directory_read_errors = Counter(
-            "omnigate_directory_read_errors_total", "Failed or timed-out reads of the tenant directory", registry=r
+            "omnigate_directory_read_errors_total",
+            "Failed or timed-out reads of the tenant directory",
+            registry=r,
         )
         self.auth_throttled = Counter(
             "omnigate_auth_throttled_total",
@@ -162,14 +192,18 @@ class Metrics:
             registry=r,
         )
         self.rate_limited = Counter(
-            "omnigate_rate_limited_total", "Requests refused by a tenant rate limit, by limit", ["limit"],
+            "omnigate_rate_limited_total",
+            "Requests refused by a tenant rate limit, by limit",
+            ["limit"],
             registry=r,
         )
         self.rate_limiter_errors = Counter(
             "omnigate_rate_limiter_errors_total", "Rate limit checks that could not reach Redis", registry=r
         )
         self.audit_written = Counter(
-            "omnigate_audit_records_written_total", "Audit records committed to the store, by kind", ["kind"],
+            "omnigate_audit_records_written_total",
+            "Audit records committed to the store, by kind",
+            ["kind"],
             registry=r,
         )
         self.audit_buffered = Gauge(
@@ -185,11 +219,16 @@ class Metrics:
             "omnigate_audit_buffer_full_total", "Times the audit buffer filled up", registry=r
         )
         self.audit_commit = Histogram(
-            "omnigate_audit_commit_seconds", "Time to commit one batch of audit records", ["store"],
-            buckets=_AUDIT, registry=r,
+            "omnigate_audit_commit_seconds",
+            "Time to commit one batch of audit records",
+            ["store"],
+            buckets=_AUDIT,
+            registry=r,
         )
         self.audit_batch = Histogram(
-            "omnigate_audit_batch_records", "Records per audit commit", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            "omnigate_audit_batch_records",
+            "Records per audit commit",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
             registry=r,
         )
         self.audit_ack_timeouts = Counter(
@@ -272,27 +311,32 @@ class Metrics:
         self.engine_state = Gauge(
             "omnigate_engine_state",
             "1 for the engine's current state (serving, standby, half_open, ejected, down)",
-            ["engine", "state"], registry=r,
+            ["engine", "state"],
+            registry=r,
         )
         self.engine_weight = Gauge(
             "omnigate_engine_traffic_weight",
             "Largest share of new requests the routing table gives the engine",
-            ["engine"], registry=r,
+            ["engine"],
+            registry=r,
         )
         self.engine_limit = Gauge(
             "omnigate_engine_concurrency_limit",
             "Requests in flight this replica allows the engine (-1: no limit)",
-            ["engine"], registry=r,
+            ["engine"],
+            registry=r,
         )
         self.routing_transitions = Counter(
             "omnigate_routing_transitions_total",
             "Routing and engine state transitions by action, reason (rule name or fixed word) and source",
-            ["action", "reason", "source"], registry=r,
+            ["action", "reason", "source"],
+            registry=r,
         )
         self.routing_holds = Counter(
             "omnigate_routing_actions_held_total",
             "Rule actions due but held back (cooldown, min-dwell, switch-limit, frozen, pinned, no-target)",
-            ["rule", "reason"], registry=r,
+            ["rule", "reason"],
+            registry=r,
         )
         self.routing_version = Gauge(
             "omnigate_routing_table_version", "Version of the routing table this replica applies", registry=r
@@ -310,53 +354,67 @@ class Metrics:
             "omnigate_engine_vram_usage_ratio",
             "GPU memory the engine uses, 0..1, as the controller reads it (DCGM, PromQL or NVML; "
             "without one of those, vLLM's KV-cache usage); exported by the controller's leader",
-            ["engine"], registry=r,
+            ["engine"],
+            registry=r,
         )
         self.engine_vram_bytes = Gauge(
             "omnigate_engine_vram_used_bytes",
             "GPU memory the engine's GPUs use, in bytes, summed over them (DCGM_FI_DEV_FB_USED or NVML); "
             "exported by the controller's leader",
-            ["engine", "variant"], registry=r,
+            ["engine", "variant"],
+            registry=r,
         )
         self.engine_kv_cache = Gauge(
             "omnigate_engine_kv_cache_usage_ratio",
             "KV-cache usage the engine reports (vllm:kv_cache_usage_perc), 0..1; "
             "exported by the controller's leader",
-            ["engine"], registry=r,
+            ["engine"],
+            registry=r,
         )
         self.scrape_errors = Counter(
-            "omnigate_telemetry_scrape_errors_total", "Failed telemetry reads by engine and source",
-            ["engine", "source"], registry=r,
+            "omnigate_telemetry_scrape_errors_total",
+            "Failed telemetry reads by engine and source",
+            ["engine", "source"],
+            registry=r,
         )
         self.sentinel_wer = Histogram(
             "omnigate_sentinel_wer",
             "Word error rate of sampled speech answers (whisper vs the engine's transcript)",
-            ["engine", "variant"], buckets=_WER, registry=r,
+            ["engine", "variant"],
+            buckets=_WER,
+            registry=r,
         )
         self.sentinel_samples = Counter(
-            "omnigate_sentinel_samples_total", "Speech answers offered to the accuracy sentinel, by outcome",
-            ["engine", "outcome"], registry=r,
+            "omnigate_sentinel_samples_total",
+            "Speech answers offered to the accuracy sentinel, by outcome",
+            ["engine", "outcome"],
+            registry=r,
         )
         # -- energy and the held-out accuracy sentinel (controller's leader) ----------------------
         self.engine_tokens_per_joule = Gauge(
             "omnigate_engine_tokens_per_joule",
             "Tokens the gateway counted for the engine (completion tokens plus speech seconds converted) "
             "per joule of GPU power integrated over its active time, over the signal window; an estimate",
-            ["engine", "variant"], registry=r,
+            ["engine", "variant"],
+            registry=r,
         )
         self.engine_energy = Counter(
             "omnigate_engine_energy_joules_total",
             "GPU energy integrated over the engine's active time (DCGM or NVML power, trapezoid); an estimate",
-            ["engine", "variant"], registry=r,
+            ["engine", "variant"],
+            registry=r,
         )
         self.engine_accuracy = Gauge(
             "omnigate_engine_accuracy_ratio",
             "Share of the held-out set the engine answered exactly right at its last replay, 0..1",
-            ["engine", "variant"], registry=r,
+            ["engine", "variant"],
+            registry=r,
         )
         self.accuracy_replays = Counter(
-            "omnigate_accuracy_replays_total", "Replays of the held-out set, by engine and outcome",
-            ["engine", "outcome"], registry=r,
+            "omnigate_accuracy_replays_total",
+            "Replays of the held-out set, by engine and outcome",
+            ["engine", "outcome"],
+            registry=r,
         )
         # reason: language-config (a configured tenant/model/deployment language the ASR model does not cover)
         # or language-detected (the transcript's script or words say it is not one of those languages)
@@ -364,19 +422,22 @@ class Metrics:
             "omnigate_sentinel_unscored_total",
             "Speech answers the accuracy sentinel did not score because its ASR model does not cover their "
             "language (never counted as word errors)",
-            ["engine", "reason"], registry=r,
+            ["engine", "reason"],
+            registry=r,
         )
         self.engine_sleep_requests = Counter(
             "omnigate_engine_sleep_requests_total",
             "Sleep and wake requests the controller sent to engines (vLLM-Omni /v1/omni/sleep, /v1/omni/wakeup), "
             "by outcome (ok, refused, unreachable, unknown)",
-            ["engine", "action", "outcome"], registry=r,
+            ["engine", "action", "outcome"],
+            registry=r,
         )
         self.engine_sleep_state = Gauge(
             "omnigate_engine_sleep_state",
             "An engine's sleep state as its vllm:engine_sleep_state reads (0 awake, 1 weights offloaded, "
             "2 discarded); exported by the controller's leader for engines it put to sleep",
-            ["engine"], registry=r,
+            ["engine"],
+            registry=r,
         )
         # -- traffic control: admission, load shedding, per-engine limits ------------------------
         self.admissions = Counter(
@@ -406,7 +467,9 @@ class Metrics:
             registry=r,
         )
         self.overloaded = Gauge(
-            "omnigate_overloaded", "1 while the gateway is overloaded and engine limits are lowered", registry=r
+            "omnigate_overloaded",
+            "1 while the gateway is overloaded and engine limits are lowered",
+            registry=r,
         )
         self.traffic_store_up = Gauge(
             "omnigate_traffic_store_up", "1 while the shared admission store (Redis) answers", registry=r

@@ -69,9 +69,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
-    from core.events import Completion, Delta
     from core.context import RequestContext
     from core.errors import OmnigateError
+    from core.events import Completion, Delta
     from core.schemas import ChatCompletionRequest
     from core.settings import Settings
     from observability.metrics import Metrics

@@ -73,7 +73,12 @@ class MediaFetch(PolicyBase):
             try:
                 async with asyncio.TaskGroup() as tg:
                     tasks = [
-                        (ref, tg.create_task(self.fetcher.fetch(ref.value, ref.kind, ref.param, ctx.media_budget)))
+                        (
+                            ref,
+                            tg.create_task(
+                                self.fetcher.fetch(ref.value, ref.kind, ref.param, ctx.media_budget)
+                            ),
+                        )
                         for ref in remote
                     ]
             except* OmnigateError as group:

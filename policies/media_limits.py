@@ -40,6 +40,7 @@ from policies.media import budget as tokens
 from policies.media.budget import BudgetConfig
 from policies.media.config import AudioConfig, ImageConfig, VideoConfig
 from policies.media.parts import (
+    SPOOL_OUTPUT,
     MediaRef,
     data_uri,
     declared_type,
@@ -48,13 +49,12 @@ from policies.media.parts import (
     media_parts,
     payload_arg,
     payload_size,
-    SPOOL_OUTPUT,
     replace_parts,
     spool_parts,
 )
-from policies.media.worker import SharedOut
 from policies.media.sandbox import SHARE_MIN, MediaRuntime, SharedPart, shared_part
 from policies.media.targets import MediaTarget, check_modalities, targets_from
+from policies.media.worker import SharedOut
 
 if TYPE_CHECKING:
     from policies.media.audio import AudioResult  # the decoders load only where media is served
@@ -171,7 +171,9 @@ class MediaLimits(PolicyBase):
             probes = await self._each(
                 refs,
                 lambda ref: sandbox.run(
-                    probe_part, (light[ref.path], payloads[ref.path], self._part_settings, target), param=ref.param
+                    probe_part,
+                    (light[ref.path], payloads[ref.path], self._part_settings, target),
+                    param=ref.param,
                 ),
             )
             for ref, probed in zip(refs, probes, strict=True):
@@ -191,8 +193,15 @@ class MediaLimits(PolicyBase):
                 try:
                     done: _Done = await sandbox.run(
                         process_part,
-                        (light[ref.path], payloads[ref.path], self._part_settings, target, declared, room,
-                         None if out is None else SharedOut(out.name, out.reserved)),
+                        (
+                            light[ref.path],
+                            payloads[ref.path],
+                            self._part_settings,
+                            target,
+                            declared,
+                            room,
+                            None if out is None else SharedOut(out.name, out.reserved),
+                        ),
                         param=ref.param,
                     )
                 except BaseException:
@@ -232,7 +241,9 @@ class MediaLimits(PolicyBase):
                 raise res
         return list(results)
 
-    def _check_probes(self, request: ChatCompletionRequest, probes: list[Probed], target: MediaTarget) -> None:
+    def _check_probes(
+        self, request: ChatCompletionRequest, probes: list[Probed], target: MediaTarget
+    ) -> None:
         """The modal-token and context budgets from header facts alone (the estimate after decoding rules)."""
         cfg = self.config.budget
         counted = [p for p in probes if p.ref.kind in cfg.counted]
@@ -322,7 +333,10 @@ class MediaLimits(PolicyBase):
         # The plan lives as long as the request: it keeps the decoded audio, never the part's
         # reference (whose value is the client's string).
         ctx.segmentation = SegmentPlan(
-            d.ref.path, audio.boundaries, first, _AudioSegments(audio, encoding, kind),
+            d.ref.path,
+            audio.boundaries,
+            first,
+            _AudioSegments(audio, encoding, kind),
             self.config.audio.segment_separator,
         )
         return request
@@ -361,7 +375,9 @@ class MediaLimits(PolicyBase):
 _OUT_SLACK = 1 << 16
 
 
-def _output_file(ref: MediaRef, seconds: float, target: MediaTarget, cfg: MediaLimitsConfig) -> SpoolWriter | None:
+def _output_file(
+    ref: MediaRef, seconds: float, target: MediaTarget, cfg: MediaLimitsConfig
+) -> SpoolWriter | None:
     """A file reserved for an audio part's output, sized from its probed duration (16-bit mono PCM at the
     rate it is sent at: a FLAC is smaller; an output that does not fit comes back through the pipe)."""
     if ref.kind != "audio" or seconds <= 0:

@@ -79,14 +79,21 @@ class NSFWScreen(PolicyBase):
         if self._runtime is None:
             self._runtime = MediaRuntime(MediaSettings())
         sandbox = self._runtime.sandbox
-        frames = await asyncio.gather(*(
-            sandbox.run(
-                screen_frames,
-                (dataclasses.replace(ref, value=""), payload_arg(ref), self.config.max_video_frames, _SIZE),
-                param=ref.param,
+        frames = await asyncio.gather(
+            *(
+                sandbox.run(
+                    screen_frames,
+                    (
+                        dataclasses.replace(ref, value=""),
+                        payload_arg(ref),
+                        self.config.max_video_frames,
+                        _SIZE,
+                    ),
+                    param=ref.param,
+                )
+                for ref in refs
             )
-            for ref in refs
-        ))
+        )
         loop = asyncio.get_running_loop()
         scores = await loop.run_in_executor(self._pool, self._score_all, frames)
         flagged: MediaRef | None = None

@@ -199,8 +199,12 @@ def build_chain(cfg: PolicyChainConfig, plugins: Mapping[str, type] | None = Non
         specs: list[PolicySpec] = getattr(cfg, stage)
         placed = with_media_steps(specs) if stage == "pre" else list(enumerate(specs))
         stages[stage] = tuple(
-            _load_one(spec, stage, f"policies.{stage}[{i}]" if i is not None else f"policies.{stage} (fixed step)",
-                      plugins)
+            _load_one(
+                spec,
+                stage,
+                f"policies.{stage}[{i}]" if i is not None else f"policies.{stage} (fixed step)",
+                plugins,
+            )
             for i, spec in placed
         )
         _check_order(stage, stages[stage])

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from core.context import DEGRADED_TEXT_ONLY
-from core.context import RequestContext
+from core.context import DEGRADED_TEXT_ONLY, RequestContext
 from core.schemas import ChatCompletionRequest
 from policies.base import PolicyBase, PolicyConfig
 

@@ -23,8 +23,8 @@ import httpx
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app
 from core.settings import Settings
+from gateway.app import create_app
 
 T = TypeVar("T")
 
@@ -65,7 +65,12 @@ class GatewayServer:
         self.registry = registry or CollectorRegistry()
         self.app = create_app(settings, registry=self.registry, plugins=plugins, config_path=config_path)
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on",
+            self.app,
+            host="127.0.0.1",
+            port=0,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
             timeout_graceful_shutdown=2,
         )
         self.server = uvicorn.Server(config)
@@ -133,7 +138,9 @@ class ServeProcess:
         self.log_path = log
         self.proc = subprocess.Popen(
             [*omnigate_command(), "serve", "--config", str(config), "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
     def ready(self) -> bool:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from core.events import Delta
 from core.errors import ContentPolicyViolation
+from core.events import Delta
 from policies.base import Accept, Deps, PolicyBase, PolicyConfig, Retry
 
 #: What the lifecycle-recording plugins did, in order: ``(event, tag)`` with event ``start``, ``feed``,

@@ -26,7 +26,9 @@ class TCPProxy:
     async def start(self, mode: str = "up") -> TCPProxy:
         self.mode = mode
         if self._server is None:
-            self._server = await asyncio.start_server(self._client, "127.0.0.1", self.port, reuse_address=True)
+            self._server = await asyncio.start_server(
+                self._client, "127.0.0.1", self.port, reuse_address=True
+            )
         return self
 
     async def stop(self) -> None:

@@ -280,7 +280,9 @@ class _Plan:
     @property
     def rich(self) -> bool:
         s = self.script
-        return s.flavour == "vllm" and bool(s.tool_calls or s.reasoning or self.logprobs is not None or self.n > 1)
+        return s.flavour == "vllm" and bool(
+            s.tool_calls or s.reasoning or self.logprobs is not None or self.n > 1
+        )
 
     def tool_pieces(self) -> list[tuple[int, str, str, list[str]]]:
         """(index, id, name, argument pieces) of each scripted tool call."""
@@ -289,8 +291,14 @@ class _Plan:
         for i, call in enumerate(s.tool_calls or ()):
             args = call.get("arguments", "")
             step = max(1, s.tool_chunk_chars)
-            out.append((i, f"chatcmpl-tool-{self.rid}-{i}", call["name"],
-                        [args[k:k + step] for k in range(0, len(args), step)] or [""]))
+            out.append(
+                (
+                    i,
+                    f"chatcmpl-tool-{self.rid}-{i}",
+                    call["name"],
+                    [args[k : k + step] for k in range(0, len(args), step)] or [""],
+                )
+            )
         return out
 
     def chunk_head(self) -> bytes:
@@ -337,7 +345,9 @@ class ScriptedUpstream:
         self.models: list[str] = list(models or ["scripted"])
         #: /v1/models' ``root`` per model id (vLLM lists the --model it loaded there); default: the id
         self.roots: dict[str, str] = {}
-        self.models_status = 200  # GET /v1/models' status (another: an engine whose model list cannot be read)
+        self.models_status = (
+            200  # GET /v1/models' status (another: an engine whose model list cannot be read)
+        )
         self.record = record
         self.requests: list[dict] = []
         self.headers: list[dict] = []
@@ -405,7 +415,10 @@ class ScriptedUpstream:
         # handler_cancellation: aiohttp then cancels a handler the moment its connection is lost, which is
         # what lets abort_event fire while the handler sleeps between chunks (no polling needed).
         self._runner = web.AppRunner(
-            self.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+            self.make_app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
             keepalive_timeout=self.keepalive_timeout,
         )
         await self._runner.setup()
@@ -561,7 +574,10 @@ class ScriptedUpstream:
                     "This model's maximum context length is 2048 tokens. However, you requested 4 output tokens "
                     "and your prompt contains at least 2045 input tokens, for a total of at least 2049 tokens. "
                     "Please reduce the length of the input prompt or the number of requested output tokens. "
-                    "(parameter=input_tokens, value=2045)", "Internal Server Error", 500),
+                    "(parameter=input_tokens, value=2045)",
+                    "Internal Server Error",
+                    500,
+                ),
                 content_type="application/json",
             )
         if fault == "400_before_headers":
@@ -575,7 +591,10 @@ class ScriptedUpstream:
                 else _error_body(
                     "This model's maximum context length is 2048 tokens. However, you requested 4109 tokens "
                     "(4000 in the messages, 109 in the completion). Please reduce the length of the messages "
-                    "or completion.", "BadRequestError", 400),
+                    "or completion.",
+                    "BadRequestError",
+                    400,
+                ),
                 content_type="application/json",
             )
         if fault == "503_retry_after":
@@ -598,7 +617,9 @@ class ScriptedUpstream:
             return web.Response(
                 status=400,
                 body=_error_body(
-                    f"Invalid speaker '{voice}'. Supported: {', '.join(sorted(self.speakers))}", "BadRequestError", 400
+                    f"Invalid speaker '{voice}'. Supported: {', '.join(sorted(self.speakers))}",
+                    "BadRequestError",
+                    400,
                 ),
                 content_type="application/json",
             )
@@ -608,7 +629,9 @@ class ScriptedUpstream:
         text_finish = "stop"
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         if (
-            isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < len(pieces)
+            isinstance(limit, int)
+            and not isinstance(limit, bool)
+            and 0 < limit < len(pieces)
             and not script.ignore_max_tokens
         ):
             pieces, text_finish = pieces[:limit], "length"
@@ -637,8 +660,12 @@ class ScriptedUpstream:
         head = plan.chunk_head()
 
         def frame(delta: dict, finish: str | None = None, logprobs: list | None = None) -> bytes:
-            choice = {"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
-                      "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": {"content": logprobs} if logprobs else None,
+                "finish_reason": finish,
+            }
             return head + orjson.dumps([choice]) + b"}\n\n"
 
         frames = [frame({"role": "assistant", "content": ""})]
@@ -647,17 +674,31 @@ class ScriptedUpstream:
         for piece in plan.pieces:
             frames.append(frame({"content": piece}, logprobs=_logprobs(piece, plan.logprobs)))
         for index, call_id, name, args in plan.tool_pieces():
-            frames.append(frame({"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                                                 "function": {"name": name, "arguments": ""}}]}))
+            frames.append(
+                frame(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": index,
+                                "id": call_id,
+                                "type": "function",
+                                "function": {"name": name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
+            )
             frames += [frame({"tool_calls": [{"index": index, "function": {"arguments": a}}]}) for a in args]
         frames.append(frame({"content": ""}, finish=plan.text_finish))
         if plan.n > 1:
             # vLLM streams each choice under its own index, interleaved; choice i says the text and " [i]".
             streams = [frames]
             for i in range(1, plan.n):
+
                 def other(delta: dict, finish: str | None = None, i: int = i) -> bytes:
                     choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
                     return head + orjson.dumps([choice]) + b"}\n\n"
+
                 own = [other({"role": "assistant", "content": ""})]
                 own += [other({"content": p}) for p in (*plan.pieces, f" [{i}]")]
                 own.append(other({"content": ""}, finish=plan.text_finish))
@@ -666,8 +707,11 @@ class ScriptedUpstream:
         return frames
 
     def _completion_tokens(self, plan: _Plan) -> int:
-        one = len(plan.pieces) + sum(len(a) for *_, a in plan.tool_pieces()) + (
-            len(_text_pieces(plan.script.reasoning, 1)) if plan.script.reasoning else 0)
+        one = (
+            len(plan.pieces)
+            + sum(len(a) for *_, a in plan.tool_pieces())
+            + (len(_text_pieces(plan.script.reasoning, 1)) if plan.script.reasoning else 0)
+        )
         return one * plan.n + (plan.n - 1)  # each further choice also says " [i]"
 
     @staticmethod
@@ -696,7 +740,9 @@ class ScriptedUpstream:
             if script.audio_wav is not None:
                 chunks = _file_audio_deltas(script.audio_wav, script.audio_seconds_per_chunk, mode, meta_on)
             else:
-                chunks = _audio_deltas(script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio, mode, meta_on)
+                chunks = _audio_deltas(
+                    script.sample_rate, script.audio_seconds_per_chunk, plan.n_audio, mode, meta_on
+                )
             audio = []
             for i, (delta, meta) in enumerate(chunks):
                 last = i == plan.n_audio - 1 and not script.omni_bare_finish
@@ -769,8 +815,11 @@ class ScriptedUpstream:
         """Apply a mid-stream fault; True when the stream must end here."""
         if fault == "error_mid_stream":
             # What vLLM sends when generation fails after the stream began: an error event, then the end.
-            await resp.write(b'data: ' + _error_body("engine failure mid-stream", "InternalServerError", 500)
-                             + b"\n\ndata: [DONE]\n\n")
+            await resp.write(
+                b"data: "
+                + _error_body("engine failure mid-stream", "InternalServerError", 500)
+                + b"\n\ndata: [DONE]\n\n"
+            )
             state.finished = True
             return True
         if fault == "malformed_json":
@@ -835,10 +884,18 @@ class ScriptedUpstream:
                 rate = script.sample_rate
                 pcm = np.concatenate(_pcm_chunks(rate, script.audio_seconds_per_chunk, plan.n_audio))
             raw = pcm.astype("<i2").tobytes() if plan.audio_mode == "pcm" else _wav(pcm, rate)
-            audio = {"id": f"audio-{plan.rid}", "data": base64.b64encode(raw).decode(),
-                     "expires_at": plan.created + 3600, "transcript": ""}  # vLLM-Omni leaves it empty
-            meta = {"format": "pcm" if plan.audio_mode == "pcm" else "wav", "sample_rate_hz": rate,
-                    "frame_count": len(pcm), "channels": 1}
+            audio = {
+                "id": f"audio-{plan.rid}",
+                "data": base64.b64encode(raw).decode(),
+                "expires_at": plan.created + 3600,
+                "transcript": "",
+            }  # vLLM-Omni leaves it empty
+            meta = {
+                "format": "pcm" if plan.audio_mode == "pcm" else "wav",
+                "sample_rate_hz": rate,
+                "frame_count": len(pcm),
+                "channels": 1,
+            }
             audio_choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": None, "audio": audio},
@@ -864,8 +921,11 @@ class ScriptedUpstream:
             "created": plan.created,
             "model": plan.model,
             "choices": choices,
-            "usage": {"prompt_tokens": script.prompt_tokens, "completion_tokens": n,
-                      "total_tokens": script.prompt_tokens + n},
+            "usage": {
+                "prompt_tokens": script.prompt_tokens,
+                "completion_tokens": n,
+                "total_tokens": script.prompt_tokens + n,
+            },
         }
         state.finished = True
         self.completed += 1
@@ -878,8 +938,14 @@ class ScriptedUpstream:
             return web.Response(status=self.models_status, body=_error_body("no models", "server_error", 500))
         now = int(time.time())
         data = [
-            {"id": m, "object": "model", "created": now, "owned_by": "vllm", "root": self.roots.get(m, m),
-             "parent": None}
+            {
+                "id": m,
+                "object": "model",
+                "created": now,
+                "owned_by": "vllm",
+                "root": self.roots.get(m, m),
+                "parent": None,
+            }
             for m in self.models
         ]
         return web.json_response({"object": "list", "data": data}, dumps=lambda o: orjson.dumps(o).decode())
@@ -894,10 +960,14 @@ class ScriptedUpstream:
         lines = []
         if self.stage_metrics is not None:
             lines += self._stage_lines(running, waiting, kv)
-        for name, help_, value in () if self.stage_metrics is not None else (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv),
+        for name, help_, value in (
+            ()
+            if self.stage_metrics is not None
+            else (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.", running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv),
+            )
         ):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{label} {float(value)!r}"]
         gpu = '{gpu="0",UUID="GPU-scripted",device="nvidia0",Hostname="scripted"}'
@@ -942,7 +1012,14 @@ class ScriptedUpstream:
     @staticmethod
     def _acks(stage_ids: list[int]) -> list[dict]:
         return [
-            {"task_id": f"ack-{sid}", "status": "ok", "stage_id": sid, "rank": 0, "freed_bytes": 0, "metadata": {}}
+            {
+                "task_id": f"ack-{sid}",
+                "status": "ok",
+                "stage_id": sid,
+                "rank": 0,
+                "freed_bytes": 0,
+                "metadata": {},
+            }
             for sid in stage_ids
         ]
 
@@ -1028,7 +1105,10 @@ class ScriptedUpstream:
             for b in self._TTFT_BOUNDS:
                 lines.append(f'{hist}_bucket{{{labels},le="{b}"}} {float(sum(v <= b for v in seen))!r}')
             lines.append(f'{hist}_bucket{{{labels},le="+Inf"}} {float(len(seen))!r}')
-            lines += [f"{hist}_count{{{labels}}} {float(len(seen))!r}", f"{hist}_sum{{{labels}}} {sum(seen)!r}"]
+            lines += [
+                f"{hist}_count{{{labels}}} {float(len(seen))!r}",
+                f"{hist}_sum{{{labels}}} {sum(seen)!r}",
+            ]
         return lines
 
     async def _set_script(self, request: web.Request) -> web.Response:
@@ -1049,8 +1129,13 @@ class ScriptedUpstream:
 
     async def _set_metrics(self, request: web.Request) -> web.Response:
         data = await request.json(loads=orjson.loads)
-        for key in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_fb_used_mib",
-                    "gpu_fb_free_mib"):
+        for key in (
+            "num_requests_running",
+            "num_requests_waiting",
+            "kv_cache_usage_perc",
+            "gpu_fb_used_mib",
+            "gpu_fb_free_mib",
+        ):
             if key in data:
                 setattr(self, key, data[key])
         return web.json_response({"ok": True})

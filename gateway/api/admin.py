@@ -18,11 +18,11 @@ import structlog
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse
 
+from core.errors import AuthenticationFailed, OmnigateError
+from core.settings import Settings
 from gateway.api.auth import client_address
 from gateway.console import session as console_session
-from core.errors import AuthenticationFailed, OmnigateError
 from gateway.services import Services
-from core.settings import Settings
 
 
 class AdminDisabled(OmnigateError):
@@ -100,11 +100,20 @@ async def engines(request: Request) -> JSONResponse:
     """Each engine's configuration (no secrets) and current health."""
     services: Services = request.app.state.services
     health = services.pool.health_report()
-    return JSONResponse({
-        "engines": [
-            {"name": e.name, "kind": e.kind, "variant": e.variant, "role": e.role, "serves": e.serves,
-             "model": e.model, "healthy": health.get(e.name, False)}
-            for e in services.settings.engines
-        ],
-        "policies": services.chain.describe(),
-    })
+    return JSONResponse(
+        {
+            "engines": [
+                {
+                    "name": e.name,
+                    "kind": e.kind,
+                    "variant": e.variant,
+                    "role": e.role,
+                    "serves": e.serves,
+                    "model": e.model,
+                    "healthy": health.get(e.name, False),
+                }
+                for e in services.settings.engines
+            ],
+            "policies": services.chain.describe(),
+        }
+    )

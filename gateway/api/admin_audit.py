@@ -46,7 +46,9 @@ class Filters(BaseModel):
     """The query string of a search or an export; unknown parameters are refused, not ignored."""
 
     model_config = ConfigDict(extra="forbid")
-    since: datetime | None = Field(default=None, description="records at or after this time (ISO 8601; UTC if naive)")
+    since: datetime | None = Field(
+        default=None, description="records at or after this time (ISO 8601; UTC if naive)"
+    )
     until: datetime | None = Field(default=None, description="records before this time")
     kind: Text | None = Field(default=None, description="request, routing_transition, admin_change, ...")
     tenant: Text | None = None
@@ -71,7 +73,11 @@ class Filters(BaseModel):
 
     @model_validator(mode="after")
     def _range(self) -> Filters:
-        if self.since is not None and self.until is not None and _stored_ts(self.since) >= _stored_ts(self.until):
+        if (
+            self.since is not None
+            and self.until is not None
+            and _stored_ts(self.since) >= _stored_ts(self.until)
+        ):
             raise ValueError("since must be before until")
         return self
 
@@ -80,7 +86,8 @@ class Filters(BaseModel):
         return AuditQuery(
             since=_stored_ts(self.since) if self.since is not None else None,
             until=_stored_ts(self.until) if self.until is not None else None,
-            **fields, **cursor,
+            **fields,
+            **cursor,
         )
 
 
@@ -122,14 +129,25 @@ def _audit(request: Request) -> AuditLog:
 def summary(row: Row) -> dict[str, Any]:
     """One line of a result list: the indexed columns and the payload fields an operator scans for."""
     payload = orjson.loads(row.data).get("payload") or {}
-    out: dict[str, Any] = {"seq": row.seq, "ts": row.ts, "kind": row.kind, "request_id": row.request_id,
-                           "tenant": row.tenant}
+    out: dict[str, Any] = {
+        "seq": row.seq,
+        "ts": row.ts,
+        "kind": row.kind,
+        "request_id": row.request_id,
+        "tenant": row.tenant,
+    }
     if row.kind == "request":
-        out.update({k: payload.get(k) for k in ("public_model", "engine", "variant", "outcome", "status",
-                                                 "duration_ms")})
+        out.update(
+            {
+                k: payload.get(k)
+                for k in ("public_model", "engine", "variant", "outcome", "status", "duration_ms")
+            }
+        )
         out["degraded"] = payload.get("degraded") or []
-        out["policies"] = [f"{p.get('name')}:{p.get('verdict')}" + (" (shadow)" if p.get("shadow") else "")
-                           for p in payload.get("policies") or []]
+        out["policies"] = [
+            f"{p.get('name')}:{p.get('verdict')}" + (" (shadow)" if p.get("shadow") else "")
+            for p in payload.get("policies") or []
+        ]
     else:
         out["action"] = payload.get("action")
     return out
@@ -144,11 +162,13 @@ async def search(request: Request) -> JSONResponse:
     rows = await audit.store.search(q, params.limit + 1)
     more = len(rows) > params.limit
     rows = rows[: params.limit]
-    return JSONResponse({
-        "records": [summary(r) for r in rows],
-        "next_before_seq": rows[-1].seq if more and rows else None,
-        "filters": q.filters(),
-    })
+    return JSONResponse(
+        {
+            "records": [summary(r) for r in rows],
+            "next_before_seq": rows[-1].seq if more and rows else None,
+            "filters": q.filters(),
+        }
+    )
 
 
 @router.get("/records/{seq}")
@@ -178,8 +198,12 @@ async def export(request: Request) -> StreamingResponse:
             after = rows[-1].seq
 
     return StreamingResponse(
-        lines(), media_type="application/x-ndjson",
-        headers={"content-disposition": 'attachment; filename="omnigate-audit.jsonl"', "cache-control": "no-store"},
+        lines(),
+        media_type="application/x-ndjson",
+        headers={
+            "content-disposition": 'attachment; filename="omnigate-audit.jsonl"',
+            "cache-control": "no-store",
+        },
     )
 
 
@@ -189,7 +213,8 @@ async def verify_part(request: Request) -> JSONResponse:
     params: RangeParams = _params(request, RangeParams)
     services = _services(request)
     audit = _audit(request)
-    report = await verify_range(audit.store, Signer.from_settings(services.settings.audit.signing),
-                                params.from_seq, params.to_seq)
+    report = await verify_range(
+        audit.store, Signer.from_settings(services.settings.audit.signing), params.from_seq, params.to_seq
+    )
     body = {**report.to_json(), "range": {"from_seq": params.from_seq, "to_seq": params.to_seq}}
     return JSONResponse(body, status_code=200 if report.ok else 409)

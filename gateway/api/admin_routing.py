@@ -14,9 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
 from core.control_settings import Variant
+from core.errors import InvalidRequest, ModelNotFound
 from gateway.api.admin import credential_of, require_admin
 from gateway.api.chat import validation_to_error
-from core.errors import InvalidRequest, ModelNotFound
 from gateway.services import Services
 
 router = APIRouter(prefix="/admin/routing", include_in_schema=False, dependencies=[Depends(require_admin)])
@@ -113,7 +113,9 @@ async def unpin(request: Request) -> JSONResponse:
     assert isinstance(body, UnpinBody)
     if not services.pool.serves(body.model):
         raise ModelNotFound(f"the model {body.model!r} does not exist", param="model")
-    return _result(services, await services.controller.unpin(body.model, actor=_actor(request, body), note=body.note))
+    return _result(
+        services, await services.controller.unpin(body.model, actor=_actor(request, body), note=body.note)
+    )
 
 
 @router.post("/freeze")
@@ -128,7 +130,9 @@ async def resume(request: Request) -> JSONResponse:
     services = _services(request)
     body = await _body(request, ResumeBody)
     assert isinstance(body, ResumeBody)
-    t = await services.controller.resume(actor=_actor(request, body), note=body.note, clear=body.clear_incidents)
+    t = await services.controller.resume(
+        actor=_actor(request, body), note=body.note, clear=body.clear_incidents
+    )
     return _result(services, t)
 
 
@@ -140,7 +144,9 @@ async def clear(request: Request) -> JSONResponse:
     assert isinstance(body, ClearBody)
     if body.incident not in services.controller.state.incidents:
         raise InvalidRequest(f"no incident {body.incident!r} is in force", param="incident")
-    return _result(services, await services.controller.clear(body.incident, actor=_actor(request, body), note=body.note))
+    return _result(
+        services, await services.controller.clear(body.incident, actor=_actor(request, body), note=body.note)
+    )
 
 
 @router.post("/readmit")

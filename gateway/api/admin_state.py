@@ -20,13 +20,13 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
+from core.errors import Conflict
+from core.settings import load_settings
 from gateway.api.admin import require_admin
 from gateway.api.chat import validation_to_error
 from gateway.chains import build_policy_sets
-from core.errors import Conflict
 from gateway.reload import RESTART_ONLY, format_config_error
 from gateway.services import Services
-from core.settings import load_settings
 from observability.audit.search import AuditQuery
 from observability.metrics import SHED_REASONS
 from policies.registry import build_chain
@@ -62,20 +62,25 @@ async def traffic(request: Request) -> JSONResponse:
     except Exception as exc:  # a shared store that is down is shown, not turned into a 500
         in_flight, error = None, type(exc).__name__
     shed = _counter_values(services.metrics.admission_shed)
-    return JSONResponse({
-        "enabled": True,
-        "store": gate.store.name,
-        "store_error": error,
-        "in_flight": in_flight,
-        "soft_limit": cfg.soft_limit,
-        "hard_limit": cfg.hard_limit,
-        "overload_exit": cfg.overload_exit,
-        "overloaded": gate.overloaded,
-        "priorities": [{"name": c.name, "soft": s, "hard": h}
-                       for c in cfg.priorities for s, h in [cfg.class_limits(c.name)]],
-        # counted on this replica since it started
-        "shed": {r: int(shed.get(r, 0)) for r in SHED_REASONS},
-    })
+    return JSONResponse(
+        {
+            "enabled": True,
+            "store": gate.store.name,
+            "store_error": error,
+            "in_flight": in_flight,
+            "soft_limit": cfg.soft_limit,
+            "hard_limit": cfg.hard_limit,
+            "overload_exit": cfg.overload_exit,
+            "overloaded": gate.overloaded,
+            "priorities": [
+                {"name": c.name, "soft": s, "hard": h}
+                for c in cfg.priorities
+                for s, h in [cfg.class_limits(c.name)]
+            ],
+            # counted on this replica since it started
+            "shed": {r: int(shed.get(r, 0)) for r in SHED_REASONS},
+        }
+    )
 
 
 class TransitionParams(BaseModel):
@@ -102,7 +107,9 @@ async def transitions(request: Request) -> JSONResponse:
     services = _services(request)
     if services.audit is None:
         recent = [_with_timing(t.to_dict()) for t in reversed(services.controller.recent)]
-        return JSONResponse({"source": "replica", "transitions": recent[: params.limit], "next_before_seq": None})
+        return JSONResponse(
+            {"source": "replica", "transitions": recent[: params.limit], "next_before_seq": None}
+        )
     q = AuditQuery(kind="routing_transition", before_seq=params.before_seq)
     rows = await services.audit.store.search(q, params.limit + 1)
     page = rows[: params.limit]
@@ -110,11 +117,13 @@ async def transitions(request: Request) -> JSONResponse:
     for r in page:
         t = dict(orjson.loads(r.data).get("payload") or {})
         out.append({"seq": r.seq, "ts": r.ts, **_with_timing(t)})
-    return JSONResponse({
-        "source": "audit",
-        "transitions": out,
-        "next_before_seq": page[-1].seq if len(rows) > params.limit and page else None,
-    })
+    return JSONResponse(
+        {
+            "source": "audit",
+            "transitions": out,
+            "next_before_seq": page[-1].seq if len(rows) > params.limit and page else None,
+        }
+    )
 
 
 _USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", re.IGNORECASE)
@@ -144,17 +153,24 @@ async def config(request: Request) -> JSONResponse:
         entry = services.directory.tenants[name]
         chosen = entry.config.policy_set
         chain = chains.get(chosen) if chosen is not None else services.chain
-        tenants.append({
-            "name": name, "source": entry.source, "priority": entry.config.priority,
-            "policy_set": chosen, "chain": chain.describe() if chain is not None else None,
-        })
-    return JSONResponse({
-        "engines": [_engine_json(e) for e in services.settings.engines],
-        "policies": services.chain.describe(),
-        "policy_sets": {n: c.describe() for n, c in sorted(chains.items())},
-        "tenants": tenants,
-        "reloadable": request.app.state.config_path is not None,
-    })
+        tenants.append(
+            {
+                "name": name,
+                "source": entry.source,
+                "priority": entry.config.priority,
+                "policy_set": chosen,
+                "chain": chain.describe() if chain is not None else None,
+            }
+        )
+    return JSONResponse(
+        {
+            "engines": [_engine_json(e) for e in services.settings.engines],
+            "policies": services.chain.describe(),
+            "policy_sets": {n: c.describe() for n, c in sorted(chains.items())},
+            "tenants": tenants,
+            "reloadable": request.app.state.config_path is not None,
+        }
+    )
 
 
 @router.post("/config/check")
@@ -173,5 +189,11 @@ async def check(request: Request) -> JSONResponse:
     old = services.settings
     pending = [k for k in RESTART_ONLY if getattr(new, k) != getattr(old, k)]
     changed = [k for k in type(new).model_fields if getattr(new, k) != getattr(old, k) and k not in pending]
-    return JSONResponse({"ok": True, "message": "the file is valid; a reload would apply it",
-                         "applies_at_once": changed, "restart_required": pending})
+    return JSONResponse(
+        {
+            "ok": True,
+            "message": "the file is valid; a reload would apply it",
+            "applies_at_once": changed,
+            "restart_required": pending,
+        }
+    )

@@ -89,8 +89,11 @@ async def create_tenant(request: Request, tenant: TenantConfig) -> JSONResponse:
     if tenant.name in services.directory.tenants:
         raise Conflict(f"tenant {tenant.name!r} already exists", param="name")
     _check_tenant(services, tenant)
-    await _live(services).write(services.settings, services.auth_required,
-                                lambda st: st.put_tenant(tenant.name, tenant.model_dump_json(), now_iso()))
+    await _live(services).write(
+        services.settings,
+        services.auth_required,
+        lambda st: st.put_tenant(tenant.name, tenant.model_dump_json(), now_iso()),
+    )
     await services.refresh_directory()
     await _record(request, services, {"action": "tenant_created", "tenant": tenant.model_dump(mode="json")})
     log.info("tenant_created", tenant=tenant.name)
@@ -108,8 +111,11 @@ async def update_tenant(request: Request, name: str, tenant: TenantConfig) -> JS
     if tenant.name != name:
         raise ConfigInvalid("a tenant cannot be renamed", param="name")
     _check_tenant(services, tenant)
-    await _live(services).write(services.settings, services.auth_required,
-                                lambda st: st.put_tenant(name, tenant.model_dump_json(), now_iso()))
+    await _live(services).write(
+        services.settings,
+        services.auth_required,
+        lambda st: st.put_tenant(name, tenant.model_dump_json(), now_iso()),
+    )
     await services.refresh_directory()
     await _record(request, services, {"action": "tenant_updated", "tenant": tenant.model_dump(mode="json")})
     log.info("tenant_updated", tenant=name)
@@ -119,10 +125,20 @@ async def update_tenant(request: Request, name: str, tenant: TenantConfig) -> JS
 @router.get("/keys")
 async def list_keys(request: Request) -> JSONResponse:
     services = _services(request)
-    return JSONResponse({"keys": [
-        {"id": k.id, "tenant": k.tenant, "enabled": k.enabled, "source": k.source, "created_at": k.created_at}
-        for k in sorted(services.directory.keys.values(), key=lambda k: k.id)
-    ]})
+    return JSONResponse(
+        {
+            "keys": [
+                {
+                    "id": k.id,
+                    "tenant": k.tenant,
+                    "enabled": k.enabled,
+                    "source": k.source,
+                    "created_at": k.created_at,
+                }
+                for k in sorted(services.directory.keys.values(), key=lambda k: k.id)
+            ]
+        }
+    )
 
 
 @router.post("/keys", status_code=201)
@@ -139,8 +155,13 @@ async def create_key(request: Request, body: NewKey) -> JSONResponse:
     await _record(request, services, {"action": "key_created", "key_id": minted.id, "tenant": body.tenant})
     log.info("api_key_created", key_id=minted.id, tenant=body.tenant)
     return JSONResponse(
-        {"id": minted.id, "key": minted.key, "tenant": body.tenant, "created_at": created,
-         "note": "store this key now: it is not shown again"},
+        {
+            "id": minted.id,
+            "key": minted.key,
+            "tenant": body.tenant,
+            "created_at": created,
+            "note": "store this key now: it is not shown again",
+        },
         status_code=201,
     )
 
@@ -153,8 +174,9 @@ async def revoke_key(request: Request, key_id: str) -> JSONResponse:
         raise NotFound(f"no key with id {key_id!r}")
     if entry.source == "config":
         raise Conflict(f"key {key_id!r} is defined in the config file; remove or disable it there and reload")
-    await _live(services).write(services.settings, services.auth_required,
-                                lambda st: st.set_key_enabled(key_id, False))
+    await _live(services).write(
+        services.settings, services.auth_required, lambda st: st.set_key_enabled(key_id, False)
+    )
     await services.refresh_directory()
     await _record(request, services, {"action": "key_revoked", "key_id": key_id, "tenant": entry.tenant})
     log.info("api_key_revoked", key_id=key_id, tenant=entry.tenant)

@@ -48,7 +48,9 @@ OPENAPI_PATHS: dict[str, Any] = {
             "operationId": "chat_completions_v1_chat_completions_post",
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}
+                },
             },
             "responses": {
                 "200": {
@@ -56,7 +58,7 @@ OPENAPI_PATHS: dict[str, Any] = {
                     "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {}}},
                 },
                 "4XX": {
-                    "description": "An OpenAI-shaped error: `{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`",
+                    "description": 'An OpenAI-shaped error: `{"error": {"message", "type", "param", "code"}}`',
                     "content": {"application/json": {"schema": {}}},
                 },
             },
@@ -104,7 +106,9 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> json_bod
 
 
 def _parse(
-    body: bytes | bytearray | json_body.Reader, mode: UnknownFields = "refuse", dropped: list[str] | None = None
+    body: bytes | bytearray | json_body.Reader,
+    mode: UnknownFields = "refuse",
+    dropped: list[str] | None = None,
 ) -> ChatCompletionRequest:
     """The request in ``body``; fields dropped under ``mode`` ``drop`` are appended to ``dropped``.
 
@@ -131,7 +135,9 @@ def _parse(
 
 def _parse_for(body: json_body.Reader, ctx: RequestContext, services: Services) -> ChatCompletionRequest:
     tenant = ctx.tenant_config
-    mode = (tenant.unknown_fields if tenant is not None else None) or services.settings.requests.unknown_fields
+    mode = (
+        tenant.unknown_fields if tenant is not None else None
+    ) or services.settings.requests.unknown_fields
     dropped: list[str] = []
     chat = _parse(body, mode, dropped)
     if dropped:

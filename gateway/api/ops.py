@@ -45,14 +45,19 @@ async def readyz(request: Request) -> JSONResponse:
     status = "draining" if draining else "ready" if ready else "not_ready"
     body: dict[str, Any] = {"status": status}
     settings = services.settings
-    if settings.admin.enabled and admin_credential(settings, request.headers.get("authorization")) is not None:
-        body.update({
-            "engines": services.pool.health_report(),
-            "engine_problems": services.pool.mismatches(),
-            "policies": services.chain.describe(),
-            "grounding_scorer": services.describe_scorer(),
-            "auth": services.describe_auth(),
-        })
+    if (
+        settings.admin.enabled
+        and admin_credential(settings, request.headers.get("authorization")) is not None
+    ):
+        body.update(
+            {
+                "engines": services.pool.health_report(),
+                "engine_problems": services.pool.mismatches(),
+                "policies": services.chain.describe(),
+                "grounding_scorer": services.describe_scorer(),
+                "auth": services.describe_auth(),
+            }
+        )
     return JSONResponse(body, status_code=200 if ready else 503)
 
 

@@ -29,10 +29,17 @@ log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/admin/console", include_in_schema=False)
 
 #: the pages, in the order of the navigation bar
-PAGES = {"overview": "Overview", "rollback": "Rollback", "tenants": "Tenants and keys", "audit": "Audit",
-         "config": "Configuration"}
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
-       "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
+PAGES = {
+    "overview": "Overview",
+    "rollback": "Rollback",
+    "tenants": "Tenants and keys",
+    "audit": "Audit",
+    "config": "Configuration",
+}
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+)
 SECURITY_HEADERS = {
     "content-security-policy": CSP,
     "x-content-type-options": "nosniff",
@@ -44,7 +51,9 @@ SECURITY_HEADERS = {
 _STATIC = {"console.js": "text/javascript; charset=utf-8", "console.css": "text/css; charset=utf-8"}
 _MAX_FORM = 4096
 
-_env = Environment(loader=PackageLoader("gateway.console", "templates"), autoescape=select_autoescape(["html"]))
+_env = Environment(
+    loader=PackageLoader("gateway.console", "templates"), autoescape=select_autoescape(["html"])
+)
 
 
 def _admin_key(request: Request) -> str:
@@ -62,8 +71,13 @@ def _render(name: str, status: int = 200, **ctx: object) -> HTMLResponse:
 
 def _set_cookie(response: Response, request: Request, value: str, max_age: int) -> None:
     response.set_cookie(
-        session.COOKIE, value, max_age=max_age, path=session.COOKIE_PATH, httponly=True,
-        secure=request.url.scheme == "https", samesite="strict",
+        session.COOKIE,
+        value,
+        max_age=max_age,
+        path=session.COOKIE_PATH,
+        httponly=True,
+        secure=request.url.scheme == "https",
+        samesite="strict",
     )
 
 

@@ -85,7 +85,10 @@ def from_request(request: Request, admin_key: str) -> Session | None:
         return None
     if request.method not in SAFE_METHODS:
         sent = request.headers.get(CSRF_HEADER, "")
-        if not same_origin(request) or not hmac.compare_digest(sent.encode(), csrf_token(session, admin_key).encode()):
-            raise PermissionDenied("missing or wrong CSRF token for a change made with the console session",
-                                   code="csrf_failed")
+        if not same_origin(request) or not hmac.compare_digest(
+            sent.encode(), csrf_token(session, admin_key).encode()
+        ):
+            raise PermissionDenied(
+                "missing or wrong CSRF token for a change made with the console session", code="csrf_failed"
+            )
     return session

@@ -29,17 +29,23 @@ _WARN_EVERY_S = 30.0
 def write_refusal(settings: Settings, auth_required: bool, store_shared: bool) -> str | None:
     """Why an admin write must be refused in this deployment, or None when it may go ahead."""
     if not auth_required:
-        return ("authentication is off (auth.required: false): a tenant or key made here would not be "
-                "checked; turn authentication on first")
+        return (
+            "authentication is off (auth.required: false): a tenant or key made here would not be "
+            "checked; turn authentication on first"
+        )
     if settings.auth.replicas > 1 and not store_shared:
-        return (f"auth.replicas is {settings.auth.replicas}, but the tenant directory is this process's own "
-                f"{settings.auth.directory.backend} store: the change would hold on this replica only; "
-                "set auth.directory.backend: postgres")
+        return (
+            f"auth.replicas is {settings.auth.replicas}, but the tenant directory is this process's own "
+            f"{settings.auth.directory.backend} store: the change would hold on this replica only; "
+            "set auth.directory.backend: postgres"
+        )
     return None
 
 
 class LiveDirectory:
-    def __init__(self, settings: DirectorySettings, metrics: Metrics, store: DirectoryStore | None = None) -> None:
+    def __init__(
+        self, settings: DirectorySettings, metrics: Metrics, store: DirectoryStore | None = None
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.store = store if store is not None else build_store(settings)
@@ -62,14 +68,17 @@ class LiveDirectory:
         try:
             await asyncio.wait_for(self._read(), self.settings.timeout_s)
         # BLE001 allowed: the store's errors, a timeout, a bad row all count as one failed read (fail closed later)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.metrics.directory_read_errors.inc()
             now = time.monotonic()
             if now - self._last_warning >= _WARN_EVERY_S:
                 self._last_warning = now
-                log.warning("directory_read_failed", store=self.store.name,
-                            error=f"{type(exc).__name__}: {exc}"[:300],
-                            fail_closed_after_s=self.settings.fail_closed_after_s)
+                log.warning(
+                    "directory_read_failed",
+                    store=self.store.name,
+                    error=f"{type(exc).__name__}: {exc}"[:300],
+                    fail_closed_after_s=self.settings.fail_closed_after_s,
+                )
             return False
         self.read_at = time.monotonic()
         return True
@@ -97,8 +106,12 @@ class LiveDirectory:
                 self._opened = True
             await asyncio.wait_for(op(self.store), self.settings.timeout_s)
         except Exception as exc:
-            log.warning("directory_write_failed", store=self.store.name, error=f"{type(exc).__name__}: {exc}"[:300])
-            raise DirectoryUnavailable("the tenant directory cannot be written right now", retry_after=5) from exc
+            log.warning(
+                "directory_write_failed", store=self.store.name, error=f"{type(exc).__name__}: {exc}"[:300]
+            )
+            raise DirectoryUnavailable(
+                "the tenant directory cannot be written right now", retry_after=5
+            ) from exc
 
     async def aclose(self) -> None:
         if self._opened:

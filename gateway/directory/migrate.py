@@ -32,7 +32,10 @@ async def _legacy_rows(settings: Settings) -> tuple[list[tuple[str, str, str]], 
             if await conn.fetchval("SELECT to_regclass('tenants')") is None:
                 return [], []
             tenants = [tuple(r) for r in await conn.fetch("SELECT name, config, updated_at FROM tenants")]
-            keys = [tuple(r) for r in await conn.fetch("SELECT id, tenant, sha256, enabled, created_at FROM api_keys")]
+            keys = [
+                tuple(r)
+                for r in await conn.fetch("SELECT id, tenant, sha256, enabled, created_at FROM api_keys")
+            ]
         finally:
             await conn.close()
         return tenants, keys
@@ -72,7 +75,9 @@ async def import_from_audit(settings: Settings) -> Imported:
             if key_id in known_keys:
                 skipped += 1
                 continue
-            await store.add_key(KeyEntry(key_id, tenant, sha256, bool(enabled), "admin", created_at), "import")
+            await store.add_key(
+                KeyEntry(key_id, tenant, sha256, bool(enabled), "admin", created_at), "import"
+            )
             done_k += 1
     finally:
         await store.close()

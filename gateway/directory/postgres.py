@@ -23,12 +23,16 @@ class PostgresDirectory:
         self._pool: asyncpg.Pool | None = None
 
     async def open(self) -> None:
-        self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=4, command_timeout=self.timeout_s)
+        self._pool = await asyncpg.create_pool(
+            self.dsn, min_size=1, max_size=4, command_timeout=self.timeout_s
+        )
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
             await conn.execute(_SCHEMA)
-            await conn.execute("INSERT INTO omnigate_directory_revision (id, revision) VALUES (1, 0) "
-                               "ON CONFLICT (id) DO NOTHING")
+            await conn.execute(
+                "INSERT INTO omnigate_directory_revision (id, revision) VALUES (1, 0) "
+                "ON CONFLICT (id) DO NOTHING"
+            )
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -49,8 +53,12 @@ class PostgresDirectory:
         async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
             rev = await conn.fetchval("SELECT revision FROM omnigate_directory_revision WHERE id = 1")
             tenants = [r[0] for r in await conn.fetch("SELECT config FROM omnigate_tenants ORDER BY name")]
-            keys = [KeyEntry(r[0], r[1], r[2], bool(r[3]), "admin", r[4]) for r in await conn.fetch(
-                "SELECT id, tenant, sha256, enabled, created_at FROM omnigate_api_keys ORDER BY id")]
+            keys = [
+                KeyEntry(r[0], r[1], r[2], bool(r[3]), "admin", r[4])
+                for r in await conn.fetch(
+                    "SELECT id, tenant, sha256, enabled, created_at FROM omnigate_api_keys ORDER BY id"
+                )
+            ]
         return int(rev), tenants, keys
 
     async def _write(self, sql: str, *args: Any) -> str:
@@ -63,13 +71,22 @@ class PostgresDirectory:
         await self._write(
             "INSERT INTO omnigate_tenants (name, config, updated_at) VALUES ($1, $2, $3) "
             "ON CONFLICT (name) DO UPDATE SET config = EXCLUDED.config, updated_at = EXCLUDED.updated_at",
-            name, config_json, now)
+            name,
+            config_json,
+            now,
+        )
 
     async def add_key(self, key: KeyEntry, created_by: str) -> None:
         await self._write(
             "INSERT INTO omnigate_api_keys (id, tenant, sha256, enabled, created_at, created_by) "
             "VALUES ($1, $2, $3, $4, $5, $6)",
-            key.id, key.tenant, key.sha256, key.enabled, key.created_at, created_by)
+            key.id,
+            key.tenant,
+            key.sha256,
+            key.enabled,
+            key.created_at,
+            created_by,
+        )
 
     async def set_key_enabled(self, key_id: str, enabled: bool) -> bool:
         status = await self._write("UPDATE omnigate_api_keys SET enabled = $1 WHERE id = $2", enabled, key_id)

@@ -22,7 +22,9 @@ class SQLiteDirectory(SQLiteWorker):
         self._db = db
 
     def _revision(self) -> int:
-        return int(self.db.execute("SELECT revision FROM omnigate_directory_revision WHERE id = 1").fetchone()[0])
+        return int(
+            self.db.execute("SELECT revision FROM omnigate_directory_revision WHERE id = 1").fetchone()[0]
+        )
 
     async def revision(self) -> int:
         return await self._run(self._revision)
@@ -33,8 +35,12 @@ class SQLiteDirectory(SQLiteWorker):
         try:
             rev = self._revision()
             tenants = [r[0] for r in db.execute("SELECT config FROM omnigate_tenants ORDER BY name")]
-            keys = [KeyEntry(r[0], r[1], r[2], bool(r[3]), "admin", r[4]) for r in db.execute(
-                "SELECT id, tenant, sha256, enabled, created_at FROM omnigate_api_keys ORDER BY id")]
+            keys = [
+                KeyEntry(r[0], r[1], r[2], bool(r[3]), "admin", r[4])
+                for r in db.execute(
+                    "SELECT id, tenant, sha256, enabled, created_at FROM omnigate_api_keys ORDER BY id"
+                )
+            ]
         finally:
             db.execute("COMMIT")
         return rev, tenants, keys
@@ -47,20 +53,29 @@ class SQLiteDirectory(SQLiteWorker):
             n = self.db.execute(sql, args).rowcount
             self.db.execute("UPDATE omnigate_directory_revision SET revision = revision + 1 WHERE id = 1")
             return n
+
         return self._locked(q)
 
     async def put_tenant(self, name: str, config_json: str, now: str) -> None:
-        await self._run(self._write,
-                        "INSERT INTO omnigate_tenants (name, config, updated_at) VALUES (?, ?, ?) "
-                        "ON CONFLICT (name) DO UPDATE SET config = excluded.config, updated_at = excluded.updated_at",
-                        (name, config_json, now))
+        await self._run(
+            self._write,
+            "INSERT INTO omnigate_tenants (name, config, updated_at) VALUES (?, ?, ?) "
+            "ON CONFLICT (name) DO UPDATE SET config = excluded.config, updated_at = excluded.updated_at",
+            (name, config_json, now),
+        )
 
     async def add_key(self, key: KeyEntry, created_by: str) -> None:
-        await self._run(self._write,
-                        "INSERT INTO omnigate_api_keys (id, tenant, sha256, enabled, created_at, created_by) "
-                        "VALUES (?, ?, ?, ?, ?, ?)",
-                        (key.id, key.tenant, key.sha256, int(key.enabled), key.created_at, created_by))
+        await self._run(
+            self._write,
+            "INSERT INTO omnigate_api_keys (id, tenant, sha256, enabled, created_at, created_by) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (key.id, key.tenant, key.sha256, int(key.enabled), key.created_at, created_by),
+        )
 
     async def set_key_enabled(self, key_id: str, enabled: bool) -> bool:
-        return await self._run(self._write, "UPDATE omnigate_api_keys SET enabled = ? WHERE id = ?",
-                               (int(enabled), key_id)) > 0
+        return (
+            await self._run(
+                self._write, "UPDATE omnigate_api_keys SET enabled = ? WHERE id = ?", (int(enabled), key_id)
+            )
+            > 0
+        )

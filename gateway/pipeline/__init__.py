@@ -68,7 +68,8 @@ def _text_only(request: ChatCompletionRequest) -> ChatCompletionRequest:
     """The request without its media parts (what a ``digests`` or ``redacted`` record reads of it)."""
     messages = [
         m.model_copy(update={"content": [p for p in m.content if p.type == "text"]})
-        if isinstance(m.content, list) else m
+        if isinstance(m.content, list)
+        else m
         for m in request.messages
     ]
     return request.model_copy(update={"messages": messages})
@@ -96,8 +97,9 @@ class Pipeline:
         #: per public model, the sampling parameters a request that sets none of its own is served with
         self.sampling_defaults: dict[str, dict[str, Any]] = sampling_defaults or {}
         #: the collaborators, each handed what it uses (they keep nothing of a request)
-        self.accounting = Accounting(pool, metrics, audit=audit, limiter=limiter, sentinel=sentinel,
-                                     admission=admission, energy=energy)
+        self.accounting = Accounting(
+            pool, metrics, audit=audit, limiter=limiter, sentinel=sentinel, admission=admission, energy=energy
+        )
         self.attempts = Attempts(pool, metrics)
         self.relay = Relay(pool, metrics, self.accounting)
 
@@ -358,8 +360,14 @@ class Pipeline:
     ) -> ChatCompletionRequest:
         ctx.retries += 1
         self.metrics.retries.labels(verdict.reason).inc()
-        log.info("request_retry", reason=verdict.reason, attempt=ctx.retries, engine=ctx.engine,
-                 score=verdict.score, adjusted=sorted(verdict.update) or None)
+        log.info(
+            "request_retry",
+            reason=verdict.reason,
+            attempt=ctx.retries,
+            engine=ctx.engine,
+            score=verdict.score,
+            adjusted=sorted(verdict.update) or None,
+        )
         return request.model_copy(update=verdict.update) if verdict.update else request
 
     # -- names older callers and tests reach for -------------------------------

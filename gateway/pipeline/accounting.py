@@ -62,8 +62,16 @@ class Accounting:
     ) -> None:
         """One policy that ran: on the request's record and in the decision metrics."""
         ctx.policy_runs.append(
-            PolicyRun(policy.name, policy.stage, verdict, seconds * 1000, policy.shadow, detail,
-                      ctx.retries + 1, score)
+            PolicyRun(
+                policy.name,
+                policy.stage,
+                verdict,
+                seconds * 1000,
+                policy.shadow,
+                detail,
+                ctx.retries + 1,
+                score,
+            )
         )
         shadow = str(policy.shadow).lower()
         self.metrics.policy_decisions.labels(policy.name, policy.stage, verdict, shadow).inc()
@@ -76,8 +84,9 @@ class Accounting:
         if completion.audio and completion.sample_rate:
             ctx.audio_seconds = len(completion.audio) / (2 * completion.channels * completion.sample_rate)
         if completion.audio and self.sentinel is not None and ctx.engine is not None:
-            self.sentinel.offer(ctx.engine, ctx.variant, completion, model=ctx.public_model,
-                                tenant=ctx.tenant)
+            self.sentinel.offer(
+                ctx.engine, ctx.variant, completion, model=ctx.public_model, tenant=ctx.tenant
+            )
         if self.energy is not None:
             ctx.energy_joules = self.energy.estimate(ctx.engine, ctx.completion_tokens, ctx.audio_seconds)
 
@@ -103,9 +112,16 @@ class Accounting:
         lease, ctx.lease = ctx.lease, None
         if ctx.engine is not None and error is None:
             # One report per request (never per chunk): latency and outcome for its window and circuit.
-            self.pool.report_success(ctx.engine, ctx.ttft_s, ctx.first_audio_s, ctx.elapsed(),
-                                     ctx.upstream_ttft_s, ctx.upstream_e2e_s,
-                                     ctx.completion_tokens, ctx.audio_seconds)
+            self.pool.report_success(
+                ctx.engine,
+                ctx.ttft_s,
+                ctx.first_audio_s,
+                ctx.elapsed(),
+                ctx.upstream_ttft_s,
+                ctx.upstream_e2e_s,
+                ctx.completion_tokens,
+                ctx.audio_seconds,
+            )
         if lease is not None:
             lease.settle(reported=error is None or isinstance(error, EngineError))
         if error is None:
@@ -174,13 +190,13 @@ class Accounting:
             policies=[(p.name, p.verdict) for p in ctx.policy_runs] or None,
             attempt_log=[
                 {"attempt": p.attempt, "policy": p.name, "verdict": p.verdict, "score": p.score}
-                for p in ctx.policy_runs if p.stage == "post"
-            ] or None,
+                for p in ctx.policy_runs
+                if p.stage == "post"
+            ]
+            or None,
             notes=ctx.notes or None,
             ttft_ms=round(ctx.ttft_s * 1000, 2) if ctx.ttft_s is not None else None,
             duration_ms=round(ctx.elapsed() * 1000, 2),
             prompt_tokens=ctx.prompt_tokens,
             completion_tokens=ctx.completion_tokens,
         )
-
-

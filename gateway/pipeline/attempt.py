@@ -130,8 +130,9 @@ class Attempts:
         fitting = [e for e in engines if not (request.input_modalities() - e.capabilities.input_modalities)]
         if not fitting:
             kinds = ", ".join(sorted(request.input_modalities() - {"text"}))
-            raise InvalidRequest(f"the model {request.model!r} does not accept {kinds} input",
-                                 param="messages")
+            raise InvalidRequest(
+                f"the model {request.model!r} does not accept {kinds} input", param="messages"
+            )
         features = request.features()
         if features:
             # A field an engine cannot honour is refused, never dropped on the way to it.
@@ -165,8 +166,13 @@ class Attempts:
     def _failed(self, engine: Engine, exc: EngineError, more: bool) -> None:
         # The lease has already counted a failover-worthy error against the engine's circuit.
         self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
-        log.warning("engine_attempt_failed", engine=engine.name, kind=exc.kind, error=exc.detail,
-                    failover=exc.retryable and more)
+        log.warning(
+            "engine_attempt_failed",
+            engine=engine.name,
+            kind=exc.kind,
+            error=exc.detail,
+            failover=exc.retryable and more,
+        )
         if exc.retryable and more:
             self.metrics.failovers.labels(engine.name).inc()
 

@@ -52,7 +52,10 @@ class Relay:
 
     # -- judging a finished attempt -------------------------------------------
     async def post(
-        self, post: Sequence[LoadedPolicy], request: ChatCompletionRequest, completion: Completion,
+        self,
+        post: Sequence[LoadedPolicy],
+        request: ChatCompletionRequest,
+        completion: Completion,
         ctx: RequestContext,
     ) -> tuple[Verdict, list[Accept]]:
         """Post-policies in order; the first acting non-Accept verdict wins. Also returns the Accepts seen."""
@@ -70,8 +73,14 @@ class Relay:
     ) -> Verdict | None:
         """Record one post verdict; the verdict to act on, or None to go on with the next policy."""
         name = type(verdict).__name__.lower()
-        self._ran(policy, ctx, name, time.perf_counter() - t0, getattr(verdict, "reason", None) or getattr(
-            verdict, "detail", None), getattr(verdict, "score", None))
+        self._ran(
+            policy,
+            ctx,
+            name,
+            time.perf_counter() - t0,
+            getattr(verdict, "reason", None) or getattr(verdict, "detail", None),
+            getattr(verdict, "score", None),
+        )
         if policy.shadow:
             return None
         if isinstance(verdict, Accept):
@@ -206,8 +215,14 @@ class Relay:
                     out = await check.feed(d)
                 except Halt as h:
                     v = h.verdict
-                    self._ran(policy, ctx, type(v).__name__.lower(), time.perf_counter() - t0, "halted",
-                              getattr(v, "score", None))
+                    self._ran(
+                        policy,
+                        ctx,
+                        type(v).__name__.lower(),
+                        time.perf_counter() - t0,
+                        "halted",
+                        getattr(v, "score", None),
+                    )
                     if not policy.shadow:
                         if isinstance(v, Retry):
                             h.verdict = replace(v, reason=policy.name)

@@ -37,13 +37,15 @@ def segment_request(request: ChatCompletionRequest, plan: SegmentPlan, i: int) -
 
 def join(parts: list[Completion], separator: str) -> Completion:
     """Completions of consecutive segments as one answer."""
-    out = Completion(finish_reason=parts[-1].finish_reason, sample_rate=parts[0].sample_rate,
-                     channels=parts[0].channels)
+    out = Completion(
+        finish_reason=parts[-1].finish_reason, sample_rate=parts[0].sample_rate, channels=parts[0].channels
+    )
     out.text = separator.join(p.text for p in parts if p.text)
     out.transcript = separator.join(p.transcript for p in parts if p.transcript)
     out.audio = b"".join(p.audio for p in parts)
-    out.usage = Usage(sum(p.usage.prompt_tokens for p in parts),
-                      sum(p.usage.completion_tokens for p in parts))
+    out.usage = Usage(
+        sum(p.usage.prompt_tokens for p in parts), sum(p.usage.completion_tokens for p in parts)
+    )
     return out
 
 
@@ -74,14 +76,24 @@ async def concat(
             delta: Delta | None = current.first
             while delta is not None:
                 if delta.usage is not None:
-                    total = Usage(total.prompt_tokens + delta.usage.prompt_tokens,
-                                  total.completion_tokens + delta.usage.completion_tokens)
+                    total = Usage(
+                        total.prompt_tokens + delta.usage.prompt_tokens,
+                        total.completion_tokens + delta.usage.completion_tokens,
+                    )
                 if not last:
                     delta = dataclasses.replace(delta, finish_reason=None, usage=None, audio_done=False)
                 elif delta.usage is not None:
                     delta, sent_usage = dataclasses.replace(delta, usage=total), True
-                if delta.text or delta.audio or delta.transcript or delta.finish_reason or delta.usage \
-                        or delta.audio_done or delta.tool_calls or delta.reasoning:
+                if (
+                    delta.text
+                    or delta.audio
+                    or delta.transcript
+                    or delta.finish_reason
+                    or delta.usage
+                    or delta.audio_done
+                    or delta.tool_calls
+                    or delta.reasoning
+                ):
                     yield delta
                 try:
                     delta = await anext(current.upstream)

@@ -35,8 +35,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal
+from typing import Any, Literal
 
 import orjson
 
@@ -66,9 +67,16 @@ class Row:
     hash: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "ts": self.ts, "kind": self.kind, "request_id": self.request_id,
-                "tenant": self.tenant, "prev_hash": self.prev_hash, "hash": self.hash,
-                "data": orjson.loads(self.data)}
+        return {
+            "seq": self.seq,
+            "ts": self.ts,
+            "kind": self.kind,
+            "request_id": self.request_id,
+            "tenant": self.tenant,
+            "prev_hash": self.prev_hash,
+            "hash": self.hash,
+            "data": orjson.loads(self.data),
+        }
 
 
 #: the most records one append transaction writes (the writer's batch; the spool's replay batch)
@@ -96,15 +104,36 @@ class Checkpoint:
         return hashlib.sha256(self.message() + b"\n" + self.signature.encode()).hexdigest()
 
     def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "hash": self.hash, "created_at": self.created_at, "algorithm": self.algorithm,
-                "key_id": self.key_id, "signature": self.signature, "prev": self.prev, "every": self.every}
+        return {
+            "seq": self.seq,
+            "hash": self.hash,
+            "created_at": self.created_at,
+            "algorithm": self.algorithm,
+            "key_id": self.key_id,
+            "signature": self.signature,
+            "prev": self.prev,
+            "every": self.every,
+        }
 
 
-def checkpoint_message(seq: int, head: str, created_at: str, key_id: str, prev: str = "", every: int = 0) -> bytes:
+def checkpoint_message(
+    seq: int, head: str, created_at: str, key_id: str, prev: str = "", every: int = 0
+) -> bytes:
     if not prev:
-        return canonical({"v": 1, "seq": seq, "hash": head, "created_at": created_at, "key_id": key_id}).encode()
-    return canonical({"v": 2, "seq": seq, "hash": head, "created_at": created_at, "key_id": key_id,
-                      "prev": prev, "every": every}).encode()
+        return canonical(
+            {"v": 1, "seq": seq, "hash": head, "created_at": created_at, "key_id": key_id}
+        ).encode()
+    return canonical(
+        {
+            "v": 2,
+            "seq": seq,
+            "hash": head,
+            "created_at": created_at,
+            "key_id": key_id,
+            "prev": prev,
+            "every": every,
+        }
+    ).encode()
 
 
 #: what a store calls inside its append transaction: (newest checkpoint, head seq, head hash) -> one to add
@@ -114,7 +143,9 @@ Seal = Callable[["Checkpoint | None", int, str], "Checkpoint | None"]
 class Signer:
     """Signs and checks checkpoints; ``algorithm`` ``none`` when no key is configured."""
 
-    def __init__(self, algorithm: str, key_id: str, secret: bytes | None, public: bytes | None = None) -> None:
+    def __init__(
+        self, algorithm: str, key_id: str, secret: bytes | None, public: bytes | None = None
+    ) -> None:
         self.algorithm = algorithm
         self.key_id = key_id
         self._secret = secret
@@ -130,7 +161,7 @@ class Signer:
                 self._public = Ed25519PublicKey.from_public_bytes(public)
 
     @classmethod
-    def from_settings(cls, s: AuditSigning, public_key_b64: str | None = None) -> "Signer":
+    def from_settings(cls, s: AuditSigning, public_key_b64: str | None = None) -> Signer:
         if s.key is None and public_key_b64 is None:
             return cls("none", s.key_id, None)
         raw = s.key.get_secret_value().encode() if s.key is not None else None
@@ -151,12 +182,20 @@ class Signer:
         """Whether it holds what checks a signature (the secret, or the Ed25519 public key)."""
         return self.algorithm != "none" and (self._secret is not None or self._public is not None)
 
-    def make(self, seq: int, head: str, created_at: str, prev: "Checkpoint | None", every: int) -> "Checkpoint":
+    def make(self, seq: int, head: str, created_at: str, prev: Checkpoint | None, every: int) -> Checkpoint:
         """The checkpoint of ``(seq, head)`` that follows ``prev``, signed when a key is configured."""
         link_to = GENESIS if prev is None else prev.digest()
         sig = self.sign(checkpoint_message(seq, head, created_at, self.key_id, link_to, every))
-        return Checkpoint(seq, head, created_at, self.algorithm if self.can_sign else "none", self.key_id, sig,
-                          link_to, every)
+        return Checkpoint(
+            seq,
+            head,
+            created_at,
+            self.algorithm if self.can_sign else "none",
+            self.key_id,
+            sig,
+            link_to,
+            every,
+        )
 
     def public_key_b64(self) -> str | None:
         if self._public is None:
@@ -192,8 +231,18 @@ class Signer:
         return True
 
 
-ProblemKind = Literal["edited", "deleted", "reordered", "truncated", "bad_signature", "unanchored", "unsigned",
-                      "checkpoint_gap", "witness", "uncovered"]
+ProblemKind = Literal[
+    "edited",
+    "deleted",
+    "reordered",
+    "truncated",
+    "bad_signature",
+    "unanchored",
+    "unsigned",
+    "checkpoint_gap",
+    "witness",
+    "uncovered",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,14 +271,20 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "ok": self.ok, "records": self.records, "first_seq": self.first_seq, "head_seq": self.head_seq,
-            "head_hash": self.head_hash, "anchored_at": self.anchored_at,
-            "checkpoints_signed": self.checkpoints_signed, "checkpoints_unchecked": self.checkpoints_unchecked,
+            "ok": self.ok,
+            "records": self.records,
+            "first_seq": self.first_seq,
+            "head_seq": self.head_seq,
+            "head_hash": self.head_hash,
+            "anchored_at": self.anchored_at,
+            "checkpoints_signed": self.checkpoints_signed,
+            "checkpoints_unchecked": self.checkpoints_unchecked,
             "covered_through": self.covered_through,
             "uncovered_records": max(0, self.head_seq - self.covered_through),
             "gaps": [{"seq": s, "lost": n} for s, n in self.gaps],
-            "problem": None if self.problem is None else {
-                "kind": self.problem.kind, "seq": self.problem.seq, "message": self.problem.message},
+            "problem": None
+            if self.problem is None
+            else {"kind": self.problem.kind, "seq": self.problem.seq, "message": self.problem.message},
         }
 
 
@@ -277,9 +332,17 @@ class ChainVerifier:
                 self._fail("bad_signature", cp.seq, f"checkpoint at record {cp.seq} has an invalid signature")
                 break
             if verdict is None and strict:
-                what = "unsigned" if cp.algorithm == "none" else f"signed by another key ({cp.algorithm} {cp.key_id})"
-                self._fail("unsigned", cp.seq, f"checkpoint at record {cp.seq} is {what}: with a signing key "
-                                               f"configured, it cannot vouch for the chain")
+                what = (
+                    "unsigned"
+                    if cp.algorithm == "none"
+                    else f"signed by another key ({cp.algorithm} {cp.key_id})"
+                )
+                self._fail(
+                    "unsigned",
+                    cp.seq,
+                    f"checkpoint at record {cp.seq} is {what}: with a signing key "
+                    f"configured, it cannot vouch for the chain",
+                )
                 break
             if verdict is True:
                 self.report.checkpoints_signed += 1
@@ -303,13 +366,20 @@ class ChainVerifier:
             # the walk finds the chain's first record and its retention_cut record).
             return True
         if cp.prev != before.digest():
-            self._fail("deleted", before.seq + 1, f"checkpoint at record {cp.seq} does not link to the one at "
-                                                  f"record {before.seq}: checkpoints between them were removed")
+            self._fail(
+                "deleted",
+                before.seq + 1,
+                f"checkpoint at record {cp.seq} does not link to the one at "
+                f"record {before.seq}: checkpoints between them were removed",
+            )
             return False
         if before.every and cp.seq - before.seq >= before.every + MAX_BATCH:
-            self._fail("checkpoint_gap", before.seq + 1,
-                       f"no checkpoint between records {before.seq} and {cp.seq} although one is written every "
-                       f"{before.every} records: checkpoints were removed")
+            self._fail(
+                "checkpoint_gap",
+                before.seq + 1,
+                f"no checkpoint between records {before.seq} and {cp.seq} although one is written every "
+                f"{before.every} records: checkpoints were removed",
+            )
             return False
         return True
 
@@ -331,47 +401,73 @@ class ChainVerifier:
             r.first_seq = row.seq
             first = self._first_cp
             if row.seq == 1 and first is not None and first.prev and first.prev != GENESIS:
-                self._fail("deleted", 1, f"the first checkpoint (at record {first.seq}) links to an earlier one "
-                                         "that is gone")
+                self._fail(
+                    "deleted",
+                    1,
+                    f"the first checkpoint (at record {first.seq}) links to an earlier one that is gone",
+                )
                 return False
             if row.seq != 1 and self._anchor is not None:
                 self._prev_seq, self._prev_hash = self._anchor
             elif row.seq != 1:
                 anchor = self._by_seq.get(row.seq - 1)
                 if anchor is None or anchor.hash != row.prev_hash or anchor is not first:
-                    self._fail("deleted", 1, f"records 1..{row.seq - 1} are missing and no checkpoint anchors "
-                                             f"a retention cut at record {row.seq - 1}")
+                    self._fail(
+                        "deleted",
+                        1,
+                        f"records 1..{row.seq - 1} are missing and no checkpoint anchors "
+                        f"a retention cut at record {row.seq - 1}",
+                    )
                     return False
                 r.anchored_at = self._last_cp = anchor.seq
                 self._prev_seq, self._prev_hash = anchor.seq, anchor.hash
         if row.seq != self._prev_seq + 1:
-            missing = f"{self._prev_seq + 1}" if row.seq == self._prev_seq + 2 else \
-                f"{self._prev_seq + 1}..{row.seq - 1}"
+            missing = (
+                f"{self._prev_seq + 1}"
+                if row.seq == self._prev_seq + 2
+                else f"{self._prev_seq + 1}..{row.seq - 1}"
+            )
             self._fail("deleted", self._prev_seq + 1, f"record {missing} is missing (deleted)")
             return False
         if link(row.prev_hash, row.data) != row.hash or not self._columns_match(row):
-            self._fail("edited", row.seq, f"record {row.seq} was edited: its content no longer matches its hash")
+            self._fail(
+                "edited", row.seq, f"record {row.seq} was edited: its content no longer matches its hash"
+            )
             return False
         if row.prev_hash != self._prev_hash:
             where = await self._lookup(row.prev_hash)
             if where is not None and where != self._prev_seq:
-                self._fail("reordered", row.seq,
-                           f"record {row.seq} is out of order: it was written after record {where}")
+                self._fail(
+                    "reordered",
+                    row.seq,
+                    f"record {row.seq} is out of order: it was written after record {where}",
+                )
             else:
-                self._fail("edited", self._prev_seq,
-                           f"record {self._prev_seq} was replaced: record {row.seq} links to a different "
-                           f"predecessor")
+                self._fail(
+                    "edited",
+                    self._prev_seq,
+                    f"record {self._prev_seq} was replaced: record {row.seq} links to a different "
+                    f"predecessor",
+                )
             return False
         cp = self._by_seq.get(row.seq)
         if cp is not None and cp.hash != row.hash:
             since = self._last_cp + 1
-            self._fail("edited", since, f"records {since}..{row.seq} were rewritten: record {row.seq} differs "
-                                        f"from the signed checkpoint at it")
+            self._fail(
+                "edited",
+                since,
+                f"records {since}..{row.seq} were rewritten: record {row.seq} differs "
+                f"from the signed checkpoint at it",
+            )
             return False
         seen = self._expect.get(row.seq)
         if seen is not None and seen != row.hash:
-            self._fail("witness", row.seq, f"record {row.seq} differs from the head published for it "
-                                           f"({seen[:16]}...): the chain was rewritten")
+            self._fail(
+                "witness",
+                row.seq,
+                f"record {row.seq} differs from the head published for it "
+                f"({seen[:16]}...): the chain was rewritten",
+            )
             return False
         if row.kind == "gap":
             lost = orjson.loads(row.data).get("payload", {}).get("lost", 0)
@@ -402,22 +498,44 @@ class ChainVerifier:
             return r
         head = r.head_seq
         if self._newest > r.head_seq:
-            self._fail("truncated", r.head_seq + 1,
-                       f"the log ends at record {r.head_seq} but a signed checkpoint covers record "
-                       f"{self._newest}: records {r.head_seq + 1}..{self._newest} were cut off")
+            self._fail(
+                "truncated",
+                r.head_seq + 1,
+                f"the log ends at record {r.head_seq} but a signed checkpoint covers record "
+                f"{self._newest}: records {r.head_seq + 1}..{self._newest} were cut off",
+            )
         elif r.anchored_at is not None and not self._cut_recorded:
-            self._fail("deleted", 1, f"records 1..{r.anchored_at} are gone and no signed retention_cut record "
-                                     f"says that retention removed them")
-        elif (newest := self._newest_cp) is not None and newest.every and r.first_seq is not None \
-                and self._anchor is None and r.head_seq - newest.seq >= newest.every:
-            self._fail("checkpoint_gap", newest.seq + 1,
-                       f"records {newest.seq + 1}..{r.head_seq} have no checkpoint although one is written every "
-                       f"{newest.every} records: checkpoints were removed")
+            self._fail(
+                "deleted",
+                1,
+                f"records 1..{r.anchored_at} are gone and no signed retention_cut record "
+                f"says that retention removed them",
+            )
+        elif (
+            (newest := self._newest_cp) is not None
+            and newest.every
+            and r.first_seq is not None
+            and self._anchor is None
+            and r.head_seq - newest.seq >= newest.every
+        ):
+            self._fail(
+                "checkpoint_gap",
+                newest.seq + 1,
+                f"records {newest.seq + 1}..{r.head_seq} have no checkpoint although one is written every "
+                f"{newest.every} records: checkpoints were removed",
+            )
         elif self._expect and max(self._expect) > head:
             top = max(self._expect)
-            self._fail("truncated", head + 1, f"a head was published for record {top} but the log ends at "
-                                              f"record {head}: records {head + 1}..{top} were cut off")
+            self._fail(
+                "truncated",
+                head + 1,
+                f"a head was published for record {top} but the log ends at "
+                f"record {head}: records {head + 1}..{top} were cut off",
+            )
         elif self._require_covered and r.covered_through < r.head_seq:
-            self._fail("uncovered", r.covered_through + 1,
-                       f"records {r.covered_through + 1}..{r.head_seq} are covered by no signed checkpoint")
+            self._fail(
+                "uncovered",
+                r.covered_through + 1,
+                f"records {r.covered_through + 1}..{r.head_seq} are covered by no signed checkpoint",
+            )
         return r

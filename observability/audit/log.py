@@ -29,12 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import uuid
 import time
+import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import structlog
 
@@ -53,14 +54,14 @@ _CLOSE_DRAIN_S = 10.0
 _WARN_EVERY_S = 10.0
 
 
-def _consume(fut: "asyncio.Future[Any]") -> None:
+def _consume(fut: asyncio.Future[Any]) -> None:
     """Retrieve a stray append's outcome (so a failure is not reported as never retrieved)."""
     if not fut.cancelled():
         fut.exception()
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 @dataclass(slots=True)
@@ -116,21 +117,37 @@ class AuditLog:
         self._head = await self.store.head()
         if not self.signer.can_sign:
             log.warning("audit_checkpoints_unsigned", reason="audit.signing.key is not set")
-        log.info("audit_started", store=self.store.name, head_seq=self._head[0], commit=self.settings.commit,
-                 when_full=self.settings.when_full, buffer=self.settings.buffer,
-                 on_unavailable=self.settings.on_unavailable, journal=str(self.spool.path),
-                 witness=str(self.settings.witness_path) if self.settings.witness_path else None)
+        log.info(
+            "audit_started",
+            store=self.store.name,
+            head_seq=self._head[0],
+            commit=self.settings.commit,
+            when_full=self.settings.when_full,
+            buffer=self.settings.buffer,
+            on_unavailable=self.settings.on_unavailable,
+            journal=str(self.spool.path),
+            witness=str(self.settings.witness_path) if self.settings.witness_path else None,
+        )
         await self.spool.open(exclusive=self._spooling)
         for gap_id, since in sorted(self.spool.open_gaps.items(), key=lambda kv: kv[1]):
             # Requests served without a record before a crash, whose gap record was never written.
-            payload = {"lost": 1, "at_least": True, "reason": "unrecorded_before_restart", "from": since,
-                       "to": now_iso()}
+            payload = {
+                "lost": 1,
+                "at_least": True,
+                "reason": "unrecorded_before_restart",
+                "from": since,
+                "to": now_iso(),
+            }
             log.error("audit_gap_recorded", **payload)
             self._queue.append(Pending(now_iso(), "gap", None, None, payload, None, None, gap_id))
         if self._spooling:
             if self.spool.unreadable:
                 # Acknowledged records the journal no longer yields: the chain says so.
-                self._lost, self._lost_reason, self._lost_since = self.spool.unreadable, "spool_unreadable", now_iso()
+                self._lost, self._lost_reason, self._lost_since = (
+                    self.spool.unreadable,
+                    "spool_unreadable",
+                    now_iso(),
+                )
                 self._queue.append(self._gap_record())
             if self.spool.pending:
                 log.warning("audit_spool_found", records=len(self.spool.pending))
@@ -151,7 +168,7 @@ class AuditLog:
         if self._task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), _CLOSE_DRAIN_S)
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
                 log.error("audit_close_incomplete", unwritten=len(self._queue))
@@ -159,7 +176,7 @@ class AuditLog:
             # What is spooled stays in the journal if the store is still away: the next start replays it.
             try:
                 await asyncio.wait_for(asyncio.shield(self._recovery), _CLOSE_DRAIN_S)
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 self._recovery.cancel()
                 await asyncio.gather(self._recovery, return_exceptions=True)
         with contextlib.suppress(Exception):
@@ -176,8 +193,9 @@ class AuditLog:
     def admit(self) -> None:
         """Refuse new requests while the store is unavailable (``refuse``), or the buffer full (``shed``)."""
         if self._outage and not self._spooling:
-            raise AuditUnavailable("the audit trail cannot record requests right now; try again shortly",
-                                   retry_after=1)
+            raise AuditUnavailable(
+                "the audit trail cannot record requests right now; try again shortly", retry_after=1
+            )
         if self.settings.when_full == "shed" and self.depth >= self.settings.buffer:
             self._mark_full()
             raise Overloaded("the audit trail is behind; try again shortly", retry_after=1)
@@ -231,14 +249,24 @@ class AuditLog:
             if pending is not None and pending.kind == "request":
                 # Its record may still reach the store (it stays buffered); this one says the client got a 503.
                 client_id = pending.snapshot.ctx.client_request_id if pending.snapshot is not None else None
-                self.submit("request_refused", request_id=pending.request_id, tenant=pending.tenant,
-                            payload={"status": 503, "code": AuditUnavailable.code, "client_request_id": client_id,
-                                     "reason": "its record was not durable within ack_timeout_s"})
-            raise AuditUnavailable("the audit trail could not record this request; try again shortly",
-                                   retry_after=1) from None
+                self.submit(
+                    "request_refused",
+                    request_id=pending.request_id,
+                    tenant=pending.tenant,
+                    payload={
+                        "status": 503,
+                        "code": AuditUnavailable.code,
+                        "client_request_id": client_id,
+                        "reason": "its record was not durable within ack_timeout_s",
+                    },
+                )
+            raise AuditUnavailable(
+                "the audit trail could not record this request; try again shortly", retry_after=1
+            ) from None
         except Exception as exc:
-            raise AuditUnavailable("the audit trail could not record this request; try again shortly",
-                                   retry_after=1) from exc
+            raise AuditUnavailable(
+                "the audit trail could not record this request; try again shortly", retry_after=1
+            ) from exc
 
     async def append_event(self, kind: str, payload: dict[str, Any]) -> int | None:
         """Append a non-request event (a routing transition, an admin change, ...) to the same chain.
@@ -247,7 +275,9 @@ class AuditLog:
         written within ``ack_timeout_s`` (it is then counted in the next gap record).
         """
         deadline = time.monotonic() + self.settings.ack_timeout_s
-        while self.depth >= self.settings.buffer and time.monotonic() < deadline and not self._closing:
+        # Why the poll: the buffer's depth has no event of its own (the writer drains it in batches); a
+        # 10 ms poll bounded by ack_timeout_s only runs while the buffer is full.
+        while self.depth >= self.settings.buffer and time.monotonic() < deadline and not self._closing:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
         try:
             return await self.wait(self.submit(kind, payload=payload))
@@ -272,7 +302,8 @@ class AuditLog:
             # is acknowledged (wait(None) awaits it), so a crash before the gap record leaves a trace.
             self._gap_id = uuid.uuid4().hex
             self._gap_marked = self._gap_marker = asyncio.ensure_future(
-                self.spool.gap_open(self._gap_id, self._lost_since))
+                self.spool.gap_open(self._gap_id, self._lost_since)
+            )
         self._lost += 1
 
     def _gap_record(self) -> Pending:
@@ -332,8 +363,15 @@ class AuditLog:
                 payload = request_payload(p.snapshot) if p.snapshot is not None else (p.payload or {})
             except Exception as exc:  # a record must never be lost to a bug in its builder
                 payload = {"encode_error": type(exc).__name__}
-            data = canonical({"ts": p.ts, "kind": p.kind, "request_id": p.request_id, "tenant": p.tenant,
-                              "payload": payload})
+            data = canonical(
+                {
+                    "ts": p.ts,
+                    "kind": p.kind,
+                    "request_id": p.request_id,
+                    "tenant": p.tenant,
+                    "payload": payload,
+                }
+            )
             out.append(Entry(p.ts, p.kind, p.request_id, p.tenant, data))
         return out
 
@@ -394,7 +432,7 @@ class AuditLog:
             log.warning("audit_store_recovered", on_unavailable="refuse")
         self.metrics.audit_commit.labels(self.store.name).observe(time.perf_counter() - t0)
         self.metrics.audit_batch.observe(len(rows))
-        for p, row in zip(batch, rows):
+        for p, row in zip(batch, rows, strict=True):  # one row per record written
             self.metrics.audit_written.labels(p.kind).inc()
             if p.future is not None and not p.future.done():
                 p.future.set_result(row.seq)
@@ -415,8 +453,12 @@ class AuditLog:
     def _unavailable(self, how: str) -> None:
         if not self._outage:
             self._outage = True
-            log.error("audit_store_unavailable", how=how, on_unavailable=self.settings.on_unavailable,
-                      patience_s=self.settings.ack_timeout_s / 2)
+            log.error(
+                "audit_store_unavailable",
+                how=how,
+                on_unavailable=self.settings.on_unavailable,
+                patience_s=self.settings.ack_timeout_s / 2,
+            )
 
     async def _to_spool(self, batch: list[Pending], encode: Callable[[], list[Entry]]) -> None:
         entries = await asyncio.to_thread(encode)
@@ -486,7 +528,10 @@ class AuditLog:
         if self._outage:
             return
         # The count cadence is kept by the store, inside each append (see _sealer); this is the time one.
-        due = self._since_checkpoint and time.monotonic() - self._last_checkpoint >= self.settings.checkpoint_interval_s
+        due = (
+            self._since_checkpoint
+            and time.monotonic() - self._last_checkpoint >= self.settings.checkpoint_interval_s
+        )
         if due:
             try:
                 await self._checkpoint()
@@ -522,8 +567,17 @@ class AuditLog:
         self._since_checkpoint = 0
         self._last_checkpoint = time.monotonic()
         for cp in made:
-            log.info("audit_checkpoint", seq=cp.seq, hash=cp.hash, created_at=cp.created_at,
-                     algorithm=cp.algorithm, key_id=cp.key_id, signature=cp.signature, prev=cp.prev, every=cp.every)
+            log.info(
+                "audit_checkpoint",
+                seq=cp.seq,
+                hash=cp.hash,
+                created_at=cp.created_at,
+                algorithm=cp.algorithm,
+                key_id=cp.key_id,
+                signature=cp.signature,
+                prev=cp.prev,
+                every=cp.every,
+            )
         try:
             await self.witness.publish(made)
         except OSError as exc:
@@ -546,12 +600,16 @@ class AuditLog:
         days = self.settings.retention_days
         if days is None:
             return None
-        cutoff = (datetime.now(timezone.utc) - timedelta(days=days)).isoformat(timespec="microseconds")
+        cutoff = (datetime.now(UTC) - timedelta(days=days)).isoformat(timespec="microseconds")
         cutoff = cutoff.replace("+00:00", "Z")
 
         def record(anchor: Checkpoint) -> Entry:
-            payload = {"through_seq": anchor.seq, "anchor_hash": anchor.hash, "anchor_checkpoint": anchor.digest(),
-                       "cutoff": cutoff}
+            payload = {
+                "through_seq": anchor.seq,
+                "anchor_hash": anchor.hash,
+                "anchor_checkpoint": anchor.digest(),
+                "cutoff": cutoff,
+            }
             return self._encode([Pending(now_iso(), "retention_cut", None, None, payload, None, None)])[0]
 
         made: list[Checkpoint] = []

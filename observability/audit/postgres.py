@@ -7,8 +7,8 @@ gateway sharing the database extends one chain.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import asyncpg
 
@@ -43,13 +43,14 @@ class PostgresStore:
 
     async def open(self) -> None:
         self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=4, command_timeout=30)
-        async with self.pool.acquire() as conn:
-            async with conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
-                await conn.execute(_SCHEMA)
-                for name, sql_type in CHECKPOINT_V2_COLUMNS:
-                    await conn.execute(f"ALTER TABLE audit_checkpoints ADD COLUMN IF NOT EXISTS {name} "
-                                       f"{sql_type.format(int_type='BIGINT')}")
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
+            await conn.execute(_SCHEMA)
+            for name, sql_type in CHECKPOINT_V2_COLUMNS:
+                await conn.execute(
+                    f"ALTER TABLE audit_checkpoints ADD COLUMN IF NOT EXISTS {name} "
+                    f"{sql_type.format(int_type='BIGINT')}"
+                )
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -77,7 +78,9 @@ class PostgresStore:
         rows = chain_rows(entries, *await cls._head_in(conn))
         await conn.copy_records_to_table(
             "audit_log",
-            records=[(r.seq, r.ts, r.kind, r.request_id, r.tenant, r.data, r.prev_hash, r.hash) for r in rows],
+            records=[
+                (r.seq, r.ts, r.kind, r.request_id, r.tenant, r.data, r.prev_hash, r.hash) for r in rows
+            ],
             columns=["seq", "ts", "kind", "request_id", "tenant", "data", "prev_hash", "hash"],
         )
         if seal is not None and rows:
@@ -93,16 +96,14 @@ class PostgresStore:
 
     async def append_encoded(self, encode: Callable[[], list[Entry]], seal: Seal | None = None) -> list[Row]:
         entries = await asyncio.get_running_loop().run_in_executor(self._encoder, encode)
-        async with self.pool.acquire() as conn:
-            async with conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
-                return await self._insert(conn, entries, seal)
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
+            return await self._insert(conn, entries, seal)
 
     async def seal_head(self, seal: Seal) -> None:
-        async with self.pool.acquire() as conn:
-            async with conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
-                await self._add_sealed(conn, seal, *await self._head_in(conn))
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
+            await self._add_sealed(conn, seal, *await self._head_in(conn))
 
     async def head(self) -> tuple[int, str]:
         async with self.pool.acquire() as conn:
@@ -125,15 +126,15 @@ class PostgresStore:
     async def cut_before(
         self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Seal
     ) -> Checkpoint | None:
-        async with self.pool.acquire() as conn:
-            async with conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
-                r = await conn.fetchrow(CP_SELECT + " WHERE seq = (" + NEWEST_BEFORE.format(param="$1") + ")",
-                                        cutoff_ts)
-                if r is None:
-                    return None
-                cp = Checkpoint(*r)
-                await conn.execute("DELETE FROM audit_log WHERE seq <= $1", cp.seq)
-                await conn.execute("DELETE FROM audit_checkpoints WHERE seq < $1", cp.seq)
-                await self._insert(conn, [record(cp)], seal)
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
+            r = await conn.fetchrow(
+                CP_SELECT + " WHERE seq = (" + NEWEST_BEFORE.format(param="$1") + ")", cutoff_ts
+            )
+            if r is None:
+                return None
+            cp = Checkpoint(*r)
+            await conn.execute("DELETE FROM audit_log WHERE seq <= $1", cp.seq)
+            await conn.execute("DELETE FROM audit_checkpoints WHERE seq < $1", cp.seq)
+            await self._insert(conn, [record(cp)], seal)
         return cp

@@ -24,8 +24,8 @@ from core.spooled import SpooledMedia
 from observability.audit.redact import Budget
 
 if TYPE_CHECKING:
-    from core.events import Completion
     from core.context import RequestContext
+    from core.events import Completion
     from core.schemas import ChatCompletionRequest
 
 
@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 class RequestSnapshot:
     """The fields of a finished request, copied on the request path (cheap), encoded later."""
 
-    ctx: "RequestContext"
-    received: "ChatCompletionRequest | None"
+    ctx: RequestContext
+    received: ChatCompletionRequest | None
     output: OutputDigest | None
-    completion: "Completion | None"
+    completion: Completion | None
     duration_ms: float
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -56,9 +56,9 @@ class InputDigests:
     """A request's :func:`input_digests`, made once: early on a thread by the pipeline, which then lets go
     of the client's media strings, or by the audit writer if that never finished (a refused request)."""
 
-    __slots__ = ("_request", "_value", "_lock")
+    __slots__ = ("_lock", "_request", "_value")
 
-    def __init__(self, request: "ChatCompletionRequest") -> None:
+    def __init__(self, request: ChatCompletionRequest) -> None:
         self._request: ChatCompletionRequest | None = request
         self._value: list[dict[str, Any]] | None = None
         self._lock = threading.Lock()
@@ -71,7 +71,7 @@ class InputDigests:
             return self._value
 
 
-def input_digests(req: "ChatCompletionRequest") -> list[dict[str, Any]]:
+def input_digests(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The record's ``input``: a digest of every part and tool call as the client sent it.
 
     The pipeline calls it (on a thread) once the media steps start, so that the client's media
@@ -103,7 +103,7 @@ def _part_digest(role: str, part: Any) -> dict[str, Any]:
     return {"role": role, "type": kind, "sha256": digest, "chars": len(raw)}
 
 
-def _content(req: "ChatCompletionRequest", mode: str, budget: Budget) -> list[dict[str, Any]]:
+def _content(req: ChatCompletionRequest, mode: str, budget: Budget) -> list[dict[str, Any]]:
     """The prompt as kept: text redacted (``redacted``) or as sent with media (``raw``)."""
     kept: list[dict[str, Any]] = []
     for m in req.messages:
@@ -131,8 +131,16 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
         "status": ctx.status,
         "error_code": ctx.error_code,
         "policies": [
-            {"name": p.name, "stage": p.stage, "verdict": p.verdict, "duration_ms": round(p.duration_ms, 3),
-             "shadow": p.shadow, "detail": p.detail, "attempt": p.attempt, "score": p.score}
+            {
+                "name": p.name,
+                "stage": p.stage,
+                "verdict": p.verdict,
+                "duration_ms": round(p.duration_ms, 3),
+                "shadow": p.shadow,
+                "detail": p.detail,
+                "attempt": p.attempt,
+                "score": p.score,
+            }
             for p in ctx.policy_runs
         ],
         "degraded": list(ctx.degraded),
@@ -141,11 +149,14 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
         **({"sampling_defaults": dict(ctx.sampling_defaults)} if ctx.sampling_defaults else {}),
         "attempts": ctx.attempts,
         "retries": ctx.retries,
-        "usage": {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens,
-                  # speech is metered in seconds: it adds no completion tokens
-                  **({"audio_seconds": round(ctx.audio_seconds, 3)} if ctx.audio_seconds else {}),
-                  # an estimate (engines/energy.py), present only where the engine's GPU power is measured
-                  **({"energy_joules": round(ctx.energy_joules, 3)} if ctx.energy_joules is not None else {})},
+        "usage": {
+            "prompt_tokens": ctx.prompt_tokens,
+            "completion_tokens": ctx.completion_tokens,
+            # speech is metered in seconds: it adds no completion tokens
+            **({"audio_seconds": round(ctx.audio_seconds, 3)} if ctx.audio_seconds else {}),
+            # an estimate (engines/energy.py), present only where the engine's GPU power is measured
+            **({"energy_joules": round(ctx.energy_joules, 3)} if ctx.energy_joules is not None else {}),
+        },
         "duration_ms": round(snap.duration_ms, 3),
         "ttft_ms": round(ctx.ttft_s * 1000, 3) if ctx.ttft_s is not None else None,
         "body_bytes": ctx.body_bytes,
@@ -163,7 +174,10 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
     if ctx.audit_content != "digests" and req is not None:
         # One budget per record: what redaction may spend on it is bounded however many messages it has.
         budget = Budget()
-        kept: dict[str, Any] = {"mode": ctx.audit_content, "messages": _content(req, ctx.audit_content, budget)}
+        kept: dict[str, Any] = {
+            "mode": ctx.audit_content,
+            "messages": _content(req, ctx.audit_content, budget),
+        }
         if output is not None:
             text = output.text()
             kept["output_text"] = text if ctx.audit_content == "raw" else budget.redact(text)

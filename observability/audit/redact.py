@@ -35,7 +35,7 @@ saying how much was not kept (never kept unredacted).
 from __future__ import annotations
 
 import ipaddress
-from typing import Callable
+from collections.abc import Callable
 
 import re2
 

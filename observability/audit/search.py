@@ -39,8 +39,11 @@ class AuditQuery:
 
     def filters(self) -> dict[str, Any]:
         """The set filters (cursors excluded), as echoed back to the caller."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if getattr(self, f.name) is not None and not f.name.endswith("_seq")}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) is not None and not f.name.endswith("_seq")
+        }
 
 
 def where(q: AuditQuery, dialect: Dialect) -> tuple[str, list[Any]]:
@@ -82,7 +85,9 @@ def where(q: AuditQuery, dialect: Dialect) -> tuple[str, list[Any]]:
             )
         else:
             run = {k: v for k, v in (("name", q.policy), ("verdict", q.verdict)) if v is not None}
-            clauses.append(f"(data::jsonb -> 'payload' -> 'policies') @> {p(orjson.dumps([run]).decode())}::jsonb")
+            clauses.append(
+                f"(data::jsonb -> 'payload' -> 'policies') @> {p(orjson.dumps([run]).decode())}::jsonb"
+            )
     if q.degraded is not None:
         if dialect == "sqlite":
             clauses.append(

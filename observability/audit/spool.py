@@ -27,9 +27,10 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
@@ -89,7 +90,7 @@ class Spool:
                     self.unreadable += 1
         self._in_file = len(records)
         self._done = min(done, len(records))
-        self.pending = records[self._done:]
+        self.pending = records[self._done :]
 
     def _lock(self) -> None:
         # Two processes appending to one journal would interleave and replay each other's records: the
@@ -100,8 +101,10 @@ class Spool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RuntimeError(f"another gateway process uses the audit journal {self.path}; give each its "
-                               "own audit.spool_path") from None
+            raise RuntimeError(
+                f"another gateway process uses the audit journal {self.path}; give each its "
+                "own audit.spool_path"
+            ) from None
         self._lock_fd = fd
 
     async def open(self, exclusive: bool) -> None:
@@ -115,9 +118,13 @@ class Spool:
 
     async def add(self, after_seq: int, entries: list[Entry]) -> None:
         """Journal ``entries`` durably (call with :attr:`lock` held)."""
-        lines = b"".join(orjson.dumps({"t": "rec", "after": after_seq,
-                                       "e": [e.ts, e.kind, e.request_id, e.tenant, e.data]}) + b"\n"
-                         for e in entries)
+        lines = b"".join(
+            orjson.dumps(
+                {"t": "rec", "after": after_seq, "e": [e.ts, e.kind, e.request_id, e.tenant, e.data]}
+            )
+            + b"\n"
+            for e in entries
+        )
         await self._run(self._append, lines)
         self._in_file += len(entries)
         self.pending.extend((after_seq, e) for e in entries)
@@ -151,8 +158,10 @@ class Spool:
         if self.pending:
             raise RuntimeError("the spool still holds records")
         # Open gap markers outlive the truncation (their gap records are not durable yet).
-        keep = b"".join(orjson.dumps({"t": "gap_open", "id": i, "since": since}) + b"\n"
-                        for i, since in self.open_gaps.items())
+        keep = b"".join(
+            orjson.dumps({"t": "gap_open", "id": i, "since": since}) + b"\n"
+            for i, since in self.open_gaps.items()
+        )
         if not self.path.exists() and not keep:
             return
         await self._run(self._truncate, keep)

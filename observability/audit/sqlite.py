@@ -37,7 +37,9 @@ class SQLiteStore(SQLiteWorker):
         have = {r[1] for r in db.execute("PRAGMA table_info(audit_checkpoints)")}
         for name, sql_type in CHECKPOINT_V2_COLUMNS:
             if name not in have:
-                db.execute(f"ALTER TABLE audit_checkpoints ADD COLUMN {name} {sql_type.format(int_type='INTEGER')}")
+                db.execute(
+                    f"ALTER TABLE audit_checkpoints ADD COLUMN {name} {sql_type.format(int_type='INTEGER')}"
+                )
         self._db = db
 
     # -- the chain --------------------------------------------------------------------------------------
@@ -110,7 +112,9 @@ class SQLiteStore(SQLiteWorker):
 
     def _cut(self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Seal) -> Checkpoint | None:
         db = self.db
-        r = db.execute(CP_SELECT + " WHERE seq = (" + NEWEST_BEFORE.format(param="?") + ")", (cutoff_ts,)).fetchone()
+        r = db.execute(
+            CP_SELECT + " WHERE seq = (" + NEWEST_BEFORE.format(param="?") + ")", (cutoff_ts,)
+        ).fetchone()
         if r is None:
             return None
         cp = Checkpoint(*r)
@@ -123,4 +127,3 @@ class SQLiteStore(SQLiteWorker):
         self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Seal
     ) -> Checkpoint | None:
         return await self._run(self._locked, lambda: self._cut(cutoff_ts, record, seal))
-

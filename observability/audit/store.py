@@ -8,8 +8,9 @@ are not kept here: they live in the tenant directory (:mod:`gateway.directory`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from core.settings import AuditSettings
 from observability.audit.chain import GENESIS, Checkpoint, Row, Seal, link
@@ -32,17 +33,25 @@ CREATE TABLE IF NOT EXISTS audit_checkpoints (
 
 
 #: columns a checkpoint gained with format v2 (added to a store created before), as (name, SQL type)
-CHECKPOINT_V2_COLUMNS = (("prev_cp", "TEXT NOT NULL DEFAULT ''"), ("cadence", "{int_type} NOT NULL DEFAULT 0"))
+CHECKPOINT_V2_COLUMNS = (
+    ("prev_cp", "TEXT NOT NULL DEFAULT ''"),
+    ("cadence", "{int_type} NOT NULL DEFAULT 0"),
+)
 
 #: the columns of one checkpoint, in the order ``Checkpoint`` takes them
-CP_SELECT = "SELECT seq, hash, created_at, algorithm, key_id, signature, prev_cp, cadence FROM audit_checkpoints"
-CP_INSERT = ("INSERT INTO audit_checkpoints (seq, hash, created_at, algorithm, key_id, signature, prev_cp, cadence) "
-             "VALUES ")
+CP_SELECT = (
+    "SELECT seq, hash, created_at, algorithm, key_id, signature, prev_cp, cadence FROM audit_checkpoints"
+)
+CP_INSERT = (
+    "INSERT INTO audit_checkpoints (seq, hash, created_at, algorithm, key_id, signature, prev_cp, cadence) "
+    "VALUES "
+)
 
 
 #: the newest checkpoint at a record older than the parameter (a retention cut's anchor)
-NEWEST_BEFORE = ("SELECT MAX(c.seq) FROM audit_checkpoints c JOIN audit_log l ON l.seq = c.seq "
-                 "WHERE l.ts < {param}")
+NEWEST_BEFORE = (
+    "SELECT MAX(c.seq) FROM audit_checkpoints c JOIN audit_log l ON l.seq = c.seq WHERE l.ts < {param}"
+)
 
 
 def cp_values(cp: Checkpoint) -> tuple[object, ...]:

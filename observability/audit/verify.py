@@ -13,14 +13,19 @@ PAGE = 5000
 
 
 async def verify_store(
-    store: AuditStore, signer: Signer | None, expect: dict[int, str] | None = None, require_covered: bool = False
+    store: AuditStore,
+    signer: Signer | None,
+    expect: dict[int, str] | None = None,
+    require_covered: bool = False,
 ) -> Report:
     verifier = ChainVerifier(await store.checkpoints(), signer, store.seq_of_hash, expect, require_covered)
     await feed_pages(verifier, store, 0)
     return verifier.finish()
 
 
-async def feed_pages(verifier: ChainVerifier, store: AuditStore, after: int, to_seq: int | None = None) -> None:
+async def feed_pages(
+    verifier: ChainVerifier, store: AuditStore, after: int, to_seq: int | None = None
+) -> None:
     """Feed ``verifier`` the records after ``after`` (through ``to_seq``), a page at a time, up to the first problem."""
     while not verifier.failed and (to_seq is None or after < to_seq):
         limit = PAGE if to_seq is None else min(PAGE, to_seq - after)

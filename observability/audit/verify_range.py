@@ -30,5 +30,7 @@ async def verify_range(store: AuditStore, signer: Signer | None, from_seq: int, 
     p = report.problem
     if p is not None and p.kind == "deleted" and p.seq == 1 and start > 1:
         # The full walk's wording ("records 1..N are missing") does not fit a walk that starts mid-chain.
-        report.problem = Problem("deleted", start, f"record {start}, where the walk starts, is missing (deleted)")
+        report.problem = Problem(
+            "deleted", start, f"record {start}, where the walk starts, is missing (deleted)"
+        )
     return report

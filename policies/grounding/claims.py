@@ -154,7 +154,11 @@ DateKey = tuple[int | None, int | None, int | None]
 
 _BASES = (
     {"RELATIVE_BASE": _dt.datetime(2000, 1, 1), "PREFER_DAY_OF_MONTH": "first", "PREFER_DATES_FROM": "past"},
-    {"RELATIVE_BASE": _dt.datetime(2011, 7, 20), "PREFER_DAY_OF_MONTH": "last", "PREFER_DATES_FROM": "future"},
+    {
+        "RELATIVE_BASE": _dt.datetime(2011, 7, 20),
+        "PREFER_DAY_OF_MONTH": "last",
+        "PREFER_DATES_FROM": "future",
+    },
 )
 
 

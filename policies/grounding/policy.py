@@ -32,9 +32,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from core.events import Completion, Delta
 from core.context import RequestContext
 from core.errors import GroundingFailed
+from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest, Message
 from observability.metrics import Metrics
 from policies.base import Accept, Deps, Halt, PolicyBase, PolicyConfig, Reject, Retry, StreamMode, Verdict
@@ -63,8 +63,7 @@ class GroundingConfig(PolicyConfig):
     )
     on_exhausted: Literal["flag", "refuse"] = Field(
         default="flag",
-        description="no retry left: flag (serve the best attempt, x-omnigate-grounding: low) or refuse "
-        "(422)",
+        description="no retry left: flag (serve the best attempt, x-omnigate-grounding: low) or refuse (422)",
     )
     retry_temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = Field(
         default=0.0, description="temperature of retries, never raised (null: unchanged)"
@@ -121,8 +120,13 @@ class SpeechGate:
                     break
                 cut = frames * frame
                 head = Delta(audio=d.audio[:cut], sample_rate=d.sample_rate, channels=d.channels)
-                tail = Delta(audio=d.audio[cut:], sample_rate=d.sample_rate, channels=d.channels,
-                             audio_done=d.audio_done, transcript=d.transcript)
+                tail = Delta(
+                    audio=d.audio[cut:],
+                    sample_rate=d.sample_rate,
+                    channels=d.channels,
+                    audio_done=d.audio_done,
+                    transcript=d.transcript,
+                )
                 self._queue[0] = (t, tail)
                 out.append(head)
                 self.released_s += frames / d.sample_rate
@@ -268,8 +272,11 @@ class WindowCheck(_Check):
         if delta.tool_calls or delta.reasoning:
             # Not text to judge, still the answer: released in order at the end, never dropped.
             self._calls = self._calls or bool(delta.tool_calls)
-            self._meta.append(Delta(tool_calls=delta.tool_calls, reasoning=delta.reasoning,
-                                    reasoning_key=delta.reasoning_key))
+            self._meta.append(
+                Delta(
+                    tool_calls=delta.tool_calls, reasoning=delta.reasoning, reasoning_key=delta.reasoning_key
+                )
+            )
         if delta.audio:
             self._speech.hold(delta)
         elif delta.finish_reason is not None or delta.usage is not None:
@@ -315,10 +322,14 @@ class WindowCheck(_Check):
         whole = self._judgement
         if self._released:
             self.policy.metrics.grounding_verdicts.labels(self.mode, "terminated").inc()
-            raise Halt(Reject(GroundingFailed(
-                f"the rest of the answer is not supported by the conversation (grounding score "
-                f"{j.score:.2f} < {self.cfg.threshold}); the stream was ended",
-            )))
+            raise Halt(
+                Reject(
+                    GroundingFailed(
+                        f"the rest of the answer is not supported by the conversation (grounding score "
+                        f"{j.score:.2f} < {self.cfg.threshold}); the stream was ended",
+                    )
+                )
+            )
         if self.ctx.retries_left > 0:
             raise Halt(self.policy.retry(self.request, whole, self._notes(whole, "low")))
         if self.cfg.on_exhausted == "refuse":
@@ -420,8 +431,11 @@ class Grounding(PolicyBase):
 
     def tool_turn(self, mode: str, attempt: int) -> Accept:
         self.metrics.grounding_verdicts.labels(mode, "skipped").inc()
-        return Accept(notes={"grounding": {"mode": mode, "verdict": "skipped", "reason": "tool_calls",
-                                           "attempt": attempt}})
+        return Accept(
+            notes={
+                "grounding": {"mode": mode, "verdict": "skipped", "reason": "tool_calls", "attempt": attempt}
+            }
+        )
 
     # -- pieces the checks share ---------------------------------------------
     def premise(self, request: ChatCompletionRequest, ctx: RequestContext) -> Premise:

@@ -259,7 +259,9 @@ class CrossEncoderScorer(_BaseScorer):
             "kind": self.kind,
             "model": self.settings.model,
             "device": self.settings.device,
-            "entailment_label": self._labels.get(self._column, "sigmoid") if self._column is not None else None,
+            "entailment_label": self._labels.get(self._column, "sigmoid")
+            if self._column is not None
+            else None,
             "loaded": self.loaded,
         }
 
@@ -287,13 +289,17 @@ class CrossEncoderScorer(_BaseScorer):
         want = self.settings.entailment_label
         if isinstance(want, int):
             if not 0 <= want < n:
-                raise ScorerLoadError(f"grounding.entailment_label: {want} is not one of the model's {n} labels")
+                raise ScorerLoadError(
+                    f"grounding.entailment_label: {want} is not one of the model's {n} labels"
+                )
             return want
         if isinstance(want, str):
             for i, name in labels.items():
                 if name.lower() == want.lower():
                     return i
-            raise ScorerLoadError(f"grounding.entailment_label: {want!r} is not a label of the model ({labels})")
+            raise ScorerLoadError(
+                f"grounding.entailment_label: {want!r} is not a label of the model ({labels})"
+            )
         hits = [i for i, name in labels.items() if "entail" in name.lower() and "not" not in name.lower()]
         if len(hits) != 1:
             raise ScorerLoadError(
@@ -410,8 +416,11 @@ class FallbackScorer(_BaseScorer):
         missing = [t for t in dict.fromkeys(texts) if t not in self._emb_cache]
         if missing:
             vecs = self._model.encode(
-                missing, batch_size=self.settings.batch_size, normalize_embeddings=True,
-                convert_to_numpy=True, show_progress_bar=False,
+                missing,
+                batch_size=self.settings.batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=True,
+                show_progress_bar=False,
             )
             for t, v in zip(missing, vecs, strict=True):
                 self._emb_cache[t] = v

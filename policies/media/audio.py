@@ -285,7 +285,11 @@ def normalise_audio(
             info, data, _PASS_MIME[info.container], info.container, info.sample_rate, [(0.0, info.duration_s)]
         )
     pcm, rate = decode_pcm(
-        data, target_rate or info.sample_rate, param, min(cfg.max_duration_s, info.duration_s + 1.0), max_bytes
+        data,
+        target_rate or info.sample_rate,
+        param,
+        min(cfg.max_duration_s, info.duration_s + 1.0),
+        max_bytes,
     )
     duration = pcm.size / rate
     actions: list[str] = []

@@ -31,9 +31,7 @@ from core.errors import InvalidMedia
 #: the ones ``container.format.name`` reports, checked again after the open.
 DEMUXERS: dict[str, frozenset[str]] = {
     "audio": frozenset({"wav", "flac", "ogg", "mp3", "aac", "mov", "matroska"}),
-    "video": frozenset(
-        {"mov", "matroska", "avi", "mpegts", "flv", "mpeg", "mpegvideo", "ogg"}
-    ),
+    "video": frozenset({"mov", "matroska", "avi", "mpegts", "flv", "mpeg", "mpegvideo", "ogg"}),
 }
 _ISOBMFF_BOXES = frozenset({b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot"})
 
@@ -88,6 +86,7 @@ def open_av(data: bytes, kind: str, param: str) -> Any:
         container.close()
         raise InvalidMedia(f"{param}: not {kind} in a supported container", param=param)
     return container
+
 
 # -- declared type against content ---------------------------------------------------------------------------
 
@@ -377,6 +376,7 @@ def check_isobmff(data: bytes, param: str) -> None:
 
 def _check_track(data: bytes, stbl: tuple[int, int], handler: bytes, param: str) -> None:
     import numpy as np
+
     stsz = _child(data, *stbl, b"stsz")
     if stsz is None or stsz[1] - stsz[0] < 12:
         return
@@ -436,6 +436,7 @@ def _one_tick_samples(data: bytes, stbl: tuple[int, int]) -> bool:
 
 def _chunk_offsets(data: bytes, stbl: tuple[int, int]) -> np.ndarray | None:
     import numpy as np
+
     for kind, width in ((b"stco", 4), (b"co64", 8)):
         box = _child(data, *stbl, kind)
         if box is None:

@@ -207,8 +207,12 @@ class AddressPolicy:
         if self.name_allowed(host, port):
             return None
         for a in self._allow:
-            if a.network is not None and a.port in (None, port) and ip.version == a.network.version \
-                    and ip in a.network:
+            if (
+                a.network is not None
+                and a.port in (None, port)
+                and ip.version == a.network.version
+                and ip in a.network
+            ):
                 return None
         return refusal(ip)
 
@@ -393,7 +397,11 @@ class SafeFetcher:
         except aiohttp.ClientConnectorError as exc:
             cause = _refused_cause(exc)
             # Not resolving, resolving inside, refused or unanswered: all one answer to the client.
-            reason = f"{cause.ip} {cause.reason}" if cause is not None else f"connect: {type(exc.os_error).__name__}"
+            reason = (
+                f"{cause.ip} {cause.reason}"
+                if cause is not None
+                else f"connect: {type(exc.os_error).__name__}"
+            )
             raise refused(param, url.raw_host or "", reason, outcome=None if cause else "failed") from exc
         except aiohttp.InvalidURL as exc:
             raise MediaURLForbidden(f"{param}: not a valid URL", param=param) from exc

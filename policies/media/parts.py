@@ -269,8 +269,10 @@ def output_part(
 def spool_parts(parts: list[Any], out: SpoolWriter | None = None) -> list[Any]:
     """Parts with each :class:`Encoded` written to the spool, and a :class:`Written` taken from ``out``
     (the file reserved for it, discarded when the worker did not use it), each made a part carrying it."""
-    made = [_spooled(p) if isinstance(p, Encoded) else _written(p, out) if isinstance(p, Written) else p
-            for p in parts]
+    made = [
+        _spooled(p) if isinstance(p, Encoded) else _written(p, out) if isinstance(p, Written) else p
+        for p in parts
+    ]
     if out is not None and not any(isinstance(p, Written) for p in parts):
         out.discard()
     return made

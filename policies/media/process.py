@@ -21,8 +21,8 @@ from policies.media.container import check_declared, check_one_file
 from policies.media.image import ImageConfig, normalise_image, open_image
 from policies.media.parts import Encoded, MediaRef, Written, data_uri, make_part, output_part
 from policies.media.targets import MediaTarget
-from policies.media.worker import SharedOut
 from policies.media.video import VideoConfig, encode_jpeg, encode_mp4, plan_frames, probe_video, sample_frames
+from policies.media.worker import SharedOut
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,14 +105,24 @@ def probe_part(ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget) -
     except InvalidMedia as exc:
         raise InvalidMedia(f"{ref.param}: {exc.message}", param=ref.param) from None
     size = tokens.frame_size_for(
-        count, info.width, info.height, _video_budget(cfg, target), cfg.video.min_frame_pixels,
-        cfg.video.max_frame_pixels, cfg.budget,
+        count,
+        info.width,
+        info.height,
+        _video_budget(cfg, target),
+        cfg.video.min_frame_pixels,
+        cfg.video.max_frame_pixels,
+        cfg.budget,
     )
     return Probed(ref, tokens.video_tokens(count, size[0], size[1], cfg.budget), used)
 
 
 def process_part(
-    ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, declared: str | None, room: int,
+    ref: MediaRef,
+    data: bytes,
+    cfg: Settings,
+    target: MediaTarget,
+    declared: str | None,
+    room: int,
     out: SharedOut | None = None,
 ) -> Done:
     """Decode and normalise one part; ``room`` is the bytes of output the request may still hold.
@@ -168,7 +178,12 @@ def _image(ref: MediaRef, data: bytes, cfg: Settings, declared: str | None) -> D
 
 
 def _audio(
-    ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, declared: str | None, room: int,
+    ref: MediaRef,
+    data: bytes,
+    cfg: Settings,
+    target: MediaTarget,
+    declared: str | None,
+    room: int,
     out: SharedOut | None = None,
 ) -> Done:
     r = normalise_audio(data, cfg.audio, target.audio_rate, ref.param, declared, max_bytes=room)
@@ -200,8 +215,13 @@ def _video(ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, decla
     except InvalidMedia as exc:
         raise InvalidMedia(f"{ref.param}: {exc.message}", param=ref.param) from None
     size = tokens.frame_size_for(
-        count, info.width, info.height, _video_budget(cfg, target), vcfg.min_frame_pixels,
-        vcfg.max_frame_pixels, budget,
+        count,
+        info.width,
+        info.height,
+        _video_budget(cfg, target),
+        vcfg.min_frame_pixels,
+        vcfg.max_frame_pixels,
+        budget,
     )
     frames = sample_frames(data, used, count, vcfg.fps, size, ref.param, max_decoded=vcfg.max_decoded_frames)
     actions: list[str] = []
@@ -243,7 +263,9 @@ def screen_frames(ref: MediaRef, data: bytes, max_frames: int, size: tuple[int, 
     info = probe_video(data, ref.param)
     n = min(max_frames, max(1, info.frames or max_frames))
     fps = n / info.duration_s if info.duration_s > 0 else 1.0
-    return sample_frames(data, info.duration_s, n, fps, size, ref.param, max_decoded=VideoConfig().max_decoded_frames)
+    return sample_frames(
+        data, info.duration_s, n, fps, size, ref.param, max_decoded=VideoConfig().max_decoded_frames
+    )
 
 
 def screen_pcm(data: bytes, param: str, max_s: float, max_bytes: int | None = None) -> Any:

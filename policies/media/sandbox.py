@@ -70,9 +70,14 @@ class Sandbox:
         seen = await asyncio.gather(
             *(loop.run_in_executor(self._pool, worker.probe) for _ in range(self.cfg.decode_workers))
         )
-        log.info("media_sandbox_started", workers=self.cfg.decode_workers,
-                 network=sorted({s["network"] for s in seen}), memory_mb=self.cfg.decode_memory_mb,
-                 cpu_s=self.cfg.decode_cpu_s, deadline_s=self.cfg.decode_deadline_s)
+        log.info(
+            "media_sandbox_started",
+            workers=self.cfg.decode_workers,
+            network=sorted({s["network"] for s in seen}),
+            memory_mb=self.cfg.decode_memory_mb,
+            cpu_s=self.cfg.decode_cpu_s,
+            deadline_s=self.cfg.decode_deadline_s,
+        )
 
     async def aclose(self) -> None:
         if self._pool is not None:
@@ -300,9 +305,7 @@ class RequestBudget:
     async def take(self, n: int, param: str) -> None:
         """Count ``n`` more bytes for the part at ``param``: 413 naming it when the request is over."""
         if self.held + n > self.limit:
-            raise MediaTooLarge(
-                f"{param}: the request's media exceeds {self.limit:,} bytes", param=param
-            )
+            raise MediaTooLarge(f"{param}: the request's media exceeds {self.limit:,} bytes", param=param)
         await self._shared.take(n, self._wait_s)
         self.held += n
 

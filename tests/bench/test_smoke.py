@@ -195,9 +195,15 @@ def test_smoke(name: str, tmp_path: Path) -> None:
     check, timeout = SMOKE[name]
     out = tmp_path / f"{name}.json"
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-m", f"bench.{name}", "--smoke", "--out", str(out)], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
-                         timeout=timeout, check=False)
+    run = subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["smoke"] is True and isinstance(doc["not_measured"], dict)

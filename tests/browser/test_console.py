@@ -57,12 +57,20 @@ def shots(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def driver():
     # Installed by scripts/test-env.sh; a missing browser is a failed test, not a skipped one.
-    assert os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER), "apt-get install chromium chromium-driver"
+    assert os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER), (
+        "apt-get install chromium chromium-driver"
+    )
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     opts.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1440,1000",
-                "--disable-extensions", "--no-first-run"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--window-size=1440,1000",
+        "--disable-extensions",
+        "--no-first-run",
+    ):
         opts.add_argument(arg)
     d = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     yield d
@@ -80,8 +88,9 @@ def gw(bg, eng, tmp_path_factory):
 
 
 def wait(d, predicate, what: str):
-    return WebDriverWait(d, WAIT_S, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,)).until(
-        lambda _: predicate(), message=what)
+    return WebDriverWait(
+        d, WAIT_S, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,)
+    ).until(lambda _: predicate(), message=what)
 
 
 def by_id(d, id_: str):
@@ -92,7 +101,8 @@ def table_rows(d, table: str) -> list[list[str]]:
     # Read in one script call: the live pages re-render their tables every 2 s.
     return d.execute_script(
         "return [...document.querySelectorAll(arguments[0])].map(r => [...r.cells].map(c => c.innerText.trim()))",
-        f"#{table} tbody tr")
+        f"#{table} tbody tr",
+    )
 
 
 def sign_in(d, url: str) -> None:
@@ -111,6 +121,7 @@ def open_page(d, url: str, page: str) -> None:
 
 def choose(d, id_: str, text: str) -> None:
     """Pick an option, again if the page re-rendered the list under the click (it refreshes after changes)."""
+
     def pick() -> bool:
         Select(by_id(d, id_)).select_by_visible_text(text)
         return Select(by_id(d, id_)).first_selected_option.text == text
@@ -191,14 +202,22 @@ def test_pin_a_variant_and_see_the_routing_table_change(driver, gw, shots):
     by_id(driver, "pin-note").send_keys(note)
     by_id(driver, "pin").click()
     confirm(driver)
-    wait(driver, lambda: omni_rows().get("omni-bf16", [""] * 5)[2:4] == ["1.00", "bf16"],
-         "the routing table pinned to bf16")
+    wait(
+        driver,
+        lambda: omni_rows().get("omni-bf16", [""] * 5)[2:4] == ["1.00", "bf16"],
+        "the routing table pinned to bf16",
+    )
     assert omni_rows()["omni-int4"][2] == "0.00"
     assert admin(server, "GET", "/routing").json()["pins"] == {OMNI: "bf16"}
-    wait(driver, lambda: table_rows(driver, "transitions") and table_rows(driver, "transitions")[0][2] == "pin",
-         "the pin in the history")
+    wait(
+        driver,
+        lambda: table_rows(driver, "transitions") and table_rows(driver, "transitions")[0][2] == "pin",
+        "the pin in the history",
+    )
     top = table_rows(driver, "transitions")[0]
-    assert top[1] == "manual" and top[5] == OMNI and top[8] == f"admin:console-session: {note}"  # markup shown as text
+    assert (
+        top[1] == "manual" and top[5] == OMNI and top[8] == f"admin:console-session: {note}"
+    )  # markup shown as text
     assert driver.find_elements(By.CSS_SELECTOR, "#transitions b") == []
 
     by_id(driver, "freeze").click()
@@ -233,28 +252,45 @@ def test_an_automatic_rollback_shows_its_rule_signal_and_timing(driver, bg, eng,
 
         wait(driver, fired, "the rule moved omni to bf16")
         driver.refresh()
-        wait(driver, lambda: any(r[3] == "int4-latency" for r in table_rows(driver, "transitions")),
-             "the automatic transition in the history")
+        wait(
+            driver,
+            lambda: any(r[3] == "int4-latency" for r in table_rows(driver, "transitions")),
+            "the automatic transition in the history",
+        )
         row = next(r for r in table_rows(driver, "transitions") if r[3] == "int4-latency")
         assert row[1] == "auto" and row[2] == "shift" and row[4] == "omni-int4" and row[5] == OMNI
         signal, took = row[6], row[7]
         assert signal.startswith("ttft_p99 = 0.") and signal.endswith("> 0.15")
         assert float(signal.split()[2]) > 0.15 and took.endswith(" s") and float(took[:-2]) >= 0
-        wait(driver, lambda: {r[1]: r[2] for r in table_rows(driver, "routing") if r[0] == OMNI}
-             == {"omni-int4": "0.00", "omni-bf16": "1.00"}, "the table after the shift")
-        wait(driver, lambda: [r[0] for r in table_rows(driver, "incidents")] == ["int4-latency@omni-int4"],
-             "the incident in force")
+        wait(
+            driver,
+            lambda: (
+                {r[1]: r[2] for r in table_rows(driver, "routing") if r[0] == OMNI}
+                == {"omni-int4": "0.00", "omni-bf16": "1.00"}
+            ),
+            "the table after the shift",
+        )
+        wait(
+            driver,
+            lambda: [r[0] for r in table_rows(driver, "incidents")] == ["int4-latency@omni-int4"],
+            "the incident in force",
+        )
         shot(driver, shots, "rollback-auto")
         # freeze (so the rule's last slow samples cannot fire it again) and end it by hand: the rule's
         # change is undone and the restore is in the history
         by_id(driver, "freeze").click()
         confirm(driver)
         wait(driver, lambda: by_id(driver, "controller-state").text == "frozen", "frozen")
-        driver.find_element(By.CSS_SELECTOR, '#incidents button[data-incident="int4-latency@omni-int4"]').click()
+        driver.find_element(
+            By.CSS_SELECTOR, '#incidents button[data-incident="int4-latency@omni-int4"]'
+        ).click()
         confirm(driver)
         wait(driver, lambda: table_rows(driver, "incidents") == [], "no incident left")
-        wait(driver, lambda: any(r[2] == "restore" and r[1] == "manual" for r in table_rows(driver, "transitions")),
-             "the manual restore in the history")
+        wait(
+            driver,
+            lambda: any(r[2] == "restore" and r[1] == "manual" for r in table_rows(driver, "transitions")),
+            "the manual restore in the history",
+        )
         assert admin(server, "GET", "/routing").json()["incidents"] == {}
     finally:
         bg.call(lambda: setattr(eng.int4, "default", Script(flavour="omni")))
@@ -274,8 +310,11 @@ def test_create_and_revoke_a_key_and_see_a_request_with_it_refused(driver, gw, s
     by_id(driver, "create-tenant").click()
     wait(driver, lambda: len(table_rows(driver, "tenants")) == 3, "the new tenant listed")
     initech = next(r for r in table_rows(driver, "tenants") if r[0] == "initech")
-    assert initech[1:5] == ["admin", "yes", "batch", "strict"] and initech[6] == "120" and initech[8:10] == [
-        "4", "redacted"]
+    assert (
+        initech[1:5] == ["admin", "yes", "batch", "strict"]
+        and initech[6] == "120"
+        and initech[8:10] == ["4", "redacted"]
+    )
     made = {t["name"]: t for t in admin(server, "GET", "/tenants").json()["tenants"]}["initech"]
     assert (made["priority"], made["policy_set"], made["max_concurrency"]) == ("batch", "strict", 4)
     assert by_id(driver, "tenant-name").get_attribute("value") == ""  # the form is cleared after a create
@@ -296,7 +335,9 @@ def test_create_and_revoke_a_key_and_see_a_request_with_it_refused(driver, gw, s
 
     driver.find_element(By.CSS_SELECTOR, f'#keys button[data-key="{key_id}"]').click()
     confirm(driver)
-    wait(driver, lambda: [r[2] for r in table_rows(driver, "keys") if r[0] == key_id] == ["revoked"], "revoked")
+    wait(
+        driver, lambda: [r[2] for r in table_rows(driver, "keys") if r[0] == key_id] == ["revoked"], "revoked"
+    )
     refused = chat(server, key)
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
     driver.refresh()
@@ -330,13 +371,20 @@ def test_find_a_requests_audit_record_by_its_id(driver, gw, shots):
     assert export.startswith(server.url + "/admin/audit/export?") and rid in export
     # the export link works with the console's session: one JSON line, the record with its hashes
     lines = driver.execute_script("return fetch(arguments[0]).then(r => r.text())", export).splitlines()
-    assert len(lines) == 1 and json.loads(lines[0])["request_id"] == rid and len(json.loads(lines[0])["hash"]) == 64
+    assert (
+        len(lines) == 1
+        and json.loads(lines[0])["request_id"] == rid
+        and len(json.loads(lines[0])["hash"]) == 64
+    )
     shot(driver, shots, "audit")
 
 
 def test_redacted_content_is_shown_redacted_and_as_text(driver, gw):
     server = gw[0]
-    assert admin(server, "POST", "/tenants", json={"name": "redactco", "audit_content": "redacted"}).status_code == 201
+    assert (
+        admin(server, "POST", "/tenants", json={"name": "redactco", "audit_content": "redacted"}).status_code
+        == 201
+    )
     key = admin(server, "POST", "/keys", json={"tenant": "redactco"}).json()["key"]
     prompt = 'mail ana@example.com <img src=x id=injected onerror="document.title=1">'
     rid = request_id(server, key, content=prompt)
@@ -356,7 +404,9 @@ def _copy_and_break(live: Path, copy: Path, seq: int) -> None:
     dst = sqlite3.connect(copy)
     src.backup(dst)  # a consistent copy of the live, WAL-mode database
     src.close()
-    dst.execute("UPDATE audit_log SET data = replace(data, '\"status\":200', '\"status\":204') WHERE seq = ?", (seq,))
+    dst.execute(
+        "UPDATE audit_log SET data = replace(data, '\"status\":200', '\"status\":204') WHERE seq = ?", (seq,)
+    )
     dst.commit()
     dst.close()
 
@@ -385,7 +435,9 @@ def test_break_a_copy_of_the_chain_and_see_verify_point_at_the_record(driver, gw
         assert f"breaks at record {target} (edited)" in text and f"record {target} was edited" in text
         by_id(driver, "broken-record").click()
         wait(driver, lambda: by_id(driver, "detail-seq").text == str(target), "the broken record's detail")
-        assert dict(table_rows(driver, "detail-head"))["Outcome"].startswith("served (204")  # the edit, on show
+        assert dict(table_rows(driver, "detail-head"))["Outcome"].startswith(
+            "served (204"
+        )  # the edit, on show
         shot(driver, shots, "audit-verify")
         # the range before the edit verifies, and the live chain is intact
         by_id(driver, "v-to").clear()
@@ -402,11 +454,18 @@ def test_configuration_page_and_a_check_before_reload(driver, gw, shots):
     open_page(driver, server.url, "config")
     wait(driver, lambda: len(table_rows(driver, "chains")) == 2, "the policy chains")
     chains = {r[0]: r for r in table_rows(driver, "chains")}
-    assert chains["policies (default)"][1] == "request-limits → media-fetch → media-limits" and "policy_sets.strict" in chains
+    assert (
+        chains["policies (default)"][1] == "request-limits → media-fetch → media-limits"
+        and "policy_sets.strict" in chains
+    )
     tenants = {r[0]: r[3] for r in table_rows(driver, "tenant-chains")}
     assert tenants["acme"] == "policies (default)" and tenants["globex"] == "policy_sets.strict"
-    assert [r[0] for r in table_rows(driver, "engine-config")] == ["omni-int4", "omni-bf16", "text-vllm",
-                                                                  "spare-vllm"]
+    assert [r[0] for r in table_rows(driver, "engine-config")] == [
+        "omni-int4",
+        "omni-bf16",
+        "text-vllm",
+        "spare-vllm",
+    ]
     by_id(driver, "check").click()
     wait(driver, lambda: "Check:" in by_id(driver, "check-result").text, "the check result")
     assert "the file is valid" in by_id(driver, "check-result").text
@@ -446,12 +505,17 @@ def test_every_page_talks_only_to_the_gateway_and_breaks_no_policy(driver, gw):
         msg = json.loads(entry["message"])["message"]
         if msg["method"] == "Network.requestWillBeSent":
             urls.append(msg["params"]["request"]["url"])
-    assert urls and any("/admin/routing" in u for u in urls) and any("/admin/audit/records" in u for u in urls)
+    assert (
+        urls and any("/admin/routing" in u for u in urls) and any("/admin/audit/records" in u for u in urls)
+    )
     # data: URLs are the browser's own (the date picker's icon), not requests to a host
     elsewhere = [u for u in urls if not u.startswith((server.url + "/", "data:"))]
     assert elsewhere == []
-    complaints = [e["message"] for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")
-                  and "favicon.ico" not in e["message"]]
+    complaints = [
+        e["message"]
+        for e in driver.get_log("browser")
+        if e["level"] in ("SEVERE", "WARNING") and "favicon.ico" not in e["message"]
+    ]
     assert complaints == []  # no Content-Security-Policy violation, no script error, no failed fetch
 
 

@@ -25,8 +25,12 @@ BODY = {"model": "text", "messages": [{"role": "user", "content": "hi"}]}
 
 class Gateway(ServeProcess):
     def chat(self, key: str) -> int:
-        return httpx.post(self.url + "/v1/chat/completions", json=BODY, timeout=10,
-                          headers={"authorization": f"Bearer {key}"}).status_code
+        return httpx.post(
+            self.url + "/v1/chat/completions",
+            json=BODY,
+            timeout=10,
+            headers={"authorization": f"Bearer {key}"},
+        ).status_code
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +45,25 @@ def upstream(bg):
 def pair(tmp_path, upstream):
     with fresh_pg_database() as dsn:
         config = {
-            "engines": [{"name": "text-vllm", "kind": "vllm", "base_url": upstream.base_url, "model": "scripted",
-                         "serves": ["text"]}],
+            "engines": [
+                {
+                    "name": "text-vllm",
+                    "kind": "vllm",
+                    "base_url": upstream.base_url,
+                    "model": "scripted",
+                    "serves": ["text"],
+                }
+            ],
             "admin": {"api_key": ADMIN_KEY},
-            "auth": {"replicas": 2, "directory": {"backend": "postgres", "postgres_dsn": dsn,
-                                                  "refresh_s": REFRESH_S, "timeout_s": TIMEOUT_S}},
+            "auth": {
+                "replicas": 2,
+                "directory": {
+                    "backend": "postgres",
+                    "postgres_dsn": dsn,
+                    "refresh_s": REFRESH_S,
+                    "timeout_s": TIMEOUT_S,
+                },
+            },
             "rate_limits": {"key_prefix": redis_prefix()},
             "audit": {"store": "postgres", "postgres_dsn": dsn},
             "server": {"drain_delay_s": 0, "graceful_shutdown_s": 2},
@@ -73,7 +91,10 @@ def test_a_key_made_on_one_replica_is_honoured_and_its_revocation_refused_on_the
     a, b = pair
     # Both enforce keys from the start, with no tenant anywhere (a fresh, empty directory).
     assert a.chat("anything") == 401 and b.chat("anything") == 401
-    assert httpx.post(a.url + "/admin/tenants", headers=ADMIN, json={"name": "newco"}, timeout=10).status_code == 201
+    assert (
+        httpx.post(a.url + "/admin/tenants", headers=ADMIN, json={"name": "newco"}, timeout=10).status_code
+        == 201
+    )
     made = httpx.post(a.url + "/admin/keys", headers=ADMIN, json={"tenant": "newco"}, timeout=10).json()
     key = made["key"]
     assert a.chat(key) == 200
@@ -84,10 +105,13 @@ def test_a_key_made_on_one_replica_is_honoured_and_its_revocation_refused_on_the
     _within_bound(lambda: a.chat(key) == 401)
 
     # A tenant disabled through one replica stops the keys it has on the other too.
-    again = httpx.post(b.url + "/admin/keys", headers=ADMIN, json={"tenant": "newco"}, timeout=10).json()["key"]
+    again = httpx.post(b.url + "/admin/keys", headers=ADMIN, json={"tenant": "newco"}, timeout=10).json()[
+        "key"
+    ]
     _within_bound(lambda: a.chat(again) == 200)
-    off = httpx.put(a.url + "/admin/tenants/newco", headers=ADMIN, json={"name": "newco", "enabled": False},
-                    timeout=10)
+    off = httpx.put(
+        a.url + "/admin/tenants/newco", headers=ADMIN, json={"name": "newco", "enabled": False}, timeout=10
+    )
     assert off.status_code == 200
     _within_bound(lambda: b.chat(again) == 401)
     ready = httpx.get(b.url + "/readyz", headers=ADMIN, timeout=5).json()["auth"]

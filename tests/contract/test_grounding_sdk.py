@@ -54,7 +54,9 @@ def servers(bg, upstreams):
                 max_retries=max_retries,
             )
             # /readyz detail is the admin's; the front door itself is tested elsewhere.
-            settings = gateway_settings(upstreams, chain, admin={"api_key": ADMIN_KEY}, auth={"required": False})
+            settings = gateway_settings(
+                upstreams, chain, admin={"api_key": ADMIN_KEY}, auth={"required": False}
+            )
             made[key] = GatewayServer(bg, settings, CollectorRegistry()).start()
         return made[key]
 
@@ -157,9 +159,11 @@ def test_window_mode_retries_before_the_first_release(serve, upstreams):
     server, client = serve("window")
     upstreams.vllm.enqueue(Script(flavour="vllm", text=WRONG), Script(flavour="vllm", text=RIGHT))
     with capture_logs() as logs:
-        got = _collect(client.chat.completions.create(
-            model=TEXT_MODEL, messages=_messages(), stream=True, temperature=0.7
-        ))
+        got = _collect(
+            client.chat.completions.create(
+                model=TEXT_MODEL, messages=_messages(), stream=True, temperature=0.7
+            )
+        )
     assert got["text"] == RIGHT
     assert got["notes"]["grounding"]["mode"] == "window"
     assert got["notes"]["grounding"]["verdict"] == "pass"
@@ -203,9 +207,11 @@ def test_passthrough_mode_releases_at_once_and_reports_the_verdict_last(serve, u
     server, client = serve("passthrough")
     upstreams.vllm.enqueue(Script(flavour="vllm", text=WRONG), Script(flavour="vllm", text=RIGHT))
     with capture_logs() as logs:
-        got = _collect(client.chat.completions.create(
-            model=TEXT_MODEL, messages=_messages(), stream=True, stream_options={"include_usage": True}
-        ))
+        got = _collect(
+            client.chat.completions.create(
+                model=TEXT_MODEL, messages=_messages(), stream=True, stream_options={"include_usage": True}
+            )
+        )
     # Released as generated: the contradicting answer reaches the client, and the gateway says so.
     assert got["text"] == WRONG
     verdict = got["notes"]["grounding"]
@@ -219,7 +225,9 @@ def test_exhausted_retries_serve_the_best_scoring_answer_flagged(serve, upstream
     _server, client = serve("hold", "flag", 1)
     # The first answer has no wrong fact but is vague (low similarity); the second names a wrong year.
     upstreams.vllm.enqueue(Script(flavour="vllm", text=VAGUE), Script(flavour="vllm", text=WRONG))
-    raw = client.chat.completions.with_raw_response.create(model=TEXT_MODEL, messages=_messages(), stream=True)
+    raw = client.chat.completions.with_raw_response.create(
+        model=TEXT_MODEL, messages=_messages(), stream=True
+    )
     got = _collect(raw.parse())
     assert raw.headers["x-omnigate-grounding"] == "low"
     assert "retries-exhausted" in raw.headers["x-omnigate-degraded"]
@@ -256,8 +264,12 @@ def test_non_streaming_retry(serve, upstreams):
 
 def _speech(client, **kw):
     return client.chat.completions.create(
-        model=OMNI_MODEL, messages=_messages(), stream=True, modalities=["text", "audio"],
-        audio={"voice": "Ethan", "format": "pcm16"}, **kw,
+        model=OMNI_MODEL,
+        messages=_messages(),
+        stream=True,
+        modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "pcm16"},
+        **kw,
     )
 
 
@@ -282,9 +294,16 @@ def test_hold_mode_refusal_releases_no_audio_at_all(serve, upstreams):
     server, _client = serve("hold", "refuse", 1)
     upstreams.omni_a.default = Script(flavour="omni", text=WRONG, audio_chunks=5, audio_interleave=1)
     with httpx.stream(
-        "POST", server.url + "/v1/chat/completions", timeout=30,
-        json={"model": OMNI_MODEL, "messages": _messages(), "stream": True, "modalities": ["text", "audio"],
-              "audio": {"voice": "Ethan", "format": "pcm16"}},
+        "POST",
+        server.url + "/v1/chat/completions",
+        timeout=30,
+        json={
+            "model": OMNI_MODEL,
+            "messages": _messages(),
+            "stream": True,
+            "modalities": ["text", "audio"],
+            "audio": {"voice": "Ethan", "format": "pcm16"},
+        },
     ) as r:
         body = r.read()
     assert r.status_code == 422
@@ -297,8 +316,11 @@ def test_window_mode_releases_audio_only_within_the_passed_text_bound(serve, ups
     first = "It is 330 metres tall. "
     # Audio arrives interleaved with the text; the second sentence names a wrong year.
     upstreams.omni_a.default = Script(
-        flavour="omni", text=first + "It was completed in 1925 by the company of Gustave Eiffel.",
-        audio_chunks=12, audio_seconds_per_chunk=0.2, audio_interleave=1,
+        flavour="omni",
+        text=first + "It was completed in 1925 by the company of Gustave Eiffel.",
+        audio_chunks=12,
+        audio_seconds_per_chunk=0.2,
+        audio_interleave=1,
     )
     got = {"text": "", "audio": b""}
     with pytest.raises(openai.APIError):
@@ -307,7 +329,11 @@ def test_window_mode_releases_audio_only_within_the_passed_text_bound(serve, ups
                 audio = getattr(choice.delta, "audio", None)
                 if audio:
                     data = audio.get("data") if isinstance(audio, dict) else getattr(audio, "data", None)
-                    transcript = audio.get("transcript") if isinstance(audio, dict) else getattr(audio, "transcript", None)
+                    transcript = (
+                        audio.get("transcript")
+                        if isinstance(audio, dict)
+                        else getattr(audio, "transcript", None)
+                    )
                     got["audio"] += base64.b64decode(data) if data else b""
                     got["text"] += transcript or ""
     assert got["text"] == first
@@ -329,10 +355,15 @@ def test_window_mode_speech_passes_whole_when_grounded(serve, upstreams):
 def test_a_client_leaving_during_the_hold_aborts_the_upstream(serve, upstreams):
     server, _ = serve("hold")
     upstreams.vllm.default = Script(flavour="vllm", text=RIGHT, chunk_delay_s=0.3)
-    with pytest.raises(httpx.ReadTimeout), httpx.stream(
-        "POST", server.url + "/v1/chat/completions", timeout=httpx.Timeout(5, read=0.5),
-        json={"model": TEXT_MODEL, "messages": _messages(), "stream": True},
-    ) as r:
+    with (
+        pytest.raises(httpx.ReadTimeout),
+        httpx.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            timeout=httpx.Timeout(5, read=0.5),
+            json={"model": TEXT_MODEL, "messages": _messages(), "stream": True},
+        ) as r,
+    ):
         r.read()
     assert wait_until(lambda: upstreams.vllm.aborts == 1, timeout=10)
     assert upstreams.vllm.completed == 0
@@ -343,8 +374,13 @@ def test_a_configured_cross_encoder_boots_the_gateway(bg, upstreams, tmp_path):
 
     path = tiny_cross_encoder(tmp_path / "nli", (-4.0, 4.0, -4.0))
     chain = PolicyChainConfig(post=[PolicySpec(name="grounding")])
-    settings = gateway_settings(upstreams, chain, grounding={"model": str(path)}, admin={"api_key": ADMIN_KEY},
-                                auth={"required": False})
+    settings = gateway_settings(
+        upstreams,
+        chain,
+        grounding={"model": str(path)},
+        admin={"api_key": ADMIN_KEY},
+        auth={"required": False},
+    )
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
     try:
         upstreams.reset()
@@ -353,7 +389,9 @@ def test_a_configured_cross_encoder_boots_the_gateway(bg, upstreams, tmp_path):
         assert ready["grounding_scorer"]["entailment_label"] == "entailment"
         upstreams.vllm.default = Script(flavour="vllm", text=RIGHT)
         with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
-            got = _collect(client.chat.completions.create(model=TEXT_MODEL, messages=_messages(), stream=True))
+            got = _collect(
+                client.chat.completions.create(model=TEXT_MODEL, messages=_messages(), stream=True)
+            )
         assert got["text"] == RIGHT
         assert got["notes"]["grounding"]["scorer"] == "cross-encoder"
     finally:
@@ -367,11 +405,22 @@ def test_shadow_grounding_records_but_never_holds_or_retries(bg, upstreams):
         upstreams.reset()
         upstreams.vllm.default = Script(flavour="vllm", text=WRONG)
         with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
-            got = _collect(client.chat.completions.create(model=TEXT_MODEL, messages=_messages(), stream=True))
+            got = _collect(
+                client.chat.completions.create(model=TEXT_MODEL, messages=_messages(), stream=True)
+            )
         assert got["text"] == WRONG
         assert upstreams.vllm.request_count == 1
-        assert _metric(server, "omnigate_policy_decisions_total", policy="grounding", shadow="true", stage="post",
-                       verdict="retry") == 1
+        assert (
+            _metric(
+                server,
+                "omnigate_policy_decisions_total",
+                policy="grounding",
+                shadow="true",
+                stage="post",
+                verdict="retry",
+            )
+            == 1
+        )
     finally:
         server.stop()
 
@@ -379,7 +428,9 @@ def test_shadow_grounding_records_but_never_holds_or_retries(bg, upstreams):
 def test_window_mode_last_attempt_is_held_whole_and_served_flagged(serve, upstreams):
     _server, client = serve("window", "flag", 1)
     upstreams.vllm.default = Script(flavour="vllm", text=WRONG)
-    raw = client.chat.completions.with_raw_response.create(model=TEXT_MODEL, messages=_messages(), stream=True)
+    raw = client.chat.completions.with_raw_response.create(
+        model=TEXT_MODEL, messages=_messages(), stream=True
+    )
     got = _collect(raw.parse())
     # Attempt 1 was cut at its first failing sentence; attempt 2, the last, was held to its end and served.
     assert raw.headers["x-omnigate-grounding"] == "low"
@@ -402,8 +453,9 @@ def test_a_failing_scorer_is_a_503_not_an_unjudged_answer(bg, upstreams, tmp_pat
 
     path = tiny_cross_encoder(tmp_path / "overflows", (-4.0, 4.0, -4.0))  # 128 positions, fed 512
     chain = PolicyChainConfig(post=[PolicySpec(name="grounding")])
-    server = GatewayServer(bg, gateway_settings(upstreams, chain, grounding={"model": str(path)}),
-                           CollectorRegistry()).start()
+    server = GatewayServer(
+        bg, gateway_settings(upstreams, chain, grounding={"model": str(path)}), CollectorRegistry()
+    ).start()
     try:
         upstreams.reset()
         upstreams.vllm.default = Script(flavour="vllm", text=RIGHT)
@@ -412,8 +464,11 @@ def test_a_failing_scorer_is_a_503_not_an_unjudged_answer(bg, upstreams, tmp_pat
             openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client,
             pytest.raises(openai.InternalServerError) as err,
         ):
-            client.chat.completions.create(model=TEXT_MODEL, stream=True, messages=[
-                {"role": "system", "content": long_context}, {"role": "user", "content": QUESTION}])
+            client.chat.completions.create(
+                model=TEXT_MODEL,
+                stream=True,
+                messages=[{"role": "system", "content": long_context}, {"role": "user", "content": QUESTION}],
+            )
         assert err.value.status_code == 503
         assert err.value.body["code"] == "guard_unavailable"
     finally:

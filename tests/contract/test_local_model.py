@@ -67,8 +67,13 @@ def test_speech_request_to_the_text_only_local_engine_is_degraded(local_gateway)
     server, _, _ = local_gateway
     resp = httpx.post(
         server.url + "/v1/chat/completions",
-        json={"model": DEFAULT_PUBLIC_MODEL, "messages": [{"role": "user", "content": "Say hi."}],
-              "modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}, "max_tokens": 8},
+        json={
+            "model": DEFAULT_PUBLIC_MODEL,
+            "messages": [{"role": "user", "content": "Say hi."}],
+            "modalities": ["text", "audio"],
+            "audio": {"voice": "Ethan", "format": "wav"},
+            "max_tokens": 8,
+        },
         timeout=120,
     )
     assert resp.status_code == 200

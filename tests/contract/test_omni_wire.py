@@ -72,7 +72,9 @@ def test_speech_cut_at_max_tokens_finishes_length(client, ups):
     ups.omni_a.default = Script(flavour="omni", text=SAID, audio_chunks=3)
     _, audio, transcript, finish, usage = _stream(client, max_tokens=3, **SPEECH)
     assert transcript == "One two three "
-    assert finish == "length"  # the engine's own stream says "stop" on its last audio chunk, nothing on the text
+    assert (
+        finish == "length"
+    )  # the engine's own stream says "stop" on its last audio chunk, nothing on the text
     assert usage.completion_tokens == 3 and audio
 
 
@@ -114,7 +116,9 @@ def test_streamed_speech_is_one_valid_wav_whatever_the_build(client, ups, header
 
 def test_pcm16_clients_get_pcm_while_the_engine_is_asked_for_wav(client, ups):
     ups.omni_a.default = Script(flavour="omni", text="Hi.", audio_chunks=3, sample_rate=16000)
-    _, pcm, _, _, usage = _stream(client, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "pcm16"})
+    _, pcm, _, _, usage = _stream(
+        client, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "pcm16"}
+    )
     assert ups.omni_a.requests[-1]["audio"]["format"] == "wav"
     assert not pcm.startswith(b"RIFF") and len(pcm) == 3 * int(16000 * 0.2) * 2
     # The rate came from the engine's WAV header, not a guess: 0.6 s of 16 kHz speech.
@@ -162,12 +166,21 @@ def test_the_voice_goes_top_level_and_lowercased(client, ups):
 @pytest.mark.parametrize("stream", [True, False])
 def test_an_unknown_voice_refused_by_the_engine_is_an_openai_400(client, ups, stream):
     with pytest.raises(openai.BadRequestError) as info:
-        r = client.chat.completions.create(model=OMNI_MODEL, messages=_user(), stream=stream,
-                                           modalities=["text", "audio"], audio={"voice": "Nobody", "format": "wav"})
+        r = client.chat.completions.create(
+            model=OMNI_MODEL,
+            messages=_user(),
+            stream=stream,
+            modalities=["text", "audio"],
+            audio={"voice": "Nobody", "format": "wav"},
+        )
         list(r) if stream else None
     err = info.value.body
     assert info.value.status_code == 400
-    assert err["type"] == "invalid_request_error" and err["param"] == "audio.voice" and err["code"] == "invalid_voice"
+    assert (
+        err["type"] == "invalid_request_error"
+        and err["param"] == "audio.voice"
+        and err["code"] == "invalid_voice"
+    )
     assert "aiden, chelsie, ethan" in err["message"] and "BadRequestError" not in err["message"]
     assert ups.omni_b.request_count == 0  # the engine's refusal is not failed over
 
@@ -194,7 +207,9 @@ def test_an_unknown_voice_is_refused_before_any_engine_work(voiced, ups, stream)
     err = resp.json()["error"]
     assert err["param"] == "audio.voice" and err["code"] == "invalid_voice" and "aiden" in err["message"]
     assert ups.omni_a.request_count == ups.omni_b.request_count == 0
-    ok = httpx.post(voiced.url + "/v1/chat/completions", json={**body, "audio": {"voice": "Ethan"}}, timeout=20)
+    ok = httpx.post(
+        voiced.url + "/v1/chat/completions", json={**body, "audio": {"voice": "Ethan"}}, timeout=20
+    )
     assert ok.status_code == 200 and ups.omni_a.request_count == 1
 
 
@@ -236,7 +251,9 @@ def test_vllm_extras_and_omni_tags_never_reach_a_client(gateway, ups):
         assert not {"metrics", "prompt_token_ids", "modality"} & set(f)
         for c in f["choices"]:
             assert not {"token_ids", "stop_reason", "audio_metadata"} & set(c)
-    whole = httpx.post(gateway.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=20).json()
+    whole = httpx.post(
+        gateway.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=20
+    ).json()
     assert not {"metrics", "prompt_token_ids", "modality"} & set(whole)
     assert not {"token_ids", "stop_reason", "audio_metadata"} & set(whole["choices"][0])
 
@@ -247,8 +264,13 @@ def test_vllm_extras_and_omni_tags_never_reach_a_client(gateway, ups):
 @pytest.mark.parametrize("stream", [True, False])
 def test_aac_is_refused_before_any_engine_work(client, ups, stream):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=OMNI_MODEL, messages=_user(), stream=stream,
-                                       modalities=["text", "audio"], audio={"voice": "Ethan", "format": "aac"})
+        client.chat.completions.create(
+            model=OMNI_MODEL,
+            messages=_user(),
+            stream=stream,
+            modalities=["text", "audio"],
+            audio={"voice": "Ethan", "format": "aac"},
+        )
     assert info.value.body["param"] == "audio.format"
     assert ups.omni_a.request_count == ups.omni_b.request_count == 0
 
@@ -303,16 +325,34 @@ def test_the_audit_record_meters_speech_in_seconds(voiced, ups):
 
 # -- non-streamed: the text stage's message is vLLM's, tool calls and reasoning included ----------------------
 
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 @pytest.mark.parametrize("shape", ["merged", "split"])
 def test_non_streamed_tool_calls_and_reasoning_reach_the_client(client, ups, shape):
-    ups.omni_a.default = Script(flavour="omni", text="", audio_chunks=0, omni_choices=shape,
-                                tool_calls=[{"name": "get_weather", "arguments": '{"city": "Paris"}'}],
-                                reasoning="The user wants the weather.")
-    resp = client.chat.completions.create(model=OMNI_MODEL, messages=_user("Weather in Paris?"), tools=WEATHER)
+    ups.omni_a.default = Script(
+        flavour="omni",
+        text="",
+        audio_chunks=0,
+        omni_choices=shape,
+        tool_calls=[{"name": "get_weather", "arguments": '{"city": "Paris"}'}],
+        reasoning="The user wants the weather.",
+    )
+    resp = client.chat.completions.create(
+        model=OMNI_MODEL, messages=_user("Weather in Paris?"), tools=WEATHER
+    )
     [choice] = resp.choices
     assert choice.finish_reason == "tool_calls"
     [call] = choice.message.tool_calls

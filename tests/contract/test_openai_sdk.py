@@ -78,8 +78,11 @@ def test_speech_streaming_reassembles_into_valid_wav(client, ups):
 def test_speech_pcm16_streaming(client, ups):
     ups.omni_a.default = Script(flavour="omni", text="Short.", audio_chunks=3)
     stream = client.chat.completions.create(
-        model=OMNI_MODEL, messages=_user(), modalities=["text", "audio"],
-        audio={"voice": "Chelsie", "format": "pcm16"}, stream=True,
+        model=OMNI_MODEL,
+        messages=_user(),
+        modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "pcm16"},
+        stream=True,
     )
     pcm = b"".join(
         base64.b64decode(c.choices[0].delta.audio.data)
@@ -94,7 +97,10 @@ def test_non_streaming_two_choices_become_one(client, ups):
     said = "Two choices upstream, one for the client."
     ups.omni_a.default = Script(flavour="omni", text=said, audio_chunks=4)
     resp = client.chat.completions.create(
-        model=OMNI_MODEL, messages=_user(), modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"}
+        model=OMNI_MODEL,
+        messages=_user(),
+        modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "wav"},
     )
     assert len(resp.choices) == 1
     msg = resp.choices[0].message
@@ -204,8 +210,13 @@ def test_unknown_fields_are_not_forwarded(client, ups):
     # the `drop` setting); nothing reaches the engine.
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
-            model=TEXT_MODEL, messages=_user(),
-            extra_body={"api_base": "http://169.254.169.254", "base_url": "http://evil", "headers": {"x": "y"}},
+            model=TEXT_MODEL,
+            messages=_user(),
+            extra_body={
+                "api_base": "http://169.254.169.254",
+                "base_url": "http://evil",
+                "headers": {"x": "y"},
+            },
         )
     assert err.value.body["param"] == "api_base" and err.value.body["code"] == "unknown_field"
     assert ups.vllm.request_count == 0
@@ -224,8 +235,12 @@ def test_unknown_fields_are_not_forwarded(client, ups):
 
 
 def test_speech_from_text_only_engine_is_degraded_not_refused(gateway, ups):
-    body = {"model": TEXT_MODEL, "messages": _user(), "modalities": ["text", "audio"],
-            "audio": {"voice": "Ethan", "format": "wav"}}
+    body = {
+        "model": TEXT_MODEL,
+        "messages": _user(),
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "Ethan", "format": "wav"},
+    }
     resp = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=10)
     assert resp.status_code == 200
     assert resp.headers["x-omnigate-degraded"] == "engine-text-only"
@@ -248,8 +263,13 @@ def test_models_health_ready_metrics(gateway, ups, client):
     assert ready.status_code == 200 and ready.json() == {"status": "ready"}
     client.chat.completions.create(model=TEXT_MODEL, messages=_user())
     text = httpx.get(gateway.url + "/metrics").text
-    for name in ("omnigate_requests_total", "omnigate_time_to_first_token_seconds", "omnigate_requests_in_flight",
-                 "omnigate_policy_decisions_total", "omnigate_request_duration_seconds"):
+    for name in (
+        "omnigate_requests_total",
+        "omnigate_time_to_first_token_seconds",
+        "omnigate_requests_in_flight",
+        "omnigate_policy_decisions_total",
+        "omnigate_request_duration_seconds",
+    ):
         assert name in text
 
 

@@ -17,7 +17,10 @@ TEN = "one two three four five six seven eight nine ten"
 def test_stream_is_cut_at_the_cap_when_the_engine_ignores_it(client, ups, gateway):
     ups.vllm.default = Script(flavour="vllm", text=TEN, ignore_max_tokens=True)
     raw = client.chat.completions.with_raw_response.create(
-        model=TEXT_MODEL, messages=[{"role": "user", "content": "count"}], stream=True, max_tokens=4,
+        model=TEXT_MODEL,
+        messages=[{"role": "user", "content": "count"}],
+        stream=True,
+        max_tokens=4,
         stream_options={"include_usage": True},
     )
     pieces, finish, usage = [], None, None
@@ -41,7 +44,10 @@ def test_stream_is_cut_at_the_cap_when_the_engine_ignores_it(client, ups, gatewa
 def test_an_engine_that_honours_the_cap_is_not_flagged(client, ups):
     ups.vllm.default = Script(flavour="vllm", text=TEN)
     raw = client.chat.completions.with_raw_response.create(
-        model=TEXT_MODEL, messages=[{"role": "user", "content": "count"}], stream=True, max_tokens=4,
+        model=TEXT_MODEL,
+        messages=[{"role": "user", "content": "count"}],
+        stream=True,
+        max_tokens=4,
     )
     finish = None
     for chunk in raw.parse():
@@ -54,8 +60,12 @@ def test_an_engine_that_honours_the_cap_is_not_flagged(client, ups):
 def test_default_cap_applies_to_speech_streams_too(client, ups):
     ups.omni_a.default = Script(flavour="omni", text=TEN, ignore_max_tokens=True, audio_chunks=2)
     stream = client.chat.completions.create(
-        model=OMNI_MODEL, messages=[{"role": "user", "content": "count"}], stream=True, max_tokens=3,
-        modalities=["text", "audio"], audio={"voice": "Ethan", "format": "pcm16"},
+        model=OMNI_MODEL,
+        messages=[{"role": "user", "content": "count"}],
+        stream=True,
+        max_tokens=3,
+        modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "pcm16"},
     )
     transcript, finish, audio_pieces = "", None, 0
     for chunk in stream:

@@ -20,8 +20,13 @@ pytestmark = pytest.mark.timeout(120)
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 LEASE_TTL_S = 1.5
-SPEECH = {"model": "omni", "stream": True, "messages": [{"role": "user", "content": "Talk to me."}],
-          "modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
+SPEECH = {
+    "model": "omni",
+    "stream": True,
+    "messages": [{"role": "user", "content": "Talk to me."}],
+    "modalities": ["text", "audio"],
+    "audio": {"voice": "Ethan", "format": "wav"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +59,26 @@ class Replica(ServeProcess):
 def replicas(tmp_path, upstream, rdb):
     prefix = f"omnigate-test:{uuid.uuid4().hex}"
     config = {
-        "engines": [{"name": "omni", "kind": "vllm-omni", "base_url": upstream.base_url, "model": "scripted",
-                     "serves": ["omni"], "max_in_flight": 16}],
+        "engines": [
+            {
+                "name": "omni",
+                "kind": "vllm-omni",
+                "base_url": upstream.base_url,
+                "model": "scripted",
+                "serves": ["omni"],
+                "max_in_flight": 16,
+            }
+        ],
         "policies": {"pre": [{"name": "load-shedding"}, {"name": "request-limits"}]},
         "redis": {"url": REDIS_URL},
-        "traffic": {"soft_limit": 2, "hard_limit": 4, "key_prefix": prefix,
-                    "lease_ttl_s": LEASE_TTL_S, "heartbeat_s": 0.3, "monitor_interval_s": 0.1},
+        "traffic": {
+            "soft_limit": 2,
+            "hard_limit": 4,
+            "key_prefix": prefix,
+            "lease_ttl_s": LEASE_TTL_S,
+            "heartbeat_s": 0.3,
+            "monitor_interval_s": 0.1,
+        },
         "logging": {"level": "info"},
     }
     path = tmp_path / "omnigate.yaml"
@@ -77,7 +96,9 @@ def replicas(tmp_path, upstream, rdb):
 
 
 def _open(client: httpx.Client, replica: Replica) -> httpx.Response:
-    return client.send(client.build_request("POST", replica.url + "/v1/chat/completions", json=SPEECH), stream=True)
+    return client.send(
+        client.build_request("POST", replica.url + "/v1/chat/completions", json=SPEECH), stream=True
+    )
 
 
 def _degraded(resp: httpx.Response) -> str | None:

@@ -69,7 +69,13 @@ def run() -> Run:
 def test_the_corpus_is_the_one_the_issue_asks_for():
     names = {s.name for s in CORPUS}
     assert len(CORPUS) >= 60
-    assert {s.category for s in CORPUS} >= {"pixel_bomb", "lying_header", "truncated", "polyglot", "demuxer_trick"}
+    assert {s.category for s in CORPUS} >= {
+        "pixel_bomb",
+        "lying_header",
+        "truncated",
+        "polyglot",
+        "demuxer_trick",
+    }
     assert {"ffconcat-as-audio", "hls-playlist-as-video", "flac-192khz"} <= names
     assert {"png-50k-deflate-bomb", "mp4-declares-1e6-frames", "zip-in-mp4-free-box", "jpeg+zip"} <= names
     truncated = {s.name.split("-cut-")[0] for s in CORPUS if s.category == "truncated"}
@@ -97,9 +103,14 @@ def test_each_file_is_refused_with_an_openai_error(run, sample):
 def test_peak_rss_stays_under_300_mb_and_the_gateway_keeps_serving(run, figures):
     refused = [r for r in run.rows.values() if 400 <= r.get("status", 0) < 500]
     times = sorted(r["ms"] for r in refused if "ms" in r)
-    figures(files=len(run.rows), refused=len(refused), peak_rss_mib=run.peak_kib / MiB,
-            refusal_p50_ms=times[len(times) // 2] if times else None, refusal_max_ms=times[-1] if times else None,
-            served_after=run.clean_after)
+    figures(
+        files=len(run.rows),
+        refused=len(refused),
+        peak_rss_mib=run.peak_kib / MiB,
+        refusal_p50_ms=times[len(times) // 2] if times else None,
+        refusal_max_ms=times[-1] if times else None,
+        served_after=run.clean_after,
+    )
     assert run.alive
     assert run.clean_after == 200
     assert run.peak_kib < 300 * MiB, f"peak RSS {run.peak_kib / MiB:.0f} MiB"

@@ -38,15 +38,30 @@ async def _scenario(tmp_path, upstream_script: Script, drain_delay: float, grace
     async with ScriptedUpstream(upstream_script) as up:
         port = free_port()
         cfg = tmp_path / "gw.yaml"
-        cfg.write_text(yaml.safe_dump({
-            "server": {"drain_delay_s": drain_delay, "graceful_shutdown_s": grace},
-            # Every stream on the engine at once (its default cap, 8, would queue half of them).
-            "engines": [{"name": "e", "kind": "vllm", "base_url": up.base_url, "model": "scripted", "serves": ["m"],
-                         "max_in_flight": STREAMS}],
-            "logging": {"level": "warning"},
-        }))
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port",
-                                 str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cfg.write_text(
+            yaml.safe_dump(
+                {
+                    "server": {"drain_delay_s": drain_delay, "graceful_shutdown_s": grace},
+                    # Every stream on the engine at once (its default cap, 8, would queue half of them).
+                    "engines": [
+                        {
+                            "name": "e",
+                            "kind": "vllm",
+                            "base_url": up.base_url,
+                            "model": "scripted",
+                            "serves": ["m"],
+                            "max_in_flight": STREAMS,
+                        }
+                    ],
+                    "logging": {"level": "warning"},
+                }
+            )
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
@@ -59,8 +74,10 @@ async def _scenario(tmp_path, upstream_script: Script, drain_delay: float, grace
                         pass
                     await asyncio.sleep(0.05)
                 first: asyncio.Queue = asyncio.Queue()
-                tasks = [asyncio.create_task(_open_stream(s, base + "/v1/chat/completions", first))
-                         for _ in range(STREAMS)]
+                tasks = [
+                    asyncio.create_task(_open_stream(s, base + "/v1/chat/completions", first))
+                    for _ in range(STREAMS)
+                ]
                 for _ in range(STREAMS):
                     await asyncio.wait_for(first.get(), 20)
                 t0 = time.monotonic()
@@ -77,9 +94,15 @@ async def _scenario(tmp_path, upstream_script: Script, drain_delay: float, grace
                 results = await asyncio.gather(*tasks, return_exceptions=True)
                 streams_done = time.monotonic() - t0
             rc = await asyncio.to_thread(proc.wait, 30)
-            return {"ready_status": ready_status, "ready_body": ready_body, "ready_after_s": ready_after,
-                    "results": results, "rc": rc, "streams_done_after_s": streams_done,
-                    "exit_after_s": time.monotonic() - t0}
+            return {
+                "ready_status": ready_status,
+                "ready_body": ready_body,
+                "ready_after_s": ready_after,
+                "results": results,
+                "rc": rc,
+                "streams_done_after_s": streams_done,
+                "exit_after_s": time.monotonic() - t0,
+            }
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -87,10 +110,14 @@ async def _scenario(tmp_path, upstream_script: Script, drain_delay: float, grace
 
 def _figures(out: dict) -> dict:
     frames = [f for f in out["results"] if not isinstance(f, BaseException)]
-    return {"streams": STREAMS, "ended_with_done": sum(1 for f in frames if f and f[-1] == b"[DONE]"),
-            "terminal_error_events": sum(1 for f in frames if len(f) > 1 and b'"error"' in f[-2]),
-            "ready_503_after_s": out["ready_after_s"], "streams_done_after_s": out["streams_done_after_s"],
-            "exit_after_s": out["exit_after_s"]}
+    return {
+        "streams": STREAMS,
+        "ended_with_done": sum(1 for f in frames if f and f[-1] == b"[DONE]"),
+        "terminal_error_events": sum(1 for f in frames if len(f) > 1 and b'"error"' in f[-2]),
+        "ready_503_after_s": out["ready_after_s"],
+        "streams_done_after_s": out["streams_done_after_s"],
+        "exit_after_s": out["exit_after_s"],
+    }
 
 
 def test_streams_that_finish_within_the_grace_period_complete(tmp_path, figures):

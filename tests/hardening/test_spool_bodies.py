@@ -30,19 +30,37 @@ BODY_LIMIT = 24 * 1024 * 1024
 def gw(tmp_path_factory):
     """A gateway with a short body deadline and a scripted vLLM-Omni behind it."""
     up_port, port = free_port(), free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "tests.upstream", "--port", str(up_port), "--flavour", "omni"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "tests.upstream", "--port", str(up_port), "--flavour", "omni"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     cfg = tmp_path_factory.mktemp("gw") / "gw.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "engines": [{"name": "omni", "kind": "vllm-omni", "base_url": f"http://127.0.0.1:{up_port}/v1",
-                     "model": "scripted", "serves": ["omni"], "input_modalities": ["text", "image", "audio", "video"]}],
-        "server": {"body_timeout_s": 2.0, "max_body_bytes": BODY_LIMIT},
-        "media": {"max_request_bytes": 8 * 1024 * 1024},
-        "logging": {"level": "warning"},
-        "routing": {"controller": {"enabled": False}},
-    }))
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "engines": [
+                    {
+                        "name": "omni",
+                        "kind": "vllm-omni",
+                        "base_url": f"http://127.0.0.1:{up_port}/v1",
+                        "model": "scripted",
+                        "serves": ["omni"],
+                        "input_modalities": ["text", "image", "audio", "video"],
+                    }
+                ],
+                "server": {"body_timeout_s": 2.0, "max_body_bytes": BODY_LIMIT},
+                "media": {"max_request_bytes": 8 * 1024 * 1024},
+                "logging": {"level": "warning"},
+                "routing": {"controller": {"enabled": False}},
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -73,8 +91,10 @@ def _none_left(pid: int, within_s: float = 10.0) -> list[str]:
 
 def _head(port: int, length: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n" % length)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % length
+    )
     return sock
 
 
@@ -115,8 +135,12 @@ def test_a_body_past_its_deadline_mid_payload_is_408_and_leaves_no_file(gw):
 
 def test_a_body_over_the_limit_mid_payload_is_413_and_leaves_no_file(gw):
     raw = _opening() + base64.b64encode(os.urandom(BODY_LIMIT)) + b'"}}]}]}'
-    resp = httpx.post(gw["url"] + "/v1/chat/completions", content=iter([raw[i : i + 65536] for i in range(0, len(raw), 65536)]),
-                      headers={"content-type": "application/json"}, timeout=60)  # chunked: no length declared
+    resp = httpx.post(
+        gw["url"] + "/v1/chat/completions",
+        content=iter([raw[i : i + 65536] for i in range(0, len(raw), 65536)]),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )  # chunked: no length declared
     assert resp.status_code == 413
     assert resp.json()["error"]["type"] == "invalid_request_error"
     assert _none_left(gw["pid"]) == []
@@ -124,10 +148,22 @@ def test_a_body_over_the_limit_mid_payload_is_413_and_leaves_no_file(gw):
 
 def test_junk_after_a_megabyte_of_base64_is_malformed_media(gw):
     data = B64[: 2 << 20].decode() + "!!!!" + B64[2 << 20 :].decode()
-    body = {"model": "omni", "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]}]}
-    resp = httpx.post(gw["url"] + "/v1/chat/completions", content=orjson.dumps(body),
-                      headers={"content-type": "application/json"}, timeout=60)
+    body = {
+        "model": "omni",
+        "max_tokens": 4,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}],
+            }
+        ],
+    }
+    resp = httpx.post(
+        gw["url"] + "/v1/chat/completions",
+        content=orjson.dumps(body),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert resp.status_code == 400
     err = resp.json()["error"]
     assert err["param"] == "messages.0.content.0.input_audio.data" and "base64" in err["message"]
@@ -138,8 +174,12 @@ def test_many_large_parts_in_one_body_meet_the_media_budget(gw):
     # Five 1.3 MB payloads, each spooled, together over media.max_request_bytes (8 MiB) once decoded.
     part = {"type": "audio_url", "audio_url": {"url": data_uri("audio/wav", wav(tone(60.0), 16000))}}
     body = {"model": "omni", "max_tokens": 4, "messages": [{"role": "user", "content": [part] * 5}]}
-    resp = httpx.post(gw["url"] + "/v1/chat/completions", content=orjson.dumps(body),
-                      headers={"content-type": "application/json"}, timeout=60)
+    resp = httpx.post(
+        gw["url"] + "/v1/chat/completions",
+        content=orjson.dumps(body),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert resp.status_code == 413
     err = resp.json()["error"]
     assert err["code"] == "media_too_large" and err["param"].startswith("messages.0.content.")

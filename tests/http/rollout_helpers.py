@@ -162,11 +162,17 @@ def settings(
         seed=seed,
     )
     return Settings(
-        engines=engine_list, routing=routing, admin={"api_key": ADMIN_KEY}, logging={"level": "warning"},
+        engines=engine_list,
+        routing=routing,
+        admin={"api_key": ADMIN_KEY},
+        logging={"level": "warning"},
         auth={"required": False},  # these tests drive routing; the front door has its own
         # Redis (its own URL, or the local one for a shared state), with admission under the test's prefix.
-        **({"redis": {"url": redis_url or REDIS}, "traffic": {"key_prefix": f"{state.key_prefix}:traffic"}}
-           if state is not None and state.backend == "redis" else {}),
+        **(
+            {"redis": {"url": redis_url or REDIS}, "traffic": {"key_prefix": f"{state.key_prefix}:traffic"}}
+            if state is not None and state.backend == "redis"
+            else {}
+        ),
     )
 
 

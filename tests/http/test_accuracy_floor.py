@@ -42,6 +42,7 @@ def test_an_engine_under_the_floor_is_skipped_as_the_roll_back_target(bg, trio, 
     cfg.routing.accuracy = AccuracySettings(enabled=True, set_path=str(held_out), interval_s=600)
     server = GatewayServer(bg, cfg).start()
     try:
+
         def accuracies() -> dict:
             st = admin(server.url, "").json()
             return {e["name"]: e["signals"].get("accuracy") for e in st["engines"]}

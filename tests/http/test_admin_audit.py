@@ -35,8 +35,12 @@ def gw(request, bg, eng, tmp_path):
     keys = tenant_keys()
     if request.param == "postgres":
         with fresh_pg_database() as dsn:
-            doc = config(eng, tmp_path, keys, audit={"store": "postgres", "postgres_dsn": dsn,
-                                                     "signing": {"key": SIGNING_KEY}})
+            doc = config(
+                eng,
+                tmp_path,
+                keys,
+                audit={"store": "postgres", "postgres_dsn": dsn, "signing": {"key": SIGNING_KEY}},
+            )
             server = start(bg, doc, tmp_path / "omnigate.yaml")
             yield server, keys, doc, tmp_path / "omnigate.yaml"
             server.stop()
@@ -87,7 +91,8 @@ def test_search_by_every_filter_and_page_through(gw):
     refused = _records(server, outcome="refused")["records"]
     assert [r["request_id"] for r in refused] == [k for k, v in ids.items() if v == "refused"]
     assert {r["request_id"] for r in _records(server, engine="text-vllm")["records"]} == {
-        k for k, v in ids.items() if v == "served"}
+        k for k, v in ids.items() if v == "served"
+    }
 
     full = admin(server, "GET", f"/audit/records/{one[0]['seq']}").json()
     run = full["data"]["payload"]["policies"][0]
@@ -116,14 +121,22 @@ def test_search_by_every_filter_and_page_through(gw):
     assert seen == [r["seq"] for r in all_requests] and len(set(seen)) == 5
 
 
-@pytest.mark.parametrize("params, param", [
-    ({"limit": "0"}, "limit"), ({"limit": "501"}, "limit"), ({"before_seq": "x"}, "before_seq"),
-    ({"since": "yesterday-ish"}, "since"), ({"colour": "red"}, "colour"),
-    ({"since": "2026-01-02T00:00:00Z", "until": "2026-01-01T00:00:00Z"}, None),
-    # beyond what the stores' 64-bit integers and Python's datetimes hold: 400s, never 500s
-    ({"before_seq": str(2**63)}, "before_seq"), ({"before_seq": "9" * 30}, "before_seq"),
-    ({"since": "0001-01-01T00:00:00+01:00"}, "since"), ({"until": "9999-12-31T23:59:59-05:00"}, "until"),
-])
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        ({"limit": "0"}, "limit"),
+        ({"limit": "501"}, "limit"),
+        ({"before_seq": "x"}, "before_seq"),
+        ({"since": "yesterday-ish"}, "since"),
+        ({"colour": "red"}, "colour"),
+        ({"since": "2026-01-02T00:00:00Z", "until": "2026-01-01T00:00:00Z"}, None),
+        # beyond what the stores' 64-bit integers and Python's datetimes hold: 400s, never 500s
+        ({"before_seq": str(2**63)}, "before_seq"),
+        ({"before_seq": "9" * 30}, "before_seq"),
+        ({"since": "0001-01-01T00:00:00+01:00"}, "since"),
+        ({"until": "9999-12-31T23:59:59-05:00"}, "until"),
+    ],
+)
 def test_bad_search_parameters_are_400s_naming_the_field(gw, params, param):
     server = gw[0]
     r = admin(server, "GET", "/audit/records", params=params)
@@ -139,8 +152,14 @@ def test_records_need_the_admin_key(gw):
     for path in ("/records", "/records/1", "/export", "/verify/range?from_seq=1&to_seq=2"):
         r = httpx.get(server.url + "/admin/audit" + path, timeout=5)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    assert httpx.get(server.url + "/admin/audit/records", headers={"authorization": "Bearer wrong-key-0123456789"},
-                     timeout=5).status_code == 401
+    assert (
+        httpx.get(
+            server.url + "/admin/audit/records",
+            headers={"authorization": "Bearer wrong-key-0123456789"},
+            timeout=5,
+        ).status_code
+        == 401
+    )
 
 
 def test_one_record_and_missing_ones(gw):
@@ -207,19 +226,31 @@ def test_verify_a_range_and_see_where_the_chain_breaks(gw):
     assert ok.status_code == 200 and ok.json()["ok"] and ok.json()["records"] >= head - 1
 
     target = _records(server, tenant="acme", kind="request")["records"][1]["seq"]
-    _tamper(server, doc, target, "UPDATE audit_log SET data = replace(data, '\"status\":200', '\"status\":201') "
-                                 "WHERE seq = ?")
+    _tamper(
+        server,
+        doc,
+        target,
+        "UPDATE audit_log SET data = replace(data, '\"status\":200', '\"status\":201') WHERE seq = ?",
+    )
     broken = admin(server, "GET", "/audit/verify/range", params={"from_seq": 1, "to_seq": head})
     assert broken.status_code == 409
     problem = broken.json()["problem"]
     assert problem["kind"] == "edited" and problem["seq"] == target and str(target) in problem["message"]
     assert broken.json()["range"] == {"from_seq": 1, "to_seq": head}
     # the same break is found by a range that starts right after the edited record's predecessor...
-    assert admin(server, "GET", "/audit/verify/range",
-                 params={"from_seq": target, "to_seq": target}).json()["problem"]["seq"] == target
+    assert (
+        admin(server, "GET", "/audit/verify/range", params={"from_seq": target, "to_seq": target}).json()[
+            "problem"
+        ]["seq"]
+        == target
+    )
     # ...and ranges that do not include it (nor its successor, whose link it anchors) verify
-    assert admin(server, "GET", "/audit/verify/range", params={"from_seq": 1, "to_seq": target - 1}).json()["ok"]
-    later = admin(server, "GET", "/audit/verify/range", params={"from_seq": target + 2, "to_seq": head}).json()
+    assert admin(server, "GET", "/audit/verify/range", params={"from_seq": 1, "to_seq": target - 1}).json()[
+        "ok"
+    ]
+    later = admin(
+        server, "GET", "/audit/verify/range", params={"from_seq": target + 2, "to_seq": head}
+    ).json()
     assert later["ok"], later
     # the full walk agrees
     assert admin(server, "GET", "/audit/verify").json()["problem"]["seq"] == target
@@ -234,13 +265,24 @@ def test_verify_range_finds_a_deleted_record(gw):
     _tamper(server, doc, gone, "DELETE FROM audit_log WHERE seq = ?")
     r = admin(server, "GET", "/audit/verify/range", params={"from_seq": 1, "to_seq": head})
     assert r.status_code == 409 and r.json()["problem"] == {
-        "kind": "deleted", "seq": gone, "message": f"record {gone} is missing (deleted)"}
+        "kind": "deleted",
+        "seq": gone,
+        "message": f"record {gone} is missing (deleted)",
+    }
     starts_there = admin(server, "GET", "/audit/verify/range", params={"from_seq": gone + 1, "to_seq": head})
     assert starts_there.status_code == 409 and starts_there.json()["problem"]["seq"] == gone
 
 
-@pytest.mark.parametrize("params", [{"from_seq": 5, "to_seq": 2}, {"from_seq": 0, "to_seq": 2}, {"from_seq": 1},
-                                    {"from_seq": 1, "to_seq": 2**63}, {"from_seq": "x", "to_seq": 2}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"from_seq": 5, "to_seq": 2},
+        {"from_seq": 0, "to_seq": 2},
+        {"from_seq": 1},
+        {"from_seq": 1, "to_seq": 2**63},
+        {"from_seq": "x", "to_seq": 2},
+    ],
+)
 def test_bad_ranges_are_400s(gw, params):
     r = admin(gw[0], "GET", "/audit/verify/range", params=params)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -248,8 +290,12 @@ def test_bad_ranges_are_400s(gw, params):
 
 def test_transition_history_comes_from_the_audit_trail(gw):
     server = gw[0]
-    r = admin(server, "POST", "/routing/pin", json={"model": OMNI, "variant": "bf16", "actor": "alice",
-                                                    "note": "int4 regression"})
+    r = admin(
+        server,
+        "POST",
+        "/routing/pin",
+        json={"model": OMNI, "variant": "bf16", "actor": "alice", "note": "int4 regression"},
+    )
     assert r.status_code == 200 and r.json()["changed"]
     admin(server, "POST", "/routing/freeze", json={"actor": "alice"})
 
@@ -261,9 +307,14 @@ def test_transition_history_comes_from_the_audit_trail(gw):
     assert body["source"] == "audit"
     freeze, pin = body["transitions"]
     assert freeze["action"] == "freeze" and pin["action"] == "pin" and pin["source"] == "manual"
-    assert pin["detail"]["actor"] == "admin:api_key (claimed: alice)" and pin["detail"]["note"] == "int4 regression"
+    assert (
+        pin["detail"]["actor"] == "admin:api_key (claimed: alice)"
+        and pin["detail"]["note"] == "int4 regression"
+    )
     assert pin["detail"]["weights"][OMNI]["omni-bf16"] == 1.0 and pin["seq"] < freeze["seq"]
-    older = admin(server, "GET", "/routing/transitions", params={"before_seq": pin["seq"]}).json()["transitions"]
+    older = admin(server, "GET", "/routing/transitions", params={"before_seq": pin["seq"]}).json()[
+        "transitions"
+    ]
     assert all(t["seq"] < pin["seq"] for t in older)
     assert admin(server, "GET", "/routing/transitions", params={"limit": "x"}).status_code == 400
     assert admin(server, "GET", "/routing/transitions", params={"before_seq": 2**63}).status_code == 400
@@ -297,7 +348,10 @@ def test_config_view_and_check_swap_nothing(gw):
     c = admin(server, "GET", "/config").json()
     assert [e["name"] for e in c["engines"]] == ["omni-int4", "omni-bf16", "text-vllm", "spare-vllm"]
     assert all("api_key" not in e for e in c["engines"])
-    assert c["policies"]["pre"] == ["request-limits", "media-fetch", "media-limits"] and "strict" in c["policy_sets"]
+    assert (
+        c["policies"]["pre"] == ["request-limits", "media-fetch", "media-limits"]
+        and "strict" in c["policy_sets"]
+    )
     by_name = {t["name"]: t for t in c["tenants"]}
     assert by_name["globex"]["policy_set"] == "strict" and by_name["acme"]["policy_set"] is None
     assert c["reloadable"]

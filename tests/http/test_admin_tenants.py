@@ -23,8 +23,17 @@ ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 def _config(base_url, tmp_path, tenants, keys, *, policy_sets=None, read_timeout_s=5) -> dict:
     return {
-        "engines": [{"name": "text-vllm", "kind": "vllm", "base_url": base_url, "model": "scripted",
-                     "variant": "fp16", "serves": [TEXT_MODEL], "read_timeout_s": read_timeout_s}],
+        "engines": [
+            {
+                "name": "text-vllm",
+                "kind": "vllm",
+                "base_url": base_url,
+                "model": "scripted",
+                "variant": "fp16",
+                "serves": [TEXT_MODEL],
+                "read_timeout_s": read_timeout_s,
+            }
+        ],
         "admin": {"api_key": ADMIN_KEY},
         "policy_sets": policy_sets or {"plain": {"pre": [{"name": "request-limits"}]}},
         "tenants": tenants,
@@ -40,8 +49,12 @@ def setup(bg, upstreams, tmp_path):
     upstreams.reset()
     base = mint_key()
     path = tmp_path / "omnigate.yaml"
-    doc = _config(upstreams.vllm.base_url, tmp_path, [{"name": "base"}],
-                  [{"id": base.id, "tenant": "base", "sha256": base.sha256}])
+    doc = _config(
+        upstreams.vllm.base_url,
+        tmp_path,
+        [{"name": "base"}],
+        [{"id": base.id, "tenant": "base", "sha256": base.sha256}],
+    )
     path.write_text(yaml.safe_dump(doc))
     server = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
     yield server, path, doc, base
@@ -49,8 +62,12 @@ def setup(bg, upstreams, tmp_path):
 
 
 def _chat(server, key) -> httpx.Response:
-    return httpx.post(server.url + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
-                      json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+    return httpx.post(
+        server.url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {key}"},
+        json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=10,
+    )
 
 
 def _admin(server, method, path, **kw) -> httpx.Response:
@@ -63,8 +80,9 @@ def test_tenants_and_keys_through_the_admin_api(setup):
     listed = _admin(server, "GET", "/tenants").json()["tenants"]
     assert [(t["name"], t["source"]) for t in listed] == [("base", "config")]
 
-    created = _admin(server, "POST", "/tenants", json={"name": "newco", "models": [TEXT_MODEL],
-                                                         "requests_per_minute": 100})
+    created = _admin(
+        server, "POST", "/tenants", json={"name": "newco", "models": [TEXT_MODEL], "requests_per_minute": 100}
+    )
     assert created.status_code == 201 and created.json()["source"] == "admin"
     assert _admin(server, "POST", "/tenants", json={"name": "newco"}).status_code == 409
     bad_set = _admin(server, "POST", "/tenants", json={"name": "x", "policy_set": "nope"})
@@ -91,7 +109,9 @@ def test_tenants_and_keys_through_the_admin_api(setup):
     # A disabled tenant's keys stop working too.
     again = _admin(server, "POST", "/keys", json={"tenant": "newco"}).json()["key"]
     assert _chat(server, again).status_code == 200
-    assert _admin(server, "PUT", "/tenants/newco", json={"name": "newco", "enabled": False}).status_code == 200
+    assert (
+        _admin(server, "PUT", "/tenants/newco", json={"name": "newco", "enabled": False}).status_code == 200
+    )
     assert _chat(server, again).status_code == 401
 
     # Every change is on the audit chain, which verifies.
@@ -121,9 +141,16 @@ def test_reload_validates_first_and_keeps_the_old_config(setup):
     path.write_text("engines: [unclosed")
     assert _admin(server, "POST", "/config/reload").status_code == 422
 
-    good = _config(doc["engines"][0]["base_url"], path.parent, [{"name": "base"}, {"name": "later"}],
-                   [{"id": base.id, "tenant": "base", "sha256": base.sha256},
-                    {"id": later.id, "tenant": "later", "sha256": later.sha256}], read_timeout_s=9)
+    good = _config(
+        doc["engines"][0]["base_url"],
+        path.parent,
+        [{"name": "base"}, {"name": "later"}],
+        [
+            {"id": base.id, "tenant": "base", "sha256": base.sha256},
+            {"id": later.id, "tenant": "later", "sha256": later.sha256},
+        ],
+        read_timeout_s=9,
+    )
     good["rate_limits"] = doc["rate_limits"]
     path.write_text(yaml.safe_dump(good))
     assert _chat(server, later.key).status_code == 401
@@ -134,4 +161,3 @@ def test_reload_validates_first_and_keeps_the_old_config(setup):
     metrics = httpx.get(server.url + "/metrics").text
     assert 'omnigate_config_reloads_total{result="failed"} 3.0' in metrics
     assert 'omnigate_config_reloads_total{result="ok"} 1.0' in metrics
-

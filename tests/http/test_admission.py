@@ -27,17 +27,28 @@ from tests.upstream import Script
 pytestmark = pytest.mark.timeout(90)
 
 LONG = " ".join(["word"] * 200)  # 200 text chunks: a stream stays open until the test closes it
-SPEECH = {"model": OMNI_MODEL, "stream": True, "messages": [{"role": "user", "content": "Talk to me."}],
-          "modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
+SPEECH = {
+    "model": OMNI_MODEL,
+    "stream": True,
+    "messages": [{"role": "user", "content": "Talk to me."}],
+    "modalities": ["text", "audio"],
+    "audio": {"voice": "Ethan", "format": "wav"},
+}
 CHAIN = PolicyChainConfig(pre=[PolicySpec(name="load-shedding"), PolicySpec(name="request-limits")])
 
 
-def _settings(upstreams, traffic: dict, engines: dict[str, dict] | None = None,
-              chain: PolicyChainConfig = CHAIN, **extra) -> Settings:
+def _settings(
+    upstreams,
+    traffic: dict,
+    engines: dict[str, dict] | None = None,
+    chain: PolicyChainConfig = CHAIN,
+    **extra,
+) -> Settings:
     base = gateway_settings(upstreams, chain, traffic=traffic, **extra)
     if engines:
-        base = base.model_copy(update={"engines": [
-            e.model_copy(update=engines.get(e.name, {})) for e in base.engines]})
+        base = base.model_copy(
+            update={"engines": [e.model_copy(update=engines.get(e.name, {})) for e in base.engines]}
+        )
     return base
 
 
@@ -45,17 +56,26 @@ def _settings(upstreams, traffic: dict, engines: dict[str, dict] | None = None,
 def serve(bg, upstreams, tmp_path):
     servers: list[GatewayServer] = []
 
-    def _make(traffic: dict, engines: dict[str, dict] | None = None, chain: PolicyChainConfig = CHAIN, **extra):
+    def _make(
+        traffic: dict, engines: dict[str, dict] | None = None, chain: PolicyChainConfig = CHAIN, **extra
+    ):
         upstreams.reset()
-        upstreams.bg.call(lambda: setattr(upstreams.omni_a, "default",
-                                          Script(flavour="omni", text=LONG, chunk_delay_s=0.05)))
-        upstreams.bg.call(lambda: setattr(upstreams.omni_b, "default",
-                                          Script(flavour="omni", text=LONG, chunk_delay_s=0.05)))
+        upstreams.bg.call(
+            lambda: setattr(
+                upstreams.omni_a, "default", Script(flavour="omni", text=LONG, chunk_delay_s=0.05)
+            )
+        )
+        upstreams.bg.call(
+            lambda: setattr(
+                upstreams.omni_b, "default", Script(flavour="omni", text=LONG, chunk_delay_s=0.05)
+            )
+        )
         plugins = {**available_plugins(), **PLUGINS}
         db = tmp_path / f"audit-{len(servers)}.db"
         extra = {"audit": {"sqlite_path": str(db)}, "rate_limits": {"key_prefix": redis_prefix()}, **extra}
-        server = GatewayServer(bg, _settings(upstreams, traffic, engines, chain, **extra), CollectorRegistry(),
-                               plugins=plugins).start()
+        server = GatewayServer(
+            bg, _settings(upstreams, traffic, engines, chain, **extra), CollectorRegistry(), plugins=plugins
+        ).start()
         server.db = db
         servers.append(server)
         return server
@@ -83,15 +103,18 @@ def _idle(server: GatewayServer) -> bool:
 
 
 async def assert_no_leak(server: GatewayServer) -> None:
-    assert await eventually(lambda: _idle(server), timeout=10), (
-        server.bg.call(lambda: (server.services.admission.store.count, server.services.pool.concurrency()))
+    assert await eventually(lambda: _idle(server), timeout=10), server.bg.call(
+        lambda: (server.services.admission.store.count, server.services.pool.concurrency())
     )
 
 
-async def _open(client: httpx.AsyncClient, server: GatewayServer, body: dict | None = None,
-                headers: dict | None = None) -> httpx.Response:
+async def _open(
+    client: httpx.AsyncClient, server: GatewayServer, body: dict | None = None, headers: dict | None = None
+) -> httpx.Response:
     """Send a streamed request and return once its status line is in (after the engine's first chunk)."""
-    req = client.build_request("POST", server.url + "/v1/chat/completions", json=body or SPEECH, headers=headers)
+    req = client.build_request(
+        "POST", server.url + "/v1/chat/completions", json=body or SPEECH, headers=headers
+    )
     return await client.send(req, stream=True)
 
 
@@ -100,7 +123,9 @@ def _record(server: GatewayServer, rid: str) -> dict | None:
     db = sqlite3.connect(server.db)
     try:
         # The gateway makes request ids; the id a client sent is kept as client_request_id.
-        row = db.execute("SELECT data FROM audit_log WHERE json_extract(data, '$.payload.client_request_id') = ?", (rid,)).fetchone()
+        row = db.execute(
+            "SELECT data FROM audit_log WHERE json_extract(data, '$.payload.client_request_id') = ?", (rid,)
+        ).fetchone()
     finally:
         db.close()
     return None if row is None else orjson.loads(row[0])["payload"]
@@ -118,8 +143,12 @@ async def test_levels_in_order_serve_shed_refuse(serve, upstreams):
     async with httpx.AsyncClient(timeout=20) as client:
         opened = [await _open(client, server) for _ in range(4)]
         assert [r.status_code for r in opened] == [200] * 4
-        assert [r.headers.get("x-omnigate-degraded") for r in opened] == [None, None, "load-text-only",
-                                                                          "load-text-only"]
+        assert [r.headers.get("x-omnigate-degraded") for r in opened] == [
+            None,
+            None,
+            "load-text-only",
+            "load-text-only",
+        ]
         sent = upstreams.omni_a.requests[-4:]
         assert [r["modalities"] for r in sent] == [["text", "audio"]] * 2 + [["text"]] * 2
         assert [("audio" in r, "voice" in r) for r in sent[2:]] == [(False, False)] * 2
@@ -140,14 +169,18 @@ async def test_levels_in_order_serve_shed_refuse(serve, upstreams):
             await r.aclose()
     await assert_no_leak(server)
     assert await eventually(lambda: upstreams.omni_a.aborts == 4)
+
     def m(result):
         return _metric(server, "omnigate_admission_total", {"priority": "standard", "result": result})
+
     assert (m("admitted"), m("above_soft_limit"), m("refused_overload")) == (2, 2, 2)
     assert _metric(server, "omnigate_degradations_total", {"reason": "load-text-only"}) == 2
     # Admission decides before the body is read (issue 15), so a refused request's model is not known.
     assert _metric(server, "omnigate_requests_total", {"model": "unknown", "outcome": "refused"}) == 2
+
     def shed(reason):
         return _metric(server, "omnigate_admission_shed_total", {"reason": reason})
+
     assert (shed("text_only"), shed("overload"), shed("tenant_quota"), shed("engine_busy")) == (2, 2, 0, 0)
 
 
@@ -158,7 +191,9 @@ async def test_many_streams_at_once_split_exactly_at_the_limits(serve, upstreams
         ok = [r for r in got if r.status_code == 200]
         refused = [r for r in got if r.status_code == 503]
         assert (len(ok), len(refused)) == (6, 4)
-        assert sorted(r.headers.get("x-omnigate-degraded", "") for r in ok) == [""] * 3 + ["load-text-only"] * 3
+        assert (
+            sorted(r.headers.get("x-omnigate-degraded", "") for r in ok) == [""] * 3 + ["load-text-only"] * 3
+        )
         assert all(r.headers["retry-after"] == "1" for r in refused)
         assert upstreams.omni_a.in_flight == 6
         for r in got:
@@ -213,15 +248,19 @@ async def test_no_slot_leaks_on_any_way_out(serve, upstreams):
 
 
 async def test_post_policy_retries_give_back_every_attempts_slot(serve, upstreams):
-    chain = PolicyChainConfig(pre=[PolicySpec(name="load-shedding")], stream=[PolicySpec(name="hold-all")],
-                              post=[PolicySpec(name="retry-unless-cold")])
+    chain = PolicyChainConfig(
+        pre=[PolicySpec(name="load-shedding")],
+        stream=[PolicySpec(name="hold-all")],
+        post=[PolicySpec(name="retry-unless-cold")],
+    )
     server = serve({"soft_limit": 2, "hard_limit": 4}, chain=chain)
     short = Script(flavour="omni", text="Short answer.", audio_chunks=1)
     upstreams.omni_a.enqueue(short, short, short, short)
     async with httpx.AsyncClient(timeout=20) as client:
         for stream in (True, False):
-            r = await client.post(server.url + "/v1/chat/completions",
-                                  json={**SPEECH, "stream": stream, "temperature": 0.5})
+            r = await client.post(
+                server.url + "/v1/chat/completions", json={**SPEECH, "stream": stream, "temperature": 0.5}
+            )
             assert r.status_code == 200
     assert upstreams.omni_a.request_count == 4  # each was retried once
     assert _metric(server, "omnigate_retries_total", {"policy": "retry-unless-cold"}) == 2
@@ -232,10 +271,13 @@ async def test_priority_header_classes(serve, upstreams):
     server = serve({"soft_limit": 2, "hard_limit": 4})  # batch: soft 1, hard 3
     batch = {"x-omnigate-priority": "batch"}
     async with httpx.AsyncClient(timeout=20) as client:
+
         def count():
             return server.bg.call(lambda: server.services.admission.store.count)
+
         def shed(r):
             return r.headers.get("x-omnigate-degraded") == "load-text-only"
+
         first = await _open(client, server)
         assert not shed(first)
         b1 = await _open(client, server, headers=batch)
@@ -250,11 +292,13 @@ async def test_priority_header_classes(serve, upstreams):
         _is_openai_error(refused, 503, "overloaded")  # batch stops at 3 ...
         s3 = await _open(client, server)
         assert s3.status_code == 200 and shed(s3)  # ... standard gets the 4th slot
-        bad = await client.post(server.url + "/v1/chat/completions", json=SPEECH,
-                                headers={"x-omnigate-priority": "vip"})
+        bad = await client.post(
+            server.url + "/v1/chat/completions", json=SPEECH, headers={"x-omnigate-priority": "vip"}
+        )
         assert _is_openai_error(bad, 400, "invalid_priority")["type"] == "invalid_request_error"
-        higher = await client.post(server.url + "/v1/chat/completions", json=SPEECH,
-                                   headers={"x-omnigate-priority": "interactive"})
+        higher = await client.post(
+            server.url + "/v1/chat/completions", json=SPEECH, headers={"x-omnigate-priority": "interactive"}
+        )
         _is_openai_error(higher, 403, "permission_denied")
         for r in (first, s2, b2, s3):
             await r.aclose()
@@ -285,9 +329,11 @@ async def test_tenant_quota_429_over_http_with_a_real_key_and_the_header_only_lo
         await held[0].aclose()
         assert await eventually(lambda: server.bg.call(lambda: server.services.admission.store.count) == 2)
         upstreams.omni_a.enqueue(Script(flavour="omni", text="Short answer."))
-        lowered = await client.post(url, json={**SPEECH, "stream": False},
-                                    headers={**acme, "x-omnigate-priority": "batch",
-                                             "x-request-id": "lowered"})
+        lowered = await client.post(
+            url,
+            json={**SPEECH, "stream": False},
+            headers={**acme, "x-omnigate-priority": "batch", "x-request-id": "lowered"},
+        )
         assert lowered.status_code == 200
         raised = await client.post(url, json=SPEECH, headers={**globex, "x-omnigate-priority": "interactive"})
         _is_openai_error(raised, 403, "permission_denied")
@@ -301,8 +347,15 @@ async def test_tenant_quota_429_over_http_with_a_real_key_and_the_header_only_lo
     record = _record(server, "over-quota")
     assert (record["outcome"], record["status"], record["priority"]) == ("refused", 429, "interactive")
     assert record["control"]["admission"] == {
-        "result": "refused_quota", "priority": "interactive", "in_flight": 2, "soft_limit": 16,
-        "hard_limit": 16, "tenant_in_flight": 2, "tenant_quota": 2, "store": "local", "overloaded": False,
+        "result": "refused_quota",
+        "priority": "interactive",
+        "in_flight": 2,
+        "soft_limit": 16,
+        "hard_limit": 16,
+        "tenant_in_flight": 2,
+        "tenant_quota": 2,
+        "store": "local",
+        "overloaded": False,
     }
     assert _record(server, "lowered")["control"]["admission"]["priority"] == "batch"
 
@@ -311,15 +364,24 @@ async def test_a_shed_requests_audit_record_says_so(serve, upstreams):
     server = serve({"soft_limit": 0, "hard_limit": 4})
     upstreams.omni_a.enqueue(Script(flavour="omni", text="Text only."))
     async with httpx.AsyncClient(timeout=20) as client:
-        r = await client.post(server.url + "/v1/chat/completions", json=SPEECH,
-                              headers={"x-request-id": "shed-1"})
+        r = await client.post(
+            server.url + "/v1/chat/completions", json=SPEECH, headers={"x-request-id": "shed-1"}
+        )
         assert r.status_code == 200 and r.headers["x-omnigate-degraded"] == "load-text-only"
     record = _record(server, "shed-1")
     assert record["outcome"] == "degraded" and record["degraded"] == ["load-text-only"]
     assert record["control"] == {
-        "admission": {"result": "above_soft_limit", "priority": "standard", "in_flight": 0, "soft_limit": 0,
-                      "hard_limit": 4, "tenant_in_flight": None, "tenant_quota": None, "store": "local",
-                      "overloaded": False},
+        "admission": {
+            "result": "above_soft_limit",
+            "priority": "standard",
+            "in_flight": 0,
+            "soft_limit": 0,
+            "hard_limit": 4,
+            "tenant_in_flight": None,
+            "tenant_quota": None,
+            "store": "local",
+            "overloaded": False,
+        },
         "shedding": {"action": "text-only", "reason": "load-text-only"},
     }
     assert [(p["name"], p["verdict"]) for p in record["policies"]][:1] == [("load-shedding", "rewrite")]
@@ -328,15 +390,20 @@ async def test_a_shed_requests_audit_record_says_so(serve, upstreams):
 
 
 async def test_per_engine_limits_spill_over_then_queue_then_refuse(serve, upstreams):
-    server = serve({"soft_limit": 16, "hard_limit": 64},
-                   engines={"omni-int4": {"max_in_flight": 2, "max_waiting": 1},
-                            "omni-bf16": {"max_in_flight": 1, "max_waiting": 1}})
+    server = serve(
+        {"soft_limit": 16, "hard_limit": 64},
+        engines={
+            "omni-int4": {"max_in_flight": 2, "max_waiting": 1},
+            "omni-bf16": {"max_in_flight": 1, "max_waiting": 1},
+        },
+    )
     async with httpx.AsyncClient(timeout=20) as client:
         opened = [await _open(client, server) for _ in range(3)]
         assert (upstreams.omni_a.in_flight, upstreams.omni_b.in_flight) == (2, 1)  # the third spilled over
         waiting = asyncio.create_task(_open(client, server))
-        assert await eventually(lambda: server.bg.call(
-            lambda: server.services.pool.concurrency()["omni-int4"]["waiting"]) == 1)
+        assert await eventually(
+            lambda: server.bg.call(lambda: server.services.pool.concurrency()["omni-int4"]["waiting"]) == 1
+        )
         busy = await client.post(server.url + "/v1/chat/completions", json=SPEECH)
         _is_openai_error(busy, 503, "engine_busy")
         assert busy.headers["retry-after"] == "1"
@@ -352,17 +419,23 @@ async def test_per_engine_limits_spill_over_then_queue_then_refuse(serve, upstre
 
 
 async def test_overload_lowers_engine_limits_and_recovery_restores_them(serve, upstreams):
-    server = serve({"soft_limit": 2, "hard_limit": 8, "overload_exit_below": 1, "monitor_interval_s": 0.05},
-                   engines={"omni-int4": {"max_in_flight": 4, "max_in_flight_overloaded": 3}})
+    server = serve(
+        {"soft_limit": 2, "hard_limit": 8, "overload_exit_below": 1, "monitor_interval_s": 0.05},
+        engines={"omni-int4": {"max_in_flight": 4, "max_in_flight_overloaded": 3}},
+    )
+
     def limit():
         return _metric(server, "omnigate_engine_concurrency_limit", {"engine": "omni-int4"})
+
     assert limit() == 4
     async with httpx.AsyncClient(timeout=20) as client:
         opened = [await _open(client, server) for _ in range(3)]
         assert await eventually(lambda: _metric(server, "omnigate_overloaded") == 1)
         assert limit() == 3
         assert _metric(server, "omnigate_admission_in_flight") == 3
-        spilled = await _open(client, server)  # omni-int4 is at its overload limit: the next goes to omni-bf16
+        spilled = await _open(
+            client, server
+        )  # omni-int4 is at its overload limit: the next goes to omni-bf16
         assert upstreams.omni_b.in_flight == 1
         for r in (*opened, spilled):
             await r.aclose()
@@ -372,12 +445,15 @@ async def test_overload_lowers_engine_limits_and_recovery_restores_them(serve, u
 
 
 async def test_shadow_shedding_records_but_serves_speech(serve, upstreams):
-    chain = PolicyChainConfig(pre=[PolicySpec(name="load-shedding", shadow=True), PolicySpec(name="request-limits")])
+    chain = PolicyChainConfig(
+        pre=[PolicySpec(name="load-shedding", shadow=True), PolicySpec(name="request-limits")]
+    )
     server = serve({"soft_limit": 0, "hard_limit": 4}, chain=chain)
     upstreams.omni_a.enqueue(Script(flavour="omni", text="Kept speech.", audio_chunks=1))
     async with httpx.AsyncClient(timeout=20) as client:
-        r = await client.post(server.url + "/v1/chat/completions", json=SPEECH,
-                              headers={"x-request-id": "shadow"})
+        r = await client.post(
+            server.url + "/v1/chat/completions", json=SPEECH, headers={"x-request-id": "shadow"}
+        )
     assert r.status_code == 200 and "x-omnigate-degraded" not in r.headers
     record = _record(server, "shadow")
     assert record["degraded"] == [] and "shedding" not in record["control"]
@@ -385,8 +461,14 @@ async def test_shadow_shedding_records_but_serves_speech(serve, upstreams):
     assert _metric(server, "omnigate_admission_shed_total", {"reason": "text_only"}) == 0
     assert '"audio":{"id"' in r.text and '"data":' in r.text
     assert upstreams.omni_a.requests[-1]["modalities"] == ["text", "audio"]
-    assert _metric(server, "omnigate_policy_decisions_total",
-                   {"policy": "load-shedding", "stage": "pre", "verdict": "rewrite", "shadow": "true"}) == 1
+    assert (
+        _metric(
+            server,
+            "omnigate_policy_decisions_total",
+            {"policy": "load-shedding", "stage": "pre", "verdict": "rewrite", "shadow": "true"},
+        )
+        == 1
+    )
     await assert_no_leak(server)
 
 

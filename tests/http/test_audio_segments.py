@@ -12,9 +12,9 @@ import soundfile as sf
 from prometheus_client import CollectorRegistry
 
 from core.context import RequestContext
-from gateway.pipeline.segments import segment_request
 from core.schemas import ChatCompletionRequest
 from core.settings import PolicyChainConfig, PolicySpec
+from gateway.pipeline.segments import segment_request
 from policies.media_limits import MediaLimits, MediaLimitsConfig
 from tests.conftest import OMNI_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until

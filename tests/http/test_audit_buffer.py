@@ -22,16 +22,22 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _chat(server, rid: str) -> httpx.Response:
-    return httpx.post(server.url + "/v1/chat/completions", headers={"x-request-id": rid}, timeout=20,
-                      json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    return httpx.post(
+        server.url + "/v1/chat/completions",
+        headers={"x-request-id": rid},
+        timeout=20,
+        json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    )
 
 
 def _rows(db) -> list[tuple]:
     conn = sqlite3.connect(db)
     try:
         # The id each request was sent with (the gateway's own request_id is not the client's to choose).
-        return conn.execute("SELECT seq, kind, json_extract(data, '$.payload.client_request_id'), data "
-                            "FROM audit_log ORDER BY seq").fetchall()
+        return conn.execute(
+            "SELECT seq, kind, json_extract(data, '$.payload.client_request_id'), data "
+            "FROM audit_log ORDER BY seq"
+        ).fetchall()
     finally:
         conn.close()
 
@@ -54,8 +60,9 @@ def test_a_full_buffer_applies_the_configured_choice(bg, upstreams, tmp_path, wh
     db = tmp_path / "audit.db"
     # The store is slow (a lock held) but not yet past the patience (ack_timeout_s / 2) that declares it
     # unavailable: two records fill the buffer, the third finds it full.
-    settings = gateway_settings(upstreams, audit={"sqlite_path": str(db), "buffer": 2, "ack_timeout_s": 20,
-                                                  "when_full": when_full})
+    settings = gateway_settings(
+        upstreams, audit={"sqlite_path": str(db), "buffer": 2, "ack_timeout_s": 20, "when_full": when_full}
+    )
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
     audit = server.services.audit
     try:
@@ -74,8 +81,11 @@ def test_a_full_buffer_applies_the_configured_choice(bg, upstreams, tmp_path, wh
         assert wait_until(lambda: any(r[1] == "gap" for r in _rows(db)), timeout=20)
         assert _chat(server, "b4").status_code == 200
         rows = _rows(db)
-        assert [(r[1], r[2]) for r in rows[:3]] == [("request", "warm"), ("request", "b1"), ("request", "b2")] \
-            or [(r[1], r[2]) for r in rows[:3]] == [("request", "warm"), ("request", "b2"), ("request", "b1")]
+        assert [(r[1], r[2]) for r in rows[:3]] == [
+            ("request", "warm"),
+            ("request", "b1"),
+            ("request", "b2"),
+        ] or [(r[1], r[2]) for r in rows[:3]] == [("request", "warm"), ("request", "b2"), ("request", "b1")]
         assert [(r[1], r[2]) for r in rows[3:]] == [("gap", None), ("request", "b4")]
         gap = orjson.loads(rows[3][3])["payload"]
         assert gap["lost"] == 1 and gap["reason"] == ("shed" if when_full == "shed" else "gap")
@@ -118,7 +128,9 @@ def test_a_store_that_stalls_means_503_not_a_response_on_a_record_held_in_memory
     assert ("request", "s1") in kinds and ("request_refused", "s1") in kinds
     assert kinds.index(("request", "s1")) < kinds.index(("request_refused", "s1"))
     assert ("request", "s2") in kinds  # refused at admission: its record says so itself
-    assert orjson.loads(rows[kinds.index(("request", "s2"))][3])["payload"]["error_code"] == "audit_unavailable"
+    assert (
+        orjson.loads(rows[kinds.index(("request", "s2"))][3])["payload"]["error_code"] == "audit_unavailable"
+    )
     assert bg.run(verify_store(server.services.audit.store, Signer("none", "default", None))).ok
     # both: s2's own record (of its refusal) was not durable in time either while the lock was held
     assert "omnigate_audit_ack_timeouts_total 2.0" in httpx.get(server.url + "/metrics").text
@@ -127,10 +139,15 @@ def test_a_store_that_stalls_means_503_not_a_response_on_a_record_held_in_memory
 def test_a_stream_whose_record_is_not_durable_ends_with_an_error_frame_not_a_clean_done(impatient):
     server, db = impatient
     assert _chat(server, "warm").status_code == 200
-    with _write_lock_held(db), httpx.stream(
-        "POST", server.url + "/v1/chat/completions", timeout=20,
-        json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
-    ) as r:
+    with (
+        _write_lock_held(db),
+        httpx.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            timeout=20,
+            json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+        ) as r,
+    ):
         lines = [line for line in r.iter_lines() if line]
     assert r.status_code == 200  # fixed by the first chunk; the stream's end is what acknowledges it
     assert lines[-1] == "data: [DONE]"

@@ -17,9 +17,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from core.settings import Settings
 from gateway.console import session
 from gateway.console.routes import CSP
-from core.settings import Settings
 from tests.console_setup import ADMIN, ADMIN_KEY, config, start, tenant_keys
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,7 +76,10 @@ def test_sign_in_sets_a_strict_session_cookie(gw):
         wrong = _sign_in(c, "not-the-admin-key-at-all")
         assert wrong.status_code == 401 and "set-cookie" not in wrong.headers
         assert "That is not the admin key." in wrong.text and "not-the-admin-key" not in wrong.text
-        assert server.registry.get_sample_value("omnigate_auth_failures_total", {"reason": "console_sign_in"}) == 1
+        assert (
+            server.registry.get_sample_value("omnigate_auth_failures_total", {"reason": "console_sign_in"})
+            == 1
+        )
         ok = _sign_in(c)
         assert ok.status_code == 303 and ok.headers["location"] == "/admin/console/overview"
         cookie = ok.headers["set-cookie"]
@@ -102,8 +105,14 @@ def test_the_cookie_is_secure_behind_tls(gw):
 
 
 def test_csp_forbids_inline_script_and_other_hosts(gw):
-    for directive in ("default-src 'none'", "script-src 'self'", "connect-src 'self'", "frame-ancestors 'none'",
-                      "form-action 'self'", "base-uri 'none'"):
+    for directive in (
+        "default-src 'none'",
+        "script-src 'self'",
+        "connect-src 'self'",
+        "frame-ancestors 'none'",
+        "form-action 'self'",
+        "base-uri 'none'",
+    ):
         assert directive in CSP
     assert "unsafe" not in CSP and "http" not in CSP
     server = gw[0]
@@ -130,7 +139,11 @@ def test_changes_need_the_csrf_token(gw):
         refused = [
             c.post("/admin/routing/freeze", json={}),
             c.post("/admin/routing/freeze", json={}, headers={"x-csrf-token": "0" * 64}),
-            c.post("/admin/routing/freeze", json={}, headers={"x-csrf-token": token, "origin": "https://evil.example"}),
+            c.post(
+                "/admin/routing/freeze",
+                json={},
+                headers={"x-csrf-token": token, "origin": "https://evil.example"},
+            ),
             c.post("/admin/keys", json={"tenant": "acme"}),
             c.delete("/admin/keys/abcdefgh1234"),
             c.post("/admin/console/logout"),
@@ -138,9 +151,14 @@ def test_changes_need_the_csrf_token(gw):
         for r in refused:
             assert r.status_code == 403 and r.json()["error"]["code"] == "csrf_failed", r.text
         assert not httpx.get(server.url + "/admin/routing", headers=ADMIN).json()["frozen"]
-        assert {k["source"] for k in httpx.get(server.url + "/admin/keys", headers=ADMIN).json()["keys"]} == {"config"}
-        ok = c.post("/admin/routing/freeze", json={"actor": "console"},
-                    headers={"x-csrf-token": token, "origin": server.url})
+        assert {k["source"] for k in httpx.get(server.url + "/admin/keys", headers=ADMIN).json()["keys"]} == {
+            "config"
+        }
+        ok = c.post(
+            "/admin/routing/freeze",
+            json={"actor": "console"},
+            headers={"x-csrf-token": token, "origin": server.url},
+        )
         assert ok.status_code == 200 and ok.json()["frozen"]
         # a token is bound to its session: another sign-in's token does not fit this cookie
         with _client(server) as other:
@@ -172,10 +190,15 @@ def test_sign_in_from_another_origin_or_oversized_is_refused(gw):
     with _client(server) as c:
         r = _sign_in(c, origin="https://evil.example")
         assert r.status_code == 403 and "set-cookie" not in r.headers
-        big = c.post("/admin/console/login", content=b"key=" + b"a" * 10000,
-                     headers={"content-type": "application/x-www-form-urlencoded"})
+        big = c.post(
+            "/admin/console/login",
+            content=b"key=" + b"a" * 10000,
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
         assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
-        empty = c.post("/admin/console/login", content=b"", headers={"content-type": "application/x-www-form-urlencoded"})
+        empty = c.post(
+            "/admin/console/login", content=b"", headers={"content-type": "application/x-www-form-urlencoded"}
+        )
         assert empty.status_code == 401
 
 
@@ -199,7 +222,8 @@ def test_a_session_works_on_every_replica_and_ends_with_the_admin_key(bg, eng, t
             # rotate the admin key on b with a hot reload: every session signed with the old key ends there
             new_key = secrets.token_hex(32)
             (tmp_path / "b" / "omnigate.yaml").write_text(
-                yaml.safe_dump({**b_doc, "admin": {"api_key": new_key, "console": {"enabled": True}}}))
+                yaml.safe_dump({**b_doc, "admin": {"api_key": new_key, "console": {"enabled": True}}})
+            )
             reload = cb.post("/admin/config/reload", headers={"authorization": f"Bearer {ADMIN_KEY}"})
             assert reload.status_code == 200, reload.text
             assert cb.get("/admin/tenants").status_code == 401
@@ -217,7 +241,9 @@ def test_sign_out_clears_the_cookie_and_sign_in_is_recorded(gw):
         out = c.post("/admin/console/logout", headers={"x-csrf-token": token})
         assert out.status_code == 200 and "max-age=0" in out.headers["set-cookie"].lower()
         assert c.get("/admin/console/overview").status_code == 303
-    records = httpx.get(server.url + "/admin/audit/records", params={"kind": "admin_change"}, headers=ADMIN).json()
+    records = httpx.get(
+        server.url + "/admin/audit/records", params={"kind": "admin_change"}, headers=ADMIN
+    ).json()
     assert "console_signed_in" in [r["action"] for r in records["records"]]
 
 
@@ -226,6 +252,7 @@ _FILLED = {"page": "overview", "name": "console.js"}
 
 def _admin_routes(server) -> list[tuple[str, str]]:
     """Every (method, path) the app serves under /admin, path parameters filled in."""
+
     def flat(routes):  # an included router keeps its routes on original_router
         for r in routes:
             inner = getattr(r, "original_router", None)
@@ -257,8 +284,11 @@ def test_every_admin_route_needs_a_credential(bg, eng, tmp_path):
 def _walk_admin_routes(server) -> None:
     routes = _admin_routes(server)
     assert len(routes) > 25 and ("GET", "/admin/audit/records") in routes
-    open_by_design = {("GET", "/admin/console/login"), ("POST", "/admin/console/login"),
-                      ("GET", "/admin/console/static/console.js")}
+    open_by_design = {
+        ("GET", "/admin/console/login"),
+        ("POST", "/admin/console/login"),
+        ("GET", "/admin/console/static/console.js"),
+    }
     with _client(server) as c:
         for method, path in routes:
             r = c.request(method, path)
@@ -291,8 +321,10 @@ def test_a_trickled_sign_in_form_is_cut_off_with_408(bg, eng, tmp_path):
     server = start(bg, doc, tmp_path / "omnigate.yaml")
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=15) as s:
-            s.sendall(b"POST /admin/console/login HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                      b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 200\r\n\r\nkey=a")
+            s.sendall(
+                b"POST /admin/console/login HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 200\r\n\r\nkey=a"
+            )
             reply = b""
             while b"\r\n\r\n" not in reply:
                 chunk = s.recv(4096)

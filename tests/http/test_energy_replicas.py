@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from core.control_settings import EnergySettings, EngineTelemetry, SharedStateSettings
 from tests.harness import GatewayServer, wait_until
-from tests.http.rollout_helpers import MODEL, REDIS, admin, engines, settings
+from tests.http.rollout_helpers import MODEL, admin, engines, settings
 from tests.http.test_energy_usage import Dcgm
 
 pytestmark = pytest.mark.timeout(180)
@@ -60,16 +60,21 @@ def test_the_followers_answers_carry_the_energy_the_leader_measured(bg, fresh, d
         usage = _usage(follower.url)
         after = follower.bg.call(lambda: book.joules_per_token("omni-int4"))
         tokens = usage["completion_tokens"]
-        assert any(usage["energy_joules"] == pytest.approx(tokens * f, abs=1e-3) for f in (before, after)), usage
+        assert any(usage["energy_joules"] == pytest.approx(tokens * f, abs=1e-3) for f in (before, after)), (
+            usage
+        )
         # The figure the follower charges is the one the leader computed and exports.
         tpj = leader.registry.get_sample_value(
             "omnigate_engine_tokens_per_joule", {"engine": "omni-int4", "variant": "int4"}
         )
         assert tpj is not None and tpj > 0
         # The energy is integrated once, by the leader.
-        assert follower.registry.get_sample_value(
-            "omnigate_engine_energy_joules_total", {"engine": "omni-int4", "variant": "int4"}
-        ) is None
+        assert (
+            follower.registry.get_sample_value(
+                "omnigate_engine_energy_joules_total", {"engine": "omni-int4", "variant": "int4"}
+            )
+            is None
+        )
     finally:
         b.stop()
         a.stop()

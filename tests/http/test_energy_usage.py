@@ -36,7 +36,9 @@ class Dcgm:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         lines = ["# HELP DCGM_FI_DEV_POWER_USAGE Power draw (in W).", "# TYPE DCGM_FI_DEV_POWER_USAGE gauge"]
-        lines += [f'DCGM_FI_DEV_POWER_USAGE{{gpu="{g}",modelName="NVIDIA H200"}} {w}' for g, w in self.watts.items()]
+        lines += [
+            f'DCGM_FI_DEV_POWER_USAGE{{gpu="{g}",modelName="NVIDIA H200"}} {w}' for g, w in self.watts.items()
+        ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def stop(self) -> None:
@@ -125,7 +127,10 @@ def test_the_engines_gpu_power_becomes_tokens_per_joule_and_each_answer_its_ener
     assert reg.get_sample_value("omnigate_engine_tokens_per_joule", {"engine": "lit", "variant": "bf16"}) > 0
     joules = reg.get_sample_value("omnigate_engine_energy_joules_total", {"engine": "lit", "variant": "bf16"})
     assert joules > 1.0
-    assert reg.get_sample_value("omnigate_engine_energy_joules_total", {"engine": "dark", "variant": "bf16"}) is None
+    assert (
+        reg.get_sample_value("omnigate_engine_energy_joules_total", {"engine": "dark", "variant": "bf16"})
+        is None
+    )
 
 
 def test_an_idle_engine_is_charged_nothing(stack):
@@ -133,7 +138,10 @@ def test_an_idle_engine_is_charged_nothing(stack):
     reg = server.registry
 
     def joules() -> float:
-        return reg.get_sample_value("omnigate_engine_energy_joules_total", {"engine": "lit", "variant": "bf16"}) or 0.0
+        return (
+            reg.get_sample_value("omnigate_engine_energy_joules_total", {"engine": "lit", "variant": "bf16"})
+            or 0.0
+        )
 
     _ask(server.url)
     assert wait_until(lambda: server.bg.call(lambda: server.services.pool.in_flight("lit")) == 0, timeout=5)

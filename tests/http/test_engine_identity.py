@@ -45,9 +45,18 @@ def server(bg, engines):
     a, b = engines
     settings = Settings(
         engines=[
-            EngineConfig(name=name, kind="vllm", base_url=up.base_url, model="org/pinned", serves=[MODEL],
-                         role=role, expected_model="org/pinned", expected_revision=REV,
-                         first_byte_timeout_s=5, read_timeout_s=5)
+            EngineConfig(
+                name=name,
+                kind="vllm",
+                base_url=up.base_url,
+                model="org/pinned",
+                serves=[MODEL],
+                role=role,
+                expected_model="org/pinned",
+                expected_revision=REV,
+                first_byte_timeout_s=5,
+                read_timeout_s=5,
+            )
             for name, up, role in (("a", a, "primary"), ("b", b, "fallback"))
         ],
         policies=PolicyChainConfig(pre=[PolicySpec(name="request-limits")]),
@@ -74,8 +83,11 @@ def fresh(bg, engines, server):
 
 
 def _ask(server) -> httpx.Response:
-    return httpx.post(server.url + "/v1/chat/completions", timeout=10,
-                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    return httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=10,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    )
 
 
 def _probe(server) -> None:
@@ -83,7 +95,9 @@ def _probe(server) -> None:
 
 
 def _verified(server, engine: str) -> float | None:
-    return server.registry.get_sample_value("omnigate_engine_model_verified", {"engine": engine, "variant": "bf16"})
+    return server.registry.get_sample_value(
+        "omnigate_engine_model_verified", {"engine": engine, "variant": "bf16"}
+    )
 
 
 def test_the_engines_serving_what_they_were_configured_with_are_routed_to(server, fresh):
@@ -110,7 +124,9 @@ def test_a_wrong_revision_is_never_routed_to(server, fresh):
     assert ready["engines"]["a"] is False
     assert "not the configured revision" in ready["engine_problems"]["a"]
     assert OTHER in ready["engine_problems"]["a"]
-    assert _verified(server, "a") == 0.0 and _verified(server, "b") == 1.0  # what OmnigateEngineModelMismatch reads
+    assert (
+        _verified(server, "a") == 0.0 and _verified(server, "b") == 1.0
+    )  # what OmnigateEngineModelMismatch reads
 
 
 def test_a_wrong_model_id_is_never_routed_to_even_as_a_last_resort(server, fresh):

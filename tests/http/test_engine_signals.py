@@ -21,7 +21,7 @@ from core.settings import PolicyChainConfig, PolicySpec
 from policies.base import PolicyBase, PolicyConfig
 from policies.registry import available_plugins
 from tests.harness import GatewayServer, wait_until
-from tests.http.rollout_helpers import MODEL, REDIS, Trio, chat, engines, settings
+from tests.http.rollout_helpers import MODEL, Trio, chat, engines, settings
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(180)
@@ -49,18 +49,24 @@ class SlowPre(PolicyBase):
 def _rules() -> list[Rule]:
     shipped = next(r for r in default_rules() if r.name == "int4-latency")
     fast = {"above": 0.15, "for_s": 0.3, "min_samples": 5, "recover_below": 0.05, "recover_for_s": 600}
-    int4 = shipped.model_copy(update={**fast, "action": shipped.action.model_copy(update={"trickle_weight": 0.0})})
+    int4 = shipped.model_copy(
+        update={**fast, "action": shipped.action.model_copy(update={"trickle_weight": 0.0})}
+    )
     control = Rule(name="client-ttft", signal="ttft_p99", **fast,
                    action=RuleAction(kind="limit_concurrency", min_concurrency=4))  # fmt: skip
     return [int4, control]
 
 
-def _start(bg, trio: Trio, pre_delay_s: float = 0.0, state: SharedStateSettings | None = None) -> GatewayServer:
+def _start(
+    bg, trio: Trio, pre_delay_s: float = 0.0, state: SharedStateSettings | None = None
+) -> GatewayServer:
     s = settings(engines(trio), _rules(), state=state)
     if pre_delay_s:
         s = s.model_copy(update={"policies": PolicyChainConfig(
             pre=[PolicySpec(name="slow-pre", config={"delay_s": pre_delay_s})], stream=[], post=[])})  # fmt: skip
-    return GatewayServer(bg, s, CollectorRegistry(), plugins={**available_plugins(), "slow-pre": SlowPre}).start()
+    return GatewayServer(
+        bg, s, CollectorRegistry(), plugins={**available_plugins(), "slow-pre": SlowPre}
+    ).start()
 
 
 def _fired(server: GatewayServer) -> set[str]:
@@ -83,7 +89,9 @@ def test_non_streamed_load_does_not_roll_int4_back(bg, fresh):
     fresh.set(fresh.int4, default=Script(flavour="omni", chunk_delay_s=0.03))
     server = _start(bg, fresh)
     try:
-        assert wait_until(lambda: _complete(server.url) and "client-ttft" in _fired(server), timeout=90, interval=0)
+        assert wait_until(
+            lambda: _complete(server.url) and "client-ttft" in _fired(server), timeout=90, interval=0
+        )
         assert "int4-latency" not in _fired(server)
         assert fresh.counts()["int4"] > 0 and fresh.counts()["bf16"] == 0
         sample = server.registry.get_sample_value
@@ -98,7 +106,9 @@ def test_non_streamed_load_does_not_roll_int4_back(bg, fresh):
 def test_a_slow_pre_policy_does_not_roll_int4_back(bg, fresh):
     server = _start(bg, fresh, pre_delay_s=0.3)
     try:
-        assert wait_until(lambda: chat(server.url).ok and "client-ttft" in _fired(server), timeout=90, interval=0)
+        assert wait_until(
+            lambda: chat(server.url).ok and "client-ttft" in _fired(server), timeout=90, interval=0
+        )
         assert "int4-latency" not in _fired(server)
         sample = server.registry.get_sample_value
         labels = {"engine": "omni-int4", "variant": "int4"}
@@ -116,7 +126,9 @@ def test_a_slow_engine_rolls_int4_back(bg, fresh):
     fresh.set(fresh.int4, default=Script(flavour="omni", first_byte_delay_s=0.3))
     server = _start(bg, fresh)
     try:
-        assert wait_until(lambda: chat(server.url).ok and "int4-latency" in _fired(server), timeout=90, interval=0)
+        assert wait_until(
+            lambda: chat(server.url).ok and "int4-latency" in _fired(server), timeout=90, interval=0
+        )
         before = fresh.counts()
         assert all(chat(server.url).ok for _ in range(5))
         after = fresh.counts()
@@ -153,7 +165,9 @@ def test_two_replicas_on_redis_roll_back_for_a_slow_engine_not_for_a_slow_pre_po
         before = fresh.counts()
         assert all(chat(s.url).ok for s in servers for _ in range(3))
         after = fresh.counts()
-        assert after["int4"] == before["int4"] and after["bf16"] - before["bf16"] == 6  # both follow the table
+        assert (
+            after["int4"] == before["int4"] and after["bf16"] - before["bf16"] == 6
+        )  # both follow the table
     finally:
         a.stop()
         b.stop()

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from gateway.reload import reload_config
 from core.settings import load_settings
+from gateway.reload import reload_config
 from gateway.tenants import mint_key
 from tests.conftest import TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
@@ -31,20 +31,27 @@ ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 def _chat(server, key: str | None = None, headers: dict | None = None) -> httpx.Response:
     h = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(server.url + "/v1/chat/completions", headers={**h, **(headers or {})}, timeout=10,
-                      json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    return httpx.post(
+        server.url + "/v1/chat/completions",
+        headers={**h, **(headers or {})},
+        timeout=10,
+        json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    )
 
 
 def _admin(server, method: str, path: str, key: str = ADMIN_KEY, **kw) -> httpx.Response:
-    return httpx.request(method, server.url + "/admin" + path, headers={"authorization": f"Bearer {key}"},
-                         timeout=10, **kw)
+    return httpx.request(
+        method, server.url + "/admin" + path, headers={"authorization": f"Bearer {key}"}, timeout=10, **kw
+    )
 
 
 def _rows(db) -> list[tuple[str, str | None, dict]]:
     conn = sqlite3.connect(db)
     try:
-        return [(k, rid, orjson.loads(d)) for k, rid, d in
-                conn.execute("SELECT kind, request_id, data FROM audit_log ORDER BY seq")]
+        return [
+            (k, rid, orjson.loads(d))
+            for k, rid, d in conn.execute("SELECT kind, request_id, data FROM audit_log ORDER BY seq")
+        ]
     finally:
         conn.close()
 
@@ -96,11 +103,22 @@ def test_a_tenant_created_on_a_fresh_store_does_not_switch_authentication_on_onl
 def test_removing_the_last_tenant_by_reload_does_not_open_the_gateway(bg, upstreams, tmp_path):
     upstreams.reset()
     k = mint_key()
-    doc = {"engines": [{"name": "text-vllm", "kind": "vllm", "base_url": upstreams.vllm.base_url,
-                        "model": "scripted", "serves": [TEXT_MODEL]}],
-           "tenants": [{"name": "only"}], "api_keys": [{"id": k.id, "tenant": "only", "sha256": k.sha256}],
-           "rate_limits": {"key_prefix": redis_prefix()}, "audit": {"sqlite_path": str(tmp_path / "a.db")},
-           "logging": {"level": "warning"}}
+    doc = {
+        "engines": [
+            {
+                "name": "text-vllm",
+                "kind": "vllm",
+                "base_url": upstreams.vllm.base_url,
+                "model": "scripted",
+                "serves": [TEXT_MODEL],
+            }
+        ],
+        "tenants": [{"name": "only"}],
+        "api_keys": [{"id": k.id, "tenant": "only", "sha256": k.sha256}],
+        "rate_limits": {"key_prefix": redis_prefix()},
+        "audit": {"sqlite_path": str(tmp_path / "a.db")},
+        "logging": {"level": "warning"},
+    }
     path = tmp_path / "omnigate.yaml"
     path.write_text(yaml.safe_dump(doc))
     server = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
@@ -120,10 +138,14 @@ def test_required_false_next_to_tenants_or_a_shared_directory_is_refused():
 
     from core.settings import Settings
 
-    with pytest.raises(ValidationError, match=re.escape("auth.required is false, but the config names tenants")):
+    with pytest.raises(
+        ValidationError, match=re.escape("auth.required is false, but the config names tenants")
+    ):
         Settings(auth={"required": False}, tenants=[{"name": "a"}])
     with pytest.raises(ValidationError, match="a shared directory"):
-        Settings(auth={"required": False, "directory": {"backend": "postgres", "postgres_dsn": "postgresql://x/y"}})
+        Settings(
+            auth={"required": False, "directory": {"backend": "postgres", "postgres_dsn": "postgresql://x/y"}}
+        )
 
 
 def test_admin_writes_to_a_per_process_directory_are_refused_with_several_replicas(started):
@@ -131,7 +153,9 @@ def test_admin_writes_to_a_per_process_directory_are_refused_with_several_replic
     refused = _admin(server, "POST", "/tenants", json={"name": "newco"})
     assert refused.status_code == 409
     err = refused.json()["error"]
-    assert err["code"] == "conflict" and "auth.replicas is 3" in err["message"] and "postgres" in err["message"]
+    assert (
+        err["code"] == "conflict" and "auth.replicas is 3" in err["message"] and "postgres" in err["message"]
+    )
     assert _admin(server, "GET", "/tenants").status_code == 200
     ready = httpx.get(server.url + "/readyz", headers=ADMIN, timeout=5).json()
     assert ready["auth"]["directory"]["admin_writes"].startswith("auth.replicas is 3")
@@ -146,18 +170,26 @@ def test_admin_writes_are_refused_when_authentication_is_off(started):
 
 # -- the directory fails closed -----------------------------------------------------------------------
 def test_directory_keys_are_refused_once_the_directory_is_unread_too_long_and_config_keys_keep_working(
-        bg, started):
+    bg, started
+):
     config_key = mint_key()
     with fresh_pg_database() as dsn:
         proxy = bg.run(TCPProxy("127.0.0.1", 5432).start())
         try:
             db = dsn.rsplit("/", 1)[1]
             server = started(
-                admin={"api_key": ADMIN_KEY}, tenants=[{"name": "cfg"}],
+                admin={"api_key": ADMIN_KEY},
+                tenants=[{"name": "cfg"}],
                 api_keys=[{"id": config_key.id, "tenant": "cfg", "sha256": config_key.sha256}],
-                auth={"directory": {"backend": "postgres",
-                                    "postgres_dsn": f"postgresql://postgres@127.0.0.1:{proxy.port}/{db}",
-                                    "refresh_s": 0.2, "timeout_s": 0.5, "fail_closed_after_s": 1.5}},
+                auth={
+                    "directory": {
+                        "backend": "postgres",
+                        "postgres_dsn": f"postgresql://postgres@127.0.0.1:{proxy.port}/{db}",
+                        "refresh_s": 0.2,
+                        "timeout_s": 0.5,
+                        "fail_closed_after_s": 1.5,
+                    }
+                },
             )
             assert _admin(server, "POST", "/tenants", json={"name": "dir"}).status_code == 201
             key = _admin(server, "POST", "/keys", json={"tenant": "dir"}).json()["key"]
@@ -169,9 +201,13 @@ def test_directory_keys_are_refused_once_the_directory_is_unread_too_long_and_co
             bg.run(proxy.start("blackhole"))
             assert wait_until(lambda: _chat(server, key).status_code == 503, timeout=20, interval=0.1)
             refused = _chat(server, key)
-            assert refused.json()["error"]["code"] == "directory_unavailable" and refused.headers["retry-after"]
+            assert (
+                refused.json()["error"]["code"] == "directory_unavailable" and refused.headers["retry-after"]
+            )
             assert _chat(server, config_key.key).status_code == 200
-            assert _chat(server, key[:-3] + "abc").status_code == 401  # a wrong secret still learns nothing more
+            assert (
+                _chat(server, key[:-3] + "abc").status_code == 401
+            )  # a wrong secret still learns nothing more
             assert _metric(server, "omnigate_directory_fresh") == 0
             assert _metric(server, "omnigate_directory_read_errors_total") >= 1
 
@@ -186,8 +222,11 @@ def test_directory_keys_are_refused_once_the_directory_is_unread_too_long_and_co
 # -- refused requests: no record each, an aggregate, a limit per address --------------------------------
 def test_refused_keys_do_not_grow_the_chain_one_each_and_are_summarised(started):
     k = mint_key()
-    server = started(tenants=[{"name": "t"}], api_keys=[{"id": k.id, "tenant": "t", "sha256": k.sha256}],
-                     auth={"failures": {"max_failures": 10_000}})
+    server = started(
+        tenants=[{"name": "t"}],
+        api_keys=[{"id": k.id, "tenant": "t", "sha256": k.sha256}],
+        auth={"failures": {"max_failures": 10_000}},
+    )
     before = len(_rows(server.db))
     for i in range(40):
         assert _chat(server, None if i % 2 else "og_aaaaaaaaaaaa_" + "x" * 43).status_code == 401
@@ -204,24 +243,33 @@ def test_refused_keys_do_not_grow_the_chain_one_each_and_are_summarised(started)
 
 def test_an_address_that_keeps_failing_gets_429_and_a_valid_key_is_still_served(started):
     k = mint_key()
-    server = started(tenants=[{"name": "t"}], api_keys=[{"id": k.id, "tenant": "t", "sha256": k.sha256}],
-                     auth={"failures": {"max_failures": 5, "window_s": 60}})
+    server = started(
+        tenants=[{"name": "t"}],
+        api_keys=[{"id": k.id, "tenant": "t", "sha256": k.sha256}],
+        auth={"failures": {"max_failures": 5, "window_s": 60}},
+    )
     assert [_chat(server).status_code for _ in range(5)] == [401] * 5
     throttled = _chat(server, "nonsense")
     assert throttled.status_code == 429
     err = throttled.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == "too_many_authentication_failures" and 1 <= int(throttled.headers["retry-after"]) <= 60
+    assert (
+        err["code"] == "too_many_authentication_failures" and 1 <= int(throttled.headers["retry-after"]) <= 60
+    )
     assert _chat(server, k.key).status_code == 200  # only failures are limited
     assert _metric(server, "omnigate_auth_throttled_total") == 1
 
 
 def test_the_failure_limit_is_shared_through_redis_by_replicas(started):
     k = mint_key()
-    common = {"tenants": [{"name": "t"}], "api_keys": [{"id": k.id, "tenant": "t", "sha256": k.sha256}],
-              "auth": {"failures": {"max_failures": 6}},
-              "redis": {"url": "redis://127.0.0.1:6379/0"}, "traffic": {"key_prefix": redis_prefix()},
-              "rate_limits": {"key_prefix": redis_prefix()}}
+    common = {
+        "tenants": [{"name": "t"}],
+        "api_keys": [{"id": k.id, "tenant": "t", "sha256": k.sha256}],
+        "auth": {"failures": {"max_failures": 6}},
+        "redis": {"url": "redis://127.0.0.1:6379/0"},
+        "traffic": {"key_prefix": redis_prefix()},
+        "rate_limits": {"key_prefix": redis_prefix()},
+    }
     a, b = started(**common), started(**common)
     assert [_chat(a).status_code for _ in range(3)] == [401] * 3
     assert [_chat(b).status_code for _ in range(3)] == [401] * 3
@@ -248,8 +296,14 @@ def test_a_client_cannot_choose_the_request_id_of_its_record(started):
 # -- the admin credential, not the body, says who did it -----------------------------------------------------
 def test_each_admin_change_records_the_credential_that_made_it(started):
     alice, bob = secrets.token_hex(32), secrets.token_hex(32)
-    server = started(admin={"keys": [{"name": "alice", "sha256": hashlib.sha256(alice.encode()).hexdigest()},
-                                     {"name": "bob", "sha256": hashlib.sha256(bob.encode()).hexdigest()}]})
+    server = started(
+        admin={
+            "keys": [
+                {"name": "alice", "sha256": hashlib.sha256(alice.encode()).hexdigest()},
+                {"name": "bob", "sha256": hashlib.sha256(bob.encode()).hexdigest()},
+            ]
+        }
+    )
     assert _admin(server, "POST", "/tenants", key=alice, json={"name": "newco"}).status_code == 201
     made = _admin(server, "POST", "/keys", key=bob, json={"tenant": "newco"}).json()
     assert _admin(server, "DELETE", f"/keys/{made['id']}", key=alice).status_code == 200
@@ -257,14 +311,19 @@ def test_each_admin_change_records_the_credential_that_made_it(started):
     assert wait_until(lambda: len([r for r in _rows(server.db) if r[0] == "admin_change"]) == 3, timeout=10)
     changes = [d["payload"] for kind, _, d in _rows(server.db) if kind == "admin_change"]
     assert [(c["action"], c["by"]["credential"]) for c in changes] == [
-        ("tenant_created", "alice"), ("key_created", "bob"), ("key_revoked", "alice")]
+        ("tenant_created", "alice"),
+        ("key_created", "bob"),
+        ("key_revoked", "alice"),
+    ]
     assert changes[0]["by"]["fingerprint"] == hashlib.sha256(alice.encode()).hexdigest()[:12]
     assert alice not in str(changes) and bob not in str(changes)
 
 
 def test_wrong_admin_keys_are_counted_and_limited_per_address(started):
     server = started(admin={"api_key": ADMIN_KEY}, auth={"failures": {"max_failures": 3}})
-    assert [_admin(server, "GET", "/tenants", key=secrets.token_hex(32)).status_code for _ in range(3)] == [401] * 3
+    assert [_admin(server, "GET", "/tenants", key=secrets.token_hex(32)).status_code for _ in range(3)] == [
+        401
+    ] * 3
     limited = _admin(server, "GET", "/tenants", key=secrets.token_hex(32))
     assert limited.status_code == 429 and limited.headers["retry-after"]
     assert _admin(server, "GET", "/tenants").status_code == 200  # the real credential is not locked out
@@ -273,18 +332,34 @@ def test_wrong_admin_keys_are_counted_and_limited_per_address(started):
 
 def test_a_reload_records_the_credential_that_asked_for_it(bg, upstreams, tmp_path):
     upstreams.reset()
-    doc = {"engines": [{"name": "text-vllm", "kind": "vllm", "base_url": upstreams.vllm.base_url,
-                        "model": "scripted", "serves": [TEXT_MODEL]}],
-           "admin": {"api_key": ADMIN_KEY}, "rate_limits": {"key_prefix": redis_prefix()},
-           "audit": {"sqlite_path": str(tmp_path / "a.db")}, "logging": {"level": "warning"}}
+    doc = {
+        "engines": [
+            {
+                "name": "text-vllm",
+                "kind": "vllm",
+                "base_url": upstreams.vllm.base_url,
+                "model": "scripted",
+                "serves": [TEXT_MODEL],
+            }
+        ],
+        "admin": {"api_key": ADMIN_KEY},
+        "rate_limits": {"key_prefix": redis_prefix()},
+        "audit": {"sqlite_path": str(tmp_path / "a.db")},
+        "logging": {"level": "warning"},
+    }
     path = tmp_path / "omnigate.yaml"
     path.write_text(yaml.safe_dump(doc))
     server = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
     try:
         assert _admin(server, "POST", "/config/reload").status_code == 200
-        assert wait_until(lambda: any(k == "config_reload" for k, _, _ in _rows(tmp_path / "a.db")), timeout=10)
+        assert wait_until(
+            lambda: any(k == "config_reload" for k, _, _ in _rows(tmp_path / "a.db")), timeout=10
+        )
         [event] = [d["payload"] for k, _, d in _rows(tmp_path / "a.db") if k == "config_reload"]
-        assert event["by"] == {"credential": "api_key", "fingerprint": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()[:12]}
+        assert event["by"] == {
+            "credential": "api_key",
+            "fingerprint": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()[:12],
+        }
     finally:
         server.stop()
 
@@ -295,18 +370,26 @@ def test_a_gateway_started_while_the_directory_is_down_serves_config_keys_and_ca
         proxy = TCPProxy("127.0.0.1", 5432)  # not listening yet: the directory is down at boot
         try:
             server = started(
-                admin={"api_key": ADMIN_KEY}, tenants=[{"name": "cfg"}],
+                admin={"api_key": ADMIN_KEY},
+                tenants=[{"name": "cfg"}],
                 api_keys=[{"id": config_key.id, "tenant": "cfg", "sha256": config_key.sha256}],
-                auth={"directory": {"backend": "postgres",
-                                    "postgres_dsn": f"postgresql://postgres@127.0.0.1:{proxy.port}/"
-                                                    + dsn.rsplit("/", 1)[1],
-                                    "refresh_s": 0.2, "timeout_s": 0.5}},
+                auth={
+                    "directory": {
+                        "backend": "postgres",
+                        "postgres_dsn": f"postgresql://postgres@127.0.0.1:{proxy.port}/"
+                        + dsn.rsplit("/", 1)[1],
+                        "refresh_s": 0.2,
+                        "timeout_s": 0.5,
+                    }
+                },
             )
             assert _chat(server, config_key.key).status_code == 200
             assert _metric(server, "omnigate_directory_fresh") == 0
             assert _admin(server, "POST", "/tenants", json={"name": "dir"}).status_code == 503
             bg.run(proxy.start("up"))
-            assert wait_until(lambda: _metric(server, "omnigate_directory_fresh") == 1, timeout=20, interval=0.1)
+            assert wait_until(
+                lambda: _metric(server, "omnigate_directory_fresh") == 1, timeout=20, interval=0.1
+            )
             assert _admin(server, "POST", "/tenants", json={"name": "dir"}).status_code == 201
         finally:
             bg.run(proxy.stop())
@@ -320,7 +403,11 @@ def test_readyz_detail_is_for_the_admin_credential_only(started):
         assert anonymous.status_code == 200 and anonymous.json() == {"status": "ready"}
         assert "text-vllm" not in anonymous.text
     detail = httpx.get(server.url + "/readyz", headers=ADMIN, timeout=5).json()
-    assert detail["engines"]["text-vllm"] and detail["policies"]["pre"] == ["request-limits", "media-fetch", "media-limits"]
+    assert detail["engines"]["text-vllm"] and detail["policies"]["pre"] == [
+        "request-limits",
+        "media-fetch",
+        "media-limits",
+    ]
 
 
 def test_metrics_on_a_port_of_their_own(started):

@@ -22,8 +22,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from gateway.reload import reload_config
 from core.settings import load_settings
+from gateway.reload import reload_config
 from gateway.tenants import mint_key
 from policies.registry import available_plugins
 from tests.conftest import OMNI_MODEL
@@ -69,22 +69,32 @@ class Gateway:
         upstreams.reset()
         self.bg, self.upstreams, self.media = bg, upstreams, media
         self.keys = {"plain": mint_key(), "grouped": mint_key()}
-        engine = {"name": "omni", "kind": "vllm-omni", "base_url": upstreams.omni_a.base_url,
-                  "model": "scripted", "serves": [OMNI_MODEL], "read_timeout_s": 10}
+        engine = {
+            "name": "omni",
+            "kind": "vllm-omni",
+            "base_url": upstreams.omni_a.base_url,
+            "model": "scripted",
+            "serves": [OMNI_MODEL],
+            "read_timeout_s": 10,
+        }
         self.doc = {
-            "engines": [engine], "policies": _chain(media),
+            "engines": [engine],
+            "policies": _chain(media),
             "policy_sets": {"grouped": _chain(media, "window")},
             "tenants": [{"name": "plain"}, {"name": "grouped", "policy_set": "grouped"}],
             "api_keys": [{"id": k.id, "tenant": t, "sha256": k.sha256} for t, k in self.keys.items()],
-            "admin": {"api_key": ADMIN_KEY}, "rate_limits": {"key_prefix": redis_prefix()},
-            "audit": {"sqlite_path": str(tmp_path / "audit.db")}, "logging": {"level": "warning"},
+            "admin": {"api_key": ADMIN_KEY},
+            "rate_limits": {"key_prefix": redis_prefix()},
+            "audit": {"sqlite_path": str(tmp_path / "audit.db")},
+            "logging": {"level": "warning"},
             "routing": {"controller": {"enabled": False}},
             **doc,
         }
         self.path = tmp_path / "omnigate.yaml"
         self.write()
-        self.server = GatewayServer(bg, load_settings(self.path), CollectorRegistry(), plugins=ALL_PLUGINS,
-                                    config_path=str(self.path)).start()
+        self.server = GatewayServer(
+            bg, load_settings(self.path), CollectorRegistry(), plugins=ALL_PLUGINS, config_path=str(self.path)
+        ).start()
 
     @property
     def services(self):
@@ -94,8 +104,11 @@ class Gateway:
         self.path.write_text(yaml.safe_dump(self.doc))
 
     def reload(self) -> dict:
-        resp = httpx.post(self.server.url + "/admin/config/reload",
-                          headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+        resp = httpx.post(
+            self.server.url + "/admin/config/reload",
+            headers={"authorization": f"Bearer {ADMIN_KEY}"},
+            timeout=60,
+        )
         assert resp.status_code in (200, 400, 422), resp.text
         return resp.json()
 
@@ -103,10 +116,17 @@ class Gateway:
         content: list[dict] = [{"type": "text", "text": QUESTION}]
         if media_url is not None:
             content.append({"type": "image_url", "image_url": {"url": media_url}})
-        payload = {"model": OMNI_MODEL, "messages": [{"role": "system", "content": CONTEXT},
-                                                     {"role": "user", "content": content}], **body}
-        return httpx.post(self.server.url + "/v1/chat/completions", json=payload, timeout=60,
-                          headers={"authorization": f"Bearer {self.keys[tenant].key}"})
+        payload = {
+            "model": OMNI_MODEL,
+            "messages": [{"role": "system", "content": CONTEXT}, {"role": "user", "content": content}],
+            **body,
+        }
+        return httpx.post(
+            self.server.url + "/v1/chat/completions",
+            json=payload,
+            timeout=60,
+            headers={"authorization": f"Bearer {self.keys[tenant].key}"},
+        )
 
     def grounded_media_answer(self, tenant: str = "plain") -> None:
         """A request with a media URL the gateway fetches, answered and judged grounded."""
@@ -122,8 +142,12 @@ class Gateway:
 
     def hello_stream(self) -> httpx.Response:
         payload = {"model": OMNI_MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-        return httpx.post(self.server.url + "/v1/chat/completions", json=payload, timeout=30,
-                          headers={"authorization": f"Bearer {self.keys['plain'].key}"})
+        return httpx.post(
+            self.server.url + "/v1/chat/completions",
+            json=payload,
+            timeout=30,
+            headers={"authorization": f"Bearer {self.keys['plain'].key}"},
+        )
 
     def stop(self) -> None:
         self.server.stop()
@@ -232,19 +256,29 @@ def test_twenty_reloads_leak_no_thread_descriptor_or_worker(gateway, bg):
 
 def test_a_stream_in_flight_finishes_on_its_chain_which_closes_after_it(gateway, upstreams):
     LIFECYCLE.clear()
-    gw = gateway(policies={"pre": [{"name": "request-limits"}],
-                           "stream": [{"name": "recorder", "config": {"tag": "old"}}]},
-                 policy_sets={"grouped": {"pre": [{"name": "request-limits"}]}})
+    gw = gateway(
+        policies={
+            "pre": [{"name": "request-limits"}],
+            "stream": [{"name": "recorder", "config": {"tag": "old"}}],
+        },
+        policy_sets={"grouped": {"pre": [{"name": "request-limits"}]}},
+    )
     assert ("start", "old") in LIFECYCLE
-    upstreams.omni_a.enqueue(Script(flavour="omni", text="one two three four five six seven eight",
-                                    chunk_delay_s=0.25))
+    upstreams.omni_a.enqueue(
+        Script(flavour="omni", text="one two three four five six seven eight", chunk_delay_s=0.25)
+    )
     first = threading.Event()
 
     def read() -> str:
         payload = {"model": OMNI_MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         out = []
-        with httpx.stream("POST", gw.server.url + "/v1/chat/completions", json=payload, timeout=30,
-                          headers={"authorization": f"Bearer {gw.keys['plain'].key}"}) as r:
+        with httpx.stream(
+            "POST",
+            gw.server.url + "/v1/chat/completions",
+            json=payload,
+            timeout=30,
+            headers={"authorization": f"Bearer {gw.keys['plain'].key}"},
+        ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 out.append(line)
@@ -274,9 +308,13 @@ def test_a_stream_in_flight_finishes_on_its_chain_which_closes_after_it(gateway,
 
 def test_a_chain_that_cannot_start_refuses_the_file_and_the_old_chain_keeps_serving(gateway, upstreams):
     LIFECYCLE.clear()
-    gw = gateway(policies={"pre": [{"name": "request-limits"}],
-                           "stream": [{"name": "recorder", "config": {"tag": "old"}}]},
-                 policy_sets={"grouped": {"pre": [{"name": "request-limits"}]}})
+    gw = gateway(
+        policies={
+            "pre": [{"name": "request-limits"}],
+            "stream": [{"name": "recorder", "config": {"tag": "old"}}],
+        },
+        policy_sets={"grouped": {"pre": [{"name": "request-limits"}]}},
+    )
     gw.doc["policies"]["stream"][0]["config"]["tag"] = "new"
     gw.doc["policies"]["post"] = [{"name": "fail-start"}]
     gw.write()

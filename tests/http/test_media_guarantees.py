@@ -16,8 +16,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.services import Services
 from core.settings import PolicyChainConfig, PolicySpec, Settings
+from gateway.services import Services
 from gateway.tenants import mint_key
 from observability.metrics import Metrics
 from policies.registry import PolicyConfigError
@@ -46,11 +46,18 @@ def _settings(upstreams, **extra) -> Settings:
         PolicyChainConfig(pre=[PolicySpec(name="request-limits")]),  # no media-fetch, no media-limits
         policy_sets={
             "bare": PolicyChainConfig(pre=[PolicySpec(name="request-limits")]),
-            "frames": PolicyChainConfig(pre=[PolicySpec(name="request-limits"), PolicySpec(
-                name="media-limits", config={"video": {"max_decoded_frames": FRAME_BUDGET}})]),
+            "frames": PolicyChainConfig(
+                pre=[
+                    PolicySpec(name="request-limits"),
+                    PolicySpec(name="media-limits", config={"video": {"max_decoded_frames": FRAME_BUDGET}}),
+                ]
+            ),
         },
-        tenants=[{"name": "bare-tenant", "policy_set": "bare"}, {"name": "plain-tenant"},
-                 {"name": "frames-tenant", "policy_set": "frames"}],
+        tenants=[
+            {"name": "bare-tenant", "policy_set": "bare"},
+            {"name": "plain-tenant"},
+            {"name": "frames-tenant", "policy_set": "frames"},
+        ],
         api_keys=[
             {"id": KEY_BARE.id, "tenant": "bare-tenant", "sha256": KEY_BARE.sha256},
             {"id": KEY_DEFAULT.id, "tenant": "plain-tenant", "sha256": KEY_DEFAULT.sha256},
@@ -72,9 +79,16 @@ def gw(bg, upstreams, tmp_path_factory):
 
 
 def _post(server, parts: list[dict], key=KEY_DEFAULT, timeout: float = 60) -> httpx.Response:
-    body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}]}
-    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=timeout,
-                      headers={"authorization": f"Bearer {key.key}"})
+    body = {
+        "model": OMNI_MODEL,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}],
+    }
+    return httpx.post(
+        server.url + "/v1/chat/completions",
+        json=body,
+        timeout=timeout,
+        headers={"authorization": f"Bearer {key.key}"},
+    )
 
 
 def _sent(upstream) -> str:
@@ -195,11 +209,22 @@ def test_after_a_hot_reload_the_new_chain_still_fetches_and_bounds_media(bg, ups
 
     from gateway.reload import reload_config
 
-    engine = {"name": "omni", "kind": "vllm-omni", "base_url": upstreams.omni_a.base_url, "model": "scripted",
-              "serves": [OMNI_MODEL], "first_byte_timeout_s": 5, "read_timeout_s": 5}
-    doc = {"engines": [engine], "policies": {"pre": [{"name": "request-limits"}]},
-           "audit": {"sqlite_path": str(tmp_path / "audit.db")}, "logging": {"level": "warning"},
-           "routing": {"controller": {"enabled": False}}}
+    engine = {
+        "name": "omni",
+        "kind": "vllm-omni",
+        "base_url": upstreams.omni_a.base_url,
+        "model": "scripted",
+        "serves": [OMNI_MODEL],
+        "first_byte_timeout_s": 5,
+        "read_timeout_s": 5,
+    }
+    doc = {
+        "engines": [engine],
+        "policies": {"pre": [{"name": "request-limits"}]},
+        "audit": {"sqlite_path": str(tmp_path / "audit.db")},
+        "logging": {"level": "warning"},
+        "routing": {"controller": {"enabled": False}},
+    }
     path = tmp_path / "omnigate.yaml"
     path.write_text(yaml.safe_dump(doc))
     from core.settings import load_settings
@@ -211,8 +236,20 @@ def test_after_a_hot_reload_the_new_chain_still_fetches_and_bounds_media(bg, ups
         result = bg.run(reload_config(server.services, path))
         assert result.ok, result.message
         before = upstreams.omni_a.request_count
-        body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{canary.port}/after-reload"}}]}]}
+        body = {
+            "model": OMNI_MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": f"http://127.0.0.1:{canary.port}/after-reload"},
+                        }
+                    ],
+                }
+            ],
+        }
         resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["message"].endswith(GENERIC)
@@ -233,14 +270,26 @@ def test_fetched_parts_count_against_the_request_budget_while_they_stream(bg, up
     from tests.media import MediaServer
 
     media = bg.run(MediaServer().start())
-    chain = PolicyChainConfig(pre=[PolicySpec(name="media-fetch", config={"internal_hosts": [f"127.0.0.1:{media.port}"]})])
-    settings = gateway_settings(upstreams, chain, media={"max_request_bytes": 3 * 1024 * 1024},
-                                audit={"sqlite_path": str(tmp_path / "audit.db")})
+    chain = PolicyChainConfig(
+        pre=[PolicySpec(name="media-fetch", config={"internal_hosts": [f"127.0.0.1:{media.port}"]})]
+    )
+    settings = gateway_settings(
+        upstreams,
+        chain,
+        media={"max_request_bytes": 3 * 1024 * 1024},
+        audit={"sqlite_path": str(tmp_path / "audit.db")},
+    )
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
     try:
-        parts = [{"type": "audio_url", "audio_url": {"url": media.add(f"a{i}.wav", "audio/wav",
-                                                                     wav(tone(32.0, freq=200.0 + i), 16000))}}
-                 for i in range(4)]
+        parts = [
+            {
+                "type": "audio_url",
+                "audio_url": {
+                    "url": media.add(f"a{i}.wav", "audio/wav", wav(tone(32.0, freq=200.0 + i), 16000))
+                },
+            }
+            for i in range(4)
+        ]
         before = upstreams.omni_a.request_count
         body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": parts}]}
         resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
@@ -251,8 +300,11 @@ def test_fetched_parts_count_against_the_request_budget_while_they_stream(bg, up
         assert upstreams.omni_a.request_count == before
         assert server.services.media.inflight.used == 0
         # Under the budget, the same parts one at a time are served.
-        ok = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                        json={"model": OMNI_MODEL, "messages": [{"role": "user", "content": parts[:1]}]})
+        ok = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": OMNI_MODEL, "messages": [{"role": "user", "content": parts[:1]}]},
+        )
         assert ok.status_code == 200, ok.text
     finally:
         server.stop()
@@ -276,15 +328,34 @@ def test_budgets_are_checked_from_probes_before_any_part_is_decoded(gw, upstream
 
 
 def test_one_modality_refusal_comes_before_decoding(bg, upstreams, tmp_path):
-    chain = PolicyChainConfig(pre=[PolicySpec(name="media-fetch"),
-                                   PolicySpec(name="media-limits", config={"one_modality_per_message": "refuse"})])
-    server = GatewayServer(bg, gateway_settings(upstreams, chain, audit={"sqlite_path": str(tmp_path / "a.db")}),
-                           CollectorRegistry()).start()
+    chain = PolicyChainConfig(
+        pre=[
+            PolicySpec(name="media-fetch"),
+            PolicySpec(name="media-limits", config={"one_modality_per_message": "refuse"}),
+        ]
+    )
+    server = GatewayServer(
+        bg,
+        gateway_settings(upstreams, chain, audit={"sqlite_path": str(tmp_path / "a.db")}),
+        CollectorRegistry(),
+    ).start()
     try:
         garbage = base64.b64encode(b"RIFF\0\0\0\0WAVEjunk" * 10).decode()
-        body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_uri("image/png", png(plain_image(64)))}},
-            {"type": "input_audio", "input_audio": {"data": garbage, "format": "wav"}}]}]}
+        body = {
+            "model": OMNI_MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": data_uri("image/png", png(plain_image(64)))},
+                        },
+                        {"type": "input_audio", "input_audio": {"data": garbage, "format": "wav"}},
+                    ],
+                }
+            ],
+        }
         resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["code"] == "one_modality_per_message"
@@ -300,9 +371,11 @@ def test_requests_together_cannot_hold_more_media_than_the_process_budget(bg, up
     from tests.upstream import Script
 
     media = {"max_request_bytes": 1_500_000, "max_inflight_bytes": 1_500_000, "inflight_wait_s": 0.5}
-    server = GatewayServer(bg, gateway_settings(upstreams, media=media,
-                                                audit={"sqlite_path": str(tmp_path / "a.db")}),
-                           CollectorRegistry()).start()
+    server = GatewayServer(
+        bg,
+        gateway_settings(upstreams, media=media, audit={"sqlite_path": str(tmp_path / "a.db")}),
+        CollectorRegistry(),
+    ).start()
     slow = Script(flavour="omni", text=" ".join(["word"] * 200), chunk_delay_s=0.05)
     for upstream in (upstreams.omni_a, upstreams.omni_b):
         upstreams.bg.call(lambda u=upstream: setattr(u, "default", slow))
@@ -315,7 +388,9 @@ def test_requests_together_cannot_hold_more_media_than_the_process_budget(bg, up
                 assert first.status_code == 200
                 lines = first.aiter_lines()  # kept: a dropped iterator closes the response
                 await anext(lines)  # the first request is in flight, holding its bytes
-                second = await client.post(server.url + "/v1/chat/completions", json={**body, "stream": False})
+                second = await client.post(
+                    server.url + "/v1/chat/completions", json={**body, "stream": False}
+                )
             upstreams.reset()  # the first stream was closed; answers are quick again
             await asyncio.sleep(0.2)
             third = await client.post(server.url + "/v1/chat/completions", json={**body, "stream": False})
@@ -330,7 +405,6 @@ def test_requests_together_cannot_hold_more_media_than_the_process_budget(bg, up
     finally:
         upstreams.reset()
         server.stop()
-
 
 
 def _forwarded_frames(sent: dict) -> list[int]:
@@ -348,7 +422,9 @@ def _forwarded_frames(sent: dict) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("key", "budget"), [(KEY_DEFAULT, 7200), (KEY_FRAMES, FRAME_BUDGET)], ids=["default-budget", "budget-1000"]
+    ("key", "budget"),
+    [(KEY_DEFAULT, 7200), (KEY_FRAMES, FRAME_BUDGET)],
+    ids=["default-budget", "budget-1000"],
 )
 @pytest.mark.parametrize("last_s", [119.0, 100_000.0], ids=["claims-119s", "claims-28h"])
 def test_a_video_with_lying_timestamps_is_decoded_within_the_frame_budget(gw, upstreams, key, budget, last_s):

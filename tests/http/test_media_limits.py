@@ -155,16 +155,32 @@ def test_a_tenant_policy_set_sets_its_own_longest_side(make_gw, upstreams, media
     key = mint_key()
     wide_chain = _chain(media.port, image={"vision_max_res": 1600})
     settings = gateway_settings(
-        upstreams, _chain(media.port), policy_sets={"wide": wide_chain},
+        upstreams,
+        _chain(media.port),
+        policy_sets={"wide": wide_chain},
         tenants=[{"name": "wide-tenant", "policy_set": "wide"}, {"name": "plain-tenant"}],
         api_keys=[{"id": key.id, "tenant": "wide-tenant", "sha256": key.sha256}],
     )
     upstreams.reset()
     server = make_gw(settings)
-    body = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "describe"}, _image(data_uri("image/jpeg", jpeg(photo(4000, 3000))))]}]}
-    resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120,
-                      headers={"authorization": f"Bearer {key.key}"})
+    body = {
+        "model": OMNI_MODEL,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "describe"},
+                    _image(data_uri("image/jpeg", jpeg(photo(4000, 3000)))),
+                ],
+            }
+        ],
+    }
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"authorization": f"Bearer {key.key}"},
+    )
     assert resp.status_code == 200, resp.text
     im, _ = _sent_image(upstreams.omni_a)
     # The tenant's 1,600 px: looser than the default 1,024, tighter than the 2 MP cap's 1632x1224.
@@ -389,7 +405,9 @@ def test_message_with_two_modalities_is_refused_when_configured(make_gw, ups):
 
 
 def test_modal_budget_names_the_part_and_the_excess(gw, ups):
-    big = _image(data_uri("image/jpeg", jpeg(photo(1024, 768))))  # on the 1024 px cap: about 1,000 tokens each
+    big = _image(
+        data_uri("image/jpeg", jpeg(photo(1024, 768)))
+    )  # on the 1024 px cap: about 1,000 tokens each
     resp = _post(gw, [big] * 17)
     assert resp.status_code == 400
     err = _err(resp)

@@ -53,9 +53,19 @@ ENGINE_WAIT_S = 1.5
 def engine():
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.upstream", "--port", str(port), "--flavour", "omni",
-         "--first-byte-delay-ms", str(int(ENGINE_WAIT_S * 1000))],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "tests.upstream",
+            "--port",
+            str(port),
+            "--flavour",
+            "omni",
+            "--first-byte-delay-ms",
+            str(int(ENGINE_WAIT_S * 1000)),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -76,12 +86,25 @@ def engine():
 def gw(bg, engine, tmp_path_factory):
     db = tmp_path_factory.mktemp("audit") / "audit.db"
     settings = Settings(
-        engines=[EngineConfig(
-            name="omni", kind="vllm-omni", base_url=engine + "/v1", model="scripted", serves=[MODEL],
-            input_modalities=["text", "image", "audio", "video"], first_byte_timeout_s=30, read_timeout_s=30,
-        )],
-        policies=PolicyChainConfig(pre=[PolicySpec(name="request-limits"), PolicySpec(name="media-fetch"),
-                                        PolicySpec(name="media-limits")]),
+        engines=[
+            EngineConfig(
+                name="omni",
+                kind="vllm-omni",
+                base_url=engine + "/v1",
+                model="scripted",
+                serves=[MODEL],
+                input_modalities=["text", "image", "audio", "video"],
+                first_byte_timeout_s=30,
+                read_timeout_s=30,
+            )
+        ],
+        policies=PolicyChainConfig(
+            pre=[
+                PolicySpec(name="request-limits"),
+                PolicySpec(name="media-fetch"),
+                PolicySpec(name="media-limits"),
+            ]
+        ),
         audit={"sqlite_path": str(db)},  # the audit record is one of the things that could keep the input
         logging={"level": "warning"},
         routing={"controller": {"enabled": False}},
@@ -94,8 +117,21 @@ def gw(bg, engine, tmp_path_factory):
 
 
 def _body(uri: str) -> bytes:
-    return orjson.dumps({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is said?"}, {"type": "audio_url", "audio_url": {"url": uri}}]}]})
+    return orjson.dumps(
+        {
+            "model": MODEL,
+            "max_tokens": 8,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is said?"},
+                        {"type": "audio_url", "audio_url": {"url": uri}},
+                    ],
+                }
+            ],
+        }
+    )
 
 
 def _send(server: GatewayServer, body: bytes, request_id: str = "m") -> int:
@@ -160,8 +196,15 @@ def served():
     rig = Rig.start()
     rig.engine = "http://127.0.0.1:" + rig.upstream.args[rig.upstream.args.index("--port") + 1]
     small = _body(data_uri("audio/wav", wav(tone(2.0), 16000)))
-    assert httpx.post(rig.url + "/v1/chat/completions", content=small, timeout=120,
-                      headers={"content-type": "application/json"}).status_code == 200  # warm the path
+    assert (
+        httpx.post(
+            rig.url + "/v1/chat/completions",
+            content=small,
+            timeout=120,
+            headers={"content-type": "application/json"},
+        ).status_code
+        == 200
+    )  # warm the path
     yield rig
     rig.stop()
 
@@ -172,13 +215,24 @@ def _peak(rig, body: bytes) -> dict:
     The same request is sent once before the one measured: a first use's costs (an allocator's first
     arena for that size, a module's first import) are not what every request holds."""
     pid = rig.gateway.pid
-    assert httpx.post(rig.url + "/v1/chat/completions", content=body, timeout=120,
-                      headers={"content-type": "application/json"}).status_code == 200
+    assert (
+        httpx.post(
+            rig.url + "/v1/chat/completions",
+            content=body,
+            timeout=120,
+            headers={"content-type": "application/json"},
+        ).status_code
+        == 200
+    )
     with open(f"/proc/{pid}/clear_refs", "w") as f:
         f.write("5")
     rss = _status_kib("VmRSS", pid) * 1024
-    resp = httpx.post(rig.url + "/v1/chat/completions", content=body, timeout=120,
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(
+        rig.url + "/v1/chat/completions",
+        content=body,
+        timeout=120,
+        headers={"content-type": "application/json"},
+    )
     assert resp.status_code == 200, resp.text
     peak = _status_kib("VmHWM", pid) * 1024 - rss
     left = [f for f in os.listdir(spooled.SHM_DIR) if f.startswith(f"omnigate-{pid}-")]
@@ -234,9 +288,21 @@ def test_once_the_engine_has_the_request_only_the_caller_holds_the_clients_strin
     from core.schemas import ChatCompletionRequest
 
     pcm = wav(tone(30.0, rate=44100), 44100)  # resampled: the part is replaced, not reused
-    request = ChatCompletionRequest.model_validate({"model": MODEL, "max_tokens": 8, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "what is said?"},
-                                     {"type": "input_audio", "input_audio": {"data": wav_b64(pcm)}}]}]})
+    request = ChatCompletionRequest.model_validate(
+        {
+            "model": MODEL,
+            "max_tokens": 8,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is said?"},
+                        {"type": "input_audio", "input_audio": {"data": wav_b64(pcm)}},
+                    ],
+                }
+            ],
+        }
+    )
     client_string = request.messages[0].content[1].input_audio.data
     ctx = RequestContext(request_id="refcount", audit_content=audit_content)
     httpx.post(engine + "/_reset", timeout=5)
@@ -277,8 +343,10 @@ def test_the_audit_record_still_digests_the_clients_media(gw, case):
     while True:
         db = sqlite3.connect(gw.db)
         try:
-            row = db.execute("SELECT data FROM audit_log WHERE json_extract(data, '$.payload.client_request_id') = ?",
-                             (rid,)).fetchone()
+            row = db.execute(
+                "SELECT data FROM audit_log WHERE json_extract(data, '$.payload.client_request_id') = ?",
+                (rid,),
+            ).fetchone()
         finally:
             db.close()
         if row is not None or time.monotonic() > deadline:
@@ -288,5 +356,10 @@ def test_the_audit_record_still_digests_the_clients_media(gw, case):
     inputs = orjson.loads(row[0])["payload"]["input"]
     assert inputs == [
         {"role": "user", "type": "text", "sha256": hashlib.sha256(b"what is said?").hexdigest(), "chars": 13},
-        {"role": "user", "type": "audio_url", "sha256": hashlib.sha256(uri.encode()).hexdigest(), "chars": len(uri)},
+        {
+            "role": "user",
+            "type": "audio_url",
+            "sha256": hashlib.sha256(uri.encode()).hexdigest(),
+            "chars": len(uri),
+        },
     ]

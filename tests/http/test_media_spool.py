@@ -23,8 +23,9 @@ from tests.harness import GatewayServer
 from tests.media import data_uri, tone, wav
 from tests.upstream import Script
 
-CHAIN = PolicyChainConfig(pre=[PolicySpec(name="media-fetch"), PolicySpec(name="media-limits"),
-                               PolicySpec(name="nsfw-screen")])
+CHAIN = PolicyChainConfig(
+    pre=[PolicySpec(name="media-fetch"), PolicySpec(name="media-limits"), PolicySpec(name="nsfw-screen")]
+)
 
 
 def _files() -> set[str]:
@@ -47,9 +48,12 @@ def gw(request, bg, upstreams, tmp_path_factory):
     """A tenant whose audit keeps digests, or the request as sent (media included, from the spool)."""
     key = mint_key()
     settings = gateway_settings(
-        upstreams, CHAIN, tenants=[{"name": "acme", "audit_content": request.param}],
+        upstreams,
+        CHAIN,
+        tenants=[{"name": "acme", "audit_content": request.param}],
         api_keys=[{"id": key.id, "tenant": "acme", "sha256": key.sha256}],
-        audit={"sqlite_path": str(tmp_path_factory.mktemp("audit") / "a.db")})
+        audit={"sqlite_path": str(tmp_path_factory.mktemp("audit") / "a.db")},
+    )
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
     server.key = key.key
     yield server
@@ -68,10 +72,18 @@ def no_collector(upstreams):
 
 
 def _post(gw: GatewayServer, part: dict, stream: bool = False) -> httpx.Response:
-    body = {"model": OMNI_MODEL, "max_tokens": 8, "stream": stream,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "what is said?"}, part]}]}
-    return httpx.post(gw.url + "/v1/chat/completions", content=orjson.dumps(body), timeout=60,
-                      headers={"content-type": "application/json", "authorization": f"Bearer {gw.key}"})
+    body = {
+        "model": OMNI_MODEL,
+        "max_tokens": 8,
+        "stream": stream,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "what is said?"}, part]}],
+    }
+    return httpx.post(
+        gw.url + "/v1/chat/completions",
+        content=orjson.dumps(body),
+        timeout=60,
+        headers={"content-type": "application/json", "authorization": f"Bearer {gw.key}"},
+    )
 
 
 def _sent_part(upstream) -> dict:
@@ -109,7 +121,9 @@ def test_a_shrunk_payload_is_replaced_and_its_file_goes(gw, upstreams):
     resp = _post(gw, {"type": "audio_url", "audio_url": {"url": data_uri("audio/wav", SHRUNK)}})
     assert resp.status_code == 200, resp.text
     sent = _sent_part(upstreams.omni_a)
-    sent_bytes = base64.b64decode(next(v for v in sent.values() if isinstance(v, dict))["url"].split(",", 1)[1])
+    sent_bytes = base64.b64decode(
+        next(v for v in sent.values() if isinstance(v, dict))["url"].split(",", 1)[1]
+    )
     assert len(sent_bytes) < len(SHRUNK) / 2
     assert _gone(before)
 

@@ -59,7 +59,9 @@ def test_vram_pressure_sleeps_the_idle_bf16_on_the_same_gpu_and_the_way_back_wak
         # The INT4 engine gets worse: the shift is due, but BF16 sleeps, so it is woken first; its gauge lags.
         fresh.set(fresh.bf16, wake_delay_s=1.5)
         fresh.set(fresh.int4, kv_cache_usage_perc=0.99)
-        assert wait_until(lambda: ("wakeup", {"stage_ids": [0, 1, 2]}) in bg.call(lambda: fresh.bf16.sleep_calls), 30)
+        assert wait_until(
+            lambda: ("wakeup", {"stage_ids": [0, 1, 2]}) in bg.call(lambda: fresh.bf16.sleep_calls), 30
+        )
         bg.call(lambda: fresh.bf16.reset_stats())
         # While the gauge still reads asleep, BF16 takes nothing.
         for _ in range(3):

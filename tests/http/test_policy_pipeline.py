@@ -44,15 +44,23 @@ def _chat(server: GatewayServer, **body) -> httpx.Response:
 
 
 def test_pre_policies_run_in_configured_order(serve, upstreams):
-    server = serve(pre=[PolicySpec(name="append-tag", config={"tag": "a"}),
-                        PolicySpec(name="append-tag", config={"tag": "b"})])
+    server = serve(
+        pre=[
+            PolicySpec(name="append-tag", config={"tag": "a"}),
+            PolicySpec(name="append-tag", config={"tag": "b"}),
+        ]
+    )
     assert _chat(server).status_code == 200
     assert upstreams.vllm.requests[-1]["messages"][-1]["content"] == "hello[a][b]"
 
 
 def test_reversed_config_reverses_order(serve, upstreams):
-    server = serve(pre=[PolicySpec(name="append-tag", config={"tag": "b"}),
-                        PolicySpec(name="append-tag", config={"tag": "a"})])
+    server = serve(
+        pre=[
+            PolicySpec(name="append-tag", config={"tag": "b"}),
+            PolicySpec(name="append-tag", config={"tag": "a"}),
+        ]
+    )
     assert _chat(server).status_code == 200
     assert upstreams.vllm.requests[-1]["messages"][-1]["content"] == "hello[b][a]"
 
@@ -67,15 +75,21 @@ def test_reject_is_an_openai_error_and_shadow_only_records(serve, upstreams):
     shadow = serve(pre=[PolicySpec(name="always-reject", shadow=True)])
     assert _chat(shadow).status_code == 200
     metrics = httpx.get(shadow.url + "/metrics").text
-    assert ('omnigate_policy_decisions_total{policy="always-reject",shadow="true",stage="pre",verdict="reject"} 1.0'
-            in metrics)
+    assert (
+        'omnigate_policy_decisions_total{policy="always-reject",shadow="true",stage="pre",verdict="reject"} 1.0'
+        in metrics
+    )
 
 
 def test_stream_filter_transforms_released_chunks(serve, upstreams):
     server = serve(stream=[PolicySpec(name="uppercase")])
     upstreams.vllm.default = Script(flavour="vllm", text="quiet words here")
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=10,
-                      json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        timeout=10,
+        json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
+    ) as r:
         body = r.read().decode()
     assert '"QUIET "' in body and "quiet" not in body
 
@@ -91,9 +105,15 @@ def test_post_retry_non_streaming(serve, upstreams):
 
 def test_post_retry_streaming_while_held_releases_only_the_accepted_answer(serve, upstreams):
     server = serve(stream=[PolicySpec(name="hold-all")], post=[PolicySpec(name="retry-unless-cold")])
-    upstreams.omni_a.enqueue(Script(flavour="omni", text="rejected draft"), Script(flavour="omni", text="kept"))
-    payload = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True,
-               "temperature": 0.7}
+    upstreams.omni_a.enqueue(
+        Script(flavour="omni", text="rejected draft"), Script(flavour="omni", text="kept")
+    )
+    payload = {
+        "model": OMNI_MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "temperature": 0.7,
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=payload, timeout=10) as r:
         body = r.read().decode()
     assert "kept" in body and "rejected" not in body
@@ -118,11 +138,15 @@ def test_registry_checks_plugins_when_loading():
     with pytest.raises(PolicyConfigError, match="does not implement the pre hook"):
         build_chain(PolicyChainConfig(pre=[PolicySpec(name="no-hook")]), ALL_PLUGINS)
     with pytest.raises(PolicyConfigError, match=r"policies.pre\[0\].config.max_messages"):
-        build_chain(PolicyChainConfig(pre=[PolicySpec(name="request-limits", config={"max_messages": 0})]),
-                    ALL_PLUGINS)
+        build_chain(
+            PolicyChainConfig(pre=[PolicySpec(name="request-limits", config={"max_messages": 0})]),
+            ALL_PLUGINS,
+        )
     with pytest.raises(PolicyConfigError, match=r"config.unknown_knob"):
-        build_chain(PolicyChainConfig(pre=[PolicySpec(name="request-limits", config={"unknown_knob": 1})]),
-                    ALL_PLUGINS)
+        build_chain(
+            PolicyChainConfig(pre=[PolicySpec(name="request-limits", config={"unknown_knob": 1})]),
+            ALL_PLUGINS,
+        )
 
 
 def test_builtin_policies_register_through_the_entry_point_group():

@@ -13,29 +13,47 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _post(gateway, payload=None, content=None, headers=None) -> httpx.Response:
-    return httpx.post(gateway.url + "/v1/chat/completions", json=payload, content=content, headers=headers,
-                      timeout=10)
+    return httpx.post(
+        gateway.url + "/v1/chat/completions", json=payload, content=content, headers=headers, timeout=10
+    )
 
 
 def test_output_tokens_capped_at_8192_and_signalled(gateway, ups):
-    resp = _post(gateway, {"model": TEXT_MODEL, "messages": [{"role": "user", "content": "x"}],
-                           "max_completion_tokens": 100_000})
+    resp = _post(
+        gateway,
+        {
+            "model": TEXT_MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": 100_000,
+        },
+    )
     assert resp.status_code == 200
     assert resp.headers["x-omnigate-degraded"] == "max-tokens-capped"
     assert ups.vllm.requests[-1]["max_tokens"] == 8192
 
 
 def test_default_output_budget_is_set(gateway, ups):
-    assert _post(gateway, {"model": TEXT_MODEL, "messages": [{"role": "user", "content": "x"}]}).status_code == 200
+    assert (
+        _post(gateway, {"model": TEXT_MODEL, "messages": [{"role": "user", "content": "x"}]}).status_code
+        == 200
+    )
     assert ups.vllm.requests[-1]["max_tokens"] == 8192
-    assert "x-omnigate-degraded" not in _post(
-        gateway, {"model": TEXT_MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10}
-    ).headers
+    assert (
+        "x-omnigate-degraded"
+        not in _post(
+            gateway, {"model": TEXT_MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10}
+        ).headers
+    )
 
 
 def _speech(**extra) -> dict:
-    return {"model": "qwen3-omni-flash", "messages": [{"role": "user", "content": "x"}],
-            "modalities": ["text", "audio"], "audio": {"voice": "chelsie", "format": "wav"}, **extra}
+    return {
+        "model": "qwen3-omni-flash",
+        "messages": [{"role": "user", "content": "x"}],
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "chelsie", "format": "wav"},
+        **extra,
+    }
 
 
 def test_speech_output_capped_at_2048_and_signalled(gateway, ups):
@@ -54,7 +72,11 @@ def test_speech_default_output_budget_is_the_speech_cap(gateway, ups):
 
 
 def test_text_from_the_speech_model_keeps_the_text_cap(gateway, ups):
-    payload = {"model": "qwen3-omni-flash", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8000}
+    payload = {
+        "model": "qwen3-omni-flash",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 8000,
+    }
     resp = _post(gateway, payload)
     assert resp.status_code == 200
     assert "x-omnigate-degraded" not in resp.headers
@@ -100,12 +122,19 @@ def test_body_over_transport_limit_refused_before_reading(gateway, ups):
         (b"[1,2]", None),
         (b'{"model": "text-model"}', "messages"),
         (b'{"model": "text-model", "messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role"),
-        (b'{"model": "text-model", "messages": [{"role": "user", "content": [{"type": "bogus"}]}]}',
-         "messages.0.content.0"),
-        (b'{"model": "text-model", "messages": [{"role": "user", "content": "x"}], "temperature": 9}', "temperature"),
+        (
+            b'{"model": "text-model", "messages": [{"role": "user", "content": [{"type": "bogus"}]}]}',
+            "messages.0.content.0",
+        ),
+        (
+            b'{"model": "text-model", "messages": [{"role": "user", "content": "x"}], "temperature": 9}',
+            "temperature",
+        ),
         (b'{"model": "text-model", "messages": [{"role": "user", "content": "x"}], "n": 9}', "n"),
-        (b'{"model": "text-model", "messages": [{"role": "user", "content": "x"}], "modalities": ["smell"]}',
-         "modalities.0"),
+        (
+            b'{"model": "text-model", "messages": [{"role": "user", "content": "x"}], "modalities": ["smell"]}',
+            "modalities.0",
+        ),
     ],
 )
 def test_bad_input_is_a_400_in_openai_shape(gateway, ups, content, param):
@@ -118,13 +147,23 @@ def test_bad_input_is_a_400_in_openai_shape(gateway, ups, content, param):
 
 
 def test_streamed_audio_format_must_be_streamable(gateway, ups):
-    resp = _post(gateway, {"model": "qwen3-omni-flash", "messages": [{"role": "user", "content": "x"}],
-                           "stream": True, "modalities": ["text", "audio"], "audio": {"voice": "a", "format": "mp3"}})
+    resp = _post(
+        gateway,
+        {
+            "model": "qwen3-omni-flash",
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "modalities": ["text", "audio"],
+            "audio": {"voice": "a", "format": "mp3"},
+        },
+    )
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "audio.format"
 
 
-@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/nope", 404), ("GET", "/v1/chat/completions", 405)])
+@pytest.mark.parametrize(
+    ("method", "path", "status"), [("GET", "/nope", 404), ("GET", "/v1/chat/completions", 405)]
+)
 def test_routing_errors_are_openai_shaped(gateway, method, path, status):
     resp = httpx.request(method, gateway.url + path)
     assert resp.status_code == status

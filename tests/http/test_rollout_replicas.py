@@ -11,10 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.control_settings import Rule, RuleAction, RuleSelector, SharedStateSettings
+from core.settings import RedisSettings
 from engines.rollback import ControllerState
 from engines.state_store import NotLeader, RedisStore
 from gateway.redis_client import SharedRedis
-from core.settings import RedisSettings
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import MODEL, REDIS, admin, chat, engines, settings
 from tests.upstream import Script
@@ -119,7 +119,9 @@ def test_the_follower_takes_over_with_the_state_when_the_leader_stops(bg, trio, 
 
 
 async def test_redis_store_lease_is_exclusive_and_writes_are_fenced_on_it(prefix):
-    redis = SharedRedis(RedisSettings(url=REDIS))  # the two replicas' stores over one pool, as two gateways would
+    redis = SharedRedis(
+        RedisSettings(url=REDIS)
+    )  # the two replicas' stores over one pool, as two gateways would
     one = RedisStore(redis.client(), prefix, "one")
     two = RedisStore(redis.client(), prefix, "two")
     try:
@@ -183,7 +185,9 @@ def test_a_replica_that_cannot_reach_redis_serves_with_the_configured_split(bg, 
         assert st["weights"][MODEL]["omni-int4"] == 1.0
         assert registry.get_sample_value("omnigate_controller_errors_total", {"stage": "store"}) == 1
         assert wait_until(
-            lambda: (registry.get_sample_value("omnigate_controller_errors_total", {"stage": "tick"}) or 0) >= 2
+            lambda: (
+                (registry.get_sample_value("omnigate_controller_errors_total", {"stage": "tick"}) or 0) >= 2
+            )
         )
     finally:
         server.stop()

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from gateway.reload import reload_config
 from core.settings import load_settings
+from gateway.reload import reload_config
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
 
@@ -24,8 +24,9 @@ DEFAULTS = {"temperature": 0.7, "top_p": 0.9}
 @pytest.fixture(scope="module")
 def server(bg, upstreams, tmp_path_factory):
     db = tmp_path_factory.mktemp("audit") / "audit.db"
-    settings = gateway_settings(upstreams, audit={"sqlite_path": str(db)},
-                                models={OMNI_MODEL: {"sampling_defaults": DEFAULTS}})
+    settings = gateway_settings(
+        upstreams, audit={"sqlite_path": str(db)}, models={OMNI_MODEL: {"sampling_defaults": DEFAULTS}}
+    )
     s = GatewayServer(bg, settings, CollectorRegistry()).start()
     s.db = db
     yield s
@@ -42,7 +43,9 @@ def fresh(upstreams, server):
 def _chat(server, **body) -> tuple[httpx.Response, str]:
     rid = uuid.uuid4().hex
     payload = {"model": OMNI_MODEL, "messages": [{"role": "user", "content": "hello"}], **body}
-    resp = httpx.post(server.url + "/v1/chat/completions", json=payload, headers={"x-request-id": rid}, timeout=10)
+    resp = httpx.post(
+        server.url + "/v1/chat/completions", json=payload, headers={"x-request-id": rid}, timeout=10
+    )
     return resp, rid
 
 
@@ -50,8 +53,10 @@ def _record(server, rid: str) -> dict:
     def row():
         db = sqlite3.connect(server.db)
         try:
-            return db.execute("SELECT data FROM audit_log WHERE json_extract(data, '$.payload.client_request_id') = ?",
-                              (rid,)).fetchone()
+            return db.execute(
+                "SELECT data FROM audit_log WHERE json_extract(data, '$.payload.client_request_id') = ?",
+                (rid,),
+            ).fetchone()
         finally:
             db.close()
 
@@ -92,8 +97,11 @@ def test_streamed_requests_get_them_too(server, fresh):
 
 
 def test_a_model_without_defaults_sends_none(server, fresh):
-    resp = httpx.post(server.url + "/v1/chat/completions", timeout=10,
-                      json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "hello"}]})
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=10,
+        json={"model": TEXT_MODEL, "messages": [{"role": "user", "content": "hello"}]},
+    )
     assert resp.status_code == 200
     sent = fresh.vllm.requests[-1]
     assert "temperature" not in sent and "top_p" not in sent
@@ -101,10 +109,20 @@ def test_a_model_without_defaults_sends_none(server, fresh):
 
 def test_a_reload_changes_the_defaults_for_the_next_request(bg, upstreams, tmp_path):
     upstreams.reset()
-    doc = {"engines": [{"name": "text-vllm", "kind": "vllm", "base_url": upstreams.vllm.base_url,
-                        "model": "scripted", "serves": [TEXT_MODEL]}],
-           "models": {TEXT_MODEL: {"sampling_defaults": {"temperature": 0.7}}},
-           "audit": {"sqlite_path": str(tmp_path / "a.db")}, "logging": {"level": "warning"}}
+    doc = {
+        "engines": [
+            {
+                "name": "text-vllm",
+                "kind": "vllm",
+                "base_url": upstreams.vllm.base_url,
+                "model": "scripted",
+                "serves": [TEXT_MODEL],
+            }
+        ],
+        "models": {TEXT_MODEL: {"sampling_defaults": {"temperature": 0.7}}},
+        "audit": {"sqlite_path": str(tmp_path / "a.db")},
+        "logging": {"level": "warning"},
+    }
     path = tmp_path / "omnigate.yaml"
     path.write_text(yaml.safe_dump(doc))
     s = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
@@ -112,7 +130,9 @@ def test_a_reload_changes_the_defaults_for_the_next_request(bg, upstreams, tmp_p
     try:
         assert httpx.post(s.url + "/v1/chat/completions", json=body, timeout=10).status_code == 200
         assert upstreams.vllm.requests[-1]["temperature"] == 0.7
-        path.write_text(yaml.safe_dump({**doc, "models": {TEXT_MODEL: {"sampling_defaults": {"top_p": 0.5}}}}))
+        path.write_text(
+            yaml.safe_dump({**doc, "models": {TEXT_MODEL: {"sampling_defaults": {"top_p": 0.5}}}})
+        )
         result = bg.run(reload_config(s.services, path))
         assert result.ok and "models" not in result.restart_required
         assert httpx.post(s.url + "/v1/chat/completions", json=body, timeout=10).status_code == 200

@@ -80,8 +80,10 @@ def test_video_frames_are_screened(nsfw_gw, ups):
     blue = np.asarray(plain_image(240).resize((320, 240)))
     flagged = video(8.0, fps=4, frame_fn=lambda i: skin if 12 <= i < 20 else blue)
     clean = video(8.0, fps=4, frame_fn=lambda i: blue)
+
     def part(clip):
         return {"type": "video_url", "video_url": {"url": data_uri("video/mp4", clip)}}
+
     resp = _post(nsfw_gw, part(flagged))
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "content_policy_violation"
     assert _post(nsfw_gw, part(clean)).status_code == 200

@@ -28,8 +28,9 @@ BODY = {"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "cont
 @pytest.fixture
 def quiet_gateway(bg, upstreams, tmp_path):
     upstreams.reset()
-    settings = gateway_settings(upstreams, server={"sse_keepalive_s": 0.1},
-                                audit={"sqlite_path": str(tmp_path / "audit.db")})
+    settings = gateway_settings(
+        upstreams, server={"sse_keepalive_s": 0.1}, audit={"sqlite_path": str(tmp_path / "audit.db")}
+    )
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
     yield server
     server.stop()
@@ -45,16 +46,17 @@ def _lines(url: str) -> list[str]:
 
 
 def test_an_idle_stream_gets_keepalive_comments_and_its_text_whole(quiet_gateway, upstreams) -> None:
-    upstreams.bg.call(lambda: setattr(upstreams.vllm, "default",
-                                      Script(flavour="vllm", text="one two three", chunk_delay_s=0.45)))
+    upstreams.bg.call(
+        lambda: setattr(
+            upstreams.vllm, "default", Script(flavour="vllm", text="one two three", chunk_delay_s=0.45)
+        )
+    )
     lines = _lines(quiet_gateway.url)
     comments = [line for line in lines if line.startswith(":")]
     data = [line[6:] for line in lines if line.startswith("data: ")]
     assert comments and set(comments) == {": keep-alive"}
     assert data[-1] == "[DONE]"
-    text = "".join(
-        (c["delta"].get("content") or "") for d in data[:-1] for c in orjson.loads(d)["choices"]
-    )
+    text = "".join((c["delta"].get("content") or "") for d in data[:-1] for c in orjson.loads(d)["choices"])
     assert text == "one two three"
     # The comments sit between the data frames, never inside one.
     first_comment = lines.index(comments[0])
@@ -68,8 +70,11 @@ def test_a_busy_stream_gets_none(quiet_gateway, upstreams) -> None:
 
 
 def test_a_stream_open_at_the_drain_deadline_ends_with_a_terminal_event(quiet_gateway, upstreams) -> None:
-    upstreams.bg.call(lambda: setattr(upstreams.vllm, "default",
-                                      Script(flavour="vllm", text=" ".join(["w"] * 100), chunk_delay_s=0.05)))
+    upstreams.bg.call(
+        lambda: setattr(
+            upstreams.vllm, "default", Script(flavour="vllm", text=" ".join(["w"] * 100), chunk_delay_s=0.05)
+        )
+    )
     services = quiet_gateway.services
     with (
         httpx.Client(timeout=30) as http,

@@ -37,12 +37,18 @@ def server(bg, upstreams, keys, tmp_path_factory):
         upstreams,
         policy_sets={
             "tagged": PolicyChainConfig(pre=[PolicySpec(name="append-tag", config={"tag": "t"})]),
-            "strict": PolicyChainConfig(pre=[PolicySpec(name="always-reject"),
-                                             PolicySpec(name="append-tag", config={"tag": "never"})]),
+            "strict": PolicyChainConfig(
+                pre=[PolicySpec(name="always-reject"), PolicySpec(name="append-tag", config={"tag": "never"})]
+            ),
         },
         tenants=[
-            {"name": "acme", "models": [TEXT_MODEL], "priority": "interactive", "max_concurrency": 4,
-             "audit_content": "redacted"},
+            {
+                "name": "acme",
+                "models": [TEXT_MODEL],
+                "priority": "interactive",
+                "max_concurrency": 4,
+                "audit_content": "redacted",
+            },
             {"name": "globex", "policy_set": "tagged", "priority": "batch"},
             {"name": "strict", "policy_set": "strict"},
             {"name": "limited", "requests_per_minute": 2},
@@ -50,8 +56,10 @@ def server(bg, upstreams, keys, tmp_path_factory):
             {"name": "dormant", "enabled": False},
             {"name": "revoked"},
         ],
-        api_keys=[{"id": k.id, "tenant": name, "sha256": k.sha256, "enabled": name != "revoked"}
-                  for name, k in keys.items()],
+        api_keys=[
+            {"id": k.id, "tenant": name, "sha256": k.sha256, "enabled": name != "revoked"}
+            for name, k in keys.items()
+        ],
         rate_limits={"key_prefix": redis_prefix()},
         redis={"url": "redis://127.0.0.1:6379/0"},  # the limits as replicas share them
         traffic={"key_prefix": f"{redis_prefix()}:traffic"},
@@ -70,8 +78,9 @@ def fresh(server, upstreams):
     return upstreams
 
 
-def _chat(server, key: str | None, model: str = TEXT_MODEL, text: str = "hello", rid: str | None = None,
-          **body) -> httpx.Response:
+def _chat(
+    server, key: str | None, model: str = TEXT_MODEL, text: str = "hello", rid: str | None = None, **body
+) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} if key else {}
     if rid:
         headers["x-request-id"] = rid
@@ -84,7 +93,9 @@ def _record(server, rid: str) -> dict | None:
     db = sqlite3.connect(server.db)
     try:
         # The gateway makes request ids; the id a client sent is kept as client_request_id.
-        row = db.execute("SELECT data FROM audit_log WHERE json_extract(data, '$.payload.client_request_id') = ?", (rid,)).fetchone()
+        row = db.execute(
+            "SELECT data FROM audit_log WHERE json_extract(data, '$.payload.client_request_id') = ?", (rid,)
+        ).fetchone()
     finally:
         db.close()
     return None if row is None else orjson.loads(row[0])
@@ -93,7 +104,14 @@ def _record(server, rid: str) -> dict | None:
 def test_missing_bad_and_disabled_keys_are_401_and_indistinguishable(server, fresh, keys):
     bodies = []
     forged = keys["acme"].key[:-4] + "abcd"
-    for key in (None, "nonsense", "og_aaaaaaaaaaaa_" + "x" * 43, forged, keys["dormant"].key, keys["revoked"].key):
+    for key in (
+        None,
+        "nonsense",
+        "og_aaaaaaaaaaaa_" + "x" * 43,
+        forged,
+        keys["dormant"].key,
+        keys["revoked"].key,
+    ):
         resp = _chat(server, key)
         assert resp.status_code == 401, (key, resp.text)
         bodies.append(resp.json())
@@ -156,17 +174,22 @@ def test_a_policy_that_did_not_run_is_not_in_the_record(server, fresh, keys):
     resp = _chat(server, keys["strict"].key, rid="strict-1")
     assert resp.status_code == 400
     p = _record(server, "strict-1")["payload"]
-    assert [(x["name"], x["stage"], x["verdict"]) for x in p["policies"]] == [("always-reject", "pre", "reject")]
+    assert [(x["name"], x["stage"], x["verdict"]) for x in p["policies"]] == [
+        ("always-reject", "pre", "reject")
+    ]
     assert p["outcome"] == "refused" and p["error_code"] == "content_policy_violation"
 
 
 def test_streamed_record_is_durable_before_done(server, fresh, keys):
     fresh.vllm.default = Script(flavour="vllm", text="Streamed words for the record.")
     text = []
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=10,
-                      headers={"authorization": f"Bearer {keys['globex'].key}", "x-request-id": "stream-1"},
-                      json={"model": TEXT_MODEL, "stream": True,
-                            "messages": [{"role": "user", "content": "say it"}]}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        timeout=10,
+        headers={"authorization": f"Bearer {keys['globex'].key}", "x-request-id": "stream-1"},
+        json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "say it"}]},
+    ) as r:
         for line in r.iter_lines():
             if line == "data: [DONE]":
                 # The record must already be in the store when [DONE] arrives.
@@ -179,9 +202,15 @@ def test_streamed_record_is_durable_before_done(server, fresh, keys):
     assert rec is not None
     p = rec["payload"]
     assert (p["outcome"], p["status"], p["stream"], p["engine"], p["variant"]) == (
-        "served", 200, True, "text-vllm", "fp16")
-    assert p["input"] == [{"role": "user", "type": "text", "chars": 6,
-                           "sha256": hashlib.sha256(b"say it").hexdigest()}]
+        "served",
+        200,
+        True,
+        "text-vllm",
+        "fp16",
+    )
+    assert p["input"] == [
+        {"role": "user", "type": "text", "chars": 6, "sha256": hashlib.sha256(b"say it").hexdigest()}
+    ]
     assert p["output"]["text_sha256"] == hashlib.sha256("".join(text).encode()).hexdigest()
     assert [(x["name"], x["verdict"]) for x in p["policies"]] == [("append-tag", "rewrite")]
     assert p["policies"][0]["duration_ms"] >= 0
@@ -196,14 +225,18 @@ def test_every_outcome_has_a_record(server, fresh, keys):
     fresh.vllm.default = Script(flavour="vllm", fault="500_before_headers")
     assert _chat(server, acme, rid="o-failed").status_code >= 500
     fresh.vllm.default = Script(flavour="vllm", text="a b c d e f g h", chunk_delay_s=0.3)
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=10,
-                      headers={"authorization": f"Bearer {acme}", "x-request-id": "o-cancelled"},
-                      json={"model": TEXT_MODEL, "stream": True,
-                            "messages": [{"role": "user", "content": "x"}]}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        timeout=10,
+        headers={"authorization": f"Bearer {acme}", "x-request-id": "o-cancelled"},
+        json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]},
+    ) as r:
         next(r.iter_lines())  # the response has started; leave
     assert wait_until(lambda: _record(server, "o-cancelled") is not None, timeout=10)
-    outcomes = {rid: _record(server, rid)["payload"] for rid in
-                ("o-404", "o-degraded", "o-failed", "o-cancelled")}
+    outcomes = {
+        rid: _record(server, rid)["payload"] for rid in ("o-404", "o-degraded", "o-failed", "o-cancelled")
+    }
     # A refused key has no record of its own: it is counted in the interval's auth_failures record.
     assert _record(server, "o-401") is None
     assert outcomes["o-404"]["outcome"] == "refused" and outcomes["o-404"]["error_code"] == "model_not_found"
@@ -215,7 +248,9 @@ def test_every_outcome_has_a_record(server, fresh, keys):
 
 def test_redacted_content_for_tenants_that_keep_it(server, fresh, keys):
     fresh.vllm.default = Script(flavour="vllm", text="Write to ops@example.com today.")
-    resp = _chat(server, keys["acme"].key, text="I am jane@corp.example, card 4111 1111 1111 1111", rid="pii-1")
+    resp = _chat(
+        server, keys["acme"].key, text="I am jane@corp.example, card 4111 1111 1111 1111", rid="pii-1"
+    )
     assert resp.status_code == 200
     content = _record(server, "pii-1")["payload"]["content"]
     assert content["mode"] == "redacted"

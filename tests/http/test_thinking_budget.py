@@ -69,7 +69,9 @@ def test_no_budget_when_thinking_is_off(server, fresh):
 
 # -- engines that cannot enforce it ------------------------------------------------------------------
 def test_a_budget_below_max_tokens_is_refused_where_no_engine_enforces_it(server, fresh):
-    resp = _chat(server, OMNI_MODEL, thinking_token_budget=500, chat_template_kwargs={"enable_thinking": True})
+    resp = _chat(
+        server, OMNI_MODEL, thinking_token_budget=500, chat_template_kwargs={"enable_thinking": True}
+    )
     assert resp.status_code == 400
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}

@@ -29,22 +29,32 @@ def install(cache: Path = CACHE) -> Path:
         cache.mkdir(parents=True)
         for name in _FILES[:2]:
             shutil.copy2(HERE / name, cache / name)
-        subprocess.run(["npm", "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--loglevel=error"],
-                       cwd=cache, check=True, timeout=600)
+        subprocess.run(
+            ["npm", "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=cache,
+            check=True,
+            timeout=600,
+        )
         stamp.touch()
     # The script is copied on every run (cheap) so an edit needs no reinstall.
     shutil.copy2(HERE / "contract.mjs", cache / "contract.mjs")
     return cache
 
 
-def call(base_url: str, mode: str, request: dict[str, Any], api_key: str | None = None,
-         timeout: float = 240) -> dict[str, Any]:
+def call(
+    base_url: str, mode: str, request: dict[str, Any], api_key: str | None = None, timeout: float = 240
+) -> dict[str, Any]:
     cache = install()
     job = {"base_url": base_url, "mode": mode, "request": request}
     if api_key is not None:
         job["api_key"] = api_key
-    out = subprocess.run(["node", str(cache / "contract.mjs"), json.dumps(job)], capture_output=True,
-                         text=True, timeout=timeout, check=False)
+    out = subprocess.run(
+        ["node", str(cache / "contract.mjs"), json.dumps(job)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"node exited with {out.returncode}: {out.stderr[-2000:]}")
     return json.loads(out.stdout)

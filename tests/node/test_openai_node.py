@@ -12,8 +12,13 @@ from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(600)  # node and npm come from scripts/test-env.sh
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -24,7 +29,9 @@ def url(gateway) -> str:
 
 def test_streaming_with_usage(url, ups):
     ups.vllm.default = Script(text="One two three four.")
-    got = sdk.call(url, "stream", {"model": TEXT_MODEL, "messages": USER, "stream_options": {"include_usage": True}})
+    got = sdk.call(
+        url, "stream", {"model": TEXT_MODEL, "messages": USER, "stream_options": {"include_usage": True}}
+    )
     text, finish, usage = sdk.stream_text(got["chunks"])
     assert text == "One two three four." and finish == "stop"
     assert usage["completion_tokens"] == 4 and usage["total_tokens"] == usage["prompt_tokens"] + 4
@@ -39,7 +46,9 @@ def test_non_streaming(url, ups):
 
 def test_streamed_tool_calls_reassembled_by_the_node_sdk(url, ups):
     args = '{"city": "Paris"}'
-    ups.vllm.default = Script(text="", tool_calls=[{"name": "get_weather", "arguments": args}], tool_chunk_chars=3)
+    ups.vllm.default = Script(
+        text="", tool_calls=[{"name": "get_weather", "arguments": args}], tool_chunk_chars=3
+    )
     got = sdk.call(url, "helper", {"model": TEXT_MODEL, "messages": USER, "tools": [WEATHER]})
     choice = got["completion"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
@@ -50,15 +59,23 @@ def test_streamed_tool_calls_reassembled_by_the_node_sdk(url, ups):
 
 def test_non_streamed_tool_calls_and_a_tool_result_turn(url, ups):
     ups.vllm.default = Script(text="", tool_calls=[{"name": "get_weather", "arguments": "{}"}])
-    got = sdk.call(url, "create", {"model": TEXT_MODEL, "messages": USER, "tools": [WEATHER],
-                                   "tool_choice": "required"})
+    got = sdk.call(
+        url, "create", {"model": TEXT_MODEL, "messages": USER, "tools": [WEATHER], "tool_choice": "required"}
+    )
     call = got["completion"]["choices"][0]["message"]["tool_calls"][0]
     ups.vllm.default = Script(text="It is 18 degrees.")
-    follow = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
-              {"role": "tool", "tool_call_id": call["id"], "content": "18"}]
+    follow = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "18"},
+    ]
     got = sdk.call(url, "create", {"model": TEXT_MODEL, "messages": follow, "tools": [WEATHER]})
     assert got["completion"]["choices"][0]["message"]["content"] == "It is 18 degrees."
-    assert ups.vllm.requests[-1]["messages"][2] == {"role": "tool", "tool_call_id": call["id"], "content": "18"}
+    assert ups.vllm.requests[-1]["messages"][2] == {
+        "role": "tool",
+        "tool_call_id": call["id"],
+        "content": "18",
+    }
 
 
 def test_response_format(url, ups):

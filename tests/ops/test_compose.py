@@ -19,8 +19,10 @@ from tests.ops.tools import run, venv_tool
 
 COMPOSE = OPS / "compose.yaml"
 SHARED = {"redis", "postgres", "prometheus", "grafana", "proxy"}
-PROFILES = {"gpu": SHARED | {"gateway", "omni-int4", "omni-bf16", "weights-omni-int4", "weights-omni-bf16"},
-            "cpu": SHARED | {"gateway-cpu"}}
+PROFILES = {
+    "gpu": SHARED | {"gateway", "omni-int4", "omni-bf16", "weights-omni-int4", "weights-omni-bf16"},
+    "cpu": SHARED | {"gateway-cpu"},
+}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -206,8 +208,12 @@ def test_each_engine_starts_only_after_its_pinned_weights_are_verified(tmp_path)
     from gateway.cli import main
     from gateway.weights import parse_manifest
 
-    config = compose_config("gpu", OMNI_INT4_REVISION=REVISION, OMNI_BF16_REVISION="f" * 40,
-                            OMNI_INT4_CHECKPOINT="org/int4-checkpoint")
+    config = compose_config(
+        "gpu",
+        OMNI_INT4_REVISION=REVISION,
+        OMNI_BF16_REVISION="f" * 40,
+        OMNI_INT4_CHECKPOINT="org/int4-checkpoint",
+    )
     for engine, revision in (("omni-int4", REVISION), ("omni-bf16", "f" * 40)):
         svc = config["services"][engine]
         check = config["services"][f"weights-{engine}"]
@@ -222,7 +228,8 @@ def test_each_engine_starts_only_after_its_pinned_weights_are_verified(tmp_path)
         assert svc["environment"]["HF_HUB_OFFLINE"] == "1"
         models = next(v for v in svc["volumes"] if v["target"] == "/models")
         assert models["read_only"] and models["source"] == next(
-            v["source"] for v in check["volumes"] if v["target"] == "/models")
+            v["source"] for v in check["volumes"] if v["target"] == "/models"
+        )
         # The manifest it reads is a file of ops/weights/ (read-only), and the shipped one fails closed.
         manifest = Path(flag["--manifest"])
         mount = next(v for v in check["volumes"] if manifest.is_relative_to(v["target"]))
@@ -233,9 +240,20 @@ def test_each_engine_starts_only_after_its_pinned_weights_are_verified(tmp_path)
         folder = tmp_path / engine / "snapshots" / revision
         folder.mkdir(parents=True)
         (folder / "config.json").write_text("{}")
-        assert main(["verify-weights", "--dir", str(folder), "--manifest", str(shipped), "--revision", revision]) == 1
-    assert dict(zip(config["services"]["weights-omni-int4"]["command"][2::2],
-                    config["services"]["weights-omni-int4"]["command"][3::2], strict=True))["--model"] == "org/int4-checkpoint"
+        assert (
+            main(["verify-weights", "--dir", str(folder), "--manifest", str(shipped), "--revision", revision])
+            == 1
+        )
+    assert (
+        dict(
+            zip(
+                config["services"]["weights-omni-int4"]["command"][2::2],
+                config["services"]["weights-omni-int4"]["command"][3::2],
+                strict=True,
+            )
+        )["--model"]
+        == "org/int4-checkpoint"
+    )
 
 
 def test_an_unpinned_engine_cannot_pass_its_check():

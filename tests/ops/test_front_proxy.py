@@ -195,11 +195,14 @@ def test_requests_pass_through_with_a_request_id(proxy, ups):
 def test_streams_are_relayed_frame_by_frame_and_disconnects_reach_the_engine(proxy, ups):
     # Forty pieces half a second apart: the whole answer takes twenty seconds upstream.
     ups.vllm.default = Script(flavour="vllm", text=" ".join(f"w{i}" for i in range(40)), chunk_delay_s=0.5)
-    with httpx.Client(timeout=HANG_GUARD_S) as client, client.stream(
-        "POST",
-        proxy.url + "/v1/chat/completions",
-        json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "Count."}]},
-    ) as r:
+    with (
+        httpx.Client(timeout=HANG_GUARD_S) as client,
+        client.stream(
+            "POST",
+            proxy.url + "/v1/chat/completions",
+            json={"model": TEXT_MODEL, "stream": True, "messages": [{"role": "user", "content": "Count."}]},
+        ) as r,
+    ):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: ") and '"content":"w' in line)

@@ -235,19 +235,27 @@ def _env(objects: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container["env"]}
 
 
-@pytest.mark.parametrize("values", [
-    {"directory": {"backend": "sqlite"}},  # the HPA can add pods: its default ceiling is 10
-    {"directory": {"backend": "sqlite"}, "autoscaling": {"enabled": False}, "replicaCount": 2},
-    {"directory": {"backend": "sqlite"}, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3}},
-    {"directory": {"backend": "postgres", "existingSecret": ""}},
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"directory": {"backend": "sqlite"}},  # the HPA can add pods: its default ceiling is 10
+        {"directory": {"backend": "sqlite"}, "autoscaling": {"enabled": False}, "replicaCount": 2},
+        {
+            "directory": {"backend": "sqlite"},
+            "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3},
+        },
+        {"directory": {"backend": "postgres", "existingSecret": ""}},
+    ],
+)
 def test_several_replicas_cannot_render_without_a_shared_directory(values):
     with pytest.raises(Exception, match="directory"):
         render(values)
 
 
 def test_one_replica_may_keep_its_own_directory_and_several_share_postgres():
-    single = render({"directory": {"backend": "sqlite"}, "autoscaling": {"enabled": False}, "replicaCount": 1})
+    single = render(
+        {"directory": {"backend": "sqlite"}, "autoscaling": {"enabled": False}, "replicaCount": 1}
+    )
     env = _env(single)
     assert env["OMNIGATE_AUTH__REPLICAS"]["value"] == "1"
     assert env["OMNIGATE_AUTH__DIRECTORY__BACKEND"]["value"] == "sqlite"
@@ -256,7 +264,9 @@ def test_one_replica_may_keep_its_own_directory_and_several_share_postgres():
     # The gateway is told the most replicas the HPA may run, so its own refusals match the chart's.
     assert env["OMNIGATE_AUTH__REPLICAS"]["value"] == "10"
     assert env["OMNIGATE_AUTH__DIRECTORY__POSTGRES_DSN"]["valueFrom"]["secretKeyRef"] == {
-        "name": "omnigate-directory", "key": "dsn"}
+        "name": "omnigate-directory",
+        "key": "dsn",
+    }
 
 
 def test_the_redis_url_comes_from_a_secret_as_the_one_redis_block():
@@ -271,7 +281,9 @@ def test_metrics_port_is_wired_through_container_service_and_monitor():
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8080, "metrics": 9300}
     assert _env(objects)["OMNIGATE_METRICS__PORT"]["value"] == "9300"
     svc = one(objects, "Service")
-    assert {"name": "metrics", "port": 9300, "targetPort": "metrics", "protocol": "TCP"} in svc["spec"]["ports"]
+    assert {"name": "metrics", "port": 9300, "targetPort": "metrics", "protocol": "TCP"} in svc["spec"][
+        "ports"
+    ]
     on_http = render({"metrics": {"port": 0}})
     assert one(on_http, "ServiceMonitor")["spec"]["endpoints"][0]["port"] == "http"
     assert "OMNIGATE_METRICS__PORT" not in _env(on_http)
@@ -338,8 +350,10 @@ def test_engines_start_only_after_their_weights_are_verified(tmp_path):
     gateway = objects[("Deployment", "omnigate")]
     gateway_selector = gateway["spec"]["selector"]["matchLabels"]
     assert not gateway_selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
-    assert not objects[("Service", "omnigate")]["spec"]["selector"].items() <= \
-        dep["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        not objects[("Service", "omnigate")]["spec"]["selector"].items()
+        <= dep["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 def test_another_pin_rolls_the_engine(tmp_path):
@@ -348,16 +362,21 @@ def test_another_pin_rolls_the_engine(tmp_path):
     other = {**values["engines"][0], "sha256": {**values["engines"][0]["sha256"], "config.json": "f" * 64}}
     after = render({"engines": [other]})[("Deployment", "omnigate-omni-int4")]
     key = "checksum/weights"
-    assert before["spec"]["template"]["metadata"]["annotations"][key] != \
-        after["spec"]["template"]["metadata"]["annotations"][key]
+    assert (
+        before["spec"]["template"]["metadata"]["annotations"][key]
+        != after["spec"]["template"]["metadata"]["annotations"][key]
+    )
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"revision": "main"}, "revision"),          # a branch moves: only a commit pins
-    ({"sha256": {}}, "sha256"),
-    ({"sha256": {"config.json": "not-a-sum"}}, "sha256"),
-    ({"servedModelName": None}, "servedModelName"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"revision": "main"}, "revision"),  # a branch moves: only a commit pins
+        ({"sha256": {}}, "sha256"),
+        ({"sha256": {"config.json": "not-a-sum"}}, "sha256"),
+        ({"servedModelName": None}, "servedModelName"),
+    ],
+)
 def test_an_engine_without_a_full_pin_does_not_render(tmp_path, change, needle):
     values, _ = _engine_values(tmp_path)
     engine = {k: v for k, v in {**values["engines"][0], **change}.items() if v is not None}
@@ -388,7 +407,9 @@ def test_a_gateway_expectation_that_contradicts_the_pin_does_not_render(tmp_path
     values, _ = _engine_values(tmp_path)
     config = yaml.safe_load((CHART / "values.yaml").read_text())["config"]
     config["engines"][0]["expected_revision"] = "f" * 40
-    with pytest.raises(helm.HelmRenderError, match=r"expected_revision .* is not the revision engines.. pins"):
+    with pytest.raises(
+        helm.HelmRenderError, match=r"expected_revision .* is not the revision engines.. pins"
+    ):
         render({**values, "config": config})
     config["engines"][0].pop("expected_revision")
     config["engines"][0]["expected_model"] = "some-other-model"

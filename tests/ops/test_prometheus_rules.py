@@ -177,7 +177,9 @@ def test_thresholds_are_the_documented_ones():
     assert 'variant="bf16"' in budget and "max_over_time(" in budget
     # Cross-modal accuracy: an alert below 90 %.
     assert _comparison(alerts["OmnigateEngineAccuracyLow"]["expr"]) == (
-        {"omnigate_engine_accuracy_ratio"}, "<", 0.9
+        {"omnigate_engine_accuracy_ratio"},
+        "<",
+        0.9,
     )
     wer = "engine_variant:omnigate_sentinel_wer:mean15m"
     assert threshold("OmnigateSentinelWERHigh") == ({wer}, 0.05)

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app
 from core.settings import Settings
+from gateway.app import create_app
 from tests.conftest import gateway_settings
 from tests.harness import GatewayServer
 from tests.ops.catalogue import (
@@ -144,8 +144,9 @@ def test_routing_calls_are_accepted_as_written_by_a_running_gateway(bg, upstream
     assert {path for _, path, _ in calls} == {
         f"/admin/routing/{name}" for name in ("pin", "unpin", "freeze", "resume", "clear", "readmit")
     }
-    settings = gateway_settings(upstreams, admin={"api_key": _ADMIN_KEY}, audit={"enabled": False},
-                                auth={"required": False})
+    settings = gateway_settings(
+        upstreams, admin={"api_key": _ADMIN_KEY}, audit={"enabled": False}, auth={"required": False}
+    )
     server = GatewayServer(bg, settings).start()
     headers = {"authorization": "Bearer " + _ADMIN_KEY}
     try:

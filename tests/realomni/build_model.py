@@ -82,8 +82,13 @@ def build_tokenizer(out: Path) -> None:
 def build_config():
     from transformers import Qwen3OmniMoeConfig
 
-    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [6, 5, 5],
-            "interleaved": True, "mrope_interleaved": True}  # fmt: skip  (6 + 5 + 5 = head_dim / 2)
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 1_000_000.0,
+        "mrope_section": [6, 5, 5],
+        "interleaved": True,
+        "mrope_interleaved": True,
+    }  # fmt: skip  (6 + 5 + 5 = head_dim / 2)
     moe_text = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4,
                     num_experts_per_tok=2, max_position_embeddings=4096, rope_parameters=rope)  # fmt: skip

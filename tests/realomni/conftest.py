@@ -23,7 +23,9 @@ VOICES = ["Aiden", "Chelsie", "Ethan"]  # the tiny model's talker_config.speaker
 def omni() -> OmniServer:
     server = OmniServer(prepare())
     running = os.environ.get("OMNIGATE_REAL_OMNI_PORT")
-    if running:  # a server already started with prepare.server_command (working on the suite): used, not stopped
+    if (
+        running
+    ):  # a server already started with prepare.server_command (working on the suite): used, not stopped
         server.port = int(running)
         server.wait_ready()
         yield server
@@ -41,8 +43,9 @@ def omni_settings(omni: OmniServer, pre: list[PolicySpec] | None = None, **extra
             EngineConfig(name="real-omni-unchecked", serves=[UNCHECKED], **common),
         ],
         # An output budget the tiny stages can afford (the default, 8192, is beyond their 2048 context).
-        policies=PolicyChainConfig(pre=[*(pre or []),
-                                        PolicySpec(name="request-limits", config={"max_output_tokens": 64})]),
+        policies=PolicyChainConfig(
+            pre=[*(pre or []), PolicySpec(name="request-limits", config={"max_output_tokens": 64})]
+        ),
         logging={"level": "warning"},
         routing={"controller": {"enabled": False}, "signals": {"scrape_interval_s": 0.5}},
         **extra,
@@ -52,7 +55,9 @@ def omni_settings(omni: OmniServer, pre: list[PolicySpec] | None = None, **extra
 @pytest.fixture(scope="session")
 def omni_gateway(bg, omni, tmp_path_factory) -> GatewayServer:
     db = tmp_path_factory.mktemp("omni-audit") / "audit.db"
-    server = GatewayServer(bg, omni_settings(omni, audit={"sqlite_path": str(db)}), CollectorRegistry()).start()
+    server = GatewayServer(
+        bg, omni_settings(omni, audit={"sqlite_path": str(db)}), CollectorRegistry()
+    ).start()
     server.db = db
     yield server
     server.stop()
@@ -75,7 +80,9 @@ def direct(omni) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def shedding_gateway(bg, omni) -> GatewayServer:
     """A gateway whose admission is always above its soft limit (0), with load shedding first in its chain."""
-    settings = omni_settings(omni, pre=[PolicySpec(name="load-shedding")], traffic={"soft_limit": 0, "hard_limit": 8})
+    settings = omni_settings(
+        omni, pre=[PolicySpec(name="load-shedding")], traffic={"soft_limit": 0, "hard_limit": 8}
+    )
     server = GatewayServer(bg, settings, CollectorRegistry()).start()
     yield server
     server.stop()

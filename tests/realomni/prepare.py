@@ -158,9 +158,19 @@ def server_env() -> dict[str, str]:
 
 def server_command(prepared: Prepared, port: int, served_name: str = "qwen3-omni") -> list[str]:
     return [
-        str(prepared.vllm_omni), "serve", str(prepared.model_dir), "--omni",
-        "--deploy-config", str(DEPLOY), "--log-stats",
-        "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+        str(prepared.vllm_omni),
+        "serve",
+        str(prepared.model_dir),
+        "--omni",
+        "--deploy-config",
+        str(DEPLOY),
+        "--log-stats",
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
     ]
 
 

@@ -51,7 +51,9 @@ def streamed(stream) -> tuple[str, bytes, str | None, object]:
 def direct_stream(omni, body: dict) -> list[dict]:
     """vLLM-Omni's own chunks for ``body`` (raw JSON: its ``modality`` tag is not part of the SDK's types)."""
     out = []
-    with httpx.stream("POST", omni.base_url + "/chat/completions", json={**body, "stream": True}, timeout=600) as r:
+    with httpx.stream(
+        "POST", omni.base_url + "/chat/completions", json={**body, "stream": True}, timeout=600
+    ) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -89,12 +91,16 @@ def test_streamed_speech_is_one_valid_wav_and_the_text_is_the_engines(via, omni)
     words, audio, finish, usage = streamed(via.chat.completions.create(
         model=MODEL, messages=PROMPT, max_tokens=6, temperature=0, stream=True,
         stream_options={"include_usage": True}, **SPEECH))  # fmt: skip
-    assert audio.startswith(b"RIFF") and audio.count(b"RIFF") == 1  # one file, not the engine's per-piece files
+    assert (
+        audio.startswith(b"RIFF") and audio.count(b"RIFF") == 1
+    )  # one file, not the engine's per-piece files
     frames, rate = _wav(audio)
     assert rate == 24000 and frames > 0
     assert finish in ("stop", "length")
     assert usage.completion_tokens <= 6  # speech adds no tokens ...
-    assert usage.model_extra["output_audio_seconds"] == pytest.approx(frames / rate, abs=0.01)  # ... but seconds
+    assert usage.model_extra["output_audio_seconds"] == pytest.approx(
+        frames / rate, abs=0.01
+    )  # ... but seconds
     # The engine's own stream for the same greedy request: the same words, and its audio as base64 text.
     chunks = direct_stream(omni, {"model": omni.served_name, "messages": PROMPT, "max_tokens": 6,
                                   "temperature": 0, "modalities": ["text", "audio"], "voice": "ethan"})  # fmt: skip
@@ -181,8 +187,14 @@ def test_load_shedding_serves_speech_requests_text_only_from_the_thinker(sheddin
 
 
 def test_a_valid_voice_speaks(via):
-    resp = via.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=3, temperature=0,
-                                       modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"})
+    resp = via.chat.completions.create(
+        model=MODEL,
+        messages=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "wav"},
+    )
     assert _wav(base64.b64decode(resp.choices[0].message.audio.data))[0] > 0
 
 
@@ -209,12 +221,22 @@ def test_the_engines_own_voice_refusal_is_an_openai_400(via, omni, stream):
     with pytest.raises(openai.BadRequestError) as info:
         # max_tokens as a client sets it: without one the gateway's speech cap (2,048) is the whole context
         # of this test engine, and vLLM-Omni checks the context before the speaker.
-        r = via.chat.completions.create(model=UNCHECKED, messages=PROMPT, stream=stream, max_tokens=8,
-                                        modalities=["text", "audio"], audio={"voice": "Nobody", "format": "wav"})
+        r = via.chat.completions.create(
+            model=UNCHECKED,
+            messages=PROMPT,
+            stream=stream,
+            max_tokens=8,
+            modalities=["text", "audio"],
+            audio={"voice": "Nobody", "format": "wav"},
+        )
         list(r) if stream else None
     err = info.value.body
     assert info.value.status_code == 400
-    assert err["type"] == "invalid_request_error" and err["param"] == "audio.voice" and err["code"] == "invalid_voice"
+    assert (
+        err["type"] == "invalid_request_error"
+        and err["param"] == "audio.voice"
+        and err["code"] == "invalid_voice"
+    )
     assert "aiden, chelsie, ethan" in err["message"] and "BadRequestError" not in err["message"]
 
 
@@ -239,7 +261,7 @@ def test_a_prompt_over_the_engines_context_is_an_openai_400(via, stream):
 def test_the_real_per_stage_metrics_are_read_for_the_thinker(omni_gateway, omni, bg):
     text = httpx.get(omni.root + "/metrics", timeout=10).text
     # Real vLLM-Omni 0.30.0 labels vLLM's series by stage id, one set per stage (the shape the telemetry reads).
-    assert 'vllm:num_requests_running{' in text and 'stage="0"' in text and 'stage="2"' in text
+    assert "vllm:num_requests_running{" in text and 'stage="0"' in text and 'stage="2"' in text
     telemetry = omni_gateway.services.controller.telemetry
     via_one = {"model": MODEL, "messages": PROMPT, "max_tokens": 2, **SPEECH}
     httpx.post(omni_gateway.url + "/v1/chat/completions", json=via_one, timeout=600).raise_for_status()
@@ -247,7 +269,9 @@ def test_the_real_per_stage_metrics_are_read_for_the_thinker(omni_gateway, omni,
     while True:
         bg.run(telemetry.collect_once())
         after = telemetry.latest(ENGINE)
-        if (after.get("engine_ttft_p99", 0) > 0 and after.get("requests_running") == 0) or time.monotonic() > deadline:
+        if (
+            after.get("engine_ttft_p99", 0) > 0 and after.get("requests_running") == 0
+        ) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert after["requests_running"] == 0, after

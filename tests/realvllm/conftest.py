@@ -34,13 +34,32 @@ def spare(bg) -> ScriptedUpstream:
 
 def real_settings(vllm: VllmServer, spare: ScriptedUpstream | None = None, **extra) -> Settings:
     engines = [
-        EngineConfig(name=ENGINE, kind="vllm", base_url=vllm.base_url, model="smollm2", variant="bf16",
-                     serves=[MODEL], first_byte_timeout_s=120, read_timeout_s=120, max_context_tokens=2048),
+        EngineConfig(
+            name=ENGINE,
+            kind="vllm",
+            base_url=vllm.base_url,
+            model="smollm2",
+            variant="bf16",
+            serves=[MODEL],
+            first_byte_timeout_s=120,
+            read_timeout_s=120,
+            max_context_tokens=2048,
+        ),
     ]
     if spare is not None:
-        engines.append(EngineConfig(name="spare", kind="vllm", base_url=spare.base_url, model="scripted",
-                                    variant="bf16", role="fallback", serves=[MODEL], first_byte_timeout_s=5,
-                                    read_timeout_s=5))
+        engines.append(
+            EngineConfig(
+                name="spare",
+                kind="vllm",
+                base_url=spare.base_url,
+                model="scripted",
+                variant="bf16",
+                role="fallback",
+                serves=[MODEL],
+                first_byte_timeout_s=5,
+                read_timeout_s=5,
+            )
+        )
     return Settings(
         engines=engines,
         policies=PolicyChainConfig(pre=[PolicySpec(name="request-limits")]),
@@ -53,7 +72,9 @@ def real_settings(vllm: VllmServer, spare: ScriptedUpstream | None = None, **ext
 @pytest.fixture(scope="session")
 def real_gateway(bg, vllm, tmp_path_factory) -> GatewayServer:
     db = tmp_path_factory.mktemp("audit") / "audit.db"
-    server = GatewayServer(bg, real_settings(vllm, audit={"sqlite_path": str(db)}), CollectorRegistry()).start()
+    server = GatewayServer(
+        bg, real_settings(vllm, audit={"sqlite_path": str(db)}), CollectorRegistry()
+    ).start()
     yield server
     server.stop()
 

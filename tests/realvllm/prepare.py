@@ -107,11 +107,24 @@ def _server_env() -> dict[str, str]:
 def server_command(prepared: Prepared, port: int) -> list[str]:
     # `vllm serve` is not installed under this package name; the module entry point is.
     return [
-        str(prepared.python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(prepared.model_dir), "--served-model-name", "smollm2",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "2048", "--dtype", "bfloat16",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        str(prepared.python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(prepared.model_dir),
+        "--served-model-name",
+        "smollm2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        "--dtype",
+        "bfloat16",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
         # A prompt served from the prefix cache comes out of slightly different bf16 arithmetic, which can
         # flip a near-tie under greedy decoding; the suite compares runs token for token, so every run
         # computes its prompt afresh.

@@ -44,8 +44,12 @@ class VllmServer:
         out = self.log.open("ab")
         # A process group of its own: vLLM forks its engine core, and a stop must reach both.
         self.proc = subprocess.Popen(
-            server_command(self.prepared, self.port), env=server_env(), stdout=out, stderr=subprocess.STDOUT,
-            cwd=self.log.parent, start_new_session=True,
+            server_command(self.prepared, self.port),
+            env=server_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=self.log.parent,
+            start_new_session=True,
         )
         out.close()
         try:

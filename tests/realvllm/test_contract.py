@@ -22,15 +22,18 @@ PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 WEATHER = {
     "type": "function",
     "function": {
-        "name": "get_weather", "description": "Current weather for a city.",
+        "name": "get_weather",
+        "description": "Current weather for a city.",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
 
 
 def both(via: openai.OpenAI, direct: openai.OpenAI, **kw):
-    return (via.chat.completions.create(model=MODEL, **kw),
-            direct.chat.completions.create(model=DIRECT_MODEL, **kw))
+    return (
+        via.chat.completions.create(model=MODEL, **kw),
+        direct.chat.completions.create(model=DIRECT_MODEL, **kw),
+    )
 
 
 def both_streamed(via: openai.OpenAI, direct: openai.OpenAI, **kw):
@@ -62,12 +65,20 @@ def test_json_answer_is_vllms(via, direct):
 
 
 def test_streamed_answer_and_usage_are_vllms(via, direct):
-    kw = {"messages": PROMPT, "max_tokens": 20, "temperature": 0, "stream": True,
-          "stream_options": {"include_usage": True}}
+    kw = {
+        "messages": PROMPT,
+        "max_tokens": 20,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     got, want = both_streamed(via, direct, **kw)
     assert got[0] == want[0] and got[0]
     assert got[1] == want[1] == "length"
-    assert (got[2].prompt_tokens, got[2].completion_tokens) == (want[2].prompt_tokens, want[2].completion_tokens)
+    assert (got[2].prompt_tokens, got[2].completion_tokens) == (
+        want[2].prompt_tokens,
+        want[2].completion_tokens,
+    )
 
 
 def test_stop_sequence_ends_with_stop(via, direct):
@@ -84,28 +95,44 @@ def test_the_same_seed_gives_vllms_text(via, direct):
 
 def test_no_max_tokens_is_served_as_directly(via, direct):
     # The gateway caps output for every engine; that cap must fit this engine's 2048-token context.
-    got, want = both(via, direct, messages=[{"role": "user", "content": "Say yes."}], temperature=0, stop=["."])
+    got, want = both(
+        via, direct, messages=[{"role": "user", "content": "Say yes."}], temperature=0, stop=["."]
+    )
     assert got.choices[0].message.content == want.choices[0].message.content
 
 
 def test_streamed_tool_calls_are_reassembled_by_the_sdk(via, direct):
-    kw = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [WEATHER],
-          "tool_choice": "required", "max_tokens": 80, "temperature": 0}
+    kw = {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": 80,
+        "temperature": 0,
+    }
     with via.chat.completions.stream(model=MODEL, **kw) as s:
         got = s.get_final_completion().choices[0]
     want = direct.chat.completions.create(model=DIRECT_MODEL, **kw).choices[0]
     assert got.finish_reason == want.finish_reason == "tool_calls"
     assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls] == [
-        (c.function.name, c.function.arguments) for c in want.message.tool_calls]
+        (c.function.name, c.function.arguments) for c in want.message.tool_calls
+    ]
     assert got.message.tool_calls[0].function.name == "get_weather"
 
 
 def test_a_conversation_with_tool_results_is_answered_as_directly(via, direct):
     messages = [
         {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 18, "sky": "light rain"}'},
     ]
     got, want = both(via, direct, messages=messages, tools=[WEATHER], max_tokens=30, temperature=0)
@@ -114,8 +141,12 @@ def test_a_conversation_with_tool_results_is_answered_as_directly(via, direct):
 
 
 def test_response_format_json_schema_is_valid_json(via, direct):
-    schema = {"type": "object", "properties": {"colour": {"type": "string"}, "count": {"type": "integer"}},
-              "required": ["colour", "count"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string"}, "count": {"type": "integer"}},
+        "required": ["colour", "count"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
     got, want = both(via, direct, messages=PROMPT, response_format=fmt, max_tokens=60, temperature=0)
     text = got.choices[0].message.content
@@ -150,8 +181,14 @@ def test_logprobs_are_vllms(via, direct):
     g, w = got.choices[0].logprobs.content, want.choices[0].logprobs.content
     assert len(g) == 6 and all(len(e.top_logprobs) == 3 for e in g)
     same_greedy_tokens(g, w)
-    kw = {"messages": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2,
-          "stream": True}
+    kw = {
+        "messages": PROMPT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "stream": True,
+    }
     sg, sw = both_streamed(via, direct, **kw)
     assert len(sg[3]) == 6 and all(len(e.top_logprobs) == 2 for e in sg[3])
     same_greedy_tokens(sg[3], sw[3])
@@ -195,8 +232,15 @@ NO_END = {"0": -100, "2": -100}
 
 def test_a_client_disconnect_aborts_the_request_in_vllm(real_gateway, vllm):
     finished = _finished(vllm)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a ship."}],
-            "max_tokens": 1500, "temperature": 1.0, "seed": 3, "stream": True, "logit_bias": NO_END}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a very long story about a ship."}],
+        "max_tokens": 1500,
+        "temperature": 1.0,
+        "seed": 3,
+        "stream": True,
+        "logit_bias": NO_END,
+    }
     with httpx.stream("POST", real_gateway.url + "/v1/chat/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
@@ -215,7 +259,14 @@ def test_a_client_disconnect_aborts_the_request_in_vllm(real_gateway, vllm):
 
 def test_vllms_metrics_feed_the_engine_telemetry(real_gateway, vllm, bg):
     telemetry = real_gateway.services.controller.telemetry
-    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 800, "temperature": 1.0, "seed": 5, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": PROMPT,
+        "max_tokens": 800,
+        "temperature": 1.0,
+        "seed": 5,
+        "stream": True,
+    }
     bg.run(telemetry.collect_once())
     with httpx.stream("POST", real_gateway.url + "/v1/chat/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
@@ -240,7 +291,9 @@ def test_vllms_metrics_feed_the_engine_telemetry(real_gateway, vllm, bg):
         time.sleep(0.5)
     assert after["requests_running"] == 0, after
     assert after.get("engine_ttft_p99", 0) > 0, after
-    scraped = real_gateway.registry.get_sample_value("omnigate_engine_kv_cache_usage_ratio", {"engine": ENGINE})
+    scraped = real_gateway.registry.get_sample_value(
+        "omnigate_engine_kv_cache_usage_ratio", {"engine": ENGINE}
+    )
     assert scraped is not None
 
 

@@ -26,8 +26,11 @@ def _gateway(bg, vllm, tmp_path, model: str, revision: str) -> GatewayServer:
 
 
 def _ask(gw: GatewayServer) -> httpx.Response:
-    return httpx.post(gw.url + "/v1/chat/completions", timeout=120,
-                      json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    return httpx.post(
+        gw.url + "/v1/chat/completions",
+        timeout=120,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    )
 
 
 def test_what_vllm_lists_is_what_the_check_reads(vllm):
@@ -50,10 +53,13 @@ def test_the_right_id_and_revision_are_routed_to(bg, vllm, tmp_path):
         gw.stop()
 
 
-@pytest.mark.parametrize(("model", "revision", "words"), [
-    ("smollm2-int4", None, "not the configured model 'smollm2-int4'"),
-    ("smollm2", "0123456789abcdef0123456789abcdef01234567", "not the configured revision"),
-])
+@pytest.mark.parametrize(
+    ("model", "revision", "words"),
+    [
+        ("smollm2-int4", None, "not the configured model 'smollm2-int4'"),
+        ("smollm2", "0123456789abcdef0123456789abcdef01234567", "not the configured revision"),
+    ],
+)
 def test_a_wrong_id_or_revision_is_never_routed_to(bg, vllm, tmp_path, model, revision, words):
     gw = _gateway(bg, vllm, tmp_path, model, revision or vllm.prepared.model_dir.name)
     try:

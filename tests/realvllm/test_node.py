@@ -13,14 +13,20 @@ from tests.realvllm.conftest import MODEL
 pytestmark = [pytest.mark.realvllm, pytest.mark.timeout(1800)]
 
 PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                          "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def both(real_gateway, vllm, mode: str, request: dict) -> tuple[dict, dict]:
-    return (sdk.call(real_gateway.url + "/v1", mode, {**request, "model": MODEL}),
-            sdk.call(vllm.base_url, mode, {**request, "model": "smollm2"}))
+    return (
+        sdk.call(real_gateway.url + "/v1", mode, {**request, "model": MODEL}),
+        sdk.call(vllm.base_url, mode, {**request, "model": "smollm2"}),
+    )
 
 
 def test_node_streaming_and_json_match_vllm(real_gateway, vllm):
@@ -31,25 +37,42 @@ def test_node_streaming_and_json_match_vllm(real_gateway, vllm):
     assert g[2]["completion_tokens"] == w[2]["completion_tokens"] == 16
     req.pop("stream_options")
     got, want = both(real_gateway, vllm, "create", req)
-    assert got["completion"]["choices"][0]["message"]["content"] == \
-        want["completion"]["choices"][0]["message"]["content"]
+    assert (
+        got["completion"]["choices"][0]["message"]["content"]
+        == want["completion"]["choices"][0]["message"]["content"]
+    )
     assert got["completion"]["usage"]["prompt_tokens"] == want["completion"]["usage"]["prompt_tokens"]
 
 
 def test_node_tool_calls_match_vllm(real_gateway, vllm):
-    req = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER],
-           "tool_choice": "required", "max_tokens": 80, "temperature": 0}
+    req = {
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": 80,
+        "temperature": 0,
+    }
     got, want = both(real_gateway, vllm, "helper", req)
     g, w = got["completion"]["choices"][0], want["completion"]["choices"][0]
     assert g["finish_reason"] == w["finish_reason"] == "tool_calls"
-    assert [c["function"] for c in g["message"]["tool_calls"]] == [c["function"] for c in w["message"]["tool_calls"]]
+    assert [c["function"] for c in g["message"]["tool_calls"]] == [
+        c["function"] for c in w["message"]["tool_calls"]
+    ]
 
 
 def test_node_response_format_is_valid_json(real_gateway, vllm):
-    schema = {"type": "object", "properties": {"colour": {"type": "string"}, "count": {"type": "integer"}},
-              "required": ["colour", "count"], "additionalProperties": False}
-    req = {"messages": PROMPT, "max_tokens": 60, "temperature": 0,
-           "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string"}, "count": {"type": "integer"}},
+        "required": ["colour", "count"],
+        "additionalProperties": False,
+    }
+    req = {
+        "messages": PROMPT,
+        "max_tokens": 60,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    }
     got, want = both(real_gateway, vllm, "create", req)
     text = got["completion"]["choices"][0]["message"]["content"]
     assert text == want["completion"]["choices"][0]["message"]["content"]

@@ -18,15 +18,20 @@ SPARE_TEXT = "The spare engine answers."
 
 
 def _ask(gw: GatewayServer) -> httpx.Response:
-    return httpx.post(gw.url + "/v1/chat/completions", timeout=120,
-                      json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    return httpx.post(
+        gw.url + "/v1/chat/completions",
+        timeout=120,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    )
 
 
 def test_vllm_killed_and_restarted(bg, vllm, spare, tmp_path):
-    pair = GatewayServer(bg, real_settings(vllm, spare, audit={"sqlite_path": str(tmp_path / "a.db")}),
-                         CollectorRegistry()).start()
-    alone = GatewayServer(bg, real_settings(vllm, audit={"sqlite_path": str(tmp_path / "b.db")}),
-                          CollectorRegistry()).start()
+    pair = GatewayServer(
+        bg, real_settings(vllm, spare, audit={"sqlite_path": str(tmp_path / "a.db")}), CollectorRegistry()
+    ).start()
+    alone = GatewayServer(
+        bg, real_settings(vllm, audit={"sqlite_path": str(tmp_path / "b.db")}), CollectorRegistry()
+    ).start()
     try:
         first = _ask(pair)
         assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] != SPARE_TEXT

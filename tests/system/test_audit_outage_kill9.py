@@ -56,15 +56,24 @@ class Load:
         while not self.stop.is_set():
             n += 1
             stream = (n + worker) % 2 == 0
-            body = {"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": f"w{worker} {n}"}]}
+            body = {
+                "model": MODEL,
+                "stream": stream,
+                "messages": [{"role": "user", "content": f"w{worker} {n}"}],
+            }
             headers = {"authorization": f"Bearer {self.key}"}
             try:
                 if stream:
-                    async with client.stream("POST", self.url + "/v1/chat/completions", json=body,
-                                             headers=headers) as r:
+                    async with client.stream(
+                        "POST", self.url + "/v1/chat/completions", json=body, headers=headers
+                    ) as r:
                         lines = [line async for line in r.aiter_lines()]
-                        if r.status_code == 200 and lines and lines[-1] == "data: [DONE]" and \
-                                not any('"error"' in line for line in lines):
+                        if (
+                            r.status_code == 200
+                            and lines
+                            and lines[-1] == "data: [DONE]"
+                            and not any('"error"' in line for line in lines)
+                        ):
                             self.acked.append(r.headers["x-request-id"])
                         elif r.status_code == 503:
                             self.refused.append({"stream": True, "lines": lines})
@@ -140,8 +149,12 @@ class StoreLock:
 
 def _start(cfg: Path, port: int, log: Path) -> subprocess.Popen:
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port",
-                                 str(port)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 async def _chain(audit: AuditSettings, witness: Path):
@@ -153,8 +166,9 @@ async def _chain(audit: AuditSettings, witness: Path):
         while rows := await store.rows(after, 1000):
             kinds.update((r.kind, r.request_id) for r in rows if r.request_id)
             after = rows[-1].seq
-        report = await verify_store(store, Signer.from_settings(audit.signing), read_heads(witness),
-                                    require_covered=True)
+        report = await verify_store(
+            store, Signer.from_settings(audit.signing), read_heads(witness), require_covered=True
+        )
     finally:
         await store.close()
     return kinds, report
@@ -165,11 +179,26 @@ def _run(tmp_path: Path, audit: dict, mode: str) -> None:
     key = mint_key()
     witness = tmp_path / "heads.jsonl"
     spool = tmp_path / "audit.spool"
-    audit = {**audit, "on_unavailable": mode, "ack_timeout_s": 2.0, "spool_path": str(spool),
-             "witness_path": str(witness), "checkpoint_every": 20, "signing": {"key": KEY}}
+    audit = {
+        **audit,
+        "on_unavailable": mode,
+        "ack_timeout_s": 2.0,
+        "spool_path": str(spool),
+        "witness_path": str(witness),
+        "checkpoint_every": 20,
+        "signing": {"key": KEY},
+    }
     doc = {
-        "engines": [{"name": "text-vllm", "kind": "vllm", "base_url": f"http://127.0.0.1:{upstream_port}/v1",
-                     "model": "scripted", "variant": "fp16", "serves": [MODEL]}],
+        "engines": [
+            {
+                "name": "text-vllm",
+                "kind": "vllm",
+                "base_url": f"http://127.0.0.1:{upstream_port}/v1",
+                "model": "scripted",
+                "variant": "fp16",
+                "serves": [MODEL],
+            }
+        ],
         "tenants": [{"name": "acme"}],
         "api_keys": [{"id": key.id, "tenant": "acme", "sha256": key.sha256}],
         "rate_limits": {"key_prefix": redis_prefix()},
@@ -180,8 +209,23 @@ def _run(tmp_path: Path, audit: dict, mode: str) -> None:
     cfg.write_text(yaml.safe_dump(doc))
     log = tmp_path / "gateway.log"
     upstream = subprocess.Popen(
-        [sys.executable, "-m", "tests.upstream", "--port", str(upstream_port), "--flavour", "vllm",
-         "--chunks", "6", "--chunk-delay-ms", "2"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "tests.upstream",
+            "--port",
+            str(upstream_port),
+            "--flavour",
+            "vllm",
+            "--chunks",
+            "6",
+            "--chunk-delay-ms",
+            "2",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     gateway = _start(cfg, port, log)
     procs = [upstream, gateway]
@@ -199,7 +243,9 @@ def _run(tmp_path: Path, audit: dict, mode: str) -> None:
                 else:
                     deadline = time.monotonic() + 60
                     while len(load.refused) < 5:
-                        assert time.monotonic() < deadline, "requests were not refused while the store was locked"
+                        assert time.monotonic() < deadline, (
+                            "requests were not refused while the store was locked"
+                        )
                         time.sleep(0.02)
                 os.kill(gateway.pid, signal.SIGKILL)
                 gateway.wait(10)

@@ -27,7 +27,11 @@ def test_a_tiny_replay_of_the_offload_incident_limits_sleeps_and_wakes():
     requests, failed = int(cells[1]), int(cells[2])
     assert requests > 0 and failed == 0
     actions = cells[5]
-    for step in ("limit_concurrency(vram-pressure)", "sleep(vram-pressure)", "wake(vram-pressure)",
-                 "awake(vram-pressure)"):
+    for step in (
+        "limit_concurrency(vram-pressure)",
+        "sleep(vram-pressure)",
+        "wake(vram-pressure)",
+        "awake(vram-pressure)",
+    ):
         assert step in actions, actions
     assert "BF16 requests while asleep or waking: 0" in cells[0]

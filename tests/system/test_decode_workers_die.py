@@ -74,16 +74,27 @@ def _cmdline(pid: int) -> str:
 def test_sigkilled_gateway_leaves_no_decode_worker_or_forkserver(tmp_path):
     port = _port()
     config = {
-        "engines": [{"name": "text-vllm", "kind": "vllm", "base_url": f"http://127.0.0.1:{_port()}/v1",
-                     "model": "scripted", "serves": ["text-model"]}],
+        "engines": [
+            {
+                "name": "text-vllm",
+                "kind": "vllm",
+                "base_url": f"http://127.0.0.1:{_port()}/v1",
+                "model": "scripted",
+                "serves": ["text-model"],
+            }
+        ],
         "admin": {"api_key": secrets.token_hex(32)},
         "auth": {"required": False},
         "logging": {"level": "warning"},
     }
     path = tmp_path / "omnigate.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         workers: set[int] = set()
@@ -105,7 +116,9 @@ def test_sigkilled_gateway_leaves_no_decode_worker_or_forkserver(tmp_path):
         while time.monotonic() < deadline and any(_alive(p) for p in workers):
             time.sleep(0.2)
         left = sorted(p for p in workers if _alive(p))
-        assert not left, f"still running after the gateway was killed: {[(p, _cmdline(p)[:80]) for p in left]}"
+        assert not left, (
+            f"still running after the gateway was killed: {[(p, _cmdline(p)[:80]) for p in left]}"
+        )
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -57,8 +57,16 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
 
 def _config(upstream_port: int, audit: dict, tenants: list, keys: list) -> dict:
     return {
-        "engines": [{"name": "text-vllm", "kind": "vllm", "base_url": f"http://127.0.0.1:{upstream_port}/v1",
-                     "model": "scripted", "variant": "fp16", "serves": [MODEL]}],
+        "engines": [
+            {
+                "name": "text-vllm",
+                "kind": "vllm",
+                "base_url": f"http://127.0.0.1:{upstream_port}/v1",
+                "model": "scripted",
+                "variant": "fp16",
+                "serves": [MODEL],
+            }
+        ],
         "tenants": tenants,
         "api_keys": keys,
         "admin": {"api_key": ADMIN_KEY},
@@ -82,15 +90,24 @@ async def _load(url: str, key: str, acked: list[str], stop: asyncio.Event, prefi
             body = {"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": f"req {rid}"}]}
             try:
                 if stream:
-                    async with client.stream("POST", url + "/v1/chat/completions", json=body,
-                                             headers={**headers, "x-request-id": rid}) as r:
+                    async with client.stream(
+                        "POST",
+                        url + "/v1/chat/completions",
+                        json=body,
+                        headers={**headers, "x-request-id": rid},
+                    ) as r:
                         lines = [line async for line in r.aiter_lines()]
-                    if r.status_code == 200 and lines and lines[-1] == "data: [DONE]" and \
-                            not any('"error"' in line for line in lines):
+                    if (
+                        r.status_code == 200
+                        and lines
+                        and lines[-1] == "data: [DONE]"
+                        and not any('"error"' in line for line in lines)
+                    ):
                         acked.append(rid)
                 else:
-                    r = await client.post(url + "/v1/chat/completions", json=body,
-                                          headers={**headers, "x-request-id": rid})
+                    r = await client.post(
+                        url + "/v1/chat/completions", json=body, headers={**headers, "x-request-id": rid}
+                    )
                     if r.status_code == 200 and r.json()["choices"]:
                         acked.append(rid)
             except (httpx.HTTPError, ValueError):
@@ -126,7 +143,9 @@ async def _records(audit: AuditSettings) -> tuple[set[str], object]:
         after = 0
         while rows := await store.rows(after, 1000):
             # The id each request was sent with; the record's request_id is the gateway's own.
-            ids.update(json.loads(r.data)["payload"]["client_request_id"] for r in rows if r.kind == "request")
+            ids.update(
+                json.loads(r.data)["payload"]["client_request_id"] for r in rows if r.kind == "request"
+            )
             after = rows[-1].seq
         report = await verify_store(store, Signer.from_settings(audit.signing))
     finally:
@@ -138,16 +157,36 @@ def _run(tmp_path: Path, audit: dict, reload_with_sighup: bool) -> None:
     upstream_port, port = _port(), _port()
     key, later = mint_key(), mint_key()
     cfg = tmp_path / "omnigate.yaml"
-    doc = _config(upstream_port, audit, [{"name": "acme"}], [{"id": key.id, "tenant": "acme", "sha256": key.sha256}])
+    doc = _config(
+        upstream_port, audit, [{"name": "acme"}], [{"id": key.id, "tenant": "acme", "sha256": key.sha256}]
+    )
     cfg.write_text(yaml.safe_dump(doc))
     log_path = tmp_path / "gateway.log"
     upstream = subprocess.Popen(
-        [sys.executable, "-m", "tests.upstream", "--port", str(upstream_port), "--flavour", "vllm",
-         "--chunks", "12", "--chunk-delay-ms", "2"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "tests.upstream",
+            "--port",
+            str(upstream_port),
+            "--flavour",
+            "vllm",
+            "--chunks",
+            "12",
+            "--chunk-delay-ms",
+            "2",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     with log_path.open("wb") as log_file:
         gateway = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
-            cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+            cwd=ROOT,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(f"http://127.0.0.1:{upstream_port}/health", upstream)
@@ -170,9 +209,13 @@ def _run(tmp_path: Path, audit: dict, reload_with_sighup: bool) -> None:
                 assert time.monotonic() < deadline, "the refused reload was not logged"
                 time.sleep(0.05)
             assert httpx.get(url + "/v1/models", headers=probe).status_code == 200  # old config kept
-            minted = httpx.post(url + "/admin/keys", json={"tenant": "acme"},
-                                headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()["key"]
-            assert httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {minted}"}).status_code == 200
+            minted = httpx.post(
+                url + "/admin/keys", json={"tenant": "acme"}, headers={"authorization": f"Bearer {ADMIN_KEY}"}
+            ).json()["key"]
+            assert (
+                httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {minted}"}).status_code
+                == 200
+            )
         acked = asyncio.run(_kill_under_load(url, key.key, gateway))
     finally:
         for proc in (gateway, upstream):

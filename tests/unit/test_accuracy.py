@@ -13,6 +13,8 @@ import soundfile as sf
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
+from core.control_settings import AccuracySettings, ControllerSettings, Rule, RuleAction, default_rules
+from core.settings import EngineConfig
 from engines.accuracy import (
     HeldOutItem,
     HeldOutSentinel,
@@ -21,11 +23,9 @@ from engines.accuracy import (
     is_correct,
     load_set,
 )
-from core.control_settings import AccuracySettings, ControllerSettings, Rule, RuleAction, default_rules
 from engines.pool import build_engine
 from engines.rollback import ControllerState, EngineSignals, Snapshot, decide
 from engines.routing import EngineInfo
-from core.settings import EngineConfig
 from observability.metrics import Metrics
 from tests.upstream import Script, ScriptedUpstream
 
@@ -50,7 +50,11 @@ def test_multiple_choice_is_scored_by_letter_and_open_answers_by_the_exact_strin
     assert is_correct(mc, "B") and is_correct(mc, "(b) lung") and not is_correct(mc, "A")
     assert not is_correct(mc, "lung")  # the letter is the answer, not the choice's text
     open_ = HeldOutItem(prompt="q", answer="Paris")
-    assert is_correct(open_, "paris") and is_correct(open_, "  Paris.  ") and not is_correct(open_, "Paris, France")
+    assert (
+        is_correct(open_, "paris")
+        and is_correct(open_, "  Paris.  ")
+        and not is_correct(open_, "Paris, France")
+    )
 
 
 def test_the_prompt_lists_the_choices_by_letter_after_the_media():
@@ -92,7 +96,9 @@ def test_a_set_loads_media_from_paths_relative_to_it_and_from_data_uris(tmp_path
     ])  # fmt: skip
     items = load_set(path)
     assert [i.answer for i in items] == ["B", "silence", "red"]
-    assert items[0].media[0]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(_png()).decode()
+    assert (
+        items[0].media[0]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(_png()).decode()
+    )
     assert items[1].media[0] == {"type": "input_audio",
                                  "input_audio": {"data": base64.b64encode(_wav()).decode(), "format": "wav"}}  # fmt: skip
     assert items[2].media[0]["image_url"]["url"] == uri
@@ -104,7 +110,10 @@ def test_a_set_loads_media_from_paths_relative_to_it_and_from_data_uris(tmp_path
         ({"prompt": "q", "media": ["../secret.png"], "answer": "x"}, "not inside the set's folder"),
         ({"prompt": "q", "media": ["/etc/passwd"], "answer": "x"}, "not inside the set's folder"),
         ({"prompt": "q", "media": ["missing.png"], "answer": "x"}, "not found"),
-        ({"prompt": "q", "media": ["data:text/plain;base64,aGk="], "answer": "x"}, "not an image, audio or video"),
+        (
+            {"prompt": "q", "media": ["data:text/plain;base64,aGk="], "answer": "x"},
+            "not an image, audio or video",
+        ),
         ({"prompt": "q", "choices": ["a", "b"], "answer": "C"}, "one of the letters A..B"),
         ({"prompt": "", "answer": "x"}, "prompt must be"),
         ({"prompt": "q"}, "answer must be"),
@@ -137,7 +146,10 @@ def test_enabling_the_sentinel_needs_a_set():
 
 
 async def test_a_replay_asks_every_item_and_scores_the_scripted_choices(tmp_path):
-    rows = [{"prompt": f"Question {i}?", "choices": ["w", "x", "y", "z"], "answer": "ABCD"[i % 4]} for i in range(10)]
+    rows = [
+        {"prompt": f"Question {i}?", "choices": ["w", "x", "y", "z"], "answer": "ABCD"[i % 4]}
+        for i in range(10)
+    ]
     items = load_set(write_set(tmp_path, rows))
     metrics = Metrics(CollectorRegistry())
     async with ScriptedUpstream(Script(flavour="vllm"), record=True) as up:
@@ -149,7 +161,9 @@ async def test_a_replay_asks_every_item_and_scores_the_scripted_choices(tmp_path
             answers = ["A", "(B)", "C.", "The answer is D", "A", "B", "C", "D"]
             up.enqueue(*(Script(flavour="vllm", text=a) for a in answers),
                        Script(flavour="vllm", text="D"), Script(flavour="vllm", fault="500_before_headers"))  # fmt: skip
-            sentinel = HeldOutSentinel(AccuracySettings(), lambda: {"omni-int8": engine}, metrics, items=items)
+            sentinel = HeldOutSentinel(
+                AccuracySettings(), lambda: {"omni-int8": engine}, metrics, items=items
+            )
             result = await sentinel.replay("omni-int8")
         finally:
             await engine.aclose()
@@ -201,8 +215,12 @@ async def test_a_transition_queues_a_replay_of_the_engines_it_touched():
     s.on_transition(Transition(at=0, action="shift", reason="int4-latency", source="auto", engine="a",
                                models=("omni",)))  # fmt: skip
     assert s._pending == {"a", "b"}
-    off = HeldOutSentinel(AccuracySettings(on_transition=False), lambda: engines, Metrics(CollectorRegistry()), items=[])
-    off.on_transition(Transition(at=0, action="shift", reason="x", source="auto", engine="a", models=("omni",)))
+    off = HeldOutSentinel(
+        AccuracySettings(on_transition=False), lambda: engines, Metrics(CollectorRegistry()), items=[]
+    )
+    off.on_transition(
+        Transition(at=0, action="shift", reason="x", source="auto", engine="a", models=("omni",))
+    )
     assert off._pending == set()
 
 

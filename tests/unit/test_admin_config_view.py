@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from gateway.api.admin_state import _engine_json
 from core.settings import EngineConfig
+from gateway.api.admin_state import _engine_json
 
 
 def test_engine_credentials_are_left_out():
     e = EngineConfig(
-        name="hosted", kind="litellm", model="openai/gpt", serves=["m"], api_key="sk-live-secret",
+        name="hosted",
+        kind="litellm",
+        model="openai/gpt",
+        serves=["m"],
+        api_key="sk-live-secret",
         base_url="https://svc-user:pa55word@llm.example:8443/v1",
-        telemetry={"metrics_url": "http://scrape:s3cret@10.0.0.9:9100/metrics", "dcgm_url": "http://dcgm:9400/metrics"},
+        telemetry={
+            "metrics_url": "http://scrape:s3cret@10.0.0.9:9100/metrics",
+            "dcgm_url": "http://dcgm:9400/metrics",
+        },
     )
     doc = _engine_json(e)
     text = str(doc)

@@ -6,12 +6,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from gateway.admission import AdmissionGate, Limits, decide, decide_overload
-from core.context import LoadSnapshot
-from core.context import RequestContext
+from core.context import LoadSnapshot, RequestContext
 from core.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
 from core.schemas import ChatCompletionRequest
 from core.settings import EngineConfig, Settings, TrafficSettings
+from gateway.admission import AdmissionGate, Limits, decide, decide_overload
 from observability.metrics import Metrics
 from policies.shedding import LoadShedding, LoadSheddingConfig
 from policies.shedding import decide as shed
@@ -60,9 +59,14 @@ def test_shedding_decision():
 
 async def test_shedding_policy_rewrites_speech_to_text_and_announces_it():
     policy = LoadShedding(LoadSheddingConfig())
-    req = ChatCompletionRequest.model_validate({
-        "model": "m", "messages": [{"role": "user", "content": "x"}],
-        "modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}})
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "modalities": ["text", "audio"],
+            "audio": {"voice": "Ethan", "format": "wav"},
+        }
+    )
     ctx = RequestContext(request_id="r")
     ctx.load = LoadSnapshot("standard", 20, 16, 64, "local")
     out = await policy.pre(req, ctx)
@@ -103,9 +107,15 @@ async def test_local_gate_counts_sheds_and_refuses_by_class():
 
 
 async def test_lower_classes_are_shed_and_refused_first():
-    gate = _gate(soft_limit=4, hard_limit=8, priorities=[
-        {"name": "interactive", "soft_share": 1.5}, {"name": "standard"},
-        {"name": "batch", "soft_share": 0.5, "hard_share": 0.5}])
+    gate = _gate(
+        soft_limit=4,
+        hard_limit=8,
+        priorities=[
+            {"name": "interactive", "soft_share": 1.5},
+            {"name": "standard"},
+            {"name": "batch", "soft_share": 0.5, "hard_share": 0.5},
+        ],
+    )
     assert gate._limits == {"interactive": (6, 8), "standard": (4, 8), "batch": (2, 4)}
     held = [await gate.admit(_ctx()) for _ in range(4)]
     batch = _ctx(requested_priority="batch")
@@ -128,7 +138,10 @@ async def test_tenant_quota_is_a_429():
         await gate.admit(_ctx(tenant="acme", tenant_max_concurrency=1))
     assert info.value.status == 429 and info.value.code == "rate_limit_exceeded"
     assert info.value.headers()["Retry-After"] == "1"
-    assert gate.metrics.registry.get_sample_value("omnigate_admission_shed_total", {"reason": "tenant_quota"}) == 1
+    assert (
+        gate.metrics.registry.get_sample_value("omnigate_admission_shed_total", {"reason": "tenant_quota"})
+        == 1
+    )
     other = await gate.admit(_ctx(tenant="globex", tenant_max_concurrency=1))  # other tenants unaffected
     a1.release()
     again = await gate.admit(_ctx(tenant="acme", tenant_max_concurrency=1))
@@ -157,8 +170,11 @@ def test_priority_header_may_only_lower_the_class():
 
 async def test_observe_drives_the_overload_switch():
     switched: list[bool] = []
-    gate = AdmissionGate(TrafficSettings(soft_limit=2, hard_limit=8, overload_exit_below=1),
-                         Metrics(CollectorRegistry()), on_overload=switched.append)
+    gate = AdmissionGate(
+        TrafficSettings(soft_limit=2, hard_limit=8, overload_exit_below=1),
+        Metrics(CollectorRegistry()),
+        on_overload=switched.append,
+    )
     held = [await gate.admit(_ctx()) for _ in range(3)]
     assert await gate.observe() is True
     held.pop().release()
@@ -177,7 +193,10 @@ async def test_observe_drives_the_overload_switch():
         ({"default_priority": "gold"}, "default_priority"),
         ({"header_priorities": ["gold"]}, "header_priorities"),
         ({"priorities": [{"name": "standard", "hard_share": 1.5}]}, "hard_share"),
-        ({"priorities": [{"name": "standard"}, {"name": "b", "soft_share": 2}]}, "higher limits than the class above"),
+        (
+            {"priorities": [{"name": "standard"}, {"name": "b", "soft_share": 2}]},
+            "higher limits than the class above",
+        ),
         ({"priorities": [{"name": "standard"}, {"name": "standard"}]}, "used twice"),
         ({"lease_ttl_s": 2, "heartbeat_s": 2}, "heartbeat_s"),
         ({"key_prefix": "bad prefix"}, "key_prefix"),

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.events import Completion, Delta
-from engines.pool import EnginePool, build_engine
 from core.context import RequestContext
 from core.errors import EngineFailed, EngineProtocolError, EngineUnavailable
-from gateway.pipeline.attempt import Attempts, first_chunk
+from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
 from core.settings import EngineConfig
+from engines.pool import EnginePool, build_engine
+from gateway.pipeline.attempt import Attempts, first_chunk
 from observability.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(30)
@@ -40,9 +40,19 @@ class Script:
 
 
 def _setup(*names: str) -> tuple[EnginePool, Attempts, Metrics]:
-    engines = [build_engine(EngineConfig(name=n, kind="vllm", base_url="http://127.0.0.1:9/v1", model="m",
-                                         serves=["x"], weight=1.0 if i == 0 else 0.0))
-               for i, n in enumerate(names)]
+    engines = [
+        build_engine(
+            EngineConfig(
+                name=n,
+                kind="vllm",
+                base_url="http://127.0.0.1:9/v1",
+                model="m",
+                serves=["x"],
+                weight=1.0 if i == 0 else 0.0,
+            )
+        )
+        for i, n in enumerate(names)
+    ]
     metrics = Metrics(CollectorRegistry())
     pool = EnginePool(engines, metrics)
     for e in engines:
@@ -103,8 +113,10 @@ async def test_an_engine_error_without_failover_ends_the_loop_with_every_slot_gi
 
 async def test_every_engine_failing_raises_the_last_error_with_no_slot_held():
     pool, attempts, _ = _setup("a", "b")
-    script = Script(a=EngineUnavailable("engine a refused", engine="a"),
-                    b=EngineUnavailable("engine b refused", engine="b"))
+    script = Script(
+        a=EngineUnavailable("engine a refused", engine="a"),
+        b=EngineUnavailable("engine b refused", engine="b"),
+    )
     with pytest.raises(EngineUnavailable) as raised:
         await attempts.call(_request(), _ctx(), script)
     assert raised.value.detail == "engine b refused" and script.calls == ["a", "b"]
@@ -134,6 +146,7 @@ async def test_the_stream_call_reads_up_to_the_first_chunk_and_an_empty_stream_f
                     yield d
             finally:
                 closed.append(name)
+
         return stream
 
     pool.engines["a"].stream = scripted("a", [])  # type: ignore[method-assign]

@@ -76,12 +76,18 @@ class Raw:
 def store_settings(request, tmp_path):
     if request.param == "sqlite":
         path = tmp_path / "audit.db"
-        yield AuditSettings(store="sqlite", sqlite_path=path, checkpoint_every=5,
-                            signing={"key": HMAC_KEY}), Raw("sqlite", str(path))
+        yield (
+            AuditSettings(store="sqlite", sqlite_path=path, checkpoint_every=5, signing={"key": HMAC_KEY}),
+            Raw("sqlite", str(path)),
+        )
     else:
         with fresh_pg_database() as dsn:
-            yield AuditSettings(store="postgres", postgres_dsn=dsn, checkpoint_every=5,
-                                signing={"key": HMAC_KEY}), Raw("postgres", dsn)
+            yield (
+                AuditSettings(
+                    store="postgres", postgres_dsn=dsn, checkpoint_every=5, signing={"key": HMAC_KEY}
+                ),
+                Raw("postgres", dsn),
+            )
 
 
 async def _fill(settings: AuditSettings, n: int = 20) -> None:
@@ -143,7 +149,9 @@ async def test_whole_chain_rewritten_after_an_edit_is_caught_at_the_next_checkpo
         await raw("UPDATE audit_log SET data = ?, prev_hash = ?, hash = ? WHERE seq = ?", data, prev, h, seq)
         prev = h
     p = (await _verify(settings)).problem
-    assert (p.kind, p.seq) == ("edited", 6), p  # records 6..10: the span the checkpoint at 10 no longer covers
+    assert (p.kind, p.seq) == ("edited", 6), (
+        p
+    )  # records 6..10: the span the checkpoint at 10 no longer covers
     assert "6..10" in p.message
 
 
@@ -215,8 +223,11 @@ async def test_retention_cut_keeps_the_chain_verifiable(store_settings):
 
 
 async def test_ed25519_checkpoints_verify_with_the_public_key_alone(tmp_path):
-    settings = AuditSettings(sqlite_path=tmp_path / "a.db", checkpoint_every=4,
-                             signing={"algorithm": "ed25519", "key": ED_KEY, "key_id": "k1"})
+    settings = AuditSettings(
+        sqlite_path=tmp_path / "a.db",
+        checkpoint_every=4,
+        signing={"algorithm": "ed25519", "key": ED_KEY, "key_id": "k1"},
+    )
     await _fill(settings, 8)
     public = Signer.from_settings(settings.signing).public_key_b64()
     verifier_only = settings.signing.model_copy(update={"key": None})
@@ -226,9 +237,12 @@ async def test_ed25519_checkpoints_verify_with_the_public_key_alone(tmp_path):
         report = await verify_store(store, Signer.from_settings(verifier_only, public))
         assert report.ok and report.checkpoints_signed == 2  # at 4 and 8
         other = base64.b64encode(bytes(range(1, 33))).decode()
-        wrong = Signer.from_settings(settings.signing.model_copy(update={"key": None}),
-                                     Signer.from_settings(settings.signing.model_copy(
-                                         update={"key": SecretStr(other)})).public_key_b64())
+        wrong = Signer.from_settings(
+            settings.signing.model_copy(update={"key": None}),
+            Signer.from_settings(
+                settings.signing.model_copy(update={"key": SecretStr(other)})
+            ).public_key_b64(),
+        )
         bad = await verify_store(store, wrong)
         assert bad.problem is not None and bad.problem.kind == "bad_signature"
     finally:
@@ -268,6 +282,7 @@ def test_cli_verify_names_the_record_and_sets_the_exit_status(tmp_path):
     bad = subprocess.run([*cli, "verify", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1
     assert "BROKEN at record 4 (deleted)" in bad.stdout
-    exported = subprocess.run([*cli, "export", "--sqlite", str(tmp_path / "a.db")], capture_output=True,
-                              timeout=60)
+    exported = subprocess.run(
+        [*cli, "export", "--sqlite", str(tmp_path / "a.db")], capture_output=True, timeout=60
+    )
     assert exported.returncode == 0 and len(exported.stdout.splitlines()) == 9

@@ -79,20 +79,33 @@ class Tables:
         return None
 
     async def read(self) -> tuple[list[RowT], list[CpT]]:
-        rows = await self._exec([], "SELECT seq, ts, kind, request_id, tenant, data, prev_hash, hash "
-                                    "FROM audit_log ORDER BY seq")
-        cps = await self._exec([], "SELECT seq, hash, created_at, algorithm, key_id, signature, prev_cp, cadence "
-                                   "FROM audit_checkpoints ORDER BY seq")
+        rows = await self._exec(
+            [], "SELECT seq, ts, kind, request_id, tenant, data, prev_hash, hash FROM audit_log ORDER BY seq"
+        )
+        cps = await self._exec(
+            [],
+            "SELECT seq, hash, created_at, algorithm, key_id, signature, prev_cp, cadence "
+            "FROM audit_checkpoints ORDER BY seq",
+        )
         return rows, cps
 
     async def write(self, rows: list[RowT], cps: list[CpT]) -> None:
-        await self._exec([
-            ("DELETE FROM audit_log", []), ("DELETE FROM audit_checkpoints", []),
-            ("INSERT INTO audit_log (seq, ts, kind, request_id, tenant, data, prev_hash, hash) "
-             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [tuple(r) for r in rows]),
-            ("INSERT INTO audit_checkpoints (seq, hash, created_at, algorithm, key_id, signature, prev_cp, "
-             "cadence) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [tuple(c) for c in cps]),
-        ])
+        await self._exec(
+            [
+                ("DELETE FROM audit_log", []),
+                ("DELETE FROM audit_checkpoints", []),
+                (
+                    "INSERT INTO audit_log (seq, ts, kind, request_id, tenant, data, prev_hash, hash) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [tuple(r) for r in rows],
+                ),
+                (
+                    "INSERT INTO audit_checkpoints (seq, hash, created_at, algorithm, key_id, signature, prev_cp, "
+                    "cadence) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [tuple(c) for c in cps],
+                ),
+            ]
+        )
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -147,6 +160,7 @@ def _edit_payload(row: RowT, n: int) -> RowT:
 
 # -- the three attacks the former verifier accepted ------------------------------------------------------
 
+
 async def test_tail_deleted_with_its_checkpoints_is_caught_by_the_published_head(chain_store):
     settings, tables = chain_store
     await _fill(settings, 20)
@@ -192,8 +206,11 @@ async def test_prefix_cut_behind_a_genuine_checkpoint_without_a_retention_record
 async def test_checkpoints_signed_by_another_key_are_refused(chain_store):
     settings, _ = chain_store
     await _fill(settings, 8)
-    other = settings.model_copy(update={"signing": settings.signing.model_copy(
-        update={"key_id": "other", "key": settings.signing.key})})
+    other = settings.model_copy(
+        update={
+            "signing": settings.signing.model_copy(update={"key_id": "other", "key": settings.signing.key})
+        }
+    )
     p = (await _verify(other)).problem
     assert p is not None and p.kind == "unsigned" and "another key" in p.message, p
 
@@ -243,7 +260,9 @@ async def test_retention_writes_a_signed_cut_record_and_still_verifies(chain_sto
 def test_cli_verify_expect_and_expect_file(tmp_path):
     witness = tmp_path / "heads.jsonl"
     db_path = tmp_path / "a.db"
-    settings = AuditSettings(sqlite_path=db_path, checkpoint_every=4, signing={"key": KEY}, witness_path=witness)
+    settings = AuditSettings(
+        sqlite_path=db_path, checkpoint_every=4, signing={"key": KEY}, witness_path=witness
+    )
     import asyncio
 
     asyncio.run(_fill(settings, 12))
@@ -251,8 +270,9 @@ def test_cli_verify_expect_and_expect_file(tmp_path):
     cfg.write_text(f"audit:\n  sqlite_path: {db_path}\n  checkpoint_every: 4\n  signing:\n    key: {KEY}\n")
     cli = [sys.executable, "-m", "gateway.cli", "audit", "verify", "--config", str(cfg)]
     head = read_heads(witness)[12]
-    ok = subprocess.run([*cli, "--expect-file", str(witness), "--require-covered"], capture_output=True,
-                        text=True, timeout=60)
+    ok = subprocess.run(
+        [*cli, "--expect-file", str(witness), "--require-covered"], capture_output=True, text=True, timeout=60
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     db = sqlite3.connect(db_path, isolation_level=None)
     db.execute("DELETE FROM audit_log WHERE seq > 8")
@@ -280,50 +300,127 @@ def _mutations(rows: list[RowT], cps: list[CpT]) -> dict[str, Mutation]:
 
     for i in range(n):
         seq = i + 1
-        for col, value in ((1, "2020-01-01T00:00:00.000000Z"), (2, "forged"), (3, "rid"), (4, "tenant-x"),
-                           (6, "a" * 64), (7, "b" * 64)):
-            put(f"record {seq}: column {col} edited",
+        for col, value in (
+            (1, "2020-01-01T00:00:00.000000Z"),
+            (2, "forged"),
+            (3, "rid"),
+            (4, "tenant-x"),
+            (6, "a" * 64),
+            (7, "b" * 64),
+        ):
+            put(
+                f"record {seq}: column {col} edited",
                 lambda r, c, i=i, col=col, value=value: (
-                    [*r[:i], (*r[i][:col], value, *r[i][col + 1:]), *r[i + 1:]], c))
-        put(f"record {seq}: payload edited", lambda r, c, i=i: ([*r[:i], _edit_payload(r[i], 999), *r[i + 1:]], c))
-        put(f"record {seq}: payload edited, chain relinked",
-            lambda r, c, i=i: (_relink([*r[:i], _edit_payload(r[i], 999), *r[i + 1:]], i), c))
-        put(f"record {seq}: deleted", lambda r, c, i=i: ([*r[:i], *r[i + 1:]], c))
-        put(f"record {seq}: deleted, later renumbered and relinked",
-            lambda r, c, i=i: (_relink([*r[:i], *[(x[0] - 1, *x[1:]) for x in r[i + 1:]]], i), c))
-        put(f"record inserted after {seq}, later renumbered and relinked",
-            lambda r, c, i=i: (_relink([*r[:i + 1], (r[i][0] + 1, *_edit_payload(r[i], 555)[1:]),
-                                        *[(x[0] + 1, *x[1:]) for x in r[i + 1:]]], i + 1), c))
+                    [*r[:i], (*r[i][:col], value, *r[i][col + 1 :]), *r[i + 1 :]],
+                    c,
+                ),
+            )
+        put(
+            f"record {seq}: payload edited",
+            lambda r, c, i=i: ([*r[:i], _edit_payload(r[i], 999), *r[i + 1 :]], c),
+        )
+        put(
+            f"record {seq}: payload edited, chain relinked",
+            lambda r, c, i=i: (_relink([*r[:i], _edit_payload(r[i], 999), *r[i + 1 :]], i), c),
+        )
+        put(f"record {seq}: deleted", lambda r, c, i=i: ([*r[:i], *r[i + 1 :]], c))
+        put(
+            f"record {seq}: deleted, later renumbered and relinked",
+            lambda r, c, i=i: (_relink([*r[:i], *[(x[0] - 1, *x[1:]) for x in r[i + 1 :]]], i), c),
+        )
+        put(
+            f"record inserted after {seq}, later renumbered and relinked",
+            lambda r, c, i=i: (
+                _relink(
+                    [
+                        *r[: i + 1],
+                        (r[i][0] + 1, *_edit_payload(r[i], 555)[1:]),
+                        *[(x[0] + 1, *x[1:]) for x in r[i + 1 :]],
+                    ],
+                    i + 1,
+                ),
+                c,
+            ),
+        )
         if i + 1 < n:
-            put(f"records {seq} and {seq + 1} swapped",
-                lambda r, c, i=i: ([*r[:i], (r[i][0], *r[i + 1][1:]), (r[i + 1][0], *r[i][1:]), *r[i + 2:]], c))
-            put(f"records {seq} and {seq + 1} swapped, relinked",
-                lambda r, c, i=i: (_relink([*r[:i], (r[i][0], *r[i + 1][1:]), (r[i + 1][0], *r[i][1:]),
-                                            *r[i + 2:]], i), c))
+            put(
+                f"records {seq} and {seq + 1} swapped",
+                lambda r, c, i=i: (
+                    [*r[:i], (r[i][0], *r[i + 1][1:]), (r[i + 1][0], *r[i][1:]), *r[i + 2 :]],
+                    c,
+                ),
+            )
+            put(
+                f"records {seq} and {seq + 1} swapped, relinked",
+                lambda r, c, i=i: (
+                    _relink([*r[:i], (r[i][0], *r[i + 1][1:]), (r[i + 1][0], *r[i][1:]), *r[i + 2 :]], i),
+                    c,
+                ),
+            )
         put(f"truncated from record {seq}", lambda r, c, i=i: (r[:i], c))
-        put(f"truncated from record {seq} with its checkpoints",
-            lambda r, c, i=i: (r[:i], [x for x in c if x[0] <= i]))
+        put(
+            f"truncated from record {seq} with its checkpoints",
+            lambda r, c, i=i: (r[:i], [x for x in c if x[0] <= i]),
+        )
         if i:
-            put(f"prefix 1..{seq - 1} cut with its checkpoints",
-                lambda r, c, i=i: (r[i:], [x for x in c if x[0] >= i]))
-    put("record appended, linked to the head", lambda r, c: (
-        [*r, (r[-1][0] + 1, *_relink([*r, _edit_payload(r[-1], 777)], n)[n][1:])], c))
+            put(
+                f"prefix 1..{seq - 1} cut with its checkpoints",
+                lambda r, c, i=i: (r[i:], [x for x in c if x[0] >= i]),
+            )
+    put(
+        "record appended, linked to the head",
+        lambda r, c: ([*r, (r[-1][0] + 1, *_relink([*r, _edit_payload(r[-1], 777)], n)[n][1:])], c),
+    )
     for j in range(len(cps)):
         cseq = cps[j][0]
-        for col, value in ((1, "c" * 64), (2, "2020-01-01T00:00:00.000000Z"), (3, "none"), (4, "other"),
-                           (5, "0" * 64), (6, "d" * 64), (7, 1000)):
-            put(f"checkpoint {cseq}: column {col} edited",
+        for col, value in (
+            (1, "c" * 64),
+            (2, "2020-01-01T00:00:00.000000Z"),
+            (3, "none"),
+            (4, "other"),
+            (5, "0" * 64),
+            (6, "d" * 64),
+            (7, 1000),
+        ):
+            put(
+                f"checkpoint {cseq}: column {col} edited",
                 lambda r, c, j=j, col=col, value=value: (
-                    r, [*c[:j], (*c[j][:col], value, *c[j][col + 1:]), *c[j + 1:]]))
-        put(f"checkpoint {cseq}: deleted", lambda r, c, j=j: (r, [*c[:j], *c[j + 1:]]))
+                    r,
+                    [*c[:j], (*c[j][:col], value, *c[j][col + 1 :]), *c[j + 1 :]],
+                ),
+            )
+        put(f"checkpoint {cseq}: deleted", lambda r, c, j=j: (r, [*c[:j], *c[j + 1 :]]))
         put(f"checkpoints from {cseq} deleted", lambda r, c, j=j: (r, c[:j]))
         if j + 1 < len(cps):
-            put(f"checkpoints {cseq} and {cps[j + 1][0]} swapped",
-                lambda r, c, j=j: (r, [*c[:j], (c[j][0], *c[j + 1][1:]), (c[j + 1][0], *c[j][1:]), *c[j + 2:]]))
+            put(
+                f"checkpoints {cseq} and {cps[j + 1][0]} swapped",
+                lambda r, c, j=j: (
+                    r,
+                    [*c[:j], (c[j][0], *c[j + 1][1:]), (c[j + 1][0], *c[j][1:]), *c[j + 2 :]],
+                ),
+            )
         at = cseq - 1  # a seq without a checkpoint
-        put(f"unsigned checkpoint inserted at {at}", lambda r, c, at=at, j=j: (r, sorted(
-            [*c, (at, r[at - 1][7], "2026-01-01T00:00:00.000000Z", "none", "default", "",
-                  Checkpoint(*c[j - 1]).digest() if j else GENESIS, 4)])))
+        put(
+            f"unsigned checkpoint inserted at {at}",
+            lambda r, c, at=at, j=j: (
+                r,
+                sorted(
+                    [
+                        *c,
+                        (
+                            at,
+                            r[at - 1][7],
+                            "2026-01-01T00:00:00.000000Z",
+                            "none",
+                            "default",
+                            "",
+                            Checkpoint(*c[j - 1]).digest() if j else GENESIS,
+                            4,
+                        ),
+                    ]
+                ),
+            ),
+        )
 
         def foreign(r, c, at=at, j=j):
             prev = Checkpoint(*c[j - 1]) if j else None
@@ -365,8 +462,11 @@ def test_ed25519_public_key_alone_checks_the_chained_checkpoints(tmp_path):
     import asyncio
 
     key = base64.b64encode(bytes(range(32))).decode()
-    settings = AuditSettings(sqlite_path=tmp_path / "a.db", checkpoint_every=3,
-                             signing={"algorithm": "ed25519", "key": key, "key_id": "k1"})
+    settings = AuditSettings(
+        sqlite_path=tmp_path / "a.db",
+        checkpoint_every=3,
+        signing={"algorithm": "ed25519", "key": key, "key_id": "k1"},
+    )
     asyncio.run(_fill(settings, 9))
     public = Signer.from_settings(settings.signing).public_key_b64()
 

@@ -72,7 +72,9 @@ async def test_a_failed_append_is_retried_and_its_records_land_once() -> None:
             for _ in range(500):
                 waiting = await watcher.fetch(
                     "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND wait_event_type = 'Lock' AND pid <> $1", holder.get_server_pid())
+                    "AND wait_event_type = 'Lock' AND pid <> $1",
+                    holder.get_server_pid(),
+                )
                 if waiting:
                     break
                 await asyncio.sleep(0.01)
@@ -91,7 +93,11 @@ async def test_a_failed_append_is_retried_and_its_records_land_once() -> None:
         try:
             rows = await store.rows(0, 100)
             assert [(r.seq, r.kind, r.request_id) for r in rows] == [
-                (1, "before", None), (2, "request", "r0"), (3, "request", "r1"), (4, "request", "r2")]
+                (1, "before", None),
+                (2, "request", "r0"),
+                (3, "request", "r1"),
+                (4, "request", "r2"),
+            ]
             assert (await verify_store(store, Signer.from_settings(settings.signing))).ok
         finally:
             await store.close()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 
-from core.events import Completion, Delta, Usage
 from core.context import PolicyRun, RequestContext
-from core.schemas import ChatCompletionRequest
 from core.digest import OutputDigest
+from core.events import Completion, Delta, Usage
+from core.schemas import ChatCompletionRequest
 from observability.audit.record import RequestSnapshot, request_payload
 
 
@@ -17,26 +17,42 @@ def _sha(s: str | bytes) -> str:
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
 AUDIO = "UklGRiQAAABXQVZF"
-REQUEST = ChatCompletionRequest.model_validate({"model": "m", "messages": [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": [
-        {"type": "text", "text": "Call me at +1 415 555 0132."},
-        {"type": "image_url", "image_url": {"url": IMAGE}},
-        {"type": "input_audio", "input_audio": {"data": AUDIO, "format": "wav"}},
-    ]},
-]})
+REQUEST = ChatCompletionRequest.model_validate(
+    {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Call me at +1 415 555 0132."},
+                    {"type": "image_url", "image_url": {"url": IMAGE}},
+                    {"type": "input_audio", "input_audio": {"data": AUDIO, "format": "wav"}},
+                ],
+            },
+        ],
+    }
+)
 
 
 def _ctx(mode: str) -> RequestContext:
-    ctx = RequestContext(request_id="r1", tenant="acme", outcome="served", audit_content=mode,
-                         prompt_tokens=7, completion_tokens=3)
+    ctx = RequestContext(
+        request_id="r1",
+        tenant="acme",
+        outcome="served",
+        audit_content=mode,
+        prompt_tokens=7,
+        completion_tokens=3,
+    )
     ctx.policy_runs.append(PolicyRun("request-limits", "pre", "accept", 0.0123456))
     ctx.control_state["shedding"] = "speech-off"
     return ctx
 
 
 def test_digests_of_every_input_part_and_the_output():
-    completion = Completion(text="Sure, at noon.", audio=b"\x01\x02" * 10, transcript="Sure", usage=Usage(7, 3))
+    completion = Completion(
+        text="Sure, at noon.", audio=b"\x01\x02" * 10, transcript="Sure", usage=Usage(7, 3)
+    )
     p = request_payload(RequestSnapshot(_ctx("digests"), REQUEST, None, completion, 12.0))
     assert p["input"] == [
         {"role": "system", "type": "text", "sha256": _sha("Be brief."), "chars": 9},
@@ -44,11 +60,25 @@ def test_digests_of_every_input_part_and_the_output():
         {"role": "user", "type": "image_url", "sha256": _sha(IMAGE), "chars": len(IMAGE)},
         {"role": "user", "type": "input_audio", "sha256": _sha(AUDIO), "chars": len(AUDIO)},
     ]
-    assert p["output"] == {"text_sha256": _sha("Sure, at noon."), "text_chars": 14,
-                           "audio_sha256": _sha(b"\x01\x02" * 10), "audio_bytes": 20,
-                           "transcript_sha256": _sha("Sure")}
-    assert p["policies"] == [{"name": "request-limits", "stage": "pre", "verdict": "accept",
-                              "duration_ms": 0.012, "shadow": False, "detail": None, "attempt": 1, "score": None}]
+    assert p["output"] == {
+        "text_sha256": _sha("Sure, at noon."),
+        "text_chars": 14,
+        "audio_sha256": _sha(b"\x01\x02" * 10),
+        "audio_bytes": 20,
+        "transcript_sha256": _sha("Sure"),
+    }
+    assert p["policies"] == [
+        {
+            "name": "request-limits",
+            "stage": "pre",
+            "verdict": "accept",
+            "duration_ms": 0.012,
+            "shadow": False,
+            "detail": None,
+            "attempt": 1,
+            "score": None,
+        }
+    ]
     assert p["control"] == {"shedding": "speech-off"}
     assert p["usage"] == {"prompt_tokens": 7, "completion_tokens": 3}
     assert "content" not in p
@@ -64,8 +94,10 @@ def test_streamed_output_digest_equals_the_digest_of_the_whole():
 def test_redacted_and_raw_content():
     completion = Completion(text="Mail bob@example.com")
     red = request_payload(RequestSnapshot(_ctx("redacted"), REQUEST, None, completion, 1.0))["content"]
-    assert red["messages"] == [{"role": "system", "text": "Be brief."},
-                               {"role": "user", "text": "Call me at [PHONE]."}]
+    assert red["messages"] == [
+        {"role": "system", "text": "Be brief."},
+        {"role": "user", "text": "Call me at [PHONE]."},
+    ]
     assert red["output_text"] == "Mail [EMAIL]"
     raw = request_payload(RequestSnapshot(_ctx("raw"), REQUEST, None, completion, 1.0))["content"]
     assert raw["messages"][1]["content"][1] == {"type": "image_url", "image_url": {"url": IMAGE}}
@@ -75,7 +107,9 @@ def test_redacted_and_raw_content():
 def test_the_energy_estimate_is_in_the_usage_only_where_power_was_measured():
     completion = Completion(text="Sure.", usage=Usage(7, 3))
     ctx = _ctx("digests")
-    assert "energy_joules" not in request_payload(RequestSnapshot(ctx, REQUEST, None, completion, 1.0))["usage"]
+    assert (
+        "energy_joules" not in request_payload(RequestSnapshot(ctx, REQUEST, None, completion, 1.0))["usage"]
+    )
     ctx.energy_joules = 0.123456
     p = request_payload(RequestSnapshot(ctx, REQUEST, None, completion, 1.0))
     assert p["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "energy_joules": 0.123}

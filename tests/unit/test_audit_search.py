@@ -21,15 +21,41 @@ def _entry(i: int, kind: str = "request", tenant: str | None = "acme", **payload
 
 
 ENTRIES = [
-    _entry(1, outcome="served", engine="omni-int4", degraded=[], client_request_id="their-id-1",
-           policies=[{"name": "request-limits", "verdict": "rewrite"}, {"name": "nsfw-screen", "verdict": "accept"}]),
-    _entry(2, outcome="degraded", engine="omni-int4", degraded=["load-text-only"],
-           policies=[{"name": "request-limits", "verdict": "rewrite"}]),
-    _entry(3, tenant="globex", outcome="refused", engine=None, degraded=[],
-           policies=[{"name": "nsfw-screen", "verdict": "reject"}]),
+    _entry(
+        1,
+        outcome="served",
+        engine="omni-int4",
+        degraded=[],
+        client_request_id="their-id-1",
+        policies=[
+            {"name": "request-limits", "verdict": "rewrite"},
+            {"name": "nsfw-screen", "verdict": "accept"},
+        ],
+    ),
+    _entry(
+        2,
+        outcome="degraded",
+        engine="omni-int4",
+        degraded=["load-text-only"],
+        policies=[{"name": "request-limits", "verdict": "rewrite"}],
+    ),
+    _entry(
+        3,
+        tenant="globex",
+        outcome="refused",
+        engine=None,
+        degraded=[],
+        policies=[{"name": "nsfw-screen", "verdict": "reject"}],
+    ),
     _entry(4, kind="routing_transition", tenant=None, action="pin"),
-    _entry(5, tenant="globex", outcome="served", engine="omni-bf16", degraded=["load-text-only", "other"],
-           policies=[{"name": "nsfw-screen", "verdict": "accept"}]),
+    _entry(
+        5,
+        tenant="globex",
+        outcome="served",
+        engine="omni-bf16",
+        degraded=["load-text-only", "other"],
+        policies=[{"name": "nsfw-screen", "verdict": "accept"}],
+    ),
 ]
 
 
@@ -56,27 +82,37 @@ async def _seqs(store, limit: int = 50, **kw) -> list[int]:
     return [r.seq for r in await store.search(AuditQuery(**kw), limit)]
 
 
-@pytest.mark.parametrize("filters, expected", [
-    ({}, [5, 4, 3, 2, 1]),
-    ({"kind": "request"}, [5, 3, 2, 1]),
-    ({"tenant": "globex"}, [5, 3]),
-    ({"request_id": "req-2"}, [2]),
-    ({"client_request_id": "their-id-1"}, [1]),
-    ({"client_request_id": "req-1"}, []),
-    ({"outcome": "served"}, [5, 1]),
-    ({"engine": "omni-int4"}, [2, 1]),
-    ({"policy": "nsfw-screen"}, [5, 3, 1]),
-    ({"verdict": "reject"}, [3]),
-    ({"policy": "nsfw-screen", "verdict": "accept"}, [5, 1]),
-    # the policy and the verdict must belong to the same run: request-limits never said accept
-    ({"policy": "request-limits", "verdict": "accept"}, []),
-    ({"degraded": "load-text-only"}, [5, 2]),
-    ({"degraded": "other"}, [5]),
-    ({"since": "2026-03-01T10:00:02.000000Z"}, [5, 4, 3, 2]),
-    ({"until": "2026-03-01T10:00:02.000000Z"}, [1]),
-    ({"since": "2026-03-01T10:00:02.000000Z", "until": "2026-03-01T10:00:05.000000Z", "tenant": "globex"}, [3]),
-    ({"tenant": "globex", "outcome": "served", "degraded": "load-text-only", "engine": "omni-bf16"}, [5]),
-])
+@pytest.mark.parametrize(
+    "filters, expected",
+    [
+        ({}, [5, 4, 3, 2, 1]),
+        ({"kind": "request"}, [5, 3, 2, 1]),
+        ({"tenant": "globex"}, [5, 3]),
+        ({"request_id": "req-2"}, [2]),
+        ({"client_request_id": "their-id-1"}, [1]),
+        ({"client_request_id": "req-1"}, []),
+        ({"outcome": "served"}, [5, 1]),
+        ({"engine": "omni-int4"}, [2, 1]),
+        ({"policy": "nsfw-screen"}, [5, 3, 1]),
+        ({"verdict": "reject"}, [3]),
+        ({"policy": "nsfw-screen", "verdict": "accept"}, [5, 1]),
+        # the policy and the verdict must belong to the same run: request-limits never said accept
+        ({"policy": "request-limits", "verdict": "accept"}, []),
+        ({"degraded": "load-text-only"}, [5, 2]),
+        ({"degraded": "other"}, [5]),
+        ({"since": "2026-03-01T10:00:02.000000Z"}, [5, 4, 3, 2]),
+        ({"until": "2026-03-01T10:00:02.000000Z"}, [1]),
+        (
+            {
+                "since": "2026-03-01T10:00:02.000000Z",
+                "until": "2026-03-01T10:00:05.000000Z",
+                "tenant": "globex",
+            },
+            [3],
+        ),
+        ({"tenant": "globex", "outcome": "served", "degraded": "load-text-only", "engine": "omni-bf16"}, [5]),
+    ],
+)
 async def test_filters(store, filters, expected):
     assert await _seqs(store, **filters) == expected
 
@@ -89,7 +125,17 @@ async def test_paging_newest_first_and_forward(store):
     assert await _seqs(store, limit=10, after_seq=3, kind="request") == [5]
 
 
-@pytest.mark.parametrize("value", ["' OR 1=1 --", "acme' --", "%", "\"", "\\", "$.payload", "a" * 200, "é中"])
+@pytest.mark.parametrize("value", ["' OR 1=1 --", "acme' --", "%", '"', "\\", "$.payload", "a" * 200, "é中"])
 async def test_hostile_values_match_literally(store, value):
-    for field in ("tenant", "client_request_id", "outcome", "engine", "policy", "verdict", "degraded", "request_id", "kind"):
+    for field in (
+        "tenant",
+        "client_request_id",
+        "outcome",
+        "engine",
+        "policy",
+        "verdict",
+        "degraded",
+        "request_id",
+        "kind",
+    ):
         assert await _seqs(store, **{field: value}) == []

@@ -20,12 +20,17 @@ KEY = "spool-checkpoint-secret-71b0c4e2a9"
 
 def _entry(n: int) -> Entry:
     ts = f"2026-01-01T00:00:{n:02d}.000000Z"
-    data = canonical({"ts": ts, "kind": "request", "request_id": f"r{n}", "tenant": None, "payload": {"n": n}})
+    data = canonical(
+        {"ts": ts, "kind": "request", "request_id": f"r{n}", "tenant": None, "payload": {"n": n}}
+    )
     return Entry(ts, "request", f"r{n}", None, data)
 
 
 def _line(after: int, e: Entry) -> bytes:
-    return orjson.dumps({"t": "rec", "after": after, "e": [e.ts, e.kind, e.request_id, e.tenant, e.data]}) + b"\n"
+    return (
+        orjson.dumps({"t": "rec", "after": after, "e": [e.ts, e.kind, e.request_id, e.tenant, e.data]})
+        + b"\n"
+    )
 
 
 async def _rows(settings: AuditSettings):
@@ -40,15 +45,22 @@ async def _rows(settings: AuditSettings):
 
 
 async def test_replay_after_a_crash_between_commit_and_mark_writes_each_record_once_in_order(tmp_path):
-    settings = AuditSettings(sqlite_path=tmp_path / "a.db", on_unavailable="spool", spool_path=tmp_path / "s.jsonl",
-                             checkpoint_every=2, signing={"key": KEY})
+    settings = AuditSettings(
+        sqlite_path=tmp_path / "a.db",
+        on_unavailable="spool",
+        spool_path=tmp_path / "s.jsonl",
+        checkpoint_every=2,
+        signing={"key": KEY},
+    )
     entries = [_entry(n) for n in range(1, 5)]
     # The previous process replayed the first two (committed) and died before writing its "done" line.
     store = build_store(settings)
     await store.open()
     await store.append_encoded(lambda: entries[:2])
     await store.close()
-    settings.spool_path.write_bytes(b"".join(_line(0, e) for e in entries) + b'{"t": "rec", "aft')  # torn tail
+    settings.spool_path.write_bytes(
+        b"".join(_line(0, e) for e in entries) + b'{"t": "rec", "aft'
+    )  # torn tail
     audit = AuditLog(settings, build_store(settings), Metrics())
     await audit.start()
     try:
@@ -63,16 +75,23 @@ async def test_replay_after_a_crash_between_commit_and_mark_writes_each_record_o
 
 
 async def test_an_unreadable_journal_line_becomes_a_gap_record(tmp_path):
-    settings = AuditSettings(sqlite_path=tmp_path / "a.db", on_unavailable="spool", spool_path=tmp_path / "s.jsonl",
-                             signing={"key": KEY})
+    settings = AuditSettings(
+        sqlite_path=tmp_path / "a.db",
+        on_unavailable="spool",
+        spool_path=tmp_path / "s.jsonl",
+        signing={"key": KEY},
+    )
     e1, e2 = _entry(1), _entry(2)
     settings.spool_path.write_bytes(_line(0, e1) + b"\x00garbage\n" + _line(0, e2))
     audit = AuditLog(settings, build_store(settings), Metrics())
     await audit.start()
     await audit.aclose()
     rows, report = await _rows(settings)
-    assert [r.kind for r in rows] == ["request", "request", "gap"] or \
-        [r.kind for r in rows] == ["gap", "request", "request"]
+    assert [r.kind for r in rows] == ["request", "request", "gap"] or [r.kind for r in rows] == [
+        "gap",
+        "request",
+        "request",
+    ]
     gap = next(r for r in rows if r.kind == "gap")
     assert orjson.loads(gap.data)["payload"]["lost"] == 1
     assert report.ok and report.gaps == [(gap.seq, 1)]
@@ -93,13 +112,23 @@ async def test_a_store_written_by_the_former_format_is_migrated_and_keeps_verify
             algorithm TEXT NOT NULL, key_id TEXT NOT NULL, signature TEXT NOT NULL);
     """)
     rows = chain_rows([_entry(n) for n in range(1, 4)], 0, "")
-    db.executemany("INSERT INTO audit_log VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                   [(r.seq, r.ts, r.kind, r.request_id, r.tenant, r.data, r.prev_hash, r.hash) for r in rows])
+    db.executemany(
+        "INSERT INTO audit_log VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        [(r.seq, r.ts, r.kind, r.request_id, r.tenant, r.data, r.prev_hash, r.hash) for r in rows],
+    )
     signer = Signer.from_settings(settings.signing)
     created = "2026-01-01T00:00:10.000000Z"
-    db.execute("INSERT INTO audit_checkpoints VALUES (?, ?, ?, ?, ?, ?)",
-               (3, rows[-1].hash, created, "hmac-sha256", "default",
-                signer.sign(checkpoint_message(3, rows[-1].hash, created, "default"))))
+    db.execute(
+        "INSERT INTO audit_checkpoints VALUES (?, ?, ?, ?, ?, ?)",
+        (
+            3,
+            rows[-1].hash,
+            created,
+            "hmac-sha256",
+            "default",
+            signer.sign(checkpoint_message(3, rows[-1].hash, created, "default")),
+        ),
+    )
     db.close()
     audit = AuditLog(settings, build_store(settings), Metrics())
     await audit.start()
@@ -119,8 +148,9 @@ async def test_a_response_served_without_a_record_leaves_a_gap_that_a_crash_cann
     import sqlite3
 
     db = tmp_path / "a.db"
-    settings = AuditSettings(sqlite_path=db, buffer=1, when_full="mark_gap", ack_timeout_s=30,
-                             signing={"key": KEY})
+    settings = AuditSettings(
+        sqlite_path=db, buffer=1, when_full="mark_gap", ack_timeout_s=30, signing={"key": KEY}
+    )
     audit = AuditLog(settings, build_store(settings), Metrics())
     await audit.start()
     lock = sqlite3.connect(db, isolation_level=None, timeout=0)

@@ -19,18 +19,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.base import Body, request_body, whole_strings, wire_messages
 from core import spooled
-from gateway.api import body as client_body
 from core.schemas import ChatCompletionRequest
 from core.spooled import SpooledMedia
+from engines.base import Body, request_body, whole_strings, wire_messages
+from gateway.api import body as client_body
 
 RAW = os.urandom(3 * (1 << 19) + 2)  # decodes from 2 MiB of base64 with padding
 B64 = base64.b64encode(RAW).decode()
 
 
 def _doc(*parts: dict, **extra) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}], **extra}
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}],
+        **extra,
+    }
 
 
 def _audio(data: str) -> dict:
@@ -68,7 +72,9 @@ DOCS = {
     "input_audio": _doc(_audio(B64)),
     "data URI": _doc(_url("audio_url", "data:audio/wav;base64," + B64)),
     "header with params": _doc(_url("video_url", "data:video/mp4;codecs=avc1;base64," + B64)),
-    "several": _doc(*[_url("image_url", "data:image/png;base64," + B64[: (1 << 20) + 4 * i]) for i in range(3)]),
+    "several": _doc(
+        *[_url("image_url", "data:image/png;base64," + B64[: (1 << 20) + 4 * i]) for i in range(3)]
+    ),
     "small and large": _doc(_url("image_url", "data:image/png;base64," + B64[:4000]), _audio(B64)),
 }
 
@@ -174,8 +180,10 @@ def test_an_invalid_body_with_a_payload_gets_orjsons_own_error(raw):
 def test_any_payload_reads_as_orjson_parses_it(cut, noise, where, field):
     payload = B64[:where] + noise + B64[where:]
     part = (
-        _audio(payload) if field == "input_audio"
-        else {"type": "text", "text": payload} if field == "text"
+        _audio(payload)
+        if field == "input_audio"
+        else {"type": "text", "text": payload}
+        if field == "text"
         else _url(field, "data:image/png;base64," + payload)
     )
     raw = orjson.dumps(_doc(part))

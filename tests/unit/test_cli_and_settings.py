@@ -16,8 +16,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "ops" / "config" / "omnigate.yam
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True,
-                          timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, timeout=60, env=env
+    )
 
 
 def test_check_config_prints_engines_and_chain(tmp_path):
@@ -44,13 +45,17 @@ def test_check_config_prints_engines_and_chain(tmp_path):
         ("engines:\n  - {name: a, kind: vllm, model: m, serves: [x]}\n", "needs base_url"),
         ("engines:\n  - {name: a, kind: local, model: m, serves: [x], colour: red}\n", "engines.0.colour"),
         ("server: {port: 99999}\n", "server.port"),
-        ("policies:\n  pre: [{name: request-limits, config: {max_messages: -1}}]\n",
-         "policies.pre[0].config.max_messages"),
+        (
+            "policies:\n  pre: [{name: request-limits, config: {max_messages: -1}}]\n",
+            "policies.pre[0].config.max_messages",
+        ),
         ("policies:\n  pre: [{name: not-a-policy}]\n", "policies.pre[0].name"),
         ("traffic: {soft_limit: 80}\n", "soft_limit (80) exceeds hard_limit"),
         ("traffic: {hard_limit: 0}\n", "traffic.hard_limit"),
-        ("engines:\n  - {name: a, kind: local, model: m, serves: [x], max_in_flight: 2, max_in_flight_overloaded: 3}\n",
-         "max_in_flight_overloaded (3) exceeds max_in_flight (2)"),
+        (
+            "engines:\n  - {name: a, kind: local, model: m, serves: [x], max_in_flight: 2, max_in_flight_overloaded: 3}\n",
+            "max_in_flight_overloaded (3) exceeds max_in_flight (2)",
+        ),
         ("engines: [\n", "invalid configuration"),
     ],
 )

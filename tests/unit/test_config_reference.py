@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from core.settings import Settings, load_settings
 from gateway.config_reference import (
     leaf_keys,
     missing_descriptions,
@@ -20,10 +21,16 @@ from gateway.config_reference import (
     settings_reference,
     walk,
 )
-from core.settings import Settings, load_settings
 
-BUILT_IN = {"request-limits", "load-shedding", "grounding", "media-fetch", "media-limits", "nsfw-screen",
-            "audio-screen"}
+BUILT_IN = {
+    "request-limits",
+    "load-shedding",
+    "grounding",
+    "media-fetch",
+    "media-limits",
+    "nsfw-screen",
+    "audio-screen",
+}
 
 
 def test_every_field_has_a_description() -> None:
@@ -41,9 +48,14 @@ def test_the_settings_reference_names_every_leaf_key() -> None:
     assert len(keys) > 200  # the walk reached the nested models, lists and maps
     absent = [k for k in keys if f"| `{k}` |" not in page]
     assert not absent, absent
-    for nested in ("engines[].telemetry.dcgm_url", "routing.controller.rules[].action.kind",
-                   "models.<name>.sampling_defaults.temperature", "policy_sets.<name>.pre[].name",
-                   "auth.directory.postgres_dsn", "logging.json"):
+    for nested in (
+        "engines[].telemetry.dcgm_url",
+        "routing.controller.rules[].action.kind",
+        "models.<name>.sampling_defaults.temperature",
+        "policy_sets.<name>.pre[].name",
+        "auth.directory.postgres_dsn",
+        "logging.json",
+    ):
         assert nested in keys
 
 

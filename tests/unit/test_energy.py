@@ -215,5 +215,7 @@ def test_a_rule_sets_exactly_one_of_above_and_below():
         Rule(name="x", signal="tokens_per_joule", below=100, recover_above=90, action=action)
     with pytest.raises(ValidationError, match="recovers above recover_above"):
         Rule(name="x", signal="tokens_per_joule", below=100, recover_below=90, action=action)
-    r = Rule(name="x", select=RuleSelector(variants=["bf16"]), signal="tokens_per_joule", below=80, action=action)
+    r = Rule(
+        name="x", select=RuleSelector(variants=["bf16"]), signal="tokens_per_joule", below=80, action=action
+    )
     assert r.recover_above == pytest.approx(100)

@@ -35,7 +35,12 @@ def test_the_right_model_and_revision_pass():
     ("model", "revision", "served", "words"),
     [
         ("qwen3-omni", None, [_card("qwen3-omni-int4", ROOT)], "not the configured model 'qwen3-omni'"),
-        ("qwen3-omni", REV, [_card("qwen3-omni", ROOT.replace(REV, "f" * 40))], "not the configured revision"),
+        (
+            "qwen3-omni",
+            REV,
+            [_card("qwen3-omni", ROOT.replace(REV, "f" * 40))],
+            "not the configured revision",
+        ),
         # The revision must be the listed model's, not another card's.
         ("qwen3-omni", REV, [_card("qwen3-omni", "/m/snapshots/abc"), _card("other", ROOT)], "revision abc"),
         (None, REV, [], "serves revision none"),

@@ -59,8 +59,9 @@ def _walk(cls: type) -> list[type]:
 
 def _children(cls: type) -> list[type]:
     subs = [s for s in cls.__subclasses__() if not s.__module__.startswith("tests")]
-    return sorted(subs, key=lambda s: (s.__module__ != "core.errors", s.__module__,
-                                       inspect.getsourcelines(s)[1]))
+    return sorted(
+        subs, key=lambda s: (s.__module__ != "core.errors", s.__module__, inspect.getsourcelines(s)[1])
+    )
 
 
 def _line(cls: type) -> str:

@@ -15,9 +15,9 @@ import uuid
 
 from prometheus_client import CollectorRegistry
 
+from core.settings import RateLimitSettings, RedisSettings, TenantConfig
 from gateway.ratelimit import RateLimiter
 from gateway.redis_client import SharedRedis
-from core.settings import RateLimitSettings, RedisSettings, TenantConfig
 from observability.metrics import Metrics
 
 HEAVY = ("numpy", "soundfile", "redis", "limits", "PIL", "av", "onnxruntime", "torch", "litellm")
@@ -48,10 +48,14 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_text_gateway_serves_without_loading_media_audio_or_rate_limit_libraries(upstreams, tmp_path) -> None:
+def test_a_text_gateway_serves_without_loading_media_audio_or_rate_limit_libraries(
+    upstreams, tmp_path
+) -> None:
     out = subprocess.run(
         [sys.executable, "-c", _SCRIPT, upstreams.vllm.base_url, str(tmp_path / "audit.db"), ",".join(HEAVY)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
@@ -59,8 +63,9 @@ def test_a_text_gateway_serves_without_loading_media_audio_or_rate_limit_librari
 
 async def test_the_rate_limiter_connects_only_for_a_tenant_with_a_limit() -> None:
     redis = SharedRedis(RedisSettings(url="redis://127.0.0.1:6379/0"))
-    limiter = RateLimiter(RateLimitSettings(key_prefix=f"omnigate-test-{uuid.uuid4().hex}"),
-                          Metrics(CollectorRegistry()), redis)
+    limiter = RateLimiter(
+        RateLimitSettings(key_prefix=f"omnigate-test-{uuid.uuid4().hex}"), Metrics(CollectorRegistry()), redis
+    )
     await limiter.admit(TenantConfig(name="unlimited"))
     await limiter.charge(TenantConfig(name="unlimited"), 500)
     assert not redis.opened

@@ -12,17 +12,23 @@ from pathlib import Path
 
 import pytest
 
+from core.settings import Settings
 from gateway.cli import auth_banner
 from gateway.secret_check import WeakSecret, check, problems
-from core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "ops" / "config" / "omnigate.yaml"
 
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
 
 
 def _env_example_value(name: str) -> str:
@@ -32,13 +38,16 @@ def _env_example_value(name: str) -> str:
     raise KeyError(name)
 
 
-@pytest.mark.parametrize("key", [
-    "replace-with-the-output-of-openssl-rand-hex-32",  # the example files' value
-    "changeme-changeme-changeme-changeme",
-    "adm-secret-0123456789",  # what people type
-    "k" * 40,
-    "abababababababababababababababababab",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "replace-with-the-output-of-openssl-rand-hex-32",  # the example files' value
+        "changeme-changeme-changeme-changeme",
+        "adm-secret-0123456789",  # what people type
+        "k" * 40,
+        "abababababababababababababababababab",
+    ],
+)
 def test_placeholder_and_typed_admin_keys_are_refused(key):
     with pytest.raises(WeakSecret, match=re.escape("admin.api_key")):
         check(Settings(admin={"api_key": key}))
@@ -50,10 +59,13 @@ def test_typed_signing_keys_are_refused_and_generated_ones_boot():
     weak_seed = base64.b64encode(b"\x01" * 32).decode()
     with pytest.raises(WeakSecret, match="Ed25519 seed"):
         check(Settings(audit={"signing": {"algorithm": "ed25519", "key": weak_seed}}))
-    good = Settings(admin={"api_key": secrets.token_hex(32)},
-                    audit={"signing": {"key": secrets.token_urlsafe(32)}})
+    good = Settings(
+        admin={"api_key": secrets.token_hex(32)}, audit={"signing": {"key": secrets.token_urlsafe(32)}}
+    )
     assert problems(good) == []
-    ed = Settings(audit={"signing": {"algorithm": "ed25519", "key": base64.b64encode(secrets.token_bytes(32)).decode()}})
+    ed = Settings(
+        audit={"signing": {"algorithm": "ed25519", "key": base64.b64encode(secrets.token_bytes(32)).decode()}}
+    )
     assert problems(ed) == []
 
 
@@ -74,7 +86,9 @@ def test_the_example_config_and_env_file_do_not_boot(tmp_path):
     cfg = tmp_path / "min.yaml"
     cfg.write_text("logging: {level: warning}\n")
     served = _cli("serve", "--config", str(cfg), "--port", "0", env=env)
-    assert served.returncode == 1 and "refusing to start" in served.stderr and "admin.api_key" in served.stderr
+    assert (
+        served.returncode == 1 and "refusing to start" in served.stderr and "admin.api_key" in served.stderr
+    )
 
 
 def test_the_banner_says_whether_a_key_is_required_and_why():
@@ -86,7 +100,9 @@ def test_the_banner_says_whether_a_key_is_required_and_why():
     several = auth_banner(Settings(tenants=[{"name": "a"}], auth={"replicas": 2}))
     assert any("admin writes to tenants and keys: refused" in line for line in several)
     explicit = auth_banner(Settings(auth={"required": False}, admin={"api_key": secrets.token_hex(32)}))
-    assert explicit == ["authentication: OFF (auth.required: false): every request is served, unauthenticated"]
+    assert explicit == [
+        "authentication: OFF (auth.required: false): every request is served, unauthenticated"
+    ]
 
 
 def test_check_config_reports_the_auth_decision(tmp_path):
@@ -108,7 +124,8 @@ def test_tenants_an_older_version_kept_in_the_audit_database_are_imported_once(t
     db.executescript(
         "CREATE TABLE tenants (name TEXT PRIMARY KEY, config TEXT NOT NULL, updated_at TEXT NOT NULL);"
         "CREATE TABLE api_keys (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, sha256 TEXT NOT NULL,"
-        " enabled INTEGER NOT NULL, created_at TEXT NOT NULL);")
+        " enabled INTEGER NOT NULL, created_at TEXT NOT NULL);"
+    )
     db.execute("INSERT INTO tenants VALUES ('old', '{\"name\": \"old\"}', '2026-01-01T00:00:00Z')")
     db.execute("INSERT INTO api_keys VALUES (?, 'old', ?, 1, '2026-01-01T00:00:00Z')", (k.id, k.sha256))
     db.commit()

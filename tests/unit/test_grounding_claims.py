@@ -26,14 +26,21 @@ def _req(messages: list[dict]) -> ChatCompletionRequest:
 
 
 def test_premise_is_system_user_and_tool_text_not_assistant_turns():
-    req = _req([
-        {"role": "system", "content": "You are helpful."},
-        {"role": "user", "content": [{"type": "text", "text": "Doc: Oslo is the capital of Norway."},
-                                     {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
-        {"role": "assistant", "content": "Bergen is the capital."},
-        {"role": "tool", "tool_call_id": "call_1", "content": "Norway has 5.5 million people."},
-        {"role": "user", "content": "And its population?"},
-    ])
+    req = _req(
+        [
+            {"role": "system", "content": "You are helpful."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Doc: Oslo is the capital of Norway."},
+                    {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+                ],
+            },
+            {"role": "assistant", "content": "Bergen is the capital."},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Norway has 5.5 million people."},
+            {"role": "user", "content": "And its population?"},
+        ]
+    )
     p = premise_of(req, transcripts=["The caller said it was snowing."], exclude=["You are helpful."])
     assert "Oslo" in p.text and "5.5 million" in p.text and "snowing" in p.text
     assert "Bergen" not in p.text
@@ -71,7 +78,10 @@ def test_numbers_are_normalised():
 
 def test_names_skip_sentence_starts_and_stop_words():
     assert names_in("The tower stands in Paris. Completed in 1889, it was built by Gustave Eiffel.") == {
-        "paris", "gustave", "eiffel"}
+        "paris",
+        "gustave",
+        "eiffel",
+    }
     assert names_in("New York is big.") == {"york"}
 
 
@@ -109,11 +119,22 @@ def test_grounding_config_is_validated_when_the_chain_is_built():
         build_chain(PolicyChainConfig(post=[PolicySpec(name="grounding", config={"mode": "sometimes"})]))
     with pytest.raises(PolicyConfigError, match=r"config.threshold"):
         build_chain(PolicyChainConfig(post=[PolicySpec(name="grounding", config={"threshold": 1.5})]))
-    chain = build_chain(PolicyChainConfig(post=[PolicySpec(name="grounding", config={
-        "mode": "window", "modes_by_model": {"rag": "hold"}, "on_exhausted": "refuse"})]))
+    chain = build_chain(
+        PolicyChainConfig(
+            post=[
+                PolicySpec(
+                    name="grounding",
+                    config={"mode": "window", "modes_by_model": {"rag": "hold"}, "on_exhausted": "refuse"},
+                )
+            ]
+        )
+    )
     impl = chain.post[0].impl
     assert isinstance(impl.config, GroundingConfig)
-    assert impl.stream_mode(_req([{"role": "user", "content": "x"}]).model_copy(update={"model": "rag"}), _Ctx()) == "hold"
+    assert (
+        impl.stream_mode(_req([{"role": "user", "content": "x"}]).model_copy(update={"model": "rag"}), _Ctx())
+        == "hold"
+    )
     assert impl.stream_mode(_req([{"role": "user", "content": "x"}]), _Ctx()) == "window"
 
 
@@ -122,7 +143,9 @@ class _Ctx:
 
 
 def test_retry_adjustment_lowers_temperature_and_adds_the_instruction_once():
-    chain = build_chain(PolicyChainConfig(post=[PolicySpec(name="grounding", config={"retry_temperature": 0.2})]))
+    chain = build_chain(
+        PolicyChainConfig(post=[PolicySpec(name="grounding", config={"retry_temperature": 0.2})])
+    )
     impl = chain.post[0].impl
     req = _req([{"role": "user", "content": "x"}]).model_copy(update={"temperature": 0.9})
     update = impl.adjust(req)
@@ -135,8 +158,8 @@ def test_retry_adjustment_lowers_temperature_and_adds_the_instruction_once():
 
 
 async def test_the_policy_takes_the_gateway_scorer_when_started():
-    from gateway.services import Services
     from core.settings import Settings
+    from gateway.services import Services
     from observability.metrics import Metrics
     from policies.registry import resources_used
 

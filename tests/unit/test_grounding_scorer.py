@@ -31,23 +31,59 @@ from policies.grounding.scorer import (
 
 pytestmark = pytest.mark.timeout(120)
 
-PREMISE = premise_of(ChatCompletionRequest.model_validate({"model": "m", "messages": [
-    {"role": "system", "content": "The Eiffel Tower in Paris was completed on 31 March 1889. It is 330 metres tall."},
-    {"role": "user", "content": "Tell me about the tower."},
-]}))
+PREMISE = premise_of(
+    ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "system",
+                    "content": "The Eiffel Tower in Paris was completed on 31 March 1889. It is 330 metres tall.",
+                },
+                {"role": "user", "content": "Tell me about the tower."},
+            ],
+        }
+    )
+)
 
 LABELS = {0: "contradiction", 1: "entailment", 2: "neutral"}
 
 
 def tiny_cross_encoder(path: Path, bias: tuple[float, ...], labels: dict[int, str] = LABELS) -> Path:
-    words = ["the", "eiffel", "tower", "in", "paris", "was", "completed", "on", "31", "march", "1889", "it", "is", "330", "metres", "tall", "1925", ".", ","]
+    words = [
+        "the",
+        "eiffel",
+        "tower",
+        "in",
+        "paris",
+        "was",
+        "completed",
+        "on",
+        "31",
+        "march",
+        "1889",
+        "it",
+        "is",
+        "330",
+        "metres",
+        "tall",
+        "1925",
+        ".",
+        ",",
+    ]
     path.mkdir(parents=True, exist_ok=True)
     (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True)
     config = BertConfig(
-        vocab_size=len(words) + 5, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128, num_labels=len(labels),
-        id2label=labels, label2id={v: k for k, v in labels.items()},
+        vocab_size=len(words) + 5,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        num_labels=len(labels),
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
     )
     torch.manual_seed(0)
     model = BertForSequenceClassification(config)
@@ -118,11 +154,15 @@ async def test_cross_encoder_runs_off_the_event_loop_and_batches(tmp_path):
     scorer = CrossEncoderScorer(GroundingSettings(model=str(path), max_wait_ms=50), metrics)
     await scorer.start()
     try:
-        results = await asyncio.gather(*(scorer.judge(PREMISE, [f"It is {n} metres tall."]) for n in range(6)))
+        results = await asyncio.gather(
+            *(scorer.judge(PREMISE, [f"It is {n} metres tall."]) for n in range(6))
+        )
     finally:
         await scorer.aclose()
     assert all(r.score > 0.99 for r in results)
-    count = metrics.registry.get_sample_value("omnigate_grounding_scorer_seconds_count", {"scorer": "cross-encoder"})
+    count = metrics.registry.get_sample_value(
+        "omnigate_grounding_scorer_seconds_count", {"scorer": "cross-encoder"}
+    )
     assert count == 6
 
 
@@ -215,8 +255,14 @@ async def test_a_failing_model_fails_closed_with_guard_unavailable(tmp_path):
     path = tiny_cross_encoder(tmp_path / "short", (-4.0, 4.0, -4.0))
     scorer = CrossEncoderScorer(GroundingSettings(model=str(path), max_length=512))
     await scorer.start()
-    long_premise = premise_of(ChatCompletionRequest.model_validate({"model": "m", "messages": [
-        {"role": "user", "content": "the eiffel tower is 330 metres tall . " * 60}]}))
+    long_premise = premise_of(
+        ChatCompletionRequest.model_validate(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "the eiffel tower is 330 metres tall . " * 60}],
+            }
+        )
+    )
     try:
         with pytest.raises(GuardUnavailable) as err:
             await scorer.judge(long_premise, ["It is 330 metres tall."])
@@ -228,8 +274,8 @@ async def test_a_failing_model_fails_closed_with_guard_unavailable(tmp_path):
 
 
 async def test_a_scorer_that_cannot_load_fails_the_gateway_start(tmp_path):
-    from gateway.services import Services
     from core.settings import PolicyChainConfig, PolicySpec, Settings
+    from gateway.services import Services
 
     settings = Settings(
         policies=PolicyChainConfig(post=[PolicySpec(name="grounding")]),

@@ -45,7 +45,11 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_the_server_freezes_its_startup_heap_and_a_reload_releases_old_cycles(tmp_path) -> None:
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path / "audit.db")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(tmp_path / "audit.db")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("ok")

@@ -22,7 +22,11 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(root)}
     return subprocess.run(
         [str(LINT_IMPORTS), "--no-cache", str(root / "pyproject.toml")],
-        cwd=root, env=env, capture_output=True, text=True, timeout=120,
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -47,8 +51,10 @@ def _append(path: Path, line: str) -> None:
 
 def test_a_type_only_import_from_the_kernel_up_breaks_the_build(tmp_path: Path) -> None:
     tree = _copy(tmp_path)
-    _append(tree / "core" / "context.py",
-            "if TYPE_CHECKING:\n    from gateway.admission import Ticket  # noqa: F401")
+    _append(
+        tree / "core" / "context.py",
+        "if TYPE_CHECKING:\n    from gateway.admission import Ticket  # noqa: F401",
+    )
     done = _lint_imports(tree)
     assert done.returncode == 1
     assert "The kernel imports nothing of the project BROKEN" in done.stdout

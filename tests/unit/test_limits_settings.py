@@ -9,11 +9,20 @@ from core.settings import EngineConfig, Settings
 
 
 def _engine(**kw) -> dict:
-    return {"name": "e", "kind": "vllm", "base_url": "http://127.0.0.1:9/v1", "model": "m", "serves": ["pub"], **kw}
+    return {
+        "name": "e",
+        "kind": "vllm",
+        "base_url": "http://127.0.0.1:9/v1",
+        "model": "m",
+        "serves": ["pub"],
+        **kw,
+    }
 
 
 def test_sampling_defaults_are_per_served_model_and_bounded():
-    s = Settings(engines=[_engine()], models={"pub": {"sampling_defaults": {"temperature": 0.7, "top_p": 0.9}}})
+    s = Settings(
+        engines=[_engine()], models={"pub": {"sampling_defaults": {"temperature": 0.7, "top_p": 0.9}}}
+    )
     assert s.models["pub"].sampling_defaults.values() == {"temperature": 0.7, "top_p": 0.9}
     with pytest.raises(ValidationError, match="no engine serves a model named 'other'"):
         Settings(engines=[_engine()], models={"other": {"sampling_defaults": {"temperature": 0.7}}})
@@ -23,8 +32,9 @@ def test_sampling_defaults_are_per_served_model_and_bounded():
         Settings(engines=[_engine()], models={"pub": {"sampling_defaults": {"seed": 1}}})
 
 
-@pytest.mark.parametrize("field,value", [("thinking_budget", True), ("expected_model", "m"),
-                                         ("expected_revision", "0" * 40)])
+@pytest.mark.parametrize(
+    "field,value", [("thinking_budget", True), ("expected_model", "m"), ("expected_revision", "0" * 40)]
+)
 def test_engine_checks_are_for_vllm_kinds_only(field, value):
     assert getattr(EngineConfig(**_engine(**{field: value})), field) == value
     with pytest.raises(ValidationError, match=f"{field} is for vllm and vllm-omni engines"):

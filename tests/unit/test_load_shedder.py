@@ -7,8 +7,8 @@ from typing import ClassVar
 
 from core.context import RequestContext
 from core.schemas import ChatCompletionRequest
-from gateway.services import unshed_chains
 from core.settings import PolicyChainConfig, PolicySpec
+from gateway.services import unshed_chains
 from policies.base import LoadShedder, PolicyBase, PolicyConfig
 from policies.registry import available_plugins, build_chain
 from policies.shedding import LoadShedding
@@ -57,6 +57,9 @@ def test_the_built_in_and_a_plugin_are_shedders_by_type():
 
 
 def test_the_chains_without_a_shedder_are_named():
-    chains = {"policies": _chain("load-shedding", "request-limits"), "policy_sets.a": _chain("quiet-hours"),
-              "policy_sets.b": _chain("load-shedding-notes")}
+    chains = {
+        "policies": _chain("load-shedding", "request-limits"),
+        "policy_sets.a": _chain("quiet-hours"),
+        "policy_sets.b": _chain("load-shedding-notes"),
+    }
     assert unshed_chains(chains) == ["policy_sets.b"]

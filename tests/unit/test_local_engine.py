@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import structlog.testing
 
-from core.events import Completion, Delta
-from engines.local import LocalEngine
 from core.errors import EngineUnavailable
+from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
 from core.settings import EngineConfig, LocalEngineOptions
+from engines.local import LocalEngine
 
 pytestmark = pytest.mark.slow
 

@@ -18,19 +18,29 @@ B64 = base64.b64encode(os.urandom(3 * (1 << 19))).decode()  # 2 MiB of base64
 
 
 def _doc(*parts: dict, **extra) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}], **extra}
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}],
+        **extra,
+    }
 
 
 DOCS = {
     "data URI": _doc({"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + B64}}),
     "input_audio": _doc({"type": "input_audio", "input_audio": {"data": B64, "format": "wav"}}),
-    "several": _doc(*[{"type": "image_url", "image_url": {"url": "data:image/png;base64," + B64[: 200_000 + i]}}
-                      for i in (0, 4, 8)]),
+    "several": _doc(
+        *[
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + B64[: 200_000 + i]}}
+            for i in (0, 4, 8)
+        ]
+    ),
     "escaped quotes around base64": _doc({"type": "text", "text": 'say \\"' + B64 + '\\" twice'}),
     "text with a long run": _doc({"type": "text", "text": "x" * 1_500_000 + " " + B64[:100_000]}),
     "base64 as a key": {B64[:80_000]: 1, "pad": "y" * 1_200_000},
     "deep": {"a": [[[[[[{"b": B64}]]]]]], "n": [1, 2.5, None, True]},
-    "header with params": _doc({"type": "audio_url", "audio_url": {"url": "data:audio/wav;rate=16000;base64," + B64}}),
+    "header with params": _doc(
+        {"type": "audio_url", "audio_url": {"url": "data:audio/wav;rate=16000;base64," + B64}}
+    ),
     "non-ASCII text": _doc({"type": "text", "text": "é" * 600_000}, user="ü"),
 }
 
@@ -105,7 +115,9 @@ def test_the_engine_body_in_pieces_is_orjsons_document(name):
     # No piece is a copy of a whole media string: at most a slice of BODY_PIECE characters, encoded.
     lifted = [p for p in body.pieces if isinstance(p, str)]
     assert lifted and all(len(p) >= LARGE_STRING for p in lifted)
-    assert max(len(c) for c in chunks) <= max(6 * BODY_PIECE, *(len(p) for p in body.pieces if isinstance(p, bytes)))
+    assert max(len(c) for c in chunks) <= max(
+        6 * BODY_PIECE, *(len(p) for p in body.pieces if isinstance(p, bytes))
+    )
 
 
 def test_a_text_request_is_one_orjson_body():

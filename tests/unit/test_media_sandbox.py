@@ -31,7 +31,9 @@ pytestmark = pytest.mark.timeout(120)
 def _wav(seconds: float = 1.0, rate: int = 16000) -> bytes:
     buf = io.BytesIO()
     t = np.arange(int(seconds * rate)) / rate
-    sf.write(buf, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    sf.write(
+        buf, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), rate, format="WAV", subtype="PCM_16"
+    )
     return buf.getvalue()
 
 
@@ -191,8 +193,11 @@ def test_a_worker_is_confined():
     assert reached == "PermissionError", reached  # the host's loopback, listening, is not reachable
 
 
-@pytest.mark.parametrize("culprit", [bad.sleeps, bad.hangs_in_c, bad.spins, bad.crashes, bad.allocates],
-                         ids=["sleeps", "hangs-in-c", "spins", "crashes", "allocates"])
+@pytest.mark.parametrize(
+    "culprit",
+    [bad.sleeps, bad.hangs_in_c, bad.spins, bad.crashes, bad.allocates],
+    ids=["sleeps", "hangs-in-c", "spins", "crashes", "allocates"],
+)
 def test_a_misbehaving_decoder_costs_its_part_a_400_and_the_pool_goes_on(culprit):
     async def go():
         box = _sandbox()
@@ -220,7 +225,9 @@ def test_gateway_errors_raised_in_a_worker_keep_their_status_and_param():
     async def go():
         box = _sandbox()
         try:
-            return await box.run(normalise_audio, (b"RIFF\0\0\0\0WAVE", AudioConfig(), 16000, "x.y"), param="x.y")
+            return await box.run(
+                normalise_audio, (b"RIFF\0\0\0\0WAVE", AudioConfig(), 16000, "x.y"), param="x.y"
+            )
         finally:
             await box.aclose()
 
@@ -266,17 +273,38 @@ def test_the_process_budget_makes_requests_wait_then_503():
 
 
 def test_urls_never_reach_an_engine_adapter():
-    from engines.base import wire_messages
     from core.schemas import ChatCompletionRequest
+    from engines.base import wire_messages
 
     for url in ("https://example.com/a.png", "http://127.0.0.1/x", "file:///etc/passwd", "ftp://x/y"):
-        req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "hi"}, {"type": "video_url", "video_url": {"url": url}}]}]})
+        req = ChatCompletionRequest.model_validate(
+            {
+                "model": "m",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "hi"},
+                            {"type": "video_url", "video_url": {"url": url}},
+                        ],
+                    }
+                ],
+            }
+        )
         with pytest.raises(MediaURLForbidden) as err:
             wire_messages(req)
         assert err.value.status == 400 and err.value.param == "messages.0.content.1.video_url.url"
-    ok = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    ok = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+                }
+            ],
+        }
+    )
     assert wire_messages(ok)[0]["content"][0]["image_url"]["url"].startswith("data:")
 
 
@@ -314,7 +342,9 @@ def test_undoing_a_parts_base64_costs_only_its_bytes(shape):
     data, peak = _peak_bytes(lambda: decode_payload(ref))
     assert data == raw
     transient = len(ref.value) if shape == "data-uri" else 0
-    assert peak < len(raw) + transient + 64 * 1024, f"decoding a {len(raw):,}-byte part peaked at {peak:,} bytes"
+    assert peak < len(raw) + transient + 64 * 1024, (
+        f"decoding a {len(raw):,}-byte part peaked at {peak:,} bytes"
+    )
     size, peak = _peak_bytes(lambda: payload_size(ref))
     assert size == len(raw)
     assert peak < 64 * 1024, f"counting a part's bytes allocated {peak:,} bytes"
@@ -330,8 +360,10 @@ def test_undoing_a_parts_base64_costs_only_its_bytes(shape):
 def test_counting_a_parts_bytes_refuses_what_decoding_refuses(payload):
     from policies.media.parts import MediaRef, decode_payload, payload_size
 
-    for ref in (MediaRef(0, 1, "audio", "audio_url", "data:audio/wav;base64," + payload),
-                MediaRef(0, 1, "audio", "input_audio", payload, "wav")):
+    for ref in (
+        MediaRef(0, 1, "audio", "audio_url", "data:audio/wav;base64," + payload),
+        MediaRef(0, 1, "audio", "input_audio", payload, "wav"),
+    ):
         with pytest.raises(InvalidMedia) as counted:
             payload_size(ref)
         with pytest.raises(InvalidMedia) as decoded:

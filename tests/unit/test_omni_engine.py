@@ -8,9 +8,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.control_settings import EngineTelemetry, SignalSettings
+from core.settings import EngineConfig
 from engines.telemetry import TelemetryCollector, parse_vllm
 from engines.vllm_omni import VLLMOmniEngine
-from core.settings import EngineConfig
 from observability.metrics import Metrics
 from tests.upstream import Script, ScriptedUpstream
 
@@ -91,8 +91,10 @@ vllm:time_to_first_token_seconds_bucket{stage="0",replica="0",le="+Inf"} 3.0
 vllm:time_to_first_token_seconds_bucket{stage="1",replica="0",le="0.5"} 0.0
 vllm:time_to_first_token_seconds_bucket{stage="1",replica="0",le="+Inf"} 3.0
 """
-_BY_NAME = _BY_ID.replace('stage="0"', 'stage="thinker"').replace('stage="1"', 'stage="talker"').replace(
-    'stage="2"', 'stage="code2wav"'
+_BY_NAME = (
+    _BY_ID.replace('stage="0"', 'stage="thinker"')
+    .replace('stage="1"', 'stage="talker"')
+    .replace('stage="2"', 'stage="code2wav"')
 )
 
 

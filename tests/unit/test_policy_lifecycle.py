@@ -8,8 +8,8 @@ from typing import ClassVar
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.chains import Chains, ChainSet
 from core.settings import PolicyChainConfig, PolicySpec, Settings
+from gateway.chains import Chains, ChainSet
 from observability.metrics import Metrics
 from policies.base import Deps, Policy, PolicyBase
 from policies.registry import PolicyConfigError, available_plugins, build_chain
@@ -85,12 +85,15 @@ def _one(name: str) -> PolicyChainConfig:
     return PolicyChainConfig(pre=[PolicySpec(name=name)])
 
 
-@pytest.mark.parametrize(("name", "why"), [
-    ("bare", "start must be an async method"),
-    ("wants-gpu", "uses unknown resources ['gpu']"),
-    ("list-order", "runs_after must be a tuple"),
-    ("sync-start", "start must be an async method"),
-])
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("bare", "start must be an async method"),
+        ("wants-gpu", "uses unknown resources ['gpu']"),
+        ("list-order", "runs_after must be a tuple"),
+        ("sync-start", "start must be an async method"),
+    ],
+)
 def test_the_registry_refuses_a_plugin_whose_lifecycle_is_missing_or_mistyped(name, why):
     with pytest.raises(PolicyConfigError, match=rf"policy plugin {name!r}") as err:
         build_chain(_one(name), ALL)
@@ -104,8 +107,11 @@ def test_every_built_in_policy_implements_the_lifecycle():
 
 
 def _settings(pre: list[dict], **sets: list[dict]) -> Settings:
-    return Settings(policies={"pre": pre}, policy_sets={k: {"pre": v} for k, v in sets.items()},
-                    logging={"level": "warning"})
+    return Settings(
+        policies={"pre": pre},
+        policy_sets={k: {"pre": v} for k, v in sets.items()},
+        logging={"level": "warning"},
+    )
 
 
 def _deps(settings: Settings) -> Deps:
@@ -129,8 +135,9 @@ async def test_a_generation_starts_each_policy_once_and_closes_them_in_reverse_o
 
 async def test_a_failed_start_closes_what_started_before_it_and_names_the_policy():
     LIFECYCLE.clear()
-    settings = Settings(policies={"pre": [_rec("a")], "post": [{"name": "fail-start"}]},
-                        logging={"level": "warning"})
+    settings = Settings(
+        policies={"pre": [_rec("a")], "post": [{"name": "fail-start"}]}, logging={"level": "warning"}
+    )
     chains = ChainSet.build(settings, ALL)
     with pytest.raises(PolicyConfigError, match="policy 'fail-start' could not start: RuntimeError"):
         await chains.open(_deps(settings))

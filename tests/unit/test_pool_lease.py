@@ -12,17 +12,18 @@ import weakref
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.pool import EnginePool, Lease, build_engine
 from core.errors import EngineProtocolError, EngineTimeout
 from core.settings import EngineConfig
+from engines.pool import EnginePool, Lease, build_engine
 from observability.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def _engine(name: str, **kw):
-    return build_engine(EngineConfig(name=name, kind="vllm", base_url="http://127.0.0.1:9/v1", model="m",
-                                     serves=["x"], **kw))
+    return build_engine(
+        EngineConfig(name=name, kind="vllm", base_url="http://127.0.0.1:9/v1", model="m", serves=["x"], **kw)
+    )
 
 
 def _pool(*engines) -> EnginePool:

@@ -19,8 +19,14 @@ def _pre_commit() -> list[str]:
 
 
 def test_pre_commit_validates_the_config():
-    out = subprocess.run([*_pre_commit(), "validate-config", str(CONFIG)], check=False, cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*_pre_commit(), "validate-config", str(CONFIG)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -23,8 +23,15 @@ from tests.redact_oracle import redact_with_backtracking
 ROOT = Path(__file__).resolve().parents[2]
 
 # 1 KB prompts against the rules that backtrack: ipv6 (runs of ':'), phone (digits and separators), email.
-ATTACKS = [":" * 1023 + "x", "1" * 1023 + "x", "1 " * 511 + "x", "1-" * 511 + "a", "a@" + "a." * 511,
-           "a." * 511 + "@", "::" * 511 + "g"]
+ATTACKS = [
+    ":" * 1023 + "x",
+    "1" * 1023 + "x",
+    "1 " * 511 + "x",
+    "1-" * 511 + "a",
+    "a@" + "a." * 511,
+    "a." * 511 + "@",
+    "::" * 511 + "g",
+]
 
 _CHILD = """
 import sys, time
@@ -43,8 +50,13 @@ def test_a_one_kilobyte_adversarial_prompt_is_redacted_at_once():
     # Ceiling: 2 s for seven 1 KB texts is thousands of times what a linear engine needs; the
     # backtracking rule set spends tens of seconds on the first one alone.
     try:
-        done = subprocess.run([sys.executable, "-c", _CHILD.format(attacks=ATTACKS)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD.format(attacks=ATTACKS)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("redacting one 1 KB prompt took more than 30 s (catastrophic backtracking)")
     assert done.returncode == 0, done.stderr
@@ -64,8 +76,10 @@ _ALPHABET = ":.@0123456789 -+()abfxAKI_é/"
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(unit=st.text(alphabet=_ALPHABET, min_size=1, max_size=6),
-       tail=st.sampled_from(["", "x", "g", "-", ":", "@", "1"]))
+@given(
+    unit=st.text(alphabet=_ALPHABET, min_size=1, max_size=6),
+    tail=st.sampled_from(["", "x", "g", "-", ":", "@", "1"]),
+)
 def test_redaction_time_is_linear_in_the_length_on_adversarial_runs(unit, tail):
     small_n, big_n = 8 * 1024, 64 * 1024
     small = unit * (small_n // len(unit)) + tail
@@ -81,10 +95,13 @@ def test_redaction_time_is_linear_in_the_length_on_adversarial_runs(unit, tail):
 
 
 def test_the_rules_still_find_what_they_found():
-    text = ("mail jane.doe+x@example.co.uk, card 4111-1111-1111-1111, call +44 20 7946 0958 or "
-            "(415) 555-0132 from 192.168.10.254 and 2001:db8::8a2e:370:7334; key sk-proj-abcdefghijklmnop1234")
-    assert redact(text) == ("mail [EMAIL], card [CARD], call [PHONE] or [PHONE] from [IP] and [IP]; "
-                            "key [SECRET]")
+    text = (
+        "mail jane.doe+x@example.co.uk, card 4111-1111-1111-1111, call +44 20 7946 0958 or "
+        "(415) 555-0132 from 192.168.10.254 and 2001:db8::8a2e:370:7334; key sk-proj-abcdefghijklmnop1234"
+    )
+    assert redact(text) == (
+        "mail [EMAIL], card [CARD], call [PHONE] or [PHONE] from [IP] and [IP]; key [SECRET]"
+    )
     # neighbours shared by two matches (a look-around does not consume them)
     assert redact("555-0132, 555-0133") == "[PHONE], [PHONE]"
     assert redact("a 2001:db8::1 2001:db8::2 b") == "a [IP] [IP] b"

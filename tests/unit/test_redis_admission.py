@@ -13,11 +13,11 @@ import redis.asyncio as aioredis
 import structlog
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import AdmissionGate, Limits, LocalSlots, RedisSlots, Ticket
 from core.context import RequestContext
 from core.errors import Overloaded, RateLimited
-from gateway.redis_client import SharedRedis
 from core.settings import RedisSettings, TrafficSettings
+from gateway.admission import AdmissionGate, Limits, LocalSlots, RedisSlots, Ticket
+from gateway.redis_client import SharedRedis
 from observability.metrics import Metrics
 from tests.harness import eventually
 from tests.tcpproxy import TCPProxy
@@ -51,8 +51,14 @@ async def prefix(redis_client):
 async def gates():
     made: list[tuple[AdmissionGate, SharedRedis]] = []
 
-    async def make(prefix: str, url: str = REDIS_URL, *, redis_probe_s: float = 1.0, redis_timeout_s: float = 0.25,
-                   **traffic) -> AdmissionGate:
+    async def make(
+        prefix: str,
+        url: str = REDIS_URL,
+        *,
+        redis_probe_s: float = 1.0,
+        redis_timeout_s: float = 0.25,
+        **traffic,
+    ) -> AdmissionGate:
         cfg = TrafficSettings(key_prefix=prefix, **traffic)
         redis = SharedRedis(RedisSettings(url=url, probe_s=redis_probe_s, timeout_s=redis_timeout_s))
         gate = AdmissionGate(cfg, Metrics(CollectorRegistry()), redis=redis)
@@ -148,8 +154,9 @@ async def test_a_lease_lost_in_redis_is_reported_not_resurrected(redis_client, p
     with structlog.testing.capture_logs() as logs:
         ticket = await gate.admit(_ctx())
         await redis_client.delete(f"{{{prefix}}}:slots")  # e.g. Redis restarted without persistence
-        assert await eventually(lambda: _sample(gate, "omnigate_admission_lease_renewals_total",
-                                                {"result": "lost"}) == 1, 3)
+        assert await eventually(
+            lambda: _sample(gate, "omnigate_admission_lease_renewals_total", {"result": "lost"}) == 1, 3
+        )
     assert any(e["event"] == "admission_lease_lost" for e in logs)
     assert gate.store.held == {}
     assert await _live(redis_client, prefix) == 0
@@ -183,7 +190,9 @@ async def test_lua_and_local_decisions_agree(redis_client, prefix, gates):
 async def test_unreachable_redis_fails_open_to_local_limits(gates):
     dead = TCPProxy("127.0.0.1", 6379)  # a port nothing listens on
     with structlog.testing.capture_logs() as logs:
-        gate = await gates("omnigate-test-dead", url=dead.url, soft_limit=2, hard_limit=4, fail_open_share=0.5)
+        gate = await gates(
+            "omnigate-test-dead", url=dead.url, soft_limit=2, hard_limit=4, fail_open_share=0.5
+        )
         ctx1, ctx2 = _ctx(), _ctx()
         t1, t2 = await gate.admit(ctx1), await gate.admit(ctx2)
         with pytest.raises(Overloaded):
@@ -279,6 +288,7 @@ async def test_a_burst_is_decided_in_one_batch_in_arrival_order(redis_client, pr
     burst = await asyncio.gather(*(redis_store.acquire(f"l{i}", t, limits) for i, t in enumerate(tenants)))
     one_by_one = [await local.acquire(f"l{i}", t, limits) for i, t in enumerate(tenants)]
     assert [(g.result, g.in_flight, g.tenant_in_flight) for g in burst] == [
-        (g.result, g.in_flight, g.tenant_in_flight) for g in one_by_one]
+        (g.result, g.in_flight, g.tenant_in_flight) for g in one_by_one
+    ]
     assert [g.result for g in burst].count("admit") == 5
     assert await _live(redis_client, prefix) == 5

@@ -12,9 +12,9 @@ import yaml
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from core.settings import RedisSettings, load_settings
 from gateway.redis_client import SharedRedis
 from gateway.services import Services
-from core.settings import RedisSettings, load_settings
 from observability.metrics import Metrics
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -55,8 +55,13 @@ def test_unset_means_in_process_and_the_shared_routing_state_needs_it(tmp_path):
 def test_an_old_style_file_still_loads_and_warns_once_per_key(tmp_path):
     old = {
         "rate_limits": {"redis_url": REDIS_URL, "key_prefix": "fleet"},
-        "traffic": {"redis_url": REDIS_URL, "redis_timeout_s": 0.5, "redis_max_connections": 12,
-                    "redis_probe_s": 3, "key_prefix": "fleet:traffic"},
+        "traffic": {
+            "redis_url": REDIS_URL,
+            "redis_timeout_s": 0.5,
+            "redis_max_connections": 12,
+            "redis_probe_s": 3,
+            "key_prefix": "fleet:traffic",
+        },
         "routing": {"state": {"backend": "redis", "redis_url": REDIS_URL}},
     }
     with structlog.testing.capture_logs() as logs:
@@ -64,13 +69,20 @@ def test_an_old_style_file_still_loads_and_warns_once_per_key(tmp_path):
     assert s.redis.url.get_secret_value() == REDIS_URL
     assert (s.redis.timeout_s, s.redis.max_connections, s.redis.probe_s) == (0.5, 12, 3)
     assert (s.rate_limits.key_prefix, s.traffic.key_prefix, s.routing.state.backend) == (
-        "fleet", "fleet:traffic", "redis")
-    assert sorted(_deprecations(logs)) == sorted([
-        ("rate_limits.redis_url", "redis.url"), ("traffic.redis_url", "redis.url"),
-        ("routing.state.redis_url", "redis.url"), ("traffic.redis_timeout_s", "redis.timeout_s"),
-        ("traffic.redis_max_connections", "redis.max_connections"),
-        ("traffic.redis_probe_s", "redis.probe_s"),
-    ])
+        "fleet",
+        "fleet:traffic",
+        "redis",
+    )
+    assert sorted(_deprecations(logs)) == sorted(
+        [
+            ("rate_limits.redis_url", "redis.url"),
+            ("traffic.redis_url", "redis.url"),
+            ("routing.state.redis_url", "redis.url"),
+            ("traffic.redis_timeout_s", "redis.timeout_s"),
+            ("traffic.redis_max_connections", "redis.max_connections"),
+            ("traffic.redis_probe_s", "redis.probe_s"),
+        ]
+    )
     assert all(REDIS_URL not in str(e) for e in logs)
 
 
@@ -114,14 +126,19 @@ async def test_one_pool_serves_every_user_and_closes_once():
 
 async def test_the_services_hand_one_pool_to_admission_rate_limits_failures_and_routing_state(tmp_path):
     prefix = f"omnigate-test:{uuid.uuid4().hex}"
-    s = load_settings(_file(tmp_path, {
-        "redis": {"url": REDIS_URL},
-        "traffic": {"key_prefix": f"{prefix}:traffic"},
-        "rate_limits": {"key_prefix": prefix},
-        "routing": {"state": {"backend": "redis", "key_prefix": f"{prefix}:routing"}},
-        "audit": {"enabled": False},
-        "auth": {"required": False},
-    }))
+    s = load_settings(
+        _file(
+            tmp_path,
+            {
+                "redis": {"url": REDIS_URL},
+                "traffic": {"key_prefix": f"{prefix}:traffic"},
+                "rate_limits": {"key_prefix": prefix},
+                "routing": {"state": {"backend": "redis", "key_prefix": f"{prefix}:routing"}},
+                "audit": {"enabled": False},
+                "auth": {"required": False},
+            },
+        )
+    )
     services = Services.build(s, Metrics(CollectorRegistry()))
     try:
         pool = services.redis.pool

@@ -211,8 +211,10 @@ def test_an_unknown_signal_resets_the_timer():
 def test_wer_drift_degrades_int4_to_int8_or_the_next_variant_when_int8_is_down():
     rule = next(r for r in default_rules() if r.name == "wer-drift")
     infos = (INT4, BF16, INT8)
+
     def series(t):
         return {"omni-int4": {"wer": 0.12}}
+
     trs, _, state = run(series, cfg(rule), 3, infos=infos, samples=10)
     assert [(t.action, t.detail["targets"]) for t in trs] == [("shift", {"omni": ["omni-int8"]})]
     w = table(state, infos).weights["omni"]
@@ -248,8 +250,10 @@ def test_a_failing_canary_is_set_to_zero_and_stays_there():
     rule = next(r for r in default_rules() if r.name == "canary-errors")
     infos = (INT4, BF16, CANARY)
     assert table(ControllerState(), infos).weights["omni"]["omni-next"] == pytest.approx(0.1)
+
     def series(t):
         return {"omni-next": {"error_rate": 0.3 if t < 30 else 0.0}}
+
     trs, _, state = run(series, cfg(rule), 600, infos=infos)
     assert [(t.at, t.action, t.engine) for t in trs] == [(10.0, "set_weight", "omni-next")]
     w = table(state, infos).weights["omni"]

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.control_settings import ControllerSettings, OffloadSettings, Rule, RuleAction, default_rules
+from core.settings import EngineConfig
 from engines.pool import EnginePool, build_engine
 from engines.rollback import ControllerState, EngineSignals, Intent, Snapshot, Transition, decide, route
 from engines.routing import EngineInfo, RoutingTable
-from core.settings import EngineConfig
 from observability.metrics import Metrics
 
 INT4 = EngineInfo("omni-int4", "int4", "primary", ("omni",))
@@ -46,8 +46,9 @@ def run_p50(p50, config: ControllerSettings, seconds: int, cap: float = 8.0, ext
         values = {"ttft_p50": p50(t), "concurrency_cap": cap, **((extra or {}).get("int4", lambda t: {})(t))}
         engines = {
             INT4.name: EngineSignals(info=INT4, values=values, samples={k: 100 for k in values}),
-            BF16.name: EngineSignals(info=BF16, values={"ttft_p50": 0.1, "concurrency_cap": cap},
-                                     samples={"ttft_p50": 100}),
+            BF16.name: EngineSignals(
+                info=BF16, values={"ttft_p50": 0.1, "concurrency_cap": cap}, samples={"ttft_p50": 100}
+            ),
         }
         d = decide(Snapshot(now=float(t), engines=engines), state, config)
         state = d.state
@@ -91,7 +92,9 @@ def test_the_raise_has_hysteresis_dwell_and_ignores_a_short_spike():
     trs, tables, state = run_p50(lambda t: 0.6 if t < 40 else 0.35, cfg(rule), 400)
     assert [t.action for t in trs] == ["raise_concurrency"] and tables[399].raised == {"omni-int4": 16}
     trs, _, state = run_p50(lambda t: 0.6 if t < 40 else 0.1, cfg(rule, dwell=600), 400)
-    assert [t.action for t in trs] == ["raise_concurrency"] and state.holds == {"latency-batch@omni-int4": "min-dwell"}
+    assert [t.action for t in trs] == ["raise_concurrency"] and state.holds == {
+        "latency-batch@omni-int4": "min-dwell"
+    }
 
 
 def test_without_a_configured_cap_there_is_nothing_to_raise():
@@ -220,8 +223,10 @@ def test_vram_pressure_limits_the_engine_and_sleeps_the_idle_variant_on_its_gpu_
 
 def test_an_engine_with_traffic_work_in_flight_or_on_another_gpu_is_not_put_to_sleep():
     rule = RULES["vram-pressure"]
+
     def busy(t):
         return {**vram(t), BF16.name: {"in_flight": 2.0}}
+
     trs, _, _, engines = run_offload(busy, cfg(rule), 60)
     assert [t.action for t in trs] == ["limit_concurrency"] and engines.sent == []
     trs, _, _, engines = run_offload(vram, cfg(rule), 60, gpus={INT4.name: ("0",), BF16.name: ("1",)})
@@ -254,7 +259,9 @@ def test_traffic_shifts_to_a_sleeping_engine_only_after_its_gauge_confirms_it_aw
         out[INT4.name]["upstream_ttft_p99"] = 0.9 if t >= 60 else 0.3
         return out
 
-    trs, tables, state, _engines = run_offload(series, cfg(vram_rule, latency), 120, engines=Engines(wake_s=7))
+    trs, tables, state, _engines = run_offload(
+        series, cfg(vram_rule, latency), 120, engines=Engines(wake_s=7)
+    )
     actions = [(t.at, t.action, t.engine) for t in trs]
     assert actions[:2] == [(30.0, "limit_concurrency", "omni-int4"), (30.0, "sleep", "omni-bf16")]
     # Latency breaches from 60; due at 65: BF16 is asleep, so the shift waits and BF16 is woken first.
@@ -277,7 +284,12 @@ def test_a_sleep_or_wake_the_gauge_does_not_confirm_is_sent_again_after_retry_s(
             self.sent.extend((now, i) for i in intents)
 
     _, tables, state, engines = run_offload(vram, cfg(rule, retry_s=20), 100, engines=Deaf())
-    assert [(at, i.action) for at, i in engines.sent] == [(30.0, "sleep"), (50.0, "sleep"), (70.0, "sleep"), (90.0, "sleep")]
+    assert [(at, i.action) for at, i in engines.sent] == [
+        (30.0, "sleep"),
+        (50.0, "sleep"),
+        (70.0, "sleep"),
+        (90.0, "sleep"),
+    ]
     # Unconfirmed or not, the engine stays out of routing while the controller means it to sleep.
     assert tables[99].weights["omni"]["omni-bf16"] == 0.0 and "omni-bf16" in state.sleeping
 

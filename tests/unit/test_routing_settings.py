@@ -15,7 +15,12 @@ ENGINES = [
 
 
 def _rule(**over) -> dict:
-    rule = {"name": "r", "signal": "ttft_p99", "above": 0.6, "action": {"kind": "shift", "to_variants": ["bf16"]}}
+    rule = {
+        "name": "r",
+        "signal": "ttft_p99",
+        "above": 0.6,
+        "action": {"kind": "shift", "to_variants": ["bf16"]},
+    }
     return rule | over
 
 

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from core.events import Completion, Usage
 from core.context import SegmentPlan
-from gateway.pipeline.segments import join, segment_request, segmented
+from core.events import Completion, Usage
 from core.schemas import ChatCompletionRequest
+from gateway.pipeline.segments import join, segment_request, segmented
 
 
 def _audio(data: str) -> dict:
@@ -18,9 +18,14 @@ def _audio(data: str) -> dict:
 
 
 def _request(data: str) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"model": "x", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "transcribe"}, _audio(data)]},
-    ]})
+    return ChatCompletionRequest.model_validate(
+        {
+            "model": "x",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "transcribe"}, _audio(data)]},
+            ],
+        }
+    )
 
 
 def _plan(request: ChatCompletionRequest, n: int) -> SegmentPlan:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.events import Completion
 from core.control_settings import SentinelSettings
+from core.events import Completion
 from engines.language import detect
 from engines.sentinel import AccuracySentinel, WerScorer
 from observability.metrics import Metrics
@@ -80,7 +80,11 @@ async def test_chinese_speech_is_counted_unscored_never_as_word_errors(speech, s
         for text in CHINESE * 5:
             assert not sentinel.offer("omni-int4", "int4", Completion(text=text, audio=pcm, sample_rate=rate))
         await asyncio.wait_for(sentinel.drain(), 60)
-        assert sentinel.totals("omni-int4") == (0, 0, 0)  # no WER signal: the wer-drift rule has nothing to act on
+        assert sentinel.totals("omni-int4") == (
+            0,
+            0,
+            0,
+        )  # no WER signal: the wer-drift rule has nothing to act on
         assert _unscored(registry, "omni-int4", "language-detected") == 15
         scored = registry.get_sample_value(
             "omnigate_sentinel_samples_total", {"engine": "omni-int4", "outcome": "scored"}

@@ -54,7 +54,9 @@ def test_overrides_of_plain_blocks_still_merge(config: Path, monkeypatch: pytest
     assert s.engines[0].model == "other" and s.engines[1].model == "m"
 
 
-def test_an_index_the_file_does_not_have_fails_naming_the_variable(config: Path, monkeypatch: pytest.MonkeyPatch):
+def test_an_index_the_file_does_not_have_fails_naming_the_variable(
+    config: Path, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setenv("OMNIGATE_ENGINES__5__API_KEY", "sk-x")
     with pytest.raises(ValueError, match="OMNIGATE_ENGINES__5__API_KEY"):
         load_settings(config)

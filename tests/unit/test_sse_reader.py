@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from engines.openai_compat import _MAX_LINE_BYTES, sse_data
 from core.errors import EngineProtocolError
+from engines.openai_compat import _MAX_LINE_BYTES, sse_data
 
 
 async def _read(pieces: list[bytes]) -> list[list[bytes]]:
@@ -46,7 +46,7 @@ async def _read(pieces: list[bytes]) -> list[list[bytes]]:
 async def test_events_split_anywhere_come_out_whole_and_in_order() -> None:
     body = b"".join(b'data: {"i": %d}\n\n' % i for i in range(30)) + b"data: [DONE]\n\n"
     for size in (1, 7, 64, len(body)):
-        pieces = [body[i:i + size] for i in range(0, len(body), size)]
+        pieces = [body[i : i + size] for i in range(0, len(body), size)]
         flat = [d for batch in await _read(pieces) for d in batch]
         assert flat == [b'{"i": %d}' % i for i in range(30)] + [b"[DONE]"]
 
@@ -57,7 +57,7 @@ async def test_events_that_arrive_together_come_out_as_one_batch() -> None:
 
 
 async def test_comments_other_fields_and_crlf_endings() -> None:
-    body = b": keep-alive\r\n\r\nevent: x\r\nid: 3\r\ndata: {\"a\": 1}\r\n\r\ndata:[DONE]\r\n\r\n"
+    body = b': keep-alive\r\n\r\nevent: x\r\nid: 3\r\ndata: {"a": 1}\r\n\r\ndata:[DONE]\r\n\r\n'
     assert [d for b in await _read([body]) for d in b] == [b'{"a": 1}', b"[DONE]"]
 
 

@@ -27,18 +27,28 @@ def test_directory_resolves_keys_and_refuses_alike():
     k, off, dormant = mint_key(), mint_key(), mint_key()
     settings = _settings(
         tenants=[{"name": "acme", "priority": "batch"}, {"name": "sleepy", "enabled": False}],
-        api_keys=[{"id": k.id, "tenant": "acme", "sha256": k.sha256},
-                  {"id": off.id, "tenant": "acme", "sha256": off.sha256, "enabled": False},
-                  {"id": dormant.id, "tenant": "sleepy", "sha256": dormant.sha256}],
+        api_keys=[
+            {"id": k.id, "tenant": "acme", "sha256": k.sha256},
+            {"id": off.id, "tenant": "acme", "sha256": off.sha256, "enabled": False},
+            {"id": dormant.id, "tenant": "sleepy", "sha256": dormant.sha256},
+        ],
     )
     d = Directory.build(settings, read_at=0.0)
     assert settings.auth_required
     p = d.authenticate(f"Bearer {k.key}")
     assert (p.tenant.name, p.tenant.priority, p.key_id) == ("acme", "batch", k.id)
     assert d.authenticate(f"bearer   {k.key}").key_id == k.id
-    cases = {None: "missing", "": "missing", "Basic abc": "missing", "Bearer ": "missing",
-             "Bearer nope": "invalid", f"Bearer {k.key}x": "invalid", f"Bearer {mint_key().key}": "invalid",
-             f"Bearer {off.key}": "disabled", f"Bearer {dormant.key}": "disabled"}
+    cases = {
+        None: "missing",
+        "": "missing",
+        "Basic abc": "missing",
+        "Bearer ": "missing",
+        "Bearer nope": "invalid",
+        f"Bearer {k.key}x": "invalid",
+        f"Bearer {mint_key().key}": "invalid",
+        f"Bearer {off.key}": "disabled",
+        f"Bearer {dormant.key}": "disabled",
+    }
     messages = set()
     for header, reason in cases.items():
         with pytest.raises(KeyRefused) as info:
@@ -60,8 +70,10 @@ def test_no_config_means_authentication_is_off_and_any_key_material_means_on():
     [
         ({"tenants": [{"name": "a"}, {"name": "a"}]}, "tenants[1].name"),
         ({"tenants": [{"name": "a", "policy_set": "nope"}]}, "tenants[0].policy_set"),
-        ({"tenants": [{"name": "a"}], "api_keys": [{"id": "abcdefgh", "tenant": "b", "sha256": "0" * 64}]},
-         "api_keys[0].tenant"),
+        (
+            {"tenants": [{"name": "a"}], "api_keys": [{"id": "abcdefgh", "tenant": "b", "sha256": "0" * 64}]},
+            "api_keys[0].tenant",
+        ),
         ({"tenants": [{"name": "a", "requests_per_minute": 0}]}, "requests_per_minute"),
         ({"api_keys": [{"id": "abcdefgh", "tenant": "a", "sha256": "plain-text-key"}]}, "sha256"),
         ({"audit": {"store": "postgres"}}, "postgres_dsn"),
@@ -85,7 +97,10 @@ def test_bad_tenancy_config_names_the_field(kw, field):
         ("iban GB82 WEST 1234 5698 7654 32", "iban [IBAN]"),
         ("from 192.168.10.254 and 2001:db8::8a2e:370:7334", "from [IP] and [IP]"),
         ("key sk-proj-abcdefghijklmnop1234 and Bearer abc.def.ghi123", "key [SECRET] and [SECRET]"),
-        ("at 12:30:45 on 2024-05-01, 42 items, version 1.2.3", "at 12:30:45 on 2024-05-01, 42 items, version 1.2.3"),
+        (
+            "at 12:30:45 on 2024-05-01, 42 items, version 1.2.3",
+            "at 12:30:45 on 2024-05-01, 42 items, version 1.2.3",
+        ),
     ],
 )
 def test_redaction_rules(text, expected):

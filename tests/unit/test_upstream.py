@@ -179,7 +179,9 @@ async def test_omni_stream_with_audio(up, session):
     assert [c["choices"][0]["finish_reason"] for c in text_chunks] == [None] * len(text_chunks)
     assert [c["choices"][0]["finish_reason"] for c in audio_chunks] == [None] * 3 + ["stop"]
     for c in stream:
-        assert {"metrics", "prompt_token_ids"} <= set(c) and {"token_ids", "stop_reason"} <= set(c["choices"][0])
+        assert {"metrics", "prompt_token_ids"} <= set(c) and {"token_ids", "stop_reason"} <= set(
+            c["choices"][0]
+        )
 
     signals = []
     for c in audio_chunks:
@@ -208,8 +210,12 @@ async def test_omni_build_variants_header_first_no_metadata_bare_finish(up, sess
     assert all("audio_metadata" not in c["choices"][0] for c in audio)
     assert all(c["choices"][0]["finish_reason"] is None for c in audio)
     bare = chunks[-1]
-    assert "modality" not in bare and bare["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
-                                                              "finish_reason": "stop"}
+    assert "modality" not in bare and bare["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
 
 
 async def test_omni_asked_for_pcm_sends_bare_pcm(up, session):
@@ -218,7 +224,10 @@ async def test_omni_asked_for_pcm_sends_bare_pcm(up, session):
         session, up, stream=True, modalities=["text", "audio"], audio={"format": "pcm"})))[:-1]]  # fmt: skip
     audio = [c["choices"][0] for c in chunks if c.get("modality") == "audio"]
     assert all(base64.b64decode(a["delta"]["content"])[:4] != b"RIFF" for a in audio)
-    assert audio[0]["audio_metadata"]["format"] == "pcm" and audio[0]["audio_metadata"]["sample_rate_hz"] == 16000
+    assert (
+        audio[0]["audio_metadata"]["format"] == "pcm"
+        and audio[0]["audio_metadata"]["sample_rate_hz"] == 16000
+    )
 
 
 async def test_omni_voice_from_speaker_and_default_audio_length(up, session):
@@ -234,8 +243,12 @@ async def test_omni_unknown_speaker_is_a_json_400_even_for_a_stream(up, session)
     resp = await post(session, up, stream=True, modalities=["text", "audio"], voice="Cherry")
     assert resp.status == 400 and resp.content_type == "application/json"
     err = (await resp.json())["error"]
-    assert err == {"message": "Invalid speaker 'Cherry'. Supported: aiden, chelsie, ethan",
-                   "type": "BadRequestError", "param": None, "code": 400}
+    assert err == {
+        "message": "Invalid speaker 'Cherry'. Supported: aiden, chelsie, ethan",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
     assert up.completed == 0
 
 
@@ -290,8 +303,10 @@ async def test_omni_health_and_stage_metrics(up, session):
         text = await resp.text()
     assert 'vllm:num_requests_running{model_name="scripted",stage="0",replica="0"} 2.0' in text
     assert 'vllm:num_requests_running{model_name="scripted",stage="1",replica="0"} 2.0' in text
-    assert 'vllm:time_to_first_token_seconds_bucket{model_name="scripted",stage="0",replica="0",le="0.1"} 1.0' \
+    assert (
+        'vllm:time_to_first_token_seconds_bucket{model_name="scripted",stage="0",replica="0",le="0.1"} 1.0'
         in text
+    )
     assert "vllm_omni:num_requests_running" in text
 
 

@@ -36,7 +36,9 @@ def test_replicas_summaries_merge_the_engine_signals():
     for _ in range(10):
         a.success(0.1, None, 0.2, 0.05, 0.2)
         b.success(0.1, None, 0.2, 0.8, 1.0)
-    merged = EngineSummary.from_dict(a.summary().to_dict()).merge(EngineSummary.from_dict(b.summary().to_dict()))
+    merged = EngineSummary.from_dict(a.summary().to_dict()).merge(
+        EngineSummary.from_dict(b.summary().to_dict())
+    )
     values, samples = merged.values()
     assert samples["upstream_ttft_p99"] == 20
     assert values["upstream_ttft_p99"] == pytest.approx(0.8, rel=0.03)
@@ -49,5 +51,9 @@ def test_the_engine_signal_needs_its_samples():
     info = EngineInfo("omni-int4", "int4", "primary", ("omni",), None)
     e = EngineSignals(info, values={"upstream_ttft_p99": 0.9}, samples={"upstream_ttft_p99": 3})
     assert e.reading("upstream_ttft_p99", min_samples=20) is None
-    assert EngineSignals(info, values={"upstream_ttft_p99": 0.9}, samples={"upstream_ttft_p99": 20}).reading(
-        "upstream_ttft_p99", min_samples=20) == 0.9
+    assert (
+        EngineSignals(info, values={"upstream_ttft_p99": 0.9}, samples={"upstream_ttft_p99": 20}).reading(
+            "upstream_ttft_p99", min_samples=20
+        )
+        == 0.9
+    )

@@ -22,8 +22,13 @@ def snapshot(tmp_path):
     folder = tmp_path / "omni-int4" / "snapshots" / REV
     (folder / "sub").mkdir(parents=True)
     rng = np.random.default_rng(7)
-    save_file({"w": rng.standard_normal((64, 64)).astype(np.float32)}, str(folder / "model-00001-of-00002.safetensors"))
-    save_file({"b": rng.standard_normal((64,)).astype(np.float32)}, str(folder / "model-00002-of-00002.safetensors"))
+    save_file(
+        {"w": rng.standard_normal((64, 64)).astype(np.float32)},
+        str(folder / "model-00001-of-00002.safetensors"),
+    )
+    save_file(
+        {"b": rng.standard_normal((64,)).astype(np.float32)}, str(folder / "model-00002-of-00002.safetensors")
+    )
     (folder / "config.json").write_text(json.dumps({"architectures": ["Test"], "hidden_size": 64}))
     (folder / "sub" / "tokenizer.json").write_text("{}")
     manifest = tmp_path / "omni-int4.sha256"
@@ -39,15 +44,21 @@ def _manifest(capsys, snapshot) -> None:
 
 
 def _verify(folder, manifest, *extra: str) -> int:
-    return main(["verify-weights", "--dir", str(folder), "--manifest", str(manifest), "--revision", REV, *extra])
+    return main(
+        ["verify-weights", "--dir", str(folder), "--manifest", str(manifest), "--revision", REV, *extra]
+    )
 
 
 def test_the_manifest_lists_every_file_once(capsys, snapshot):
     folder, manifest = snapshot
     _manifest(capsys, snapshot)
     sums = parse_manifest(manifest.read_text())
-    assert sorted(sums) == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                            "sub/tokenizer.json"]
+    assert sorted(sums) == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "sub/tokenizer.json",
+    ]
     # The format is sha256sum's: the standard tool checks it too.
     check = subprocess.run(["sha256sum", "-c", str(manifest)], cwd=folder, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -100,9 +111,17 @@ def test_another_revision_folder_fails(capsys, snapshot):
     assert f"not the snapshot of revision {REV}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text", ["", "# only a comment\n", "not a sum  config.json\n",
-                                  "a" * 64 + "  ../outside\n", "a" * 64 + "  /etc/passwd\n",
-                                  "a" * 64 + "  x\n" + "b" * 64 + "  x\n"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "# only a comment\n",
+        "not a sum  config.json\n",
+        "a" * 64 + "  ../outside\n",
+        "a" * 64 + "  /etc/passwd\n",
+        "a" * 64 + "  x\n" + "b" * 64 + "  x\n",
+    ],
+)
 def test_a_manifest_it_cannot_trust_fails_closed(capsys, snapshot, text):
     folder, manifest = snapshot
     manifest.write_text(text)
@@ -116,8 +135,23 @@ def test_a_manifest_it_cannot_trust_fails_closed(capsys, snapshot, text):
 def test_only_a_commit_pins(capsys, snapshot, revision):
     folder, manifest = snapshot
     _manifest(capsys, snapshot)
-    assert main(["verify-weights", "--dir", str(folder), "--manifest", str(manifest), "--revision", revision,
-                 "--download", "--model", "org/model"]) == 1
+    assert (
+        main(
+            [
+                "verify-weights",
+                "--dir",
+                str(folder),
+                "--manifest",
+                str(manifest),
+                "--revision",
+                revision,
+                "--download",
+                "--model",
+                "org/model",
+            ]
+        )
+        == 1
+    )
     assert "is not a commit" in capsys.readouterr().err
 
 
@@ -131,7 +165,19 @@ def test_no_manifest_or_no_folder_fails(capsys, snapshot, tmp_path):
 def test_the_console_script_exits_non_zero(snapshot):
     folder, manifest = snapshot
     manifest.write_text("0" * 64 + "  config.json\n")
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "verify-weights", "--dir", str(folder),
-                           "--manifest", str(manifest)], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "verify-weights",
+            "--dir",
+            str(folder),
+            "--manifest",
+            str(manifest),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1
     assert "config.json: sha256" in done.stderr
