@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import orjson
 
+from core.capabilities import Capabilities
 from core.errors import MediaURLForbidden
 from core.events import Completion, Delta
 from core.spooled import SpooledMedia
@@ -26,20 +27,22 @@ if TYPE_CHECKING:
     from core.settings import EngineConfig
 
 
-@dataclass(frozen=True, slots=True)
-class Capabilities:
-    input_modalities: frozenset[str] = frozenset({"text"})
-    output_modalities: frozenset[str] = frozenset({"text"})
-    #: request fields of core.schemas.FEATURE_FIELDS the engine honours; a request setting any other
-    #: is not sent to it (refused when no engine for the model honours it)
-    features: frozenset[str] = frozenset()
-    #: the engine enforces a reasoning-token budget itself (vLLM's ``thinking_token_budget``); without
-    #: it only ``max_tokens`` bounds thinking (gateway/thinking.py)
-    thinking_budget: bool = False
+#: re-exported: adapters and callers import the capabilities from here, the kernel defines them
+__all__ = ["Capabilities", "Completion", "Delta"]
 
-    @property
-    def speaks(self) -> bool:
-        return "audio" in self.output_modalities
+
+def declared(config: EngineConfig, **more: Any) -> Capabilities:
+    """The capabilities an adapter declares from its configuration: modalities, video form, audio rate
+    and context (what an operator states of the engine), plus what the adapter itself adds (``more``)."""
+    ins, outs = config.modalities()
+    return Capabilities(
+        input_modalities=ins,
+        output_modalities=outs,
+        video_form=config.video_form(),
+        audio_rate=config.audio_rate(),
+        context_tokens=config.max_context_tokens,
+        **more,
+    )
 
 
 @runtime_checkable

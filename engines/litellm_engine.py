@@ -16,7 +16,7 @@ from core.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavai
 from core.events import Completion, Delta, Usage
 from core.schemas import FEATURE_FIELDS, ChatCompletionRequest
 from core.settings import EngineConfig
-from engines.base import Capabilities, whole_strings, wire_messages
+from engines.base import declared, whole_strings, wire_messages
 
 _PASS = (
     "temperature",
@@ -48,11 +48,8 @@ class LiteLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.name = config.name
         self.config = config
-        ins, outs = config.modalities()
         # litellm maps these onto each provider, and raises (a 400 here) for one that lacks them.
-        self.capabilities = Capabilities(
-            input_modalities=ins, output_modalities=outs, features=frozenset(FEATURE_FIELDS)
-        )
+        self.capabilities = declared(config, features=frozenset(FEATURE_FIELDS))
         self._lib: Any = None
 
     async def start(self) -> None:

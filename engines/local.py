@@ -29,7 +29,7 @@ import structlog
 
 from core.errors import EngineError, EngineUnavailable, InvalidRequest, OmnigateError
 from core.events import Completion, Delta, Usage
-from engines.base import Capabilities
+from engines.base import declared
 
 if TYPE_CHECKING:
     from core.schemas import ChatCompletionRequest
@@ -212,8 +212,7 @@ class LocalEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.name = config.name
         self.config = config
-        ins, outs = config.modalities()
-        self.capabilities = Capabilities(input_modalities=ins, output_modalities=outs)
+        self.capabilities = declared(config)
         self._opts = config.local
         self._model: Any = None
         self._tokenizer: Any = None

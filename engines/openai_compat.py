@@ -36,7 +36,7 @@ from core.errors import (
 from core.events import Completion, Delta, Usage
 from core.schemas import FEATURE_FIELDS, ChatCompletionRequest
 from core.settings import EngineConfig
-from engines.base import Body, Capabilities, request_body, wire_messages
+from engines.base import Body, declared, request_body, wire_messages
 
 log = structlog.get_logger(__name__)
 
@@ -101,17 +101,11 @@ class OpenAICompatEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.name = config.name
         self.config = config
-        ins, outs = config.modalities()
         self._base = str(config.base_url).rstrip("/")
         self._url = self._base + "/chat/completions"
         # n > 1 only where every choice is read back (plain vLLM); vLLM-Omni's answers fold choices into one.
         features = frozenset(FEATURE_FIELDS) | ({"n"} if config.kind == "vllm" else set())
-        self.capabilities = Capabilities(
-            input_modalities=ins,
-            output_modalities=outs,
-            features=features,
-            thinking_budget=config.thinking_budget,
-        )
+        self.capabilities = declared(config, features=features, thinking_budget=config.thinking_budget)
         self._headers = {"Content-Type": "application/json"}
         if config.api_key is not None:
             self._headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"

@@ -11,6 +11,7 @@ from typing import Any
 
 import structlog
 
+from core.capabilities import EngineFacts
 from core.settings import Settings, TenantConfig
 from engines.accuracy import HeldOutSentinel
 from engines.controller import RolloutController
@@ -191,7 +192,14 @@ class Services:
     def deps(self, settings: Settings | None = None) -> Deps:
         """What the policies of a chain opened under ``settings`` (default: the running ones) may use."""
         return Deps(
-            settings=settings or self.settings, metrics=self.metrics, media=self.media, scorer=self.scorer
+            settings=settings or self.settings,
+            metrics=self.metrics,
+            media=self.media,
+            scorer=self.scorer,
+            engines=tuple(
+                EngineFacts(e.name, tuple(e.config.serves), e.config.role, e.capabilities)
+                for e in self.pool.engines.values()
+            ),
         )
 
     def describe_scorer(self) -> dict[str, Any] | None:

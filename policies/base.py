@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
+    from core.capabilities import EngineFacts
     from core.context import RequestContext
     from core.errors import OmnigateError
     from core.events import Completion, Delta
@@ -149,8 +150,8 @@ class Deps:
     """What a policy's ``start`` may use; all of it owned by the gateway, kept across reloads.
 
     ``settings`` are the settings the chain is opened under (on reload: the new file, with the
-    sections that need a restart kept as booted), so ``settings.engines`` are the engines that
-    serve; ``media`` the process's media sandbox and byte budgets (None outside a gateway: a
+    sections that need a restart kept as booted); ``engines`` what each engine that serves takes, as
+    its adapter declares it; ``media`` the process's media sandbox and byte budgets (None outside a gateway: a
     policy that needs one then opens its own and closes it in ``aclose``); ``scorer`` the
     grounding scorer, loaded, when a configured policy ``uses`` it.
     """
@@ -159,6 +160,9 @@ class Deps:
     metrics: Metrics
     media: MediaRuntime | None = None
     scorer: Scorer | None = None
+    #: what each engine serves and takes, as its adapter declares it (core/capabilities.py): the media
+    #: steps read the engines' modalities, video form, audio rate and context here, not in the settings
+    engines: tuple[EngineFacts, ...] = ()
 
 
 @runtime_checkable

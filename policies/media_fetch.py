@@ -47,7 +47,7 @@ class MediaFetch(PolicyBase):
         self.fetcher = SafeFetcher(self.config, deps.metrics)
         await self.fetcher.start()  # its session is this instance's: closed in aclose, with the chain
         self._runtime = deps.media
-        self._targets = targets_from(deps.settings.engines)
+        self._targets = targets_from(deps.engines)
 
     async def aclose(self) -> None:
         await self.fetcher.aclose()

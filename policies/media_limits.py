@@ -94,7 +94,7 @@ class MediaLimits(PolicyBase):
         self._own_runtime = False
 
     async def start(self, deps: Deps) -> None:
-        self._targets = targets_from(deps.settings.engines)
+        self._targets = targets_from(deps.engines)
         self._metrics = deps.metrics
         # The gateway's runtime is the gateway's: a reload's aclose must not stop its workers.
         self._runtime = deps.media

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
+from core.capabilities import EngineFacts
 from core.errors import InvalidRequest
 from core.schemas import ChatCompletionRequest
 
@@ -20,21 +21,23 @@ class MediaTarget:
     accepts: tuple[frozenset[str], ...] = ()
 
 
-def targets_from(engines: list[Any]) -> dict[str, MediaTarget]:
-    """One target per public model: the most conservative of the engines serving it."""
-    by_model: dict[str, list[Any]] = {}
+def targets_from(engines: Iterable[EngineFacts]) -> dict[str, MediaTarget]:
+    """One target per public model: the most conservative of the engines serving it, from what each
+    engine's adapter declares (``Deps.engines``)."""
+    by_model: dict[str, list[EngineFacts]] = {}
     for e in engines:
         for public in e.serves:
             by_model.setdefault(public, []).append(e)
     out: dict[str, MediaTarget] = {}
     order = {"primary": 0, "canary": 1, "fallback": 2}
-    for model, cfgs in by_model.items():
-        cfgs = sorted(cfgs, key=lambda c: order[c.role])
-        video = "video" if all(c.video_form() == "video" for c in cfgs) else "frames"
-        rates = [c.audio_rate() for c in cfgs if c.audio_rate() is not None]
-        accepts = tuple(c.modalities()[0] for c in cfgs)
+    for model, facts in by_model.items():
+        facts = sorted(facts, key=lambda f: order.get(f.role, 3))
+        caps = [f.capabilities for f in facts]
+        video = "video" if all(c.video_form == "video" for c in caps) else "frames"
+        rates = [c.audio_rate for c in caps if c.audio_rate is not None]
+        accepts = tuple(c.input_modalities for c in caps)
         out[model] = MediaTarget(
-            video, rates[0] if rates else None, min(c.max_context_tokens for c in cfgs), accepts
+            video, rates[0] if rates else None, min(c.context_tokens for c in caps), accepts
         )
     return out
 
