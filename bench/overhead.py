@@ -45,6 +45,10 @@ def _config(upstream_port: int, chain: str) -> dict:
                 "model": "scripted",
                 "variant": "fp16",
                 "serves": ["bench"],
+                # No engine concurrency cap: what is measured is the gateway's own cost, not the wait for a slot
+                # that the default cap (8 at once, 4 under overload) makes at 16 and 64 streams.
+                "max_in_flight": None,
+                "max_in_flight_overloaded": None,
             }
         ],
         "policies": {"pre": pre},
