@@ -16,7 +16,16 @@ from collections.abc import Awaitable, Callable
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from bench.common import add_smoke, emit, free_port, out_path, pin_self, smoke_result, spawn, wait_http
+from bench.common import (
+    add_smoke,
+    emit,
+    free_port,
+    out_path,
+    pin_self,
+    scripted_upstream,
+    smoke_result,
+    wait_http,
+)
 from core.schemas import ChatCompletionRequest
 from core.settings import EngineConfig
 from engines.pool import build_engine
@@ -54,10 +63,7 @@ async def measure(
 async def run(args: argparse.Namespace) -> dict:
     pin_self(0)
     port = free_port()
-    up = spawn(
-        ["-m", "tests.upstream", "--port", str(port), "--flavour", "vllm", "--chunks", str(args.chunks)],
-        cpu=1,
-    )
+    up = scripted_upstream(port, "vllm", 1, "--chunks", str(args.chunks))
     try:
         await wait_http(f"http://127.0.0.1:{port}/health")
         base = f"http://127.0.0.1:{port}/v1"

@@ -38,6 +38,12 @@ def spawn(args: list[str], cpu: int | None, env: dict[str, str] | None = None) -
     )
 
 
+def scripted_upstream(port: int, flavour: str, cpu: int | None, *options: str) -> subprocess.Popen:
+    """The scripted engine (``tests/upstream.py``) on ``port``, as the benches start it (``options``: its
+    other flags, e.g. ``--chunks``)."""
+    return spawn(["-m", "tests.upstream", "--port", str(port), "--flavour", flavour, *options], cpu=cpu)
+
+
 def emit(result: dict, out: Path | None) -> None:
     """Print a benchmark's result as JSON and, with ``--out``, write it there too."""
     text = orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()

@@ -44,6 +44,7 @@ from bench.common import (
     pct,
     pin_self,
     rss_kib,
+    scripted_upstream,
     smoke_result,
     spawn,
     stream_load,
@@ -212,20 +213,8 @@ async def _held_rss(
 async def run(args: argparse.Namespace) -> dict:
     pin_self(1)
     up_port = free_port()
-    upstream = spawn(
-        [
-            "-m",
-            "tests.upstream",
-            "--port",
-            str(up_port),
-            "--flavour",
-            "vllm",
-            "--chunks",
-            str(args.chunks),
-            "--chunk-delay-ms",
-            str(args.chunk_delay_ms),
-        ],
-        cpu=1,
+    upstream = scripted_upstream(
+        up_port, "vllm", 1, "--chunks", str(args.chunks), "--chunk-delay-ms", str(args.chunk_delay_ms)
     )
     body = {
         "model": "bench",

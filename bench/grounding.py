@@ -38,6 +38,7 @@ from bench.common import (
     out_path,
     pct,
     pin_self,
+    scripted_upstream,
     smoke_result,
     spawn,
     stream_load,
@@ -234,20 +235,8 @@ async def _ttfb(args: argparse.Namespace) -> dict:
     answer = " ".join(ANSWER_SENTENCES)
     up_port, off_port, on_port = free_port(), free_port(), free_port()
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    upstream = spawn(
-        [
-            "-m",
-            "tests.upstream",
-            "--port",
-            str(up_port),
-            "--flavour",
-            "vllm",
-            "--text",
-            answer,
-            "--chunk-delay-ms",
-            str(args.chunk_delay_ms),
-        ],
-        cpu=1,
+    upstream = scripted_upstream(
+        up_port, "vllm", 1, "--text", answer, "--chunk-delay-ms", str(args.chunk_delay_ms)
     )
     procs = [upstream]
     tmp = Path(tempfile.mkdtemp())

@@ -47,7 +47,16 @@ import aiohttp
 import orjson
 import yaml
 
-from bench.common import add_smoke, emit, free_port, out_path, smoke_result, spawn, wait_http
+from bench.common import (
+    add_smoke,
+    emit,
+    free_port,
+    out_path,
+    scripted_upstream,
+    smoke_result,
+    spawn,
+    wait_http,
+)
 from bench.energy_incidents import (
     accuracy_inject,
     accuracy_layout,
@@ -91,9 +100,7 @@ class Upstreams:
         self.procs: dict[str, Any] = {}
 
     def start(self, variant: str) -> None:
-        self.procs[variant] = spawn(
-            ["-m", "tests.upstream", "--flavour", "omni", "--port", str(self.ports[variant])], cpu=1
-        )
+        self.procs[variant] = scripted_upstream(self.ports[variant], "omni", 1)
 
     async def start_all(self) -> None:
         for v in VARIANTS:

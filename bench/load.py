@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.common import ROOT, add_smoke, emit, free_port, out_path, smoke_result, spawn
+from bench.common import ROOT, add_smoke, emit, free_port, out_path, scripted_upstream, smoke_result, spawn
 
 OMNI_MODEL = "qwen3-omni-flash"
 TEXT_MODEL = "smollm2-chat"
@@ -89,7 +89,7 @@ def started(against: str) -> Iterator[tuple[str, str, str]]:
     vllm = None
     try:
         up_port, gw_port = free_port(), free_port()
-        procs.append(spawn(["-m", "tests.upstream", "--port", str(up_port), "--flavour", "omni"], cpu=None))
+        procs.append(scripted_upstream(up_port, "omni", None))
         _wait(f"http://127.0.0.1:{up_port}/health")
         engines = [omni_engine(up_port)]
         text_model = OMNI_MODEL

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from bench.adapters import cli, measure
-from bench.common import free_port, pin_self, spawn, wait_http
+from bench.common import free_port, pin_self, scripted_upstream, wait_http
 from core.schemas import ChatCompletionRequest
 from core.settings import EngineConfig
 
@@ -21,10 +21,7 @@ from core.settings import EngineConfig
 async def run(args: argparse.Namespace) -> dict:
     pin_self(0)
     port = free_port()
-    up = spawn(
-        ["-m", "tests.upstream", "--port", str(port), "--flavour", "omni", "--chunks", str(args.chunks)],
-        cpu=1,
-    )
+    up = scripted_upstream(port, "omni", 1, "--chunks", str(args.chunks))
     try:
         await wait_http(f"http://127.0.0.1:{port}/health")
         base = f"http://127.0.0.1:{port}/v1"

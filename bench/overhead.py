@@ -27,6 +27,7 @@ from bench.common import (
     pct,
     pin_self,
     rss_kib,
+    scripted_upstream,
     smoke_result,
     spawn,
     stream_load,
@@ -59,20 +60,8 @@ def _config(upstream_port: int, chain: str) -> dict:
 async def run(args: argparse.Namespace) -> dict:
     pin_self(1)
     up_port, gw_port = free_port(), free_port()
-    upstream = spawn(
-        [
-            "-m",
-            "tests.upstream",
-            "--port",
-            str(up_port),
-            "--flavour",
-            "vllm",
-            "--chunks",
-            str(args.chunks),
-            "--chunk-delay-ms",
-            str(args.chunk_delay_ms),
-        ],
-        cpu=1,
+    upstream = scripted_upstream(
+        up_port, "vllm", 1, "--chunks", str(args.chunks), "--chunk-delay-ms", str(args.chunk_delay_ms)
     )
     cfg = Path(tempfile.mkdtemp()) / "bench.yaml"
     cfg.write_text(yaml.safe_dump(_config(up_port, args.chain)))

@@ -32,6 +32,7 @@ from bench.common import (
     free_port,
     out_path,
     pin_self,
+    scripted_upstream,
     smoke_result,
     spawn,
     stream_load,
@@ -112,9 +113,7 @@ async def run(args: argparse.Namespace) -> dict:
         raise SystemExit("py-spy is not installed: pip install py-spy")
     pin_self(1)
     up_port, port = free_port(), free_port()
-    upstream = spawn(
-        ["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", "64"], cpu=1
-    )
+    upstream = scripted_upstream(up_port, "vllm", 1, "--chunks", "64")
     gateway = None
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")

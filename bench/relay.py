@@ -21,7 +21,17 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from bench.common import add_smoke, emit, free_port, out_path, smoke_result, spawn, stream_load, wait_http
+from bench.common import (
+    add_smoke,
+    emit,
+    free_port,
+    out_path,
+    scripted_upstream,
+    smoke_result,
+    spawn,
+    stream_load,
+    wait_http,
+)
 
 
 def make_app(upstream: str) -> web.Application:
@@ -61,9 +71,7 @@ def make_app(upstream: str) -> web.Application:
 
 async def smoke() -> dict:
     up_port, port = free_port(), free_port()
-    upstream = spawn(
-        ["-m", "tests.upstream", "--port", str(up_port), "--flavour", "vllm", "--chunks", "8"], cpu=None
-    )
+    upstream = scripted_upstream(up_port, "vllm", None, "--chunks", "8")
     relay = spawn(
         ["-m", "bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{up_port}/v1"], cpu=None
     )

@@ -31,7 +31,18 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import add_smoke, emit, free_port, out_path, pct, pin_self, smoke_result, spawn, wait_http
+from bench.common import (
+    add_smoke,
+    emit,
+    free_port,
+    out_path,
+    pct,
+    pin_self,
+    scripted_upstream,
+    smoke_result,
+    spawn,
+    wait_http,
+)
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 BODY = {
@@ -169,22 +180,16 @@ def _ms(values: list[float], q: float) -> float | None:
 
 async def _ramp(args: argparse.Namespace, store: str) -> dict:
     up_port, gw_port = free_port(), free_port()
-    upstream = spawn(
-        [
-            "-m",
-            "tests.upstream",
-            "--port",
-            str(up_port),
-            "--flavour",
-            "omni",
-            "--chunks",
-            str(args.chunks),
-            "--audio-chunks",
-            str(args.audio_chunks),
-            "--chunk-delay-ms",
-            str(args.chunk_delay_ms),
-        ],
-        cpu=1,
+    upstream = scripted_upstream(
+        up_port,
+        "omni",
+        1,
+        "--chunks",
+        str(args.chunks),
+        "--audio-chunks",
+        str(args.audio_chunks),
+        "--chunk-delay-ms",
+        str(args.chunk_delay_ms),
     )
     prefix = f"omnigate-bench:{uuid.uuid4().hex}"
     workdir = Path(tempfile.mkdtemp())

@@ -26,6 +26,7 @@ from bench.common import (
     out_path,
     pin_self,
     rss_kib,
+    scripted_upstream,
     smoke_result,
     spawn,
     stream_load,
@@ -36,21 +37,7 @@ from bench.common import (
 async def run(args: argparse.Namespace) -> dict:
     pin_self(1)
     up_port, gw_port = free_port(), free_port()
-    upstream = spawn(
-        [
-            "-m",
-            "tests.upstream",
-            "--port",
-            str(up_port),
-            "--flavour",
-            "vllm",
-            "--chunks",
-            str(args.chunks),
-            "--chunk-delay-ms",
-            "50",
-        ],
-        cpu=1,
-    )
+    upstream = scripted_upstream(up_port, "vllm", 1, "--chunks", str(args.chunks), "--chunk-delay-ms", "50")
     cfg = Path(tempfile.mkdtemp()) / "soak.yaml"
     cfg.write_text(
         yaml.safe_dump(

@@ -8,6 +8,10 @@ WER above 5 % on sampled speech degrades INT4 to INT8, a canary takes 10 % of tr
 unless its errors or latency say otherwise, a non-INT4 engine under 100 tokens per joule
 shifts to INT4, and an engine under 90 % on the operator's held-out set is no destination
 of any shift.
+
+Its length: each rule of the controller (latency, VRAM, WER, canary, energy, accuracy, offload) has
+its settings model here, with a description for every field (the configuration reference is
+generated from them); they validate as one ``routing`` block, and the controller reads them as one.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Each policy validates its own ``config`` block against the model it declares
 (see :mod:`policies.registry`); a bad value fails the boot with the field named.
 
 Its length: the settings of every layer are declared here so the whole configuration validates as one
-document; moving them beside the layers they configure is part of the kernel split (issue: one kernel,
-one request loop).
+document, each field with the description the configuration reference is generated from; the
+routing controller's models are in :mod:`core.control_settings`.
 """
 
 from __future__ import annotations

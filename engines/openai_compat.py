@@ -11,6 +11,10 @@ before its body ended. So the rest of the body is read in the background (at mos
 ``_DRAIN_BYTES`` within ``_DRAIN_S``) and the connection goes back to the pool;
 the client's stream does not wait for it. Without this, a share of requests paid
 a new TCP connection to the engine on their way to the first token.
+
+Its length: the stream and the whole-answer paths share the session, the body writer, the error
+translation and the response parsing (tool calls, reasoning, logprobs) of one wire shape; vLLM-Omni's
+adapter reuses them, so they stay in one module.
 """
 
 from __future__ import annotations

@@ -224,33 +224,20 @@ SPOOL_OUTPUT = 1 << 18
 
 
 @dataclass(frozen=True, slots=True)
-class Encoded:
-    """A worker's large output before it is a part: bytes cross the process boundary once, and the
-    gateway writes them to the spool (:func:`spool_parts`) instead of holding a base64 string of them."""
-
-    ref_type: str
-    mediatype: str
-    data: bytes
-    audio_format: str | None = None
-
-    @property
-    def chars(self) -> int:
-        """The length of the data URI it stands for."""
-        return len(f"data:{self.mediatype};base64,") + (len(self.data) + 2) // 3 * 4
-
-
-@dataclass(frozen=True, slots=True)
-class Written:
-    """A worker's output written into the file the parent reserved for it (:class:`worker.SharedOut`):
-    only its length crosses the process boundary."""
+class Output:
+    """A worker's large output before it is a part: its bytes (``data``), or only its ``size`` where the
+    worker wrote them into the file the parent reserved for it (:class:`worker.SharedOut`). Either way
+    the gateway makes it a part carrying a spooled file (:func:`spool_parts`), never a base64 string."""
 
     ref_type: str
     mediatype: str
     size: int
     audio_format: str | None = None
+    data: bytes | None = None
 
     @property
     def chars(self) -> int:
+        """The length of the data URI it stands for."""
         return len(f"data:{self.mediatype};base64,") + (self.size + 2) // 3 * 4
 
 
@@ -258,43 +245,37 @@ def output_part(
     ref_type: str, mediatype: str, data: bytes, audio_format: str | None = None, out: SharedOut | None = None
 ) -> Any:
     """The part carrying a worker's output: written into ``out`` where the parent reserved one and it
-    fits, else (from :data:`SPOOL_OUTPUT`) an :class:`Encoded`, else a data URI."""
-    if out is not None and len(data) >= SPOOL_OUTPUT and write_out(out, data):
-        return Written(ref_type, mediatype, len(data), audio_format)
-    if len(data) >= SPOOL_OUTPUT:
-        return Encoded(ref_type, mediatype, data, audio_format)
-    return make_part(ref_type, data_uri(mediatype, data), audio_format)
+    fits, else (from :data:`SPOOL_OUTPUT`) its bytes as an :class:`Output`, else a data URI."""
+    if len(data) < SPOOL_OUTPUT:
+        return make_part(ref_type, data_uri(mediatype, data), audio_format)
+    if out is not None and write_out(out, data):
+        return Output(ref_type, mediatype, len(data), audio_format)
+    return Output(ref_type, mediatype, len(data), audio_format, data)
 
 
 def spool_parts(parts: list[Any], out: SpoolWriter | None = None) -> list[Any]:
-    """Parts with each :class:`Encoded` written to the spool, and a :class:`Written` taken from ``out``
-    (the file reserved for it, discarded when the worker did not use it), each made a part carrying it."""
-    made = [
-        _spooled(p) if isinstance(p, Encoded) else _written(p, out) if isinstance(p, Written) else p
-        for p in parts
-    ]
-    if out is not None and not any(isinstance(p, Written) for p in parts):
+    """Parts with each :class:`Output` made a part carrying its spooled file: the one reserved for it
+    (``out``, discarded when the worker did not use it) or a new one."""
+    made = [_spooled(p, out) if isinstance(p, Output) else p for p in parts]
+    if out is not None and not any(isinstance(p, Output) and p.data is None for p in parts):
         out.discard()
     return made
 
 
-def _written(w: Written, out: SpoolWriter | None) -> Any:
-    assert out is not None, "a worker wrote into a file the parent did not reserve"
-    out.wrote(w.size)
-    header = "" if w.ref_type == "input_audio" else f"data:{w.mediatype};base64,"
-    return make_part(w.ref_type, out.finish(header, (w.size + 2) // 3 * 4), w.audio_format)
-
-
-def _spooled(enc: Encoded) -> Any:
-    plain = enc.ref_type == "input_audio"  # input_audio carries plain base64, the format beside it
-    header = "" if plain else f"data:{enc.mediatype};base64,"
+def _spooled(o: Output, out: SpoolWriter | None) -> Any:
+    # input_audio carries plain base64 (its format beside it); the other parts a data URI
+    header = "" if o.ref_type == "input_audio" else f"data:{o.mediatype};base64,"
+    b64_length = (o.size + 2) // 3 * 4
+    if o.data is None:
+        assert out is not None, "a worker wrote into a file the parent did not reserve"
+        out.wrote(o.size)
+        return make_part(o.ref_type, out.finish(header, b64_length), o.audio_format)
     try:
         writer = SpoolWriter()
-        writer.write(enc.data)
+        writer.write(o.data)
     except SpoolFull:
-        return make_part(enc.ref_type, data_uri(enc.mediatype, enc.data), enc.audio_format)
-    media = writer.finish(header, (len(enc.data) + 2) // 3 * 4)
-    return make_part(enc.ref_type, media, enc.audio_format)
+        return make_part(o.ref_type, data_uri(o.mediatype, o.data), o.audio_format)
+    return make_part(o.ref_type, writer.finish(header, b64_length), o.audio_format)
 
 
 def make_part(ref_type: str, uri: str | SpooledMedia, audio_format: str | None = None) -> Any:

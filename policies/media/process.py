@@ -19,7 +19,7 @@ from policies.media.audio import AudioConfig, AudioResult, decode_pcm, normalise
 from policies.media.budget import BudgetConfig
 from policies.media.container import check_declared, check_one_file
 from policies.media.image import ImageConfig, normalise_image, open_image
-from policies.media.parts import Encoded, MediaRef, Written, data_uri, make_part, output_part
+from policies.media.parts import MediaRef, Output, data_uri, make_part, output_part
 from policies.media.targets import MediaTarget
 from policies.media.video import VideoConfig, encode_jpeg, encode_mp4, plan_frames, probe_video, sample_frames
 from policies.media.worker import SharedOut
@@ -154,7 +154,7 @@ def process_part(
 
 
 def _size(part: Any) -> int:
-    if isinstance(part, (Encoded, Written)):
+    if isinstance(part, Output):
         return part.chars
     url = getattr(getattr(part, part.type, None), "url", None)
     if url is None and part.type == "input_audio":
