@@ -2,9 +2,12 @@
 // Usage: node contract.mjs '{"base_url": ..., "mode": "create"|"stream"|"helper", "request": {...}}'
 // mode "stream" iterates the raw chunks; "helper" lets the SDK reassemble the stream
 // (chat.completions.stream(...).finalChatCompletion()). An API error is reported, not thrown.
+import { readFileSync } from "node:fs";
 import OpenAI from "openai";
 
 const job = JSON.parse(process.argv[2]);
+// A request too large for one command-line argument (media) comes in a file.
+if (job.request_file) job.request = JSON.parse(readFileSync(job.request_file, "utf8"));
 const client = new OpenAI({ baseURL: job.base_url, apiKey: job.api_key ?? "unused", maxRetries: 0, timeout: 180000 });
 
 async function run() {

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +46,21 @@ def call(
     base_url: str, mode: str, request: dict[str, Any], api_key: str | None = None, timeout: float = 240
 ) -> dict[str, Any]:
     cache = install()
-    job = {"base_url": base_url, "mode": mode, "request": request}
+    job: dict[str, Any] = {"base_url": base_url, "mode": mode}
     if api_key is not None:
         job["api_key"] = api_key
-    out = subprocess.run(
-        ["node", str(cache / "contract.mjs"), json.dumps(job)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        # In a file, not an argument: one argument is at most 128 KiB on Linux, a request with media more.
+        json.dump(request, f)
+        f.flush()
+        job["request_file"] = f.name
+        out = subprocess.run(
+            ["node", str(cache / "contract.mjs"), json.dumps(job)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     if out.returncode != 0:
         raise RuntimeError(f"node exited with {out.returncode}: {out.stderr[-2000:]}")
     return json.loads(out.stdout)

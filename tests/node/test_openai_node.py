@@ -95,3 +95,19 @@ def test_errors_reach_the_node_sdk_in_openai_shape(url, ups):
     assert got["error"]["status"] == 400 and got["error"]["body"]["code"] == "context_length_exceeded"
     got = sdk.call(url, "create", {"model": "no-such-model", "messages": USER})
     assert got["error"]["status"] == 404
+
+
+def test_a_large_media_part_from_the_node_sdk_reaches_the_engine_as_sent(url, ups):
+    """A 1.3 MB audio part (spooled by the gateway as the body arrives, re-encoded into the engine's body)
+    sent with openai-node: the engine gets the client's base64, the SDK a normal answer."""
+    import base64
+
+    from tests.conftest import OMNI_MODEL
+    from tests.media import tone, wav
+
+    b64 = base64.b64encode(wav(tone(40.0), 16000)).decode()
+    part = {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}}
+    request = {"model": OMNI_MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": [part]}]}
+    got = sdk.call(url, "create", request)
+    assert got["completion"]["choices"][0]["message"]["content"]
+    assert ups.omni_a.requests[-1]["messages"][0]["content"][0]["input_audio"]["data"] == b64
