@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from core.context import PolicyRun, RequestContext
+from core.context import Identity, PolicyRun, Record, RequestContext
 from core.events import Completion, Usage
 from core.schemas import ChatCompletionRequest
 from core.settings import AuditSettings
@@ -44,20 +44,20 @@ def _snapshot(i: int) -> RequestSnapshot:
         }
     )
     ctx = RequestContext(
-        request_id=f"bench-{i}",
-        tenant="acme",
-        key_id="abcdefgh1234",
-        public_model="bench",
-        engine="bench-vllm",
-        variant="fp16",
-        attempts=1,
-        outcome="served",
-        stream=True,
-        prompt_tokens=512,
-        completion_tokens=256,
-        ttft_s=0.05,
+        Identity(f"bench-{i}", tenant="acme", key_id="abcdefgh1234"),
+        Record(
+            public_model="bench",
+            engine="bench-vllm",
+            variant="fp16",
+            attempts=1,
+            outcome="served",
+            stream=True,
+            prompt_tokens=512,
+            completion_tokens=256,
+            ttft_s=0.05,
+        ),
     )
-    ctx.policy_runs = [
+    ctx.record.policy_runs = [
         PolicyRun("request-limits", "pre", "accept", 0.02),
         PolicyRun("nsfw", "post", "accept", 3.1),
     ]
@@ -78,7 +78,9 @@ async def _one_level(settings: AuditSettings, concurrency: int, total: int) -> d
             remaining -= 1
             snap = _snapshot(remaining)
             t0 = time.perf_counter()
-            fut = audit.submit("request", request_id=snap.ctx.request_id, tenant="acme", snapshot=snap)
+            fut = audit.submit(
+                "request", request_id=snap.ctx.identity.request_id, tenant="acme", snapshot=snap
+            )
             t1 = time.perf_counter()
             await audit.wait(fut)
             t2 = time.perf_counter()

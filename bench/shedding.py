@@ -317,11 +317,11 @@ async def _admission_loop(store: str, n: int, concurrency: int) -> dict:
     await gate.start()
     try:
         for _ in range(200):  # warm-up
-            (await gate.admit(RequestContext(request_id="w"))).release()
+            (await gate.admit(RequestContext.new("w"))).release()
         seq: list[float] = []
         for _ in range(n):
             t0 = time.perf_counter()
-            ticket = await gate.admit(RequestContext(request_id="r"))
+            ticket = await gate.admit(RequestContext.new("r"))
             seq.append(time.perf_counter() - t0)
             ticket.release()
         conc: list[float] = []
@@ -329,7 +329,7 @@ async def _admission_loop(store: str, n: int, concurrency: int) -> dict:
         async def worker(k: int) -> None:
             for _ in range(k):
                 t0 = time.perf_counter()
-                ticket = await gate.admit(RequestContext(request_id="r"))
+                ticket = await gate.admit(RequestContext.new("r"))
                 conc.append(time.perf_counter() - t0)
                 await asyncio.sleep(0)
                 ticket.release()

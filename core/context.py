@@ -1,16 +1,24 @@
-"""Per-request state: one :class:`RequestContext` per request, never shared.
+"""Per-request state: one :class:`RequestContext` per request, never shared, in three parts by owner.
 
-Policies, the pipeline and the observability layer write what happened here; the
-access log event and the audit record are built from it. The kernel knows the gateway's
-per-request leases (the admission slot, the policy chain generation) only as :class:`Lease`:
-the gateway puts them here and lets go of them, through ``release``, when the request ends.
+- :class:`Identity`: who is asking, as the front door established it (frozen: set once, before the
+  pipeline, by replacing it whole; nothing after the front door can change who the request is from).
+- :class:`Record`: what happened to the request, written by the pipeline and its collaborators
+  (gateway/pipeline/: the attempt loop, the relay, the accounting); policies read it, never write it.
+- :class:`PolicyOutputs`: what the policies found and did, one typed field per kind of fact (the media
+  they saw, the screenings, the degradations, the headers and notes of the verdicts acted on).
+
+Beside them, the inputs the gateway gives policies (``load``, ``retries_left``) and what the request
+holds and gives back once when it ends (its admission slot, its chain generation, its engine slot, its
+media budget). The kernel knows those leases only as :class:`Lease`. The access log event and the audit
+record are built from the three parts. A segmentation is not here: it is a plan a pre-policy returns
+with the request it rewrote (:class:`SegmentPlan`, policies/base.py ``Segmented``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from core.digest import OutputDigest
@@ -108,38 +116,56 @@ class SegmentPlan:
     separator: str = "\n\n"
 
 
-@dataclass(slots=True)
-class RequestContext:
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who is asking. Made by the transport, completed by authentication (:meth:`authenticated`), then
+    read by admission, the policies, the accounting and the audit record."""
+
     #: made by the gateway for every request; a client cannot choose it
     request_id: str
     #: the id the client sent (``x-client-request-id`` or ``x-request-id``), sanitised; recorded beside it
     client_request_id: str | None = None
-    body_bytes: int = 0
+    #: the class the client asked for with the priority header (it may only lower its own)
+    requested_priority: str | None = None
     tenant: str | None = None
     #: the resolved tenant (models, policy set, limits); None when authentication is off
     tenant_config: TenantConfig | None = None
-    #: the API key's public id (never the key); None when authentication is off or failed
+    #: the API key's public id (never the key); None when authentication is off, or the key is unknown
     key_id: str | None = None
     #: priority class and concurrency quota of the tenant, read by admission
     #: (priority None: unauthenticated, the class is traffic.default_priority)
     priority: str | None = None
     tenant_max_concurrency: int | None = None
-    #: the class the client asked for with the priority header (it may only lower its own)
-    requested_priority: str | None = None
-    #: the admission slot this request holds, released once when the request finishes
-    admission: Lease | None = None
-    #: the engine slot the request's current attempt holds (an engines.slots.Lease: the kernel imports
-    #: nothing above it), settled once by the pipeline
-    lease: Any = None
-    #: the load the request was admitted under (what load shedding decides on)
-    load: LoadSnapshot | None = None
     #: the tenant's policy set (None: the default chain) and what the audit keeps of content
     policy_set: str | None = None
     audit_content: str = "digests"
-    #: the chain generation the request began on and runs to its end (a reload does not move it)
-    policies: Lease | None = None
-    #: shedding and rollback state when the request was served, written by the readers of the control loops
-    control_state: dict[str, Any] = field(default_factory=dict)
+
+    def authenticated(self, tenant: TenantConfig, key_id: str) -> Identity:
+        """This identity with the tenant a key resolved to."""
+        return replace(
+            self,
+            tenant=tenant.name,
+            tenant_config=tenant,
+            key_id=key_id,
+            priority=tenant.priority,
+            tenant_max_concurrency=tenant.max_concurrency,
+            policy_set=tenant.policy_set,
+            audit_content=tenant.audit_content,
+        )
+
+    def refused(self, key_id: str | None) -> Identity:
+        """This identity after a refused key: its public id only, if the key named one."""
+        return replace(self, key_id=key_id)
+
+
+@dataclass(slots=True)
+class Record:
+    """What happened to the request: written by the pipeline and its collaborators only."""
+
+    started: float = field(default_factory=time.perf_counter)
+    body_bytes: int = 0
+    public_model: str | None = None
+    stream: bool = False
     #: what the audit record is built from: the request as received and what was released
     received: ChatCompletionRequest | None = None
     #: the digests of the received parts (a list, or the task making it), once the pipeline has let go of
@@ -147,49 +173,90 @@ class RequestContext:
     input_digests: Any = None
     output: OutputDigest | None = None
     completion: Completion | None = None
-    started: float = field(default_factory=time.perf_counter)
-    public_model: str | None = None
-    stream: bool = False
+    #: the model's sampling defaults this request was given (the parameters it did not set itself)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    #: seconds into the original part of each segment, when a pre-policy cut a long input into several
+    segments: list[tuple[float, float]] | None = None
     engine: str | None = None
     variant: str | None = None
     attempts: int = 0
     retries: int = 0
-    degraded: list[str] = field(default_factory=list)
     policy_runs: list[PolicyRun] = field(default_factory=list)
     outcome: Outcome | None = None
     error_code: str | None = None
     status: int = 200
     ttft_s: float | None = None
     first_audio_s: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
     #: the served engine call's own latencies: from sending it to its first token (streamed) and to its end
     upstream_ttft_s: float | None = None
     upstream_e2e_s: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     #: seconds of speech served (speech adds no completion tokens)
     audio_seconds: float = 0.0
     #: estimated GPU energy of the answer (engines/energy.py), None without power telemetry for its engine
     energy_joules: float | None = None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+@dataclass(slots=True)
+class PolicyOutputs:
+    """What the policies found and did (and the pipeline, acting on their verdicts), typed by kind."""
+
+    #: each media part as the media steps found it and what they did to it
     media: list[MediaRecord] = field(default_factory=list)
+    #: classifier verdicts on parts as the engine receives them
     screenings: list[Screening] = field(default_factory=list)
-    #: the segments a pre-policy cut a long input into (the pipeline makes one engine call per segment)
-    segmentation: SegmentPlan | None = None
-    #: the media bytes this request holds (policies/media/sandbox.RequestBudget); released by the pipeline
-    media_budget: Any = None
-    #: retries the pipeline can still make for this request (a streaming check reads it)
-    retries_left: int = 0
-    #: headers verdicts added before the response started (``x-omnigate-grounding``, ...)
-    response_headers: dict[str, str] = field(default_factory=dict)
-    #: facts policies report (audit record; sent as the stream's final event)
-    notes: dict[str, Any] = field(default_factory=dict)
-    #: the model's sampling defaults this request was given (the parameters it did not set itself)
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    #: why the answer is less than asked for (``x-omnigate-degraded``), in the order it happened
+    degraded: list[str] = field(default_factory=list)
     #: text of input audio, where a pre-policy transcribed it (part of the grounding premise)
     input_transcripts: list[str] = field(default_factory=list)
+    #: headers verdicts added before the response started (``x-omnigate-grounding``, ...)
+    response_headers: dict[str, str] = field(default_factory=dict)
+    #: facts verdicts report (audit record; sent as the stream's final event)
+    notes: dict[str, Any] = field(default_factory=dict)
+    #: the traffic decisions the request was served under, by control loop (``admission``, ``shedding``)
+    control: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def degrade(self, reason: str) -> None:
         if reason not in self.degraded:
             self.degraded.append(reason)
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
+    def mark(self) -> tuple[int, frozenset[str]]:
+        """Where the degradations and control decisions stand now, for :meth:`undo`."""
+        return len(self.degraded), frozenset(self.control)
+
+    def undo(self, mark: tuple[int, frozenset[str]]) -> None:
+        """Forget the degradations and control decisions made since ``mark``: a shadow policy's rewrite
+        is not served, so it is neither announced nor audited as done (what it saw and screened stays)."""
+        degraded, control = mark
+        del self.degraded[degraded:]
+        for key in set(self.control) - control:
+            del self.control[key]
+
+
+@dataclass(slots=True)
+class RequestContext:
+    identity: Identity
+    record: Record = field(default_factory=Record)
+    outputs: PolicyOutputs = field(default_factory=PolicyOutputs)
+    #: the load the request was admitted under (what load shedding decides on), set by admission
+    load: LoadSnapshot | None = None
+    #: retries the pipeline can still make for this request (a streaming check reads it)
+    retries_left: int = 0
+    # What the request holds, each given back once when it ends:
+    #: the admission slot (gateway/admission.py's Ticket)
+    admission: Lease | None = None
+    #: the chain generation the request began on and runs to its end (a reload does not move it)
+    policies: Lease | None = None
+    #: the engine slot the current attempt holds (an engines.slots.Lease: the kernel imports nothing
+    #: above it), settled once by the pipeline
+    lease: Any = None
+    #: the media bytes this request holds (policies/media/sandbox.RequestBudget); released by the pipeline
+    media_budget: Any = None
+
+    @classmethod
+    def new(cls, request_id: str, **identity: Any) -> RequestContext:
+        return cls(Identity(request_id, **identity))

@@ -18,7 +18,7 @@ to local limits (a share of each limit per replica), loudly.
 A background loop reads the count and drives the overload state (:func:`decide_overload`), which lowers the
 engines' concurrency caps (``EnginePool.set_overloaded``); the request path never waits on it.
 
-Every decision is written to the request's audit record (``ctx.control_state["admission"]``), and every
+Every decision is written to the request's audit record (``ctx.outputs.control["admission"]``), and every
 request shed for load is counted once in ``omnigate_admission_shed_total`` by reason: ``tenant_quota``,
 ``overload``, ``text_only`` (counted when the request finishes) and ``engine_busy`` (engines/slots.py).
 
@@ -571,8 +571,8 @@ class AdmissionGate:
     # -- the request path ----------------------------------------------------------------------------------
     def priority_of(self, ctx: RequestContext) -> str:
         """The class the request runs in: its tenant's, or a lower one it asked for by header."""
-        own = ctx.priority if ctx.priority in self._rank else self.cfg.default_priority
-        asked = ctx.requested_priority
+        own = ctx.identity.priority if ctx.identity.priority in self._rank else self.cfg.default_priority
+        asked = ctx.identity.requested_priority
         if asked is None:
             return own
         asked = asked.strip().lower()
@@ -590,8 +590,8 @@ class AdmissionGate:
     async def admit(self, ctx: RequestContext) -> Ticket:
         priority = self.priority_of(ctx)
         soft, hard = self._limits[priority]
-        quota = ctx.tenant_max_concurrency
-        tenant = (ctx.tenant or "default") if quota is not None else None
+        quota = ctx.identity.tenant_max_concurrency
+        tenant = (ctx.identity.tenant or "default") if quota is not None else None
         lease_id = f"{self.replica_id}:{next(self._ids)}"
         t0 = time.perf_counter()
         grant = await self.store.acquire(lease_id, tenant, Limits(soft, hard, quota))
@@ -603,7 +603,7 @@ class AdmissionGate:
             result = "above_soft_limit" if load.above_soft_limit else "admitted"
         else:
             result = "refused_quota" if grant.result == "refuse_quota" else "refused_overload"
-        ctx.control_state["admission"] = {
+        ctx.outputs.control["admission"] = {
             "result": result,
             "priority": priority,
             "in_flight": grant.in_flight,
@@ -631,7 +631,7 @@ class AdmissionGate:
         """The request is over: give its slot back (once) and count it if it was shed to text-only."""
         if ctx.admission is not None:
             ctx.admission.release()
-        if DEGRADED_TEXT_ONLY in ctx.degraded:
+        if DEGRADED_TEXT_ONLY in ctx.outputs.degraded:
             self.metrics.admission_shed.labels("text_only").inc()
 
     # -- the overload control loop (off the request path) ------------------------------------------------------

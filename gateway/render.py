@@ -65,7 +65,7 @@ class ChunkRenderer:
             + b',"choices":'
         )
         self._speech = request.wants_audio
-        self._audio_id = "audio_" + ctx.request_id
+        self._audio_id = "audio_" + ctx.identity.request_id
         self._expires = created + AUDIO_TTL_S
         self._fmt = request.audio.format if request.audio is not None else "wav"
         self._audio_head = b'[{"index":0,"delta":{"audio":{"id":' + orjson.dumps(self._audio_id)
@@ -156,7 +156,7 @@ class ChunkRenderer:
     def final(self) -> bytes:
         """The finishing chunk (carrying the policies' notes as a top-level ``omnigate`` field), usage, [DONE]."""
         out = self._role() if self._first else b""
-        notes = b',"omnigate":' + orjson.dumps(self._ctx.notes) if self._ctx.notes else b""
+        notes = b',"omnigate":' + orjson.dumps(self._ctx.outputs.notes) if self._ctx.outputs.notes else b""
         for index, finish in sorted(self._others.items()):
             out += (
                 self._head
@@ -177,14 +177,14 @@ class ChunkRenderer:
         if self._include_usage:
             ctx = self._ctx
             usage: dict[str, Any] = {
-                "prompt_tokens": ctx.prompt_tokens,
-                "completion_tokens": ctx.completion_tokens,
-                "total_tokens": ctx.prompt_tokens + ctx.completion_tokens,
+                "prompt_tokens": ctx.record.prompt_tokens,
+                "completion_tokens": ctx.record.completion_tokens,
+                "total_tokens": ctx.record.prompt_tokens + ctx.record.completion_tokens,
             }
             if self._speech:
-                usage[AUDIO_SECONDS] = round(ctx.audio_seconds, 3)
-            if ctx.energy_joules is not None:
-                usage[ENERGY_JOULES] = round(ctx.energy_joules, 3)
+                usage[AUDIO_SECONDS] = round(ctx.record.audio_seconds, 3)
+            if ctx.record.energy_joules is not None:
+                usage[ENERGY_JOULES] = round(ctx.record.energy_joules, 3)
             out += self._head + b'[],"usage":' + orjson.dumps(usage) + b"}\n\n"
         return out + DONE
 
@@ -214,7 +214,7 @@ def completion_body(
         fmt = request.audio.format if request.audio is not None else "wav"
         data = audio_codec.encode(completion.audio, completion.sample_rate, completion.channels, fmt)
         message["audio"] = {
-            "id": "audio_" + ctx.request_id,
+            "id": "audio_" + ctx.identity.request_id,
             "data": base64.b64encode(data).decode("ascii"),
             "expires_at": int(time.time()) + AUDIO_TTL_S,
             "transcript": completion.transcript or completion.text,
@@ -228,9 +228,9 @@ def completion_body(
         "usage": completion.usage.to_dict(),
     }
     if request.wants_audio:
-        body["usage"][AUDIO_SECONDS] = round(ctx.audio_seconds, 3)
-    if ctx.energy_joules is not None:
-        body["usage"][ENERGY_JOULES] = round(ctx.energy_joules, 3)
-    if ctx.notes:
-        body["omnigate"] = ctx.notes
+        body["usage"][AUDIO_SECONDS] = round(ctx.record.audio_seconds, 3)
+    if ctx.record.energy_joules is not None:
+        body["usage"][ENERGY_JOULES] = round(ctx.record.energy_joules, 3)
+    if ctx.outputs.notes:
+        body["omnigate"] = ctx.outputs.notes
     return body

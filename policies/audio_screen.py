@@ -88,9 +88,11 @@ class AudioScreen(PolicyBase):
                 screen_pcm, (payload_arg(ref), ref.param, self.config.max_duration_s), param=ref.param
             )
             transcript = await loop.run_in_executor(self._pool, self._hear, pcm)
-            ctx.input_transcripts.append(transcript)  # part of the grounding premise
+            ctx.outputs.input_transcripts.append(transcript)  # part of the grounding premise
             match = next((p for p in self._patterns if p.search(transcript)), None)
-            ctx.screenings.append(Screening(self.name, ref.path, 1.0 if match else 0.0, match is not None))
+            ctx.outputs.screenings.append(
+                Screening(self.name, ref.path, 1.0 if match else 0.0, match is not None)
+            )
             if self._metrics is not None:
                 self._metrics.screen_scores.labels(self.name, "audio").observe(1.0 if match else 0.0)
             if match is not None:

@@ -38,8 +38,13 @@ either when it loads the plugin):
 It is constructed once per chain generation as ``Plugin(config)``. Then, by stage:
 
 pre
-    ``async pre(request, ctx) -> ChatCompletionRequest``: returns the request,
-    rewritten or not, or raises an :class:`core.errors.OmnigateError` to refuse.
+    ``async pre(request, ctx) -> ChatCompletionRequest | Segmented``: returns the
+    request, rewritten or not, or raises an :class:`core.errors.OmnigateError` to
+    refuse. A policy that cuts one long input into consecutive engine calls returns
+    :class:`Segmented`: the rewritten request (carrying the first segment) with the
+    plan (:class:`core.context.SegmentPlan`) the pipeline executes. A plan is data
+    returned with its request, never left on the context: a shadow policy's rewrite,
+    plan included, is recorded and not served.
 stream
     ``open_stream(request, ctx) -> StreamFilter``: a fresh per-stream object whose
     ``feed(delta)`` returns the deltas to release now and ``finish()`` the rest at
@@ -70,7 +75,7 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from core.capabilities import EngineFacts
-    from core.context import RequestContext
+    from core.context import RequestContext, SegmentPlan
     from core.errors import OmnigateError
     from core.events import Completion, Delta
     from core.schemas import ChatCompletionRequest
@@ -205,9 +210,21 @@ class LoadShedder(Protocol):
     sheds_load: ClassVar[bool]
 
 
+@dataclass(frozen=True, slots=True)
+class Segmented:
+    """A pre-policy's rewrite that also cuts one long input into segments: ``request`` carries segment 0,
+    ``plan`` says how to make the others. The pipeline makes one engine call per segment and joins them.
+    A later pre-policy that returns another plan replaces it (one input per request is cut)."""
+
+    request: ChatCompletionRequest
+    plan: SegmentPlan
+
+
 @runtime_checkable
 class PrePolicy(Protocol):
-    async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest: ...
+    async def pre(
+        self, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> ChatCompletionRequest | Segmented: ...
 
 
 @runtime_checkable

@@ -53,9 +53,9 @@ class RequestLimits(PolicyBase):
 
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         cfg = self.config
-        if ctx.body_bytes > cfg.max_body_bytes:
+        if ctx.record.body_bytes > cfg.max_body_bytes:
             raise PayloadTooLarge(
-                f"request body is {ctx.body_bytes} bytes; the limit is {cfg.max_body_bytes}"
+                f"request body is {ctx.record.body_bytes} bytes; the limit is {cfg.max_body_bytes}"
             )
         if len(request.messages) > cfg.max_messages:
             raise InvalidRequest(
@@ -71,6 +71,6 @@ class RequestLimits(PolicyBase):
         if asked is None:
             return request.model_copy(update={"max_tokens": cap, "max_completion_tokens": None})
         if asked > cap:
-            ctx.degrade("max-tokens-capped")
+            ctx.outputs.degrade("max-tokens-capped")
             return request.model_copy(update={"max_tokens": cap, "max_completion_tokens": None})
         return request

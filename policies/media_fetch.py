@@ -68,7 +68,7 @@ class MediaFetch(PolicyBase):
                 # Checked and counted where it lies; media-limits decodes it, once.
                 size = payload_size(ref)
                 await ctx.media_budget.take(size, ref.param)
-                ctx.media.append(MediaRecord(part=ref.path, kind=ref.kind, source="data", bytes=size))
+                ctx.outputs.media.append(MediaRecord(part=ref.path, kind=ref.kind, source="data", bytes=size))
         if remote:
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -89,12 +89,12 @@ class MediaFetch(PolicyBase):
                 if not _MEDIATYPE.match(mediatype):
                     mediatype = "application/octet-stream"
                 new[(ref.message, ref.index)] = [make_part(ref.type, data_uri(mediatype, got.data))]
-                ctx.media.append(
+                ctx.outputs.media.append(
                     MediaRecord(
                         part=ref.path, kind=ref.kind, source="url", host=got.host, bytes=len(got.data)
                     )
                 )
-        ctx.media.sort(key=lambda r: _order(r.part))
+        ctx.outputs.media.sort(key=lambda r: _order(r.part))
         return replace_parts(request, new)
 
 

@@ -35,7 +35,7 @@ from core.errors import (
 from core.schemas import PART_MODALITY, ChatCompletionRequest, Message
 from core.settings import MediaSettings
 from core.spooled import SpooledMedia, SpoolFull, SpoolWriter
-from policies.base import Deps, PolicyBase, PolicyConfig
+from policies.base import Deps, PolicyBase, PolicyConfig, Segmented
 from policies.media import budget as tokens
 from policies.media.budget import BudgetConfig
 from policies.media.config import AudioConfig, ImageConfig, VideoConfig
@@ -127,7 +127,9 @@ class MediaLimits(PolicyBase):
         return self._runtime
 
     # -- the hook -------------------------------------------------------------------------------------------
-    async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
+    async def pre(
+        self, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> ChatCompletionRequest | Segmented:
         refs = list(media_parts(request))
         if not refs:
             return request
@@ -181,7 +183,7 @@ class MediaLimits(PolicyBase):
             self._check_probes(request, probes, target)
             # A client's own data URI declares a type the bytes must match; a fetched part's type is a
             # server's label, which media-fetch passed on and which is not held against the client.
-            from_client = {r.part for r in ctx.media if r.source == "data"}
+            from_client = {r.part for r in ctx.outputs.media if r.source == "data"}
             room = ctx.media_budget.room
 
             seconds = {p.ref.path: p.seconds for p in probes}
@@ -223,8 +225,9 @@ class MediaLimits(PolicyBase):
             new = {(d.ref.message, d.ref.index): d.parts for d in done}
             out = replace_parts(request, new)
             self._record(done, ctx)
-            out = self._segment(out, done, ctx)
-            return self._one_modality(out, ctx)
+            plan = self._segment(done)
+            out = self._one_modality(out, ctx)
+            return out if plan is None else Segmented(out, plan)
         finally:
             for seg in segments.values():
                 seg.release()
@@ -299,26 +302,25 @@ class MediaLimits(PolicyBase):
             )
 
     def _record(self, done: list[_Done], ctx: RequestContext) -> None:
-        by_part = {r.part: r for r in ctx.media}
+        by_part = {r.part: r for r in ctx.outputs.media}
         for d in done:
             rec = by_part.get(d.ref.path)
             if rec is None:
                 rec = MediaRecord(part=d.ref.path, kind=d.ref.kind, source="data")
-                ctx.media.append(rec)
+                ctx.outputs.media.append(rec)
             for key, value in d.facts.items():
                 setattr(rec, key, value)
             rec.modal_tokens = d.tokens
             rec.actions.extend(d.actions)
             for reason in d.actions:
-                ctx.degrade(reason)
+                ctx.outputs.degrade(reason)
             self._count(d.ref.kind, "rewritten" if d.actions else "passed")
 
-    def _segment(
-        self, request: ChatCompletionRequest, done: list[_Done], ctx: RequestContext
-    ) -> ChatCompletionRequest:
+    def _segment(self, done: list[_Done]) -> SegmentPlan | None:
+        """The plan of the one part too long for one engine call, if any (more than one is refused)."""
         split = [d for d in done if d.audio is not None]
         if not split:
-            return request
+            return None
         if len(split) > 1:
             raise InvalidMedia(
                 f"{split[1].ref.param}: only one audio part per request may be longer than "
@@ -332,14 +334,13 @@ class MediaLimits(PolicyBase):
 
         # The plan lives as long as the request: it keeps the decoded audio, never the part's
         # reference (whose value is the client's string).
-        ctx.segmentation = SegmentPlan(
+        return SegmentPlan(
             d.ref.path,
             audio.boundaries,
             first,
             _AudioSegments(audio, encoding, kind),
             self.config.audio.segment_separator,
         )
-        return request
 
     def _one_modality(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         mode = self.config.one_modality_per_message
@@ -363,7 +364,7 @@ class MediaLimits(PolicyBase):
             changed = True
         if not changed:
             return request
-        ctx.degrade("message-split")
+        ctx.outputs.degrade("message-split")
         return request.model_copy(update={"messages": messages})
 
     def _count(self, kind: str, outcome: str) -> None:

@@ -99,7 +99,7 @@ class NSFWScreen(PolicyBase):
         flagged: MediaRef | None = None
         for ref, score in zip(refs, scores, strict=True):
             hit = score >= self.config.threshold
-            ctx.screenings.append(Screening(self.name, ref.path, round(score, 4), hit))
+            ctx.outputs.screenings.append(Screening(self.name, ref.path, round(score, 4), hit))
             if self._metrics is not None:
                 self._metrics.screen_scores.labels(self.name, ref.kind).observe(score)
             if hit and flagged is None:

@@ -43,7 +43,7 @@ class LoadShedding(PolicyBase):
 
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         if decide(ctx.load, request.wants_audio) == "text-only":
-            ctx.degrade(DEGRADED_TEXT_ONLY)
-            ctx.control_state["shedding"] = {"action": "text-only", "reason": DEGRADED_TEXT_ONLY}
+            ctx.outputs.degrade(DEGRADED_TEXT_ONLY)
+            ctx.outputs.control["shedding"] = {"action": "text-only", "reason": DEGRADED_TEXT_ONLY}
             return request.model_copy(update={"modalities": ["text"], "audio": None})
         return request

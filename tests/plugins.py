@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from core.context import SegmentPlan
 from core.errors import ContentPolicyViolation
 from core.events import Delta
-from policies.base import Accept, Deps, PolicyBase, PolicyConfig, Retry
+from core.schemas import TextPart
+from policies.base import Accept, Deps, PolicyBase, PolicyConfig, Retry, Segmented
 
 #: What the lifecycle-recording plugins did, in order: ``(event, tag)`` with event ``start``, ``feed``,
 #: ``finish`` or ``aclose``; a test clears it before it starts its gateway.
@@ -180,7 +182,44 @@ class FailStart(PolicyBase):
         return Accept()
 
 
+class SplitText(PolicyBase):
+    """Pre: cuts a last message of text parts at ``|`` into consecutive engine calls (a segment plan
+    returned with the request, as media-limits does for long audio), to exercise plans of any plugin."""
+
+    name: ClassVar[str] = "split-text"
+    stage: ClassVar[str] = "pre"
+    Config = Empty
+
+    def __init__(self, config: Empty) -> None:
+        pass
+
+    async def pre(self, request, ctx):
+        last = request.messages[-1]
+        pieces = last.text().split("|")
+        if len(pieces) < 2 or not isinstance(last.content, list):
+            return request
+        parts = [TextPart(type="text", text=p) for p in pieces]
+        rewritten = request.model_copy(
+            update={"messages": [*request.messages[:-1], last.model_copy(update={"content": [parts[0]]})]}
+        )
+        boundaries = [(float(i), float(i + 1)) for i in range(len(parts))]
+        return Segmented(
+            rewritten,
+            SegmentPlan(f"messages.{len(request.messages) - 1}.content.0", boundaries, parts[0], parts, " "),
+        )
+
+
 PLUGINS = {
     cls.name: cls
-    for cls in (AppendTag, AlwaysReject, RetryUnlessCold, HoldAll, Uppercase, NoHook, Recorder, FailStart)
+    for cls in (
+        AppendTag,
+        AlwaysReject,
+        RetryUnlessCold,
+        HoldAll,
+        Uppercase,
+        NoHook,
+        Recorder,
+        FailStart,
+        SplitText,
+    )
 }

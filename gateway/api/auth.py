@@ -27,12 +27,10 @@ async def authenticate(request: Request, ctx: RequestContext) -> Principal | Non
         principal = services.directory.authenticate(request.headers.get("authorization"))
     except KeyRefused as exc:
         services.metrics.auth_failures.labels(exc.reason).inc()
-        ctx.key_id = exc.key_id
+        ctx.identity = ctx.identity.refused(exc.key_id)
         await services.auth_failures.failed(client_address(request), exc.reason)
         raise
     tenant = principal.tenant
-    ctx.tenant, ctx.tenant_config, ctx.key_id = tenant.name, tenant, principal.key_id
-    ctx.priority, ctx.tenant_max_concurrency = tenant.priority, tenant.max_concurrency
-    ctx.policy_set, ctx.audit_content = tenant.policy_set, tenant.audit_content
+    ctx.identity = ctx.identity.authenticated(tenant, principal.key_id)
     structlog.contextvars.bind_contextvars(tenant=tenant.name)
     return principal

@@ -134,29 +134,29 @@ def _parse(
 
 
 def _parse_for(body: json_body.Reader, ctx: RequestContext, services: Services) -> ChatCompletionRequest:
-    tenant = ctx.tenant_config
+    tenant = ctx.identity.tenant_config
     mode = (
         tenant.unknown_fields if tenant is not None else None
     ) or services.settings.requests.unknown_fields
     dropped: list[str] = []
     chat = _parse(body, mode, dropped)
     if dropped:
-        ctx.response_headers[DROPPED_HEADER] = ",".join(dropped)
+        ctx.outputs.response_headers[DROPPED_HEADER] = ",".join(dropped)
         log.info("request_fields_dropped", fields=dropped)
     return chat
 
 
 def _headers(ctx: RequestContext) -> dict[str, str]:
-    headers = dict(ctx.response_headers)
-    if ctx.degraded:
-        headers["x-omnigate-degraded"] = ",".join(ctx.degraded)
+    headers = dict(ctx.outputs.response_headers)
+    if ctx.outputs.degraded:
+        headers["x-omnigate-degraded"] = ",".join(ctx.outputs.degraded)
     return headers
 
 
 async def chat_completions(request: Request) -> Response:
     services: Services = request.app.state.services
-    ctx = RequestContext(
-        request_id=request.scope["state"]["request_id"],
+    ctx = RequestContext.new(
+        request.scope["state"]["request_id"],
         client_request_id=request.scope["state"].get("client_request_id"),
         requested_priority=request.headers.get(services.settings.traffic.priority_header),
     )
@@ -172,7 +172,7 @@ async def chat_completions(request: Request) -> Response:
         await services.pipeline.admit(ctx)  # before the body: a refused request costs no read, no media
         server = services.settings.server
         body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
-        ctx.body_bytes = body.size
+        ctx.record.body_bytes = body.size
         chat = _parse_for(body, ctx, services)  # empties the body
         del body
     except OmnigateError as exc:

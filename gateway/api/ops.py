@@ -22,7 +22,7 @@ _STARTED = int(time.time())
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     services: Services = request.app.state.services
-    ctx = RequestContext(request_id=request.scope["state"]["request_id"])
+    ctx = RequestContext.new(request.scope["state"]["request_id"])
     principal = await authenticate(request, ctx)
     models = services.pool.models()
     if principal is not None and principal.tenant.models is not None:

@@ -16,8 +16,9 @@ settled exactly once. :meth:`Pipeline.stream` returns only once the first chunk 
 before that (a retry, a refusal, a header such as ``x-omnigate-grounding``) still shapes
 the HTTP response; after it, a failure ends the stream with an error frame.
 
-A segmented input (``ctx.segmentation``, a plan a pre-policy made for audio too long for
-one call) is served as one engine call per segment (gateway/pipeline/segments.py).
+A segmented input (a :class:`core.context.SegmentPlan` a pre-policy returned with the request it
+rewrote, for audio too long for one call) is served as one engine call per segment
+(gateway/pipeline/segments.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from core.context import RequestContext
+from core.context import RequestContext, SegmentPlan
 from core.errors import InvalidRequest, ModelNotFound, OmnigateError
 from core.events import Completion
 from core.schemas import ChatCompletionRequest
@@ -46,7 +47,7 @@ from gateway.speech import check_speech
 from observability.audit.log import AuditLog
 from observability.audit.record import InputDigests
 from observability.metrics import Metrics
-from policies.base import Accept, Reject, Retry
+from policies.base import Accept, Reject, Retry, Segmented
 from policies.registry import LoadedPolicy, PolicyChain
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class Pipeline:
         # The generation the request began on, to its end: a reload meanwhile does not move it.
         # The context holds it as a lease (core knows no chains); the pipeline put it there, so it is a ChainSet.
         generation = ctx.policies if isinstance(ctx.policies, ChainSet) else self.policies.current
-        return generation.for_set(ctx.policy_set)
+        return generation.for_set(ctx.identity.policy_set)
 
     # -- the two entry points ----------------------------------------------
     async def stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> ResponseStream:
@@ -146,12 +147,12 @@ class Pipeline:
         try:
             prepared = self._prepare(request, ctx)
             del request  # the media steps replace its parts: nothing here may keep the client's strings alive
-            request = await prepared
+            request, plan = await prepared
             attempt = await self._open(request, ctx)
         except BaseException as exc:  # cancellation included: every request is accounted for once
             await self.accounting.settle(ctx, exc)
             raise
-        rs = ResponseStream(self, attempt.request, ctx, attempt)
+        rs = ResponseStream(self, attempt.request, ctx, attempt, plan)
         await rs._prime()  # the stream's own teardown accounts for errors from here on
         return rs
 
@@ -160,12 +161,12 @@ class Pipeline:
         try:
             prepared = self._prepare(request, ctx)
             del request  # as in stream
-            request = await prepared
-            result = await self._complete(request, ctx)
+            request, plan = await prepared
+            result = await self._complete(request, plan, ctx)
         except BaseException as exc:  # as in stream
             await self.accounting.settle(ctx, exc)
             raise
-        ctx.completion = result.completion
+        ctx.record.completion = result.completion
         await self.accounting.settle(ctx, None)
         return result
 
@@ -182,16 +183,19 @@ class Pipeline:
 
     # -- admission and pre-policies -----------------------------------------
     def _begin(self, ctx: RequestContext, request: ChatCompletionRequest) -> None:
-        ctx.public_model = request.model if self.pool.serves(request.model) else None
-        ctx.stream = request.stream
-        ctx.received = request
+        ctx.record.public_model = request.model if self.pool.serves(request.model) else None
+        ctx.record.stream = request.stream
+        ctx.record.received = request
         ctx.policies = self.policies.current.acquire()  # let go in Accounting.finish
         self.metrics.in_flight.inc()
 
-    async def _prepare(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
+    async def _prepare(
+        self, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> tuple[ChatCompletionRequest, SegmentPlan | None]:
+        """The request as the pre-policies left it, and the segment plan one of them returned with it."""
         if self.audit is not None:
             self.audit.admit()
-        tenant = ctx.tenant_config
+        tenant = ctx.identity.tenant_config
         if tenant is not None and self.limiter is not None:
             await self.limiter.admit(tenant)
         if not self.pool.serves(request.model) or (
@@ -208,7 +212,7 @@ class Pipeline:
             applied = {k: v for k, v in defaults.items() if getattr(request, k) is None}
             if applied:
                 request = request.model_copy(update=applied)
-                ctx.sampling_defaults = applied
+                ctx.record.sampling_defaults = applied
         chain = self._chain(ctx)
         if request.choices > 1 and (chain.post or chain.stream):
             # Post-policies and stream filters judge and retry one answer; n answers would pass unjudged.
@@ -216,6 +220,7 @@ class Pipeline:
                 "n > 1 is not available for this model: its answers are checked one at a time", param="n"
             )
         digests: asyncio.Future[Any] | None = None
+        plan: SegmentPlan | None = None
         media_seen = False
         for policy in chain.pre:
             if type(policy.impl).media_only:
@@ -223,32 +228,36 @@ class Pipeline:
                     continue  # a media step has nothing to do on a text-only request: not run, not recorded
                 if not media_seen:
                     media_seen, digests = True, self._let_go_of_media(ctx)
-            request = await self._run_pre(policy, request, ctx)
+            out = await self._run_pre(policy, request, ctx)
+            request, plan = (out.request, out.plan) if isinstance(out, Segmented) else (out, plan)
         if digests is not None:
             await digests  # made, so the client's strings are gone before the engine is called
-        return request
+        if segmented(plan):
+            assert plan is not None
+            ctx.record.segments = list(plan.boundaries)
+        return request, plan
 
     def _let_go_of_media(self, ctx: RequestContext) -> asyncio.Future[Any] | None:
         """Keep for the audit record only the digests of the client's parts, so that its media strings
         go as soon as the media steps have replaced them (a request otherwise holds its input until it
         ends: what its peak memory would be made of). Hashed on a thread while the media steps run.
         ``audit_content: raw`` keeps the request as sent, media included: that is what it records."""
-        received = ctx.received
-        if received is None or ctx.input_digests is not None or ctx.audit_content == "raw":
+        received = ctx.record.received
+        if received is None or ctx.record.input_digests is not None or ctx.identity.audit_content == "raw":
             return None
-        ctx.received = _text_only(received)
+        ctx.record.received = _text_only(received)
         if self.audit is None:
             return None
-        digests = ctx.input_digests = InputDigests(received)
+        digests = ctx.record.input_digests = InputDigests(received)
         return asyncio.get_running_loop().run_in_executor(None, digests.get)
 
     async def _run_pre(
         self, policy: LoadedPolicy, request: ChatCompletionRequest, ctx: RequestContext
-    ) -> ChatCompletionRequest:
+    ) -> ChatCompletionRequest | Segmented:
         t0 = time.perf_counter()
         verdict, detail = "accept", None
-        if policy.shadow:
-            degraded, control = len(ctx.degraded), set(ctx.control_state)
+        mark = ctx.outputs.mark()
+        out: ChatCompletionRequest | Segmented
         try:
             out = await policy.impl.pre(request, ctx)
             if out is not request:
@@ -261,10 +270,8 @@ class Pipeline:
         finally:
             self.accounting.policy_ran(policy, ctx, verdict, time.perf_counter() - t0, detail)
         if policy.shadow:
-            # A shadow policy's rewrite is not served, so it is neither announced nor audited as done.
-            del ctx.degraded[degraded:]
-            for key in set(ctx.control_state) - control:
-                del ctx.control_state[key]
+            # A shadow policy's rewrite (and segment plan) is not served: neither announced nor audited as done.
+            ctx.outputs.undo(mark)
             return request
         return out
 
@@ -274,7 +281,7 @@ class Pipeline:
         answered = await self.attempts.call(request, ctx, first_chunk)
         upstream, first = answered.result
         # The engine's own time to first token: no body read, pre-policy, slot wait or hold-back in it.
-        ctx.upstream_ttft_s, ctx.upstream_e2e_s = time.perf_counter() - answered.sent, None
+        ctx.record.upstream_ttft_s, ctx.record.upstream_e2e_s = time.perf_counter() - answered.sent, None
         return Attempt(answered.engine, answered.request, upstream, first, answered.sent)
 
     async def _complete_once(
@@ -282,17 +289,16 @@ class Pipeline:
     ) -> tuple[Completion, ChatCompletionRequest]:
         """The JSON path's attempt: engines in order until one returns a whole answer."""
         answered = await self.attempts.call(request, ctx, lambda engine, adapted: engine.complete(adapted))
-        ctx.ttft_s = ctx.elapsed()
+        ctx.record.ttft_s = ctx.record.elapsed()
         # A whole answer has no first token to time: its engine latency is a signal of its own.
-        ctx.upstream_ttft_s, ctx.upstream_e2e_s = None, time.perf_counter() - answered.sent
+        ctx.record.upstream_ttft_s, ctx.record.upstream_e2e_s = None, time.perf_counter() - answered.sent
         self.accounting.account(ctx, answered.result)
         return answered.result, answered.request
 
     async def _complete_segments(
-        self, request: ChatCompletionRequest, ctx: RequestContext
+        self, request: ChatCompletionRequest, plan: SegmentPlan | None, ctx: RequestContext
     ) -> tuple[Completion, ChatCompletionRequest]:
         completion, served = await self._complete_once(request, ctx)
-        plan = ctx.segmentation
         if plan is None or not segmented(plan):
             return completion, served
         parts = [completion]
@@ -306,13 +312,15 @@ class Pipeline:
         return joined, served
 
     # -- post-policies and the retry budget ------------------------------------
-    async def _complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
+    async def _complete(
+        self, request: ChatCompletionRequest, plan: SegmentPlan | None, ctx: RequestContext
+    ) -> CompletionResult:
         chain = self._chain(ctx)
         budget = chain.max_retries
         candidates: list[Candidate] = []
         while True:
             ctx.retries_left = budget
-            completion, served = await self._complete_segments(request, ctx)
+            completion, served = await self._complete_segments(request, plan, ctx)
             verdict, accepted = await self.relay.post(chain.post, served, completion, ctx)
             if isinstance(verdict, Accept):
                 self._apply(accepted, ctx, committed=False)
@@ -331,7 +339,7 @@ class Pipeline:
 
     def _exhausted(self, candidates: list[Candidate], ctx: RequestContext) -> Candidate:
         """No retry left: serve the best-scoring attempt as its verdict says, or raise its refusal."""
-        ctx.degrade("retries-exhausted")
+        ctx.outputs.degrade("retries-exhausted")
         best = max(
             enumerate(candidates),
             key=lambda ic: (ic[1].verdict.score if ic[1].verdict.score is not None else float("-inf"), ic[0]),
@@ -351,20 +359,20 @@ class Pipeline:
         """Headers and notes of the verdicts acted on; headers only while the response has not started."""
         for v in accepted:
             if v.headers and not committed:
-                ctx.response_headers.update(v.headers)
+                ctx.outputs.response_headers.update(v.headers)
             if v.notes:
-                ctx.notes.update(v.notes)
+                ctx.outputs.notes.update(v.notes)
 
     def _retry(
         self, request: ChatCompletionRequest, verdict: Retry, ctx: RequestContext
     ) -> ChatCompletionRequest:
-        ctx.retries += 1
+        ctx.record.retries += 1
         self.metrics.retries.labels(verdict.reason).inc()
         log.info(
             "request_retry",
             reason=verdict.reason,
-            attempt=ctx.retries,
-            engine=ctx.engine,
+            attempt=ctx.record.retries,
+            engine=ctx.record.engine,
             score=verdict.score,
             adjusted=sorted(verdict.update) or None,
         )

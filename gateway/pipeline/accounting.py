@@ -61,7 +61,7 @@ class Accounting:
         score: float | None = None,
     ) -> None:
         """One policy that ran: on the request's record and in the decision metrics."""
-        ctx.policy_runs.append(
+        ctx.record.policy_runs.append(
             PolicyRun(
                 policy.name,
                 policy.stage,
@@ -69,7 +69,7 @@ class Accounting:
                 seconds * 1000,
                 policy.shadow,
                 detail,
-                ctx.retries + 1,
+                ctx.record.retries + 1,
                 score,
             )
         )
@@ -79,28 +79,36 @@ class Accounting:
 
     def account(self, ctx: RequestContext, completion: Completion) -> None:
         """The served answer's usage, speech seconds, energy; the sentinel may sample its audio."""
-        ctx.prompt_tokens = completion.usage.prompt_tokens
-        ctx.completion_tokens = completion.usage.completion_tokens
+        ctx.record.prompt_tokens = completion.usage.prompt_tokens
+        ctx.record.completion_tokens = completion.usage.completion_tokens
         if completion.audio and completion.sample_rate:
-            ctx.audio_seconds = len(completion.audio) / (2 * completion.channels * completion.sample_rate)
-        if completion.audio and self.sentinel is not None and ctx.engine is not None:
+            ctx.record.audio_seconds = len(completion.audio) / (
+                2 * completion.channels * completion.sample_rate
+            )
+        if completion.audio and self.sentinel is not None and ctx.record.engine is not None:
             self.sentinel.offer(
-                ctx.engine, ctx.variant, completion, model=ctx.public_model, tenant=ctx.tenant
+                ctx.record.engine,
+                ctx.record.variant,
+                completion,
+                model=ctx.record.public_model,
+                tenant=ctx.identity.tenant,
             )
         if self.energy is not None:
-            ctx.energy_joules = self.energy.estimate(ctx.engine, ctx.completion_tokens, ctx.audio_seconds)
+            ctx.record.energy_joules = self.energy.estimate(
+                ctx.record.engine, ctx.record.completion_tokens, ctx.record.audio_seconds
+            )
 
     async def settle(self, ctx: RequestContext, error: BaseException | None) -> None:
         await self.durable(ctx, self.finish(ctx, error))
 
     async def durable(self, ctx: RequestContext, fut: asyncio.Future[int] | None) -> None:
         """Unless the client left, wait (at most ``audit.ack_timeout_s``) for the audit record's commit."""
-        if fut is not None and self.audit is not None and ctx.outcome != "cancelled":
+        if fut is not None and self.audit is not None and ctx.record.outcome != "cancelled":
             await self.audit.wait(fut)
 
     def finish(self, ctx: RequestContext, error: BaseException | None) -> asyncio.Future[int] | None:
         """Account for the request, release its slots and hand its record to the audit; once per request."""
-        if ctx.outcome is not None:
+        if ctx.record.outcome is not None:
             return None
         if self.admission is not None:
             self.admission.release(ctx)
@@ -110,93 +118,99 @@ class Accounting:
             ctx.policies.release()  # the last request of a reloaded-away generation closes it
         self.metrics.in_flight.dec()
         lease, ctx.lease = ctx.lease, None
-        if ctx.engine is not None and error is None:
+        if ctx.record.engine is not None and error is None:
             # One report per request (never per chunk): latency and outcome for its window and circuit.
             self.pool.report_success(
-                ctx.engine,
-                ctx.ttft_s,
-                ctx.first_audio_s,
-                ctx.elapsed(),
-                ctx.upstream_ttft_s,
-                ctx.upstream_e2e_s,
-                ctx.completion_tokens,
-                ctx.audio_seconds,
+                ctx.record.engine,
+                ctx.record.ttft_s,
+                ctx.record.first_audio_s,
+                ctx.record.elapsed(),
+                ctx.record.upstream_ttft_s,
+                ctx.record.upstream_e2e_s,
+                ctx.record.completion_tokens,
+                ctx.record.audio_seconds,
             )
         if lease is not None:
             lease.settle(reported=error is None or isinstance(error, EngineError))
         if error is None:
-            ctx.outcome = "degraded" if ctx.degraded else "served"
+            ctx.record.outcome = "degraded" if ctx.outputs.degraded else "served"
         elif isinstance(error, OmnigateError):
-            ctx.status = error.status
-            ctx.error_code = error.code
+            ctx.record.status = error.status
+            ctx.record.error_code = error.code
             # Load refused on purpose (overload, engine busy, audit full) is a refusal, not a failure.
             refused = error.status < 500 or isinstance(error, Overloaded)
-            ctx.outcome = "refused" if refused else "failed"
+            ctx.record.outcome = "refused" if refused else "failed"
         elif isinstance(error, GeneratorExit) or type(error).__name__ == "CancelledError":
-            ctx.outcome = "cancelled"
+            ctx.record.outcome = "cancelled"
             self.metrics.client_disconnects.inc()
         else:
-            ctx.outcome, ctx.status, ctx.error_code = "failed", 500, "internal_error"
+            ctx.record.outcome, ctx.record.status, ctx.record.error_code = "failed", 500, "internal_error"
         self._observe(ctx)
         self._log(ctx)
-        tenant = ctx.tenant_config
+        tenant = ctx.identity.tenant_config
         if tenant is not None and tenant.tokens_per_minute and self.limiter is not None:
-            used = ctx.prompt_tokens + ctx.completion_tokens
+            used = ctx.record.prompt_tokens + ctx.record.completion_tokens
             if used:
                 task = asyncio.get_running_loop().create_task(self.limiter.charge(tenant, used))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
         if self.audit is None:
             return None
-        snapshot = RequestSnapshot(ctx, ctx.received, ctx.output, ctx.completion, ctx.elapsed() * 1000)
-        return self.audit.submit("request", request_id=ctx.request_id, tenant=ctx.tenant, snapshot=snapshot)
+        snapshot = RequestSnapshot(
+            ctx, ctx.record.received, ctx.record.output, ctx.record.completion, ctx.record.elapsed() * 1000
+        )
+        return self.audit.submit(
+            "request", request_id=ctx.identity.request_id, tenant=ctx.identity.tenant, snapshot=snapshot
+        )
 
     def _observe(self, ctx: RequestContext) -> None:
         m = self.metrics
-        assert ctx.outcome is not None
-        m.requests.labels(ctx.public_model or "unknown", ctx.outcome).inc()
-        for reason in ctx.degraded:
+        assert ctx.record.outcome is not None
+        m.requests.labels(ctx.record.public_model or "unknown", ctx.record.outcome).inc()
+        for reason in ctx.outputs.degraded:
             m.degradations.labels(reason).inc()
-        engine, variant = ctx.engine or "none", ctx.variant or "none"
-        m.duration.labels(engine, variant, ctx.outcome).observe(ctx.elapsed())
-        if ctx.ttft_s is not None and ctx.engine:
-            m.ttft.labels(engine, variant).observe(ctx.ttft_s)
-        if ctx.first_audio_s is not None and ctx.engine:
-            m.first_audio.labels(engine, variant).observe(ctx.first_audio_s)
-        if ctx.upstream_ttft_s is not None and ctx.engine:
-            m.upstream_ttft.labels(engine, variant).observe(ctx.upstream_ttft_s)
-        if ctx.upstream_e2e_s is not None and ctx.engine:
-            m.upstream_duration.labels(engine, variant, str(ctx.stream).lower()).observe(ctx.upstream_e2e_s)
-        if ctx.audio_seconds and ctx.engine:
-            m.audio_output.labels(engine, variant).inc(ctx.audio_seconds)
+        engine, variant = ctx.record.engine or "none", ctx.record.variant or "none"
+        m.duration.labels(engine, variant, ctx.record.outcome).observe(ctx.record.elapsed())
+        if ctx.record.ttft_s is not None and ctx.record.engine:
+            m.ttft.labels(engine, variant).observe(ctx.record.ttft_s)
+        if ctx.record.first_audio_s is not None and ctx.record.engine:
+            m.first_audio.labels(engine, variant).observe(ctx.record.first_audio_s)
+        if ctx.record.upstream_ttft_s is not None and ctx.record.engine:
+            m.upstream_ttft.labels(engine, variant).observe(ctx.record.upstream_ttft_s)
+        if ctx.record.upstream_e2e_s is not None and ctx.record.engine:
+            m.upstream_duration.labels(engine, variant, str(ctx.record.stream).lower()).observe(
+                ctx.record.upstream_e2e_s
+            )
+        if ctx.record.audio_seconds and ctx.record.engine:
+            m.audio_output.labels(engine, variant).inc(ctx.record.audio_seconds)
 
     @staticmethod
     def _log(ctx: RequestContext) -> None:
         log.info(
             "request_finished",
-            tenant=ctx.tenant,
-            model=ctx.public_model,
-            stream=ctx.stream,
-            engine=ctx.engine,
-            variant=ctx.variant,
-            outcome=ctx.outcome,
-            status=ctx.status,
-            error_code=ctx.error_code,
-            attempts=ctx.attempts,
-            retries=ctx.retries,
-            degraded=ctx.degraded or None,
+            tenant=ctx.identity.tenant,
+            model=ctx.record.public_model,
+            stream=ctx.record.stream,
+            engine=ctx.record.engine,
+            variant=ctx.record.variant,
+            outcome=ctx.record.outcome,
+            status=ctx.record.status,
+            error_code=ctx.record.error_code,
+            attempts=ctx.record.attempts,
+            retries=ctx.record.retries,
+            degraded=ctx.outputs.degraded or None,
             priority=ctx.load.priority if ctx.load is not None else None,
             admitted_at_in_flight=ctx.load.in_flight if ctx.load is not None else None,
-            policies=[(p.name, p.verdict) for p in ctx.policy_runs] or None,
+            policies=[(p.name, p.verdict) for p in ctx.record.policy_runs] or None,
             attempt_log=[
                 {"attempt": p.attempt, "policy": p.name, "verdict": p.verdict, "score": p.score}
-                for p in ctx.policy_runs
+                for p in ctx.record.policy_runs
                 if p.stage == "post"
             ]
             or None,
-            notes=ctx.notes or None,
-            ttft_ms=round(ctx.ttft_s * 1000, 2) if ctx.ttft_s is not None else None,
-            duration_ms=round(ctx.elapsed() * 1000, 2),
-            prompt_tokens=ctx.prompt_tokens,
-            completion_tokens=ctx.completion_tokens,
+            notes=ctx.outputs.notes or None,
+            ttft_ms=round(ctx.record.ttft_s * 1000, 2) if ctx.record.ttft_s is not None else None,
+            duration_ms=round(ctx.record.elapsed() * 1000, 2),
+            prompt_tokens=ctx.record.prompt_tokens,
+            completion_tokens=ctx.record.completion_tokens,
         )

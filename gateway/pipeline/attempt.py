@@ -97,7 +97,7 @@ class Attempts:
                         adapted = self.adapt(engine, request, ctx)
                         if adapted is None:
                             continue  # the lease gives the slot back: no call was made
-                        ctx.attempts += 1
+                        ctx.record.attempts += 1
                         sent = time.perf_counter()
                         result = await call(engine, adapted)
                         lease.keep()
@@ -107,7 +107,7 @@ class Attempts:
                     if not exc.retryable:
                         raise
                     continue
-                ctx.engine, ctx.variant = engine.name, engine.config.variant
+                ctx.record.engine, ctx.record.variant = engine.name, engine.config.variant
                 ctx.lease = lease
                 return Answered(engine, adapted, result, sent)
             raise last or self.no_engine(request)
@@ -121,7 +121,7 @@ class Attempts:
         lease, ctx.lease = ctx.lease, None
         if lease is not None:
             lease.settle(reported=False)
-        ctx.engine = None
+        ctx.record.engine = None
 
     def engines_for(self, request: ChatCompletionRequest) -> list[Engine]:
         engines = self.pool.candidates(request.model)
@@ -157,9 +157,9 @@ class Attempts:
             return None
         request, held = thinking.fit(engine, request)
         if held is not None:
-            ctx.degrade(held)
+            ctx.outputs.degrade(held)
         if request.wants_audio and not engine.capabilities.speaks:
-            ctx.degrade("engine-text-only")
+            ctx.outputs.degrade("engine-text-only")
             return request.model_copy(update={"modalities": ["text"], "audio": None})
         return request
 

@@ -167,7 +167,7 @@ class Relay:
                         delta = await anext(upstream)
                     except StopAsyncIteration:
                         if attempt.sent:
-                            ctx.upstream_e2e_s = time.perf_counter() - attempt.sent
+                            ctx.record.upstream_e2e_s = time.perf_counter() - attempt.sent
                         break
                 cut = False
                 if cap is not None and (n := delta.output_pieces):
@@ -176,7 +176,7 @@ class Relay:
                     # than the cap. Cut it there.
                     pieces += n
                     if pieces > cap:
-                        ctx.degrade("output-capped")
+                        ctx.outputs.degrade("output-capped")
                         delta = Delta(finish_reason="length")
                         completion.usage = Usage(completion.usage.prompt_tokens, cap)
                         cut = True
@@ -189,10 +189,10 @@ class Relay:
                     if last_t:
                         gap.observe(now - last_t)
                     last_t = now
-                    if ctx.ttft_s is None and (d.text or d.audio):
-                        ctx.ttft_s = now - ctx.started
-                    if ctx.first_audio_s is None and d.audio:
-                        ctx.first_audio_s = now - ctx.started
+                    if ctx.record.ttft_s is None and (d.text or d.audio):
+                        ctx.record.ttft_s = now - ctx.record.started
+                    if ctx.record.first_audio_s is None and d.audio:
+                        ctx.record.first_audio_s = now - ctx.record.started
                     yield d
                 if cut:
                     break
@@ -263,10 +263,10 @@ class Relay:
     @staticmethod
     def mark(ctx: RequestContext, d: Delta) -> Delta:
         """A delta released at the end of an attempt (held back until then): first text/audio, digest."""
-        if ctx.output is not None:
-            ctx.output.add(d)
-        if ctx.ttft_s is None and (d.text or d.audio):
-            ctx.ttft_s = ctx.elapsed()
-        if ctx.first_audio_s is None and d.audio:
-            ctx.first_audio_s = ctx.elapsed()
+        if ctx.record.output is not None:
+            ctx.record.output.add(d)
+        if ctx.record.ttft_s is None and (d.text or d.audio):
+            ctx.record.ttft_s = ctx.record.elapsed()
+        if ctx.record.first_audio_s is None and d.audio:
+            ctx.record.first_audio_s = ctx.record.elapsed()
         return d

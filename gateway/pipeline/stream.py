@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from core.context import RequestContext
+from core.context import RequestContext, SegmentPlan
 from core.digest import OutputDigest
 from core.errors import AnswerWithheld
 from core.events import Completion, Delta
@@ -32,13 +32,15 @@ class ResponseStream:
 
     :meth:`Pipeline.stream` primes it: it has already run up to the first
     released delta (held in ``_head``), so ``request`` is the attempt being
-    served and ``ctx.response_headers`` holds what the verdicts added.
+    served and ``ctx.outputs.response_headers`` holds what the verdicts added.
     """
 
     pipeline: Pipeline
     request: ChatCompletionRequest
     ctx: RequestContext
     attempt: Attempt
+    #: the segments of a long input (a pre-policy's plan), None: one engine call
+    plan: SegmentPlan | None = None
     _released: bool = False
     _gen: AsyncIterator[Delta] | None = None
     _head: Delta | None = None
@@ -94,8 +96,8 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncIterator[Delta]:
     budget = chain.max_retries
     candidates: list[Candidate] = []
     error: BaseException | None = None
-    released = ctx.output = (
-        OutputDigest(ctx.audit_content != "digests") if accounting.audit is not None else None
+    released = ctx.record.output = (
+        OutputDigest(ctx.identity.audit_content != "digests") if accounting.audit is not None else None
     )
     try:
         while True:
@@ -105,7 +107,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncIterator[Delta]:
             checks = relay.open_checks(chain.post, attempt.request, ctx)
             completion = Completion()
             relayed = attempt
-            plan = ctx.segmentation
+            plan = rs.plan
             if plan is not None and segmented(plan):
                 joined = concat(attempt, plan, ctx, p._open, p.attempts.unbind, p.metrics.segments.inc)
                 relayed = Attempt(attempt.engine, attempt.request, joined, await anext(joined))
@@ -151,7 +153,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncIterator[Delta]:
                 # Too late to hold anything back: terminate if the policy says so, else finish flagged.
                 if isinstance(verdict.exhausted, Reject):
                     raise verdict.exhausted.error
-                ctx.degrade("retries-exhausted")
+                ctx.outputs.degrade("retries-exhausted")
                 if isinstance(verdict.exhausted, Accept):
                     p._apply([verdict.exhausted], ctx, committed=True)
                 for out in release():

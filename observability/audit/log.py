@@ -248,7 +248,9 @@ class AuditLog:
             pending = self._waiting.get(fut)
             if pending is not None and pending.kind == "request":
                 # Its record may still reach the store (it stays buffered); this one says the client got a 503.
-                client_id = pending.snapshot.ctx.client_request_id if pending.snapshot is not None else None
+                client_id = (
+                    pending.snapshot.ctx.identity.client_request_id if pending.snapshot is not None else None
+                )
                 self.submit(
                     "request_refused",
                     request_id=pending.request_id,

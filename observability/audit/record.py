@@ -118,18 +118,18 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
     ctx = snap.ctx
     payload: dict[str, Any] = {
         # the id the client sent (sanitised), beside the gateway's own request_id of the record
-        "client_request_id": ctx.client_request_id,
-        "key_id": ctx.key_id,
-        "priority": ctx.priority,
-        "max_concurrency": ctx.tenant_max_concurrency,
-        "policy_set": ctx.policy_set,
-        "public_model": ctx.public_model,
-        "stream": ctx.stream,
-        "engine": ctx.engine,
-        "variant": ctx.variant,
-        "outcome": ctx.outcome,
-        "status": ctx.status,
-        "error_code": ctx.error_code,
+        "client_request_id": ctx.identity.client_request_id,
+        "key_id": ctx.identity.key_id,
+        "priority": ctx.identity.priority,
+        "max_concurrency": ctx.identity.tenant_max_concurrency,
+        "policy_set": ctx.identity.policy_set,
+        "public_model": ctx.record.public_model,
+        "stream": ctx.record.stream,
+        "engine": ctx.record.engine,
+        "variant": ctx.record.variant,
+        "outcome": ctx.record.outcome,
+        "status": ctx.record.status,
+        "error_code": ctx.record.error_code,
         "policies": [
             {
                 "name": p.name,
@@ -141,46 +141,54 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
                 "attempt": p.attempt,
                 "score": p.score,
             }
-            for p in ctx.policy_runs
+            for p in ctx.record.policy_runs
         ],
-        "degraded": list(ctx.degraded),
-        "notes": dict(ctx.notes),
-        "control": dict(ctx.control_state),
-        **({"sampling_defaults": dict(ctx.sampling_defaults)} if ctx.sampling_defaults else {}),
-        "attempts": ctx.attempts,
-        "retries": ctx.retries,
+        "degraded": list(ctx.outputs.degraded),
+        "notes": dict(ctx.outputs.notes),
+        "control": dict(ctx.outputs.control),
+        **({"sampling_defaults": dict(ctx.record.sampling_defaults)} if ctx.record.sampling_defaults else {}),
+        # where a long input was cut into consecutive engine calls (seconds into the client's part)
+        **({"segments": [list(b) for b in ctx.record.segments]} if ctx.record.segments else {}),
+        "attempts": ctx.record.attempts,
+        "retries": ctx.record.retries,
         "usage": {
-            "prompt_tokens": ctx.prompt_tokens,
-            "completion_tokens": ctx.completion_tokens,
+            "prompt_tokens": ctx.record.prompt_tokens,
+            "completion_tokens": ctx.record.completion_tokens,
             # speech is metered in seconds: it adds no completion tokens
-            **({"audio_seconds": round(ctx.audio_seconds, 3)} if ctx.audio_seconds else {}),
+            **({"audio_seconds": round(ctx.record.audio_seconds, 3)} if ctx.record.audio_seconds else {}),
             # an estimate (engines/energy.py), present only where the engine's GPU power is measured
-            **({"energy_joules": round(ctx.energy_joules, 3)} if ctx.energy_joules is not None else {}),
+            **(
+                {"energy_joules": round(ctx.record.energy_joules, 3)}
+                if ctx.record.energy_joules is not None
+                else {}
+            ),
         },
         "duration_ms": round(snap.duration_ms, 3),
-        "ttft_ms": round(ctx.ttft_s * 1000, 3) if ctx.ttft_s is not None else None,
-        "body_bytes": ctx.body_bytes,
+        "ttft_ms": round(ctx.record.ttft_s * 1000, 3) if ctx.record.ttft_s is not None else None,
+        "body_bytes": ctx.record.body_bytes,
     }
     req = snap.received
-    if isinstance(ctx.input_digests, InputDigests):
-        payload["input"] = ctx.input_digests.get()  # made before the pipeline let go of the client's media
+    if isinstance(ctx.record.input_digests, InputDigests):
+        payload["input"] = (
+            ctx.record.input_digests.get()
+        )  # made before the pipeline let go of the client's media
     elif req is not None:
         payload["input"] = input_digests(req)
     output = snap.output
     if output is None and snap.completion is not None:
-        output = OutputDigest.of(snap.completion, keep_text=ctx.audit_content != "digests")
+        output = OutputDigest.of(snap.completion, keep_text=ctx.identity.audit_content != "digests")
     if output is not None:
         payload["output"] = output.to_json()
-    if ctx.audit_content != "digests" and req is not None:
+    if ctx.identity.audit_content != "digests" and req is not None:
         # One budget per record: what redaction may spend on it is bounded however many messages it has.
         budget = Budget()
         kept: dict[str, Any] = {
-            "mode": ctx.audit_content,
-            "messages": _content(req, ctx.audit_content, budget),
+            "mode": ctx.identity.audit_content,
+            "messages": _content(req, ctx.identity.audit_content, budget),
         }
         if output is not None:
             text = output.text()
-            kept["output_text"] = text if ctx.audit_content == "raw" else budget.redact(text)
+            kept["output_text"] = text if ctx.identity.audit_content == "raw" else budget.redact(text)
         payload["content"] = kept
     payload.update(snap.extra)
     return payload

@@ -152,7 +152,7 @@ class _Check:
         self.cfg = policy.config
         self.ctx = ctx
         self.request = request
-        self.attempt = ctx.retries + 1
+        self.attempt = ctx.record.retries + 1
         self.premise = policy.premise(request, ctx)
         self._text: list[str] = []  # the answer so far (joined once, at the end)
         self._calls = False  # the answer calls tools
@@ -413,8 +413,8 @@ class Grounding(PolicyBase):
     # -- the two hooks ------------------------------------------------------
     def stream_mode(self, request: ChatCompletionRequest, ctx: RequestContext) -> StreamMode:
         cfg = self.config
-        if ctx.tenant is not None and ctx.tenant in cfg.modes_by_tenant:
-            return cfg.modes_by_tenant[ctx.tenant]
+        if ctx.identity.tenant is not None and ctx.identity.tenant in cfg.modes_by_tenant:
+            return cfg.modes_by_tenant[ctx.identity.tenant]
         return cfg.modes_by_model.get(request.model, cfg.mode)
 
     def open_check(self, request: ChatCompletionRequest, ctx: RequestContext) -> _Check:
@@ -439,7 +439,9 @@ class Grounding(PolicyBase):
 
     # -- pieces the checks share ---------------------------------------------
     def premise(self, request: ChatCompletionRequest, ctx: RequestContext) -> Premise:
-        return premise_of(request, ctx.input_transcripts, exclude=[self.config.retry_instruction or ""])
+        return premise_of(
+            request, ctx.outputs.input_transcripts, exclude=[self.config.retry_instruction or ""]
+        )
 
     def observe(self, mode: str, score: float, verdict: str) -> None:
         self.metrics.grounding_score.labels(mode).observe(score)

@@ -493,17 +493,17 @@ async def test_a_committed_stream_closed_without_being_read_gives_everything_bac
     request = ChatCompletionRequest.model_validate(SPEECH)
 
     async def run():
-        never_iterated = await pipeline.stream(request, RequestContext(request_id="a"))
-        created_not_started = await pipeline.stream(request, RequestContext(request_id="b"))
+        never_iterated = await pipeline.stream(request, RequestContext.new("a"))
+        created_not_started = await pipeline.stream(request, RequestContext.new("b"))
         created_not_started.deltas()
-        half_read = await pipeline.stream(request, RequestContext(request_id="c"))
+        half_read = await pipeline.stream(request, RequestContext.new("c"))
         deltas = half_read.deltas()
         await anext(deltas)
         assert server.services.admission.store.count == 3
         for s in (never_iterated, created_not_started, half_read):
             await s.aclose()
             await s.aclose()  # twice: still released once
-        return [s.ctx.outcome for s in (never_iterated, created_not_started, half_read)]
+        return [s.ctx.record.outcome for s in (never_iterated, created_not_started, half_read)]
 
     assert server.bg.run(run()) == ["cancelled"] * 3
     await assert_no_leak(server)

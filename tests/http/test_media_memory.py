@@ -304,7 +304,7 @@ def test_once_the_engine_has_the_request_only_the_caller_holds_the_clients_strin
         }
     )
     client_string = request.messages[0].content[1].input_audio.data
-    ctx = RequestContext(request_id="refcount", audit_content=audit_content)
+    ctx = RequestContext.new("refcount", audit_content=audit_content)
     httpx.post(engine + "/_reset", timeout=5)
     running = asyncio.run_coroutine_threadsafe(gw.services.pipeline.complete(request, ctx), gw.bg.loop)
     del request
@@ -317,7 +317,7 @@ def test_once_the_engine_has_the_request_only_the_caller_holds_the_clients_strin
     running.result(60)
     assert holders == (1 if audit_content == "raw" else 0)
     if audit_content != "raw":
-        digest = ctx.input_digests.get()
+        digest = ctx.record.input_digests.get()
         assert digest[1]["sha256"] == hashlib.sha256(client_string.encode()).hexdigest()
         assert digest[1]["chars"] == len(client_string)
 

@@ -67,14 +67,14 @@ async def test_shedding_policy_rewrites_speech_to_text_and_announces_it():
             "audio": {"voice": "Ethan", "format": "wav"},
         }
     )
-    ctx = RequestContext(request_id="r")
+    ctx = RequestContext.new("r")
     ctx.load = LoadSnapshot("standard", 20, 16, 64, "local")
     out = await policy.pre(req, ctx)
     assert out.modalities == ["text"] and out.audio is None and not out.wants_audio
-    assert ctx.degraded == ["load-text-only"]
-    ctx2 = RequestContext(request_id="r2")
+    assert ctx.outputs.degraded == ["load-text-only"]
+    ctx2 = RequestContext.new("r2")
     ctx2.load = LoadSnapshot("standard", 3, 16, 64, "local")
-    assert await policy.pre(req, ctx2) is req and ctx2.degraded == []
+    assert await policy.pre(req, ctx2) is req and ctx2.outputs.degraded == []
 
 
 def _gate(**traffic) -> AdmissionGate:
@@ -82,7 +82,7 @@ def _gate(**traffic) -> AdmissionGate:
 
 
 def _ctx(**kw) -> RequestContext:
-    return RequestContext(request_id="r", **kw)
+    return RequestContext.new("r", **kw)
 
 
 async def test_local_gate_counts_sheds_and_refuses_by_class():

@@ -67,7 +67,7 @@ def _request() -> ChatCompletionRequest:
 
 
 def _ctx() -> RequestContext:
-    return RequestContext(request_id=secrets.token_hex(8))
+    return RequestContext.new(secrets.token_hex(8))
 
 
 def _busy(pool: EnginePool) -> dict[str, int]:
@@ -80,11 +80,11 @@ async def test_the_first_engine_that_answers_keeps_its_slot_as_the_requests_leas
     ctx = _ctx()
     answered = await attempts.call(_request(), ctx, script)
     assert answered.result == "answer from a" and script.calls == ["a"]
-    assert ctx.engine == "a" and ctx.attempts == 1 and ctx.lease is not None and ctx.lease.held
+    assert ctx.record.engine == "a" and ctx.record.attempts == 1 and ctx.lease is not None and ctx.lease.held
     assert _busy(pool) == {"a": 1, "b": 0}
     attempts.unbind(ctx)  # a retry or the next segment gives it back, once
     attempts.unbind(ctx)
-    assert ctx.engine is None and ctx.lease is None and _busy(pool) == {"a": 0, "b": 0}
+    assert ctx.record.engine is None and ctx.lease is None and _busy(pool) == {"a": 0, "b": 0}
 
 
 async def test_an_engine_error_that_allows_failover_moves_on_and_settles_the_failed_slot():
@@ -92,7 +92,7 @@ async def test_an_engine_error_that_allows_failover_moves_on_and_settles_the_fai
     script = Script(a=EngineFailed("engine a failed", engine="a"), b="ok")
     ctx = _ctx()
     answered = await attempts.call(_request(), ctx, script)
-    assert answered.engine.name == "b" and script.calls == ["a", "b"] and ctx.attempts == 2
+    assert answered.engine.name == "b" and script.calls == ["a", "b"] and ctx.record.attempts == 2
     assert _busy(pool) == {"a": 0, "b": 1}
     assert pool._circuits["a"].consecutive == 1  # type: ignore[attr-defined]
     assert metrics.registry.get_sample_value("omnigate_engine_failovers_total", {"engine": "a"}) == 1
@@ -106,7 +106,7 @@ async def test_an_engine_error_without_failover_ends_the_loop_with_every_slot_gi
     ctx = _ctx()
     with pytest.raises(EngineProtocolError):
         await attempts.call(_request(), ctx, script)
-    assert script.calls == ["a"] and ctx.lease is None and ctx.engine is None
+    assert script.calls == ["a"] and ctx.lease is None and ctx.record.engine is None
     assert _busy(pool) == {"a": 0, "b": 0}
     assert pool._circuits["a"].consecutive == 0  # type: ignore[attr-defined]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from core.context import PolicyRun, RequestContext
+from core.context import Identity, PolicyRun, Record, RequestContext
 from core.digest import OutputDigest
 from core.events import Completion, Delta, Usage
 from core.schemas import ChatCompletionRequest
@@ -37,15 +37,11 @@ REQUEST = ChatCompletionRequest.model_validate(
 
 def _ctx(mode: str) -> RequestContext:
     ctx = RequestContext(
-        request_id="r1",
-        tenant="acme",
-        outcome="served",
-        audit_content=mode,
-        prompt_tokens=7,
-        completion_tokens=3,
+        Identity("r1", tenant="acme", audit_content=mode),
+        Record(outcome="served", prompt_tokens=7, completion_tokens=3),
     )
-    ctx.policy_runs.append(PolicyRun("request-limits", "pre", "accept", 0.0123456))
-    ctx.control_state["shedding"] = "speech-off"
+    ctx.record.policy_runs.append(PolicyRun("request-limits", "pre", "accept", 0.0123456))
+    ctx.outputs.control["shedding"] = {"action": "text-only"}
     return ctx
 
 
@@ -79,7 +75,7 @@ def test_digests_of_every_input_part_and_the_output():
             "score": None,
         }
     ]
-    assert p["control"] == {"shedding": "speech-off"}
+    assert p["control"] == {"shedding": {"action": "text-only"}}
     assert p["usage"] == {"prompt_tokens": 7, "completion_tokens": 3}
     assert "content" not in p
 
@@ -110,6 +106,6 @@ def test_the_energy_estimate_is_in_the_usage_only_where_power_was_measured():
     assert (
         "energy_joules" not in request_payload(RequestSnapshot(ctx, REQUEST, None, completion, 1.0))["usage"]
     )
-    ctx.energy_joules = 0.123456
+    ctx.record.energy_joules = 0.123456
     p = request_payload(RequestSnapshot(ctx, REQUEST, None, completion, 1.0))
     assert p["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "energy_joules": 0.123}

@@ -204,7 +204,7 @@ def test_the_audit_record_digests_the_tool_calls_a_conversation_carries():
             ],
         }
     )
-    payload = request_payload(RequestSnapshot(RequestContext(request_id="r"), req, None, None, 1.0))
+    payload = request_payload(RequestSnapshot(RequestContext.new("r"), req, None, None, 1.0))
     sha = hashlib.sha256(b'f{"a": 1}').hexdigest()
     assert {"role": "assistant", "type": "tool_call", "sha256": sha, "chars": 9} in payload["input"]
     assert [e["type"] for e in payload["input"]] == ["text", "tool_call", "text"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from core.context import RequestContext
 from core.events import Delta
 from core.schemas import ChatCompletionRequest
 from core.settings import PolicyChainConfig, PolicySpec
@@ -132,14 +133,13 @@ def test_grounding_config_is_validated_when_the_chain_is_built():
     impl = chain.post[0].impl
     assert isinstance(impl.config, GroundingConfig)
     assert (
-        impl.stream_mode(_req([{"role": "user", "content": "x"}]).model_copy(update={"model": "rag"}), _Ctx())
+        impl.stream_mode(
+            _req([{"role": "user", "content": "x"}]).model_copy(update={"model": "rag"}),
+            RequestContext.new("r"),
+        )
         == "hold"
     )
-    assert impl.stream_mode(_req([{"role": "user", "content": "x"}]), _Ctx()) == "window"
-
-
-class _Ctx:
-    tenant = None
+    assert impl.stream_mode(_req([{"role": "user", "content": "x"}]), RequestContext.new("r")) == "window"
 
 
 def test_retry_adjustment_lowers_temperature_and_adds_the_instruction_once():

@@ -73,7 +73,7 @@ async def gates():
 
 
 def _ctx(**kw) -> RequestContext:
-    return RequestContext(request_id=uuid.uuid4().hex, **kw)
+    return RequestContext.new(uuid.uuid4().hex, **kw)
 
 
 async def _live(client, prefix: str, suffix: str = "slots") -> int:
