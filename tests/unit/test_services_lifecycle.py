@@ -3,9 +3,11 @@ that fails part-way; a close that fails is logged and the teardown goes on."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -15,6 +17,9 @@ from prometheus_client import CollectorRegistry
 
 from core.settings import Settings
 from gateway.app import create_app
+from gateway.auth_failures import AuthFailures
+from gateway.ratelimit import RateLimiter
+from gateway.redis_client import SharedRedis
 from gateway.services import Services
 from observability.metrics import Metrics
 from policies.base import Deps, PolicyBase
@@ -103,13 +108,28 @@ def _spy(obj: Any, name: str, start: str | None, close: str) -> None:
         setattr(obj, attr, wrapped)
 
 
-def _spied(tmp_path: Path) -> Services:
+def _spy_class(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> None:
+    """Record each ``aclose`` of ``cls``'s instances (build registers the bound method as it builds them)."""
+    real = cls.aclose
+
+    async def aclose(self: Any) -> None:
+        EVENTS.append(("close", name))
+        await real(self)
+
+    monkeypatch.setattr(cls, "aclose", aclose)
+
+
+def _spied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Services:
     """Real services with every resource observed: an admission gate, a metrics port, a chain."""
     settings = _settings(
         tmp_path,
         policies={"pre": [{"name": "chain-probe"}]},
         metrics={"port": 0, "host": "127.0.0.1"},
     )
+    # Built by build, started by nobody: they close after everything that started.
+    _spy_class(monkeypatch, SharedRedis, "redis")
+    _spy_class(monkeypatch, RateLimiter, "limiter")
+    _spy_class(monkeypatch, AuthFailures, "auth_failures")
     services = Services.build(settings, Metrics(CollectorRegistry()), ALL)
     assert services.admission is not None and services.metrics_server is not None
     services.scorer = SpyScorer()
@@ -120,10 +140,6 @@ def _spied(tmp_path: Path) -> Services:
     _spy(services.pool, "pool", "start", "aclose")
     _spy(services.controller, "controller", "start", "aclose")
     _spy(services.metrics_server, "metrics_server", "start", "stop")
-    # Built by build, started by nobody: they close after everything that started.
-    _spy(services.redis, "redis", None, "aclose")
-    _spy(services.limiter, "limiter", None, "aclose")
-    _spy(services.auth_failures, "auth_failures", None, "aclose")
     original = services.audit.aclose
 
     async def audit_close() -> None:
@@ -139,13 +155,21 @@ def _order(event: str) -> list[str]:
     return [name for e, name in EVENTS if e == event]
 
 
-def _leftover_threads(before: set[threading.Thread]) -> list[str]:
-    deadline = time.monotonic() + 10
-    while True:
-        extra = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
-        if not extra or time.monotonic() > deadline:
-            return extra
-        time.sleep(0.05)
+async def _eventually(done: Callable[[], bool], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def _leftover_threads(before: set[threading.Thread]) -> list[str]:
+    def extra() -> list[str]:
+        return [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+
+    await _eventually(lambda: not extra())
+    return extra()
 
 
 async def test_a_start_that_fails_at_the_policy_chain_closes_everything_started_before_it(tmp_path):
@@ -176,11 +200,8 @@ async def test_a_start_that_fails_at_the_policy_chain_closes_everything_started_
     assert services._tasks and all(t.cancelled() for t in services._tasks)
     assert services.media.sandbox._pool is None and workers
     assert scorer.closed == 1
-    assert _leftover_threads(before) == []
-    deadline = time.monotonic() + 10
-    while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(p.is_alive() for p in workers)
+    assert await _leftover_threads(before) == []
+    assert await _eventually(lambda: not any(p.is_alive() for p in workers))
     await services.aclose()  # after a failed start: nothing is closed a second time
     assert scorer.closed == 1
 
@@ -196,13 +217,15 @@ async def test_the_lifespan_closes_what_a_failed_start_opened_once(tmp_path):
             pytest.fail("the gateway served after its start failed")
     assert scorer.closed == 1
     assert services.audit is not None and services.audit.store._db is None
-    assert _leftover_threads(before) == []
+    assert await _leftover_threads(before) == []
 
 
-async def test_start_then_aclose_closes_each_resource_once_in_the_reverse_order_of_start(tmp_path):
+async def test_start_then_aclose_closes_each_resource_once_in_the_reverse_order_of_start(
+    tmp_path, monkeypatch
+):
     EVENTS.clear()
     before = set(threading.enumerate())
-    services = _spied(tmp_path)
+    services = _spied(tmp_path, monkeypatch)
     await services.start()
     starts = _order("start")
     assert starts[0] == "scorer" and set(starts) == {
@@ -221,13 +244,12 @@ async def test_start_then_aclose_closes_each_resource_once_in_the_reverse_order_
     closes = _order("close")
     assert closes == [*reversed(starts), "auth_failures", "limiter", "redis"]  # the Redis pool last
     assert ("tasks_done", "True") in EVENTS
-    assert _leftover_threads(before) == []
+    assert await _leftover_threads(before) == []
 
 
-async def test_a_close_that_fails_is_logged_and_the_teardown_goes_on(tmp_path):
+async def test_a_close_that_fails_is_logged_and_the_teardown_goes_on(tmp_path, monkeypatch):
     EVENTS.clear()
-    services = _spied(tmp_path)
-    await services.start()
+    services = _spied(tmp_path, monkeypatch)
     spied_close = services.pool.aclose
 
     async def failing_close() -> None:
@@ -235,6 +257,7 @@ async def test_a_close_that_fails_is_logged_and_the_teardown_goes_on(tmp_path):
         raise RuntimeError("an engine session would not close")
 
     services.pool.aclose = failing_close
+    await services.start()
     with structlog.testing.capture_logs() as logs:
         await services.aclose()
     closes = _order("close")
@@ -245,19 +268,19 @@ async def test_a_close_that_fails_is_logged_and_the_teardown_goes_on(tmp_path):
     assert services.audit is not None and services.audit.store._db is None
 
 
-async def test_aclose_twice_closes_nothing_the_second_time(tmp_path):
+async def test_aclose_twice_closes_nothing_the_second_time(tmp_path, monkeypatch):
     EVENTS.clear()
-    services = _spied(tmp_path)
+    services = _spied(tmp_path, monkeypatch)
     await services.start()
     await services.aclose()
     closed = list(EVENTS)
     await services.aclose()
-    assert EVENTS == closed
+    assert closed == EVENTS
 
 
-async def test_services_built_and_never_started_close_what_build_opened(tmp_path):
+async def test_services_built_and_never_started_close_what_build_opened(tmp_path, monkeypatch):
     EVENTS.clear()
-    services = _spied(tmp_path)
+    services = _spied(tmp_path, monkeypatch)
     await services.aclose()
     assert _order("close") == ["auth_failures", "limiter", "redis"]
     await services.aclose()
