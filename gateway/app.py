@@ -77,11 +77,13 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await services.start()
-        if freeze_heap:
-            heap.freeze()
-        hup = _on_sighup(services, config_path)
+        hup = False
         try:
+            # A start that fails part-way has closed what it started: aclose then finds nothing to close.
+            await services.start()
+            if freeze_heap:
+                heap.freeze()
+            hup = _on_sighup(services, config_path)
             yield
         finally:
             if hup:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +75,8 @@ class Services:
     #: one reload at a time (gateway/reload.py)
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    #: the closes of what build and start opened, in the order they opened (aclose unwinds it)
+    _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     #: the grounding scorer, built only when a configured policy ``uses`` it; loaded by :meth:`start`.
     #: The gateway's, not a chain's: kept across reloads (its ``grounding`` settings need a restart)
     scorer: Any = None
@@ -179,6 +183,10 @@ class Services:
             auth_required=settings.auth_required,
             metrics_server=MetricsServer(settings, metrics) if settings.metrics.port is not None else None,
         )
+        # Built here, used by what start starts: closed after all of it, the Redis pool last.
+        services._on_close("redis", redis.aclose)
+        services._on_close("limiter", limiter.aclose)
+        services._on_close("auth_failures", services.auth_failures.aclose)
         if audit is not None:
             # Every routing transition, automatic or manual, goes into the same tamper-evident chain.
             controller.on_transition.append(services._audit_transition)
@@ -210,6 +218,22 @@ class Services:
             await self.audit.append_event("routing_transition", transition.to_dict())
 
     async def start(self) -> None:
+        """Start the resources and put each one's close on the stack; one that fails closes the rest and raises."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _start(self) -> None:
+        # Each resource starts after what it uses, and its close goes on the stack as soon as it has
+        # started, so the unwinding closes it before them: the background tasks (the last failure
+        # summary goes into the audit trail) before the audit writer and the directory; the chain
+        # generations before the scorer and the media runtime they share; the controller and the
+        # admission gate (both switch the engines) before the engine pool; and everything before the
+        # limiter, the failure window and the Redis pool, which build put on the stack first.
+        # The scorer's slot is taken before it loads: a reload may build one later, closed here too.
+        self._on_close("scorer", self._close_scorer)
         if self.scorer is not None:
             # Loaded before the gateway serves: a configured model that cannot load fails the boot.
             await self.scorer.start()
@@ -225,8 +249,11 @@ class Services:
         )
         if self.audit is not None:
             await self.audit.start()
+            self._on_close("audit", self.audit.aclose)
         else:
             log.warning("audit_disabled")
+        if self.live is not None:
+            self._on_close("live", self.live.aclose)  # closes its store only once a read opened it
         await self.refresh_directory()
         auth = self.describe_auth()
         if not self.auth_required:
@@ -240,14 +267,25 @@ class Services:
                 keys=len(self.directory.keys),
                 directory=auth["directory"],
             )
-        self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory-refresh"))
-        self._tasks.append(
-            asyncio.create_task(self._summarise_failures_forever(), name="auth-failure-summary")
-        )
+        for name, loop in (
+            ("directory-refresh", self._refresh_forever),
+            ("auth-failure-summary", self._summarise_failures_forever),
+        ):
+            task = asyncio.create_task(loop(), name=name)
+            self._tasks.append(task)
+            self._on_close(name, functools.partial(_cancel, task))
         if self.media is not None:
+            # On the stack before it starts: workers started by a start that then fails are killed too.
+            self._on_close("media", self.media.aclose)
             await self.media.start()
         # Policies load their models before traffic can arrive (the lifespan has not yielded yet).
         await self.chains.current.open(self.deps())
+        # Every generation (each policy's aclose in reverse start order), the retired ones included.
+        self._on_close("chains", self.chains.aclose)
+        await self.pool.start()
+        self._on_close("pool", self.pool.aclose)
+        await self.controller.start()
+        self._on_close("controller", self.controller.aclose)
         if self.admission is not None:
             chains = {"policies": self.chain}
             chains.update({f"policy_sets.{n}": c for n, c in self.pipeline.chains.items()})
@@ -259,10 +297,19 @@ class Services:
                     detail="admission limits apply, but speech is not shed there above the soft limit",
                 )
             await self.admission.start()
-        await self.pool.start()
-        await self.controller.start()
+            # A close that fails (Redis gone at shutdown) is logged: the leases expire by themselves.
+            self._on_close("admission", self.admission.aclose)
         if self.metrics_server is not None:
             self.metrics_server.start()
+            self._on_close("metrics_server", _as_async(self.metrics_server.stop))
+
+    def _on_close(self, name: str, close: Callable[[], Awaitable[object]]) -> None:
+        """Put ``close`` on the stack: run by :meth:`aclose` in the reverse order of registration."""
+        self._stack.push_async_callback(_close_logged, name, close)
+
+    async def _close_scorer(self) -> None:
+        if self.scorer is not None:
+            await self.scorer.aclose()
 
     def begin_drain(self) -> None:
         """Shutdown has begun: fail readiness now, and give open streams until the deadline."""
@@ -367,41 +414,28 @@ class Services:
                 await asyncio.shield(self.summarise_failures())
 
     async def aclose(self) -> None:
-        if self.metrics_server is not None:
-            self.metrics_server.stop()
-        if self.admission is not None:
-            try:
-                await self.admission.aclose()
-            except Exception as exc:  # Redis gone at shutdown: the leases expire by themselves
-                log.warning("admission_close_failed", error=str(exc) or type(exc).__name__)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        try:
-            await self.controller.aclose()
-        finally:
-            await self.pool.aclose()
-        if self.limiter is not None:
-            await self.limiter.aclose()
-        if self.live is not None:
-            with contextlib.suppress(Exception):
-                await self.live.aclose()
-        if self.auth_failures is not None:
-            with contextlib.suppress(Exception):
-                await self.auth_failures.aclose()
-        if self.audit is not None:
-            with contextlib.suppress(Exception):
-                await self.audit.aclose()
-        # Every chain generation (each policy's aclose in reverse start order), before what they share.
-        await self.chains.aclose()
-        if self.scorer is not None:
-            await self.scorer.aclose()
-        if self.media is not None:
-            await self.media.aclose()
-        if self.redis is not None:
-            # Last: admission, the controller's state store, the limiters and the failure window are closed.
-            with contextlib.suppress(Exception):
-                await self.redis.aclose()
+        """Close what was started (and what build opened), in the reverse order; later calls close nothing."""
+        await self._stack.aclose()
+
+
+async def _close_logged(name: str, close: Callable[[], Awaitable[object]]) -> None:
+    # One resource's failing close must not keep the others open; it is logged, by name.
+    try:
+        await close()
+    except Exception as exc:
+        log.warning("service_close_failed", resource=name, error=f"{type(exc).__name__}: {exc}")
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def _as_async(fn: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+    async def call() -> None:
+        fn()
+
+    return call
 
 
 def unshed_chains(chains: dict[str, PolicyChain]) -> list[str]:
