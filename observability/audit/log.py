@@ -113,6 +113,17 @@ class AuditLog:
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Open the store and the journal and start the writer; a start that fails closes what it opened
+        (the store's connection and thread, the journal's thread and lock) before it raises."""
+        try:
+            await self._start()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the start's own error is the one to report
+                await self.store.close()
+            self.spool.close()
+            raise
+
+    async def _start(self) -> None:
         await self.store.open()
         self._head = await self.store.head()
         if not self.signer.can_sign:

@@ -206,3 +206,25 @@ async def test_two_processes_cannot_spool_into_one_journal(tmp_path):
     again = AuditLog(settings, build_store(settings), Metrics())  # the lock went with the first
     await again.start()
     await again.aclose()
+
+
+async def test_a_start_refused_the_journal_closes_what_it_opened(tmp_path):
+    """Two processes on one journal: the second is refused at start, and leaves no store, thread or lock
+    open behind it (the gateway's boot then fails with nothing to clean up for this writer)."""
+    import threading
+
+    settings = AuditSettings(
+        sqlite_path=tmp_path / "a.db", on_unavailable="spool", spool_path=tmp_path / "s.jsonl"
+    )
+    first = AuditLog(settings, build_store(settings), Metrics())
+    await first.start()
+    try:
+        before = set(threading.enumerate())
+        second = AuditLog(settings, build_store(settings), Metrics())
+        with pytest.raises(RuntimeError, match="another gateway process uses the audit journal"):
+            await second.start()
+        assert set(threading.enumerate()) <= before  # the store's and the journal's threads are gone
+        assert second.spool._lock_fd is None
+        await second.aclose()  # harmless after a refused start
+    finally:
+        await first.aclose()
