@@ -132,12 +132,18 @@ class RolloutController:
             # Serving with the configured split beats not serving; the loop keeps trying the store.
             self.metrics.controller_errors.labels("store").inc()
             log.error("controller_store_unavailable", error=str(exc) or type(exc).__name__)
-        if self.telemetry is not None:
-            await self.telemetry.start()
-        if self.sentinel is not None and self.settings.sentinel.enabled:
-            await self.sentinel.start()
-        if self.accuracy is not None:
-            await self.accuracy.start()
+        try:
+            if self.telemetry is not None:
+                await self.telemetry.start()
+            if self.sentinel is not None and self.settings.sentinel.enabled:
+                await self.sentinel.start()
+            if self.accuracy is not None:
+                await self.accuracy.start()
+        except BaseException:
+            # A part that cannot start fails the boot; the parts started before it are closed first
+            # (each part's aclose is safe on a part that never started).
+            await self.aclose()
+            raise
         self._task = asyncio.create_task(self._run(), name="rollout-controller")
 
     async def _load_or_seed(self) -> None:

@@ -285,3 +285,32 @@ async def test_services_built_and_never_started_close_what_build_opened(tmp_path
     assert _order("close") == ["auth_failures", "limiter", "redis"]
     await services.aclose()
     assert _order("close") == ["auth_failures", "limiter", "redis"]
+
+
+class _Part:
+    """A control-loop component that records its start and close; ``fail`` makes its start raise."""
+
+    def __init__(self, name: str, fail: bool = False) -> None:
+        self.name, self.fail = name, fail
+
+    async def start(self) -> None:
+        EVENTS.append(("start", self.name))
+        if self.fail:
+            raise RuntimeError(f"{self.name} cannot start")
+
+    async def aclose(self) -> None:
+        EVENTS.append(("close", self.name))
+
+
+async def test_a_controller_whose_part_fails_to_start_closes_the_parts_it_started(tmp_path):
+    EVENTS.clear()
+    services = Services.build(_settings(tmp_path), Metrics(CollectorRegistry()), ALL)
+    controller = services.controller
+    controller.telemetry = _Part("telemetry")  # type: ignore[assignment]  # stand-ins for the real loops
+    controller.accuracy = _Part("accuracy", fail=True)  # type: ignore[assignment]
+    try:
+        with pytest.raises(RuntimeError, match="accuracy cannot start"):
+            await controller.start()
+        assert ("close", "telemetry") in EVENTS and controller._task is None
+    finally:
+        await services.aclose()
