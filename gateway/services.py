@@ -1,4 +1,10 @@
-"""The resources one running gateway owns, created and closed by the app's lifespan."""
+"""The resources one running gateway owns, created and closed by the app's lifespan.
+
+Over 400 lines on purpose: the wiring (:meth:`Services.build`), the start order and the teardown stack
+that reverses it are one sequence a reader must see whole to check that every resource is closed once,
+after everything that uses it. What is not that sequence lives elsewhere (chain generations in
+gateway/chains.py, the directory in gateway/directory/, reloads in gateway/reload.py).
+"""
 
 from __future__ import annotations
 
