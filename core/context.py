@@ -239,6 +239,10 @@ class PolicyOutputs:
 
 @dataclass(slots=True)
 class RequestContext:
+    """One request's state, never shared: who asks, what happened, what the policies found, and what
+    the request holds until it ends. Policies read ``identity``, ``record``, ``load`` and
+    ``retries_left`` and write only ``outputs`` (and the media budget the media steps open)."""
+
     identity: Identity
     record: Record = field(default_factory=Record)
     outputs: PolicyOutputs = field(default_factory=PolicyOutputs)
