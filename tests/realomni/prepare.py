@@ -66,12 +66,19 @@ def _run(cmd: list[str], **kw: object) -> None:
     subprocess.run(cmd, check=True, **kw)  # type: ignore[call-overload]
 
 
+def _built(path: Path) -> bool:
+    """Whether ``path`` (relative to a plugin's folder) is what building or installing it left there."""
+    return any(part in ("__pycache__", "build") or part.endswith(".egg-info") for part in path.parts)
+
+
 def _digest(*paths: Path) -> str:
     h = hashlib.sha256()
     for base in paths:
         files = [base]
         if base.is_dir():
-            files = sorted(p for p in base.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+            # Installing the plugin builds it in its folder (build/, *.egg-info/): not part of its source,
+            # or the next run would find a changed plugin and install it again.
+            files = sorted(p for p in base.rglob("*") if p.is_file() and not _built(p.relative_to(base)))
         for p in files:
             if p.suffix in (".py", ".toml", ".yaml", ".txt"):
                 h.update(str(p.relative_to(base.parent)).encode())
