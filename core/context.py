@@ -177,6 +177,8 @@ class Record:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     #: seconds into the original part of each segment, when a pre-policy cut a long input into several
     segments: list[tuple[float, float]] | None = None
+    #: the admission's decision on this request (result, class, counts, limits), for the audit record
+    admission: dict[str, Any] | None = None
     engine: str | None = None
     variant: str | None = None
     attempts: int = 0
@@ -217,7 +219,8 @@ class PolicyOutputs:
     response_headers: dict[str, str] = field(default_factory=dict)
     #: facts verdicts report (audit record; sent as the stream's final event)
     notes: dict[str, Any] = field(default_factory=dict)
-    #: the traffic decisions the request was served under, by control loop (``admission``, ``shedding``)
+    #: the traffic decisions policies made, by control loop (``shedding``); the audit record's ``control``
+    #: holds them beside the admission's (``Record.admission``)
     control: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def degrade(self, reason: str) -> None:

@@ -18,7 +18,7 @@ to local limits (a share of each limit per replica), loudly.
 A background loop reads the count and drives the overload state (:func:`decide_overload`), which lowers the
 engines' concurrency caps (``EnginePool.set_overloaded``); the request path never waits on it.
 
-Every decision is written to the request's audit record (``ctx.outputs.control["admission"]``), and every
+Every decision is written to the request's audit record (``ctx.record.admission``, the record's ``control.admission``), and every
 request shed for load is counted once in ``omnigate_admission_shed_total`` by reason: ``tenant_quota``,
 ``overload``, ``text_only`` (counted when the request finishes) and ``engine_busy`` (engines/slots.py).
 
@@ -603,7 +603,7 @@ class AdmissionGate:
             result = "above_soft_limit" if load.above_soft_limit else "admitted"
         else:
             result = "refused_quota" if grant.result == "refuse_quota" else "refused_overload"
-        ctx.outputs.control["admission"] = {
+        ctx.record.admission = {
             "result": result,
             "priority": priority,
             "in_flight": grant.in_flight,

@@ -145,7 +145,11 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
         ],
         "degraded": list(ctx.outputs.degraded),
         "notes": dict(ctx.outputs.notes),
-        "control": dict(ctx.outputs.control),
+        # the traffic decisions: the admission's (the gateway's record) and the policies' (shedding)
+        "control": {
+            **({"admission": ctx.record.admission} if ctx.record.admission else {}),
+            **ctx.outputs.control,
+        },
         **({"sampling_defaults": dict(ctx.record.sampling_defaults)} if ctx.record.sampling_defaults else {}),
         # where a long input was cut into consecutive engine calls (seconds into the client's part)
         **({"segments": [list(b) for b in ctx.record.segments]} if ctx.record.segments else {}),
