@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -81,7 +81,7 @@ class VLLMOmniEngine(OpenAICompatEngine):
             refused.code = "invalid_voice"
             raise refused from exc
 
-    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
+    async def stream(self, request: ChatCompletionRequest) -> AsyncGenerator[Delta, None]:
         """The base stream, with the finish reason vLLM-Omni leaves out when speech follows the text."""
         inner = super().stream(request)
         speech = request.wants_audio
