@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -313,7 +313,7 @@ class OpenAICompatEngine:
             ) from exc
 
     # -- translation -----------------------------------------------------
-    def _translator(self):
+    def _translator(self) -> Callable[[dict[str, Any]], Delta | None]:
         """A fresh per-stream translation function; per-stream state lives in its closure."""
         name = self.name
         state: dict[str, Any] = {}

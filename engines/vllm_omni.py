@@ -105,7 +105,7 @@ class VLLMOmniEngine(OpenAICompatEngine):
             if speech and not judged and cap is not None and pieces >= cap and text_finish in (None, "stop"):
                 yield Delta(finish_reason="length")  # no usage chunk: every text piece is at least one token
         finally:
-            await inner.aclose()  # type: ignore[attr-defined]
+            await inner.aclose()
 
     def _choice_delta(
         self,
