@@ -9,7 +9,8 @@
 
 Beside them, the inputs the gateway gives policies (``load``, ``retries_left``) and what the request
 holds and gives back once when it ends (its admission slot, its chain generation, its engine slot, its
-media budget). The kernel knows those leases only as :class:`Lease`. The access log event and the audit
+media budget). The kernel knows those only by what is called on them (:class:`Lease`,
+:class:`EngineSlot`, :class:`MediaBudget`), never by their classes above it. The access log event and the audit
 record are built from the three parts. A segmentation is not here: it is a plan a pre-policy returns
 with the request it rewrote (:class:`SegmentPlan`, policies/base.py ``Segmented``).
 """
@@ -52,6 +53,26 @@ class LoadSnapshot:
 class Lease(Protocol):
     """Something a request holds from start to end and gives back once (gateway/admission.py's
     ``Ticket``, gateway/chains.py's ``ChainSet`` generation)."""
+
+    def release(self) -> None: ...
+
+
+class EngineSlot(Protocol):
+    """The engine slot a request's current attempt holds (engines/slots.py's ``Lease``), settled once:
+    ``reported`` says whether the request's outcome was reported for the engine (if not, a half-open
+    trial is given back to its circuit)."""
+
+    def settle(self, *, reported: bool) -> None: ...
+
+
+class MediaBudget(Protocol):
+    """The media bytes one request holds (policies/media/sandbox.py's ``RequestBudget``): the media steps
+    take from it, the pipeline releases it when the request ends."""
+
+    @property
+    def room(self) -> int: ...
+
+    async def take(self, n: int, param: str) -> None: ...
 
     def release(self) -> None: ...
 
@@ -258,11 +279,10 @@ class RequestContext:
     admission: Lease | None = None
     #: the chain generation the request began on and runs to its end (a reload does not move it)
     policies: Lease | None = None
-    #: the engine slot the current attempt holds (an engines.slots.Lease: the kernel imports nothing
-    #: above it), settled once by the pipeline
-    lease: Any = None
-    #: the media bytes this request holds (policies/media/sandbox.RequestBudget); released by the pipeline
-    media_budget: Any = None
+    #: the engine slot the current attempt holds, settled once by the pipeline
+    lease: EngineSlot | None = None
+    #: the media bytes this request holds; released by the pipeline
+    media_budget: MediaBudget | None = None
 
     @classmethod
     def new(cls, request_id: str, **identity: Any) -> RequestContext:

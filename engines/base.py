@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -59,7 +59,7 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]: ...
+    def stream(self, request: ChatCompletionRequest) -> AsyncGenerator[Delta, None]: ...
 
     async def complete(self, request: ChatCompletionRequest) -> Completion: ...
 

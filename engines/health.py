@@ -18,7 +18,7 @@ import structlog
 from core.control_settings import RoutingSettings
 from engines.base import Engine
 from engines.circuit import Circuit
-from engines.identity import identity_problem
+from engines.identity import ListsModels, identity_problem
 from engines.rollback import Transition
 from engines.routing import EngineInfo, RoutingTable
 from engines.signals import EngineSummary, OutcomeWindow
@@ -138,7 +138,10 @@ class Health:
         circuit = self.circuits[name]
         action = _CIRCUIT_ACTIONS[state]
         reason = "manual" if source == "manual" else _CIRCUIT_REASONS[action]
-        detail = {"ejections": circuit.ejections, "consecutive_failures": circuit.consecutive}
+        detail: dict[str, float] = {
+            "ejections": circuit.ejections,
+            "consecutive_failures": circuit.consecutive,
+        }
         if state == "open":
             detail["ejected_for_s"] = round(circuit.open_until - time.monotonic(), 3)
         self.refresh_state(name)
@@ -223,12 +226,14 @@ class Health:
             return healthy
         problem: str | None = None
         if healthy:
-            try:
-                problem = identity_problem(
-                    cfg.expected_model, cfg.expected_revision, await engine.served_models()
-                )  # type: ignore[attr-defined]
-            except Exception as exc:
-                problem = f"its model list could not be read ({type(exc).__name__})"
+            if not isinstance(engine, ListsModels):
+                problem = "it cannot list its models"
+            else:
+                try:
+                    served = await engine.served_models()
+                    problem = identity_problem(cfg.expected_model, cfg.expected_revision, served)
+                except Exception as exc:
+                    problem = f"its model list could not be read ({type(exc).__name__})"
         elif engine.name in self.mismatched:
             return False  # down as well: the mismatch stands until a probe shows the right model
         if problem != self.mismatched.get(engine.name):

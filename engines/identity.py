@@ -10,7 +10,16 @@ that lists neither is never routed to (see :mod:`engines.pool`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class ListsModels(Protocol):
+    """An engine that can list what it serves (the vLLM adapters: the settings allow ``expected_*`` on them only)."""
+
+    async def served_models(self) -> list[dict[str, Any]]:
+        """The engine's ``/v1/models`` cards (``id``, ``root``)."""
+        ...
 
 
 def revision_of(root: str) -> str:

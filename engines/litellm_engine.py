@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from core.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
@@ -114,7 +114,7 @@ class LiteLLMEngine:
             return EngineUnavailable(text, engine=self.name)
         return EngineError(text, engine=self.name)
 
-    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
+    async def stream(self, request: ChatCompletionRequest) -> AsyncGenerator[Delta, None]:
         lib = self._lib
         response = None
         try:

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -382,7 +382,7 @@ class LocalEngine:
         )
 
     # -- generation ------------------------------------------------------
-    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
+    async def stream(self, request: ChatCompletionRequest) -> AsyncGenerator[Delta, None]:
         """One piece per decoded token, then a text-less delta with finish_reason and usage."""
         if self._model is None or self._closed:
             raise EngineUnavailable(f"local engine {self.name!r} is not loaded", engine=self.name)
@@ -435,7 +435,7 @@ class LocalEngine:
             async for delta in gen:
                 out.add(delta)
         finally:
-            await gen.aclose()  # type: ignore[attr-defined]
+            await gen.aclose()
         return out
 
     def _prompt_ids(self, request: ChatCompletionRequest) -> Any:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -234,7 +234,7 @@ class OpenAICompatEngine:
             raise EngineFailed(text, engine=self.name)
         raise rejection(text, message, engine=self.name, upstream_status=resp.status)
 
-    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
+    async def stream(self, request: ChatCompletionRequest) -> AsyncGenerator[Delta, None]:
         session = self._require_session()
         body = request_body(self.payload(request, stream=True))
         resp: aiohttp.ClientResponse | None = None
@@ -313,7 +313,7 @@ class OpenAICompatEngine:
             ) from exc
 
     # -- translation -----------------------------------------------------
-    def _translator(self):
+    def _translator(self) -> Callable[[dict[str, Any]], Delta | None]:
         """A fresh per-stream translation function; per-stream state lives in its closure."""
         name = self.name
         state: dict[str, Any] = {}

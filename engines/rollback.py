@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict
 
 from core.control_settings import SAMPLED_SIGNALS, ControllerSettings, Rule
 from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
@@ -330,6 +330,17 @@ def _key(rule: Rule, engine: str) -> str:
     return f"{rule.name}@{engine}"
 
 
+class _Detected(TypedDict):
+    """What every new incident has, whatever its action (the rest is the action's)."""
+
+    rule: str
+    engine: str
+    action: str
+    since: float
+    detected_at: float
+    value: float
+
+
 def _new_incident(
     rule: Rule,
     sig: EngineSignals,
@@ -341,7 +352,7 @@ def _new_incident(
     sleeping: Mapping[str, Sleep] | None = None,
 ) -> tuple[Incident | None, tuple[str, ...]]:
     a = rule.action
-    base = dict(
+    base = _Detected(
         rule=rule.name, engine=sig.info.name, action=a.kind, since=snap.now, detected_at=since, value=value
     )
     if a.kind == "shift":
@@ -352,7 +363,7 @@ def _new_incident(
     return _other_incident(rule, sig, base, snap), ()
 
 
-def _other_incident(rule: Rule, sig: EngineSignals, base: dict[str, Any], snap: Snapshot) -> Incident | None:
+def _other_incident(rule: Rule, sig: EngineSignals, base: _Detected, snap: Snapshot) -> Incident | None:
     a = rule.action
     if a.kind == "set_weight":
         return Incident(**base, weight=a.weight)

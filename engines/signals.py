@@ -277,7 +277,7 @@ class WerWindow:
 
     max_samples: int = 50
     window_s: float = 900.0
-    _q: deque = field(default_factory=deque)
+    _q: deque[tuple[float, float, int]] = field(default_factory=deque)
 
     def add(self, at: float, errors: float, words: int) -> None:
         self._q.append((at, errors, words))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -81,7 +81,7 @@ class VLLMOmniEngine(OpenAICompatEngine):
             refused.code = "invalid_voice"
             raise refused from exc
 
-    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[Delta]:
+    async def stream(self, request: ChatCompletionRequest) -> AsyncGenerator[Delta, None]:
         """The base stream, with the finish reason vLLM-Omni leaves out when speech follows the text."""
         inner = super().stream(request)
         speech = request.wants_audio
@@ -105,7 +105,7 @@ class VLLMOmniEngine(OpenAICompatEngine):
             if speech and not judged and cap is not None and pieces >= cap and text_finish in (None, "stop"):
                 yield Delta(finish_reason="length")  # no usage chunk: every text piece is at least one token
         finally:
-            await inner.aclose()  # type: ignore[attr-defined]
+            await inner.aclose()
 
     def _choice_delta(
         self,

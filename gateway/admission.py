@@ -33,9 +33,9 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import structlog
 
@@ -390,7 +390,7 @@ class RedisSlots:
         if len(self._releasing) == 1:
             self._spawn(self._flush_releases())
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

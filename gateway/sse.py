@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from core.errors import Overloaded
 from gateway.render import error_frame
@@ -86,23 +87,23 @@ class SSEResponse(Response):
             "x-accel-buffering": "no",
         }
         raw.update({k.lower(): v for k, v in (headers or {}).items()})
-        self._headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in raw.items()]
+        # Starlette's ``headers`` is a mutable view of ``raw_headers``: what is sent is what it shows.
+        self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in raw.items()]
         self.status_code = 200
         self.background = None
-        self.raw_headers = self._headers
         self._streams = streams
         # Per-response state, set when the response is served (a response is served once).
-        self._task: asyncio.Task | None = None
-        self._send: Callable[[dict], Awaitable[None]] | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._send: Send | None = None
         self._lock = asyncio.Lock()
         self._stop: Stop | None = None
         self._pumping = False
         self._sent = 0
         self._sent_at_tick = -1
         self._tick: asyncio.TimerHandle | None = None
-        self._keepalive_task: asyncio.Task | None = None
+        self._keepalive_task: asyncio.Task[None] | None = None
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
         task = self._task = asyncio.current_task()
         assert task is not None
@@ -114,7 +115,7 @@ class SSEResponse(Response):
             streams.add(self._cut)
         try:
             try:
-                await send({"type": "http.response.start", "status": 200, "headers": self._headers})
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
                 if streams is not None and streams.expired:
                     self._stop = "drain"
                 if self._stop is None:
@@ -146,7 +147,7 @@ class SSEResponse(Response):
                 streams.discard(self._cut)
             await self._close(task)
 
-    async def _pump(self, send) -> None:
+    async def _pump(self, send: Send) -> None:
         lock = self._lock
         async for frame in self._frames:
             async with lock:
@@ -155,7 +156,7 @@ class SSEResponse(Response):
         async with lock:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _close(self, task: asyncio.Task) -> None:
+    async def _close(self, task: asyncio.Task[Any]) -> None:
         """Run ``on_close`` to the end (bounded), even when the request's task is being cancelled."""
         try:
             if task.cancelling():
@@ -178,7 +179,7 @@ class SSEResponse(Response):
     def _cut(self) -> None:
         self._interrupt("drain")
 
-    async def _watch(self, receive) -> None:
+    async def _watch(self, receive: Receive) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":

@@ -24,7 +24,7 @@ from core.errors import ContentPolicyViolation
 from core.schemas import ChatCompletionRequest
 from core.settings import MediaSettings
 from policies.base import Deps, PolicyBase, PolicyConfig
-from policies.media.image import ImageConfig
+from policies.media.config import ImageConfig
 from policies.media.models import NSFWModel
 from policies.media.parts import MediaRef, media_parts, payload_arg
 from policies.media.process import screen_frames

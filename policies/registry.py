@@ -10,12 +10,12 @@ import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Protocol, cast
 
 from pydantic import ValidationError
 
 from core.settings import PolicyChainConfig, PolicySpec
-from policies.base import RESOURCES, STAGE_PROTOCOL, PolicyConfig
+from policies.base import RESOURCES, STAGE_PROTOCOL, PolicyConfig, Stage
 
 ENTRY_POINT_GROUP = "omnigate.policies"
 
@@ -83,18 +83,33 @@ def available_plugins() -> PluginIndex:
     return PluginIndex()
 
 
-def _check_plugin(name: str, cls: Any) -> None:
+class PluginClass(Protocol):
+    """A policy plugin's class as :func:`_check_plugin` has found it (an entry point gives only a ``type``)."""
+
+    stage: Stage
+    Config: type[PolicyConfig]
+    uses: frozenset[str]
+    runs_after: tuple[str, ...]
+    media_only: bool
+
+    def __call__(self, config: PolicyConfig) -> Any: ...
+
+
+def _check_plugin(name: str, cls: type) -> PluginClass:
+    """``cls`` checked member by member; returned as what the checks showed it to be."""
     for attr in ("name", "stage", "Config"):
         if not hasattr(cls, attr):
             raise PolicyConfigError(f"policy plugin {name!r} lacks the class attribute {attr!r}")
-    if cls.stage not in STAGE_PROTOCOL:
-        raise PolicyConfigError(f"policy plugin {name!r} declares unknown stage {cls.stage!r}")
-    if not (isinstance(cls.Config, type) and issubclass(cls.Config, PolicyConfig)):
+    stage, config = (getattr(cls, a) for a in ("stage", "Config"))
+    if stage not in STAGE_PROTOCOL:
+        raise PolicyConfigError(f"policy plugin {name!r} declares unknown stage {stage!r}")
+    if not (isinstance(config, type) and issubclass(config, PolicyConfig)):
         raise PolicyConfigError(f"policy plugin {name!r}: Config must subclass PolicyConfig")
     _check_lifecycle(name, cls)
+    return cast(PluginClass, cls)  # each member is checked above: the cast states what they showed
 
 
-def _check_lifecycle(name: str, cls: Any) -> None:
+def _check_lifecycle(name: str, cls: type) -> None:
     """The lifecycle members of :class:`policies.base.Policy`, typed (``PolicyBase`` gives them all)."""
     hint = "(subclass policies.base.PolicyBase for the defaults)"
     for hook in ("start", "aclose"):
@@ -121,17 +136,16 @@ def resources_used(cfg: PolicyChainConfig, plugins: Mapping[str, type] | None = 
         for spec in getattr(cfg, stage):
             cls = plugins.get(spec.name)
             if cls is not None:
-                _check_plugin(spec.name, cls)
-                out |= cls.uses
+                out |= _check_plugin(spec.name, cls).uses
     return out
 
 
 def _load_one(spec: PolicySpec, stage: str, where: str, plugins: Mapping[str, type]) -> LoadedPolicy:
-    cls = plugins.get(spec.name)
-    if cls is None:
+    found = plugins.get(spec.name)
+    if found is None:
         known = ", ".join(sorted(plugins)) or "none"
         raise PolicyConfigError(f"{where}.name: unknown policy {spec.name!r} (installed: {known})")
-    _check_plugin(spec.name, cls)
+    cls = _check_plugin(spec.name, found)
     if cls.stage != stage:
         raise PolicyConfigError(f"{where}.name: policy {spec.name!r} is a {cls.stage} policy, not {stage}")
     try:

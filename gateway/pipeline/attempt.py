@@ -9,7 +9,7 @@ in its ``__aexit__`` when the call fails, and is handed to the request (``ctx.le
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -35,7 +35,7 @@ class Attempt:
 
     engine: Engine
     request: ChatCompletionRequest
-    upstream: AsyncIterator[Delta]
+    upstream: AsyncGenerator[Delta, None]
     first: Delta
     #: perf_counter() when the engine request was sent (0: not one engine call, e.g. joined segments)
     sent: float = 0.0
@@ -52,7 +52,9 @@ class Answered(Generic[T]):
     sent: float
 
 
-async def first_chunk(engine: Engine, request: ChatCompletionRequest) -> tuple[AsyncIterator[Delta], Delta]:
+async def first_chunk(
+    engine: Engine, request: ChatCompletionRequest
+) -> tuple[AsyncGenerator[Delta, None], Delta]:
     """The stream path's engine call: open the stream and read up to its first chunk."""
     upstream = engine.stream(request)
     try:

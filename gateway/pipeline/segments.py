@@ -8,7 +8,7 @@ own first chunk; only the last segment's ``finish_reason`` is released and usage
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from core.context import RequestContext, SegmentPlan
@@ -56,7 +56,7 @@ async def concat(
     open_attempt: Callable[[ChatCompletionRequest, RequestContext], Awaitable[Attempt]],
     unbind: Callable[[RequestContext], None],
     counted: Callable[[], Any],
-) -> AsyncIterator[Delta]:
+) -> AsyncGenerator[Delta, None]:
     """The segments' streams as one. Before each segment after the first, ``counted()``, then ``unbind``
     gives back the previous segment's engine slot (one slot per request at a time) and ``open_attempt``
     calls the next one (failing over before its first chunk)."""

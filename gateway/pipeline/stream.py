@@ -8,8 +8,9 @@ before the stream's last frame.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from core.context import RequestContext, SegmentPlan
@@ -42,7 +43,7 @@ class ResponseStream:
     #: the segments of a long input (a pre-policy's plan), None: one engine call
     plan: SegmentPlan | None = None
     _released: bool = False
-    _gen: AsyncIterator[Delta] | None = None
+    _gen: AsyncGenerator[Delta, None] | None = None
     _head: Delta | None = None
     _ended: bool = False
     _iterated: bool = False
@@ -55,7 +56,7 @@ class ResponseStream:
         except StopAsyncIteration:
             self._ended = True
         except BaseException:  # cancellation included: the generator's own finally accounts for it
-            await self._gen.aclose()  # type: ignore[attr-defined]
+            await self._gen.aclose()
             raise
 
     def deltas(self) -> AsyncIterator[Delta]:
@@ -80,15 +81,15 @@ class ResponseStream:
             await self.attempt.upstream.aclose()
             self.pipeline.accounting.finish(self.ctx, GeneratorExit())
         else:
-            await self._gen.aclose()  # type: ignore[attr-defined]
+            await self._gen.aclose()
 
 
-async def _closed() -> AsyncIterator[Delta]:
+async def _closed() -> AsyncGenerator[Delta, None]:
     return
     yield  # pragma: no cover
 
 
-async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncIterator[Delta]:
+async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[Delta, None]:
     """Relay one stream through filters and checks; retry only while nothing was released."""
     ctx, attempt = rs.ctx, rs.attempt
     relay, accounting = p.relay, p.accounting
@@ -130,7 +131,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncIterator[Delta]:
                 )
             else:
                 verdict, accepted = await relay.post(chain.post, attempt.request, completion, ctx)
-                release = lambda filters=filters: relay.flush(filters)  # noqa: E731
+                release = partial(relay.flush, filters)
             if isinstance(verdict, Reject):
                 raise verdict.error
             if isinstance(verdict, Accept):

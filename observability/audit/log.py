@@ -522,7 +522,8 @@ class AuditLog:
             todo = [e for _, e in chunk if e.data not in present]
             made: list[Checkpoint] = []
             if todo:
-                rows = await self.store.append_encoded(lambda todo=todo: todo, self._sealer(False, made))
+                # the spooled entries are encoded already: "encoding" them is handing them over
+                rows = await self.store.append_encoded(todo.copy, self._sealer(False, made))
                 self._head = (rows[-1].seq, rows[-1].hash)
                 for e in todo:
                     self.metrics.audit_written.labels(e.kind).inc()

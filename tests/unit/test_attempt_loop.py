@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -140,7 +140,7 @@ async def test_the_stream_call_reads_up_to_the_first_chunk_and_an_empty_stream_f
     closed: list[str] = []
 
     def scripted(name: str, deltas: list[Delta]):
-        async def stream(request: ChatCompletionRequest) -> AsyncIterator[Delta]:
+        async def stream(request: ChatCompletionRequest) -> AsyncGenerator[Delta, None]:
             try:
                 for d in deltas:
                     yield d
