@@ -650,7 +650,6 @@ class AdmissionGate:
         state = decide_overload(self.overloaded, n, self.cfg.soft_limit, self.cfg.overload_exit)
         if state != self.overloaded:
             self.overloaded = state
-            self.metrics.overloaded.set(1 if state else 0)
             log.warning(
                 "gateway_overload_changed",
                 overloaded=state,
@@ -659,5 +658,8 @@ class AdmissionGate:
                 exit_at_or_below=self.cfg.overload_exit,
             )
             if self._on_overload is not None:
-                self._on_overload(state)
+                self._on_overload(
+                    state
+                )  # the engine limits first: whoever sees the gauge flip sees them applied
+            self.metrics.overloaded.set(1 if state else 0)
         return state
