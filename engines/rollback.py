@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, TypedDict
+from typing import Any
 
 from core.control_settings import SAMPLED_SIGNALS, ControllerSettings, Rule
 from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
@@ -330,17 +330,6 @@ def _key(rule: Rule, engine: str) -> str:
     return f"{rule.name}@{engine}"
 
 
-class _Detected(TypedDict):
-    """What every new incident has, whatever its action (the rest is the action's)."""
-
-    rule: str
-    engine: str
-    action: str
-    since: float
-    detected_at: float
-    value: float
-
-
 def _new_incident(
     rule: Rule,
     sig: EngineSignals,
@@ -352,30 +341,31 @@ def _new_incident(
     sleeping: Mapping[str, Sleep] | None = None,
 ) -> tuple[Incident | None, tuple[str, ...]]:
     a = rule.action
-    base = _Detected(
+    # What every new incident has; each action adds its own fields to it.
+    base = Incident(
         rule=rule.name, engine=sig.info.name, action=a.kind, since=snap.now, detected_at=since, value=value
     )
     if a.kind == "shift":
         targets, preempts = shift_targets(rule, sig, snap, config, incidents, sleeping or {})
         if not targets:
             return None, ()
-        return Incident(**base, targets=targets, keep=a.trickle_weight), preempts
+        return replace(base, targets=targets, keep=a.trickle_weight), preempts
     return _other_incident(rule, sig, base, snap), ()
 
 
-def _other_incident(rule: Rule, sig: EngineSignals, base: _Detected, snap: Snapshot) -> Incident | None:
+def _other_incident(rule: Rule, sig: EngineSignals, base: Incident, snap: Snapshot) -> Incident | None:
     a = rule.action
     if a.kind == "set_weight":
-        return Incident(**base, weight=a.weight)
+        return replace(base, weight=a.weight)
     if a.kind == "raise_concurrency":
         cap = sig.values.get("concurrency_cap")
         if cap is None or a.max_concurrency is None:
             return None  # no configured cap to raise
         raised = min(a.max_concurrency, math.ceil(a.raise_factor * float(cap)))
-        return Incident(**base, limit=raised) if raised > cap else None  # at the ceiling already
+        return replace(base, limit=raised) if raised > cap else None  # at the ceiling already
     running = sig.values.get("requests_running") or sig.values.get("in_flight") or 0.0
     per_replica = a.concurrency_factor * float(running) / max(1, snap.replicas)
-    return Incident(**base, limit=max(a.min_concurrency, math.floor(per_replica)))
+    return replace(base, limit=max(a.min_concurrency, math.floor(per_replica)))
 
 
 def _gate(
