@@ -68,7 +68,8 @@ async def _one(session: aiohttp.ClientSession, url: str, expected: str) -> dict:
     frames: list[bytes] = []
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
-            return {"status": resp.status, "ok": False, "why": f"status {resp.status}"}
+            code = (orjson.loads(await resp.read()).get("error") or {}).get("code")
+            return {"status": resp.status, "ok": False, "why": f"status {resp.status} {code}"}
         async for line in resp.content:
             if line.startswith(b"data: "):
                 frames.append(line[6:].strip())

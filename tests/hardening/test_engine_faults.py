@@ -28,7 +28,7 @@ def test_every_stream_ends_cleanly(rig, mode, figures):
     out = asyncio.run(run_mode(*rig, mode, ROUNDS, 16))
     figures(**{k: v for k, v in out.items() if k != "failures"})
     assert out["requests"] == ROUNDS
-    assert out["non_200"] == 0
+    assert out["non_200"] == 0, out["failures"]
     assert out["clean"] == ROUNDS, out["failures"]
     # Failover only before the first byte, once per engine at most: never more attempts than engines.
     assert out["attempts_per_request"] <= 2.0

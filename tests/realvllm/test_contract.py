@@ -257,8 +257,12 @@ def test_a_client_disconnect_aborts_the_request_in_vllm(real_gateway, vllm):
     assert _finished(vllm) == finished
 
 
-def test_vllms_metrics_feed_the_engine_telemetry(real_gateway, vllm, bg):
+def test_vllms_metrics_feed_the_engine_telemetry(real_gateway, vllm, bg, monkeypatch):
     telemetry = real_gateway.services.controller.telemetry
+    # This suite's controller is off, so no replica leads, and the collector's own loop removes the gauges
+    # every scrape interval (only the leader exports them): this replica collects for the test's length,
+    # or the loop could remove the gauge between the test's collection and its read.
+    monkeypatch.setattr(telemetry, "_active", lambda: True)
     body = {
         "model": MODEL,
         "messages": PROMPT,
