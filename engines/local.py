@@ -129,8 +129,8 @@ class _TextRelay:
 
     def _decode_step(self, *, final: bool) -> str:
         ids = self._ids
-        prefix = self._tok.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        text = self._tok.decode(ids[self._prefix_offset :], skip_special_tokens=True)
+        prefix: str = self._tok.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        text: str = self._tok.decode(ids[self._prefix_offset :], skip_special_tokens=True)
         if len(text) > len(prefix) and (final or not text.endswith("\ufffd")):
             self._prefix_offset, self._read_offset = self._read_offset, len(ids)
             return text[len(prefix) :]
@@ -343,6 +343,7 @@ class LocalEngine:
             self._save_cache(model, tokenizer, cache)
             if dtype != torch.float32:
                 model = model.to(dtype)
+        assert model is not None and tokenizer is not None  # from the cache or the conversion, both
         if self._opts.tokenizer:
             tokenizer = Tok.from_pretrained(self._opts.tokenizer, local_files_only=True)
         if not getattr(tokenizer, "chat_template", None):

@@ -42,7 +42,7 @@ def parse_sleep_state(text: str, stage_ids: Iterable[int] | None = None) -> floa
     """The engine's sleep state from its exposition: 0 every stage awake, else the deepest sleep level
     (1 weights offloaded, 2 all discarded); None: no gauge (or none for these stages)."""
     wanted = None if stage_ids is None else {str(s) for s in stage_ids}
-    groups: dict[tuple[str, ...], float] = {}
+    groups: dict[tuple[tuple[str, str], ...], float] = {}
     for family in text_string_to_metric_families(text):
         if family.name != SLEEP_GAUGE:
             continue

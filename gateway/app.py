@@ -8,6 +8,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import structlog
 from fastapi import FastAPI
@@ -48,7 +49,7 @@ def _on_sighup(services: Services, config_path: str | Path | None) -> bool:
     from gateway.reload import reload_config
 
     loop = asyncio.get_running_loop()
-    pending: set[asyncio.Task] = set()
+    pending: set[asyncio.Task[object]] = set()
 
     def _reload() -> None:
         task = loop.create_task(reload_config(services, config_path, by={"credential": "signal:SIGHUP"}))
@@ -128,12 +129,12 @@ def create_app(
 
     base_openapi = app.openapi
 
-    def openapi() -> dict:
+    def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = base_openapi()
+            schema = base_openapi()  # FastAPI keeps it as app.openapi_schema
             schema["paths"] = {**chat.OPENAPI_PATHS, **schema.get("paths", {})}
             schema.setdefault("components", {}).setdefault("schemas", {}).update(chat.OPENAPI_COMPONENTS)
-        return app.openapi_schema
+        return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(RequestIdMiddleware)

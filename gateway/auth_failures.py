@@ -107,7 +107,8 @@ class AuthFailures:
                 "async+" + self._redis.url,
                 implementation="redispy",
                 key_prefix=self._prefix,
-                connection_pool=self._redis.pool,
+                # limits types its pass-through options as scalars; redis-py takes the pool object as it is
+                connection_pool=self._redis.pool,  # type: ignore[arg-type]
             )
             self._shared = MovingWindowRateLimiter(storage)
         return self._shared

@@ -7,8 +7,17 @@ import argparse
 import contextlib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
+
+if TYPE_CHECKING:  # the commands import what they use when they run: the CLI starts without them
+    from types import FrameType
+
+    import uvicorn
+
+    from core.settings import AuditSettings, Settings
+    from gateway.services import Services
 
 
 def _format_validation(exc: ValidationError) -> str:
@@ -19,7 +28,7 @@ def _format_validation(exc: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-def _load(path: str | None):
+def _load(path: str | None) -> Settings:
     from core.settings import load_settings
 
     return load_settings(path)
@@ -101,7 +110,7 @@ def check_config(path: str) -> int:
     return 0
 
 
-def auth_banner(settings) -> list[str]:
+def auth_banner(settings: Settings) -> list[str]:
     """What the start-up banner and ``check-config`` say about authentication (decided here, at boot)."""
     d = settings.auth.directory
     where = "shared PostgreSQL" if d.shared else f"SQLite {d.sqlite_path}, this process only"
@@ -144,13 +153,13 @@ class _DrainingServer:
     """
 
     @staticmethod
-    def build(config, services):
+    def build(config: uvicorn.Config, services: Services) -> uvicorn.Server:
         import asyncio
 
         import uvicorn
 
         class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame) -> None:
+            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
                 if services.draining.is_set():
                     super().handle_exit(sig, frame)
                     return
@@ -199,7 +208,7 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
     return 0
 
 
-def _audit_settings(args: argparse.Namespace):
+def _audit_settings(args: argparse.Namespace) -> AuditSettings:
     settings = _load(args.config)
     audit = settings.audit
     if args.sqlite:

@@ -197,10 +197,10 @@ def leaf_keys(model: type[BaseModel] = Settings) -> list[str]:
 
 def policy_configs() -> dict[str, type[BaseModel]]:
     """Each installed policy's name and its ``Config`` model, in entry-point order."""
-    from policies.registry import available_plugins
+    from policies.registry import available_plugins, check_plugin
 
     plugins = available_plugins()
-    return {name: plugins[name].Config for name in plugins}
+    return {name: check_plugin(name, plugins[name]).Config for name in plugins}
 
 
 def missing_descriptions() -> list[str]:

@@ -43,9 +43,9 @@ def _locate(node: Any, loc: Sequence[Any], delete: bool) -> str | None:
             return str(head)
         return None
     child = None
-    if (isinstance(node, dict) and isinstance(head, str) and head in node) or (
-        isinstance(node, list) and isinstance(head, int) and 0 <= head < len(node)
-    ):
+    if isinstance(node, dict):
+        child = node.get(head) if isinstance(head, str) else None
+    elif isinstance(node, list) and isinstance(head, int) and 0 <= head < len(node):
         child = node[head]
     if child is not None:
         found = _locate(child, rest, delete)
@@ -75,9 +75,9 @@ def parse_request(doc: dict[str, Any], mode: UnknownFields) -> tuple[ChatComplet
                 path = _locate(doc, extras[0], delete=False) or ".".join(str(p) for p in extras[0])
                 raise UnknownField(f"unrecognized request argument supplied: {path}", param=path) from None
             for loc in extras:
-                path = _locate(doc, loc, delete=True)
-                if path is not None and path not in dropped:
-                    dropped.append(path)
+                gone = _locate(doc, loc, delete=True)
+                if gone is not None and gone not in dropped:
+                    dropped.append(gone)
             if not dropped:
                 raise
     return ChatCompletionRequest.model_validate(doc), dropped

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Iterable
 
 import structlog
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _UNSAFE = re.compile(rb"[^A-Za-z0-9._:-]")
 _CLIENT_HEADERS = (b"x-client-request-id", b"x-request-id")
 
 
-def client_request_id(headers) -> str | None:
+def client_request_id(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     """The client's own id, sanitised (None when absent or nothing safe is left of it)."""
     found: dict[bytes, bytes] = {}
     for key, value in headers:
@@ -31,10 +33,10 @@ def client_request_id(headers) -> str | None:
 
 
 class RequestIdMiddleware:
-    def __init__(self, app) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -47,7 +49,7 @@ class RequestIdMiddleware:
         if client_rid is not None:
             added.append((b"x-client-request-id", client_rid.encode()))
 
-        async def send_with_id(message) -> None:
+        async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), *added]
             await send(message)

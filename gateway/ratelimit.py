@@ -59,7 +59,8 @@ class RateLimiter:
                 "async+" + self._redis.url,
                 implementation="redispy",
                 key_prefix=self.settings.key_prefix,
-                connection_pool=self._redis.pool,
+                # limits types its pass-through options as scalars; redis-py takes the pool object as it is
+                connection_pool=self._redis.pool,  # type: ignore[arg-type]
             )
         else:
             from limits.aio.storage import MemoryStorage
@@ -119,7 +120,7 @@ class RateLimiter:
         except self._errors as exc:
             self._unreachable(exc)
 
-    def _unreachable(self, exc: Exception) -> None:
+    def _unreachable(self, exc: BaseException) -> None:
         self.metrics.rate_limiter_errors.inc()
         now = time.monotonic()
         if now - self._last_warning >= _WARN_EVERY_S:

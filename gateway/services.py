@@ -13,9 +13,9 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -48,6 +48,9 @@ from policies.base import Deps, LoadShedder
 from policies.media.sandbox import MediaRuntime
 from policies.registry import PolicyChain, available_plugins
 
+if TYPE_CHECKING:
+    from policies.grounding.scorer import Scorer
+
 log = structlog.get_logger(__name__)
 
 
@@ -60,6 +63,8 @@ class Services:
     chains: Chains
     pipeline: Pipeline
     controller: RolloutController
+    #: failed authentications: the per-address limit and the interval's counts (every replica has one)
+    auth_failures: AuthFailures
     #: set once shutdown begins: readiness fails, open streams get a deadline
     draining: asyncio.Event = field(default_factory=asyncio.Event)
     drain_deadline: float | None = None
@@ -70,13 +75,11 @@ class Services:
     directory: Directory = field(default_factory=Directory)
     #: the tenant directory's store and this process's last read of it
     live: LiveDirectory | None = None
-    #: failed authentications: the per-address limit and the interval's counts
-    auth_failures: AuthFailures | None = None
     #: decided once, from the config the process booted with; a reload never changes it
     auth_required: bool = True
     #: the listener of ``metrics.port`` when one is set
     metrics_server: MetricsServer | None = None
-    plugins: dict[str, type] | None = None
+    plugins: Mapping[str, type] | None = None
     admission: AdmissionGate | None = None
     #: one reload at a time (gateway/reload.py)
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -85,7 +88,7 @@ class Services:
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     #: the grounding scorer, built only when a configured policy ``uses`` it; loaded by :meth:`start`.
     #: The gateway's, not a chain's: kept across reloads (its ``grounding`` settings need a restart)
-    scorer: Any = None
+    scorer: Scorer | None = None
     #: the replica's one Redis connection pool (``redis``), closed once, after everything that uses it
     redis: SharedRedis | None = None
     #: the media sandbox and byte budgets every chain's media steps share (policies/media/sandbox.py);
@@ -93,7 +96,9 @@ class Services:
     media: MediaRuntime | None = None
 
     @classmethod
-    def build(cls, settings: Settings, metrics: Metrics, plugins: dict[str, type] | None = None) -> Services:
+    def build(
+        cls, settings: Settings, metrics: Metrics, plugins: Mapping[str, type] | None = None
+    ) -> Services:
         from gateway import secret_check
 
         secret_check.check(settings)  # a placeholder or typed key never boots
@@ -398,7 +403,7 @@ class Services:
 
     async def summarise_failures(self) -> dict[str, Any] | None:
         """One aggregated record and log line for the interval's refused requests (none when there were none)."""
-        summary = self.auth_failures.take_summary() if self.auth_failures is not None else None
+        summary = self.auth_failures.take_summary()
         if summary is None:
             return None
         log.warning("auth_failures_summary", **summary)
@@ -468,7 +473,7 @@ def _names_media_limits(settings: Settings) -> bool:
     return any(spec.name == "media-limits" for chain in chains for spec in chain.pre)
 
 
-def build_scorer_if_used(settings: Settings, metrics: Metrics, used: set[str]) -> Any:
+def build_scorer_if_used(settings: Settings, metrics: Metrics, used: set[str]) -> Scorer | None:
     """The grounding scorer when a configured policy uses it (not loaded yet), else None."""
     if "scorer" not in used:
         return None

@@ -28,8 +28,9 @@ def check_speech(request: ChatCompletionRequest, engines: Iterable[Engine]) -> N
             f"audio.format {fmt} cannot be served; use one of {served}", param="audio.format"
         )
     # Only engines that list their voices can judge one; any engine that cannot leaves it to the engines.
-    known = [getattr(e, "voices", None) for e in engines if e.capabilities.speaks]
-    if not known or any(v is None for v in known):
+    listed = [getattr(e, "voices", None) for e in engines if e.capabilities.speaks]
+    known: list[frozenset[str]] = [frozenset(v) for v in listed if v is not None]
+    if not known or len(known) < len(listed):
         return
     voice = request.audio.voice.lower()
     if not any(voice in v for v in known):

@@ -61,13 +61,14 @@ class MediaFetch(PolicyBase):
         if ctx.media_budget is None:
             runtime = self._runtime or MediaRuntime(MediaSettings())
             ctx.media_budget = runtime.request_budget()
+        budget = ctx.media_budget
         new: dict[tuple[int, int], list[Any]] = {}
         remote = [r for r in refs if r.is_remote]
         for ref in refs:
             if not ref.is_remote:
                 # Checked and counted where it lies; media-limits decodes it, once.
                 size = payload_size(ref)
-                await ctx.media_budget.take(size, ref.param)
+                await budget.take(size, ref.param)
                 ctx.outputs.media.append(MediaRecord(part=ref.path, kind=ref.kind, source="data", bytes=size))
         if remote:
             try:
@@ -75,9 +76,7 @@ class MediaFetch(PolicyBase):
                     tasks = [
                         (
                             ref,
-                            tg.create_task(
-                                self.fetcher.fetch(ref.value, ref.kind, ref.param, ctx.media_budget)
-                            ),
+                            tg.create_task(self.fetcher.fetch(ref.url, ref.kind, ref.param, budget)),
                         )
                         for ref in remote
                     ]

@@ -149,6 +149,7 @@ class MediaLimits(PolicyBase):
         runtime = self.runtime
         if ctx.media_budget is None:
             ctx.media_budget = runtime.request_budget()
+        budget = ctx.media_budget
         sandbox = runtime.sandbox
         # Base64 is undone here, once (a strict alphabet check, no decoder): workers get raw bytes. A
         # large part is decoded straight into a shared segment the workers read, so the gateway holds
@@ -184,7 +185,7 @@ class MediaLimits(PolicyBase):
             # A client's own data URI declares a type the bytes must match; a fetched part's type is a
             # server's label, which media-fetch passed on and which is not held against the client.
             from_client = {r.part for r in ctx.outputs.media if r.source == "data"}
-            room = ctx.media_budget.room
+            room = budget.room
 
             seconds = {p.ref.path: p.seconds for p in probes}
 
@@ -217,7 +218,7 @@ class MediaLimits(PolicyBase):
                 done.restore(lambda: _payload_bytes(ref, payloads[ref.path], segments.get(ref.path)))
                 if self._metrics is not None:
                     self._metrics.media_seconds.labels(ref.kind).observe(time.perf_counter() - t0)
-                await ctx.media_budget.take(done.out_bytes, ref.param)
+                await budget.take(done.out_bytes, ref.param)
                 return done
 
             done = await self._each(refs, one)
@@ -399,7 +400,7 @@ def _payload_bytes(ref: MediaRef, payload: Any, seg: SharedPart | None) -> bytes
     if isinstance(ref.value, SpooledMedia):
         return ref.value.read()
     if seg is None:
-        return payload
+        return bytes(payload)
     with seg.view() as view:
         return bytes(view)
 

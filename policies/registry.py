@@ -84,7 +84,7 @@ def available_plugins() -> PluginIndex:
 
 
 class PluginClass(Protocol):
-    """A policy plugin's class as :func:`_check_plugin` has found it (an entry point gives only a ``type``)."""
+    """A policy plugin's class as :func:`check_plugin` has found it (an entry point gives only a ``type``)."""
 
     stage: Stage
     Config: type[PolicyConfig]
@@ -95,7 +95,7 @@ class PluginClass(Protocol):
     def __call__(self, config: PolicyConfig) -> Any: ...
 
 
-def _check_plugin(name: str, cls: type) -> PluginClass:
+def check_plugin(name: str, cls: type) -> PluginClass:
     """``cls`` checked member by member; returned as what the checks showed it to be."""
     for attr in ("name", "stage", "Config"):
         if not hasattr(cls, attr):
@@ -136,7 +136,7 @@ def resources_used(cfg: PolicyChainConfig, plugins: Mapping[str, type] | None = 
         for spec in getattr(cfg, stage):
             cls = plugins.get(spec.name)
             if cls is not None:
-                out |= _check_plugin(spec.name, cls).uses
+                out |= check_plugin(spec.name, cls).uses
     return out
 
 
@@ -145,7 +145,7 @@ def _load_one(spec: PolicySpec, stage: str, where: str, plugins: Mapping[str, ty
     if found is None:
         known = ", ".join(sorted(plugins)) or "none"
         raise PolicyConfigError(f"{where}.name: unknown policy {spec.name!r} (installed: {known})")
-    cls = _check_plugin(spec.name, found)
+    cls = check_plugin(spec.name, found)
     if cls.stage != stage:
         raise PolicyConfigError(f"{where}.name: policy {spec.name!r} is a {cls.stage} policy, not {stage}")
     try:

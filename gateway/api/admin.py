@@ -64,23 +64,32 @@ def admin_credential(settings: Settings, authorization: str | None) -> AdminCred
     return found
 
 
-async def require_admin(request: Request) -> AdminCredential:
+def services_of(request: Request) -> Services:
+    """The running gateway's services (the app state carries them untyped)."""
     services: Services = request.app.state.services
+    return services
+
+
+async def require_admin(request: Request) -> AdminCredential:
+    services = services_of(request)
     if not services.settings.admin.enabled:
         raise AdminDisabled("Not Found")
     header = request.headers.get("authorization", "")
     key = services.settings.admin.api_key
     # The console's browser calls carry its session cookie instead (and a CSRF token on changes).
     console = not header and key is not None and services.settings.admin.console.enabled
-    if console and console_session.from_request(request, key.get_secret_value()) is not None:
+    if (
+        console
+        and key is not None
+        and console_session.from_request(request, key.get_secret_value()) is not None
+    ):
         cred: AdminCredential | None = AdminCredential("console-session", "session")
     else:
         cred = admin_credential(services.settings, header)
     if cred is None:
         # Counted and limited per address like a refused API key: the admin key is not a free guess.
         services.metrics.auth_failures.labels("admin").inc()
-        if services.auth_failures is not None:
-            await services.auth_failures.failed(client_address(request), "admin")
+        await services.auth_failures.failed(client_address(request), "admin")
         raise AuthenticationFailed("invalid admin key")
     request.state.admin_credential = cred
     structlog.contextvars.bind_contextvars(admin_credential=cred.name)
@@ -89,7 +98,8 @@ async def require_admin(request: Request) -> AdminCredential:
 
 def credential_of(request: Request) -> AdminCredential:
     """The credential :func:`require_admin` found for this request."""
-    return request.state.admin_credential
+    cred: AdminCredential = request.state.admin_credential
+    return cred
 
 
 router = APIRouter(prefix="/admin", include_in_schema=False, dependencies=[Depends(require_admin)])
@@ -98,7 +108,7 @@ router = APIRouter(prefix="/admin", include_in_schema=False, dependencies=[Depen
 @router.get("/engines")
 async def engines(request: Request) -> JSONResponse:
     """Each engine's configuration (no secrets) and current health."""
-    services: Services = request.app.state.services
+    services = services_of(request)
     health = services.pool.health_report()
     return JSONResponse(
         {

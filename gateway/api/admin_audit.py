@@ -19,9 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.responses import JSONResponse, StreamingResponse
 
 from core.errors import Conflict, NotFound
-from gateway.api.admin import require_admin
+from gateway.api.admin import require_admin, services_of
 from gateway.api.chat import validation_to_error
-from gateway.services import Services
 from observability.audit import AuditLog
 from observability.audit.chain import Row, Signer
 from observability.audit.search import AuditQuery
@@ -81,13 +80,16 @@ class Filters(BaseModel):
             raise ValueError("since must be before until")
         return self
 
-    def query(self, **cursor: int | None) -> AuditQuery:
-        fields = {k: getattr(self, k) for k in Filters.model_fields if k not in ("since", "until")}
+    def query(self, *, before_seq: int | None = None, after_seq: int | None = None) -> AuditQuery:
+        fields: dict[str, Any] = {
+            k: getattr(self, k) for k in Filters.model_fields if k not in ("since", "until")
+        }
         return AuditQuery(
             since=_stored_ts(self.since) if self.since is not None else None,
             until=_stored_ts(self.until) if self.until is not None else None,
+            before_seq=before_seq,
+            after_seq=after_seq,
             **fields,
-            **cursor,
         )
 
 
@@ -115,12 +117,8 @@ def _params(request: Request, model: type[BaseModel]) -> Any:
         raise validation_to_error(exc.errors()) from None
 
 
-def _services(request: Request) -> Services:
-    return request.app.state.services
-
-
 def _audit(request: Request) -> AuditLog:
-    audit = _services(request).audit
+    audit = services_of(request).audit
     if audit is None:
         raise Conflict("audit is disabled on this gateway (audit.enabled: false)")
     return audit
@@ -211,7 +209,7 @@ async def export(request: Request) -> StreamingResponse:
 async def verify_part(request: Request) -> JSONResponse:
     """Verify records ``from_seq..to_seq``; 409 with the problem (kind, ``seq``, message) when the chain breaks."""
     params: RangeParams = _params(request, RangeParams)
-    services = _services(request)
+    services = services_of(request)
     audit = _audit(request)
     report = await verify_range(
         audit.store, Signer.from_settings(services.settings.audit.signing), params.from_seq, params.to_seq

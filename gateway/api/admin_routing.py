@@ -15,7 +15,8 @@ from starlette.responses import JSONResponse
 
 from core.control_settings import Variant
 from core.errors import InvalidRequest, ModelNotFound
-from gateway.api.admin import credential_of, require_admin
+from engines.rollback import Transition
+from gateway.api.admin import credential_of, require_admin, services_of
 from gateway.api.chat import validation_to_error
 from gateway.services import Services
 
@@ -66,11 +67,7 @@ def _actor(request: Request, body: _Body) -> str:
     return f"{actor} (claimed: {body.actor})" if body.actor else actor
 
 
-def _services(request: Request) -> Services:
-    return request.app.state.services
-
-
-def _result(services: Services, transition) -> JSONResponse:
+def _result(services: Services, transition: Transition | None) -> JSONResponse:
     return JSONResponse(
         {
             "changed": transition is not None,
@@ -86,12 +83,12 @@ def _result(services: Services, transition) -> JSONResponse:
 @router.get("")
 async def status(request: Request) -> JSONResponse:
     """Routing table, controller state (leader, frozen, pins, incidents, holds) and each engine's signals."""
-    return JSONResponse(await _services(request).controller.status())
+    return JSONResponse(await services_of(request).controller.status())
 
 
 @router.post("/pin")
 async def pin(request: Request) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     body = await _body(request, PinBody)
     assert isinstance(body, PinBody)
     if not services.pool.serves(body.model):
@@ -108,7 +105,7 @@ async def pin(request: Request) -> JSONResponse:
 
 @router.post("/unpin")
 async def unpin(request: Request) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     body = await _body(request, UnpinBody)
     assert isinstance(body, UnpinBody)
     if not services.pool.serves(body.model):
@@ -120,14 +117,14 @@ async def unpin(request: Request) -> JSONResponse:
 
 @router.post("/freeze")
 async def freeze(request: Request) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     body = await _body(request, _Body)
     return _result(services, await services.controller.freeze(actor=_actor(request, body), note=body.note))
 
 
 @router.post("/resume")
 async def resume(request: Request) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     body = await _body(request, ResumeBody)
     assert isinstance(body, ResumeBody)
     t = await services.controller.resume(
@@ -139,7 +136,7 @@ async def resume(request: Request) -> JSONResponse:
 @router.post("/clear")
 async def clear(request: Request) -> JSONResponse:
     """End one incident by hand (``rule@engine``, as listed by the status)."""
-    services = _services(request)
+    services = services_of(request)
     body = await _body(request, ClearBody)
     assert isinstance(body, ClearBody)
     if body.incident not in services.controller.state.incidents:
@@ -152,7 +149,7 @@ async def clear(request: Request) -> JSONResponse:
 @router.post("/readmit")
 async def readmit(request: Request) -> JSONResponse:
     """Close an engine's circuit on the replica that takes this call."""
-    services = _services(request)
+    services = services_of(request)
     body = await _body(request, ReadmitBody)
     assert isinstance(body, ReadmitBody)
     if body.engine not in services.pool.engines:

@@ -22,21 +22,16 @@ from starlette.responses import JSONResponse
 
 from core.errors import Conflict
 from core.settings import load_settings
-from gateway.api.admin import require_admin
+from gateway.api.admin import require_admin, services_of
 from gateway.api.chat import validation_to_error
 from gateway.chains import build_policy_sets
 from gateway.reload import RESTART_ONLY, format_config_error
-from gateway.services import Services
 from observability.audit.search import AuditQuery
 from observability.metrics import SHED_REASONS
 from policies.registry import build_chain
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/admin", include_in_schema=False, dependencies=[Depends(require_admin)])
-
-
-def _services(request: Request) -> Services:
-    return request.app.state.services
 
 
 def _counter_values(counter: Any) -> dict[str, float]:
@@ -51,7 +46,7 @@ def _counter_values(counter: Any) -> dict[str, float]:
 
 @router.get("/traffic")
 async def traffic(request: Request) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     gate = services.admission
     if gate is None:
         return JSONResponse({"enabled": False})
@@ -104,7 +99,7 @@ async def transitions(request: Request) -> JSONResponse:
         params = TransitionParams.model_validate(dict(request.query_params))
     except ValidationError as exc:
         raise validation_to_error(exc.errors()) from None
-    services = _services(request)
+    services = services_of(request)
     if services.audit is None:
         recent = [_with_timing(t.to_dict()) for t in reversed(services.controller.recent)]
         return JSONResponse(
@@ -135,7 +130,7 @@ def _no_userinfo(url: Any) -> Any:
 
 def _engine_json(e: Any) -> dict[str, Any]:
     """An engine as configured, without what may be a credential: its api_key and any user:password in a URL."""
-    doc = e.model_dump(mode="json", exclude={"api_key"})
+    doc: dict[str, Any] = e.model_dump(mode="json", exclude={"api_key"})
     doc["base_url"] = _no_userinfo(doc.get("base_url"))
     telemetry = doc.get("telemetry") or {}
     for k in ("metrics_url", "dcgm_url"):
@@ -146,7 +141,7 @@ def _engine_json(e: Any) -> dict[str, Any]:
 
 @router.get("/config")
 async def config(request: Request) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     chains = services.pipeline.chains
     tenants = []
     for name in sorted(services.directory.tenants):
@@ -176,7 +171,7 @@ async def config(request: Request) -> JSONResponse:
 @router.post("/config/check")
 async def check(request: Request) -> JSONResponse:
     """What ``POST /admin/config/reload`` would say about the file now, without swapping anything."""
-    services = _services(request)
+    services = services_of(request)
     path = request.app.state.config_path
     if path is None:
         raise Conflict("the gateway was started without a config file; there is nothing to check")

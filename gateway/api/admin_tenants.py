@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 
 from core.errors import ConfigInvalid, Conflict, NotFound
 from core.settings import Name, TenantConfig
-from gateway.api.admin import credential_of, require_admin
+from gateway.api.admin import credential_of, require_admin, services_of
 from gateway.directory.live import LiveDirectory
 from gateway.reload import reload_config
 from gateway.services import Services
@@ -36,10 +36,6 @@ router = APIRouter(prefix="/admin", include_in_schema=False, dependencies=[Depen
 class NewKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tenant: Name
-
-
-def _services(request: Request) -> Services:
-    return request.app.state.services
 
 
 def _audit(services: Services) -> AuditLog:
@@ -79,13 +75,13 @@ def _check_tenant(services: Services, tenant: TenantConfig) -> None:
 
 @router.get("/tenants")
 async def list_tenants(request: Request) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     return JSONResponse({"tenants": [_tenant_json(services, n) for n in sorted(services.directory.tenants)]})
 
 
 @router.post("/tenants", status_code=201)
 async def create_tenant(request: Request, tenant: TenantConfig) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     if tenant.name in services.directory.tenants:
         raise Conflict(f"tenant {tenant.name!r} already exists", param="name")
     _check_tenant(services, tenant)
@@ -102,7 +98,7 @@ async def create_tenant(request: Request, tenant: TenantConfig) -> JSONResponse:
 
 @router.put("/tenants/{name}")
 async def update_tenant(request: Request, name: str, tenant: TenantConfig) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     entry = services.directory.tenants.get(name)
     if entry is None:
         raise NotFound(f"no tenant named {name!r}")
@@ -124,7 +120,7 @@ async def update_tenant(request: Request, name: str, tenant: TenantConfig) -> JS
 
 @router.get("/keys")
 async def list_keys(request: Request) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     return JSONResponse(
         {
             "keys": [
@@ -143,7 +139,7 @@ async def list_keys(request: Request) -> JSONResponse:
 
 @router.post("/keys", status_code=201)
 async def create_key(request: Request, body: NewKey) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     if body.tenant not in services.directory.tenants:
         raise NotFound(f"no tenant named {body.tenant!r}", param="tenant")
     minted = mint_key()
@@ -168,7 +164,7 @@ async def create_key(request: Request, body: NewKey) -> JSONResponse:
 
 @router.delete("/keys/{key_id}")
 async def revoke_key(request: Request, key_id: str) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     entry = services.directory.keys.get(key_id)
     if entry is None:
         raise NotFound(f"no key with id {key_id!r}")
@@ -185,7 +181,7 @@ async def revoke_key(request: Request, key_id: str) -> JSONResponse:
 
 @router.post("/config/reload")
 async def reload(request: Request) -> JSONResponse:
-    services = _services(request)
+    services = services_of(request)
     path = request.app.state.config_path
     if path is None:
         raise Conflict("the gateway was started without a config file; there is nothing to reload")
@@ -198,7 +194,7 @@ async def reload(request: Request) -> JSONResponse:
 @router.get("/audit/verify")
 async def verify(request: Request) -> JSONResponse:
     """Walk the live store's chain (the same check as ``omnigate audit verify``)."""
-    services = _services(request)
+    services = services_of(request)
     audit = _audit(services)
     report = await verify_store(audit.store, Signer.from_settings(services.settings.audit.signing))
     return JSONResponse(report.to_json(), status_code=200 if report.ok else 409)

@@ -236,7 +236,7 @@ class Reader:
         skel = self._skel
         with memoryview(skel)[self._start :] as content:
             at = 0
-            if content[:5] == b"data:":
+            if content[:5].tobytes() == b"data:":
                 at = bytes(content[:_MAX_HEADER]).find(b",") + 1
                 if at <= 0 or bytes(content[5 : at - 1]).translate(None, _HEADER):
                     return False
@@ -327,14 +327,16 @@ def _place(doc: dict[str, Any], marker: str, media: list[spooled.SpooledMedia]) 
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else ():
-            field = _MEDIA_FIELDS.get(part.get("type")) if isinstance(part, dict) else None
-            inner = part.get(part["type"]) if field is not None else None
+            kind = part.get("type") if isinstance(part, dict) else None
+            field = _MEDIA_FIELDS.get(kind) if isinstance(kind, str) else None
+            inner = part.get(kind) if field is not None else None
             value = inner.get(field) if isinstance(inner, dict) else None
             if isinstance(value, str) and value.startswith(marker) and value[len(marker) :].isdigit():
                 index = int(value[len(marker) :])
                 # A URL field's payload is a data URI's; plain base64 is input_audio's alone (elsewhere it
                 # is a malformed URL, refused as one: left as sent).
-                if index < len(media) and (field == "data" or media[index].header.startswith("data:")):
+                fits = index < len(media) and (field == "data" or media[index].header.startswith("data:"))
+                if fits and isinstance(inner, dict):
                     inner[field] = media[index]
                     found += 1
     return found

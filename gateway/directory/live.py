@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -95,7 +96,9 @@ class LiveDirectory:
         self.keys = keys
         self.revision = rev
 
-    async def write(self, settings: Settings, auth_required: bool, op) -> None:
+    async def write(
+        self, settings: Settings, auth_required: bool, op: Callable[[DirectoryStore], Awaitable[object]]
+    ) -> None:
         """Run one admin write (``op(store)``), refused where it could not hold on every replica."""
         why = write_refusal(settings, auth_required, self.store.shared)
         if why is not None:

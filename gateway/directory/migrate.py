@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 from dataclasses import dataclass
+from typing import Any
 
 from core.settings import Settings, TenantConfig
 from gateway.tenants import KeyEntry
@@ -21,7 +22,7 @@ class Imported:
     skipped: int
 
 
-async def _legacy_rows(settings: Settings) -> tuple[list[tuple[str, str, str]], list[tuple]]:
+async def _legacy_rows(settings: Settings) -> tuple[list[tuple[str, str, str]], list[tuple[Any, ...]]]:
     audit = settings.audit
     if audit.store == "postgres":
         import asyncpg

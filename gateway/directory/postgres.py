@@ -65,7 +65,7 @@ class PostgresDirectory:
         async with self.pool.acquire() as conn, conn.transaction():
             status = await conn.execute(sql, *args)
             await conn.execute("UPDATE omnigate_directory_revision SET revision = revision + 1 WHERE id = 1")
-        return status
+        return str(status)
 
     async def put_tenant(self, name: str, config_json: str, now: str) -> None:
         await self._write(

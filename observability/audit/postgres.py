@@ -118,7 +118,8 @@ class PostgresStore:
         return [Row(*r) for r in await self.pool.fetch(sql, *args)]
 
     async def seq_of_hash(self, digest: str) -> int | None:
-        return await self.pool.fetchval("SELECT seq FROM audit_log WHERE hash = $1 LIMIT 1", digest)
+        seq = await self.pool.fetchval("SELECT seq FROM audit_log WHERE hash = $1 LIMIT 1", digest)
+        return None if seq is None else int(seq)
 
     async def checkpoints(self) -> list[Checkpoint]:
         return [Checkpoint(*r) for r in await self.pool.fetch(CP_SELECT + " ORDER BY seq")]

@@ -166,7 +166,8 @@ _BASES = (
 def _date_parsers() -> tuple[object, object]:
     from dateparser.date import DateDataParser
 
-    return tuple(DateDataParser(languages=["en"], settings=b) for b in _BASES)  # type: ignore[return-value]
+    past, future = _BASES
+    return DateDataParser(languages=["en"], settings=past), DateDataParser(languages=["en"], settings=future)
 
 
 def dates_in(text: str) -> set[DateKey]:

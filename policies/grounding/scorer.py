@@ -96,9 +96,9 @@ class Scorer(Protocol):
 
 
 @dataclass(slots=True)
-class _Job(Generic[J]):
+class _Job(Generic[J, R]):
     payload: J
-    future: asyncio.Future
+    future: asyncio.Future[R]
 
 
 class _Batcher(Generic[J, R]):
@@ -122,7 +122,7 @@ class _Batcher(Generic[J, R]):
         self._size = size
         self._max_items = max_items
         self._max_wait_s = max_wait_s
-        self._queue: asyncio.Queue[_Job[J]] = asyncio.Queue(maxsize=1024)
+        self._queue: asyncio.Queue[_Job[J, R]] = asyncio.Queue(maxsize=1024)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._task: asyncio.Task[None] | None = None
         self._name = name
@@ -134,7 +134,7 @@ class _Batcher(Generic[J, R]):
     async def submit(self, payload: J) -> R:
         if self._task is None or self._task.done():
             raise RuntimeError(f"scorer {self._name} is not running")
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         await self._queue.put(_Job(payload, fut))
         return await fut
 
@@ -473,7 +473,7 @@ def _quiet_loading() -> None:
     # Weight-loading progress bars are noise in a server log.
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
 
 
 def _clip(x: float) -> float:

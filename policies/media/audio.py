@@ -142,7 +142,7 @@ def _reads_to_the_end(data: bytes, tail: int = 256) -> bool:
         with sf.SoundFile(io.BytesIO(data)) as f:
             want = min(tail, f.frames)
             f.seek(f.frames - want)
-            return len(f.read(want, dtype="int16")) == want
+            return bool(len(f.read(want, dtype="int16")) == want)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
         return False
 

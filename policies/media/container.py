@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import re
 import struct
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -240,7 +241,7 @@ def image_end(data: bytes, fmt: str) -> int | None:
         if fmt == "GIF":
             return _gif_end(data)
         if fmt == "WEBP":
-            end = 8 + struct.unpack_from("<I", data, 4)[0]
+            end = 8 + int(struct.unpack_from("<I", data, 4)[0])
             if end > len(data):
                 raise Truncated
             return end
@@ -253,7 +254,7 @@ def _png_end(data: bytes) -> int:
     pos = 8
     while True:
         length, kind = struct.unpack_from(">I4s", data, pos)
-        pos += 12 + length
+        pos += 12 + int(length)
         if pos > len(data):
             raise Truncated
         if kind == b"IEND":
@@ -322,7 +323,7 @@ _TOP_LEVEL = frozenset({b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"
 _PATH = (b"mdia", b"minf", b"stbl")
 
 
-def _boxes(data: bytes, start: int, end: int):
+def _boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
     pos = start
     while pos + 8 <= end:
         size, kind = struct.unpack_from(">I4s", data, pos)
@@ -368,7 +369,7 @@ def check_isobmff(data: bytes, param: str) -> None:
         mdia = _child(data, start, end, b"mdia")
         minf = _child(data, *mdia, b"minf") if mdia else None
         stbl = _child(data, *minf, b"stbl") if minf else None
-        if stbl is not None:
+        if stbl is not None and mdia is not None:
             hdlr = _child(data, *mdia, b"hdlr")
             handler = data[hdlr[0] + 8 : hdlr[0] + 12] if hdlr and hdlr[1] - hdlr[0] >= 12 else b""
             _check_track(data, stbl, handler, param)
@@ -431,7 +432,7 @@ def _one_tick_samples(data: bytes, stbl: tuple[int, int]) -> bool:
     if stts is None or stts[1] - stts[0] < 16:
         return False
     entries, _, delta = struct.unpack_from(">III", data, stts[0] + 4)
-    return entries == 1 and delta == 1
+    return bool(entries == 1 and delta == 1)
 
 
 def _chunk_offsets(data: bytes, stbl: tuple[int, int]) -> np.ndarray | None:

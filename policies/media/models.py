@@ -34,7 +34,8 @@ class NSFWModel:
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
         # Column 0 is P(SFW), column 1 is P(NSFW).
-        return self._session.run(None, {self._input: batch})[0][:, 1]
+        scores: np.ndarray = self._session.run(None, {self._input: batch})[0][:, 1]
+        return scores
 
     def score(self, images: Sequence[Image.Image], batch: int = 4) -> list[float]:
         """Scores in input order; the images are run ``batch`` at a time (one session call per batch)."""

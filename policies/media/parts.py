@@ -67,6 +67,13 @@ class MediaRef:
         return self.type != "input_audio" and not self.value.startswith("data:")
 
     @property
+    def url(self) -> str:
+        """A remote part's URL (what :attr:`is_remote` found); a part carried in the body has none."""
+        if not self.is_remote or not isinstance(self.value, str):
+            raise ValueError(f"{self.param} is carried in the request, not fetched")
+        return self.value
+
+    @property
     def head(self) -> str:
         """The start of the client's string: enough for its data URI's header."""
         value = self.value

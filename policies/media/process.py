@@ -15,13 +15,14 @@ from typing import Any
 from core.errors import InvalidMedia, MediaTooLarge
 from core.spooled import SpooledMedia
 from policies.media import budget as tokens
-from policies.media.audio import AudioConfig, AudioResult, decode_pcm, normalise_audio, probe_audio
+from policies.media.audio import AudioResult, decode_pcm, normalise_audio, probe_audio
 from policies.media.budget import BudgetConfig
+from policies.media.config import AudioConfig, ImageConfig, VideoConfig
 from policies.media.container import check_declared, check_one_file
-from policies.media.image import ImageConfig, normalise_image, open_image
+from policies.media.image import normalise_image, open_image
 from policies.media.parts import MediaRef, Output, data_uri, make_part, output_part
 from policies.media.targets import MediaTarget
-from policies.media.video import VideoConfig, encode_jpeg, encode_mp4, plan_frames, probe_video, sample_frames
+from policies.media.video import encode_jpeg, encode_mp4, plan_frames, probe_video, sample_frames
 from policies.media.worker import SharedOut
 
 
@@ -99,15 +100,15 @@ def probe_part(ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget) -
         info = probe_audio(data, ref.param)
         seconds = min(info.duration_s, cfg.audio.segment_s)
         return Probed(ref, tokens.audio_tokens(seconds, cfg.budget), info.duration_s)
-    info = probe_video(data, ref.param)
+    video = probe_video(data, ref.param)
     try:
-        used, count = plan_frames(info, cfg.video)
+        used, count = plan_frames(video, cfg.video)
     except InvalidMedia as exc:
         raise InvalidMedia(f"{ref.param}: {exc.message}", param=ref.param) from None
     size = tokens.frame_size_for(
         count,
-        info.width,
-        info.height,
+        video.width,
+        video.height,
         _video_budget(cfg, target),
         cfg.video.min_frame_pixels,
         cfg.video.max_frame_pixels,

@@ -86,7 +86,8 @@ class Sandbox:
 
     async def probe_worker(self) -> dict[str, Any]:
         """One worker's view of its confinement."""
-        return await self.run(worker.probe, (), param="")
+        seen: dict[str, Any] = await self.run(worker.probe, (), param="")
+        return seen
 
     async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], *, param: str) -> Any:
         """``fn(*args)`` in a worker: its result, the gateway error it raised, or a generic 400."""
@@ -144,7 +145,7 @@ def _share(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[shared_memory.S
         if isinstance(arg, bytes) and len(arg) >= SHARE_MIN:
             shm = _segment(len(arg))
             if shm is not None:
-                shm.buf[: len(arg)] = arg
+                worker.mapped(shm)[: len(arg)] = arg
                 segments.append(shm)
                 out.append(worker.SharedBytes(shm.name, len(arg)))
                 continue
@@ -161,7 +162,7 @@ class SharedPart:
 
     def view(self) -> memoryview:
         """The bytes in place (use as a context manager: a view left open keeps the segment mapped)."""
-        return self._shm.buf[: self.handle.size]
+        return worker.mapped(self._shm)[: self.handle.size]
 
     def release(self) -> None:
         self._shm.close()
@@ -178,7 +179,7 @@ def shared_part(ref: MediaRef, size: int) -> SharedPart | None:
     if shm is None:
         return None
     try:
-        decode_payload_into(ref, shm.buf)
+        decode_payload_into(ref, worker.mapped(shm))
     except Exception:
         shm.close()
         shm.unlink()

@@ -22,7 +22,10 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.shared_memory import SharedMemory
 
 #: what the forkserver imports once, so every worker starts with the decoders loaded
 PRELOAD = ["policies.media.worker", "policies.media.process"]
@@ -102,7 +105,7 @@ def _deny_sockets(libc: Any) -> bool:
     pr_set_no_new_privs, pr_set_seccomp, seccomp_mode_filter = 38, 22, 2
     if libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0:
         return False
-    return libc.prctl(pr_set_seccomp, seccomp_mode_filter, ctypes.byref(prog), 0, 0) == 0
+    return bool(libc.prctl(pr_set_seccomp, seccomp_mode_filter, ctypes.byref(prog), 0, 0) == 0)
 
 
 def init_worker(memory_mb: int, cpu_s: float, threads: int, gateway_pid: int | None = None) -> None:
@@ -198,7 +201,7 @@ def write_out(out: SharedOut, data: bytes) -> bool:
 
     shm = shared_memory.SharedMemory(name=out.name)
     try:
-        shm.buf[: len(data)] = data
+        mapped(shm)[: len(data)] = data
     finally:
         shm.close()
     return True
@@ -213,7 +216,7 @@ def _resolve(arg: Any) -> Any:
     # the parent's tracker, where that is a no-op and the parent's unlink is the one unregistration.
     shm = shared_memory.SharedMemory(name=arg.name)
     try:
-        with shm.buf[: arg.size] as view:
+        with mapped(shm)[: arg.size] as view:
             return bytes(view)
     finally:
         shm.close()
@@ -245,3 +248,10 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...], deadline_s: float) -> tup
         return "crash", (type(exc).__name__, traceback.format_exc(limit=5))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def mapped(shm: SharedMemory) -> memoryview:
+    """The mapping of an open segment (typeshed allows None: the buffer of a closed one)."""
+    buf = shm.buf
+    assert buf is not None
+    return buf
