@@ -289,6 +289,11 @@ class Pipeline:
     ) -> tuple[Completion, ChatCompletionRequest]:
         """The JSON path's attempt: engines in order until one returns a whole answer."""
         answered = await self.attempts.call(request, ctx, lambda engine, adapted: engine.complete(adapted))
+        cap = answered.request.output_token_limit
+        if cap is not None and answered.result.usage.completion_tokens > cap * answered.request.choices:
+            # The engine ignored max_tokens. A whole answer has no pieces to count and the gateway no
+            # tokenizer of the engine's model: it cannot be cut exactly, so it is served and announced.
+            ctx.outputs.degrade("output-over-cap")
         ctx.record.ttft_s = ctx.record.elapsed()
         # A whole answer has no first token to time: its engine latency is a signal of its own.
         ctx.record.upstream_ttft_s, ctx.record.upstream_e2e_s = None, time.perf_counter() - answered.sent

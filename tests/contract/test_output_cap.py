@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
+from prometheus_client import CollectorRegistry
 
-from tests.conftest import OMNI_MODEL, TEXT_MODEL
-from tests.harness import wait_until
+from core.settings import PolicyChainConfig
+from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
+from tests.harness import GatewayServer, wait_until
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,3 +82,42 @@ def test_default_cap_applies_to_speech_streams_too(client, ups):
     assert transcript == "one two three "
     assert finish == "length"
     assert audio_pieces == 0  # cut before the speech of the runaway text began
+
+
+@pytest.fixture(scope="module")
+def bare(bg, upstreams):
+    """A gateway whose chain names no policy (the fixed media steps only): no request-limits to hold the cap."""
+    server = GatewayServer(
+        bg, gateway_settings(upstreams, PolicyChainConfig(pre=[])), CollectorRegistry()
+    ).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_cap_holds_without_request_limits(bare, ups, stream):
+    assert "request-limits" not in [p.name for p in bare.services.chain.all()]
+    ups.vllm.default = Script(flavour="vllm", text=TEN, ignore_max_tokens=True)
+    with openai.OpenAI(base_url=bare.url + "/v1", api_key="unused", max_retries=0, timeout=20) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=TEXT_MODEL, messages=[{"role": "user", "content": "count"}], stream=stream, max_tokens=4
+        )
+        if stream:
+            text, finish = "", None
+            for chunk in raw.parse():
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                    finish = choice.finish_reason or finish
+        else:
+            # A whole answer cannot be cut exactly (no pieces to count, no tokenizer of the engine's
+            # model): it is served as the engine sent it and announced.
+            done = raw.parse()
+            assert done.usage.completion_tokens == 10
+            assert raw.headers["x-omnigate-degraded"] == "output-over-cap"
+            assert (
+                'omnigate_degradations_total{reason="output-over-cap"}'
+                in httpx.get(bare.url + "/metrics").text
+            )
+            return
+    assert text == "one two three four "
+    assert finish == "length"
