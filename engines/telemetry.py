@@ -25,6 +25,9 @@ Only the controller's leader scrapes. It exports what it read as the gauges
 ``omnigate_engine_kv_cache_usage_ratio``;
 a reading the controller no longer trusts (see :meth:`TelemetryCollector.latest`),
 or a replica that stops leading, removes them rather than leave a stale value.
+
+Its length: the parsers of each source's text (vLLM, vLLM-Omni, DCGM, Prometheus queries, NVML) sit
+beside the collector that reads them, so one reading's path from scrape to gauge is in one file.
 """
 
 from __future__ import annotations

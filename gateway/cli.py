@@ -1,5 +1,9 @@
 """The ``omnigate`` command: ``serve``, ``check-config``, ``audit verify|export``, ``keys new``,
-``directory import``, ``verify-weights`` and ``weights-manifest``."""
+``directory import``, ``verify-weights`` and ``weights-manifest``.
+
+Its length: one small function per subcommand and the argument parser that names them all; each
+imports what it uses when it runs, so the command starts without the gateway's libraries.
+"""
 
 from __future__ import annotations
 

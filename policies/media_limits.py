@@ -11,6 +11,9 @@ of every part first, so budgets and context are checked before anything is decod
 counts against the request's media budget. Every rewrite is a
 degradation reason (``x-omnigate-degraded``) and is listed on the part's
 :class:`core.context.MediaRecord`.
+
+Its length: the pre-hook runs the probes, the budgets and the rewrites as one sequence over a request's
+parts (headers first, then decodes); the decoding itself is in policies/media/.
 """
 
 from __future__ import annotations

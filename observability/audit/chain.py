@@ -28,6 +28,9 @@ that record was cut by someone else.
 
 When the verifier holds a key (or the Ed25519 public key), a checkpoint it cannot
 check (unsigned, or signed by another key) is a failure, not a pass.
+
+Its length: the chain's link rule, the checkpoint signatures and the verifier that walks both are one
+format; a reader checks the verifier against the writer's rules here, in one file.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ then per public model, then ``mode``:
 ``passthrough``
     everything is released at once; the verdict is recorded and sent as the
     stream's final event. It never claims to have blocked anything.
+
+Its length: the policy and its three stream checks share the premise, the speech gate and the
+verdict rules; a check is only read beside the others.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ Models run on one worker thread, off the event loop. Concurrent requests are
 batched: a job waits at most ``max_wait_ms`` for others, and the jobs gathered
 go through the model as one batch (:class:`_Batcher`). One scorer is built and
 loaded per gateway, in the lifespan (:mod:`gateway.services`).
+
+Its length: the two scorers share the batcher, the judgement and the loading checks; split, each
+would import the other's halves.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ or a PDF (a polyglot), an image ends where its format says it ends (nothing
 cut off, no script or markup after the end marker), the media type a client
 declared is the one the bytes are, and an MP4's sample tables describe
 samples the file really holds.
+
+Its length: one structural check per container format (PNG, JPEG, GIF, WebP, ZIP and PDF markers,
+ISO BMFF boxes), each a few small functions with no state; kept together as the one place that reads
+container structure by hand.
 """
 
 from __future__ import annotations

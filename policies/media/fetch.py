@@ -16,6 +16,10 @@ unspecified, documentation) and every IPv6 form that embeds an IPv4 address
 (mapped, compatible, 6to4, Teredo, NAT64) whose IPv4 part is refused; IPv4-mapped
 addresses are refused outright. An operator's ``internal_hosts`` allow-list
 (names, IPs or networks, optionally with a port) opens specific internal hosts.
+
+Its length: the address rules, the resolver pinned to the checked address and the bounded streaming
+read are one guarantee (a URL reaches only what the rules allow); split, the pinning would sit away
+from the check it pins.
 """
 
 from __future__ import annotations
