@@ -51,11 +51,26 @@ def start(
     fallback = ScriptedUpstream(Script(text=TEXT), record=False, keepalive_timeout=keepalive_s)
     bg.run(primary.start())
     bg.run(fallback.start())
-    engine = dict(kind="vllm", model="scripted", serves=["m"], first_byte_timeout_s=1.0, read_timeout_s=1.5)
+    engine = dict(kind="vllm", model="scripted", serves=["m"])
+    # The primary's short timeouts keep the hang modes quick; the fallback never hangs, and its longer
+    # ones keep a slow host (a loaded CI machine) from turning a healthy answer into a timeout.
     settings = Settings(
         engines=[
-            EngineConfig(name="primary", base_url=primary.base_url, **engine),
-            EngineConfig(name="fallback", base_url=fallback.base_url, role="fallback", **engine),
+            EngineConfig(
+                name="primary",
+                base_url=primary.base_url,
+                first_byte_timeout_s=1.0,
+                read_timeout_s=1.5,
+                **engine,
+            ),
+            EngineConfig(
+                name="fallback",
+                base_url=fallback.base_url,
+                role="fallback",
+                first_byte_timeout_s=10.0,
+                read_timeout_s=10.0,
+                **engine,
+            ),
         ],
         logging={"level": "error"},
         routing={"controller": {"enabled": False}},
