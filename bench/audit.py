@@ -27,9 +27,9 @@ from core.context import Identity, PolicyRun, Record, RequestContext
 from core.events import Completion, Usage
 from core.schemas import ChatCompletionRequest
 from core.settings import AuditSettings
+from observability.audit.backends import build_store
 from observability.audit.log import AuditLog
 from observability.audit.record import RequestSnapshot
-from observability.audit.store import build_store
 from observability.metrics import Metrics
 
 PROMPT = ("Summarise the quarterly figures for the board, in three sentences. " * 32)[:2048]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from core.control_settings import ControllerSettings, Rule
 
 if TYPE_CHECKING:
-    from engines.rollback import EngineSignals, Incident, Snapshot
+    from engines.snapshot import EngineSignals, Incident, Snapshot
 
 
 def excluded_targets(snap: Snapshot, config: ControllerSettings) -> frozenset[str]:

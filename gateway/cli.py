@@ -228,8 +228,8 @@ def audit_command(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
+    from observability.audit.backends import build_store
     from observability.audit.chain import Signer
-    from observability.audit.store import build_store
     from observability.audit.verify import export_store, verify_store
 
     try:

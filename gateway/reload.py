@@ -104,7 +104,7 @@ async def _open_chains(services: Services, settings: Settings) -> ChainSet:
             await scorer.start()  # a model that cannot load refuses the file, as at boot
     deps = services.deps(settings)
     if scorer is not None:
-        deps = dataclasses.replace(deps, scorer=scorer)
+        deps = dataclasses.replace(deps, resources={**deps.resources, "scorer": scorer})
     try:
         await chains.open(deps)
     except BaseException:

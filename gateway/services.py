@@ -213,8 +213,9 @@ class Services:
         return Deps(
             settings=settings or self.settings,
             metrics=self.metrics,
-            media=self.media,
-            scorer=self.scorer,
+            resources={
+                name: r for name, r in (("media", self.media), ("scorer", self.scorer)) if r is not None
+            },
             engines=tuple(
                 EngineFacts(e.name, tuple(e.config.serves), e.config.role, e.capabilities)
                 for e in self.pool.engines.values()

@@ -27,7 +27,7 @@ from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.models import SpeechToText
 from policies.media.parts import media_parts, payload_arg
 from policies.media.process import screen_pcm
-from policies.media.sandbox import MediaRuntime
+from policies.media.sandbox import MediaRuntime, runtime_of
 
 
 class AudioScreenConfig(PolicyConfig):
@@ -69,7 +69,7 @@ class AudioScreen(PolicyBase):
 
     async def start(self, deps: Deps) -> None:
         self._metrics = deps.metrics
-        self._runtime = deps.media
+        self._runtime = runtime_of(deps)
         loop = asyncio.get_running_loop()
         self._stt = await loop.run_in_executor(self._pool, SpeechToText, self.config.threads)
 

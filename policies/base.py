@@ -81,8 +81,6 @@ if TYPE_CHECKING:
     from core.schemas import ChatCompletionRequest
     from core.settings import Settings
     from observability.metrics import Metrics
-    from policies.grounding.scorer import Scorer
-    from policies.media.sandbox import MediaRuntime
 
 Stage = Literal["pre", "stream", "post"]
 StreamMode = Literal["passthrough", "window", "hold"]
@@ -146,7 +144,8 @@ class Halt(Exception):
         self.verdict = verdict
 
 
-#: the shared resources a policy may name in ``uses`` (each one a field of :class:`Deps`)
+#: the shared resources a policy may name in ``uses``: the gateway builds one only when a configured
+#: policy names it (the media runtime it always has: the media steps are fixed)
 RESOURCES = frozenset({"scorer"})
 
 
@@ -156,15 +155,16 @@ class Deps:
 
     ``settings`` are the settings the chain is opened under (on reload: the new file, with the
     sections that need a restart kept as booted); ``engines`` what each engine that serves takes, as
-    its adapter declares it; ``media`` the process's media sandbox and byte budgets (None outside a gateway: a
-    policy that needs one then opens its own and closes it in ``aclose``); ``scorer`` the
-    grounding scorer, loaded, when a configured policy ``uses`` it.
+    its adapter declares it; ``resources`` the gateway's shared resources by name: ``media``, the
+    process's media sandbox and byte budgets (absent outside a gateway: a policy that needs one then
+    opens its own and closes it in ``aclose``), and ``scorer``, the grounding scorer, loaded, when a
+    configured policy ``uses`` it. A policy takes a resource by name and checks its type there
+    (``isinstance``), so this protocol module names no policy's types.
     """
 
     settings: Settings
     metrics: Metrics
-    media: MediaRuntime | None = None
-    scorer: Scorer | None = None
+    resources: Mapping[str, object] = field(default_factory=dict)
     #: what each engine serves and takes, as its adapter declares it (core/capabilities.py): the media
     #: steps read the engines' modalities, video form, audio rate and context here, not in the settings
     engines: tuple[EngineFacts, ...] = ()

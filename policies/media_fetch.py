@@ -26,7 +26,7 @@ from policies.media.parts import (
     payload_size,
     replace_parts,
 )
-from policies.media.sandbox import MediaRuntime
+from policies.media.sandbox import MediaRuntime, runtime_of
 from policies.media.targets import check_modalities, targets_from
 
 
@@ -46,7 +46,7 @@ class MediaFetch(PolicyBase):
     async def start(self, deps: Deps) -> None:
         self.fetcher = SafeFetcher(self.config, deps.metrics)
         await self.fetcher.start()  # its session is this instance's: closed in aclose, with the chain
-        self._runtime = deps.media
+        self._runtime = runtime_of(deps)
         self._targets = targets_from(deps.engines)
 
     async def aclose(self) -> None:

@@ -55,9 +55,9 @@ from policies.media.parts import (
     replace_parts,
     spool_parts,
 )
-from policies.media.sandbox import SHARE_MIN, MediaRuntime, SharedPart, shared_part
+from policies.media.sandbox import SHARE_MIN, MediaRuntime, SharedPart, runtime_of, shared_part
+from policies.media.shared import SharedOut
 from policies.media.targets import MediaTarget, check_modalities, targets_from
-from policies.media.worker import SharedOut
 
 if TYPE_CHECKING:
     from policies.media.audio import AudioResult  # the decoders load only where media is served
@@ -100,7 +100,7 @@ class MediaLimits(PolicyBase):
         self._targets = targets_from(deps.engines)
         self._metrics = deps.metrics
         # The gateway's runtime is the gateway's: a reload's aclose must not stop its workers.
-        self._runtime = deps.media
+        self._runtime = runtime_of(deps)
         if self._runtime is None:  # a chain started outside a gateway (tests): its own, closed with it
             self._runtime = MediaRuntime(deps.settings.media)
             self._own_runtime = True

@@ -28,7 +28,7 @@ from policies.media.config import ImageConfig
 from policies.media.models import NSFWModel
 from policies.media.parts import MediaRef, media_parts, payload_arg
 from policies.media.process import screen_frames
-from policies.media.sandbox import MediaRuntime
+from policies.media.sandbox import MediaRuntime, runtime_of
 
 _SIZE = (256, 256)  # what the model's own preprocessing resizes to first
 
@@ -64,7 +64,7 @@ class NSFWScreen(PolicyBase):
 
     async def start(self, deps: Deps) -> None:
         self._metrics = deps.metrics
-        self._runtime = deps.media
+        self._runtime = runtime_of(deps)
         loop = asyncio.get_running_loop()
         self._model = await loop.run_in_executor(self._pool, NSFWModel, self.config.threads)
 

@@ -5,7 +5,7 @@ Every route depends on :func:`require_admin`. With no admin credential configure
 exist. The credential that made a call is what the audit trail and the log record
 for it (``admin_credential``); a name a caller writes in a body is never taken for it.
 With the console on, a console session cookie is accepted in place of the Bearer key
-(gateway/console/session.py) and recorded as the credential ``console-session``.
+(gateway/api/console_session.py) and recorded as the credential ``console-session``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from starlette.responses import JSONResponse
 
 from core.errors import AuthenticationFailed, OmnigateError
 from core.settings import Settings
+from gateway.api import console_session
 from gateway.api.auth import client_address
-from gateway.console import session as console_session
 from gateway.services import Services
 
 

@@ -20,9 +20,9 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from core.errors import AuthenticationFailed, PayloadTooLarge, PermissionDenied, RequestTimeout
+from gateway.api import console_session as session
 from gateway.api.admin import AdminDisabled
 from gateway.api.auth import client_address
-from gateway.console import session
 from gateway.services import Services
 
 log = structlog.get_logger(__name__)

@@ -5,6 +5,7 @@ to one process. :class:`~gateway.directory.live.LiveDirectory` keeps this proces
 snapshot fresh and fails closed when the store cannot be read.
 """
 
-from gateway.directory.store import DirectoryStore, build_store
+from gateway.directory.backends import build_store
+from gateway.directory.store import DirectoryStore
 
 __all__ = ["DirectoryStore", "build_store"]

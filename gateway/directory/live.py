@@ -19,7 +19,8 @@ import structlog
 from core.auth_settings import DirectorySettings
 from core.errors import Conflict, DirectoryUnavailable
 from core.settings import Settings, TenantConfig
-from gateway.directory.store import DirectoryStore, build_store
+from gateway.directory.backends import build_store
+from gateway.directory.store import DirectoryStore
 from gateway.tenants import KeyEntry
 from observability.metrics import Metrics
 

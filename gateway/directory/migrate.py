@@ -55,7 +55,7 @@ async def _legacy_rows(settings: Settings) -> tuple[list[tuple[str, str, str]], 
 
 
 async def import_from_audit(settings: Settings) -> Imported:
-    from gateway.directory.store import build_store
+    from gateway.directory.backends import build_store
 
     tenants, keys = await _legacy_rows(settings)
     store = build_store(settings.auth.directory)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from core.auth_settings import DirectorySettings
 from gateway.tenants import KeyEntry
 
 #: table names of their own, so the directory may share a database with the audit trail
@@ -41,15 +40,3 @@ class DirectoryStore(Protocol):
     async def add_key(self, key: KeyEntry, created_by: str) -> None: ...
 
     async def set_key_enabled(self, key_id: str, enabled: bool) -> bool: ...
-
-
-def build_store(settings: DirectorySettings) -> DirectoryStore:
-    if settings.backend == "postgres":
-        from gateway.directory.postgres import PostgresDirectory
-
-        assert settings.postgres_dsn is not None
-        return PostgresDirectory(settings.postgres_dsn.get_secret_value(), settings.timeout_s)
-    from gateway.directory.sqlite import SQLiteDirectory
-
-    assert settings.sqlite_path is not None  # Settings fills it in beside the audit database
-    return SQLiteDirectory(settings.sqlite_path)

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from core.settings import AuditSettings
 from observability.audit.chain import GENESIS, Checkpoint, Row, Seal, link
 from observability.audit.search import AuditQuery
 
@@ -125,14 +124,3 @@ class AuditStore(Protocol):
         record) and the checkpoint ``seal`` makes of it.
         """
         ...
-
-
-def build_store(settings: AuditSettings) -> AuditStore:
-    if settings.store == "postgres":
-        from observability.audit.postgres import PostgresStore
-
-        assert settings.postgres_dsn is not None
-        return PostgresStore(settings.postgres_dsn.get_secret_value())
-    from observability.audit.sqlite import SQLiteStore
-
-    return SQLiteStore(settings.sqlite_path)

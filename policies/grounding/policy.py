@@ -393,9 +393,10 @@ class Grounding(PolicyBase):
 
         The scorer stays the gateway's: this policy's ``aclose`` (the default) leaves it running.
         """
-        if deps.scorer is None:
+        scorer = deps.resources.get("scorer")
+        if not isinstance(scorer, Scorer):
             raise RuntimeError("the grounding policy needs the grounding scorer")
-        self._scorer = deps.scorer
+        self._scorer = scorer
         self._metrics = deps.metrics
 
     @property

@@ -26,7 +26,7 @@ from core.schemas import (
 )
 from core.spooled import SpooledMedia, SpoolFull, SpoolWriter
 from policies.media.container import AUDIO_FORMATS
-from policies.media.worker import SharedBytes, SharedOut, write_out
+from policies.media.shared import SharedBytes, SharedOut, write_out
 
 _KIND = {"image_url": "image", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
 _MEDIATYPE = re.compile(r"^[a-z0-9][a-z0-9!#$&^_.+-]{0,126}/[a-z0-9][a-z0-9!#$&^_.+-]{0,126}$")
@@ -233,7 +233,7 @@ SPOOL_OUTPUT = 1 << 18
 @dataclass(frozen=True, slots=True)
 class Output:
     """A worker's large output before it is a part: its bytes (``data``), or only its ``size`` where the
-    worker wrote them into the file the parent reserved for it (:class:`worker.SharedOut`). Either way
+    worker wrote them into the file the parent reserved for it (:class:`~policies.media.shared.SharedOut`). Either way
     the gateway makes it a part carrying a spooled file (:func:`spool_parts`), never a base64 string."""
 
     ref_type: str

@@ -21,9 +21,9 @@ from policies.media.config import AudioConfig, ImageConfig, VideoConfig
 from policies.media.container import check_declared, check_one_file
 from policies.media.image import normalise_image, open_image
 from policies.media.parts import MediaRef, Output, data_uri, make_part, output_part
+from policies.media.shared import SharedOut
 from policies.media.targets import MediaTarget
 from policies.media.video import encode_jpeg, encode_mp4, plan_frames, probe_video, sample_frames
-from policies.media.worker import SharedOut
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,15 +23,18 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import shared_memory
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from core import errors
 from core.errors import InvalidMedia, MediaTooLarge, Overloaded
 from core.settings import MediaSettings
-from policies.media import worker
+from policies.media import shared, worker
 from policies.media.parts import MediaRef, decode_payload_into
+
+if TYPE_CHECKING:
+    from policies.base import Deps
 
 log = structlog.get_logger(__name__)
 
@@ -145,9 +148,9 @@ def _share(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[shared_memory.S
         if isinstance(arg, bytes) and len(arg) >= SHARE_MIN:
             shm = _segment(len(arg))
             if shm is not None:
-                worker.mapped(shm)[: len(arg)] = arg
+                shared.mapped(shm)[: len(arg)] = arg
                 segments.append(shm)
-                out.append(worker.SharedBytes(shm.name, len(arg)))
+                out.append(shared.SharedBytes(shm.name, len(arg)))
                 continue
         out.append(arg)
     return tuple(out), segments
@@ -158,11 +161,11 @@ class SharedPart:
 
     def __init__(self, shm: shared_memory.SharedMemory, size: int) -> None:
         self._shm = shm
-        self.handle = worker.SharedBytes(shm.name, size)
+        self.handle = shared.SharedBytes(shm.name, size)
 
     def view(self) -> memoryview:
         """The bytes in place (use as a context manager: a view left open keeps the segment mapped)."""
-        return worker.mapped(self._shm)[: self.handle.size]
+        return shared.mapped(self._shm)[: self.handle.size]
 
     def release(self) -> None:
         self._shm.close()
@@ -179,7 +182,7 @@ def shared_part(ref: MediaRef, size: int) -> SharedPart | None:
     if shm is None:
         return None
     try:
-        decode_payload_into(ref, worker.mapped(shm))
+        decode_payload_into(ref, shared.mapped(shm))
     except Exception:
         shm.close()
         shm.unlink()
@@ -361,3 +364,11 @@ def large_buffers_to_the_system() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, LARGE_BUFFER))
     except (OSError, AttributeError):
         return False
+
+
+def runtime_of(deps: Deps) -> MediaRuntime | None:
+    """The gateway's media runtime among ``deps``' resources; None outside a gateway."""
+    found = deps.resources.get("media")
+    if found is None or isinstance(found, MediaRuntime):
+        return found
+    raise TypeError(f"the media resource is a {type(found).__name__}, not a MediaRuntime")

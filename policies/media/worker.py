@@ -21,11 +21,9 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from multiprocessing.shared_memory import SharedMemory
+from policies.media.shared import SharedBytes, read_shared
 
 #: what the forkserver imports once, so every worker starts with the decoders loaded
 PRELOAD = ["policies.media.worker", "policies.media.process"]
@@ -177,49 +175,8 @@ def probe() -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class SharedBytes:
-    """A task argument's bytes, left by the parent in a shared-memory segment it owns and unlinks."""
-
-    name: str
-    size: int
-
-
-@dataclass(frozen=True, slots=True)
-class SharedOut:
-    """A file the parent reserved for a task's output: the worker maps it and writes into it."""
-
-    name: str
-    size: int
-
-
-def write_out(out: SharedOut, data: bytes) -> bool:
-    """Write ``data`` into the parent's reserved file; False (nothing written) where it does not fit."""
-    if len(data) > out.size:
-        return False
-    from multiprocessing import shared_memory
-
-    shm = shared_memory.SharedMemory(name=out.name)
-    try:
-        mapped(shm)[: len(data)] = data
-    finally:
-        shm.close()
-    return True
-
-
 def _resolve(arg: Any) -> Any:
-    if not isinstance(arg, SharedBytes):
-        return arg
-    from multiprocessing import shared_memory
-
-    # Attaching registers the segment with the resource tracker again; a forkserver worker shares
-    # the parent's tracker, where that is a no-op and the parent's unlink is the one unregistration.
-    shm = shared_memory.SharedMemory(name=arg.name)
-    try:
-        with mapped(shm)[: arg.size] as view:
-            return bytes(view)
-    finally:
-        shm.close()
+    return read_shared(arg) if isinstance(arg, SharedBytes) else arg
 
 
 def run(fn: Callable[..., Any], args: tuple[Any, ...], deadline_s: float) -> tuple[str, Any]:
@@ -248,10 +205,3 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...], deadline_s: float) -> tup
         return "crash", (type(exc).__name__, traceback.format_exc(limit=5))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-
-
-def mapped(shm: SharedMemory) -> memoryview:
-    """The mapping of an open segment (typeshed allows None: the buffer of a closed one)."""
-    buf = shm.buf
-    assert buf is not None
-    return buf

@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from core.settings import Settings
-from gateway.console import session
+from gateway.api import console_session as session
 from gateway.console.routes import CSP
 from tests.console_setup import ADMIN, ADMIN_KEY, config, start, tenant_keys
 

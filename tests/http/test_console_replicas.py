@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.console import session
+from gateway.api import console_session as session
 from tests.console_setup import ADMIN, ADMIN_KEY, OMNI, SIGNING_KEY, config, request_id, start, tenant_keys
 from tests.harness import wait_until
 from tests.stores import fresh_pg_database, redis_prefix

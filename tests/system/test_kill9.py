@@ -22,8 +22,8 @@ import yaml
 
 from core.settings import AuditSettings
 from gateway.tenants import mint_key
+from observability.audit.backends import build_store
 from observability.audit.chain import Signer
-from observability.audit.store import build_store
 from observability.audit.verify import verify_store
 from tests.stores import fresh_pg_database, redis_prefix
 

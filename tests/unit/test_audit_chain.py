@@ -15,9 +15,9 @@ import pytest
 from pydantic import SecretStr
 
 from core.settings import AuditSettings
+from observability.audit.backends import build_store
 from observability.audit.chain import Signer, link
 from observability.audit.log import AuditLog
-from observability.audit.store import build_store
 from observability.audit.verify import export_store, verify_store
 from observability.metrics import Metrics
 from tests.stores import fresh_pg_database

@@ -21,9 +21,9 @@ import orjson
 import pytest
 
 from core.settings import AuditSettings
+from observability.audit.backends import build_store
 from observability.audit.chain import GENESIS, Checkpoint, Signer, link
 from observability.audit.log import AuditLog
-from observability.audit.store import build_store
 from observability.audit.verify import verify_store
 from observability.audit.witness import read_heads
 from observability.metrics import Metrics

@@ -7,9 +7,10 @@ import orjson
 import pytest
 
 from core.settings import AuditSettings
+from observability.audit.backends import build_store
 from observability.audit.chain import Signer, canonical
 from observability.audit.log import AuditLog
-from observability.audit.store import Entry, build_store
+from observability.audit.store import Entry
 from observability.audit.verify import verify_store
 from observability.metrics import Metrics
 
