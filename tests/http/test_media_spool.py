@@ -156,3 +156,16 @@ def test_a_payload_in_a_url_field_without_a_data_header_is_refused_as_a_url(gw):
     resp = _post(gw, {"type": "audio_url", "audio_url": {"url": b64}})
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "messages.0.content.1.audio_url.url"
+
+
+@pytest.mark.parametrize("kind", [["input_audio"], {"input_audio": 1}])
+def test_a_part_type_that_is_not_a_string_beside_a_payload_is_a_400(gw, kind):
+    # The body reader places spooled payloads by their part's type; an unhashable type must be refused
+    # by validation like any malformed part, not break the reader with a 500.
+    before = _files()
+    b64 = base64.b64encode(PASSED).decode()
+    resp = _post(gw, {"type": kind, "input_audio": {"data": b64, "format": "wav"}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and set(error) == {"message", "type", "param", "code"}
+    assert _gone(before)

@@ -146,6 +146,16 @@ def test_anything_but_a_media_payload_is_read_as_sent(doc):
     assert _files() <= before  # whatever was written for it is gone
 
 
+@pytest.mark.parametrize("kind", [["input_audio"], {"a": 1}, 7, None])
+def test_a_part_whose_type_is_not_a_string_is_left_for_validation(kind):
+    # A spooled payload is placed by its part's type; a type that is a list or an object (unhashable)
+    # must not break the placing: the body reads as sent (here the reader keeps the strings, as for any
+    # payload it cannot place), and validation refuses the part.
+    doc = _doc({"type": kind, "input_audio": {"data": B64, "format": "wav"}}, _audio(B64))
+    got, _reader = _read(orjson.dumps(doc))
+    assert _as_sent(got) == doc
+
+
 @pytest.mark.parametrize(
     "raw",
     [
