@@ -5,7 +5,7 @@ Every replica runs one, each tick (``routing.controller.interval_s``):
 1. it publishes a summary of its own measurements (latency histograms, outcomes, WER);
 2. it tries to take or renew the leader lease;
 3. the leader merges every replica's summary with the scraped telemetry into a
-   :class:`~engines.rollback.Snapshot`, calls :func:`~engines.rollback.decide`, and
+   :class:`~engines.snapshot.Snapshot`, calls :func:`~engines.rollback.decide`, and
    writes the new state and routing table in one fenced update;
 4. the others read the table when its version changes and apply it.
 
@@ -51,8 +51,6 @@ from engines.pool import EnginePool
 from engines.rollback import (
     ControllerState,
     Decision,
-    EngineSignals,
-    Snapshot,
     Transition,
     clear_incident,
     decide,
@@ -65,6 +63,7 @@ from engines.rollback import (
 from engines.routing import RoutingTable
 from engines.sentinel import AccuracySentinel
 from engines.signals import EngineSummary
+from engines.snapshot import EngineSignals, Snapshot
 from engines.state_store import Doc, NotLeader, StateStore
 from engines.telemetry import TelemetryCollector
 from observability.metrics import Metrics

@@ -42,9 +42,6 @@ from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, 
 from engines.snapshot import EngineSignals, Incident, Snapshot
 from engines.targets import shift_targets
 
-#: the controller's inputs and incident record live in engines/snapshot.py; named here too, beside decide
-__all__ = ["EngineSignals", "Incident", "Snapshot"]
-
 HOUR_S = 3600.0
 
 

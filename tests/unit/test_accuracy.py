@@ -24,8 +24,9 @@ from engines.accuracy import (
     load_set,
 )
 from engines.pool import build_engine
-from engines.rollback import ControllerState, EngineSignals, Snapshot, decide
+from engines.rollback import ControllerState, decide
 from engines.routing import EngineInfo
+from engines.snapshot import EngineSignals, Snapshot
 from observability.metrics import Metrics
 from tests.upstream import Script, ScriptedUpstream
 

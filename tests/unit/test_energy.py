@@ -7,8 +7,9 @@ from pydantic import ValidationError
 
 from core.control_settings import ControllerSettings, Rule, RuleAction, RuleSelector, default_rules
 from engines.energy import EnergyBook, EnergyMeter, token_equivalents, trapezoid_joules
-from engines.rollback import ControllerState, EngineSignals, Snapshot, decide, route
+from engines.rollback import ControllerState, decide, route
 from engines.routing import EngineInfo
+from engines.snapshot import EngineSignals, Snapshot
 from engines.telemetry import parse_dcgm_power
 
 # A deployment serving BF16 first, with INT4 beside it: where preferring INT4 moves traffic.

@@ -9,8 +9,9 @@ from collections.abc import Callable
 import pytest
 
 from core.control_settings import ControllerSettings, Rule, RuleAction, RuleSelector, default_rules
-from engines.rollback import ControllerState, EngineSignals, Snapshot, Transition, decide, pin, route
+from engines.rollback import ControllerState, Transition, decide, pin, route
 from engines.routing import EngineInfo, RoutingTable
+from engines.snapshot import EngineSignals, Snapshot
 
 INT4 = EngineInfo("omni-int4", "int4", "primary", ("omni",))
 BF16 = EngineInfo("omni-bf16", "bf16", "fallback", ("omni",))

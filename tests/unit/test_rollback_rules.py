@@ -14,8 +14,9 @@ from prometheus_client import CollectorRegistry
 from core.control_settings import ControllerSettings, OffloadSettings, Rule, RuleAction, default_rules
 from core.settings import EngineConfig
 from engines.pool import EnginePool, build_engine
-from engines.rollback import ControllerState, EngineSignals, Intent, Snapshot, Transition, decide, route
+from engines.rollback import ControllerState, Intent, Transition, decide, route
 from engines.routing import EngineInfo, RoutingTable
+from engines.snapshot import EngineSignals, Snapshot
 from observability.metrics import Metrics
 
 INT4 = EngineInfo("omni-int4", "int4", "primary", ("omni",))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engines.rollback import EngineSignals
 from engines.routing import EngineInfo
 from engines.signals import EngineSummary, OutcomeWindow
+from engines.snapshot import EngineSignals
 
 
 class Clock:
