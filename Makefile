@@ -20,8 +20,8 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/omnigate serve $(if $(CONFIG),--config $(CONFIG))
 
-# The real vLLM suite (tests/realvllm) needs vLLM and its model prepared under .cache/real-vllm: a few
-# minutes on a fresh machine, seconds once cached. test-fast skips it.
+# The real vLLM suite (tests/realvllm) needs vLLM and its model prepared once per machine, outside the clone
+# (tests/cachedir.py): a few minutes on a fresh machine, seconds once cached. test-fast skips it.
 test: install
 	bash scripts/test-env.sh
 	$(PY) -m tests.realvllm.prepare
@@ -32,7 +32,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow and not realvllm"
 
 # The real vLLM-Omni suite (tests/realomni), left out of `make test`: its own environment and a tiny
-# Qwen3-Omni under .cache/real-omni (minutes the first time, seconds once cached); the server it starts and
+# Qwen3-Omni in the same cache (minutes the first time, seconds once cached); the server it starts and
 # stops holds about 10 GB and both cores.
 test-omni: install
 	$(PY) -m tests.realomni.prepare

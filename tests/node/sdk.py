@@ -1,23 +1,23 @@
 """Runs the openai-node contract script (tests/node/contract.mjs) from pytest.
 
-The SDK is installed with ``npm ci`` from the committed lock into ``.cache/openai-node`` (ignored; redone
-when the lock changes), so the suite needs node and npm's registry, nothing global.
+The SDK is installed with ``npm ci`` from the committed lock into the suites' cache outside the clone
+(tests/cachedir.py; redone when the lock changes), so the suite needs node and npm's registry, nothing global.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from tests import cachedir
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-CACHE = Path(os.environ.get("OMNIGATE_NODE_CACHE", ROOT / ".cache" / "openai-node"))
+CACHE = cachedir.entry("openai-node", "OMNIGATE_NODE_CACHE")
 _FILES = ("package.json", "package-lock.json", "contract.mjs")
 
 

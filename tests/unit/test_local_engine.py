@@ -16,11 +16,12 @@ from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
 from core.settings import EngineConfig, LocalEngineOptions
 from engines.local import LocalEngine
+from tests import cachedir
 
 pytestmark = pytest.mark.slow
 
-# shared with a gateway run from the repository root, so the GGUF is converted once
-CACHE_DIR = Path(__file__).resolve().parents[2] / ".cache" / "omnigate" / "local-models"
+# in the suites' cache outside the clone (tests/cachedir.py), so the GGUF is converted once per machine
+CACHE_DIR = cachedir.entry("local-models")
 QUESTION = "What is the capital of France? Answer in one sentence."
 STORY = "Write a long story about a dragon who learns to bake bread."
 
