@@ -95,12 +95,16 @@ class ToolCall(_Wire):
     function: FunctionCall
 
 
+#: the most tool calls one assistant message carries (and so one answer: a client sends them back in one)
+MAX_TOOL_CALLS = 128
+
+
 class Message(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
     #: assistant turns: the calls it made; tool turns: the call answered
-    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="after")

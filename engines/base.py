@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import orjson
 
 from core.capabilities import Capabilities
-from core.errors import MediaURLForbidden
+from core.errors import EngineProtocolError, MediaURLForbidden
 from core.events import Completion, Delta
 from core.spooled import SpooledMedia
 
@@ -66,6 +66,22 @@ class Engine(Protocol):
     async def health(self) -> bool: ...
 
     async def aclose(self) -> None: ...
+
+
+def checked_index(value: object, bound: int, what: str, engine: str) -> int:
+    """``value`` as an index below ``bound``, or an engine protocol error.
+
+    An engine's index says where a piece of its answer goes (a choice among the request's ``n``, a
+    tool call among the answer's), and the gateway sizes lists by it: it is checked where the engine's
+    words are read, before anything is built from it. Only a JSON integer is an index (not a bool,
+    a float or a string that looks like one).
+    """
+    if type(value) is not int or not 0 <= value < bound:
+        raise EngineProtocolError(
+            f"engine {engine} sent {what} index {value!r:.40}; expected an integer from 0 to {bound - 1}",
+            engine=engine,
+        )
+    return value
 
 
 # -- what leaves for an engine ----------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from typing import Any
 
 from core.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
 from core.events import Completion, Delta, Usage
-from core.schemas import FEATURE_FIELDS, ChatCompletionRequest
+from core.schemas import FEATURE_FIELDS, MAX_TOOL_CALLS, ChatCompletionRequest
 from core.settings import EngineConfig
-from engines.base import declared, whole_strings, wire_messages
+from engines.base import checked_index, declared, whole_strings, wire_messages
 
 _PASS = (
     "temperature",
@@ -122,6 +122,9 @@ class LiteLLMEngine:
             async for chunk in response:
                 usage = getattr(chunk, "usage", None)
                 choices = chunk.choices or []
+                if choices:
+                    # litellm passes the provider's index through unchecked; only choice 0 is read here
+                    checked_index(getattr(choices[0], "index", 0), request.choices, "a choice", self.name)
                 delta = choices[0].delta if choices else None
                 text = (delta.content or "") if delta is not None else ""
                 finish = choices[0].finish_reason if choices else None
@@ -141,7 +144,7 @@ class LiteLLMEngine:
                     text=text,
                     finish_reason=finish,
                     usage=Usage(usage.prompt_tokens or 0, usage.completion_tokens or 0) if usage else None,
-                    tool_calls=[_fragment(c) for c in calls] if calls else None,
+                    tool_calls=[_fragment(c, self.name) for c in calls] if calls else None,
                     reasoning=reasoning,
                     logprobs=(logprobs or {}).get("content") or None,
                 )
@@ -171,6 +174,8 @@ class LiteLLMEngine:
             if isinstance(exc, lib.exceptions.OpenAIError | lib.exceptions.APIError):
                 raise self._map(exc) from exc
             raise
+        for c in resp.choices:
+            checked_index(getattr(c, "index", 0), request.choices, "a choice", self.name)
         choice = resp.choices[0]
         usage = getattr(resp, "usage", None)
         calls = _plain(getattr(choice.message, "tool_calls", None)) or []
@@ -205,8 +210,8 @@ def _plain(obj: Any) -> Any:
     return dump() if callable(dump) else obj
 
 
-def _fragment(raw: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"index": raw.get("index") or 0}
+def _fragment(raw: dict[str, Any], engine: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": checked_index(raw.get("index", 0), MAX_TOOL_CALLS, "a tool call", engine)}
     if raw.get("id"):
         out["id"], out["type"] = raw["id"], "function"
     fn = raw.get("function") or {}

@@ -38,9 +38,9 @@ from core.errors import (
     OmnigateError,
 )
 from core.events import Completion, Delta, Usage
-from core.schemas import FEATURE_FIELDS, ChatCompletionRequest
+from core.schemas import FEATURE_FIELDS, MAX_TOOL_CALLS, ChatCompletionRequest
 from core.settings import EngineConfig
-from engines.base import Body, declared, request_body, wire_messages
+from engines.base import Body, checked_index, declared, request_body, wire_messages
 
 log = structlog.get_logger(__name__)
 
@@ -249,7 +249,7 @@ class OpenAICompatEngine:
                     f"engine {self.name} sent no response within {self.config.first_byte_timeout_s} s",
                     engine=self.name,
                 ) from exc
-            translate = self._translator()
+            translate = self._translator(request.choices)
             async for batch in sse_data(resp.content, self.name):
                 for data in batch:
                     if data == _DONE:
@@ -306,27 +306,35 @@ class OpenAICompatEngine:
             ) from exc
         try:
             doc = orjson.loads(raw)
-            return self._completion(doc)
+            return self._completion(doc, request.choices)
         except (orjson.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise EngineProtocolError(
                 f"engine {self.name} sent an unexpected response", engine=self.name
             ) from exc
 
     # -- translation -----------------------------------------------------
-    def _translator(self) -> Callable[[dict[str, Any]], Delta | None]:
-        """A fresh per-stream translation function; per-stream state lives in its closure."""
+    def _translator(self, n: int) -> Callable[[dict[str, Any]], Delta | None]:
+        """A fresh per-stream translation function for a request of ``n`` choices; per-stream state
+        lives in its closure."""
         name = self.name
         state: dict[str, Any] = {}
         choice_delta = self._choice_delta
 
         def translate(chunk: dict[str, Any]) -> Delta | None:
+            if not isinstance(chunk, dict):
+                raise EngineProtocolError(f"engine {name} sent a chunk that is not an object", engine=name)
             if "error" in chunk:
                 raise EngineError(f"engine {name} reported: {_error_message(chunk)}", engine=name)
             usage = chunk.get("usage")
             choices = chunk.get("choices")
             if not choices:
                 return Delta(usage=_usage(usage)) if usage else None
-            return choice_delta(chunk, choices[0], usage, state)
+            choice = choices[0] if isinstance(choices, list) else None
+            if not isinstance(choice, dict):
+                raise EngineProtocolError(f"engine {name} sent a choice that is not an object", engine=name)
+            # Checked before anything reads it: the relay and the renderer file pieces by it (n > 1).
+            checked_index(choice.get("index", 0), n, "a choice", name)
+            return choice_delta(chunk, choice, usage, state)
 
         return translate
 
@@ -344,7 +352,7 @@ class OpenAICompatEngine:
         calls = delta.get("tool_calls")
         reasoning, key = _reasoning(delta)
         lp = choice.get("logprobs")
-        index = choice.get("index") or 0  # n > 1: vLLM streams each choice's pieces under its index
+        index = choice.get("index", 0)  # n > 1: vLLM streams each choice's pieces under its index (checked)
         if not (text or calls or reasoning or lp):
             if finish is None and not usage:
                 return None
@@ -353,16 +361,21 @@ class OpenAICompatEngine:
             text=text,
             finish_reason=finish,
             usage=_usage(usage) if usage else None,
-            tool_calls=[_call_fragment(c) for c in calls] if calls else None,
+            tool_calls=[_call_fragment(c, self.name) for c in calls] if calls else None,
             reasoning=reasoning,
             reasoning_key=key,
             logprobs=_logprob_entries(lp),
             index=index,
         )
 
-    def _completion(self, doc: dict[str, Any]) -> Completion:
-        # By index, not position: choices of n > 1 are the client's choices 0..n-1.
-        choices = sorted(doc["choices"], key=lambda c: c.get("index", 0))
+    def _completion(self, doc: dict[str, Any], n: int) -> Completion:
+        # By index, not position: choices of n > 1 are the client's choices 0..n-1, each once.
+        indexes = [checked_index(c.get("index", 0), n, "a choice", self.name) for c in doc["choices"]]
+        if not indexes or len(set(indexes)) != len(indexes):
+            raise EngineProtocolError(
+                f"engine {self.name} sent choices {indexes[:8]} for n={n}", engine=self.name
+            )
+        choices = [c for _, c in sorted(zip(indexes, doc["choices"], strict=True), key=lambda ic: ic[0])]
         first, *rest = [_choice_completion(c) for c in choices]
         first.usage = _usage(doc.get("usage") or {})
         first.alternatives = rest
@@ -471,9 +484,14 @@ def _reasoning(part: dict[str, Any]) -> tuple[str, str]:
     return "", "reasoning_content"
 
 
-def _call_fragment(raw: dict[str, Any]) -> dict[str, Any]:
-    """A streamed tool-call fragment, keeping only OpenAI's fields (an engine's extras stay here)."""
-    out: dict[str, Any] = {"index": raw.get("index", 0)}
+def _call_fragment(raw: dict[str, Any], engine: str) -> dict[str, Any]:
+    """A streamed tool-call fragment, keeping only OpenAI's fields (an engine's extras stay here).
+
+    Its index places it among the answer's calls (core/events.merge_tool_calls grows a list to it).
+    """
+    if not isinstance(raw, dict):
+        raise EngineProtocolError(f"engine {engine} sent a tool call that is not an object", engine=engine)
+    out: dict[str, Any] = {"index": checked_index(raw.get("index", 0), MAX_TOOL_CALLS, "a tool call", engine)}
     if raw.get("id"):
         out["id"] = raw["id"]
         out["type"] = "function"

@@ -28,6 +28,7 @@ from core.errors import EngineFailed, EngineProtocolError, EngineRejected
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
 from core.settings import EngineConfig
+from engines.base import checked_index
 from engines.openai_compat import OpenAICompatEngine, _choice_completion, _usage, rejection
 
 # vLLM-Omni's answer to a speaker its talker does not have (serving_chat.py), before any chunk.
@@ -140,8 +141,11 @@ class VLLMOmniEngine(OpenAICompatEngine):
         return Delta(audio=pcm, sample_rate=state.get("rate") or 0, channels=state.get("channels") or 1,
                      audio_done=finish is not None)  # fmt: skip
 
-    def _completion(self, doc: dict[str, Any]) -> Completion:
+    def _completion(self, doc: dict[str, Any], n: int) -> Completion:
         out = Completion(usage=_usage(doc.get("usage") or {}))
+        # The stages' choices share one index (older builds), which must still be one of the request's.
+        for choice in doc["choices"]:
+            checked_index(choice.get("index", 0), n, "a choice", self.name)
         text_finish: str | None = None
         audio_finish: str | None = None
         # One merged choice (0.30.0) or a text choice and an audio choice, both "index": 0, in the order the
