@@ -10,6 +10,13 @@ Digests are SHA-256 of each input part as the client sent it (the text; the URL
 or ``data:`` URI; the base64 of ``input_audio``) and of the output released to
 the client: its text, its 16-bit PCM audio, its spoken transcript, its tool calls
 (each call's name and arguments, in the order released) and its reasoning text.
+
+``request_sha256`` covers everything else the model is given: the SHA-256 of the
+whole request's canonical JSON (sorted keys, no spaces, unset fields left out),
+each media payload replaced by its digest and length. Tool definitions,
+``tool_choice``, ``response_format``, message names, ``tool_call_id``, an assistant
+turn's tool calls and every sampling parameter are in it because the whole request
+is, so a field added to the wire model cannot be left out of the record.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.digest import OutputDigest
 from core.spooled import SpooledMedia
+from observability.audit.chain import canonical
 from observability.audit.redact import Budget
 
 if TYPE_CHECKING:
@@ -53,22 +61,31 @@ def _sha(s: str) -> str:
 
 
 class InputDigests:
-    """A request's :func:`input_digests`, made once: early on a thread by the pipeline, which then lets go
-    of the client's media strings, or by the audit writer if that never finished (a refused request)."""
+    """A request's :func:`input_digests` and :func:`request_digest`, made once: early on a thread by the
+    pipeline, which then lets go of the client's media strings, or by the audit writer if that never
+    finished (a refused request)."""
 
     __slots__ = ("_lock", "_request", "_value")
 
     def __init__(self, request: ChatCompletionRequest) -> None:
         self._request: ChatCompletionRequest | None = request
-        self._value: list[dict[str, Any]] | None = None
+        self._value: tuple[list[dict[str, Any]], str] | None = None
         self._lock = threading.Lock()
 
-    def get(self) -> list[dict[str, Any]]:
+    def _made(self) -> tuple[list[dict[str, Any]], str]:
         with self._lock:
             if self._value is None:
                 assert self._request is not None
-                self._value, self._request = input_digests(self._request), None
+                self._value, self._request = digests(self._request), None
             return self._value
+
+    def get(self) -> list[dict[str, Any]]:
+        """The record's ``input``."""
+        return self._made()[0]
+
+    def request(self) -> str:
+        """The record's ``request_sha256``."""
+        return self._made()[1]
 
 
 def input_digests(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -77,28 +94,64 @@ def input_digests(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     The pipeline calls it (on a thread) once the media steps start, so that the client's media
     strings need not live until the record is written; otherwise the writer calls it.
     """
+    return digests(req)[0]
+
+
+def request_digest(req: ChatCompletionRequest) -> str:
+    """The record's ``request_sha256`` (see the module docstring)."""
+    return digests(req)[1]
+
+
+#: the field of each media part that holds its payload: (part type, field, key)
+_MEDIA = {
+    "image_url": ("image_url", "url"),
+    "input_audio": ("input_audio", "data"),
+    "audio_url": ("audio_url", "url"),
+    "video_url": ("video_url", "url"),
+}
+
+
+def digests(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], str]:
+    """``input`` and ``request_sha256`` in one pass: each media payload is hashed once, for both."""
     inputs: list[dict[str, Any]] = []
+    messages: list[dict[str, Any]] = []
     for m in req.messages:
-        inputs.extend(_part_digest(m.role, p) for p in m.parts())
+        doc = m.model_dump(mode="json", exclude_none=True, exclude={"content"})
+        if isinstance(m.content, str):
+            doc["content"] = m.content
+        elif m.content is not None:
+            doc["content"] = []
+        for part in m.parts():
+            digest = _part_digest(m.role, part)
+            inputs.append(digest)
+            if isinstance(m.content, list):
+                doc["content"].append(_part_doc(part, digest))
         for call in m.tool_calls or ():
             # The calls an assistant turn made are input too (a client can rewrite them).
             raw = call.function.name + call.function.arguments
             inputs.append({"role": m.role, "type": "tool_call", "sha256": _sha(raw), "chars": len(raw)})
-    return inputs
+        messages.append(doc)
+    whole = req.model_dump(mode="json", exclude_none=True, exclude={"messages"})
+    whole["messages"] = messages
+    return inputs, _sha(canonical(whole))
+
+
+def _part_doc(part: Any, digest: dict[str, Any]) -> dict[str, Any]:
+    """A content part as the request digest sees it: a media payload by its digest, the rest as sent."""
+    media = _MEDIA.get(part.type)
+    if media is None:
+        doc: dict[str, Any] = part.model_dump(mode="json", exclude_none=True)
+        return doc
+    field_name, key = media
+    doc = part.model_dump(mode="json", exclude_none=True, exclude={field_name: {key}})
+    doc[field_name].update({"sha256": digest["sha256"], "chars": digest["chars"]})
+    return doc
 
 
 def _part_digest(role: str, part: Any) -> dict[str, Any]:
     kind = part.type
-    if kind == "text":
-        raw = part.text
-    elif kind == "image_url":
-        raw = part.image_url.url
-    elif kind == "input_audio":
-        raw = part.input_audio.data
-    elif kind == "audio_url":
-        raw = part.audio_url.url
-    else:
-        raw = part.video_url.url
+    media = _MEDIA.get(kind)
+    raw = part.text if media is None else getattr(getattr(part, media[0]), media[1])
     digest = raw.sha256() if isinstance(raw, SpooledMedia) else _sha(raw)  # a spooled payload: from its file
     return {"role": role, "type": kind, "sha256": digest, "chars": len(raw)}
 
@@ -173,11 +226,11 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
     }
     req = snap.received
     if isinstance(ctx.record.input_digests, InputDigests):
-        payload["input"] = (
-            ctx.record.input_digests.get()
-        )  # made before the pipeline let go of the client's media
+        # made before the pipeline let go of the client's media
+        payload["input"] = ctx.record.input_digests.get()
+        payload["request_sha256"] = ctx.record.input_digests.request()
     elif req is not None:
-        payload["input"] = input_digests(req)
+        payload["input"], payload["request_sha256"] = digests(req)
     output = snap.output
     if output is None and snap.completion is not None:
         output = OutputDigest.of(snap.completion, keep_text=ctx.identity.audit_content != "digests")
