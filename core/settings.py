@@ -831,6 +831,18 @@ class MediaSettings(_Strict):
     decode_tasks_per_child: Annotated[int, Field(ge=1)] = Field(
         default=64, description="parts a worker decodes before it is replaced by a fresh one"
     )
+    decode_filesystem: Literal["auto", "mount-namespace", "landlock"] = Field(
+        default="auto",
+        description="how a decoding worker gets a filesystem view of its own: a user and mount "
+        "namespace holding only the Python installation and the project's packages, read-only, or a "
+        "Landlock ruleset allowing reads of those alone; auto tries the namespace, then Landlock",
+    )
+    decode_confinement: Literal["require", "warn"] = Field(
+        default="require",
+        description="what the gateway does when the kernel refuses part of the workers' confinement "
+        "(a filesystem view, the seccomp allow-list): require refuses to start, warn logs an error "
+        "and decodes anyway",
+    )
 
     @model_validator(mode="after")
     def _request_fits(self) -> MediaSettings:

@@ -16,9 +16,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import multiprocessing
 import os
+import secrets
+import socket
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -27,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from core import errors
+from core import errors, spooled
 from core.errors import InvalidMedia, MediaTooLarge, Overloaded
 from core.settings import MediaSettings
 from policies.media import shared, worker
@@ -48,44 +52,82 @@ class DecoderFailed(InvalidMedia):
     """The worker decoding the part died or hung; the client is told no more than that."""
 
 
+class Unconfined(RuntimeError):
+    """The decoding workers could not be confined as ``media.decode_confinement`` requires."""
+
+
 class Sandbox:
     def __init__(self, cfg: MediaSettings) -> None:
         self.cfg = cfg
         self._pool: ProcessPoolExecutor | None = None
+        self._fds: FdServer | None = None
         self._generation = 0
         self.replaced = 0  # pools replaced after a crash or hang (tests, metrics)
+        #: the workers' confinement as they reported it at start (None until then): the start-up
+        #: log, the admin health view and the tests read it
+        self.confinement: dict[str, str] | None = None
 
     def _new_pool(self) -> ProcessPoolExecutor:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_preload())
+        if self._fds is None:
+            self._fds = FdServer()
         return ProcessPoolExecutor(
             self.cfg.decode_workers,
             mp_context=ctx,
             initializer=worker.init_worker,
-            initargs=(self.cfg.decode_memory_mb, self.cfg.decode_cpu_s, 1, os.getpid()),
+            initargs=(
+                self.cfg.decode_memory_mb,
+                self.cfg.decode_cpu_s,
+                1,
+                os.getpid(),
+                self._fds.worker_end,
+                self.cfg.decode_filesystem,
+            ),
             max_tasks_per_child=self.cfg.decode_tasks_per_child,
         )
 
     async def start(self) -> None:
-        """Start the workers now, so the first request does not pay for them; log their confinement."""
+        """Start the workers now, so the first request does not pay for them; log their confinement.
+
+        Where the confinement is short of what ``media.decode_confinement`` requires, the workers are
+        stopped and :class:`Unconfined` raised (the gateway does not start), or, set to ``warn``, it
+        is logged as an error and the gateway goes on.
+        """
         self._pool = self._new_pool()
         loop = asyncio.get_running_loop()
         seen = await asyncio.gather(
             *(loop.run_in_executor(self._pool, worker.probe) for _ in range(self.cfg.decode_workers))
         )
+        self.confinement = {
+            key: "|".join(sorted({str(s[key]) for s in seen}))
+            for key in ("filesystem", "syscalls", "network", "environment")
+        }
         log.info(
             "media_sandbox_started",
             workers=self.cfg.decode_workers,
-            network=sorted({s["network"] for s in seen}),
+            **self.confinement,
             memory_mb=self.cfg.decode_memory_mb,
             cpu_s=self.cfg.decode_cpu_s,
             deadline_s=self.cfg.decode_deadline_s,
         )
+        missing = missing_confinement(seen)
+        if missing:
+            if self.cfg.decode_confinement == "require":
+                await self.aclose()
+                raise Unconfined(
+                    f"the decoding workers could not be confined ({', '.join(missing)}); this kernel "
+                    "refuses what media.decode_confinement 'require' needs (set it to 'warn' to run so)"
+                )
+            log.error("media_sandbox_unconfined", missing=missing)
 
     async def aclose(self) -> None:
         if self._pool is not None:
             pool, self._pool = self._pool, None
             _kill(pool)
+        if self._fds is not None:
+            fds, self._fds = self._fds, None
+            fds.close()
 
     async def probe_worker(self) -> dict[str, Any]:
         """One worker's view of its confinement."""
@@ -95,20 +137,26 @@ class Sandbox:
     async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], *, param: str) -> Any:
         """``fn(*args)`` in a worker: its result, the gateway error it raised, or a generic 400."""
         args, segments = _share(args)
+        tokens: list[str] = []
         try:
-            return await self._run(fn, args, param)
+            return await self._run(fn, args, param, tokens)
         finally:
+            if tokens and self._fds is not None:
+                self._fds.forget(tokens)
             for shm in segments:
                 shm.close()
                 shm.unlink()
 
-    async def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], param: str) -> Any:
+    async def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], param: str, tokens: list[str]) -> Any:
         for attempt in (1, 2):
             if self._pool is None:
                 self._pool = self._new_pool()
             pool, generation = self._pool, self._generation
+            assert self._fds is not None
+            # Fresh tokens per attempt: a descriptor is handed once, to the worker that took the task.
+            handed = tuple(self._fds.hand(a, tokens) for a in args)
             loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(pool, worker.run, fn, args, self.cfg.decode_deadline_s)
+            future = loop.run_in_executor(pool, worker.run, fn, handed, self.cfg.decode_deadline_s)
             try:
                 status, value = await asyncio.wait_for(future, self.cfg.decode_deadline_s + _GRACE_S)
             except TimeoutError:
@@ -132,6 +180,109 @@ class Sandbox:
         self._generation += 1
         self.replaced += 1
         _kill(old)
+
+
+class FdServer:
+    """Hands a task's shared files to the worker that took it, as descriptors, never as names.
+
+    Each pool's workers inherit one end of a Unix socket pair. A worker that needs a task's file sends
+    the task's token with a fresh socket of its own (SCM_RIGHTS); a thread here answers on that socket
+    with the descriptor the token stands for, opened by the gateway (read-only for an argument), and
+    forgets the token. A token is a secret only its task's arguments carry, good for one fetch.
+    """
+
+    def __init__(self) -> None:
+        self._mine, self.worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}
+        self._thread = threading.Thread(target=self._serve, name="omnigate-decode-fds", daemon=True)
+        self._thread.start()
+
+    def hand(self, arg: Any, tokens: list[str]) -> Any:
+        """``arg`` as a worker receives it: a shared file's token in its place (``tokens`` gets it)."""
+        if isinstance(arg, shared.SharedBytes):
+            flags, size, writable = os.O_RDONLY, arg.size, False
+        elif isinstance(arg, shared.SharedOut):
+            flags, size, writable = os.O_RDWR, arg.size, True
+        else:
+            return arg
+        name = arg.name
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"not a shared-memory file's name: {name!r}")
+        fd = os.open(os.path.join(spooled.SHM_DIR, name), flags | os.O_CLOEXEC | os.O_NOFOLLOW)
+        token = secrets.token_hex(16)
+        with self._lock:
+            self._pending[token] = fd
+        tokens.append(token)
+        return shared.Handed(token, size, writable)
+
+    def forget(self, tokens: list[str]) -> None:
+        with self._lock:
+            fds = [self._pending.pop(t) for t in tokens if t in self._pending]
+        for fd in fds:
+            os.close(fd)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(self._mine, 64, 1)
+            except OSError:
+                return
+            if not msg and not fds:
+                return  # shut down
+            for reply in fds[:1]:
+                with self._lock:
+                    fd = self._pending.pop(msg.decode("ascii", "replace"), None)
+                try:
+                    with socket.socket(fileno=reply) as out:
+                        socket.send_fds(
+                            out, [b"1" if fd is not None else b"0"], [fd] if fd is not None else []
+                        )
+                except OSError:
+                    pass
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+            for extra in fds[1:]:
+                os.close(extra)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._mine.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=5)
+        self._mine.close()
+        self.worker_end.close()
+        self.forget(list(self._pending))
+
+
+def missing_confinement(seen: list[dict[str, Any]]) -> list[str]:
+    """What a worker's probe shows it lacks of the confinement the sandbox promises."""
+    missing: set[str] = set()
+    for s in seen:
+        if s.get("filesystem") not in ("mount-namespace", "landlock"):
+            missing.add("filesystem view")
+        if s.get("syscalls") != "allow-list":
+            missing.add("seccomp allow-list")
+        if s.get("environment") != "scrubbed":
+            missing.add("environment")
+    return sorted(missing)
+
+
+_PR_SET_DUMPABLE = 4
+
+
+def not_dumpable() -> bool:
+    """Make this process non-dumpable; whether it could.
+
+    Its ``/proc/<pid>/environ``, ``mem`` and the rest then belong to root, and no process of the same
+    user may ptrace it: a decoder that escaped its worker (or any other process of the gateway's
+    user) cannot read the admin key out of the gateway.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
 
 
 def _share(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[shared_memory.SharedMemory]]:
@@ -335,6 +486,8 @@ class MediaRuntime:
 
     async def start(self) -> None:
         large_buffers_to_the_system()
+        if not not_dumpable():
+            log.warning("gateway_dumpable", reason="prctl(PR_SET_DUMPABLE, 0) failed")
         if self.eager:
             await self.sandbox.start()
 

@@ -1,0 +1,245 @@
+"""Issue 25: a decoder that runs the attacker's code is confined to the part it was handed.
+
+A decoder parses hostile bytes with C libraries; assume one falls. The attacker's code then runs in
+a real decoding worker, with the real confinement (policies/media/worker.py), and tries what the
+issue found open: the gateway's environment and memory through ``/proc``, another request's spool
+file by name in ``/dev/shm``, the audit database (opened and mapped shared), any other path, a
+network socket, ``execve``, a new process, ``ptrace``, and writing the part it was handed. The same
+code run unconfined shows each step works there first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from core import spooled
+from core.settings import MediaSettings
+from policies.media import sandbox as sandbox_module
+from policies.media.sandbox import Sandbox, Unconfined, missing_confinement
+from policies.media.shared import SharedBytes
+from tests import hostile_decoders as bad
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = (
+    "environ",
+    "mem",
+    "spool_by_name",
+    "audit_open",
+    "audit_mmap",
+    "other_path",
+    "network",
+    "execve",
+    "fork",
+    "ptrace",
+    "handed_file",
+)
+
+
+@pytest.fixture
+def targets(tmp_path):
+    """What an escaped decoder would go for: a screened spool file, the audit database, a config file."""
+    writer = spooled.SpoolWriter()
+    writer.write(b"SCREENED" * 4096)
+    spool = writer.finish("data:image/png;base64,", 43692)
+    db = tmp_path / "audit.sqlite"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE records (seq INTEGER PRIMARY KEY, body TEXT)")
+        conn.execute("INSERT INTO records (body) VALUES ('the record as written')")
+    conn.close()
+    other = tmp_path / "gateway.yaml"
+    other.write_text("admin:\n  key: not-for-decoders\n")
+    yield spool, db, other
+    spool.release()
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _sandbox(**kw) -> Sandbox:
+    cfg = {"decode_workers": 1, "decode_deadline_s": 20, "decode_cpu_s": 20, "decode_memory_mb": 512, **kw}
+    return Sandbox(MediaSettings(**cfg))
+
+
+def test_the_escape_works_from_an_unconfined_process(targets):
+    """The attack first: the same code, run as a plain process of the gateway's user, does every step."""
+    spool, db, other = targets
+    code = textwrap.dedent(
+        f"""
+        import json
+        from tests.hostile_decoders import escapes
+        print(json.dumps(escapes({os.getpid()}, {spool.name!r}, {str(db)!r}, {str(other)!r})))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
+    seen = json.loads(out.stdout)
+    opened_by_name = [s for s in STEPS if s != "handed_file"]  # (it was handed nothing)
+    assert {step: seen[step] for step in opened_by_name} == dict.fromkeys(opened_by_name, "allowed")
+    # (it wrote, so put the targets back as the gateway had them)
+    with open(f"/dev/shm/{spool.name}", "r+b") as f:
+        f.write(b"SCREENED")
+
+
+@pytest.mark.parametrize("filesystem", ["mount-namespace", "landlock"])
+def test_hostile_code_in_a_worker_is_denied_every_step(targets, filesystem):
+    spool, db, other = targets
+    before_db = db.read_bytes()
+
+    async def go():
+        box = _sandbox(decode_filesystem=filesystem)
+        await box.start()
+        try:
+            handed = SharedBytes(spool.name, spool.size)  # the worker's own part, by descriptor
+            seen = await box.run(
+                bad.escapes, (os.getpid(), spool.name, str(db), str(other), handed), param="p"
+            )
+            return box.confinement, seen
+        finally:
+            await box.aclose()
+
+    confinement, seen = _run(go())
+    assert confinement is not None
+    assert confinement["filesystem"] == filesystem
+    assert confinement["syscalls"] == "allow-list"
+    assert confinement["environment"] == "scrubbed"
+    denied = {step: seen[step] for step in STEPS}
+    assert "allowed" not in denied.values(), denied
+    # what the seccomp allow-list refuses, whatever the filesystem view
+    for step in ("network", "execve", "fork", "ptrace"):
+        assert denied[step] == "EPERM", (step, denied[step])
+    assert seen["environment"] == "empty"  # none of the gateway's variables reached the worker
+    assert spool.read() == b"SCREENED" * 4096
+    assert db.read_bytes() == before_db
+
+
+def test_a_worker_reads_the_part_it_was_handed_and_writes_only_its_output(tmp_path):
+    """The descriptors that replace names: an argument read-only, a reserved output writable."""
+    from policies.media.shared import SharedOut, write_out
+
+    writer = spooled.SpoolWriter()
+    writer.write(b"abc" * 1000)
+    part = writer.finish("", 4000)
+    out = spooled.SpoolWriter()
+    out.reserve(64)
+
+    async def go():
+        box = _sandbox()
+        await box.start()
+        try:
+            n = await box.run(len, (SharedBytes(part.name, part.size),), param="p")
+            wrote = await box.run(write_out, (SharedOut(out.name, out.reserved), b"decoded"), param="p")
+            return n, wrote
+        finally:
+            await box.aclose()
+
+    try:
+        n, wrote = _run(go())
+        assert n == 3000
+        assert wrote is True
+        out.wrote(7)
+        assert out.read_back() == b"decoded"
+    finally:
+        part.release()
+        out.discard()
+
+
+def test_missing_confinement_names_what_a_worker_lacks():
+    full = {"filesystem": "landlock", "syscalls": "allow-list", "environment": "scrubbed"}
+    assert missing_confinement([full]) == []
+    assert missing_confinement([{**full, "filesystem": "none"}, {**full, "syscalls": "none"}]) == [
+        "filesystem view",
+        "seccomp allow-list",
+    ]
+
+
+@pytest.mark.parametrize("mode", ["require", "warn"])
+def test_a_kernel_that_refuses_the_confinement_stops_the_start_or_is_logged(monkeypatch, mode):
+    """Where the kernel refuses part of it, the gateway refuses to start (or, set to warn, says so)."""
+    monkeypatch.setattr(sandbox_module, "missing_confinement", lambda seen: ["filesystem view"])
+
+    async def go():
+        box = _sandbox(decode_confinement=mode)
+        try:
+            await box.start()
+            return box.confinement
+        finally:
+            await box.aclose()
+
+    if mode == "require":
+        with pytest.raises(Unconfined, match="filesystem view"):
+            _run(go())
+    else:
+        assert _run(go()) is not None
+
+
+_DUMPABLE = textwrap.dedent(
+    """
+    import ctypes, os, sys, time
+    from policies.media.sandbox import not_dumpable
+    libc = ctypes.CDLL(None, use_errno=True)
+    harden = sys.argv[1] == "harden"
+    r, w = os.pipe()
+    gateway = os.fork()
+    if gateway == 0:
+        os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+        libc.prctl(4, 1, 0, 0, 0)  # a change of uid clears it: as an ordinary process of this user
+        if harden:
+            assert not_dumpable()
+        os.write(w, b"x")
+        time.sleep(30)
+        os._exit(0)
+    os.read(r, 1)
+    reader = os.fork()
+    if reader == 0:
+        os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+        try:
+            open(f"/proc/{gateway}/environ", "rb").read()
+            os._exit(0)
+        except PermissionError:
+            os._exit(13)
+    _, status = os.waitpid(reader, 0)
+    os.kill(gateway, 9)
+    os.waitpid(gateway, 0)
+    print(os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_the_gateway_is_not_dumpable_so_its_environment_is_not_readable_by_its_user():
+    """Another process of the gateway's user reads its environment (the admin key) unless it is made
+    non-dumpable, as the media runtime does at start."""
+
+    def reader_exit(mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _DUMPABLE, mode], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.strip())
+
+    assert reader_exit("plain") == 0  # the attack first: read
+    assert reader_exit("harden") == 13  # PermissionError
+
+    code = textwrap.dedent(
+        """
+        import asyncio, ctypes
+        from core.settings import MediaSettings
+        from policies.media.sandbox import MediaRuntime
+        asyncio.run(MediaRuntime(MediaSettings()).start())
+        print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "0", out.stderr
