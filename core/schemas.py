@@ -16,7 +16,35 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from core.errors import InvalidRequest
 from core.spooled import SpooledMedia
+
+#: how deep a request body may nest objects and arrays, the body itself being level 1 (docs/clients.md)
+MAX_JSON_DEPTH = 64
+#: path components a depth error names (the field, and where in it)
+_DEPTH_PATH = 4
+
+
+def too_deep(doc: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """Where ``doc`` (level 1) first nests an object or array past ``limit`` levels; None if it does not.
+
+    A stack, not recursion: it exists to refuse what recursive code (pydantic's serialiser, orjson's
+    writer, a canonicaliser) could not read. The path names the field and at most
+    ``_DEPTH_PATH`` steps of it (``tools.0.function.parameters``); each step is cut to 64 characters.
+    """
+    stack: list[tuple[Any, int, tuple[str, ...]]] = [(doc, 1, ())]
+    while stack:
+        value, level, path = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if not isinstance(item, (dict, list)):
+                continue
+            step = (*path, str(key)[:64]) if len(path) < _DEPTH_PATH else path
+            if level >= limit:
+                return ".".join(step)
+            stack.append((item, level + 1, step))
+    return None
+
 
 AudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
 
@@ -261,6 +289,21 @@ class ChatCompletionRequest(BaseModel):
     chat_template_kwargs: dict[str, bool] | None = None
     #: vLLM's cap on reasoning tokens (sent only to an engine that enforces it: engines/base.Capabilities)
     thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nesting_bounded(cls, data: Any) -> Any:
+        # Before any field is read: a schema nested hundreds of levels passes pydantic and then breaks the
+        # serialisers on the way to the engine. The error tree's own 400, not a ValueError: pydantic would
+        # locate that at the root, and the client is told which field.
+        path = too_deep(data) if isinstance(data, (dict, list)) else None
+        if path is not None:
+            raise InvalidRequest(
+                f"{path}: the request nests objects and arrays deeper than {MAX_JSON_DEPTH} levels "
+                f"(the body itself is level 1); flatten it",
+                param=path,
+            )
+        return data
 
     @field_validator("chat_template_kwargs")
     @classmethod
