@@ -158,8 +158,10 @@ class Reader:
     without a spooled string is parsed by :func:`loads`, exactly as before.
     """
 
-    def __init__(self, spool: bool = True) -> None:
+    def __init__(self, spool: bool = True, budget: spooled.SpoolBudget | None = None) -> None:
         self.size = 0
+        #: where spooled bytes are counted as they are written (its error refuses the body mid-way)
+        self._budget = budget
         self._skel = bytearray()
         self._in_string = False
         self._escape = False  # the previous byte was a backslash inside a string
@@ -243,11 +245,12 @@ class Reader:
             if _NOT_B64.search(content, at):
                 return False
             try:
-                writer = spooled.SpoolWriter()
+                writer = spooled.SpoolWriter(self._budget)
             except spooled.SpoolFull:
                 self._spool = False
                 return False
             self._writer, self._header, self._pend, self._b64 = writer, str(content[:at], "ascii"), b"", 0
+            writer.text(bytes(content[:at]))
             taken = self._take(bytes(content[at:]))
         if not taken:
             writer.discard()
@@ -284,6 +287,11 @@ class Reader:
         except spooled.SpoolFull:
             self._spool = False
             return False
+        except BaseException:  # the budget refused the bytes: the body is refused, its file goes now
+            writer, self._writer = self._writer, None
+            writer.discard()
+            raise
+        self._writer.text(data)  # the client's characters as sent: the record's digest is of them
         self._pend = buf[cut:]
         self._b64 += len(data)
         return True
@@ -296,6 +304,10 @@ class Reader:
                 self._writer.write(tail)
         except (binascii.Error, ValueError, spooled.SpoolFull):
             return False
+        except BaseException:
+            writer, self._writer = self._writer, None
+            writer.discard()
+            raise
         if self._writer.size == 0:
             return False
         self._spooled.append(self._writer.finish(self._header, self._b64))

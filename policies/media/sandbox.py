@@ -342,11 +342,15 @@ def shared_part(ref: MediaRef, size: int) -> SharedPart | None:
 
 
 def _segment(size: int) -> shared_memory.SharedMemory | None:
+    # Named like the spool's files (the owner's pid, a shared lock held while open): what a killed
+    # gateway left behind, the next start sweeps (core/spooled.py).
+    name = f"{spooled.PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
     try:
-        shm = shared_memory.SharedMemory(create=True, size=size)
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
     except OSError:
         return None
     try:
+        spooled.hold(shm._fd)  # type: ignore[attr-defined]
         # Reserve the pages now: on a full tmpfs the copy into the mapping would be a SIGBUS, not an error.
         os.posix_fallocate(shm._fd, 0, size)  # type: ignore[attr-defined]
     except (OSError, AttributeError):
@@ -432,6 +436,12 @@ class ByteBudget:
                 ) from None
             raise
 
+    def take_now(self, n: int) -> None:
+        """Count ``n`` bytes now or refuse them (503): for bytes that are arriving and cannot wait."""
+        if self._waiters or self.used + n > self.limit:
+            raise Overloaded("the gateway is holding as much media as it may; retry shortly", retry_after=1)
+        self.used += n
+
     def give(self, n: int) -> None:
         self.used -= n
         self._wake()
@@ -470,6 +480,28 @@ class RequestBudget:
             self._shared.give(held)
 
 
+class SpoolCharge:
+    """A request body's spooled payloads, counted against the process's media budget as they are
+    written (core/spooled.py); each file gives its bytes back when it goes.
+
+    Past the budget the body is refused with its 503 while it arrives (a body cannot wait for room: its
+    bytes are already coming). The request's own limit is the media step's, which names the part
+    that crosses it; a body is bounded by ``server.max_body_bytes`` until then.
+    """
+
+    def __init__(self, shared: ByteBudget) -> None:
+        self._shared = shared
+        self.held = 0
+
+    def charge(self, n: int) -> None:
+        self._shared.take_now(n)
+        self.held += n
+
+    def refund(self, n: int) -> None:
+        self.held -= n
+        self._shared.give(n)
+
+
 class MediaRuntime:
     """The process's media resources, owned by the lifespan: the sandbox and the byte budget."""
 
@@ -484,8 +516,15 @@ class MediaRuntime:
     def request_budget(self) -> RequestBudget:
         return RequestBudget(self.inflight, self.cfg.max_request_bytes, self.cfg.inflight_wait_s)
 
+    def spool_budget(self) -> SpoolCharge:
+        """Where one request body's spooled payloads are counted as they arrive."""
+        return SpoolCharge(self.inflight)
+
     async def start(self) -> None:
         large_buffers_to_the_system()
+        swept = spooled.sweep()
+        if swept:
+            log.info("media_spool_swept", files=len(swept))
         if not not_dumpable():
             log.warning("gateway_dumpable", reason="prctl(PR_SET_DUMPABLE, 0) failed")
         if self.eager:

@@ -76,6 +76,7 @@ _MNT_DETACH = 2
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 #: the worker's working directory inside its own root: empty, and read-only like all of that root
 _WORKDIR = "/decode"
+_ROOT_AT = "/dev"
 
 
 def exposed_dirs() -> list[str]:
@@ -88,6 +89,7 @@ def exposed_dirs() -> list[str]:
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     found: set[str] = set()
     roots: list[str] = []
+    hidden = (_ROOT_AT, "/proc", "/sys")
     for entry in sys.path:
         path = os.path.realpath(entry or os.getcwd())
         if not os.path.isdir(path):
@@ -113,7 +115,7 @@ def exposed_dirs() -> list[str]:
         top = sys.modules.get(name.partition(".")[0])
         paths = list(getattr(top, "__path__", None) or [])
         found.update(os.path.realpath(p) for p in paths if os.path.isdir(p))
-    return _outermost(found)
+    return _outermost(p for p in found if not any(_under(p, h) for h in hidden))
 
 
 def _under(path: str, root: str) -> bool:
@@ -174,7 +176,9 @@ def _mount_namespace(libc: Any, dirs: list[str]) -> bool:
         _write("/proc/self/uid_map", f"{uid} {uid} 1")
         _write("/proc/self/gid_map", f"{gid} {gid} 1")
         _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
-        new = tempfile.gettempdir()
+        # The new root is built on /dev, which in this namespace nobody needs and no exposed directory
+        # lies under (a directory of its own would be left behind on the host, one per worker).
+        new = _ROOT_AT
         _mount(libc, "omnigate-decode", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,mode=0755")
         for d in dirs:
             target = new + d
@@ -190,9 +194,11 @@ def _mount_namespace(libc: Any, dirs: list[str]) -> bool:
         if libc.umount2(b".", _MNT_DETACH) != 0:
             raise OSError(ctypes.get_errno(), "umount2")
         os.chdir(_WORKDIR)
-    except OSError:
+    except OSError as exc:
         # Half-made: the namespace is the worker's own, but its view is not what is promised. This
-        # worker must not decode; the caller records no filesystem confinement.
+        # worker must not decode (set media.decode_filesystem to landlock where this kernel refuses it).
+        with contextlib.suppress(OSError):
+            os.write(2, f"omnigate decoding worker: its filesystem view failed: {exc}\n".encode())
         os._exit(71)
     return True
 
