@@ -26,8 +26,16 @@ kept record, and appends a ``retention_cut`` record naming that anchor, signed b
 a checkpoint in the same transaction; a chain that starts after record 1 without
 that record was cut by someone else.
 
-When the verifier holds a key (or the Ed25519 public key), a checkpoint it cannot
-check (unsigned, or signed by another key) is a failure, not a pass.
+The cadence is part of the chain itself: record 1 carries, in its hashed body, the
+chain's statement (``"chain": {"v", "every", "algorithm", "key_id", "signature"}``),
+the cadence it is checkpointed at and the key that signs it, signed over the whole
+record. Deleting every checkpoint (after editing a record and re-linking the rest)
+then leaves a chain longer than its own cadence allows without one, and a forger
+cannot restate the cadence without the key. The verifier fails such a chain, and the
+writer refuses to append to it (:mod:`.guard`).
+
+When the verifier holds a key (or the Ed25519 public key), a checkpoint or a statement
+it cannot check (unsigned, or signed by another key) is a failure, not a pass.
 
 Its length: the chain's link rule, the checkpoint signatures and the verifier that walks both are one
 format; a reader checks the verifier against the writer's rules here, in one file.
@@ -139,10 +147,6 @@ def checkpoint_message(
     ).encode()
 
 
-#: what a store calls inside its append transaction: (newest checkpoint, head seq, head hash) -> one to add
-Seal = Callable[["Checkpoint | None", int, str], "Checkpoint | None"]
-
-
 class Signer:
     """Signs and checks checkpoints; ``algorithm`` ``none`` when no key is configured."""
 
@@ -217,21 +221,89 @@ class Signer:
 
     def check(self, cp: Checkpoint) -> bool | None:
         """True/False for a signed checkpoint this signer can check; None when it cannot tell."""
-        if cp.algorithm == "none" or cp.algorithm != self.algorithm or cp.key_id != self.key_id:
+        return self.check_message(cp.algorithm, cp.key_id, cp.message(), cp.signature)
+
+    def check_message(self, algorithm: str, key_id: str, message: bytes, signature: str) -> bool | None:
+        """True/False for a message signed as ``algorithm`` by ``key_id``; None when this signer cannot tell."""
+        if algorithm == "none" or algorithm != self.algorithm or key_id != self.key_id:
             return None
-        if cp.algorithm == "hmac-sha256":
+        if algorithm == "hmac-sha256":
             if self._secret is None:
                 return None
-            return hmac.compare_digest(self.sign(cp.message()), cp.signature)
+            return hmac.compare_digest(self.sign(message), signature)
         if self._public is None:
             return None
         from cryptography.exceptions import InvalidSignature
 
         try:
-            self._public.verify(base64.b64decode(cp.signature), cp.message())
+            self._public.verify(base64.b64decode(signature), message)
         except (InvalidSignature, ValueError):
             return False
         return True
+
+
+#: the key of the chain's statement in record 1's canonical JSON
+STATEMENT = "chain"
+_STATEMENT_DOMAIN = b"omnigate-audit-chain-v1\n"
+
+
+def open_chain(data: str, signer: Signer, every: int) -> str:
+    """Record 1's data with the chain's statement added: its cadence and key, signed over the whole record."""
+    doc = orjson.loads(data)
+    doc[STATEMENT] = {
+        "v": 1,
+        "every": every,
+        "algorithm": signer.algorithm if signer.can_sign else "none",
+        "key_id": signer.key_id,
+    }
+    doc[STATEMENT]["signature"] = signer.sign(_STATEMENT_DOMAIN + canonical(doc).encode())
+    return canonical(doc)
+
+
+def plain_data(data: str) -> str:
+    """``data`` as it was encoded, without the statement the store added if it became record 1."""
+    if f'"{STATEMENT}":' not in data:
+        return data
+    doc = orjson.loads(data)
+    if doc.pop(STATEMENT, None) is None:
+        return data
+    return canonical(doc)
+
+
+def read_statement(data: str, signer: Signer | None) -> tuple[int, Problem | None]:
+    """The cadence record 1 states, or the problem with its statement (absent, unsigned, forged)."""
+    try:
+        doc = orjson.loads(data)
+        stated = doc.get(STATEMENT)
+        every = int(stated["every"]) if isinstance(stated, dict) else 0
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+        stated, every = None, 0
+    if not isinstance(stated, dict) or every < 1:
+        return 0, Problem(
+            "unanchored",
+            1,
+            "record 1 does not state the chain's checkpoint cadence: it is not the record the chain "
+            "was started with",
+        )
+    claimed = dict(stated)
+    signature = str(claimed.pop("signature", ""))
+    doc[STATEMENT] = claimed
+    message = _STATEMENT_DOMAIN + canonical(doc).encode()
+    algorithm, key_id = str(claimed.get("algorithm", "")), str(claimed.get("key_id", ""))
+    verdict = signer.check_message(algorithm, key_id, message, signature) if signer is not None else None
+    if verdict is False:
+        return every, Problem(
+            "bad_signature", 1, "record 1's statement of the chain has an invalid signature"
+        )
+    if verdict is None and signer is not None and signer.can_check:
+        what = "unsigned" if algorithm == "none" else f"signed by another key ({algorithm} {key_id})"
+        return every, Problem(
+            "unsigned",
+            1,
+            f"record 1's statement of the chain is {what}: with a signing key configured, it cannot "
+            "vouch for the chain's cadence",
+        )
+    return every, None
 
 
 ProblemKind = Literal[
@@ -255,6 +327,17 @@ class Problem:
     message: str
 
 
+class ChainBroken(Exception):
+    """The chain does not verify against its newest checkpoint: nothing is appended to it (or signed)."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(
+            f"the audit chain is broken at record {problem.seq} ({problem.kind}): {problem.message}; "
+            "nothing is appended to it: run `omnigate audit verify` and restore the store"
+        )
+        self.problem = problem
+
+
 @dataclass(slots=True)
 class Report:
     records: int = 0
@@ -267,6 +350,8 @@ class Report:
     covered_through: int = 0
     gaps: list[tuple[int, int]] = field(default_factory=list)
     problem: Problem | None = None
+    #: the checkpoint cadence record 1 states (0: the walk did not start at record 1)
+    stated_every: int = 0
 
     @property
     def ok(self) -> bool:
@@ -285,6 +370,7 @@ class Report:
             "covered_through": self.covered_through,
             "uncovered_records": max(0, self.head_seq - self.covered_through),
             "gaps": [{"seq": s, "lost": n} for s, n in self.gaps],
+            "stated_every": self.stated_every,
             "problem": None
             if self.problem is None
             else {"kind": self.problem.kind, "seq": self.problem.seq, "message": self.problem.message},
@@ -313,10 +399,17 @@ class ChainVerifier:
         expect: dict[int, str] | None = None,
         require_covered: bool = False,
         anchor: tuple[int, str] | None = None,
+        tail: bool = False,
     ) -> None:
         # ``anchor``: a walk over part of the chain starts after this (seq, hash), the stored link of its
         # first record; it is not a retention cut, and what lies outside the range is not judged.
+        # ``tail``: that part runs to the head and ``checkpoints`` end with the chain's newest, so the
+        # cadence after it is judged too (the writer's start-up walk).
         self._anchor = anchor
+        self._tail = tail
+        self._signer = signer
+        #: the cadence record 1 states (0 until the walk has read it)
+        self._stated = 0
         self.report = Report()
         self._lookup = lookup
         self._expect = dict(expect or {})
@@ -356,6 +449,8 @@ class ChainVerifier:
                 break
             self._by_seq[cp.seq] = cp
         self._ordered = ordered
+        # A chain whose first checkpoint is of format v1 was started before record 1 stated its cadence.
+        self._legacy = bool(ordered) and not ordered[0].prev
         self._first_cp = ordered[0] if ordered else None
         self._newest_cp = ordered[-1] if ordered else None
         self._newest = max(self._by_seq) if self._by_seq else 0
@@ -472,6 +567,12 @@ class ChainVerifier:
                 f"({seen[:16]}...): the chain was rewritten",
             )
             return False
+        if row.seq == 1 and self._anchor is None:
+            every, problem = read_statement(row.data, self._signer)
+            if problem is not None and not (problem.kind == "unanchored" and self._legacy):
+                self._fail(problem.kind, problem.seq, problem.message)
+                return False
+            self._stated = r.stated_every = every
         if row.kind == "gap":
             lost = orjson.loads(row.data).get("payload", {}).get("lost", 0)
             r.gaps.append((row.seq, int(lost)))
@@ -485,6 +586,37 @@ class ChainVerifier:
         r.records += 1
         r.head_seq, r.head_hash = row.seq, row.hash
         self._prev_seq, self._prev_hash = row.seq, row.hash
+        return self._cadence_kept(row.seq)
+
+    def _cadence_kept(self, seq: int) -> bool:
+        """A full walk past the newest checkpoint (or with none) stops as soon as the cadence is broken.
+
+        After any commit the records after the newest checkpoint are fewer than its cadence, and a
+        chain with no checkpoint yet is shorter than the cadence its record 1 states (see the module
+        docstring): more, and checkpoints were removed. Found here, a forged chain of millions of
+        records fails after one cadence's worth of them, not at the end.
+        """
+        if self._anchor is not None and not self._tail:
+            return True  # a range walk does not see the whole chain's checkpoints
+        newest = self._newest_cp
+        if newest is None:
+            if self._stated and seq >= self._stated:
+                self._fail(
+                    "checkpoint_gap",
+                    1,
+                    f"records 1..{seq} have no checkpoint although record 1 states one every "
+                    f"{self._stated} records: checkpoints were removed",
+                )
+                return False
+            return True
+        if newest.every and seq - newest.seq >= newest.every:
+            self._fail(
+                "checkpoint_gap",
+                newest.seq + 1,
+                f"records {newest.seq + 1}..{seq} have no checkpoint although one is written every "
+                f"{newest.every} records: checkpoints were removed",
+            )
+            return False
         return True
 
     @staticmethod

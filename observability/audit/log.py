@@ -20,6 +20,14 @@ until there is room; ``mark_gap`` keeps serving, and the chain gets a ``gap``
 record saying how many records are missing there. A store that fails is retried
 with backoff; its records stay in the buffer.
 
+The writer extends only a chain that verifies against its newest checkpoint
+(:mod:`.guard`): at start-up it walks from that checkpoint to the head, and a chain
+that fails does not start the gateway; live, a chain found rewritten under it is
+refused for good (an ``audit_chain_broken`` error event,
+``omnigate_audit_store_errors_total``): new requests get 503 ``audit_unavailable``
+in either ``on_unavailable`` mode, records already taken go to the journal
+(``spool``) or fail their requests (``refuse``), and nothing is signed on top of it.
+
 Its length: the buffer, the writer task, checkpoints, the outage modes (refuse, spool, gap records) and
 retention share one ordering of records, so they are kept in one module.
 """
@@ -41,11 +49,13 @@ import structlog
 
 from core.errors import AuditUnavailable, Overloaded
 from core.settings import AuditSettings
-from observability.audit.chain import MAX_BATCH, Checkpoint, Row, Seal, Signer, canonical
+from observability.audit.chain import MAX_BATCH, ChainBroken, Checkpoint, Row, Signer, canonical, plain_data
+from observability.audit.guard import ChainGuard
 from observability.audit.record import RequestSnapshot, request_payload
 from observability.audit.spool import Spool
-from observability.audit.store import AuditStore, Entry
-from observability.audit.witness import Witness
+from observability.audit.store import AuditStore, Entry, Sealer
+from observability.audit.verify import verify_tail
+from observability.audit.witness import Witness, read_heads
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.audit")
@@ -83,6 +93,7 @@ class AuditLog:
         self.store = store
         self.metrics = metrics
         self.signer = Signer.from_settings(settings.signing)
+        self.guard = ChainGuard(self.signer, settings.checkpoint_every, now_iso)
         self.witness = Witness(settings.witness_path)
         # The local journal: spooled records (on_unavailable: spool) and, in every mode, the open marker of
         # records served without one (a full buffer), so that a crash cannot erase that gap.
@@ -93,6 +104,7 @@ class AuditLog:
         self._gap_marker: asyncio.Future[None] | None = None  # the newest, kept for wait(None)
         #: the store did not take a batch within half of ack_timeout_s (refuse: 503s; spool: journal)
         self._outage = False
+        self._refused_logged = False
         self._recovery: asyncio.Task[None] | None = None
         self._waiting: dict[asyncio.Future[int], Pending] = {}
         self._queue: deque[Pending] = deque()
@@ -126,6 +138,7 @@ class AuditLog:
     async def _start(self) -> None:
         await self.store.open()
         self._head = await self.store.head()
+        await self._check_chain()
         if not self.signer.can_sign:
             log.warning("audit_checkpoints_unsigned", reason="audit.signing.key is not set")
         log.info(
@@ -169,6 +182,34 @@ class AuditLog:
         if self.settings.retention_days is not None:
             self._retention = asyncio.create_task(self._retain_forever(), name="audit-retention")
 
+    async def _check_chain(self) -> None:
+        """Walk from the newest checkpoint to the head (and the newest published head, if any) before
+        appending anything: a chain that does not verify does not start the writer (see the docstring)."""
+        expect: dict[int, str] = {}
+        witness = self.settings.witness_path
+        if witness is not None and witness.is_file():
+            try:
+                heads = await asyncio.to_thread(read_heads, witness)
+                if heads:
+                    top = max(heads)
+                    expect = {top: heads[top]}
+            except (OSError, ValueError) as exc:
+                log.warning("audit_witness_unreadable", path=str(witness), error=str(exc))
+        report, newest = await verify_tail(self.store, self.signer, expect)
+        if report.problem is not None:
+            self._chain_broken(report.problem.kind, report.problem.seq, report.problem.message, "start")
+            raise ChainBroken(report.problem)
+        self.guard.prime(self._head, newest, report.stated_every)
+
+    def _chain_broken(self, kind: str, seq: int, message: str, when: str) -> None:
+        self.metrics.audit_store_errors.inc()
+        log.error("audit_chain_broken", kind=kind, seq=seq, problem=message, found_at=when)
+
+    @property
+    def broken(self) -> bool:
+        """Whether this writer refused the chain (it stays refused until a restart)."""
+        return self.guard.broken is not None
+
     async def aclose(self) -> None:
         """Drain what is buffered (bounded), sign the head, close the store."""
         self._closing = True
@@ -191,7 +232,8 @@ class AuditLog:
                 self._recovery.cancel()
                 await asyncio.gather(self._recovery, return_exceptions=True)
         with contextlib.suppress(Exception):
-            if not self._outage:  # also seals what a killed predecessor left uncovered (no-op if sealed)
+            # also seals what a killed predecessor left uncovered (no-op if sealed); never a refused chain
+            if not self._outage and not self.broken:
                 await self._checkpoint()
         await self.store.close()
         self.spool.close()
@@ -202,8 +244,9 @@ class AuditLog:
         return len(self._queue) + self._writing
 
     def admit(self) -> None:
-        """Refuse new requests while the store is unavailable (``refuse``), or the buffer full (``shed``)."""
-        if self._outage and not self._spooling:
+        """Refuse new requests while the store is unavailable (``refuse``), or the buffer full (``shed``);
+        in either mode while the chain is refused (see the module docstring)."""
+        if self.broken or (self._outage and not self._spooling):
             raise AuditUnavailable(
                 "the audit trail cannot record requests right now; try again shortly", retry_after=1
             )
@@ -426,6 +469,9 @@ class AuditLog:
                 rows = attempt.result()
                 break
             attempt = None
+            if isinstance(exc, ChainBroken):
+                await self._refused(batch, encode, exc)
+                return
             self.metrics.audit_store_errors.inc()
             self._warn("audit_store_failed", error=f"{type(exc).__name__}: {exc}", buffered=self.depth)
             if self._closing and delay > 1.0 and not self._spooling:
@@ -450,6 +496,7 @@ class AuditLog:
             if p.future is not None and not p.future.done():
                 p.future.set_result(row.seq)
         self._head = (rows[-1].seq, rows[-1].hash)
+        self.guard.appended(*self._head, made)
         self._since_checkpoint += len(rows)
         await self._published(made)
         await self._gaps_closed(batch)
@@ -461,6 +508,25 @@ class AuditLog:
                     await self.spool.gap_closed(p.closes)
                 except OSError as exc:
                     self._warn("audit_journal_failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _refused(
+        self, batch: list[Pending], encode: Callable[[], list[Entry]], exc: ChainBroken
+    ) -> None:
+        """The store's chain was refused (see the module docstring): this batch goes to the journal
+        (``spool``) or fails its requests (``refuse``); nothing more is appended to the store."""
+        p = exc.problem
+        if not self._outage or not self._refused_logged:
+            self._refused_logged = True
+            self._chain_broken(p.kind, p.seq, p.message, "append")
+        else:
+            self.metrics.audit_store_errors.inc()
+        self._unavailable("chain_broken")
+        if self._spooling:
+            await self._to_spool(batch, encode)
+            return
+        for pending in batch:
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(exc)
 
     # -- store outage ---------------------------------------------------------------------------------
     def _unavailable(self, how: str) -> None:
@@ -492,7 +558,8 @@ class AuditLog:
         self._ensure_recovery()
 
     def _ensure_recovery(self) -> None:
-        if self._spooling and (self._recovery is None or self._recovery.done()):
+        # No replay into a refused chain: the journal keeps its records for the next start.
+        if self._spooling and not self.broken and (self._recovery is None or self._recovery.done()):
             self._recovery = asyncio.create_task(self._recover(), name="audit-spool-replay")
 
     async def _recover(self) -> None:
@@ -501,6 +568,9 @@ class AuditLog:
             try:
                 if await self._replay():
                     return
+            except ChainBroken as exc:
+                self._chain_broken(exc.problem.kind, exc.problem.seq, exc.problem.message, "replay")
+                return
             except Exception as exc:
                 self._warn("audit_spool_replay_failed", error=f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(delay)
@@ -525,6 +595,7 @@ class AuditLog:
                 # the spooled entries are encoded already: "encoding" them is handing them over
                 rows = await self.store.append_encoded(todo.copy, self._sealer(False, made))
                 self._head = (rows[-1].seq, rows[-1].hash)
+                self.guard.appended(*self._head, made)
                 for e in todo:
                     self.metrics.audit_written.labels(e.kind).inc()
             await spool.replayed(len(chunk))
@@ -533,13 +604,14 @@ class AuditLog:
     async def _stored_after(self, after_seq: int) -> set[str]:
         found: set[str] = set()
         while rows := await self.store.rows(after_seq, 1000):
-            found.update(r.data for r in rows)
+            # a record that became record 1 carries the chain's statement beside what was spooled
+            found.update(plain_data(r.data) if r.seq == 1 else r.data for r in rows)
             after_seq = rows[-1].seq
         return found
 
     # -- checkpoints and retention ----------------------------------------------------------------------
     async def _maybe_checkpoint(self) -> None:
-        if self._outage:
+        if self._outage or self.broken:
             return
         # The count cadence is kept by the store, inside each append (see _sealer); this is the time one.
         due = (
@@ -553,26 +625,10 @@ class AuditLog:
                 self.metrics.audit_store_errors.inc()
                 self._warn("audit_checkpoint_failed", error=f"{type(exc).__name__}: {exc}")
 
-    def _sealer(self, force: bool, made: list[Checkpoint]) -> Seal:
-        """What the store calls under its write lock: checkpoint the head when the cadence (or ``force``) says so.
-
-        The cadence is counted on the store's chain, not on this writer's records, so
-        every replica sharing the store keeps it (see observability/audit/chain.py).
-        """
-        every = self.settings.checkpoint_every
-
-        def seal(newest: Checkpoint | None, seq: int, head: str) -> Checkpoint | None:
-            if seq == 0 or (newest is not None and newest.seq >= seq):
-                return None
-            since = seq - (newest.seq if newest is not None else 0)
-            due = every if newest is None or not newest.every else min(every, newest.every)
-            if not force and since < due:
-                return None
-            cp = self.signer.make(seq, head, now_iso(), newest, every)
-            made.append(cp)
-            return cp
-
-        return seal
+    def _sealer(self, force: bool, made: list[Checkpoint]) -> Sealer:
+        """What the store calls under its write lock: the guard's judgement of the chain's end, then a
+        checkpoint of the head when the cadence (or ``force``) says so (see observability/audit/guard.py)."""
+        return self.guard.sealer(force, made)
 
     async def _published(self, made: list[Checkpoint]) -> None:
         """Each committed checkpoint goes outside the store too: the log, and the witness file if configured."""
@@ -601,6 +657,8 @@ class AuditLog:
     async def _checkpoint(self) -> None:
         made: list[Checkpoint] = []
         await self.store.seal_head(self._sealer(True, made))
+        if made:
+            self.guard.appended(made[-1].seq, made[-1].hash, made)
         self._since_checkpoint = 0
         self._last_checkpoint = time.monotonic()
         await self._published(made)
@@ -628,6 +686,8 @@ class AuditLog:
 
         made: list[Checkpoint] = []
         cp = await self.store.cut_before(cutoff, record, self._sealer(True, made))
+        if made:
+            self.guard.appended(made[-1].seq, made[-1].hash, made)
         if cp is not None:
             log.info("audit_retention_cut", through_seq=cp.seq, anchor_hash=cp.hash, cutoff=cutoff)
             await self._published(made)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import asyncpg
 
-from observability.audit.chain import GENESIS, Checkpoint, Row, Seal
+from observability.audit.chain import GENESIS, Checkpoint, Row
 from observability.audit.search import AuditQuery, select
 from observability.audit.store import (
     CHECKPOINT_V2_COLUMNS,
@@ -21,6 +21,8 @@ from observability.audit.store import (
     NEWEST_BEFORE,
     ROW_SELECT,
     Entry,
+    Sealer,
+    Tip,
     chain_rows,
     cp_values,
     schema,
@@ -73,8 +75,28 @@ class PostgresStore:
         return (int(cp[0]), cp[1]) if cp is not None else (0, GENESIS)
 
     @classmethod
-    async def _insert(cls, conn: asyncpg.Connection, entries: list[Entry], seal: Seal | None) -> list[Row]:
-        """Inside a transaction holding the advisory lock: chain, insert and maybe seal ``entries``."""
+    async def _tip(cls, conn: asyncpg.Connection, seal: Sealer) -> Tip:
+        """The chain's end and what ``seal`` asks about it, read under the advisory lock."""
+        head_seq, head_hash = await cls._head_in(conn)
+        r = await conn.fetchrow(CP_SELECT + " ORDER BY seq DESC LIMIT 1")
+        newest = None if r is None else Checkpoint(*r)
+        seqs, want_first = seal.wants(newest, head_seq)
+        hashes: dict[int, str] = {}
+        if seqs:
+            found = await conn.fetch(
+                "SELECT seq, hash FROM audit_log WHERE seq = ANY($1::bigint[])", list(seqs)
+            )
+            hashes = {int(x[0]): x[1] for x in found}
+        first = await conn.fetchval("SELECT data FROM audit_log WHERE seq = 1") if want_first else None
+        return Tip(head_seq, head_hash, newest, hashes, first)
+
+    @classmethod
+    async def _insert(
+        cls, conn: asyncpg.Connection, entries: list[Entry], seal: Sealer | None, judged: bool = False
+    ) -> list[Row]:
+        """Inside a transaction holding the advisory lock: judge the chain's end, chain, insert, maybe seal."""
+        if seal is not None and not judged:
+            entries = seal.admit(await cls._tip(conn, seal), entries)
         rows = chain_rows(entries, *await cls._head_in(conn))
         await conn.copy_records_to_table(
             "audit_log",
@@ -88,21 +110,24 @@ class PostgresStore:
         return rows
 
     @staticmethod
-    async def _add_sealed(conn: asyncpg.Connection, seal: Seal, seq: int, head: str) -> None:
+    async def _add_sealed(conn: asyncpg.Connection, seal: Sealer, seq: int, head: str) -> None:
         r = await conn.fetchrow(CP_SELECT + " ORDER BY seq DESC LIMIT 1")
-        cp = seal(None if r is None else Checkpoint(*r), seq, head)
+        cp = seal.seal(None if r is None else Checkpoint(*r), seq, head)
         if cp is not None:
             await conn.execute(CP_INSERT + "($1, $2, $3, $4, $5, $6, $7, $8)", *cp_values(cp))
 
-    async def append_encoded(self, encode: Callable[[], list[Entry]], seal: Seal | None = None) -> list[Row]:
+    async def append_encoded(
+        self, encode: Callable[[], list[Entry]], seal: Sealer | None = None
+    ) -> list[Row]:
         entries = await asyncio.get_running_loop().run_in_executor(self._encoder, encode)
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
             return await self._insert(conn, entries, seal)
 
-    async def seal_head(self, seal: Seal) -> None:
+    async def seal_head(self, seal: Sealer) -> None:
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
+            seal.admit(await self._tip(conn, seal), [])
             await self._add_sealed(conn, seal, *await self._head_in(conn))
 
     async def head(self) -> tuple[int, str]:
@@ -125,10 +150,11 @@ class PostgresStore:
         return [Checkpoint(*r) for r in await self.pool.fetch(CP_SELECT + " ORDER BY seq")]
 
     async def cut_before(
-        self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Seal
+        self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Sealer
     ) -> Checkpoint | None:
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
+            seal.admit(await self._tip(conn, seal), [])  # judged whole, before anything is deleted
             r = await conn.fetchrow(
                 CP_SELECT + " WHERE seq = (" + NEWEST_BEFORE.format(param="$1") + ")", cutoff_ts
             )
@@ -137,5 +163,5 @@ class PostgresStore:
             cp = Checkpoint(*r)
             await conn.execute("DELETE FROM audit_log WHERE seq <= $1", cp.seq)
             await conn.execute("DELETE FROM audit_checkpoints WHERE seq < $1", cp.seq)
-            await self._insert(conn, [record(cp)], seal)
+            await self._insert(conn, [record(cp)], seal, judged=True)
         return cp

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from observability.audit.chain import GENESIS, Checkpoint, Row, Seal
+from observability.audit.chain import GENESIS, Checkpoint, Row
 from observability.audit.search import AuditQuery, select
 from observability.audit.store import (
     CHECKPOINT_V2_COLUMNS,
@@ -17,6 +17,8 @@ from observability.audit.store import (
     NEWEST_BEFORE,
     ROW_SELECT,
     Entry,
+    Sealer,
+    Tip,
     chain_rows,
     cp_values,
     schema,
@@ -55,9 +57,26 @@ class SQLiteStore(SQLiteWorker):
         r = self.db.execute(CP_SELECT + " ORDER BY seq DESC LIMIT 1").fetchone()
         return None if r is None else Checkpoint(*r)
 
-    def _insert(self, entries: list[Entry], seal: Seal | None) -> list[Row]:
-        """Inside a transaction holding the write lock: chain, insert and maybe seal ``entries``."""
+    def _tip(self, seal: Sealer) -> Tip:
+        """The chain's end and what ``seal`` asks about it, read under the write lock."""
+        head_seq, head_hash = self._head()
+        newest = self._newest_cp()
+        seqs, want_first = seal.wants(newest, head_seq)
+        hashes: dict[int, str] = {}
+        if seqs:
+            marks = ", ".join("?" * len(seqs))
+            hashes = dict(self.db.execute(f"SELECT seq, hash FROM audit_log WHERE seq IN ({marks})", seqs))
+        first = None
+        if want_first:
+            r = self.db.execute("SELECT data FROM audit_log WHERE seq = 1").fetchone()
+            first = None if r is None else r[0]
+        return Tip(head_seq, head_hash, newest, hashes, first)
+
+    def _insert(self, entries: list[Entry], seal: Sealer | None, judged: bool = False) -> list[Row]:
+        """Inside a transaction holding the write lock: judge the chain's end, chain, insert, maybe seal."""
         db = self.db
+        if seal is not None and not judged:
+            entries = seal.admit(self._tip(seal), entries)
         rows = chain_rows(entries, *self._head())
         db.executemany(
             "INSERT INTO audit_log (seq, ts, kind, request_id, tenant, data, prev_hash, hash) "
@@ -68,20 +87,26 @@ class SQLiteStore(SQLiteWorker):
             self._add_sealed(seal, rows[-1].seq, rows[-1].hash)
         return rows
 
-    def _add_sealed(self, seal: Seal, seq: int, head: str) -> None:
-        cp = seal(self._newest_cp(), seq, head)
+    def _add_sealed(self, seal: Sealer, seq: int, head: str) -> None:
+        cp = seal.seal(self._newest_cp(), seq, head)
         if cp is not None:
             self.db.execute(CP_INSERT + "(?, ?, ?, ?, ?, ?, ?, ?)", cp_values(cp))
 
-    async def append_encoded(self, encode: Callable[[], list[Entry]], seal: Seal | None = None) -> list[Row]:
+    async def append_encoded(
+        self, encode: Callable[[], list[Entry]], seal: Sealer | None = None
+    ) -> list[Row]:
         def q() -> list[Row]:
             entries = encode()  # before the lock: encoding is the slow part
             return self._locked(lambda: self._insert(entries, seal))
 
         return await self._run(q)
 
-    async def seal_head(self, seal: Seal) -> None:
-        await self._run(self._locked, lambda: self._add_sealed(seal, *self._head()))
+    def _seal_head(self, seal: Sealer) -> None:
+        seal.admit(self._tip(seal), [])
+        self._add_sealed(seal, *self._head())
+
+    async def seal_head(self, seal: Sealer) -> None:
+        await self._run(self._locked, lambda: self._seal_head(seal))
 
     async def head(self) -> tuple[int, str]:
         return await self._run(self._head)
@@ -110,8 +135,9 @@ class SQLiteStore(SQLiteWorker):
 
         return await self._run(q)
 
-    def _cut(self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Seal) -> Checkpoint | None:
+    def _cut(self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Sealer) -> Checkpoint | None:
         db = self.db
+        seal.admit(self._tip(seal), [])  # judged whole, before anything is deleted
         r = db.execute(
             CP_SELECT + " WHERE seq = (" + NEWEST_BEFORE.format(param="?") + ")", (cutoff_ts,)
         ).fetchone()
@@ -120,10 +146,10 @@ class SQLiteStore(SQLiteWorker):
         cp = Checkpoint(*r)
         db.execute("DELETE FROM audit_log WHERE seq <= ?", (cp.seq,))
         db.execute("DELETE FROM audit_checkpoints WHERE seq < ?", (cp.seq,))
-        self._insert([record(cp)], seal)
+        self._insert([record(cp)], seal, judged=True)
         return cp
 
     async def cut_before(
-        self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Seal
+        self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Sealer
     ) -> Checkpoint | None:
         return await self._run(self._locked, lambda: self._cut(cutoff_ts, record, seal))

@@ -2,7 +2,9 @@
 
 A store appends a batch in one transaction that holds the store's write lock
 while it reads the chain's head, links the batch to it and inserts it, so several
-gateways may share one store and still form a single chain. Tenants and API keys
+gateways may share one store and still form a single chain. Under that lock the
+writer's :class:`Sealer` first judges the chain's end (:class:`Tip`) and may refuse
+it, then checkpoints the new head when the cadence says so. Tenants and API keys
 are not kept here: they live in the tenant directory (:mod:`gateway.directory`).
 """
 
@@ -12,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from observability.audit.chain import GENESIS, Checkpoint, Row, Seal, link
+from observability.audit.chain import GENESIS, Checkpoint, Row, link
 from observability.audit.search import AuditQuery
 
 
@@ -83,6 +85,37 @@ def chain_rows(entries: list[Entry], head_seq: int, head_hash: str) -> list[Row]
     return rows
 
 
+@dataclass(frozen=True, slots=True)
+class Tip:
+    """The chain's end as a store reads it under its write lock, before it links a batch to it."""
+
+    head_seq: int
+    head_hash: str
+    newest: Checkpoint | None
+    #: the stored hash of each record the sealer asked about (a record that is not there is absent)
+    hashes: dict[int, str]
+    #: record 1's data, when the sealer asked for it
+    first: str | None = None
+
+
+class Sealer(Protocol):
+    """What a store calls inside its write transaction (the writer's side: :mod:`.guard`)."""
+
+    def wants(self, newest: Checkpoint | None, head_seq: int) -> tuple[tuple[int, ...], bool]:
+        """The records whose stored hashes :class:`Tip` should carry, and whether it needs record 1's data."""
+        ...
+
+    def admit(self, tip: Tip, entries: list[Entry]) -> list[Entry]:
+        """Judge the chain's end before ``entries`` are linked to it: raise
+        :class:`~observability.audit.chain.ChainBroken` to refuse it; return the entries to append
+        (record 1 of a new chain carries the chain's statement)."""
+        ...
+
+    def seal(self, newest: Checkpoint | None, seq: int, head: str) -> Checkpoint | None:
+        """After the append: the checkpoint of the new head ``(seq, head)`` to add, if one is due."""
+        ...
+
+
 class AuditStore(Protocol):
     name: str
 
@@ -90,17 +123,19 @@ class AuditStore(Protocol):
 
     async def close(self) -> None: ...
 
-    async def append_encoded(self, encode: Callable[[], list[Entry]], seal: Seal | None = None) -> list[Row]:
+    async def append_encoded(
+        self, encode: Callable[[], list[Entry]], seal: Sealer | None = None
+    ) -> list[Row]:
         """Run ``encode`` (CPU-bound: digests, redaction, canonical JSON) off the loop; append what it returns.
 
         A store with a thread of its own runs both there, one hand-off per batch. In
-        the same transaction, ``seal(newest checkpoint, head seq, head hash)`` may
-        return a checkpoint of the new head, which is added with the records.
+        the same transaction, ``seal.admit`` judges the chain's end first and
+        ``seal.seal`` may return a checkpoint of the new head, added with the records.
         """
         ...
 
-    async def seal_head(self, seal: Seal) -> None:
-        """Offer the current head to ``seal`` under the write lock; add the checkpoint it returns."""
+    async def seal_head(self, seal: Sealer) -> None:
+        """Under the write lock, let ``seal`` judge the chain's end, then add the checkpoint it makes of it."""
         ...
 
     async def head(self) -> tuple[int, str]: ...
@@ -116,11 +151,12 @@ class AuditStore(Protocol):
     async def checkpoints(self) -> list[Checkpoint]: ...
 
     async def cut_before(
-        self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Seal
+        self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Sealer
     ) -> Checkpoint | None:
         """Delete the records up to the newest checkpoint older than ``cutoff_ts``; return that anchor.
 
-        In the same transaction, append ``record(anchor)`` (the ``retention_cut``
-        record) and the checkpoint ``seal`` makes of it.
+        In the same transaction (once ``seal`` has judged the chain's end, before anything
+        is deleted), append ``record(anchor)`` (the ``retention_cut`` record) and the
+        checkpoint ``seal`` makes of it.
         """
         ...

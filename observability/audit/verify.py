@@ -6,7 +6,7 @@ from typing import IO
 
 import orjson
 
-from observability.audit.chain import ChainVerifier, Report, Signer
+from observability.audit.chain import ChainVerifier, Checkpoint, Problem, Report, Signer
 from observability.audit.store import AuditStore
 
 PAGE = 5000
@@ -21,6 +21,46 @@ async def verify_store(
     verifier = ChainVerifier(await store.checkpoints(), signer, store.seq_of_hash, expect, require_covered)
     await feed_pages(verifier, store, 0)
     return verifier.finish()
+
+
+async def verify_tail(
+    store: AuditStore, signer: Signer | None, expect: dict[int, str] | None = None
+) -> tuple[Report, Checkpoint | None]:
+    """What a writer checks before it appends to a chain; the report and the newest checkpoint.
+
+    The newest checkpoint (its signature, the record it signs) and every record after
+    it, whose number its cadence bounds; with no checkpoint yet, the whole chain, which
+    the cadence record 1 states keeps as short (a forged one fails after that many).
+    ``expect``: heads published outside the store; the newest must still be there.
+    """
+    checkpoints = await store.checkpoints()
+    newest = checkpoints[-1] if checkpoints else None
+    if newest is None:
+        return await verify_store(store, signer, expect), None
+    start = newest.seq - 1
+    first = await store.rows(start, 1)
+    anchor = (start, first[0].prev_hash) if first and first[0].seq == newest.seq and start > 0 else None
+    verifier = ChainVerifier([newest], signer, store.seq_of_hash, anchor=anchor, tail=True)
+    await feed_pages(verifier, store, start)
+    report = verifier.finish()
+    if report.ok and expect:
+        seq = max(expect)
+        at = await store.rows(seq - 1, 1)
+        head_seq = max(report.head_seq, newest.seq)
+        if seq > head_seq:
+            report.problem = Problem(
+                "truncated",
+                head_seq + 1,
+                f"a head was published for record {seq} but the log ends at record {head_seq}: "
+                f"records {head_seq + 1}..{seq} were cut off",
+            )
+        elif at and at[0].seq == seq and at[0].hash != expect[seq]:
+            report.problem = Problem(
+                "witness",
+                seq,
+                f"record {seq} differs from the head published for it: the chain was rewritten",
+            )
+    return report, newest
 
 
 async def feed_pages(

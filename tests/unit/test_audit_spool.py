@@ -9,7 +9,8 @@ import pytest
 from core.settings import AuditSettings
 from observability.audit.backends import build_store
 from observability.audit.chain import Signer, canonical
-from observability.audit.log import AuditLog
+from observability.audit.guard import ChainGuard
+from observability.audit.log import AuditLog, now_iso
 from observability.audit.store import Entry
 from observability.audit.verify import verify_store
 from observability.metrics import Metrics
@@ -55,9 +56,11 @@ async def test_replay_after_a_crash_between_commit_and_mark_writes_each_record_o
     )
     entries = [_entry(n) for n in range(1, 5)]
     # The previous process replayed the first two (committed) and died before writing its "done" line.
+    # (as a writer appends: record 1 states the chain's cadence, so the replay finds it under that)
     store = build_store(settings)
     await store.open()
-    await store.append_encoded(lambda: entries[:2])
+    writer = ChainGuard(Signer.from_settings(settings.signing), settings.checkpoint_every, now_iso)
+    await store.append_encoded(lambda: entries[:2], writer.sealer(False, []))
     await store.close()
     settings.spool_path.write_bytes(
         b"".join(_line(0, e) for e in entries) + b'{"t": "rec", "aft'
