@@ -56,6 +56,8 @@ async def readyz(request: Request) -> JSONResponse:
                 "policies": services.chain.describe(),
                 "grounding_scorer": services.describe_scorer(),
                 "auth": services.describe_auth(),
+                # what the kernel granted the decoding workers (None until they have started)
+                "media_sandbox": services.media.sandbox.confinement if services.media is not None else None,
             }
         )
     return JSONResponse(body, status_code=200 if ready else 503)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from core import errors, spooled
-from core.errors import InvalidMedia, MediaTooLarge, Overloaded
+from core.errors import GuardUnavailable, InvalidMedia, MediaTooLarge, Overloaded
 from core.settings import MediaSettings
 from policies.media import shared, worker
 from policies.media.parts import MediaRef, decode_payload_into
@@ -66,6 +66,8 @@ class Sandbox:
         #: the workers' confinement as they reported it at start (None until then): the start-up
         #: log, the admin health view and the tests read it
         self.confinement: dict[str, str] | None = None
+        self._starting = asyncio.Lock()
+        self._refused: str | None = None  # why a lazy start found the confinement short of required
 
     def _new_pool(self) -> ProcessPoolExecutor:
         ctx = multiprocessing.get_context("forkserver")
@@ -94,7 +96,8 @@ class Sandbox:
         stopped and :class:`Unconfined` raised (the gateway does not start), or, set to ``warn``, it
         is logged as an error and the gateway goes on.
         """
-        self._pool = self._new_pool()
+        if self._pool is None:
+            self._pool = self._new_pool()
         loop = asyncio.get_running_loop()
         seen = await asyncio.gather(
             *(loop.run_in_executor(self._pool, worker.probe) for _ in range(self.cfg.decode_workers))
@@ -147,7 +150,23 @@ class Sandbox:
                 shm.close()
                 shm.unlink()
 
+    async def _confined(self) -> None:
+        """Start the workers (and check their confinement) before the first task of a lazy sandbox."""
+        if self.confinement is not None:
+            return
+        async with self._starting:
+            if self.confinement is None and self._refused is None:
+                try:
+                    await self.start()
+                except Unconfined as exc:
+                    log.error("media_sandbox_refused", reason=str(exc))
+                    self._refused = str(exc)
+        if self._refused is not None:
+            # Never decoded unconfined: the part is refused as a guard that cannot run (the reason is logged).
+            raise GuardUnavailable("media decoding is unavailable on this gateway")
+
     async def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], param: str, tokens: list[str]) -> Any:
+        await self._confined()
         for attempt in (1, 2):
             if self._pool is None:
                 self._pool = self._new_pool()

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from core import spooled
+from core.errors import GuardUnavailable
 from core.settings import MediaSettings
 from policies.media import sandbox as sandbox_module
 from policies.media.sandbox import Sandbox, Unconfined, missing_confinement
@@ -185,6 +186,28 @@ def test_a_kernel_that_refuses_the_confinement_stops_the_start_or_is_logged(monk
         assert _run(go()) is not None
 
 
+@pytest.mark.parametrize("mode", ["require", "warn"])
+def test_a_lazy_sandbox_checks_the_confinement_before_its_first_task(monkeypatch, mode):
+    """Without media-limits in a chain the workers start with the first part: checked the same way,
+    and a part is never decoded unconfined where the confinement is required (a 503, not a decode)."""
+    monkeypatch.setattr(sandbox_module, "missing_confinement", lambda seen: ["seccomp allow-list"])
+
+    async def go():
+        box = _sandbox(decode_confinement=mode)
+        try:
+            return await box.run(len, (b"part",), param="p")
+        finally:
+            await box.aclose()
+
+    if mode == "require":
+        with pytest.raises(GuardUnavailable) as err:
+            _run(go())
+        assert err.value.status == 503
+        assert "seccomp" not in err.value.message  # the reason is logged, not told
+    else:
+        assert _run(go()) == 4
+
+
 _DUMPABLE = textwrap.dedent(
     """
     import ctypes, os, sys, time
@@ -243,3 +266,37 @@ def test_the_gateway_is_not_dumpable_so_its_environment_is_not_readable_by_its_u
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "0", out.stderr
+
+
+def test_readyz_tells_the_admin_what_confinement_the_workers_have(bg, upstreams, tmp_path):
+    import httpx
+    from prometheus_client import CollectorRegistry
+
+    from tests.conftest import gateway_settings
+    from tests.harness import GatewayServer
+    from tests.stores import redis_prefix
+
+    key = os.urandom(32).hex()
+    settings = gateway_settings(
+        upstreams,
+        admin={"api_key": key},
+        audit={"sqlite_path": str(tmp_path / "audit.db")},
+        rate_limits={"key_prefix": redis_prefix()},
+        # a chain that names media-limits starts the workers with the gateway
+        policies={"pre": [{"name": "request-limits"}, {"name": "media-fetch"}, {"name": "media-limits"}]},
+    )
+    server = GatewayServer(bg, settings, CollectorRegistry()).start()
+    try:
+        anonymous = httpx.get(server.url + "/readyz", timeout=5).json()
+        assert "media_sandbox" not in anonymous
+        detail = httpx.get(
+            server.url + "/readyz", headers={"authorization": f"Bearer {key}"}, timeout=5
+        ).json()
+        assert detail["media_sandbox"] == {
+            "filesystem": "mount-namespace",
+            "syscalls": "allow-list",
+            "network": "seccomp+namespace",
+            "environment": "scrubbed",
+        }
+    finally:
+        server.stop()
