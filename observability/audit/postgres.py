@@ -1,7 +1,10 @@
 """The PostgreSQL audit store (asyncpg). Commits are synchronous (the server's default ``synchronous_commit``).
 
 Appends take a transaction-scoped advisory lock before reading the head, so every
-gateway sharing the database extends one chain.
+gateway sharing the database extends one chain. Reads (search, export, the chain
+walks) take their connections from a pool of their own: however many admin reads
+run, and however long, the writer's pool always has a connection for the next commit
+(and MVCC reads take no lock a commit waits for).
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ class PostgresStore:
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
         self._pool: asyncpg.Pool | None = None
+        self._read_pool: asyncpg.Pool | None = None
         # asyncpg talks to the server from the event loop; records are encoded on a thread of their own.
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-encode")
 
     async def open(self) -> None:
         self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=4, command_timeout=30)
+        self._read_pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=2, command_timeout=300)
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK)
             await conn.execute(_SCHEMA)
@@ -55,6 +60,9 @@ class PostgresStore:
                 )
 
     async def close(self) -> None:
+        if self._read_pool is not None:
+            await self._read_pool.close()
+            self._read_pool = None
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
@@ -65,6 +73,13 @@ class PostgresStore:
         if self._pool is None:
             raise RuntimeError("the audit store is not open")
         return self._pool
+
+    @property
+    def reads(self) -> asyncpg.Pool:
+        """The readers' pool (see the module docstring)."""
+        if self._read_pool is None:
+            raise RuntimeError("the audit store is not open")
+        return self._read_pool
 
     @staticmethod
     async def _head_in(conn: asyncpg.Connection) -> tuple[int, str]:
@@ -135,19 +150,19 @@ class PostgresStore:
             return await self._head_in(conn)
 
     async def rows(self, after_seq: int, limit: int) -> list[Row]:
-        recs = await self.pool.fetch(_ROW + " WHERE seq > $1 ORDER BY seq LIMIT $2", after_seq, limit)
+        recs = await self.reads.fetch(_ROW + " WHERE seq > $1 ORDER BY seq LIMIT $2", after_seq, limit)
         return [Row(*r) for r in recs]
 
     async def search(self, query: AuditQuery, limit: int) -> list[Row]:
         sql, args = select(query, "postgres", _ROW, limit)
-        return [Row(*r) for r in await self.pool.fetch(sql, *args)]
+        return [Row(*r) for r in await self.reads.fetch(sql, *args)]
 
     async def seq_of_hash(self, digest: str) -> int | None:
-        seq = await self.pool.fetchval("SELECT seq FROM audit_log WHERE hash = $1 LIMIT 1", digest)
+        seq = await self.reads.fetchval("SELECT seq FROM audit_log WHERE hash = $1 LIMIT 1", digest)
         return None if seq is None else int(seq)
 
     async def checkpoints(self) -> list[Checkpoint]:
-        return [Checkpoint(*r) for r in await self.pool.fetch(CP_SELECT + " ORDER BY seq")]
+        return [Checkpoint(*r) for r in await self.reads.fetch(CP_SELECT + " ORDER BY seq")]
 
     async def cut_before(
         self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Sealer

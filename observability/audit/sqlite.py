@@ -1,11 +1,15 @@
-"""The SQLite audit store: WAL journal, ``synchronous=FULL`` (each commit is fsynced), one worker thread.
+"""The SQLite audit store: WAL journal, ``synchronous=FULL`` (each commit is fsynced), one writer thread.
 
 ``BEGIN IMMEDIATE`` takes the database's write lock before the head is read, so
-processes sharing the file still append to one chain.
+processes sharing the file still append to one chain. Reads (search, export, the
+chain walks) run on a read-only connection of their own thread
+(:class:`~observability.sqlite_worker.SQLiteWorker`), so however long an admin read
+takes, commits do not wait behind it.
 """
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 
 from observability.audit.chain import GENESIS, Checkpoint, Row
@@ -111,29 +115,30 @@ class SQLiteStore(SQLiteWorker):
     async def head(self) -> tuple[int, str]:
         return await self._run(self._head)
 
-    def _rows(self, after_seq: int, limit: int) -> list[Row]:
-        cur = self.db.execute(_ROW + " WHERE seq > ? ORDER BY seq LIMIT ?", (after_seq, limit))
-        return [Row(*r) for r in cur.fetchall()]
-
+    # -- reads: on the read-only connection (see the module docstring) -----------------------------------
     async def rows(self, after_seq: int, limit: int) -> list[Row]:
-        return await self._run(self._rows, after_seq, limit)
+        def q(db: sqlite3.Connection) -> list[Row]:
+            cur = db.execute(_ROW + " WHERE seq > ? ORDER BY seq LIMIT ?", (after_seq, limit))
+            return [Row(*r) for r in cur.fetchall()]
+
+        return await self._read(q)
 
     async def search(self, query: AuditQuery, limit: int) -> list[Row]:
         sql, args = select(query, "sqlite", _ROW, limit)
-        return await self._run(lambda: [Row(*r) for r in self.db.execute(sql, args).fetchall()])
+        return await self._read(lambda db: [Row(*r) for r in db.execute(sql, args).fetchall()])
 
     async def seq_of_hash(self, digest: str) -> int | None:
-        def q() -> int | None:
-            r = self.db.execute("SELECT seq FROM audit_log WHERE hash = ? LIMIT 1", (digest,)).fetchone()
+        def q(db: sqlite3.Connection) -> int | None:
+            r = db.execute("SELECT seq FROM audit_log WHERE hash = ? LIMIT 1", (digest,)).fetchone()
             return None if r is None else int(r[0])
 
-        return await self._run(q)
+        return await self._read(q)
 
     async def checkpoints(self) -> list[Checkpoint]:
-        def q() -> list[Checkpoint]:
-            return [Checkpoint(*r) for r in self.db.execute(CP_SELECT + " ORDER BY seq").fetchall()]
+        def q(db: sqlite3.Connection) -> list[Checkpoint]:
+            return [Checkpoint(*r) for r in db.execute(CP_SELECT + " ORDER BY seq").fetchall()]
 
-        return await self._run(q)
+        return await self._read(q)
 
     def _cut(self, cutoff_ts: str, record: Callable[[Checkpoint], Entry], seal: Sealer) -> Checkpoint | None:
         db = self.db
