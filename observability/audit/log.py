@@ -515,7 +515,7 @@ class AuditLog:
         """The store's chain was refused (see the module docstring): this batch goes to the journal
         (``spool``) or fails its requests (``refuse``); nothing more is appended to the store."""
         p = exc.problem
-        if not self._outage or not self._refused_logged:
+        if not self._refused_logged:  # once: every batch after it is refused the same way
             self._refused_logged = True
             self._chain_broken(p.kind, p.seq, p.message, "append")
         else:
