@@ -4,12 +4,17 @@ A refused request writes no audit record of its own (that would let anyone grow 
 chain one record per request and compete with tenants for the writer); instead each
 ``summary_interval_s`` one ``auth_failures`` record and one log line carry the counts
 by reason, the number of distinct addresses and the busiest few. Over
-``max_failures`` failures in ``window_s``, an address gets 429 with ``Retry-After``
-instead of 401. Only failures are counted: a valid key behind the same address is
-never refused for someone else's failures, and a successful request costs nothing here.
+``max_failures`` failures in ``window_s``, an address is blocked: every attempt from it gets 429
+with ``Retry-After`` until the window lets it fail again, the right key as much as a wrong one
+(:meth:`AuthFailures.check` runs before the credential is looked at), so a brute force that
+eventually guesses right is refused like its wrong guesses and the answer says nothing about the
+key. Only failures are counted, and a request from an address that is not blocked costs one
+dictionary lookup here.
 
 The window is shared through the replica's Redis pool where one is configured (``store: auto``
-with ``redis.url`` set); while Redis cannot be reached, each process counts alone.
+with ``redis.url`` set); while Redis cannot be reached, each process counts alone. A replica learns
+that an address is blocked at that address's first failure on it (the shared window says so) and
+from then on refuses it before any key is checked; until then, the block costs it no Redis call.
 """
 
 from __future__ import annotations
@@ -112,6 +117,20 @@ class AuthFailures:
             )
             self._shared = MovingWindowRateLimiter(storage)
         return self._shared
+
+    def check(self, address: str) -> None:
+        """Refuse ``address`` while it is blocked: called before its credential is looked at.
+
+        The refusal does not depend on the credential, so it can neither let a right guess through nor
+        tell the client that it was right.
+        """
+        until = self._blocked.get(address)
+        if until is None:
+            return
+        left = until - time.monotonic()
+        if left > 0:
+            self._throttle(left)
+        del self._blocked[address]
 
     async def failed(self, address: str, reason: str) -> None:
         """Count one failure of ``address``; raise :class:`TooManyAuthFailures` when it is over the limit."""

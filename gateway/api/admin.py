@@ -74,6 +74,8 @@ async def require_admin(request: Request) -> AdminCredential:
     services = services_of(request)
     if not services.settings.admin.enabled:
         raise AdminDisabled("Not Found")
+    # Before any credential is looked at: a blocked address is refused whatever it sends.
+    services.auth_failures.check(client_address(request))
     header = request.headers.get("authorization", "")
     key = services.settings.admin.api_key
     # The console's browser calls carry its session cookie instead (and a CSRF token on changes).

@@ -18,11 +18,14 @@ def client_address(request: Request) -> str:
 async def authenticate(request: Request, ctx: RequestContext) -> Principal | None:
     """Bind the caller's tenant to ``ctx``; None only when the config turned authentication off.
 
-    A refused key raises :class:`KeyRefused` (401), or 429 once its address failed too often.
+    A refused key raises :class:`KeyRefused` (401); an address that failed too often gets 429
+    (:class:`~gateway.auth_failures.TooManyAuthFailures`) on every attempt, right key or not, while blocked.
     """
     services: Services = request.app.state.services
     if not services.auth_required:
         return None
+    # Before the key is looked at: a blocked address is refused whatever it sends (gateway/auth_failures.py).
+    services.auth_failures.check(client_address(request))
     try:
         principal = services.directory.authenticate(request.headers.get("authorization"))
     except KeyRefused as exc:

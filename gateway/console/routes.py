@@ -99,6 +99,7 @@ async def login(request: Request) -> Response:
     if not session.same_origin(request):
         raise PermissionDenied("sign-in from another origin is refused", code="csrf_failed")
     services: Services = request.app.state.services
+    services.auth_failures.check(client_address(request))  # before the key is compared: see auth_failures
     body = b""
     timeout_s = services.settings.server.body_timeout_s
     try:
