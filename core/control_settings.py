@@ -1,8 +1,10 @@
 """Configuration of the engine pool's routing and of the rollback controller (the ``routing`` key).
 
 The defaults are the operating rules the deployment started from: P99 time to first
-token above 600 ms (the engine's, from the engine request to its first token) rolls the INT4 engine back to FP16/BF16, VRAM above 90 % for 30 s
-lowers the engine's concurrency and puts an idle variant on the same GPU to sleep, P50
+token above 600 ms (the engine's, from the engine request to its first token, per 1,000 prompt
+tokens for longer prompts, no tenant over a quarter of the samples) rolls the INT4 engine back to
+FP16/BF16, VRAM above 90 % for 30 s lowers the engine's concurrency and puts an idle variant on
+the same GPU to sleep, P50
 time to first token above 400 ms raises the engine's batch limit (within a ceiling),
 WER above 5 % on sampled speech degrades INT4 to INT8, a canary takes 10 % of traffic
 unless its errors or latency say otherwise, a non-INT4 engine under 100 tokens per joule
@@ -43,6 +45,13 @@ Signal = Literal[
     "upstream_e2e_p50",
     "upstream_e2e_p95",
     "upstream_e2e_p99",
+    # the engine's time to first token per 1,000 prompt tokens, and its time per output token
+    "upstream_ttft_per_1k_prompt_tokens_p50",
+    "upstream_ttft_per_1k_prompt_tokens_p95",
+    "upstream_ttft_per_1k_prompt_tokens_p99",
+    "upstream_tpot_p50",
+    "upstream_tpot_p95",
+    "upstream_tpot_p99",
     "error_rate",
     "kv_cache_usage",
     "vram_usage",
@@ -72,6 +81,12 @@ SAMPLED_SIGNALS = frozenset(
         "upstream_e2e_p50",
         "upstream_e2e_p95",
         "upstream_e2e_p99",
+        "upstream_ttft_per_1k_prompt_tokens_p50",
+        "upstream_ttft_per_1k_prompt_tokens_p95",
+        "upstream_ttft_per_1k_prompt_tokens_p99",
+        "upstream_tpot_p50",
+        "upstream_tpot_p95",
+        "upstream_tpot_p99",
         "error_rate",
         "wer",
         "accuracy",
@@ -142,6 +157,18 @@ class SignalSettings(_Strict):
     )
     max_samples: Annotated[int, Field(ge=16, le=1_000_000)] = Field(
         default=20_000, description="per-request samples kept per engine in the window"
+    )
+    # A tail percentile follows whoever sends the most: without a cap, one tenant's traffic would be the
+    # engine's latency. Tenant names never leave the replica (the summaries it shares are weighted).
+    tenant_share_cap: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.25,
+        description="no tenant weighs more than this share of a latency's samples in the window (its "
+        "samples are weighed down; with fewer tenants than 1/cap, to an equal share each); 1: no cap",
+    )
+    prompt_tokens_floor: Annotated[int, Field(ge=1, le=1_000_000)] = Field(
+        default=1000,
+        description="upstream_ttft_per_1k_prompt_tokens counts a shorter prompt as this long (below it a "
+        "first token's fixed cost outweighs its prefill; at 1000 a short prompt's value is its TTFT)",
     )
     scrape_interval_s: Annotated[float, Field(gt=0, le=600)] = Field(
         default=5.0, description="how often engines' /metrics and GPU telemetry are scraped"
@@ -395,11 +422,13 @@ class Rule(_Strict):
 def default_rules() -> list[Rule]:
     return [
         # The engine's own time to first token (from sending it the request), not the client's: a slow
-        # pre-policy, a held-back window or non-streamed requests are nothing BF16 could fix.
+        # pre-policy, a held-back window or non-streamed requests are nothing BF16 could fix. Per 1,000
+        # prompt tokens (a short prompt's is its TTFT), and no tenant more than a capped share of the
+        # samples: one tenant's long prompts are a long prefill, not a slow engine.
         Rule(
             name="int4-latency",
             select=RuleSelector(variants=["int4"]),
-            signal="upstream_ttft_p99",
+            signal="upstream_ttft_per_1k_prompt_tokens_p99",
             above=0.6,
             for_s=30,
             min_samples=20,
@@ -454,7 +483,7 @@ def default_rules() -> list[Rule]:
         Rule(
             name="canary-latency",
             select=RuleSelector(roles=["canary"]),
-            signal="upstream_ttft_p99",
+            signal="upstream_ttft_per_1k_prompt_tokens_p99",
             above=0.6,
             for_s=30,
             min_samples=20,

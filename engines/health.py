@@ -61,7 +61,13 @@ class Health:
         self.circuits = {name: Circuit(routing.circuit) for name in engines}
         signals = routing.signals
         self.windows = {
-            name: OutcomeWindow(signals.max_samples, window_s=signals.window_s) for name in engines
+            name: OutcomeWindow(
+                signals.max_samples,
+                window_s=signals.window_s,
+                tenant_share_cap=signals.tenant_share_cap,
+                prompt_tokens_floor=signals.prompt_tokens_floor,
+            )
+            for name in engines
         }
         #: called with every transition (eject, half_open, readmit, up, down); set by the controller
         self.transition_sink: Callable[[Transition], None] | None = None
@@ -111,10 +117,10 @@ class Health:
         """A claim ended without an outcome: a half-open trial it took is free again."""
         self.circuits[name].release()
 
-    def success(self, name: str, *signals: float | int | None) -> None:
+    def success(self, name: str, *signals: float | int | None, tenant: str | None = None) -> None:
         if name not in self.windows:
             return
-        self.windows[name].success(*signals)  # type: ignore[arg-type]
+        self.windows[name].success(*signals, tenant=tenant)  # type: ignore[arg-type]
         changed = self.circuits[name].success()
         if changed is not None:
             self.circuit_changed(name, changed)

@@ -195,10 +195,22 @@ class EnginePool:
     def report_success(self, engine: Engine | str, ttft_s: float | None, first_audio_s: float | None,
                        e2e_s: float, upstream_ttft_s: float | None = None,
                        upstream_e2e_s: float | None = None, tokens: int = 0,
-                       audio_s: float = 0.0) -> None:  # fmt: skip
+                       audio_s: float = 0.0, *, prompt_tokens: int = 0,
+                       tenant: str | None = None) -> None:  # fmt: skip
+        """A served request's latencies for its engine's window; ``prompt_tokens`` (as the engine reported
+        them) and ``tenant`` let the window judge the engine rather than one tenant's prompts."""
         name = engine if isinstance(engine, str) else engine.name
         self.health.success(
-            name, ttft_s, first_audio_s, e2e_s, upstream_ttft_s, upstream_e2e_s, tokens, audio_s
+            name,
+            ttft_s,
+            first_audio_s,
+            e2e_s,
+            upstream_ttft_s,
+            upstream_e2e_s,
+            tokens,
+            audio_s,
+            prompt_tokens,
+            tenant=tenant,
         )
 
     def report_failure(self, engine: Engine | str) -> None:

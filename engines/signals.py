@@ -5,6 +5,11 @@ a bounded deque). Off the request path, each replica turns its window into an
 :class:`EngineSummary`: counts plus latency histograms on fixed log-spaced buckets
 (2 % wide), which add up across replicas, so the leader's percentiles are those of
 all traffic rather than an average of per-replica percentiles.
+
+The latencies judge the engine, not one tenant's prompts: besides the raw times there is the engine's
+time to first token per 1,000 prompt tokens and its time per output token, and no tenant weighs more
+than a capped share of a window's samples (:func:`tenant_weights`). Tenant names stay inside the
+replica: the summary it publishes holds the weighted histograms only.
 """
 
 from __future__ import annotations
@@ -25,8 +30,20 @@ _UPPER = [_MIN_S * _GROWTH**k for k in range(1, _N_BUCKETS + 1)]
 
 #: client-visible (from the request's arrival: body read, pre-policies and hold-back included) and, as
 #: ``upstream_*``, the engine's own share: from sending the engine request to its first token (streamed
-#: requests only) and to the end of its answer (streamed or not)
-LATENCIES = ("ttft", "first_audio", "e2e", "upstream_ttft", "upstream_e2e")
+#: requests only) and to the end of its answer (streamed or not); then two that do not grow with what a
+#: tenant sends: the engine's time to first token per 1,000 prompt tokens (a prompt shorter than the
+#: window's ``prompt_tokens_floor`` counts as that long, where a first token's fixed cost outweighs its
+#: prefill; no sample where the engine reported no prompt tokens) and its time per output token after the
+#: first (streamed text answers of two tokens or more; speech adds no tokens to divide by)
+LATENCIES = (
+    "ttft",
+    "first_audio",
+    "e2e",
+    "upstream_ttft",
+    "upstream_e2e",
+    "upstream_ttft_per_1k_prompt_tokens",
+    "upstream_tpot",
+)
 
 
 def bucket_index(value: float) -> int:
@@ -34,13 +51,14 @@ def bucket_index(value: float) -> int:
     return bisect_left(_UPPER, min(max(value, 0.0), _UPPER[-1]))
 
 
-def bucket_counts(values: Iterable[float]) -> dict[int, int]:
+def bucket_counts(values: Iterable[float]) -> dict[int, float]:
     """Sparse bucket counts of latency values in seconds (NaNs are skipped)."""
     return dict(Counter(bucket_index(v) for v in values if v == v))
 
 
-def quantile(buckets: Mapping[int, int], q: float) -> float | None:
-    """The ``q`` quantile (0..1) of a bucketed distribution: the upper edge of its bucket."""
+def quantile(buckets: Mapping[int, float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of a bucketed distribution (counts may be weights): the upper edge of its
+    bucket."""
     total = sum(buckets.values())
     if total == 0:
         return None
@@ -53,12 +71,41 @@ def quantile(buckets: Mapping[int, int], q: float) -> float | None:
     return _UPPER[min(max(buckets), _N_BUCKETS - 1)]
 
 
-def merge_buckets(parts: Iterable[Mapping[int, int]]) -> dict[int, int]:
-    out: dict[int, int] = {}
+def merge_buckets(parts: Iterable[Mapping[int, float]]) -> dict[int, float]:
+    out: dict[int, float] = {}
     for p in parts:
         for i, c in p.items():
-            out[int(i)] = out.get(int(i), 0) + int(c)
+            out[int(i)] = out.get(int(i), 0) + float(c)
     return out
+
+
+def tenant_weights(counts: Mapping[str, float], cap: float) -> dict[str, float]:
+    """The weight (0..1) of each tenant's samples so that no tenant is more than ``cap`` of the weighted total.
+
+    A tenant within the cap keeps every sample (weight 1). The tenants over it are scaled down to one
+    common count, the largest at which each is exactly ``cap`` of the total. With fewer tenants than
+    ``1 / cap`` the cap cannot hold; each tenant then weighs at most an equal share (one tenant alone
+    keeps all its samples: its requests are all the engine served).
+    """
+    present = sorted(((float(n), t) for t, n in counts.items() if n > 0), reverse=True)
+    if not present:
+        return {}
+    share = max(cap, 1.0 / len(present))
+    sizes = [n for n, _ in present]
+    level = sizes[0]
+    if level > share * sum(sizes):
+        # Cap the k largest at one level L, the rest as they are: L = share * (rest + k * L).
+        rest = sum(sizes)
+        level = sizes[-1]  # all tenants at the smallest one's count: an equal share each
+        for k in range(1, len(sizes)):
+            rest -= sizes[k - 1]
+            if share * k >= 1.0:
+                break
+            candidate = share * rest / (1.0 - share * k)
+            if candidate >= sizes[k]:
+                level = candidate
+                break
+    return {t: min(1.0, level / n) for n, t in present}
 
 
 @dataclass(slots=True)
@@ -67,7 +114,8 @@ class EngineSummary:
 
     ok: int = 0
     errors: int = 0
-    latency: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: latency name -> bucket -> weight of its samples (a tenant over its share weighs less than 1 each)
+    latency: dict[str, dict[int, float]] = field(default_factory=dict)
     wer_errors: float = 0.0
     wer_words: int = 0
     wer_samples: int = 0
@@ -77,7 +125,8 @@ class EngineSummary:
     #: requests finished since the replica started (not windowed: tells a busy engine from a sliding window)
     finished_total: int = 0
 
-    def count(self, name: str) -> int:
+    def count(self, name: str) -> float:
+        """The weighted number of samples of one latency."""
         return sum(self.latency.get(name, {}).values())
 
     def percentile(self, name: str, q: float) -> float | None:
@@ -125,7 +174,9 @@ class EngineSummary:
         return cls(
             ok=int(d.get("ok", 0)),
             errors=int(d.get("errors", 0)),
-            latency={n: {int(i): int(c) for i, c in b.items()} for n, b in (d.get("latency") or {}).items()},
+            latency={
+                n: {int(i): float(c) for i, c in b.items()} for n, b in (d.get("latency") or {}).items()
+            },
             wer_errors=float(d.get("wer_errors", 0.0)),
             wer_words=int(d.get("wer_words", 0)),
             wer_samples=int(d.get("wer_samples", 0)),
@@ -139,7 +190,7 @@ class EngineSummary:
         values: dict[str, float | None] = {}
         samples: dict[str, int] = {}
         for name in LATENCIES:
-            n = self.count(name)
+            n = math.floor(self.count(name) + 1e-9)
             for tag, q in (("p50", 0.50), ("p95", 0.95), ("p99", 0.99)):
                 values[f"{name}_{tag}"] = self.percentile(name, q)
                 samples[f"{name}_{tag}"] = n
@@ -151,7 +202,7 @@ class EngineSummary:
 
 
 class _Slot:
-    """Aggregated outcomes of one slice of time."""
+    """Aggregated outcomes of one slice of time; latencies per tenant ("" for none), weighed at summary time."""
 
     __slots__ = ("audio_s", "errors", "latency", "ok", "start", "tokens")
 
@@ -161,7 +212,14 @@ class _Slot:
         self.errors = 0
         self.tokens = 0
         self.audio_s = 0.0
-        self.latency: dict[str, dict[int, int]] = {name: {} for name in LATENCIES}
+        #: latency name -> tenant -> bucket -> samples
+        self.latency: dict[str, dict[str, dict[int, int]]] = {name: {} for name in LATENCIES}
+
+
+#: one finished request as the request path leaves it: when, ttft, first audio, e2e, upstream ttft,
+#: upstream e2e (NaN: not measured; e2e -1: a failure), completion tokens, speech seconds, prompt tokens,
+#: tenant ("" for none)
+_Outcome = tuple[float, float, float, float, float, float, int, float, int, str]
 
 
 class OutcomeWindow:
@@ -170,22 +228,31 @@ class OutcomeWindow:
     The request path only appends a tuple to a bounded deque. Off the request path,
     :meth:`summary` folds what arrived since its last call into per-slot histograms
     (the window cut in ``slots`` slices) and sums the slots still in the window, so a
-    tick costs in proportion to the new requests, not to the window's size.
+    tick costs in proportion to the new requests, not to the window's size. Each tenant's
+    latencies are kept apart until then, and weighed so that none is more than
+    ``tenant_share_cap`` of a latency's samples (:func:`tenant_weights`).
     """
 
-    __slots__ = ("_clock", "_finished", "_q", "_slot_s", "_slots", "_window_s")
+    __slots__ = ("_cap", "_clock", "_finished", "_floor", "_q", "_slot_s", "_slots", "_window_s")
 
     def __init__(
-        self, max_samples: int = 20_000, clock: Any = time.monotonic, window_s: float = 60.0, slots: int = 30
+        self,
+        max_samples: int = 20_000,
+        clock: Any = time.monotonic,
+        window_s: float = 60.0,
+        slots: int = 30,
+        *,
+        tenant_share_cap: float = 1.0,
+        prompt_tokens_floor: int = 1000,
     ) -> None:
-        self._q: deque[tuple[float, float, float, float, float, float, int, float]] = deque(
-            maxlen=max_samples
-        )
+        self._q: deque[_Outcome] = deque(maxlen=max_samples)
         self._clock = clock
         self._window_s = window_s
         self._slot_s = window_s / slots
         self._slots: deque[_Slot] = deque()
         self._finished = 0
+        self._cap = tenant_share_cap
+        self._floor = max(1, prompt_tokens_floor)
 
     def success(
         self,
@@ -196,6 +263,9 @@ class OutcomeWindow:
         upstream_e2e_s: float | None = None,
         tokens: int = 0,
         audio_s: float = 0.0,
+        prompt_tokens: int = 0,
+        *,
+        tenant: str | None = None,
     ) -> None:
         nan = math.nan
         self._finished += 1
@@ -209,15 +279,26 @@ class OutcomeWindow:
                 nan if upstream_e2e_s is None else upstream_e2e_s,
                 tokens,
                 audio_s,
+                prompt_tokens,
+                tenant or "",
             )
         )
 
     def failure(self) -> None:
         self._finished += 1
-        self._q.append((self._clock(), math.nan, math.nan, -1.0, math.nan, math.nan, 0, 0.0))
+        self._q.append((self._clock(), math.nan, math.nan, -1.0, math.nan, math.nan, 0, 0.0, 0, ""))
 
     def __len__(self) -> int:
         return len(self._q) + sum(s.ok + s.errors for s in self._slots)
+
+    def _engine_share(
+        self, up_ttft: float, up_e2e: float, tokens: int, audio_s: float, prompt: int
+    ) -> tuple[float, float]:
+        """The engine's time to first token per 1,000 prompt tokens and its time per output token (NaN: none)."""
+        per_1k = up_ttft * 1000.0 / max(prompt, self._floor) if prompt > 0 else math.nan
+        streamed_text = tokens >= 2 and audio_s == 0.0 and up_e2e >= up_ttft
+        tpot = (up_e2e - up_ttft) / (tokens - 1) if streamed_text else math.nan  # NaN compares false
+        return per_1k, tpot
 
     def _fold(self) -> None:
         if not self._q:
@@ -225,7 +306,7 @@ class OutcomeWindow:
         batch = []
         while self._q:
             batch.append(self._q.popleft())
-        for at, ttft, first_audio, e2e, up_ttft, up_e2e, tokens, audio_s in batch:
+        for at, ttft, first_audio, e2e, up_ttft, up_e2e, tokens, audio_s, prompt, tenant in batch:
             start = math.floor(at / self._slot_s) * self._slot_s
             slot = self._slot_at(start)
             if e2e < 0:
@@ -234,9 +315,11 @@ class OutcomeWindow:
             slot.ok += 1
             slot.tokens += tokens
             slot.audio_s += audio_s
-            for name, value in zip(LATENCIES, (ttft, first_audio, e2e, up_ttft, up_e2e), strict=True):
+            per_1k, tpot = self._engine_share(up_ttft, up_e2e, tokens, audio_s, prompt)
+            values = (ttft, first_audio, e2e, up_ttft, up_e2e, per_1k, tpot)
+            for name, value in zip(LATENCIES, values, strict=True):
                 if value == value:  # not NaN
-                    buckets = slot.latency[name]
+                    buckets = slot.latency[name].setdefault(tenant, {})
                     i = bucket_index(value)
                     buckets[i] = buckets.get(i, 0) + 1
 
@@ -257,6 +340,7 @@ class OutcomeWindow:
             self._slots.popleft()
         horizon = now - min(window_s or self._window_s, self._window_s)
         out = EngineSummary(latency={name: {} for name in LATENCIES}, finished_total=self._finished)
+        per_tenant: dict[str, dict[str, dict[int, int]]] = {name: {} for name in LATENCIES}
         for slot in self._slots:
             if slot.start + self._slot_s <= horizon:
                 continue
@@ -264,10 +348,18 @@ class OutcomeWindow:
             out.errors += slot.errors
             out.tokens += slot.tokens
             out.audio_s += slot.audio_s
-            for name, buckets in slot.latency.items():
-                target = out.latency[name]
+            for name, tenants in slot.latency.items():
+                for tenant, buckets in tenants.items():
+                    target = per_tenant[name].setdefault(tenant, {})
+                    for i, c in buckets.items():
+                        target[i] = target.get(i, 0) + c
+        for name, tenants in per_tenant.items():
+            weights = tenant_weights({t: sum(b.values()) for t, b in tenants.items()}, self._cap)
+            merged = out.latency[name]
+            for tenant, buckets in tenants.items():
+                w = weights.get(tenant, 0.0)
                 for i, c in buckets.items():
-                    target[i] = target.get(i, 0) + c
+                    merged[i] = merged.get(i, 0.0) + w * c
         return out
 
 

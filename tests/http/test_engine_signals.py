@@ -80,8 +80,8 @@ def _complete(url: str) -> bool:
 
 def test_the_shipped_latency_rules_read_the_engines_time_to_first_token():
     rules = {r.name: r for r in default_rules()}
-    assert rules["int4-latency"].signal == "upstream_ttft_p99"
-    assert rules["canary-latency"].signal == "upstream_ttft_p99"
+    assert rules["int4-latency"].signal == "upstream_ttft_per_1k_prompt_tokens_p99"
+    assert rules["canary-latency"].signal == "upstream_ttft_per_1k_prompt_tokens_p99"
 
 
 def test_non_streamed_load_does_not_roll_int4_back(bg, fresh):

@@ -286,9 +286,11 @@ def test_decide_is_pure_and_its_state_survives_json():
 
 def test_the_default_rules_are_the_operating_rules():
     rules = {r.name: r for r in default_rules()}
-    # The engine's time to first token, not the client's (which pre-policies and hold-back windows lengthen).
-    assert rules["int4-latency"].signal == "upstream_ttft_p99" and rules["int4-latency"].above == 0.6
-    assert rules["canary-latency"].signal == "upstream_ttft_p99"
+    # The engine's time to first token, not the client's (which pre-policies and hold-back windows lengthen),
+    # per 1,000 prompt tokens (one tenant's long prompts are a long prefill, not a slow engine).
+    signal = "upstream_ttft_per_1k_prompt_tokens_p99"
+    assert rules["int4-latency"].signal == signal and rules["int4-latency"].above == 0.6
+    assert rules["canary-latency"].signal == signal
     assert rules["int4-latency"].action.to_variants == ["fp16", "bf16"]
     assert rules["vram-pressure"].above == 0.9 and rules["vram-pressure"].for_s == 30
     assert rules["wer-drift"].above == 0.05 and rules["wer-drift"].action.to_variants[0] == "int8"
