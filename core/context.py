@@ -9,7 +9,9 @@
 
 Beside them, the inputs the gateway gives policies (``load``, ``retries_left``) and what the request
 holds and gives back once when it ends (its admission slot, its chain generation, its engine slot, its
-media budget). The kernel knows those only by what is called on them (:class:`Lease`,
+media budget). Each is entered on the request's :attr:`RequestContext.holds` the moment it is put on
+the context, so it is given back when that stack closes, whatever ended the request; nobody has to
+remember to release it. The kernel knows those only by what is called on them (:class:`Lease`,
 :class:`EngineSlot`, :class:`MediaBudget`), never by their classes above it. The access log event and the audit
 record are built from the three parts. A segmentation is not here: it is a plan a pre-policy returns
 with the request it rewrote (:class:`SegmentPlan`, policies/base.py ``Segmented``).
@@ -17,6 +19,7 @@ with the request it rewrote (:class:`SegmentPlan`, policies/base.py ``Segmented`
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -274,16 +277,66 @@ class RequestContext:
     load: LoadSnapshot | None = None
     #: retries the pipeline can still make for this request (a streaming check reads it)
     retries_left: int = 0
-    # What the request holds, each given back once when it ends:
-    #: the admission slot (gateway/admission.py's Ticket)
-    admission: Lease | None = None
-    #: the chain generation the request began on and runs to its end (a reload does not move it)
-    policies: Lease | None = None
-    #: the engine slot the current attempt holds, settled once by the pipeline
-    lease: EngineSlot | None = None
-    #: the media bytes this request holds; released by the pipeline
-    media_budget: MediaBudget | None = None
+    #: what the request holds, as the releases to run when it ends: each holding below is entered here
+    #: when it is put on the context. The transport enters this stack on the request's own
+    #: ``AsyncExitStack`` (gateway/pipeline ``Pipeline.lifetime``), so it closes however the request ends;
+    #: the accounting closes it as soon as the request is accounted for. A plain ``ExitStack``: every
+    #: release is a synchronous count given back, so it runs to its end even in a task being cancelled,
+    #: and closing it twice is harmless (the second close finds nothing left).
+    holds: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
+    #: the request is counted in the in-flight gauge (a holding too: its release is on ``holds``)
+    counted: bool = False
+    _admission: Lease | None = field(default=None, repr=False)
+    _policies: Lease | None = field(default=None, repr=False)
+    _lease: EngineSlot | None = field(default=None, repr=False)
+    _media_budget: MediaBudget | None = field(default=None, repr=False)
 
     @classmethod
     def new(cls, request_id: str, **identity: Any) -> RequestContext:
         return cls(Identity(request_id, **identity))
+
+    # What the request holds, each given back once when it ends (when ``holds`` closes):
+    @property
+    def admission(self) -> Lease | None:
+        """The admission slot (gateway/admission.py's Ticket)."""
+        return self._admission
+
+    @admission.setter
+    def admission(self, ticket: Lease | None) -> None:
+        if ticket is not None and ticket is not self._admission:
+            self.holds.callback(ticket.release)
+        self._admission = ticket
+
+    @property
+    def policies(self) -> Lease | None:
+        """The chain generation the request began on and runs to its end (a reload does not move it)."""
+        return self._policies
+
+    @policies.setter
+    def policies(self, generation: Lease | None) -> None:
+        if generation is not None and generation is not self._policies:
+            self.holds.callback(generation.release)
+        self._policies = generation
+
+    @property
+    def lease(self) -> EngineSlot | None:
+        """The engine slot the current attempt holds. The pipeline settles it with the request's outcome;
+        one it has not settled when the request ends is given back with none reported."""
+        return self._lease
+
+    @lease.setter
+    def lease(self, slot: EngineSlot | None) -> None:
+        if slot is not None and slot is not self._lease:
+            self.holds.callback(slot.settle, reported=False)
+        self._lease = slot
+
+    @property
+    def media_budget(self) -> MediaBudget | None:
+        """The media bytes this request holds (opened by the first media step that takes from it)."""
+        return self._media_budget
+
+    @media_budget.setter
+    def media_budget(self, budget: MediaBudget | None) -> None:
+        if budget is not None and budget is not self._media_budget:
+            self.holds.callback(budget.release)
+        self._media_budget = budget

@@ -28,6 +28,8 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     ├── PermissionDenied                403 permission_error       permission_denied
     ├── RateLimited                     429 rate_limit_error       rate_limit_exceeded
     │   └── TooManyAuthFailures         429 rate_limit_error       too_many_authentication_failures  [gateway.auth_failures]
+    ├── ClientClosedRequest             499 invalid_request_error  client_closed_request
+    │   └── ClientStalled               499 invalid_request_error  client_stalled
     ├── Overloaded                      503 overloaded_error       overloaded
     │   ├── EngineBusy                  503 overloaded_error       engine_busy
     │   └── AuditUnavailable            503 overloaded_error       audit_unavailable
@@ -55,6 +57,9 @@ checked against the classes by ``tests/unit/test_error_tree.py``. What the colum
 - ``RateLimited``, ``Overloaded``, ``EngineBusy`` (every engine for the model is full),
   ``AuditUnavailable`` (the record cannot be made durable) and ``DirectoryUnavailable`` (a
   directory key, the directory unread too long) send ``Retry-After``.
+- ``ClientClosedRequest``: the client left before its request was read (499, nginx's convention);
+  ``ClientStalled``: it stopped reading the answer for ``server.stream_write_timeout_s``. Nobody
+  reads either; they are what the audit record and the access log say of the request.
 - ``GuardUnavailable``: a policy's model failed; the gateway fails closed.
 - ``AnswerWithheld``: a post-policy kept every attempt back.
 - ``EngineFailed`` (the engine's 5xx), ``EngineUnavailable`` and ``EngineTimeout`` are retryable
@@ -202,6 +207,21 @@ class RateLimited(OmnigateError):
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
+
+
+class ClientClosedRequest(OmnigateError):
+    """The client closed its connection before its request was read: nobody is left to answer."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
+
+
+class ClientStalled(ClientClosedRequest):
+    """The client stopped reading its answer: no write made progress within the write deadline, so the
+    response was cut and the engine request aborted."""
+
+    code = "client_stalled"
 
 
 class Overloaded(OmnigateError):

@@ -326,6 +326,12 @@ class ServerSettings(_Strict):
     sse_keepalive_s: Annotated[float, Field(gt=0)] = Field(
         default=15.0, description="keep-alive comment on idle streams"
     )
+    stream_write_timeout_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=20.0,
+        description="a write to a client (a stream's frame, a piece of a JSON answer) that makes no progress "
+        "for this long cuts the response: the engine request is aborted, the request's slots are given back "
+        "and its audit record says client_stalled",
+    )
     graceful_shutdown_s: Annotated[float, Field(ge=0)] = Field(
         default=30.0,
         description="after the drain delay, time open streams get to finish; then an error frame (code "

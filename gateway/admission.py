@@ -8,12 +8,14 @@ For a request of priority class *c*, with *n* admitted requests already in fligh
                                              serves speech requests text-only
     otherwise                              → admitted, served as asked
 
-The slot is taken before the pre-policies run and released once, when the pipeline finishes the request
-(completion, error or client disconnect alike). Counts live in this process (:class:`LocalSlots`), or in
-Redis (:class:`RedisSlots`) when several replicas share one limit: each slot is a lease with an expiry,
-taken and given back by Lua scripts so that check-and-take is atomic, renewed by a heartbeat while its
-stream runs, and left to expire when a replica dies. When Redis cannot be reached the gateway fails open
-to local limits (a share of each limit per replica), loudly.
+The slot is taken before the body is read and released once, when the request's holdings close
+(``ctx.holds``, core/context.py: completion, error, client disconnect, cancellation alike). Counts live
+in this process (:class:`LocalSlots`), or in Redis (:class:`RedisSlots`) when several replicas share one
+limit: each slot is a lease with an expiry, taken and given back by Lua scripts so that check-and-take is
+atomic, renewed by a heartbeat only while the request that took it is alive (its task has not ended), and
+left to expire when a replica dies. A lease whose request ended without giving it back is a leak: it is
+not renewed but given back, and logged (``admission_lease_leaked``). When Redis cannot be reached the
+gateway fails open to local limits (a share of each limit per replica), loudly.
 
 A background loop reads the count and drives the overload state (:func:`decide_overload`), which lowers the
 engines' concurrency caps (``EnginePool.set_overloaded``); the request path never waits on it.
@@ -290,6 +292,8 @@ class RedisSlots:
         self.slots_key = f"{{{cfg.key_prefix}}}:slots"
         self._tenant_prefix = f"{{{cfg.key_prefix}}}:tenant:"
         self.held: dict[str, str | None] = {}  # lease id -> tenant key
+        #: lease id -> the task of the request that took it: renewed only while that task runs
+        self.owners: dict[str, asyncio.Task[Any]] = {}
         self._releasing: list[tuple[str, str | None]] = []
         self._acquiring: list[_PendingAcquire] = []
         self.fallback = LocalSlots()
@@ -316,6 +320,7 @@ class RedisSlots:
         if self.held:
             await self._give_back(list(self.held.items()))
         self.held.clear()
+        self.owners.clear()
         await self.client.aclose()  # the pool stays open for the other users; the services close it
 
     # -- the request path ----------------------------------------------------------------------------------
@@ -340,6 +345,9 @@ class RedisSlots:
                 result: Result = "admit" if code == 1 else "refuse_quota" if code == 2 else "refuse_overload"
                 if result == "admit":
                     self.held[lease_id] = tkey
+                    owner = asyncio.current_task()
+                    if owner is not None:
+                        self.owners[lease_id] = owner
                 return Grant(result, int(n), int(tn), limits, self)
         self._metrics.admission_fail_open.inc()
         # Alone, this replica counts what it holds: its Redis leases as well as its local slots.
@@ -386,6 +394,7 @@ class RedisSlots:
 
     def release(self, ticket: Ticket) -> None:
         # Releases made in one turn of the event loop go to Redis together, in one script call.
+        self.owners.pop(ticket.lease_id, None)
         self._releasing.append((ticket.lease_id, self.held.pop(ticket.lease_id, None)))
         if len(self._releasing) == 1:
             self._spawn(self._flush_releases())
@@ -474,7 +483,24 @@ class RedisSlots:
                 await self._renew_all()
                 next_renew = time.monotonic() + heartbeat
 
+    def _leaked(self) -> list[tuple[str, str | None]]:
+        """The leases whose request has ended without giving them back, taken out of ``held``."""
+        gone = [lease for lease, owner in self.owners.items() if owner.done()]
+        out = []
+        for lease in gone:
+            del self.owners[lease]
+            if lease in self.held:
+                out.append((lease, self.held.pop(lease)))
+        return out
+
     async def _renew_all(self) -> None:
+        leaked = self._leaked()
+        if leaked:
+            # Renewal is tied to the request, not to the replica: a lease nobody will release is given
+            # back now, where renewing it would hold the slot on every replica for as long as this one lives.
+            self._metrics.lease_renewals.labels("leaked").inc(len(leaked))
+            log.error("admission_lease_leaked", leases=[lease for lease, _ in leaked])
+            await self._give_back(leaked)
         if not self.held:
             return
         keys = [self.slots_key]
@@ -498,6 +524,7 @@ class RedisSlots:
         self._metrics.lease_renewals.labels("renewed").inc(renewed)
         for raw in lost:
             lease = raw.decode() if isinstance(raw, bytes) else str(raw)
+            self.owners.pop(lease, None)
             if self.held.pop(lease, False) is not False:
                 # Only a lease that was still held is lost; one released meanwhile is simply gone.
                 self._metrics.lease_renewals.labels("lost").inc()
@@ -627,12 +654,19 @@ class AdmissionGate:
             raise Overloaded("the gateway is overloaded; retry later", retry_after=retry_after)
         return Ticket(lease_id, tenant, grant.store)
 
-    def release(self, ctx: RequestContext) -> None:
-        """The request is over: give its slot back (once) and count it if it was shed to text-only."""
-        if ctx.admission is not None:
-            ctx.admission.release()
+    def finished(self, ctx: RequestContext) -> None:
+        """The request is over: count it if it was shed to text-only. (Its slot is one of its holdings,
+        given back when they close.)"""
         if DEGRADED_TEXT_ONLY in ctx.outputs.degraded:
             self.metrics.admission_shed.labels("text_only").inc()
+
+    async def full(self) -> bool:
+        """Whether a request of the default class would be refused for load now (``/readyz`` asks)."""
+        n = await self.store.in_flight()
+        hard = self._limits[self.cfg.default_priority][1]
+        if isinstance(self.store, RedisSlots) and not self.store.up:
+            hard = max(1, math.floor(hard * self.cfg.fail_open_share))  # this replica's share, alone
+        return n >= hard
 
     # -- the overload control loop (off the request path) ------------------------------------------------------
     async def _monitor(self) -> None:

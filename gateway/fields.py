@@ -7,12 +7,17 @@ is answered 400 naming the first, as OpenAI answers an unknown parameter. With
 body, the rest is validated again, and the response says what was dropped in
 ``x-omnigate-dropped-fields``. Either way nothing the gateway does not forward is
 lost without the client being told.
+
+The names are the client's, so the header carries them percent-encoded (any byte outside
+printable ASCII, and ``%`` and ``,``, as ``%XX`` of its UTF-8), comma-separated and cut at
+:data:`DROPPED_HEADER_MAX` characters: whatever a client names a field, the header is valid.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Literal
+from urllib.parse import quote
 
 from pydantic import ValidationError
 
@@ -21,6 +26,10 @@ from core.schemas import ChatCompletionRequest
 
 UnknownFields = Literal["refuse", "drop"]
 DROPPED_HEADER = "x-omnigate-dropped-fields"
+#: the longest value of the dropped-fields header; names past it are left out (the list ends in ``...``)
+DROPPED_HEADER_MAX = 1024
+# Printable ASCII a header value may carry as it is, but the list's separator and the escape itself.
+_HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in "%,")
 _EXTRA = "extra_forbidden"
 # A dropped field can only uncover more of them inside itself, never loop: the body shrinks each round.
 _MAX_ROUNDS = 8
@@ -81,3 +90,17 @@ def parse_request(doc: dict[str, Any], mode: UnknownFields) -> tuple[ChatComplet
             if not dropped:
                 raise
     return ChatCompletionRequest.model_validate(doc), dropped
+
+
+def dropped_header(names: Sequence[str]) -> str:
+    """The dropped-fields header's value for ``names``: each percent-encoded, comma-separated, bounded."""
+    out: list[str] = []
+    size = 0
+    for name in names:
+        encoded = quote(name, safe=_HEADER_SAFE)
+        if size + len(encoded) + 1 > DROPPED_HEADER_MAX - 4:
+            out.append("...")
+            break
+        out.append(encoded)
+        size += len(encoded) + 1
+    return ",".join(out)

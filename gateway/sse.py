@@ -8,6 +8,13 @@ from a loop timer. When the gateway drains for shutdown, a stream still open at
 the drain deadline (see :class:`OpenStreams`) ends with an error frame and
 ``[DONE]`` instead of being cut off.
 
+Every write has a deadline: a client that stops reading makes the server's
+buffers fill and ``send`` wait. A loop timer (never a timeout around each send:
+the pump's per-frame work stays two attribute writes) checks that a write in
+progress keeps making progress; one that has made none for ``write_timeout_s``
+stops the stream (``on_stop("stalled")``, then the pump is cancelled and
+``on_close`` runs as for a disconnect).
+
 Nothing here uses a task group: on the path to the first token, a task group's
 setup and its extra hops through the event loop cost more than the rest of the
 response.
@@ -32,7 +39,8 @@ log = structlog.get_logger(__name__)
 _KEEPALIVE = b": keep-alive\n\n"
 _CLEANUP_TIMEOUT_S = 10.0
 
-Stop = Literal["disconnect", "drain"]
+#: why a stream ended before its last frame: the client left, the gateway drained, the client stopped reading
+Stop = Literal["disconnect", "drain", "stalled"]
 
 
 class OpenStreams:
@@ -74,13 +82,17 @@ class SSEResponse(Response):
         frames: AsyncIterator[bytes],
         *,
         on_close: Callable[[], Awaitable[None]],
+        on_stop: Callable[[Stop], None] | None = None,
         headers: dict[str, str] | None = None,
         keepalive_s: float = 15.0,
+        write_timeout_s: float = 20.0,
         streams: OpenStreams | None = None,
     ) -> None:
         self._frames = frames
         self._on_close = on_close
+        self._on_stop = on_stop
         self._keepalive_s = keepalive_s
+        self._write_timeout_s = write_timeout_s
         raw = {
             "content-type": "text/event-stream; charset=utf-8",
             "cache-control": "no-cache",
@@ -102,6 +114,12 @@ class SSEResponse(Response):
         self._sent_at_tick = -1
         self._tick: asyncio.TimerHandle | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
+        # The write deadline: a write is in progress, writes completed, and how long none has completed.
+        self._writing = False
+        self._writes = 0
+        self._writes_at_check = -1
+        self._stalled_s = 0.0
+        self._check: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
@@ -110,6 +128,7 @@ class SSEResponse(Response):
         self._send = send
         watcher = loop.create_task(self._watch(receive))
         self._tick = loop.call_later(self._keepalive_s, self._on_tick)
+        self._check = loop.call_later(self._write_timeout_s / 4, self._on_check)
         streams = self._streams
         if streams is not None:
             streams.add(self._cut)
@@ -132,15 +151,23 @@ class SSEResponse(Response):
                 shutting_down = Overloaded(
                     "the gateway is shutting down; retry the request", code="shutting_down"
                 )
-                async with self._lock:
-                    await send(
-                        {"type": "http.response.body", "body": error_frame(shutting_down), "more_body": False}
-                    )
+                try:
+                    async with self._lock, asyncio.timeout(self._write_timeout_s):
+                        await send(
+                            {
+                                "type": "http.response.body",
+                                "body": error_frame(shutting_down),
+                                "more_body": False,
+                            }
+                        )
+                except TimeoutError:
+                    log.info("client_stalled", at="drain")
         except OSError:
             log.info("client_gone_during_send")
         finally:
             watcher.cancel()
             self._tick.cancel()
+            self._check.cancel()
             if self._keepalive_task is not None:
                 self._keepalive_task.cancel()
             if streams is not None:
@@ -151,10 +178,15 @@ class SSEResponse(Response):
         lock = self._lock
         async for frame in self._frames:
             async with lock:
+                self._writing = True
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
+                self._writing = False
+                self._writes += 1
             self._sent += 1
         async with lock:
+            self._writing = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self._writing = False
 
     async def _close(self, task: asyncio.Task[Any]) -> None:
         """Run ``on_close`` to the end (bounded), even when the request's task is being cancelled."""
@@ -173,8 +205,12 @@ class SSEResponse(Response):
         if self._stop is not None:
             return
         self._stop = why
+        if self._on_stop is not None:
+            self._on_stop(why)
         if self._pumping and self._task is not None:
             self._task.cancel()
+        if why == "stalled" and self._keepalive_task is not None:
+            self._keepalive_task.cancel()  # it may be the write that is stuck
 
     def _cut(self) -> None:
         self._interrupt("drain")
@@ -185,6 +221,20 @@ class SSEResponse(Response):
             if message["type"] == "http.disconnect":
                 self._interrupt("disconnect")
                 return
+
+    def _on_check(self) -> None:
+        """Every quarter of ``write_timeout_s``: stop the stream if a write has been stuck for all of it."""
+        period = self._write_timeout_s / 4
+        if self._writing and self._writes == self._writes_at_check:
+            self._stalled_s += period
+        else:
+            self._stalled_s = 0.0
+        self._writes_at_check = self._writes
+        if self._stalled_s >= self._write_timeout_s:
+            log.warning("client_stalled", timeout_s=self._write_timeout_s, frames_sent=self._sent)
+            self._interrupt("stalled")
+            return
+        self._check = asyncio.get_running_loop().call_later(period, self._on_check)
 
     def _on_tick(self) -> None:
         """Every ``keepalive_s``: a comment frame if nothing was sent since the last tick."""
@@ -197,7 +247,10 @@ class SSEResponse(Response):
         assert self._send is not None
         try:
             async with self._lock:
+                self._writing = True
                 await self._send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
+                self._writing = False
+                self._writes += 1
         except OSError:
             pass  # the client is gone; the watcher ends the stream
         finally:

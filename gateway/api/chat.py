@@ -1,14 +1,19 @@
 """``POST /v1/chat/completions``: parse, call the pipeline, render. Nothing else.
 
-The endpoint is a plain Starlette route: it reads and validates its own body (one
+The endpoint is a plain ASGI route: it reads and validates its own body (one
 size cap, one error shape) and uses no dependency injection, and FastAPI's
 per-request route machinery would add tens of microseconds to every call's path to
-the first token. Its OpenAPI operation is declared here (``OPENAPI_PATHS``).
+the first token. It is ASGI rather than a request-to-response function so that the
+request's exit stack (``Pipeline.lifetime``) spans everything, the body read and the
+response being sent: what the request holds is given back however it ends. Every
+write to the client has a deadline (``server.stream_write_timeout_s``). Its OpenAPI
+operation is declared here (``OPENAPI_PATHS``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
@@ -16,21 +21,29 @@ from typing import Any, TypeVar
 import orjson
 import structlog
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from core.context import RequestContext
-from core.errors import InvalidRequest, OmnigateError, PayloadTooLarge, RequestTimeout
+from core.errors import (
+    ClientClosedRequest,
+    ClientStalled,
+    InvalidRequest,
+    OmnigateError,
+    PayloadTooLarge,
+    RequestTimeout,
+)
 from core.schemas import ChatCompletionRequest
 from gateway.api import body as json_body
 from gateway.api.auth import authenticate
 from gateway.auth_failures import TooManyAuthFailures
-from gateway.fields import DROPPED_HEADER, UnknownFields, parse_request
+from gateway.fields import DROPPED_HEADER, UnknownFields, dropped_header, parse_request
 from gateway.pipeline import ResponseStream
 from gateway.render import ChunkRenderer, completion_body, error_frame
 from gateway.services import Services
-from gateway.sse import SSEResponse
+from gateway.sse import SSEResponse, Stop
 from gateway.tenants import KeyRefused
 
 log = structlog.get_logger(__name__)
@@ -104,6 +117,8 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> json_bod
                 body.feed(chunk)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise ClientClosedRequest("the client closed the connection before its request was read") from None
     return body
 
 
@@ -143,7 +158,7 @@ def _parse_for(body: json_body.Reader, ctx: RequestContext, services: Services) 
     dropped: list[str] = []
     chat = _parse(body, mode, dropped)
     if dropped:
-        ctx.outputs.response_headers[DROPPED_HEADER] = ",".join(dropped)
+        ctx.outputs.response_headers[DROPPED_HEADER] = dropped_header(dropped)
         log.info("request_fields_dropped", fields=dropped)
     return chat
 
@@ -155,31 +170,40 @@ def _headers(ctx: RequestContext) -> dict[str, str]:
     return headers
 
 
-async def chat_completions(request: Request) -> Response:
-    services: Services = request.app.state.services
-    ctx = RequestContext.new(
-        request.scope["state"]["request_id"],
-        client_request_id=request.scope["state"].get("client_request_id"),
-        requested_priority=request.headers.get(services.settings.traffic.priority_header),
-    )
-    try:
-        await authenticate(request, ctx)
-    except (KeyRefused, TooManyAuthFailures):
-        # Counted and audited in aggregate (gateway/auth_failures.py), never one record each.
-        raise
-    except OmnigateError as exc:
-        await services.pipeline.refused(ctx, exc)
-        raise
-    try:
-        await services.pipeline.admit(ctx)  # before the body: a refused request costs no read, no media
-        server = services.settings.server
-        body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
-        ctx.record.body_bytes = body.size
-        chat = _parse_for(body, ctx, services)  # empties the body
-        del body
-    except OmnigateError as exc:
-        await services.pipeline.refused(ctx, exc)
-        raise
+class ChatCompletions:
+    """The route's ASGI app (a class: Starlette serves a class as ASGI, a function as request-to-response)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive, send)
+        services: Services = request.app.state.services
+        ctx = RequestContext.new(
+            request.scope["state"]["request_id"],
+            client_request_id=request.scope["state"].get("client_request_id"),
+            requested_priority=request.headers.get(services.settings.traffic.priority_header),
+        )
+        try:
+            await authenticate(request, ctx)
+        except (KeyRefused, TooManyAuthFailures):
+            # Counted and audited in aggregate (gateway/auth_failures.py), never one record each.
+            raise
+        except OmnigateError as exc:
+            await services.pipeline.refused(ctx, exc)
+            raise
+        # What the request takes from here is given back when this closes, however the request ends.
+        async with services.pipeline.lifetime(ctx) as stack:
+            response = await _respond(request, ctx, services, stack)
+            await response(scope, receive, send)
+
+
+async def _respond(
+    request: Request, ctx: RequestContext, services: Services, stack: contextlib.AsyncExitStack
+) -> Response:
+    server = services.settings.server
+    await services.pipeline.admit(ctx)  # before the body: a refused request costs no read, no media
+    body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
+    ctx.record.body_bytes = body.size
+    chat = _parse_for(body, ctx, services)  # empties the body
+    del body
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     # The pipeline owns the request from here: its media steps replace the client's parts, and a
     # reference kept in this frame would hold the client's base64 until the response is done.
@@ -188,22 +212,60 @@ async def chat_completions(request: Request) -> Response:
         del chat
         result = await _unless_client_leaves(request, completing)
         content = completion_body(result.request, result.completion, ctx, completion_id)
-        return Response(orjson.dumps(content), media_type="application/json", headers=_headers(ctx))
+        return JSONAnswer(orjson.dumps(content), _headers(ctx), server.stream_write_timeout_s)
     opening = services.pipeline.stream(chat, ctx)
     del chat
     # Returns once the first chunk is released: a held-back answer can still be refused with a status.
     stream = await _unless_client_leaves(request, opening)
+    stack.push_async_callback(stream.aclose)  # closed with the request, even if no response is made of it
     renderer = ChunkRenderer(stream.request, ctx, completion_id)
+
+    def stopped(why: Stop) -> None:
+        if why == "stalled":
+            stream.cut(ClientStalled(f"the client read nothing for {server.stream_write_timeout_s:g} s"))
+
     return SSEResponse(
         _frames(stream, renderer),
         on_close=stream.aclose,
+        on_stop=stopped,
         headers=_headers(ctx),
-        keepalive_s=services.settings.server.sse_keepalive_s,
+        keepalive_s=server.sse_keepalive_s,
+        write_timeout_s=server.stream_write_timeout_s,
         streams=services.streams,
     )
 
 
-routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"], name="chat_completions")]
+class JSONAnswer(Response):
+    """A JSON answer written in pieces, each within the write deadline: a client that does not read it
+    holds a piece or two of it in the server's buffers, not the whole answer, and not for ever."""
+
+    media_type = "application/json"
+    #: bytes per write; each must leave for the client within the deadline
+    piece = 64 * 1024
+
+    def __init__(self, content: bytes, headers: dict[str, str], write_timeout_s: float) -> None:
+        super().__init__(content, headers=headers)
+        self._write_timeout_s = write_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body, piece, deadline = self.body, self.piece, self._write_timeout_s
+        at = 0
+        start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        try:
+            async with asyncio.timeout(deadline):
+                await send(start)
+            for at in range(0, len(body), piece):
+                more = at + piece < len(body)
+                async with asyncio.timeout(deadline):
+                    await send(
+                        {"type": "http.response.body", "body": body[at : at + piece], "more_body": more}
+                    )
+        except TimeoutError:
+            # The answer was made and audited; the client stopped taking it. Cut, not an error to render.
+            log.warning("client_stalled", written=at, size=len(body), timeout_s=deadline)
+
+
+routes = [Route("/v1/chat/completions", ChatCompletions(), methods=["POST"], name="chat_completions")]
 
 
 async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:

@@ -38,12 +38,19 @@ async def healthz() -> JSONResponse:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
-    """Status for anyone (a load balancer's probe); engine names, the chain and auth detail to the admin only."""
+    """Status for anyone (a load balancer's probe); engine names, the chain and auth detail to the admin only.
+
+    Not ready (503) while draining, while no engine can serve, and while admission cannot take a slot
+    for a request of the default class (``reason: admission_full``)."""
     services: Services = request.app.state.services
     draining = services.draining.is_set()
     ready = services.pool.ready and not draining
     status = "draining" if draining else "ready" if ready else "not_ready"
     body: dict[str, Any] = {"status": status}
+    if ready and services.admission is not None and await services.admission.full():
+        # Up, but every slot a request of the default class could take is held: it would get a 503.
+        ready = False
+        body = {"status": "not_ready", "reason": "admission_full"}
     settings = services.settings
     if (
         settings.admin.enabled

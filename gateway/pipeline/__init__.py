@@ -19,12 +19,19 @@ the HTTP response; after it, a failure ends the stream with an error frame.
 A segmented input (a :class:`core.context.SegmentPlan` a pre-policy returned with the request it
 rewrote, for audio too long for one call) is served as one engine call per segment
 (gateway/pipeline/segments.py).
+
+The transport runs each request inside :meth:`Pipeline.lifetime`, the request's own exit stack: what
+the request holds (``ctx.holds``) is released when it closes and a request nobody accounted for gets
+its record there, whatever ended it (the client gone mid-body or mid-stream, a server error, a
+cancellation).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -170,15 +177,39 @@ class Pipeline:
         await self.accounting.settle(ctx, None)
         return result
 
+    @contextlib.asynccontextmanager
+    async def lifetime(self, ctx: RequestContext) -> AsyncIterator[contextlib.AsyncExitStack]:
+        """The request's own exit stack, from admission to the end of its response.
+
+        It holds the request's holdings (``ctx.holds``: admission slot, tenant quota, chain generation,
+        engine slot, media budget, in-flight count), released when it closes however the request ended;
+        before them, a request that ends by an exception nobody accounted for (the client gone
+        mid-body, a cancellation, a server error) is accounted for with it, so it still leaves one
+        record. The transport enters what must end with the response on the stack it yields (the open
+        response stream), which closes first.
+        """
+        self.accounting.open(ctx)
+        with ctx.holds:  # released last, whatever happened above them
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    yield stack
+            except BaseException as exc:  # cancellation included: every request is accounted for once
+                await self.accounting.settle(ctx, exc)  # nothing to do when the pipeline already has
+                raise
+            if ctx.record.outcome is None:
+                log.error("request_unaccounted")
+                await self.accounting.settle(ctx, RuntimeError("the request ended unaccounted for"))
+
     async def admit(self, ctx: RequestContext) -> None:
         """Take the request's admission slot, once; the transport calls it before reading the body, so a
-        request admission refuses costs neither its body nor any media work. Held until it finishes."""
+        request admission refuses costs neither its body nor any media work. Held until it ends: it is
+        one of the request's holdings (``ctx.holds``)."""
         if self.admission is not None and ctx.admission is None:
             ctx.admission = await self.admission.admit(ctx)
 
     async def refused(self, ctx: RequestContext, error: OmnigateError) -> None:
         """A request the transport refused before the pipeline (its key, its body): counted and audited."""
-        self.metrics.in_flight.inc()
+        self.accounting.open(ctx)
         await self.accounting.settle(ctx, error)
 
     # -- admission and pre-policies -----------------------------------------
@@ -186,8 +217,8 @@ class Pipeline:
         ctx.record.public_model = request.model if self.pool.serves(request.model) else None
         ctx.record.stream = request.stream
         ctx.record.received = request
-        ctx.policies = self.policies.current.acquire()  # let go in Accounting.finish
-        self.metrics.in_flight.inc()
+        ctx.policies = self.policies.current.acquire()  # a holding: let go when the request's holds close
+        self.accounting.open(ctx)
 
     async def _prepare(
         self, request: ChatCompletionRequest, ctx: RequestContext

@@ -1,6 +1,8 @@
 """What a request leaves behind: its metrics, its access log event (``request_finished``), its tenant's
-token charge and its audit record, made once per request in :meth:`Accounting.finish`, which also
-gives back everything the request held (admission slot, media budget, chain generation, engine lease).
+token charge and its audit record, made once per request in :meth:`Accounting.finish`. It settles the
+engine slot with the request's outcome and then closes the request's holdings (``ctx.holds``: admission
+slot, media budget, chain generation, in-flight count) at once; that stack closes anyway when the
+request's lifetime ends (``Pipeline.lifetime``), so no release depends on this being called.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from core.context import PolicyRun, RequestContext
-from core.errors import EngineError, OmnigateError, Overloaded
+from core.errors import ClientClosedRequest, EngineError, OmnigateError, Overloaded
 from core.events import Completion
 from engines.energy import EnergyBook
 from engines.pool import EnginePool
@@ -98,6 +100,13 @@ class Accounting:
                 ctx.record.engine, ctx.record.completion_tokens, ctx.record.audio_seconds
             )
 
+    def open(self, ctx: RequestContext) -> None:
+        """Count the request in flight, once; the count is one of its holdings, given back with them."""
+        if not ctx.counted:
+            ctx.counted = True
+            self.metrics.in_flight.inc()
+            ctx.holds.callback(self.metrics.in_flight.dec)
+
     async def settle(self, ctx: RequestContext, error: BaseException | None) -> None:
         await self.durable(ctx, self.finish(ctx, error))
 
@@ -107,16 +116,10 @@ class Accounting:
             await self.audit.wait(fut)
 
     def finish(self, ctx: RequestContext, error: BaseException | None) -> asyncio.Future[int] | None:
-        """Account for the request, release its slots and hand its record to the audit; once per request."""
+        """Account for the request, give back what it holds and hand its record to the audit; once per
+        request (a second call finds it accounted for and does nothing)."""
         if ctx.record.outcome is not None:
             return None
-        if self.admission is not None:
-            self.admission.release(ctx)
-        if ctx.media_budget is not None:
-            ctx.media_budget.release()
-        if ctx.policies is not None:
-            ctx.policies.release()  # the last request of a reloaded-away generation closes it
-        self.metrics.in_flight.dec()
         lease, ctx.lease = ctx.lease, None
         if ctx.record.engine is not None and error is None:
             # One report per request (never per chunk): latency and outcome for its window and circuit.
@@ -129,13 +132,27 @@ class Accounting:
                 ctx.record.upstream_e2e_s,
                 ctx.record.completion_tokens,
                 ctx.record.audio_seconds,
-                prompt_tokens=ctx.record.prompt_tokens,
-                tenant=ctx.identity.tenant,
             )
         if lease is not None:
             lease.settle(reported=error is None or isinstance(error, EngineError))
+        if self.admission is not None:
+            self.admission.finished(ctx)
+        # Everything else it holds goes back now (the last request of a reloaded-away chain generation
+        # closes it); the lifetime's own close of the stack then finds nothing left.
+        try:
+            ctx.holds.close()
+        except Exception as exc:  # every release has run; the record is still owed
+            log.error("request_release_failed", exc_info=exc)
         if error is None:
             ctx.record.outcome = "degraded" if ctx.outputs.degraded else "served"
+        elif isinstance(error, ClientClosedRequest):
+            # The client left (mid-body) or stopped reading (stalled): cancelled, with the reason named.
+            ctx.record.outcome, ctx.record.status, ctx.record.error_code = (
+                "cancelled",
+                error.status,
+                error.code,
+            )
+            self.metrics.client_disconnects.inc()
         elif isinstance(error, OmnigateError):
             ctx.record.status = error.status
             ctx.record.error_code = error.code

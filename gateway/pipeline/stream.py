@@ -42,6 +42,8 @@ class ResponseStream:
     attempt: Attempt
     #: the segments of a long input (a pre-policy's plan), None: one engine call
     plan: SegmentPlan | None = None
+    #: why the transport ended the stream early, when it said (:meth:`cut`); the record takes it
+    cause: BaseException | None = None
     _released: bool = False
     _gen: AsyncGenerator[Delta, None] | None = None
     _head: Delta | None = None
@@ -74,12 +76,19 @@ class ResponseStream:
             async for d in self._gen:
                 yield d
 
+    def cut(self, cause: BaseException) -> None:
+        """The transport is ending the stream for ``cause`` (e.g. the client stopped reading): the request
+        is accounted for with it rather than as a plain cancellation. Call it before the stream is closed
+        or its task cancelled."""
+        if self.cause is None:
+            self.cause = cause
+
     async def aclose(self) -> None:
-        """Release the upstream; safe to call whether or not iteration started or ended."""
+        """Release the upstream; safe to call whether or not iteration started or ended, and more than once."""
         if self._gen is None:
             self._gen = _closed()
             await self.attempt.upstream.aclose()
-            self.pipeline.accounting.finish(self.ctx, GeneratorExit())
+            self.pipeline.accounting.finish(self.ctx, self.cause or GeneratorExit())
         else:
             await self._gen.aclose()
 
@@ -173,7 +182,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[Delta, N
             accounting.account(ctx, best.completion)
             return
     except BaseException as exc:  # GeneratorExit and cancellation are outcomes too (a client that left)
-        error = exc
+        error = exc if rs.cause is None else rs.cause
         raise
     finally:
         # Finished (and the record handed to the audit) before any await a cancelled task may not complete.
