@@ -1,7 +1,8 @@
 """Built-in pre-policy ``media-limits``: probe, limit and normalise every media part.
 
 Runs after ``media-fetch`` (every part is data by then). Images are capped in
-pixels and downsampled above 2 MP; audio is probed from its header, resampled
+pixels, downsampled above 2 MP and forwarded as one frame of 8-bit RGB (transparency
+composited onto white), the pixels the content screens then score; audio is probed from its header, resampled
 to the engine's rate and cut into 2,400 s segments above 40 minutes; video is
 probed, trimmed or refused beyond 120 s, sampled at 2 fps (at most 240 frames)
 and handed over as a short MP4 or as frames, as the engines serving the model

@@ -1,21 +1,25 @@
-"""Built-in pre-policy ``nsfw-screen``: images and sampled video frames through Open-NSFW.
+"""Built-in pre-policy ``nsfw-screen``: every image and every video frame the engine gets, through Open-NSFW.
 
-Runs after ``media-limits``, so it sees what the engine will see (images of at
-most 2 MP, videos already sampled). A video is screened on ``max_video_frames``
-frames spread evenly over it, scored as one batch. The highest score of a part
-decides; at or above ``threshold`` the request is refused with a 400
-``content_policy_violation`` naming the part (``shadow: true`` only records).
-The model loads at start-up (about half a second) and runs on its own thread;
-the frames it scores are decoded in the media sandbox's worker processes.
+Runs after ``media-limits``, so it scores the files the engine is sent, decoded:
+images as one frame of 8-bit RGB with nothing transparent (policies/media/image.py
+normalises every image it forwards), videos frame by frame. A video of more than
+``max_video_frames`` frames is cut to that many, spread evenly over it, and the
+engine gets the cut video, whose frames are the ones scored: an engine samples
+a video its own way, so a frame the screen skipped would otherwise reach it. The
+highest score of a part decides; at or above ``threshold`` the request is
+refused with a 400 ``content_policy_violation`` naming the part (``shadow: true``
+only records, and forwards the video uncut). The model loads at start-up (about
+half a second) and runs on its own thread; the frames it scores are decoded in
+the media sandbox's worker processes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, ClassVar
 
+import numpy as np
 from PIL import Image
 from pydantic import Field
 
@@ -24,13 +28,14 @@ from core.errors import ContentPolicyViolation
 from core.schemas import ChatCompletionRequest
 from core.settings import MediaSettings
 from policies.base import Deps, PolicyBase, PolicyConfig
-from policies.media.config import ImageConfig
+from policies.media.config import VideoConfig
+from policies.media.image import screen_view
 from policies.media.models import NSFWModel
-from policies.media.parts import MediaRef, media_parts, payload_arg
-from policies.media.process import screen_frames
+from policies.media.parts import MediaRef, media_parts, output_part, payload_arg, replace_parts, spool_parts
 from policies.media.sandbox import MediaRuntime, runtime_of
+from policies.media.video import ScreenedVideo, screen_video
 
-_SIZE = (256, 256)  # what the model's own preprocessing resizes to first
+_SIZE = (256, 256)  # what the model's own preprocessing resizes to first (bilinear)
 
 
 class NSFWConfig(PolicyConfig):
@@ -40,7 +45,13 @@ class NSFWConfig(PolicyConfig):
         default=0.8, description="a part scoring at or above this is refused (content_policy_violation)"
     )
     max_video_frames: Annotated[int, Field(ge=1, le=240)] = Field(
-        default=16, description="evenly spaced frames scored per video"
+        default=16,
+        description="frames scored per video: every frame of a video that has at most this many; a longer "
+        "one is cut to this many, evenly spaced, and the engine gets the cut video (media-limits sends "
+        "up to video.max_frames, 240 by default: raise this to forward more, at the cost of screening time)",
+    )
+    crf: Annotated[int, Field(ge=0, le=51)] = Field(
+        default=VideoConfig().crf, description="H.264 CRF of a video cut to the frames that were scored"
     )
     batch_size: Annotated[int, Field(ge=1, le=64)] = Field(
         default=4, description="images scored per model call"
@@ -59,7 +70,6 @@ class NSFWScreen(PolicyBase):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="omnigate-nsfw")
         self._model: NSFWModel | None = None
         self._metrics: Any = None
-        self._decode = ImageConfig()
         self._runtime: MediaRuntime | None = None
 
     async def start(self, deps: Deps) -> None:
@@ -79,21 +89,10 @@ class NSFWScreen(PolicyBase):
         if self._runtime is None:
             self._runtime = MediaRuntime(MediaSettings())
         sandbox = self._runtime.sandbox
-        frames = await asyncio.gather(
-            *(
-                sandbox.run(
-                    screen_frames,
-                    (
-                        dataclasses.replace(ref, value=""),
-                        payload_arg(ref),
-                        self.config.max_video_frames,
-                        _SIZE,
-                    ),
-                    param=ref.param,
-                )
-                for ref in refs
-            )
+        seen: list[Any] = await asyncio.gather(
+            *(sandbox.run(*self._task(ref), param=ref.param) for ref in refs)
         )
+        frames = [s.views if isinstance(s, ScreenedVideo) else [s] for s in seen]
         loop = asyncio.get_running_loop()
         scores = await loop.run_in_executor(self._pool, self._score_all, frames)
         flagged: MediaRef | None = None
@@ -108,9 +107,24 @@ class NSFWScreen(PolicyBase):
             raise ContentPolicyViolation(
                 f"{flagged.path}: the {flagged.kind} was refused by the content screen", param=flagged.param
             )
-        return request
+        new: dict[tuple[int, int], list[Any]] = {}
+        for ref, s in zip(refs, seen, strict=True):
+            if isinstance(s, ScreenedVideo) and s.video is not None:
+                # Its frames past max_video_frames were never scored: the engine gets the ones that were.
+                if ctx.media_budget is not None:
+                    await ctx.media_budget.take(len(s.video), ref.param)
+                new[(ref.message, ref.index)] = spool_parts([output_part(ref.type, "video/mp4", s.video)])
+                ctx.outputs.degrade("video-cut-to-screened-frames")
+        return replace_parts(request, new)
 
-    def _score_all(self, per_part: list[list[Any]]) -> list[float]:
+    def _task(self, ref: MediaRef) -> tuple[Any, tuple[Any, ...]]:
+        """The decoding worker's task for one part: its screen's view of the pixels the engine gets."""
+        if ref.kind == "image":
+            return screen_view, (payload_arg(ref), _SIZE, ref.param)
+        c = self.config
+        return screen_video, (payload_arg(ref), c.max_video_frames, _SIZE, ref.param, c.crf)
+
+    def _score_all(self, per_part: list[list[np.ndarray]]) -> list[float]:
         """One part's frames are scored together; the images of a request share batches."""
         if self._model is None:
             self._model = NSFWModel(self.config.threads)

@@ -105,6 +105,54 @@ def plain_image(size: int = 400) -> Image.Image:
     return Image.new("RGB", (size, size), (40, 80, 200))
 
 
+def encode(im: Image.Image, fmt: str, **params) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, fmt, **params)
+    return buf.getvalue()
+
+
+def on_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """What an RGBA picture looks like composited onto white: the oracle for the gateway's flattening."""
+    a = alpha.astype(np.float64)[..., None] / 255.0
+    return np.round(rgb.astype(np.float64) * a + 255.0 * (1.0 - a)).astype(np.uint8)
+
+
+def alpha_only(pattern: Image.Image) -> bytes:
+    """An RGBA PNG whose colour channels are all black and whose alpha carries ``pattern``: on black (or
+    with the alpha dropped) it is a black square; onto white it is ``pattern`` in grey."""
+    grey = np.asarray(pattern.convert("L"))
+    alpha = (255 - grey).astype(np.uint8)
+    rgba = np.dstack([np.zeros_like(alpha)] * 3 + [alpha])
+    return png(Image.fromarray(rgba, "RGBA"))
+
+
+def palette_with_transparency(size: tuple[int, int] = (320, 240)) -> tuple[bytes, np.ndarray]:
+    """A P-mode PNG with a tRNS chunk: index 0 (pure red in the palette) is transparent, index 1 is blue.
+    Returns the file and the mask of the transparent pixels."""
+    w, h = size
+    yy, xx = np.mgrid[0:h, 0:w]
+    index = ((xx // 20 + yy // 20) % 2).astype(np.uint8)
+    im = Image.fromarray(index, "P")
+    im.putpalette([255, 0, 0, 0, 0, 255] + [0, 0, 0] * 254)
+    return encode(im, "PNG", transparency=0), index == 0
+
+
+def grey16(size: tuple[int, int] = (320, 240)) -> tuple[bytes, np.ndarray]:
+    """A 16-bit greyscale PNG (Pillow's ``I;16``) of a full-range ramp, and its 16-bit samples."""
+    w, h = size
+    ramp = np.linspace(0, 65535, w * h).reshape(h, w).astype(np.uint16)
+    return encode(Image.fromarray(ramp), "PNG"), ramp
+
+
+def frames_file(fmt: str, count: int = 3, size: tuple[int, int] = (640, 520)) -> bytes:
+    """An animated GIF / APNG or a multi-page TIFF of ``count`` different photo-like frames."""
+    frames = [photo(*size, seed=k + 1) for k in range(count)]
+    if fmt == "GIF":
+        frames = [f.convert("P", palette=Image.Palette.ADAPTIVE) for f in frames]
+        return encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return encode(frames[0], fmt, save_all=True, append_images=frames[1:])
+
+
 # -- audio ------------------------------------------------------------------------------------------------------
 
 

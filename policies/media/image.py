@@ -6,11 +6,16 @@ Images over the output caps (2 MP, and a longest side of ``vision_max_res``, 102
 default) are downsampled with the aspect kept; JPEGs
 are decoded at a reduced DCT scale first, so a 12 MP photo never needs its full
 bitmap. EXIF orientation is applied and every metadata block (EXIF, XMP, ICC,
-comments, text chunks) is dropped by re-encoding from pixels. An image that
-needs none of that reaches the engine as the client's own bytes, up to its
-format's end marker: a file cut before it is refused, text after it (a script
-or markup polyglot) is refused, a binary trailer (a phone's gain map or motion
-clip) is dropped.
+comments, text chunks) is dropped by re-encoding from pixels.
+
+What the engine gets leaves it no choice of pixels: one frame of 8-bit RGB
+(:func:`engine_rgb`: alpha, a palette's or a colour key's transparency composited
+onto white, 16-bit samples scaled to 8 bits, CMYK and the rest converted), so the
+content screens, which score the forwarded file (:func:`screen_view`), see what
+the engine sees. Only an image already in that form (a JPEG, or an 8-bit RGB PNG)
+reaches the engine as the client's own bytes, up to its format's end marker: a
+file cut before it is refused, text after it (a script or markup polyglot) is
+refused, a binary trailer (a phone's gain map or motion clip) is dropped.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from core.errors import InvalidMedia
 from policies.media.config import ImageConfig
@@ -33,6 +39,10 @@ warnings.simplefilter("error", Image.DecompressionBombWarning)
 log = structlog.get_logger(__name__)
 _MIME = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp"}
 _ORIENTATION = 0x0112
+#: what transparent pixels become: the background vLLM's image loader composites RGBA onto
+WHITE = (255, 255, 255)
+_ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
+_WIDE_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})
 
 
 @dataclass(slots=True)
@@ -149,14 +159,17 @@ def _cut_trailer(data: bytes, fmt: str, param: str) -> tuple[bytes, bool]:
 def _normalise(im: Image.Image, data: bytes, cfg: ImageConfig, param: str) -> ImageResult:
     source = im.format or "unknown"
     sw, sh = im.size
+    # Read before anything loads the pixels (a PNG's EXIF lookup does): a PNG's tile names its bit depth.
+    canonical = _is_rgb8(im)
     orientation = im.getexif().get(_ORIENTATION, 1)
     out_fmt = _out_format(source, cfg)
-    animated = bool(getattr(im, "is_animated", False))
+    animated = bool(getattr(im, "is_animated", False)) or getattr(im, "n_frames", 1) > 1
     tw, th = target_size(sw, sh, cfg.max_pixels, cfg.vision_max_res)
     resize = (tw, th) != (sw, sh)
     metadata = _has_metadata(im)
-    odd_mode = im.mode not in ("RGB", "L", "RGBA", "LA", "P")  # CMYK, 16-bit, float: engines expect 8-bit RGB
-    if not (resize or metadata or animated or odd_mode or orientation not in (0, 1) or out_fmt != source):
+    if not (
+        resize or metadata or animated or not canonical or orientation not in (0, 1) or out_fmt != source
+    ):
         im.load()  # a truncated or corrupt file fails here, before the engine sees it
         return ImageResult(data, _MIME[source], source, sw, sh, sw, sh)
 
@@ -165,8 +178,8 @@ def _normalise(im: Image.Image, data: bytes, cfg: ImageConfig, param: str) -> Im
         # DCT-domain downscale: decodes at 1/2, 1/4 or 1/8 while staying >= the target size.
         im.draft("RGB", (tw, th))  # sizes are in the stored orientation until the transpose below
     im.load()
+    alpha = has_alpha(im)
     if orientation not in (0, 1):
-        im = ImageOps.exif_transpose(im)
         actions.append("image-reoriented")
         if orientation in (5, 6, 7, 8):
             tw, th = th, tw
@@ -174,9 +187,11 @@ def _normalise(im: Image.Image, data: bytes, cfg: ImageConfig, param: str) -> Im
         actions.append("image-animation-dropped")
     if metadata:
         actions.append("image-metadata-stripped")
-    if out_fmt != source or odd_mode:
+    if alpha:
+        actions.append("image-alpha-flattened")
+    if out_fmt != source or not (canonical or alpha):
         actions.append("image-transcoded")
-    im = _to_mode(im, out_fmt)
+    im = engine_rgb(im)
     if im.size != (tw, th):
         im = im.resize((tw, th), Image.Resampling.LANCZOS, reducing_gap=3.0)
     if resize:
@@ -197,16 +212,71 @@ def _normalise(im: Image.Image, data: bytes, cfg: ImageConfig, param: str) -> Im
     return ImageResult(buf.getvalue(), _MIME[out_fmt], source, im.width, im.height, sw, sh, actions)
 
 
-def _to_mode(im: Image.Image, fmt: str) -> Image.Image:
-    if fmt == "JPEG":
-        if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
-            rgba = im.convert("RGBA")
-            flat = Image.new("RGB", rgba.size, (255, 255, 255))
-            flat.paste(rgba, mask=rgba.getchannel("A"))
-            return flat
-        return im if im.mode in ("RGB", "L") else im.convert("RGB")
-    return (
-        im
-        if im.mode in ("RGB", "RGBA", "L", "LA")
-        else im.convert("RGBA" if "transparency" in im.info else "RGB")
-    )
+def _is_rgb8(im: Image.Image) -> bool:
+    """Whether the file is already what the engine is sent: 8-bit RGB, nothing transparent (a PNG's tile
+    says ``RGB;16B`` for 16-bit samples, which Pillow and other decoders reduce to 8 bits each their way)."""
+    if im.mode != "RGB" or "transparency" in im.info:
+        return False
+    if im.format != "PNG":
+        return True
+    return isinstance(im, ImageFile.ImageFile) and all(tile.args == "RGB" for tile in im.tile)
+
+
+def has_alpha(im: Image.Image) -> bool:
+    """An alpha channel, or a palette's or a colour key's transparency (PNG ``tRNS``, GIF)."""
+    return im.mode in _ALPHA_MODES or "transparency" in im.info
+
+
+def engine_rgb(im: Image.Image) -> Image.Image:
+    """The loaded frame as the engine is given it: upright (EXIF orientation applied), 8-bit RGB, with
+    anything transparent composited onto white (:data:`WHITE`), 16-bit samples scaled to 8 bits rather
+    than clipped, and CMYK, palettes and the rest converted by Pillow.
+
+    Engines decode what they get each their own way (vLLM composites RGBA onto white but drops an LA
+    image's alpha, a decoder on a black canvas drops it too); an image in this form leaves them none.
+    """
+    im = ImageOps.exif_transpose(im)
+    if im.mode in _WIDE_MODES:
+        im = _to_eight_bits(im)
+    elif im.mode == "F":
+        im = im.convert("L")  # float samples: clipped to 0..255, as Pillow reads them
+    if has_alpha(im):
+        rgba = im.convert("RGBA")
+        flat = Image.new("RGB", rgba.size, WHITE)
+        flat.paste(rgba, mask=rgba.getchannel("A"))
+        return flat
+    return im if im.mode == "RGB" else im.convert("RGB")
+
+
+def _to_eight_bits(im: Image.Image) -> Image.Image:
+    """A 16-bit (or 32-bit integer) greyscale frame as 8-bit ``L``: each sample scaled by 255/65535 (Pillow's
+    own conversion clips at 255, which turns most of a 16-bit image white); a colour key becomes alpha."""
+    wide = np.asarray(im).astype(np.int64)
+    grey = Image.fromarray(np.round(np.clip(wide, 0, 65535) / 257.0).astype(np.uint8), "L")
+    key = im.info.get("transparency")
+    if isinstance(key, int):
+        alpha = Image.fromarray(np.where(wide == key, 0, 255).astype(np.uint8), "L")
+        return Image.merge("LA", (grey, alpha))
+    return grey
+
+
+def screen_view(data: bytes, size: tuple[int, int], param: str) -> np.ndarray:
+    """What a content screen scores of an image the engine is sent (run in a decoding worker).
+
+    ``data`` is the forwarded file, one frame of 8-bit RGB already (:func:`engine_rgb` is a no-op on it);
+    its pixels are resized to ``size`` bilinearly, which is the Open-NSFW model's own first step, so
+    the model scores exactly what it would from the full picture while a fraction of it crosses the
+    process boundary.
+    """
+    im = open_image(data, ImageConfig(), param)
+    try:
+        im.load()
+        view = engine_rgb(im).resize(size, Image.Resampling.BILINEAR)
+        return np.asarray(view)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise InvalidMedia(f"{param}: the image has too many pixels to decode safely", param=param) from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        log.info("media_decode_failed", param=param, error=type(exc).__name__)
+        raise InvalidMedia(f"{param}: the image is truncated or corrupt", param=param) from None
+    finally:
+        im.close()

@@ -249,26 +249,6 @@ def _video(ref: MediaRef, data: bytes, cfg: Settings, target: MediaTarget, decla
     return Done(ref, parts, tokens.video_tokens(len(frames), size[0], size[1], budget), actions, facts)
 
 
-def screen_frames(ref: MediaRef, data: bytes, max_frames: int, size: tuple[int, int]) -> list[Any]:
-    """What a content screen looks at: the image, or up to ``max_frames`` frames spread over a video,
-    as RGB arrays of about ``size`` (decoded here, in the worker, like every other decode)."""
-    import numpy as np
-
-    if ref.kind == "image":
-        im = open_image(data, ImageConfig(), ref.param)
-        try:
-            im.draft("RGB", size)
-            return [np.asarray(im.convert("RGB"))]
-        finally:
-            im.close()
-    info = probe_video(data, ref.param)
-    n = min(max_frames, max(1, info.frames or max_frames))
-    fps = n / info.duration_s if info.duration_s > 0 else 1.0
-    return sample_frames(
-        data, info.duration_s, n, fps, size, ref.param, max_decoded=VideoConfig().max_decoded_frames
-    )
-
-
 def screen_pcm(data: bytes, param: str, max_s: float, max_bytes: int | None = None) -> Any:
     """A speech screen's input: the audio as 16 kHz mono PCM (probed first, so non-audio costs no decode)."""
     probe_audio(data, param)

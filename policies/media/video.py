@@ -6,12 +6,16 @@ from them).
 Sampling decodes once, up to the trim point, and converts only the kept frames,
 scaled straight to the size the token budget allows (swscale, no full-size RGB
 copy). The engine then gets what it accepts: a short H.264 MP4 at the sampling
-rate, or the frames as JPEG image parts.
+rate, or the frames as JPEG image parts. A content screen scores every frame of
+the MP4 the engine is sent, or, where that holds more frames than the screen
+takes, an MP4 re-encoded from the frames it scored (:func:`screen_video`).
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -167,3 +171,87 @@ def encode_jpeg(arr: np.ndarray, quality: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, "JPEG", quality=quality)
     return buf.getvalue()
+
+
+@dataclass(slots=True)
+class ScreenedVideo:
+    """What a content screen scores of a video, and what the engine is then sent."""
+
+    #: every frame of the video the engine gets, as the screen's model sees it first
+    views: list[np.ndarray]
+    #: the video re-encoded to the frames in ``views`` where the one given held more; None: it is sent as is
+    video: bytes | None = None
+
+
+def screen_video(
+    data: bytes,
+    max_frames: int,
+    size: tuple[int, int],
+    param: str,
+    crf: int,
+    max_decoded: int = 7200,
+) -> ScreenedVideo:
+    """Every frame the engine will decode is scored (run in a decoding worker).
+
+    An engine samples a video with its own rate and frame count, so screening some of its frames
+    leaves the others unjudged. A video of at most ``max_frames`` frames is screened whole, as sent;
+    a longer one is cut to ``max_frames`` frames spread evenly over it, re-encoded (H.264 at ``crf``,
+    the same span of time), and the frames of *that* file, as decoded, are what is scored and what
+    the engine gets. Each frame is resized to ``size`` bilinearly, the Open-NSFW model's first step.
+    """
+    views: list[np.ndarray] = []
+    count = 0
+    with _decoding(param), open_av(data, "video", param) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        rate = stream.average_rate or stream.guessed_rate
+        for frame in container.decode(stream):
+            count += 1
+            if count > max_frames:
+                views = []  # too many to send as is: counted only, and cut below
+            else:
+                views.append(_view(frame, size))
+            if count >= max_decoded:
+                break
+    if count == 0:
+        raise InvalidMedia(f"{param}: the video has no decodable frames", param=param)
+    if count <= max_frames:
+        return ScreenedVideo(views)
+    keep = spread(count, max_frames)
+    kept: list[np.ndarray] = []
+    with _decoding(param), open_av(data, "video", param) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        for i, frame in enumerate(container.decode(stream)):
+            if i in keep:
+                kept.append(frame.to_ndarray(format="rgb24"))
+            if i + 1 >= count:
+                break
+    seconds = count / float(rate) if rate else float(count)
+    # H.264 in 4:2:0 takes even sides only (the gateway's own videos have them already).
+    even = [f[: f.shape[0] // 2 * 2, : f.shape[1] // 2 * 2] for f in kept]
+    with _decoding(param):
+        cut = encode_mp4(even, len(even) / seconds, crf)
+    with _decoding(param), open_av(cut, "video", param) as container:
+        views = [_view(frame, size) for frame in container.decode(container.streams.video[0])]
+    return ScreenedVideo(views, cut)
+
+
+def spread(count: int, n: int) -> frozenset[int]:
+    """``n`` indices of ``count`` frames, one from the middle of each of ``n`` equal stretches."""
+    return frozenset((2 * k + 1) * count // (2 * n) for k in range(min(n, count)))
+
+
+def _view(frame: av.VideoFrame, size: tuple[int, int]) -> np.ndarray:
+    rgb = Image.fromarray(frame.to_ndarray(format="rgb24"))
+    return np.asarray(rgb.resize(size, Image.Resampling.BILINEAR))
+
+
+@contextmanager
+def _decoding(param: str) -> Iterator[None]:
+    """FFmpeg's errors while a screen decodes the video sent on: a 400 naming the part."""
+    try:
+        yield
+    except (av.FFmpegError, ValueError, OSError) as exc:
+        log.info("media_decode_failed", param=param, error=type(exc).__name__)
+        raise InvalidMedia(f"{param}: the video could not be decoded", param=param) from None
