@@ -132,6 +132,8 @@ class Accounting:
                 ctx.record.upstream_e2e_s,
                 ctx.record.completion_tokens,
                 ctx.record.audio_seconds,
+                prompt_tokens=ctx.record.prompt_tokens,
+                tenant=ctx.identity.tenant,
             )
         if lease is not None:
             lease.settle(reported=error is None or isinstance(error, EngineError))
