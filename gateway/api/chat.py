@@ -45,6 +45,7 @@ from gateway.render import ChunkRenderer, completion_body, error_frame
 from gateway.services import Services
 from gateway.sse import SSEResponse, Stop
 from gateway.tenants import KeyRefused
+from policies.media.sandbox import RequestBudget
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -98,16 +99,18 @@ def validation_to_error(errors: Sequence[Any]) -> InvalidRequest:
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
 
 
-async def _read_body(request: Request, limit: int, timeout_s: float) -> json_body.Reader:
+async def _read_body(
+    request: Request, limit: int, timeout_s: float, budget: RequestBudget | None = None
+) -> json_body.Reader:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
     # Fed to a reader as it comes: its long base64 payloads are decoded into the spool as they arrive
     # (gateway/api/body.py), the rest grows one buffer (never sized from Content-Length: a client could
     # make every connection reserve the limit).
-    media = request.app.state.services.media
-    # Spooled payloads count against the media budget as they are written (a 503 mid-body past it).
-    body = json_body.Reader(budget=media.spool_budget() if media is not None else None)
+    # Spooled payloads count against the request's media budget as they are written (a 503 mid-body
+    # past the process's), given back with the rest of what the request holds when it ends.
+    body = json_body.Reader(budget=budget)
     try:
         # A client trickling its body (slowloris) holds a connection; bound the whole read.
         async with asyncio.timeout(timeout_s):
@@ -120,6 +123,15 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> json_bod
     except ClientDisconnect:
         raise ClientClosedRequest("the client closed the connection before its request was read") from None
     return body
+
+
+def _media_budget(ctx: RequestContext, services: Services) -> RequestBudget | None:
+    """The request's media budget, opened before its body is read (its spool is counted in it)."""
+    if services.media is None:
+        return None
+    budget = services.media.request_budget()
+    ctx.media_budget = budget
+    return budget
 
 
 def _parse(
@@ -200,7 +212,9 @@ async def _respond(
 ) -> Response:
     server = services.settings.server
     await services.pipeline.admit(ctx)  # before the body: a refused request costs no read, no media
-    body = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
+    body = await _read_body(
+        request, server.max_body_bytes, server.body_timeout_s, _media_budget(ctx, services)
+    )
     ctx.record.body_bytes = body.size
     chat = _parse_for(body, ctx, services)  # empties the body
     del body

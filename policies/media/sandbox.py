@@ -474,13 +474,24 @@ class ByteBudget:
 
 
 class RequestBudget:
-    """One request's media bytes: capped per request, and drawn from the process-wide budget."""
+    """One request's media bytes: capped per request, and drawn from the process-wide budget.
+
+    Its body's spooled payloads are counted here too, as they are written (:meth:`charge`, for
+    core/spooled.py's writer): against the process's budget only, a 503 past it while the body
+    arrives (a body cannot wait for room: its bytes are already coming); the request's own limit is
+    the media steps', which name the part that crosses it. When a media step then counts a part
+    (:meth:`take`), bytes the spool already counted cover it, so no byte is counted twice. Everything
+    is given back when the request ends (:meth:`release`, on the request's holdings), or a file's
+    uncovered share when that file goes first.
+    """
 
     def __init__(self, shared: ByteBudget, limit: int, wait_s: float) -> None:
         self._shared = shared
         self.limit = limit
         self._wait_s = wait_s
         self.held = 0
+        #: bytes the spool counted that no media step has claimed yet
+        self.spooled = 0
 
     @property
     def room(self) -> int:
@@ -490,35 +501,33 @@ class RequestBudget:
         """Count ``n`` more bytes for the part at ``param``: 413 naming it when the request is over."""
         if self.held + n > self.limit:
             raise MediaTooLarge(f"{param}: the request's media exceeds {self.limit:,} bytes", param=param)
-        await self._shared.take(n, self._wait_s)
+        covered = min(n, self.spooled)
+        self.spooled -= covered
+        try:
+            if n > covered:
+                await self._shared.take(n - covered, self._wait_s)
+        except BaseException:
+            self.spooled += covered
+            raise
         self.held += n
-
-    def release(self) -> None:
-        held, self.held = self.held, 0
-        if held:
-            self._shared.give(held)
-
-
-class SpoolCharge:
-    """A request body's spooled payloads, counted against the process's media budget as they are
-    written (core/spooled.py); each file gives its bytes back when it goes.
-
-    Past the budget the body is refused with its 503 while it arrives (a body cannot wait for room: its
-    bytes are already coming). The request's own limit is the media step's, which names the part
-    that crosses it; a body is bounded by ``server.max_body_bytes`` until then.
-    """
-
-    def __init__(self, shared: ByteBudget) -> None:
-        self._shared = shared
-        self.held = 0
 
     def charge(self, n: int) -> None:
+        """Count ``n`` bytes a spool file is about to take, now, or refuse them (503)."""
         self._shared.take_now(n)
-        self.held += n
+        self.spooled += n
 
     def refund(self, n: int) -> None:
-        self.held -= n
-        self._shared.give(n)
+        """A spool file gave back ``n`` bytes: those no media step claimed (nothing after the release)."""
+        n = min(n, self.spooled)
+        self.spooled -= n
+        if n:
+            self._shared.give(n)
+
+    def release(self) -> None:
+        held, self.held = self.held + self.spooled, 0
+        self.spooled = 0
+        if held:
+            self._shared.give(held)
 
 
 class MediaRuntime:
@@ -534,10 +543,6 @@ class MediaRuntime:
 
     def request_budget(self) -> RequestBudget:
         return RequestBudget(self.inflight, self.cfg.max_request_bytes, self.cfg.inflight_wait_s)
-
-    def spool_budget(self) -> SpoolCharge:
-        """Where one request body's spooled payloads are counted as they arrive."""
-        return SpoolCharge(self.inflight)
 
     async def start(self) -> None:
         large_buffers_to_the_system()

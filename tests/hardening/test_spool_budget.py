@@ -29,7 +29,7 @@ from core import spooled
 from core.errors import Overloaded
 from core.settings import MediaSettings
 from gateway.api import body as json_body
-from policies.media.sandbox import ByteBudget, MediaRuntime, SpoolCharge
+from policies.media.sandbox import ByteBudget, MediaRuntime, RequestBudget
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,6 +56,10 @@ def _own_files() -> set[str]:
     return {n for n in os.listdir(spooled.SHM_DIR) if n.startswith(prefix)}
 
 
+def _request(process: ByteBudget) -> RequestBudget:
+    return RequestBudget(process, 64 * MIB, 0.0)
+
+
 def _feed(reader: json_body.Reader, body: bytes, chunk: int = 64 * 1024) -> int:
     """Feed ``body`` a chunk at a time; how many bytes were fed when the reader refused it."""
     for at in range(0, len(body), chunk):
@@ -67,7 +71,7 @@ def test_a_body_over_the_process_budget_is_refused_while_it_arrives():
     process = ByteBudget(2 * MIB)
     before = _own_files()
     body = _body(6 * MIB)
-    reader = json_body.Reader(budget=SpoolCharge(process))
+    reader = json_body.Reader(budget=_request(process))
     fed = 0
     with pytest.raises(Overloaded):
         for at in range(0, len(body), 64 * 1024):
@@ -81,20 +85,50 @@ def test_a_body_over_the_process_budget_is_refused_while_it_arrives():
 
 def test_two_bodies_share_the_process_budget_and_a_finished_payload_keeps_its_count_until_released():
     process = ByteBudget(5 * MIB)
-    first = json_body.Reader(budget=SpoolCharge(process))
+    first = json_body.Reader(budget=_request(process))
     _feed(first, _body(3 * MIB))
     doc = first.result()
     media = doc["messages"][0]["content"][0]["input_audio"]["data"]
     assert isinstance(media, spooled.SpooledMedia)
     assert process.used == media.size  # the payload, exactly: reservations beyond it were given back
-    second = json_body.Reader(budget=SpoolCharge(process))
+    second = json_body.Reader(budget=_request(process))
     with pytest.raises(Overloaded):
         _feed(second, _body(3 * MIB))
     media.release()
     assert process.used == 0
-    third = json_body.Reader(budget=SpoolCharge(process))
+    third = json_body.Reader(budget=_request(process))
     _feed(third, _body(3 * MIB))  # room again once the first request's file went
     third.result()["messages"][0]["content"][0]["input_audio"]["data"].release()
+    assert process.used == 0
+
+
+def test_the_request_gives_its_spool_back_when_it_ends_even_while_a_file_lingers():
+    """A file may outlive its request for a moment (its audit record reads it); the budget does not wait."""
+    process = ByteBudget(8 * MIB)
+    budget = _request(process)
+    reader = json_body.Reader(budget=budget)
+    _feed(reader, _body(3 * MIB))
+    media = reader.result()["messages"][0]["content"][0]["input_audio"]["data"]
+    assert process.used == media.size
+    budget.release()  # the request ended (its holdings closed)
+    assert process.used == 0
+    media.release()  # the file goes later: nothing given back twice
+    assert process.used == 0
+
+
+def test_a_spooled_part_counted_again_by_a_media_step_is_not_counted_twice():
+    process = ByteBudget(5 * MIB)
+    budget = _request(process)
+    reader = json_body.Reader(budget=budget)
+    _feed(reader, _body(3 * MIB))
+    media = reader.result()["messages"][0]["content"][0]["input_audio"]["data"]
+    asyncio.run(budget.take(media.size, "messages.0.content.0.input_audio.data"))  # as media-fetch counts it
+    assert process.used == media.size  # the spool's count covered it
+    asyncio.run(budget.take(1 * MIB, "messages.0.content.0.input_audio.data"))  # an output: counted anew
+    assert process.used == media.size + MIB
+    media.release()  # claimed bytes stay the request's until it ends
+    assert process.used == media.size + MIB
+    budget.release()
     assert process.used == 0
 
 
