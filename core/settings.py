@@ -320,8 +320,16 @@ class ServerSettings(_Strict):
     )
     body_timeout_s: Annotated[float, Field(gt=0)] = Field(
         default=30.0,
-        description="the whole request body must arrive within this (408 otherwise); header timeouts belong "
-        "to the front proxy",
+        description="the whole request body must arrive within this (408 otherwise)",
+    )
+    header_timeout_s: Annotated[float, Field(gt=0, le=300)] = Field(
+        default=10.0,
+        description="a connection's request line and headers must arrive within this of its opening (or of "
+        "the request's first byte on a kept-alive connection); otherwise the connection is closed (omnigate "
+        "serve; uvicorn has no header timeout of its own)",
+    )
+    keepalive_timeout_s: Annotated[int, Field(ge=1, le=300)] = Field(
+        default=5, description="an idle connection between two requests is closed after this many seconds"
     )
     sse_keepalive_s: Annotated[float, Field(gt=0)] = Field(
         default=15.0, description="keep-alive comment on idle streams"

@@ -198,6 +198,8 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         return 1
     for line in auth_banner(settings):
         print(f"omnigate: {line}", file=sys.stderr)
+    from gateway.header_deadline import protocol_class
+
     config = uvicorn.Config(
         app,
         host=host or settings.server.host,
@@ -205,6 +207,9 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(settings.server.graceful_shutdown_s),
+        # uvicorn bounds no request head: its protocol, with the head's deadline (gateway/header_deadline.py)
+        http=protocol_class(settings.server.header_timeout_s),
+        timeout_keep_alive=settings.server.keepalive_timeout_s,
         h11_max_incomplete_event_size=64 * 1024,
         ws="none",  # no WebSocket routes: do not load a WebSocket implementation
     )
