@@ -63,7 +63,7 @@ def quantile(buckets: Mapping[int, float], q: float) -> float | None:
     if total == 0:
         return None
     rank = q * total
-    seen = 0
+    seen = 0.0
     for i in sorted(buckets):
         seen += buckets[i]
         if seen >= rank - 1e-9:
