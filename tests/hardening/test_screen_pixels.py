@@ -307,3 +307,21 @@ def test_a_flagged_frame_between_screened_frames_never_reaches_the_engine(gw, up
         r, _, b = got.reshape(-1, 3).mean(axis=0)
         assert b > r + 50, "a skin-tone frame reached the engine"
     assert "video-cut-to-screened-frames" in resp.headers["x-omnigate-degraded"]
+
+
+def test_a_cut_video_too_large_for_a_string_reaches_the_engine_as_screened(lenient, ups, scored):
+    """A cut of 256 KiB or more goes to the spool as media-limits' outputs do; the engine still gets
+    exactly the frames that were scored."""
+    rng = np.random.default_rng(7)
+    clip = video(
+        20.0, fps=2, size=(640, 480), frame_fn=lambda i: rng.integers(0, 255, (480, 640, 3), np.uint8)
+    )
+    scored.views.clear()
+    resp = _post(lenient, {"type": "video_url", "video_url": {"url": data_uri("video/mp4", clip)}})
+    assert resp.status_code == 200, resp.text
+    (part,) = _sent_parts(ups)
+    _, sent = decode_data_uri(part["video_url"]["url"])
+    assert len(sent) >= 256 * 1024
+    forwarded = _video_views(sent)
+    assert len(forwarded) == len(scored.views) == 16
+    assert all(np.array_equal(a, b) for a, b in zip(forwarded, scored.views, strict=True))
