@@ -22,8 +22,9 @@ with backoff; its records stay in the buffer.
 
 The writer extends only a chain that verifies against its newest checkpoint
 (:mod:`.guard`): at start-up it walks from that checkpoint to the head, and a chain
-that fails does not start the gateway; live, a chain found rewritten under it is
-refused for good (an ``audit_chain_broken`` error event,
+that fails is refused from the start (the gateway runs so the admin API and the
+console can show where it breaks, and appends nothing); live, a chain found rewritten
+under it is refused for good (an ``audit_chain_broken`` error event,
 ``omnigate_audit_store_errors_total``): new requests get 503 ``audit_unavailable``
 in either ``on_unavailable`` mode, records already taken go to the journal
 (``spool``) or fail their requests (``refuse``), and nothing is signed on top of it.
@@ -184,7 +185,7 @@ class AuditLog:
 
     async def _check_chain(self) -> None:
         """Walk from the newest checkpoint to the head (and the newest published head, if any) before
-        appending anything: a chain that does not verify does not start the writer (see the docstring)."""
+        appending anything: a chain that does not verify is refused before the first append (see the docstring)."""
         expect: dict[int, str] = {}
         witness = self.settings.witness_path
         if witness is not None and witness.is_file():
@@ -197,8 +198,13 @@ class AuditLog:
                 log.warning("audit_witness_unreadable", path=str(witness), error=str(exc))
         report, newest = await verify_tail(self.store, self.signer, expect)
         if report.problem is not None:
+            # Refused for good, but the gateway still starts: nothing is appended or signed (the guard
+            # refuses every write, requests get 503 audit_unavailable), while the admin API and the
+            # console stay up for the auditor who has to find where the chain breaks.
             self._chain_broken(report.problem.kind, report.problem.seq, report.problem.message, "start")
-            raise ChainBroken(report.problem)
+            self._refused_logged = True
+            self.guard.broken = report.problem
+            return
         self.guard.prime(self._head, newest, report.stated_every)
 
     def _chain_broken(self, kind: str, seq: int, message: str, when: str) -> None:

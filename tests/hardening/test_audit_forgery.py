@@ -20,9 +20,10 @@ import orjson
 import pytest
 import yaml
 
+from core.errors import AuditUnavailable
 from core.settings import AuditSettings
 from observability.audit.backends import build_store
-from observability.audit.chain import GENESIS, ChainBroken, link
+from observability.audit.chain import GENESIS, link
 from observability.audit.log import AuditLog
 from observability.metrics import Metrics
 from tests.console_setup import SIGNING_KEY, admin, chat, config, start, tenant_keys
@@ -161,18 +162,34 @@ def test_a_forged_young_chain_without_its_statement_fails_too(store, tmp_path):
     assert bad.returncode == 1, bad.stdout + bad.stderr
 
 
-def test_a_gateway_does_not_start_on_a_forged_chain(store):
+def test_a_gateway_started_on_a_forged_chain_appends_and_signs_nothing(store):
     settings, tamper = store
     asyncio.run(_fill(settings, 20))
     asyncio.run(tamper.forge(7))
 
-    async def restart() -> None:
+    async def restart() -> int:
         audit = AuditLog(settings, build_store(settings), Metrics())
-        await audit.start()  # must refuse
-        await audit.aclose()
+        await audit.start()  # starts (the admin API must show the break), refusing the chain
+        try:
+            assert audit.broken and "checkpoint" in str(audit.guard.broken)
+            with pytest.raises(AuditUnavailable):
+                audit.admit()  # a request is refused before it is served
+            audit.submit("request", request_id="after-forgery", payload={"outcome": "served"})
+            head = await audit.store.head()
+        finally:
+            await audit.aclose()  # and the stop signs nothing on top of it
+        return head[0]
 
-    with pytest.raises(ChainBroken, match="checkpoint"):
-        asyncio.run(restart())
+    async def head_of() -> int:
+        store = build_store(settings)
+        await store.open()
+        try:
+            return (await store.head())[0]
+        finally:
+            await store.close()
+
+    before = asyncio.run(head_of())
+    assert asyncio.run(restart()) == before  # nothing appended
     assert asyncio.run(tamper.checkpoints()) == 0  # nothing signed on top of the forged chain
 
 
