@@ -9,6 +9,10 @@ more in the new one (the culprit breaks the second pool too and is refused then)
 :class:`ByteBudget` is the process-wide budget on media bytes in flight (an async semaphore counted in
 bytes); :class:`RequestBudget` one request's share of it, taken as parts stream in, given back when
 the request ends.
+
+Its length: the pool's life (start, confinement check, replacement after a crash, the descriptors
+handed to its workers) and the byte budgets the parts hold while they are decoded meet at every
+part, so they are kept together.
 """
 
 from __future__ import annotations

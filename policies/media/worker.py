@@ -20,6 +20,8 @@ opened (read-only where the worker only reads), fetched over the worker's Unix s
 only that task carries (:func:`_fetch_fd`). A wall-clock alarm per task turns a slow decode into an
 error the parent maps to a 400; a decoder stuck where the alarm cannot reach it is killed by the
 parent (policies/media/sandbox.py).
+Its length: the confinement is applied in one order (filesystem view, environment, limits, seccomp
+last) that each step depends on, so its steps are kept in the one module a reviewer reads whole.
 """
 
 from __future__ import annotations
