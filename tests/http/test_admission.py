@@ -240,9 +240,12 @@ async def test_no_slot_leaks_on_any_way_out(serve, upstreams):
         await assert_no_leak(server)
         slow = Script(flavour="omni", first_byte_delay_s=0.8, text=LONG, chunk_delay_s=0.05)
         upstreams.omni_a.enqueue(slow)
+        before = upstreams.omni_a.request_count
         with pytest.raises(httpx.ReadTimeout):
             await client.post(url, json=SPEECH, timeout=0.2)
-        assert server.bg.call(lambda: server.services.admission.store.count) == 1  # held while it waits
+        # the request reached the engine before the client left; whether the gateway has noticed the
+        # disconnect yet when the client's timeout fires is a race, so only the end state is asserted
+        assert upstreams.omni_a.request_count == before + 1
         await assert_no_leak(server)
     assert _metric(server, "omnigate_requests_total", {"model": OMNI_MODEL, "outcome": "cancelled"}) == 2
 

@@ -164,7 +164,7 @@ def test_between_100_and_125_the_shift_stays_in_force_hysteresis():
 def test_an_int4_engine_rolled_back_for_latency_is_no_destination_for_energy():
     def series(t: float):
         return {
-            "omni-int4": {"upstream_ttft_p99": 0.9},
+            "omni-int4": {"upstream_ttft_per_1k_prompt_tokens_p99": 0.9},
             "omni-bf16": {"tokens_per_joule": 50.0},
         }
 
@@ -182,7 +182,7 @@ def test_an_int4_engine_rolled_back_for_latency_is_no_destination_for_energy():
 def test_a_latency_roll_back_of_int4_ends_the_energy_shift_onto_it():
     def series(t: float):
         return {
-            "omni-int4": {"upstream_ttft_p99": 0.9 if t >= 500 else 0.2},
+            "omni-int4": {"upstream_ttft_per_1k_prompt_tokens_p99": 0.9 if t >= 500 else 0.2},
             "omni-bf16": {"tokens_per_joule": 50.0},
         }
 

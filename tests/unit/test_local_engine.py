@@ -42,7 +42,9 @@ def _request(content: str, **kw: object) -> ChatCompletionRequest:
 
 
 def _workers() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("omnigate-")]
+    # the engine's own generation threads (named after the engine), not another component's that an
+    # earlier test in the same process left running
+    return [t for t in threading.enumerate() if t.name == "omnigate-local"]
 
 
 async def _until_no_workers(baseline: int, within_s: float = 2.0) -> float:
