@@ -19,6 +19,7 @@ KUBE_VERSIONS = (
     "1.27.0",
     "1.37.0",
 )  # the oldest the chart declares (Chart.yaml kubeVersion) and the newest schemas
+SINGLE = {"autoscaling": {"enabled": False}, "replicaCount": 1}
 CORE_KINDS = {
     "Deployment",
     "Service",
@@ -49,6 +50,24 @@ def one(objects: dict, kind: str) -> dict:
     found = [o for (k, _), o in objects.items() if k == kind]
     assert len(found) == 1, (kind, len(found))
     return found[0]
+
+
+def fill_env(monkeypatch, objects: dict, pod: str = "omnigate-0") -> None:
+    """The Deployment's environment as a pod would see it, the Secrets' values made up here."""
+    import secrets
+
+    made_up = {
+        "OMNIGATE_ADMIN__API_KEY": secrets.token_hex(32),
+        "OMNIGATE_AUDIT__SIGNING__KEY": secrets.token_hex(32),
+        "OMNIGATE_AUDIT__POSTGRES_DSN": "postgresql://omnigate@db:5432/omnigate",
+        "OMNIGATE_AUTH__DIRECTORY__POSTGRES_DSN": "postgresql://omnigate@db:5432/omnigate",
+        "OMNIGATE_REDIS__URL": "redis://redis:6379/0",
+    }
+    (container,) = objects[("Deployment", "omnigate")]["spec"]["template"]["spec"]["containers"]
+    for e in container["env"]:
+        if e["name"].startswith("OMNIGATE_"):
+            value = e["value"] if "value" in e else made_up[e["name"]]
+            monkeypatch.setenv(e["name"], value.replace("$(POD_NAME)", pod))
 
 
 def test_helm_lint_strict_is_clean():
@@ -121,8 +140,9 @@ def test_workload_wiring():
     }
 
 
-def test_config_map_holds_a_valid_gateway_config(tmp_path, capsys):
+def test_config_map_holds_a_valid_gateway_config(tmp_path, capsys, monkeypatch):
     objects = render()
+    fill_env(monkeypatch, objects)
     cm = objects[("ConfigMap", "omnigate")]
     path = tmp_path / "omnigate.yaml"
     path.write_text(cm["data"]["omnigate.yaml"])
@@ -270,9 +290,10 @@ def test_one_replica_may_keep_its_own_directory_and_several_share_postgres():
 
 
 def test_the_redis_url_comes_from_a_secret_as_the_one_redis_block():
-    assert "OMNIGATE_REDIS__URL" not in _env(render())  # no Secret named: each replica counts alone
-    env = _env(render({"redis": {"existingSecret": "omnigate-redis"}}))
-    assert env["OMNIGATE_REDIS__URL"]["valueFrom"]["secretKeyRef"] == {"name": "omnigate-redis", "key": "url"}
+    alone = {**SINGLE, "directory": {"backend": "sqlite"}, "redis": {"existingSecret": ""}}
+    assert "OMNIGATE_REDIS__URL" not in _env(render(alone))  # one replica, no Secret named: it counts alone
+    env = _env(render({"redis": {"existingSecret": "shared-redis"}}))
+    assert env["OMNIGATE_REDIS__URL"]["valueFrom"]["secretKeyRef"] == {"name": "shared-redis", "key": "url"}
 
 
 def test_metrics_port_is_wired_through_container_service_and_monitor():
@@ -390,8 +411,11 @@ def _gateway_config(objects: dict) -> dict:
     return yaml.safe_load(configmap["data"]["omnigate.yaml"])
 
 
-def test_the_gateway_requires_the_pinned_model_and_revision_of_each_engine_the_chart_runs(tmp_path):
+def test_the_gateway_requires_the_pinned_model_and_revision_of_each_engine_the_chart_runs(
+    tmp_path, monkeypatch
+):
     values, _ = _engine_values(tmp_path)
+    fill_env(monkeypatch, render(values))
     engines = {e["name"]: e for e in _gateway_config(render(values))["engines"]}
     # omni-int4 runs from the chart on verified weights: the gateway routes to it only while it lists them.
     assert engines["omni-int4"]["expected_revision"] == REVISION
@@ -415,3 +439,93 @@ def test_a_gateway_expectation_that_contradicts_the_pin_does_not_render(tmp_path
     config["engines"][0]["expected_model"] = "some-other-model"
     with pytest.raises(helm.HelmRenderError, match="expected_model some-other-model"):
         render({**values, "config": config})
+
+
+# -- several replicas: one audit chain, one routing state, one admission count -----------------------------
+
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"audit": {"store": "sqlite"}}, "audit.store"),
+        ({"audit": {"existingSecret": ""}}, "audit.existingSecret"),
+        ({"audit": {"signingKeySecretKey": ""}}, "signing"),
+        ({"audit": {"witness": {"claimName": ""}}}, "witness"),
+        ({"redis": {"existingSecret": ""}}, "redis.existingSecret"),
+        ({"config": {"routing": {"state": {"backend": "memory"}}}}, "routing.state.backend"),
+        ({"config": {"audit": {"store": "sqlite"}}}, "config.audit"),
+        ({"config": {"audit": {"enabled": False}}}, "config.audit"),
+        ({"config": {"traffic": {"enabled": False}}}, "config.traffic"),
+        # The HPA's ceiling counts, not the replicas it starts with.
+        (
+            {
+                "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2},
+                "redis": {"existingSecret": ""},
+            },
+            "redis",
+        ),
+        ({"autoscaling": {"enabled": False}, "replicaCount": 2, "audit": {"store": "sqlite"}}, "audit"),
+    ],
+)
+def test_several_replicas_cannot_render_without_the_shared_stores(values, needle):
+    with pytest.raises(helm.HelmRenderError, match=needle):
+        render(values)
+
+
+def test_several_replicas_share_one_signed_audit_chain_a_witness_and_redis(tmp_path, monkeypatch, capsys):
+    objects = render()
+    config = _gateway_config(objects)
+    env = _env(objects)
+    # One PostgreSQL chain, its DSN and signing key from a Secret, never in the ConfigMap.
+    assert config["audit"]["store"] == "postgres"
+    assert config["audit"]["signing"]["algorithm"] in ("hmac-sha256", "ed25519")
+    assert "postgres_dsn" not in config["audit"] and "key" not in config["audit"]["signing"]
+    assert env["OMNIGATE_AUDIT__POSTGRES_DSN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "omnigate-audit",
+        "key": "dsn",
+    }
+    assert env["OMNIGATE_AUDIT__SIGNING__KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "omnigate-audit",
+        "key": "signing-key",
+    }
+    # Each pod publishes its heads to a file of its own on a volume outside the database.
+    assert env["OMNIGATE_AUDIT__WITNESS_PATH"]["value"] == "/var/lib/omnigate-witness/$(POD_NAME).jsonl"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    names = [
+        e["name"] for e in one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    ]
+    assert names.index("POD_NAME") < names.index("OMNIGATE_AUDIT__WITNESS_PATH")  # $(POD_NAME) is expanded
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    mount = next(
+        m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/var/lib/omnigate-witness"
+    )
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["persistentVolumeClaim"] == {"claimName": "omnigate-audit-witness"}
+    # The routing state and admission in the one Redis.
+    assert config["routing"]["state"]["backend"] == "redis"
+    assert env["OMNIGATE_REDIS__URL"]["valueFrom"]["secretKeyRef"] == {"name": "omnigate-redis", "key": "url"}
+    # And the gateway's own settings model takes it, with the Secrets' values filled in.
+    fill_env(monkeypatch, objects)
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(objects[("ConfigMap", "omnigate")]["data"]["omnigate.yaml"])
+    assert check_config(str(path)) == 0, capsys.readouterr().err
+    for (kind, _), obj in objects.items():
+        if kind in CORE_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+
+
+def test_one_replica_may_keep_its_own_stores():
+    objects = render(
+        {
+            **SINGLE,
+            "directory": {"backend": "sqlite"},
+            "audit": {"store": "sqlite", "witness": {"claimName": ""}},
+            "redis": {"existingSecret": ""},
+        }
+    )
+    config, env = _gateway_config(objects), _env(objects)
+    assert config.get("audit", {}).get("store", "sqlite") == "sqlite"
+    assert config.get("routing", {}).get("state", {}).get("backend", "memory") == "memory"
+    assert not {"OMNIGATE_AUDIT__POSTGRES_DSN", "OMNIGATE_REDIS__URL", "OMNIGATE_AUDIT__WITNESS_PATH"} & set(
+        env
+    )

@@ -31,9 +31,11 @@ GUARD_S = HEADER_TIMEOUT_S + 20
 
 
 def _values(**server: object) -> dict:
-    """Values for a test render: one replica on its own directory, no metrics port, a chain without models."""
+    """Values for a test render: one replica on its own stores, no metrics port, a chain without models."""
     return {
         "directory": {"backend": "sqlite"},
+        "audit": {"store": "sqlite", "witness": {"claimName": ""}},
+        "redis": {"existingSecret": ""},
         "autoscaling": {"enabled": False},
         "replicaCount": 1,
         "metrics": {"port": 0},
