@@ -62,9 +62,11 @@ checked against the classes by ``tests/unit/test_error_tree.py``. What the colum
   reads either; they are what the audit record and the access log say of the request.
 - ``GuardUnavailable``: a policy's model failed; the gateway fails closed.
 - ``AnswerWithheld``: a post-policy kept every attempt back.
-- ``EngineFailed`` (the engine's 5xx), ``EngineUnavailable`` and ``EngineTimeout`` are retryable
-  before the first byte. ``EngineRejected`` takes the engine's 4xx (but 429) as its status, with
-  type ``invalid_request_error`` and code ``engine_rejected_request``; anything else is 502.
+- ``EngineFailed`` (the engine's 5xx), ``EngineUnavailable``, ``EngineTimeout`` and
+  ``EngineProtocolError`` (an answer the gateway cannot read: a choice or tool-call index out of
+  range, an empty stream) are retryable before the first byte. ``EngineRejected`` takes the
+  engine's 4xx (but 429) as its status, with type ``invalid_request_error`` and code
+  ``engine_rejected_request``; anything else is 502.
 
 ``retryable`` says whether another engine may be tried; that is only allowed while
 nothing has been sent to the client, which the pipeline enforces.
@@ -336,6 +338,9 @@ class EngineRejected(EngineError):
 
 
 class EngineProtocolError(EngineError):
+    """The engine's answer cannot be read; another engine's may be, so it fails over like a 5xx."""
+
     code = "engine_protocol_error"
     kind = "protocol"
+    retryable = True
     public = "the model sent an answer the gateway could not read"

@@ -2,9 +2,10 @@
 
 An index is the position of a choice among the ``n`` the client asked for: an int (not a bool), at
 least 0, below ``n``. Anything else (400000, which made the gateway build a list that long; ``"0"``;
--1; ``n`` itself) is an engine protocol error, raised by the adapter that read it: a 502
-``engine_protocol_error`` before the first byte, an error frame after it, and never a large
-allocation. The engines here are a raw server that sends exactly the frames a test gives it.
+-1; ``n`` itself) is an engine protocol error, raised by the adapter that read it: before the first
+byte a failover to the next candidate engine (a 502 ``engine_protocol_error`` when none is left), an
+error frame after it, and never a large allocation. The engines here are a raw server that sends
+exactly the frames a test gives it (and, for failover, a scripted one behind it).
 """
 
 from __future__ import annotations
@@ -275,3 +276,71 @@ def test_served_after_the_first_byte_a_bad_index_is_an_error_frame(served, index
     last = orjson.loads(frames[-2])
     assert last["error"]["code"] == "engine_protocol_error"
     assert all(c["index"] == 0 for f in frames[:-2] for c in orjson.loads(f).get("choices", []))
+
+
+# -- a bad index before the first byte fails over -------------------------------------------------------
+@pytest.fixture
+def served_pair(bg):
+    """Two engines for one model: a raw one first (it sends what a test gives it), a scripted one after.
+
+    One gateway per test: the raw engine's failures count against its circuit, which a later test would
+    find open."""
+    from tests.upstream import Script, ScriptedUpstream
+
+    raw = bg.run(RawEngine().start())
+    good = ScriptedUpstream(Script(flavour="vllm", text="from the second engine"))
+    bg.run(good.start())
+    settings = Settings(
+        engines=[
+            EngineConfig(
+                name="raw", kind="vllm", base_url=raw.base_url, model="raw", serves=["m"], read_timeout_s=5
+            ),
+            EngineConfig(
+                name="scripted", kind="vllm", base_url=good.base_url, model="scripted", role="fallback",
+                serves=["m"], read_timeout_s=5,
+            ),
+        ],
+        policies=PolicyChainConfig(pre=[PolicySpec(name="request-limits")]),
+        logging={"level": "warning"},
+        routing={"controller": {"enabled": False}},
+    )  # fmt: skip
+    gateway = GatewayServer(bg, settings).start()
+    yield raw, good, gateway
+    gateway.stop()
+    bg.run(good.stop())
+    bg.run(raw.stop())
+
+
+@pytest.mark.parametrize("index", [400_000, "0", -1, 1], ids=repr)
+def test_served_before_the_first_byte_a_bad_index_fails_over_to_the_next_engine(served_pair, index):
+    # An unreadable answer is the engine's failure like a 5xx: nothing has reached the client yet, so the
+    # request goes to the next candidate (STYLE rule 11) instead of ending in a 502.
+    raw, good, gateway = served_pair
+    raw.frames = [chunk(index, "b")]
+    raw.body = answer(index)
+    for stream in (True, False):
+        before = good.request_count
+        resp = _post(gateway, stream)
+        assert resp.status_code == 200, resp.text
+        assert good.request_count == before + 1
+        if stream:
+            frames = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+            assert frames[-1] == "[DONE]"
+            chunks = [orjson.loads(f) for f in frames[:-1]]
+            assert all("error" not in c for c in chunks)
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+        else:
+            text = resp.json()["choices"][0]["message"]["content"]
+        assert "second engine" in text
+
+
+def test_served_after_the_first_byte_a_bad_index_stays_an_error_frame_with_another_engine(served_pair):
+    raw, good, gateway = served_pair
+    raw.frames = [chunk(0, "a"), chunk(400_000, "b")]
+    before = good.request_count
+    resp = _post(gateway, True)
+    assert resp.status_code == 200
+    frames = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    assert orjson.loads(frames[-2])["error"]["code"] == "engine_protocol_error"
+    assert good.request_count == before  # the answer had begun: no second engine

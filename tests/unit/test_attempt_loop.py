@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.context import RequestContext
-from core.errors import EngineFailed, EngineProtocolError, EngineUnavailable
+from core.errors import EngineFailed, EngineRejected, EngineUnavailable
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
 from core.settings import EngineConfig
@@ -102,9 +102,10 @@ async def test_an_engine_error_that_allows_failover_moves_on_and_settles_the_fai
 
 async def test_an_engine_error_without_failover_ends_the_loop_with_every_slot_given_back():
     pool, attempts, _ = _setup("a", "b")
-    script = Script(a=EngineProtocolError("engine a sent nonsense", engine="a"), b="ok")
+    # The engine refused the request itself: another engine would too.
+    script = Script(a=EngineRejected("engine a refused the request", upstream_status=400, engine="a"), b="ok")
     ctx = _ctx()
-    with pytest.raises(EngineProtocolError):
+    with pytest.raises(EngineRejected):
         await attempts.call(_request(), ctx, script)
     assert script.calls == ["a"] and ctx.lease is None and ctx.record.engine is None
     assert _busy(pool) == {"a": 0, "b": 0}
@@ -152,9 +153,14 @@ async def test_the_stream_call_reads_up_to_the_first_chunk_and_an_empty_stream_f
     pool.engines["a"].stream = scripted("a", [])  # type: ignore[method-assign]
     pool.engines["b"].stream = scripted("b", [Delta(text="hel"), Delta(text="lo")])  # type: ignore[method-assign]
     ctx = _ctx()
-    with pytest.raises(EngineProtocolError):  # an empty stream is the engine's fault, not one to fail over
-        await attempts.call(_request(), ctx, first_chunk)
-    assert closed == ["a"] and _busy(pool) == {"a": 0, "b": 0}
+    # An empty stream is the engine's fault (a protocol error): nothing has been sent, so b is tried.
+    answered = await attempts.call(_request(), ctx, first_chunk)
+    upstream, first = answered.result
+    assert first.text == "hel" and answered.engine.name == "b" and closed == ["a"]
+    assert _busy(pool) == {"a": 0, "b": 1}
+    await upstream.aclose()
+    attempts.unbind(ctx)
+    assert _busy(pool) == {"a": 0, "b": 0}
     pool.engines["a"].stream = scripted("a", [Delta(text="hi")])  # type: ignore[method-assign]
     answered = await attempts.call(_request(), ctx, first_chunk)
     upstream, first = answered.result
