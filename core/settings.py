@@ -422,13 +422,13 @@ class GroundingSettings(_Strict):
 
 
 class LoggingSettings(_Strict):
-    """Structured log events (structlog); prompts and media are never logged by default."""
+    """Structured log events (structlog); prompts, answers and media are never logged (the audit record
+    keeps them, as ``audit_content`` says)."""
 
     level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
     json_output: bool = Field(
         default=True, alias="json", description="structlog JSON events (false: console lines)"
     )
-    log_prompts: bool = Field(default=False, description="log prompts and media; never by default")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

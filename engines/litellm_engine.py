@@ -17,6 +17,7 @@ from core.events import Completion, Delta, Usage
 from core.schemas import FEATURE_FIELDS, MAX_TOOL_CALLS, ChatCompletionRequest
 from core.settings import EngineConfig
 from engines.base import checked_index, declared, whole_strings, wire_messages
+from engines.openai_compat import request_id_header
 
 _PASS = (
     "temperature",
@@ -76,6 +77,9 @@ class LiteLLMEngine:
             kw["api_base"] = str(self.config.base_url).rstrip("/")
         if self.config.api_key is not None:
             kw["api_key"] = self.config.api_key.get_secret_value()
+        headers = request_id_header()
+        if headers:
+            kw["extra_headers"] = headers  # joins the engine's log lines to the gateway's (vLLM adopts it)
         if request.output_token_limit is not None:
             kw["max_tokens"] = request.output_token_limit
         for key in _PASS:

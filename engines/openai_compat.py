@@ -242,7 +242,9 @@ class OpenAICompatEngine:
         try:
             try:
                 async with asyncio.timeout(self.config.first_byte_timeout_s):
-                    resp = await session.post(self._url, data=_sent(body), headers=self._headers)
+                    resp = await session.post(
+                        self._url, data=_sent(body), headers={**self._headers, **request_id_header()}
+                    )
                     await self._check_status(resp)
             except TimeoutError as exc:
                 raise EngineTimeout(
@@ -293,7 +295,9 @@ class OpenAICompatEngine:
         body = request_body(self.payload(request, stream=False))
         try:
             async with asyncio.timeout(self.config.first_byte_timeout_s + self.config.read_timeout_s):
-                async with session.post(self._url, data=_sent(body), headers=self._headers) as resp:
+                async with session.post(
+                    self._url, data=_sent(body), headers={**self._headers, **request_id_header()}
+                ) as resp:
                     await self._check_status(resp)
                     raw = await resp.read()
         except OmnigateError:
@@ -445,6 +449,16 @@ _REJECTIONS: tuple[tuple[re.Pattern[str], str, str | None, str], ...] = (
         "the model cannot return n answers with these sampling settings (greedy decoding gives one)",
     ),
 )
+
+
+def request_id_header() -> dict[str, str]:
+    """The gateway's request id as ``X-Request-Id``, which vLLM adopts as its own request id, so the
+    engine's log lines join the gateway's; empty outside a request (health probes, the accuracy replay).
+
+    The id is the one gateway/middleware.py made and bound to the log context (never the client's).
+    """
+    rid = structlog.contextvars.get_contextvars().get("request_id")
+    return {"X-Request-Id": rid} if isinstance(rid, str) and rid else {}
 
 
 def _sent(body: bytes | Body) -> Any:

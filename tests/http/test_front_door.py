@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from core.settings import load_settings
 from gateway.reload import reload_config
 from gateway.tenants import mint_key
-from tests.conftest import TEXT_MODEL, gateway_settings
+from tests.conftest import LITELLM_MODEL, OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
 from tests.stores import fresh_pg_database, redis_prefix
 from tests.tcpproxy import TCPProxy
@@ -292,6 +292,40 @@ def test_a_client_cannot_choose_the_request_id_of_its_record(started):
     assert set(records) == {r.headers["x-request-id"] for r in (victim, forged, hostile)}
     assert records[forged.headers["x-request-id"]]["client_request_id"] == victim.headers["x-request-id"]
     assert records[victim.headers["x-request-id"]]["client_request_id"] is None
+
+
+def test_every_engine_request_carries_the_gateways_request_id_so_the_logs_join(started, upstreams):
+    """vLLM adopts ``X-Request-Id`` as its own request id: its log lines then name the gateway's request."""
+    server = started()
+    seen = []
+    for model, upstream, stream in (
+        (TEXT_MODEL, upstreams.vllm, False),
+        (TEXT_MODEL, upstreams.vllm, True),
+        (OMNI_MODEL, upstreams.omni_a, True),
+        (OMNI_MODEL, upstreams.omni_a, False),
+        (LITELLM_MODEL, upstreams.vllm, False),
+        (LITELLM_MODEL, upstreams.vllm, True),
+    ):
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            # the client's own id stays the client's: the engine gets the gateway's
+            headers={"x-request-id": "client-chosen"},
+            timeout=10,
+            json={"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert r.status_code == 200, (model, r.text)
+        assert upstream.headers[-1]["x-request-id"] == r.headers["x-request-id"] != "client-chosen"
+        seen.append(r.headers["x-request-id"])
+    assert len(set(seen)) == len(seen)
+
+
+def test_logging_log_prompts_is_refused_as_a_setting_nothing_reads(tmp_path):
+    from pydantic import ValidationError
+
+    from core.settings import Settings
+
+    with pytest.raises(ValidationError, match="log_prompts"):
+        Settings(logging={"log_prompts": True})
 
 
 # -- the admin credential, not the body, says who did it -----------------------------------------------------
