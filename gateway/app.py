@@ -39,7 +39,10 @@ _STATUS_TYPES = {
 
 
 def error_response(exc: OmnigateError) -> JSONResponse:
-    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers())
+    headers = exc.headers()
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"  # RFC 9110: a 401 names the scheme it wants
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
 
 
 def _on_sighup(services: Services, config_path: str | Path | None) -> bool:

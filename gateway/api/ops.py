@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
 from core.context import RequestContext
-from core.errors import NotFound
+from core.errors import ModelNotFound, NotFound
 from gateway.api.admin import admin_credential
 from gateway.api.auth import authenticate
 from gateway.services import Services
@@ -19,16 +19,34 @@ router = APIRouter()
 _STARTED = int(time.time())
 
 
-@router.get("/v1/models")
-async def list_models(request: Request) -> JSONResponse:
+async def _visible_models(request: Request) -> list[str]:
+    """The public models the caller may use: every served one, or its tenant's share of them."""
     services: Services = request.app.state.services
     ctx = RequestContext.new(request.scope["state"]["request_id"])
     principal = await authenticate(request, ctx)
     models = services.pool.models()
     if principal is not None and principal.tenant.models is not None:
         models = [m for m in models if m in principal.tenant.models]
-    data = [{"id": m, "object": "model", "created": _STARTED, "owned_by": "omnigate"} for m in models]
-    return JSONResponse({"object": "list", "data": data})
+    return models
+
+
+def _model(model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": _STARTED, "owned_by": "omnigate"}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model(m) for m in await _visible_models(request)]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> JSONResponse:
+    """OpenAI's ``models.retrieve``; a model the caller may not use is as absent as one nobody serves."""
+    if model_id not in await _visible_models(request):
+        raise ModelNotFound(
+            f"The model {model_id!r} does not exist or you do not have access to it.", param="model"
+        )
+    return JSONResponse(_model(model_id))
 
 
 @router.get("/healthz")

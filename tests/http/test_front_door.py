@@ -168,6 +168,69 @@ def test_admin_writes_are_refused_when_authentication_is_off(started):
     assert refused.status_code == 409 and "auth.required: false" in refused.json()["error"]["message"]
 
 
+def test_a_missing_key_and_a_wrong_key_get_openais_words_and_every_401_names_the_bearer_scheme(started):
+    k = mint_key()
+    server = started(
+        admin={"api_key": ADMIN_KEY},
+        tenants=[{"name": "t"}],
+        api_keys=[{"id": k.id, "tenant": "t", "sha256": k.sha256}],
+    )
+    missing = [_chat(server), _chat(server, headers={"authorization": "Basic dXNlcjpwYXNz"})]
+    for r in missing:
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["message"].startswith(
+            "You didn't provide an API key. You need to provide your API key in an Authorization header "
+            "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)"
+        )
+        assert (r.json()["error"]["type"], r.json()["error"]["code"]) == ("invalid_request_error", None)
+    for wrong in ("nonsense", "og_aaaaaaaaaaaa_" + "x" * 43, k.key[:-4] + "abcd"):
+        r = _chat(server, wrong)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        err = r.json()["error"]
+        assert err["message"].startswith("Incorrect API key provided") and err["code"] == "invalid_api_key"
+    models = httpx.get(server.url + "/v1/models", timeout=5)
+    assert models.status_code == 401 and models.headers["www-authenticate"] == "Bearer"
+    admin = _admin(server, "GET", "/tenants", key="wrong-" + ADMIN_KEY)
+    assert admin.status_code == 401 and admin.headers["www-authenticate"] == "Bearer"
+    assert _chat(server, k.key).status_code == 200
+
+
+def test_models_retrieve_answers_openais_model_object_and_a_404_in_openais_shape(started):
+    import openai
+
+    k = mint_key()
+    server = started(
+        tenants=[{"name": "all"}, {"name": "text-only", "models": [TEXT_MODEL]}],
+        api_keys=[
+            {"id": k.id, "tenant": "text-only", "sha256": k.sha256},
+        ],
+    )
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=k.key, max_retries=0)
+    model = client.models.retrieve(TEXT_MODEL)
+    assert (model.id, model.object, model.owned_by) == (TEXT_MODEL, "model", "omnigate") and model.created > 0
+    assert [m.id for m in client.models.list()] == [TEXT_MODEL]
+    for hidden in (OMNI_MODEL, "no-such-model", "org/with-a-slash"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.models.retrieve(hidden)
+        err = caught.value.response.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert (err["type"], err["code"], err["param"]) == (
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
+        assert hidden in err["message"]
+    anonymous = httpx.get(server.url + "/v1/models/" + TEXT_MODEL, timeout=5)
+    assert anonymous.status_code == 401 and anonymous.headers["www-authenticate"] == "Bearer"
+
+
+def test_models_retrieve_without_authentication_serves_every_model(started):
+    server = started()
+    body = httpx.get(server.url + "/v1/models/" + OMNI_MODEL, timeout=5).json()
+    assert body == {"id": OMNI_MODEL, "object": "model", "created": body["created"], "owned_by": "omnigate"}
+    assert httpx.get(server.url + "/v1/models/nothing", timeout=5).status_code == 404
+
+
 # -- the directory fails closed -----------------------------------------------------------------------
 def test_directory_keys_are_refused_once_the_directory_is_unread_too_long_and_config_keys_keep_working(
     bg, started

@@ -115,8 +115,10 @@ def test_missing_bad_and_disabled_keys_are_401_and_indistinguishable(server, fre
         resp = _chat(server, key)
         assert resp.status_code == 401, (key, resp.text)
         bodies.append(resp.json())
-    assert all(b == bodies[0] for b in bodies)
-    err = bodies[0]["error"]
+    # No key at all is told so in OpenAI's words; every key that is wrong, unknown or disabled gets one body.
+    assert bodies[0]["error"]["message"].startswith("You didn't provide an API key")
+    assert all(b == bodies[1] for b in bodies[1:])
+    err = bodies[1]["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert (err["type"], err["code"]) == ("authentication_error", "invalid_api_key")
     assert fresh.vllm.request_count == 0
