@@ -127,6 +127,34 @@ class ToolCall(_Wire):
 MAX_TOOL_CALLS = 128
 
 
+class AssistantAudio(_Wire):
+    """An earlier spoken answer, as a client sends it back in the conversation.
+
+    OpenAI's reference shape is ``{"id": ...}``; the SDKs echo the whole object they were given
+    (``data``, ``expires_at``, ``transcript`` beside the id). Only the id is read: the gateway resolves it
+    to the transcript it served (gateway/answer_audio.py). The echoed audio itself is let go of here,
+    so a conversation does not carry every answer's speech along to the engine or the audit record.
+    """
+
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    expires_at: int | None = None
+    transcript: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _audio_let_go(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "data" in data:
+            data = {k: v for k, v in data.items() if k != "data"}
+        return data
+
+
+#: what an assistant message may carry besides its content because the SDKs echo an answer whole; never
+#: sent to an engine (the answer's words are its content, a spoken answer's its transcript)
+ASSISTANT_ECHOES: frozenset[str] = frozenset(
+    {"audio", "reasoning_content", "reasoning", "refusal", "annotations", "function_call"}
+)
+
+
 class Message(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -134,6 +162,14 @@ class Message(_Wire):
     #: assistant turns: the calls it made; tool turns: the call answered
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # Assistant turns as the SDKs echo an answer (ASSISTANT_ECHOES): accepted, never forwarded.
+    audio: AssistantAudio | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    annotations: Annotated[list[dict[str, Any]], Field(max_length=1024)] | None = None
+    #: the legacy single function call: only the ``null`` the SDKs echo (``functions`` are not served)
+    function_call: Any = None
 
     @model_validator(mode="after")
     def _content_present(self) -> Message:
@@ -145,11 +181,17 @@ class Message(_Wire):
             raise ValueError("tool messages need the tool_call_id they answer")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError("tool_call_id is only for tool messages")
+        if self.function_call is not None:
+            raise ValueError("function_call (legacy functions) is not served; send tool_calls")
+        if self.role != "assistant":
+            for key in ("audio", "reasoning_content", "reasoning", "refusal", "annotations"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} is only for assistant messages")
         return self
 
     def wire(self) -> dict[str, Any]:
-        """The message as an engine receives it (known fields only, by construction)."""
-        return self.model_dump(exclude_none=True)
+        """The message as an engine receives it (known fields only, by construction; no echoes)."""
+        return self.model_dump(exclude_none=True, exclude=set(ASSISTANT_ECHOES))
 
     def text(self) -> str:
         """The message's text, parts joined with newlines."""
@@ -246,6 +288,81 @@ FEATURE_FIELDS: tuple[str, ...] = (
 )
 
 
+#: vLLM's own sampling and decoding extras (sent through ``extra_body``): each reaches only an engine that
+#: declares it in its capabilities' ``features`` (engines/base.py), and a request that sets one no engine of
+#: the model takes is refused naming it, as for :data:`FEATURE_FIELDS`
+VLLM_EXTRA_FIELDS: tuple[str, ...] = (
+    "min_p",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "priority",
+)
+
+#: request fields of OpenAI's the gateway knows and cannot honour: refused saying why (code
+#: ``unsupported_field``), never taken for a misspelt field nor silently dropped
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "web_search_options": "web search is not available through this gateway",
+    "prediction": "predicted outputs are not available through this gateway",
+    "functions": "the legacy functions are not served; send tools",
+    "function_call": "the legacy function_call is not served; send tool_choice",
+}
+
+#: the most entries ``metadata`` may have, and its keys' and values' lengths (OpenAI's limits)
+METADATA_MAX_PAIRS, METADATA_KEY_MAX, METADATA_VALUE_MAX = 16, 64, 512
+#: the longest regex, grammar or JSON schema text a structured output may carry, and its most choices
+_CONSTRAINT_MAX_CHARS = 100_000
+_CHOICES_MAX = 1024
+
+_Choices = Annotated[
+    list[Annotated[str, Field(max_length=_CONSTRAINT_MAX_CHARS)]],
+    Field(min_length=1, max_length=_CHOICES_MAX),
+]
+_Constraint = Annotated[str, Field(min_length=1, max_length=_CONSTRAINT_MAX_CHARS)]
+
+
+class StructuredOutputs(_Wire):
+    """vLLM's ``structured_outputs``: one constraint on the answer (what ``guided_*`` were before)."""
+
+    json_: dict[str, Any] | _Constraint | None = Field(default=None, alias="json")
+    regex: _Constraint | None = None
+    choice: _Choices | None = None
+    grammar: _Constraint | None = None
+    json_object: bool | None = None
+    structural_tag: _Constraint | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: Annotated[str, Field(max_length=1024)] | None = None
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        given = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "exactly one of json, regex, choice, grammar, json_object, structural_tag is needed"
+            )
+        return self
+
+
+_CONSTRAINTS = ("json_", "regex", "choice", "grammar", "json_object", "structural_tag")
+#: the older ``guided_*`` fields and the ``structured_outputs`` key each stands for
+GUIDED_FIELDS: dict[str, str] = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
 class ChatCompletionRequest(BaseModel):
     """A chat completion request as the gateway accepts it."""
 
@@ -289,6 +406,41 @@ class ChatCompletionRequest(BaseModel):
     chat_template_kwargs: dict[str, bool] | None = None
     #: vLLM's cap on reasoning tokens (sent only to an engine that enforces it: engines/base.Capabilities)
     thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
+    # vLLM's sampling and decoding extras (VLLM_EXTRA_FIELDS), each only to an engine that takes it
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256)] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | _Constraint | None = None
+    guided_regex: _Constraint | None = None
+    guided_choice: _Choices | None = None
+    guided_grammar: _Constraint | None = None
+    #: vLLM's scheduling priority (lower runs earlier, 0 by default): only 0 or more, so a client can yield
+    #: its place to other requests but never take theirs
+    priority: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    # OpenAI's own fields the gateway honours in its way (docs/clients.md)
+    #: up to 16 string pairs the client attaches; recorded in the audit record
+    metadata: (
+        Annotated[
+            dict[
+                Annotated[str, Field(min_length=1, max_length=METADATA_KEY_MAX)],
+                Annotated[str, Field(max_length=METADATA_VALUE_MAX)],
+            ],
+            Field(max_length=METADATA_MAX_PAIRS),
+        ]
+        | None
+    ) = None
+    #: a stable identifier of the client's end user (what ``user`` was); recorded in the audit record
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = None
+    #: only ``false``: the gateway keeps no completions to retrieve later (``true`` is refused)
+    store: bool | None = None
+    #: accepted; every request is served at the one tier the gateway's engines run
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    #: accepted; not yet used (no engine affinity for prompt caches)
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -303,6 +455,18 @@ class ChatCompletionRequest(BaseModel):
                 f"(the body itself is level 1); flatten it",
                 param=path,
             )
+        if isinstance(data, dict):
+            # Known fields the gateway cannot honour: said so (unknown_fields: drop would lose them unsaid).
+            for name, why in UNSUPPORTED_FIELDS.items():
+                if name in data:
+                    raise InvalidRequest(f"{name}: {why}", param=name, code="unsupported_field")
+            if data.get("store") is True:
+                raise InvalidRequest(
+                    "store: true is not supported; this gateway keeps no completions to retrieve later "
+                    "(send store: false or leave it out)",
+                    param="store",
+                    code="unsupported_field",
+                )
         return data
 
     @field_validator("chat_template_kwargs")
@@ -335,6 +499,24 @@ class ChatCompletionRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
+    def _extras_consistent(self) -> ChatCompletionRequest:
+        guided = [f for f in GUIDED_FIELDS if getattr(self, f) is not None]
+        if len(guided) + (self.structured_outputs is not None) > 1:
+            raise ValueError(
+                "send one structured-output constraint: structured_outputs or one guided_* field"
+            )
+        if (guided or self.structured_outputs is not None) and (
+            self.response_format is not None and self.response_format.type != "text"
+        ):
+            raise ValueError(
+                "response_format and a structured-output constraint exclude each other; send one"
+            )
+        limit = self.output_token_limit
+        if self.min_tokens is not None and limit is not None and self.min_tokens > limit:
+            raise ValueError("min_tokens must not be more than max_tokens")
+        return self
+
+    @model_validator(mode="after")
     def _audio_needs_format(self) -> ChatCompletionRequest:
         if self.modalities and "audio" in self.modalities and self.audio is None:
             object.__setattr__(self, "audio", AudioRequest())
@@ -342,10 +524,21 @@ class ChatCompletionRequest(BaseModel):
 
     def features(self) -> set[str]:
         """The fields of :data:`FEATURE_FIELDS` this request sets (an engine must honour each or refuse)."""
-        found = {f for f in FEATURE_FIELDS if getattr(self, f) is not None}
+        found = {f for f in (*FEATURE_FIELDS, *VLLM_EXTRA_FIELDS) if getattr(self, f) is not None}
         if self.choices > 1:
             found.add("n")
         return found
+
+    def structured(self) -> dict[str, Any] | None:
+        """The structured-output constraint as vLLM's ``structured_outputs`` takes it (``guided_*`` moved
+        there: vLLM has removed them), or None."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+        for name, key in GUIDED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                return {key: value}
+        return None
 
     @property
     def choices(self) -> int:

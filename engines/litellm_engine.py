@@ -14,7 +14,7 @@ from typing import Any
 
 from core.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
 from core.events import Completion, Delta, Usage
-from core.schemas import FEATURE_FIELDS, MAX_TOOL_CALLS, ChatCompletionRequest
+from core.schemas import FEATURE_FIELDS, MAX_TOOL_CALLS, VLLM_EXTRA_FIELDS, ChatCompletionRequest
 from core.settings import EngineConfig
 from engines.base import checked_index, declared, whole_strings, wire_messages
 from engines.openai_compat import request_id_header
@@ -34,6 +34,8 @@ _PASS = (
     "reasoning_effort",
 )
 _PASS_MODELS = ("tool_choice", "response_format")
+#: the provider prefix of a vLLM server behind litellm: the one provider that takes vLLM's extras
+_VLLM_PROVIDER = "hosted_vllm/"
 
 
 def _litellm() -> Any:
@@ -49,8 +51,10 @@ class LiteLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.name = config.name
         self.config = config
-        # litellm maps these onto each provider, and raises (a 400 here) for one that lacks them.
-        self.capabilities = declared(config, features=frozenset(FEATURE_FIELDS))
+        # litellm maps these onto each provider, and raises (a 400 here) for one that lacks them. vLLM's
+        # own extras only a vLLM server takes: for any other provider a request setting one is refused.
+        self.extras = VLLM_EXTRA_FIELDS if config.model.startswith(_VLLM_PROVIDER) else ()
+        self.capabilities = declared(config, features=frozenset((*FEATURE_FIELDS, *self.extras)))
         self._lib: Any = None
 
     async def start(self) -> None:
@@ -94,6 +98,16 @@ class LiteLLMEngine:
                 )
         if request.tools is not None:
             kw["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
+        extra: dict[str, Any] = {}
+        for key in self.extras:
+            value = getattr(request, key)
+            if value is not None and not key.startswith("guided_") and key != "structured_outputs":
+                extra[key] = value
+        structured = request.structured() if self.extras else None
+        if structured is not None:
+            extra["structured_outputs"] = structured
+        if extra:
+            kw["extra_body"] = extra  # sent to the vLLM server as top-level fields, as the client meant them
         return kw
 
     def _map(self, exc: Exception) -> OmnigateError:

@@ -38,7 +38,7 @@ from core.errors import (
     OmnigateError,
 )
 from core.events import Completion, Delta, Usage
-from core.schemas import FEATURE_FIELDS, MAX_TOOL_CALLS, ChatCompletionRequest
+from core.schemas import FEATURE_FIELDS, MAX_TOOL_CALLS, VLLM_EXTRA_FIELDS, ChatCompletionRequest
 from core.settings import EngineConfig
 from engines.base import Body, checked_index, declared, request_body, wire_messages
 
@@ -102,13 +102,16 @@ async def _finish_body(resp: aiohttp.ClientResponse) -> None:
 class OpenAICompatEngine:
     """An engine that speaks plain OpenAI chat completions (kind ``vllm``)."""
 
+    #: vLLM's sampling and decoding extras this kind of engine honours (core.schemas.VLLM_EXTRA_FIELDS)
+    extras: tuple[str, ...] = VLLM_EXTRA_FIELDS
+
     def __init__(self, config: EngineConfig) -> None:
         self.name = config.name
         self.config = config
         self._base = str(config.base_url).rstrip("/")
         self._url = self._base + "/chat/completions"
         # n > 1 only where every choice is read back (plain vLLM); vLLM-Omni's answers fold choices into one.
-        features = frozenset(FEATURE_FIELDS) | ({"n"} if config.kind == "vllm" else set())
+        features = frozenset((*FEATURE_FIELDS, *self.extras)) | ({"n"} if config.kind == "vllm" else set())
         self.capabilities = declared(config, features=features, thinking_budget=config.thinking_budget)
         self._headers = {"Content-Type": "application/json"}
         if config.api_key is not None:
@@ -195,6 +198,13 @@ class OpenAICompatEngine:
         if self.capabilities.thinking_budget and request.thinking_token_budget is not None:
             # Only here: vLLM refuses the field outright when it was not served with a reasoning config.
             body["thinking_token_budget"] = request.thinking_token_budget
+        for key in self.extras:
+            value = getattr(request, key)
+            if value is not None and key in _PASS_EXTRAS:
+                body[key] = value
+        structured = request.structured() if "structured_outputs" in self.extras else None
+        if structured is not None:
+            body["structured_outputs"] = structured  # the guided_* fields too: vLLM has removed them
         for key in _PASS_MODELS:
             value = getattr(request, key)
             if value is not None:
@@ -405,6 +415,11 @@ _PASS = (
     "reasoning_effort",
 )
 _PASS_MODELS = ("tool_choice", "response_format")
+#: vLLM's extras passed as set (structured outputs go as one ``structured_outputs``, the old names included)
+_PASS_EXTRAS = frozenset(
+    {"min_p", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+     "include_stop_str_in_output", "priority"}
+)  # fmt: skip
 
 # What an engine's 400 says, mapped to the gateway's own words: (pattern in its message, code, param, message).
 # Its text itself never reaches the client (it names the engine's model, limits and internals).

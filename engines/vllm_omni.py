@@ -38,6 +38,10 @@ _CONTEXT_OVERFLOW = re.compile(r"maximum context length is \d+ tokens")
 
 
 class VLLMOmniEngine(OpenAICompatEngine):
+    #: only these of vLLM's extras reach the thinker (its other sampling fields keep the stage config's
+    #: values): any other is refused for a model only vLLM-Omni serves, not silently lost
+    extras = ("min_tokens", "ignore_eos", "stop_token_ids")
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         #: the talker's speakers, lowercased: configured, or learned from the engine's first refusal;

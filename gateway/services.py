@@ -32,6 +32,7 @@ from engines.sentinel import AccuracySentinel
 from engines.state_store import build_store as build_state_store
 from engines.telemetry import TelemetryCollector
 from gateway.admission import AdmissionGate
+from gateway.answer_audio import AnswerAudio
 from gateway.auth_failures import AuthFailures
 from gateway.chains import Chains, ChainSet
 from gateway.directory.live import LiveDirectory
@@ -173,6 +174,7 @@ class Services:
             admission=admission,
             energy=energy if routing.energy.usage_field else None,
             sampling_defaults={m: c.sampling_defaults.values() for m, c in settings.models.items()},
+            answers=AnswerAudio.build(redis, settings.rate_limits.key_prefix),
         )
         services = cls(
             settings,

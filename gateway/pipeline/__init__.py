@@ -43,6 +43,7 @@ from core.events import Completion
 from core.schemas import ChatCompletionRequest
 from engines.energy import EnergyBook
 from engines.pool import EnginePool
+from gateway.answer_audio import AnswerAudio, MemoryAnswers
 from gateway.chains import Chains, ChainSet
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.attempt import Attempt, Attempts, first_chunk
@@ -96,8 +97,11 @@ class Pipeline:
         admission: AdmissionGate | None = None,
         sampling_defaults: dict[str, dict[str, Any]] | None = None,
         energy: EnergyBook | None = None,
+        answers: AnswerAudio | None = None,
     ) -> None:
         self.pool = pool
+        #: spoken answers a client may send back by their audio id (gateway/answer_audio.py)
+        self.answers = answers if answers is not None else AnswerAudio(MemoryAnswers())
         #: the chain generation new requests take (gateway/chains.py); a bare chain: one generation of it
         self.policies = policies if isinstance(policies, Chains) else Chains(ChainSet(policies))
         self.metrics = metrics
@@ -174,6 +178,11 @@ class Pipeline:
             await self.accounting.settle(ctx, exc)
             raise
         ctx.record.completion = result.completion
+        if result.request.wants_audio and result.completion.audio:
+            completion = result.completion
+            await self.answers.remember(
+                ctx.identity.request_id, completion.transcript or completion.text, ctx.identity.tenant
+            )
         await self.accounting.settle(ctx, None)
         return result
 
@@ -237,6 +246,7 @@ class Pipeline:
             )
         check_speech(request, [e for e in self.pool.engines.values() if request.model in e.config.serves])
         await self.admit(ctx)
+        request = await self.answers.resolve(request, ctx.identity.tenant)
         defaults = self.sampling_defaults.get(request.model)
         if defaults:
             # Each default fills only a parameter the client left unset; what was filled is audited.

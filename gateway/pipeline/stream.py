@@ -69,12 +69,23 @@ class ResponseStream:
 
     async def _iter(self) -> AsyncIterator[Delta]:
         assert self._gen is not None
+        # A spoken answer's words, as its transcript went out: kept under its audio id once it is served.
+        spoken: list[str] | None = [] if self.request.wants_audio else None
         if self._head is not None:
             head, self._head = self._head, None
+            if spoken is not None and head.text and not head.index:
+                spoken.append(head.text)
             yield head
         if not self._ended:
             async for d in self._gen:
+                if spoken is not None and d.text and not d.index:
+                    spoken.append(d.text)
                 yield d
+        if spoken is not None and self.ctx.record.outcome in ("served", "degraded"):
+            ctx = self.ctx
+            await self.pipeline.answers.remember(
+                ctx.identity.request_id, "".join(spoken), ctx.identity.tenant
+            )
 
     def cut(self, cause: BaseException) -> None:
         """The transport is ending the stream for ``cause`` (e.g. the client stopped reading): the request

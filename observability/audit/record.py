@@ -225,6 +225,14 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
         "body_bytes": ctx.record.body_bytes,
     }
     req = snap.received
+    if req is not None:
+        # Who the client says its end user is, and the pairs it attached: for an auditor to find its
+        # requests by (OpenAI's safety_identifier and the legacy user; metadata, 16 short pairs at most).
+        end_user = {k: v for k in ("safety_identifier", "user") if (v := getattr(req, k)) is not None}
+        if end_user:
+            payload["end_user"] = end_user
+        if req.metadata:
+            payload["metadata"] = dict(req.metadata)
     if isinstance(ctx.record.input_digests, InputDigests):
         # made before the pipeline let go of the client's media
         payload["input"] = ctx.record.input_digests.get()

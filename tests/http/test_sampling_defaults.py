@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from core.settings import load_settings
 from gateway.reload import reload_config
-from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
+from tests.conftest import LITELLM_MODEL, OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -140,3 +140,97 @@ def test_a_reload_changes_the_defaults_for_the_next_request(bg, upstreams, tmp_p
         assert sent["top_p"] == 0.5 and "temperature" not in sent
     finally:
         s.stop()
+
+
+# -- vLLM's own extras (extra_body) and OpenAI's newer fields ------------------------------------------------
+EXTRAS = {
+    "min_p": 0.05,
+    "min_tokens": 3,
+    "ignore_eos": True,
+    "stop_token_ids": [151645, 151643],
+    "skip_special_tokens": False,
+    "include_stop_str_in_output": True,
+    "priority": 10,
+}
+
+
+def _post(server, model: str, **body) -> httpx.Response:
+    payload = {"model": model, "messages": [{"role": "user", "content": "hello"}], **body}
+    return httpx.post(server.url + "/v1/chat/completions", json=payload, timeout=10)
+
+
+@pytest.mark.parametrize("model", [TEXT_MODEL, LITELLM_MODEL])
+def test_vllm_extras_reach_a_vllm_engine_as_sent(server, fresh, model):
+    resp = _post(server, model, **EXTRAS, guided_choice=["yes", "no"])
+    assert resp.status_code == 200, resp.text
+    sent = fresh.vllm.requests[-1]
+    assert {k: sent.get(k) for k in EXTRAS} == EXTRAS
+    # The older guided_* go as the structured_outputs that replaced them in vLLM.
+    assert sent["structured_outputs"] == {"choice": ["yes", "no"]} and "guided_choice" not in sent
+    resp = _post(
+        server, model, structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True}
+    )
+    assert resp.status_code == 200, resp.text
+    sent = fresh.vllm.requests[-1]
+    assert sent["structured_outputs"] == {"json": {"type": "object"}, "disable_any_whitespace": True}
+
+
+def test_vllm_omni_takes_only_the_extras_that_reach_its_thinker(server, fresh):
+    resp = _post(server, OMNI_MODEL, min_tokens=2, ignore_eos=True, stop_token_ids=[7])
+    assert resp.status_code == 200, resp.text
+    sent = fresh.omni_a.requests[-1]
+    assert (sent["min_tokens"], sent["ignore_eos"], sent["stop_token_ids"]) == (2, True, [7])
+    for field, value in (("min_p", 0.1), ("guided_regex", "a+"), ("priority", 1)):
+        before = len(fresh.omni_a.requests)
+        refused = _post(server, OMNI_MODEL, **{field: value})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == field
+        assert len(fresh.omni_a.requests) == before  # refused, never sent and silently ignored
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"min_p": 2}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"ignore_eos": "sure"}, "ignore_eos"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+        ({"priority": -5}, "priority"),
+        ({"structured_outputs": {"regex": "a", "grammar": "b"}}, "structured_outputs"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ],
+)
+def test_bad_values_are_a_400_naming_the_field(server, fresh, body, param):
+    resp = _post(server, TEXT_MODEL, **body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_openai_fields_are_taken_and_the_end_user_and_metadata_audited(server, fresh):
+    resp, rid = _chat(
+        server,
+        metadata={"conversation": "c-42", "surface": "voice"},
+        safety_identifier="8f14e45f",
+        user="legacy-user-7",
+        store=False,
+        service_tier="auto",
+        prompt_cache_key="c-42",
+    )
+    assert resp.status_code == 200, resp.text
+    record = _record(server, rid)
+    assert record["metadata"] == {"conversation": "c-42", "surface": "voice"}
+    assert record["end_user"] == {"safety_identifier": "8f14e45f", "user": "legacy-user-7"}
+    sent = fresh.omni_a.requests[-1]
+    for field in ("metadata", "safety_identifier", "store", "service_tier", "prompt_cache_key"):
+        assert field not in sent  # the gateway's to honour, not the engine's
+
+
+@pytest.mark.parametrize(
+    ("body", "param"), [({"web_search_options": {}}, "web_search_options"), ({"store": True}, "store")]
+)
+def test_a_field_that_cannot_be_honoured_is_refused_saying_so(server, fresh, body, param):
+    resp, _ = _chat(server, **body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_field", param)
