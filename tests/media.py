@@ -186,6 +186,21 @@ def long_flac(minutes: float = 45.0, rate: int = 8000) -> bytes:
     return buf.getvalue()
 
 
+def hostile_flac(seconds: float = 2460.0, rate: int = 96000) -> bytes:
+    """A small FLAC that declares a long stream at a high rate: silence with a click each second.
+
+    Written a minute at a time, so making it never holds the samples it declares."""
+    buf = io.BytesIO()
+    minute = np.zeros(rate * 60, np.int16)
+    minute[::rate] = 3000
+    with sf.SoundFile(buf, "w", rate, 1, format="FLAC", subtype="PCM_16") as f:
+        left = int(seconds * rate)
+        while left > 0:
+            f.write(minute[: min(left, minute.size)])
+            left -= minute.size
+    return buf.getvalue()
+
+
 def speech(text: str, rate: int = 16000) -> bytes:
     """Real speech from espeak-ng (a test-only tool), as 16-bit WAV at ``rate``."""
     exe = shutil.which("espeak-ng")

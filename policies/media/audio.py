@@ -7,7 +7,9 @@ against the bytes that are really there (and its claim against the duration
 limit), a FLAC must read to the sample count its header declares, an M4A's
 sample tables must fit the file. Audio that must change (resampled for
 the engine, re-framed, cut into segments) is decoded once to 16-bit mono PCM
-and written out as FLAC (lossless, half the bytes of WAV) or WAV.
+and written out as FLAC (lossless, half the bytes of WAV) or WAV, a decoded
+frame at a time: what decoding holds follows what is sent, never the rate or
+the length the source declares.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import io
 import math
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import av
@@ -56,17 +59,19 @@ class AudioResult:
     fmt: str  # wav | flac | ogg | mp3 (for input_audio.format)
     sample_rate: int
     boundaries: list[tuple[float, float]]
-    pcm: np.ndarray | None = None  # kept only when the part is segmented
+    #: every segment as sent (``data`` is the first), kept only when the part is segmented
+    segments: list[bytes] | None = None
     actions: list[str] = field(default_factory=list)
 
     def segment(self, i: int, encoding: str) -> bytes:
-        assert self.pcm is not None
-        start, end = self.boundaries[i]
-        return encode_pcm(
-            self.pcm[round(start * self.sample_rate) : round(end * self.sample_rate)],
-            self.sample_rate,
-            encoding,
-        )
+        """Segment ``i`` as sent, encoded while the part decoded (in ``fmt``, the configured encoding)."""
+        assert self.segments is not None and encoding == self.fmt
+        return self.segments[i]
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes the segments after the first hold (the first is ``data``)."""
+        return sum(len(s) for s in self.segments[1:]) if self.segments is not None else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,45 +185,41 @@ def _probe_av(data: bytes, param: str) -> AudioInfo:
     return AudioInfo({"mov": "mp4"}.get(name, name), duration, rate, channels)
 
 
-def decode_pcm(
+def _pcm_frames(
     data: bytes, rate: int, param: str, max_s: float, max_bytes: int | None = None
-) -> tuple[np.ndarray, int]:
-    """The whole stream as 16-bit mono PCM, resampled to ``rate`` frame by frame as it decodes.
+) -> Iterator[np.ndarray]:
+    """The stream as 16-bit mono PCM at ``rate``, one resampled frame at a time.
 
-    The source-rate samples are never held whole: each decoded frame is resampled and copied into
-    one buffer sized for ``max_s`` at the output rate (or ``max_bytes``, the request's room, if less),
-    and a stream that runs past it is refused.
+    Nothing is sized from the source: it stops with a 400 once the stream runs past ``max_s`` (plus a
+    second of slack for the resampler), or with a 413 past ``max_bytes`` of PCM, whichever comes first.
     """
     cap = int(max_s * rate) + rate
     if max_bytes is not None and max_bytes // 2 < cap:
         cap = max_bytes // 2
-    # One buffer at the bound: the kernel maps its pages only as samples are written, so an honest
-    # header costs what it decodes to, a lying one at most the cap, and nothing is copied to grow.
-    pcm = np.empty(cap, np.int16)
     total = 0
+
+    def checked(out: av.AudioFrame) -> np.ndarray:
+        nonlocal total
+        arr = out.to_ndarray().reshape(-1)
+        total += arr.size
+        if total > cap:
+            if max_bytes is not None and cap == max_bytes // 2:
+                raise MediaTooLarge(
+                    f"{param}: the decoded audio exceeds the {max_bytes:,} bytes the request may still hold",
+                    param=param,
+                )
+            raise InvalidMedia(f"{param}: the audio is longer than its header says", param=param)
+        return arr
+
     try:
         with open_av(data, "audio", param) as container:
             stream = container.streams.audio[0]
             resampler = av.AudioResampler(format="s16", layout="mono", rate=rate)
-
-            def put(frames: list[av.AudioFrame]) -> None:
-                nonlocal total
-                for out in frames:
-                    arr = out.to_ndarray().reshape(-1)
-                    if total + arr.size > cap:
-                        if max_bytes is not None and cap == max_bytes // 2:
-                            raise MediaTooLarge(
-                                f"{param}: the decoded audio exceeds the {max_bytes:,} bytes the request may "
-                                "still hold",
-                                param=param,
-                            )
-                        raise InvalidMedia(f"{param}: the audio is longer than its header says", param=param)
-                    pcm[total : total + arr.size] = arr
-                    total += arr.size
-
             for frame in container.decode(stream):
-                put(resampler.resample(frame))
-            put(resampler.resample(None))
+                for out in resampler.resample(frame):
+                    yield checked(out)
+            for out in resampler.resample(None):
+                yield checked(out)
     except (InvalidMedia, MediaTooLarge):
         raise
     except (av.FFmpegError, ValueError, OSError, IndexError) as exc:
@@ -226,7 +227,77 @@ def decode_pcm(
         raise InvalidMedia(f"{param}: the audio could not be decoded", param=param) from None
     if total == 0:
         raise InvalidMedia(f"{param}: the audio decodes to no samples", param=param)
-    return pcm[:total], rate
+
+
+def decode_pcm(
+    data: bytes, rate: int, param: str, max_s: float, max_bytes: int | None = None
+) -> tuple[np.ndarray, int]:
+    """The whole stream as 16-bit mono PCM, resampled to ``rate`` frame by frame as it decodes.
+
+    The source-rate samples are never held whole, and nothing is allocated from the declared length:
+    the resampled frames are gathered as they come (see :func:`_pcm_frames` for the bounds).
+    """
+    pieces = list(_pcm_frames(data, rate, param, max_s, max_bytes))
+    return np.concatenate(pieces), rate
+
+
+class _SegmentWriter:
+    """Encodes PCM pieces into segments of ``segment_s`` as they arrive; only the encoded bytes are held."""
+
+    def __init__(self, rate: int, encoding: str, segment_s: float, max_bytes: int | None, param: str) -> None:
+        self.rate, self.encoding, self.segment_s = rate, encoding, segment_s
+        self.max_bytes, self.param = max_bytes, param
+        self.segments: list[bytes] = []
+        self.samples = 0  # written in all segments so far
+        self._done_bytes = 0
+        self._buf: io.BytesIO | None = None
+        self._flac: sf.SoundFile | None = None
+        self._end = 0  # the sample index where the open segment ends
+
+    def write(self, arr: np.ndarray) -> None:
+        while arr.size:
+            if self._buf is None:
+                self._open()
+            take = min(arr.size, self._end - self.samples)
+            piece, arr = arr[:take], arr[take:]
+            if self._flac is not None:
+                self._flac.write(piece)
+            elif self._buf is not None:
+                self._buf.write(piece.astype("<i2", copy=False).tobytes())
+            self.samples += take
+            assert self._buf is not None
+            if self.max_bytes is not None and self._done_bytes + self._buf.tell() > self.max_bytes:
+                raise MediaTooLarge(
+                    f"{self.param}: the decoded audio exceeds the {self.max_bytes:,} bytes the request may "
+                    "still hold",
+                    param=self.param,
+                )
+            if self.samples >= self._end:
+                self._close()
+
+    def finish(self) -> list[bytes]:
+        if self._buf is not None:
+            self._close()
+        return self.segments
+
+    def _open(self) -> None:
+        self._buf = io.BytesIO()
+        self._end = round((len(self.segments) + 1) * self.segment_s * self.rate)
+        if self.encoding == "flac":
+            self._flac = sf.SoundFile(self._buf, "w", self.rate, 1, format="FLAC", subtype="PCM_16")
+
+    def _close(self) -> None:
+        assert self._buf is not None
+        if self._flac is not None:
+            self._flac.close()
+            self._flac = None
+            out = self._buf.getvalue()
+        else:
+            raw = self._buf.getvalue()
+            out = wav_header(self.rate, 1, len(raw)) + raw
+        self._buf = None
+        self._done_bytes += len(out)
+        self.segments.append(out)
 
 
 def encode_pcm(pcm: np.ndarray, rate: int, encoding: str) -> bytes:
@@ -284,14 +355,14 @@ def normalise_audio(
         return AudioResult(
             info, data, _PASS_MIME[info.container], info.container, info.sample_rate, [(0.0, info.duration_s)]
         )
-    pcm, rate = decode_pcm(
-        data,
-        target_rate or info.sample_rate,
-        param,
-        min(cfg.max_duration_s, info.duration_s + 1.0),
-        max_bytes,
-    )
-    duration = pcm.size / rate
+    rate = target_rate or info.sample_rate
+    # Decoded, resampled and encoded a frame at a time, cut into segments as the samples come: only the
+    # encoded output is held, and the decode stops at the limit whatever the header declared.
+    writer = _SegmentWriter(rate, cfg.encoding, cfg.segment_s, max_bytes, param)
+    for arr in _pcm_frames(data, rate, param, min(cfg.max_duration_s, info.duration_s + 1.0)):
+        writer.write(arr)
+    segments = writer.finish()
+    duration = writer.samples / rate
     actions: list[str] = []
     if resample:
         actions.append("audio-resampled")
@@ -302,17 +373,19 @@ def normalise_audio(
     if info.container != cfg.encoding:
         actions.append("audio-transcoded")
     bounds = split_points(duration, cfg.segment_s)
+    if len(bounds) != len(segments):
+        # the last segment's few samples past a boundary (rounding): one segment, as the bounds say
+        bounds = [(i * cfg.segment_s, min(duration, (i + 1) * cfg.segment_s)) for i in range(len(segments))]
     if len(bounds) > 1:
         actions.append("audio-split")
-    first = pcm[: round(bounds[0][1] * rate)]
     mediatype = "audio/flac" if cfg.encoding == "flac" else "audio/wav"
     return AudioResult(
         info,
-        encode_pcm(first, rate, cfg.encoding),
+        segments[0],
         mediatype,
         cfg.encoding,
         rate,
         bounds,
-        pcm if len(bounds) > 1 else None,
+        segments if len(segments) > 1 else None,
         actions,
     )

@@ -140,7 +140,7 @@ def process_part(
     else:
         done = _video(ref, data, cfg, target, declared)
     done.out_bytes = sum(_size(p) for p in done.parts) + (
-        done.audio.pcm.nbytes if done.audio is not None and done.audio.pcm is not None else 0
+        done.audio.held_bytes if done.audio is not None else 0
     )
     if done.same is not None:
         done.out_bytes = 0  # the input's bytes, already counted
@@ -197,7 +197,7 @@ def _audio(
         tokens.audio_tokens(longest, cfg.budget),
         r.actions,
         {"format": r.info.container, "duration_s": round(r.info.duration_s, 3)},
-        r if r.pcm is not None else None,
+        r if r.segments is not None else None,
         same=(r.mediatype, r.fmt) if same else None,
     )
 

@@ -363,3 +363,82 @@ def test_the_audit_record_still_digests_the_clients_media(gw, case):
             "chars": len(uri),
         },
     ]
+
+
+def _tree_kib(pid: int) -> int:
+    """Resident set size of ``pid`` and every process below it (the decoding workers), KiB."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += _status_kib("VmRSS", p)
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError, KeyError):
+            continue  # a worker that ended meanwhile
+    return total
+
+
+@pytest.fixture
+def served_48k(monkeypatch):
+    """A served gateway (default chain) whose engine takes audio at 48 kHz (the media step's
+    ``max_output_rate``, what an engine that declares no rate gets)."""
+    from bench import hostile_media
+
+    plain = hostile_media.gateway_config
+
+    def config(port: int) -> dict:
+        cfg = plain(port)
+        cfg["engines"][0]["audio_input_rate"] = 48000
+        # a slow, shared machine must not turn the measure into a decode timeout
+        cfg["media"] = {"decode_deadline_s": 300, "decode_cpu_s": 300}
+        return cfg
+
+    monkeypatch.setattr(hostile_media, "gateway_config", config)
+    rig = hostile_media.Rig.start()
+    small = _body(data_uri("audio/wav", wav(tone(2.0), 16000)))
+    warm = httpx.post(
+        rig.url + "/v1/chat/completions",
+        content=small,
+        timeout=120,
+        headers={"content-type": "application/json"},
+    )
+    assert warm.status_code == 200, warm.text
+    yield rig
+    rig.stop()
+
+
+def test_a_long_high_rate_flac_costs_the_process_tree_what_it_sends_not_what_it_declares(served_48k):
+    """Issue 26: 41 minutes declared at 96 kHz in a small FLAC, served in two segments. The output the
+    engine gets is a few MB of FLAC; the source's rate and length must not size anything, nor the PCM of
+    the whole part at the output rate (236 MB at 48 kHz). The whole tree is watched (gateway and decoding
+    workers), sampled while the request runs."""
+    from tests.media import hostile_flac
+
+    body = _body(data_uri("audio/flac", hostile_flac(2460.0, 96000)))
+    served = served_48k
+    pid = served.gateway.pid
+    base = _tree_kib(pid)
+    peak = base
+    result: list[httpx.Response] = []
+    client = threading.Thread(
+        target=lambda: result.append(
+            httpx.post(
+                served.url + "/v1/chat/completions",
+                content=body,
+                timeout=180,
+                headers={"content-type": "application/json"},
+            )
+        )
+    )
+    client.start()
+    while client.is_alive():
+        peak = max(peak, _tree_kib(pid))
+        time.sleep(0.01)
+    client.join()
+    assert result and result[0].status_code == 200, result[0].text if result else None
+    growth = (peak - base) * 1024
+    # 687 MiB when the part's whole PCM at the output rate was decoded into one buffer and handed back
+    # from the worker to be cut into segments; about 12 MiB when each segment is encoded as it decodes.
+    assert growth < 300 * 2**20, f"the process tree grew by {growth / 2**20:.0f} MiB"
