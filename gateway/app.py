@@ -24,6 +24,7 @@ from gateway import heap
 from gateway.api import admin, admin_audit, admin_routing, admin_state, admin_tenants, chat, ops
 from gateway.console import routes as console
 from gateway.middleware import RequestIdMiddleware
+from gateway.readiness import Readiness, ReadinessGate
 from gateway.services import Services
 from observability.metrics import Metrics
 
@@ -90,6 +91,7 @@ def create_app(
             hup = _on_sighup(services, config_path)
             yield
         finally:
+            app.state.readiness.cancel()
             if hup:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             await services.aclose()
@@ -97,6 +99,7 @@ def create_app(
     app = FastAPI(title="omnigate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.services = services
     app.state.config_path = config_path
+    app.state.readiness = Readiness(services.pool)  # the server announces "ready" through it
     app.router.routes.extend(chat.routes)
     app.include_router(ops.router)
     app.include_router(admin.router)
@@ -140,6 +143,7 @@ def create_app(
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(ReadinessGate, readiness=app.state.readiness, render=error_response)
     app.add_middleware(RequestIdMiddleware)
     return app
 

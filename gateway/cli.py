@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the commands import what they use when they run: the CLI st
     import uvicorn
 
     from core.settings import AuditSettings, Settings
+    from gateway.readiness import Readiness
     from gateway.services import Services
 
 
@@ -157,12 +158,22 @@ class _DrainingServer:
     """
 
     @staticmethod
-    def build(config: uvicorn.Config, services: Services) -> uvicorn.Server:
+    def build(config: uvicorn.Config, services: Services, readiness: Readiness) -> uvicorn.Server:
         import asyncio
+        import socket
+        from collections.abc import Sequence
 
         import uvicorn
 
         class Server(uvicorn.Server):
+            def _log_started_message(self, listeners: Sequence[socket.SocketType]) -> None:
+                # Instead of uvicorn's "running on": listening is not answering (the engines are probed
+                # after the lifespan), so the one line says "ready" when the gateway can answer.
+                host, port = listeners[0].getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                scheme = "https" if self.config.ssl is not None else "http"
+                readiness.announce(f"{scheme}://{shown}:{port}")
+
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
                 if services.draining.is_set():
                     super().handle_exit(sig, frame)
@@ -213,7 +224,7 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         h11_max_incomplete_event_size=64 * 1024,
         ws="none",  # no WebSocket routes: do not load a WebSocket implementation
     )
-    _DrainingServer.build(config, app.state.services).run()
+    _DrainingServer.build(config, app.state.services, app.state.readiness).run()
     return 0
 
 
