@@ -280,3 +280,65 @@ def test_client_disconnect_aborts_upstream_when_not_streaming(gateway, ups):
         httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=0.5)
     assert wait_until(lambda: ups.omni_a.aborts == 1, timeout=3)
     assert ups.omni_a.completed == 0
+
+
+def test_a_spoken_conversation_appending_each_answer_as_the_sdk_returns_it(client, ups):
+    """``messages.append(resp.choices[0].message)``, as every tutorial writes it, with speech on."""
+    ups.omni_a.default = Script(flavour="omni", text="Paris it is.", audio_chunks=2)
+    messages: list = [{"role": "system", "content": "You are a voice assistant."}]
+    ids = []
+    for turn in ("Capital of France?", "Say it again.", "Thanks."):
+        messages.append({"role": "user", "content": turn})
+        resp = client.chat.completions.create(
+            model=OMNI_MODEL,
+            messages=messages,
+            modalities=["text", "audio"],
+            audio={"voice": "Ethan", "format": "wav"},
+        )
+        message = resp.choices[0].message
+        assert message.audio is not None and message.audio.transcript == "Paris it is."
+        ids.append(message.audio.id)
+        messages.append(message)  # the SDK's own object, audio and all
+    assert len(set(ids)) == 3
+    sent = ups.omni_a.requests[-1]["messages"]
+    assert [m for m in sent if m["role"] == "assistant"] == [
+        {"role": "assistant", "content": "Paris it is."}
+    ] * 2
+
+
+def test_the_reference_shape_and_an_unknown_audio_id(client, ups):
+    ups.omni_a.default = Script(flavour="omni", text="Paris it is.", audio_chunks=2)
+    speech = {"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
+    first = [{"role": "user", "content": "Capital of France?"}]
+    answer = client.chat.completions.create(model=OMNI_MODEL, messages=first, **speech)
+    turns = [*first, {"role": "assistant", "audio": {"id": answer.choices[0].message.audio.id}}]
+    again = client.chat.completions.create(model=OMNI_MODEL, messages=[*turns, *_user("More.")], **speech)
+    assert again.choices[0].message.audio.transcript == "Paris it is."
+    unknown = [*first, {"role": "assistant", "audio": {"id": "audio_not-one-of-ours"}}, *_user("More.")]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=OMNI_MODEL, messages=unknown, **speech)
+    assert caught.value.body["code"] == "audio_not_found"
+    assert caught.value.body["param"] == "messages.1.audio.id"
+
+
+def test_vllm_extras_through_extra_body(client, ups):
+    ups.vllm.default = Script(text="Yes.")
+    client.chat.completions.create(
+        model=TEXT_MODEL,
+        messages=_user(),
+        extra_body={
+            "min_p": 0.1,
+            "min_tokens": 1,
+            "ignore_eos": False,
+            "stop_token_ids": [2],
+            "guided_choice": ["Yes."],
+        },
+    )
+    sent = ups.vllm.requests[-1]
+    assert (sent["min_p"], sent["min_tokens"], sent["ignore_eos"], sent["stop_token_ids"]) == (
+        0.1,
+        1,
+        False,
+        [2],
+    )
+    assert sent["structured_outputs"] == {"choice": ["Yes."]}

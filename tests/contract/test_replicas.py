@@ -157,3 +157,69 @@ def test_killed_replica_slots_come_back_after_the_lease_ttl(replicas, rdb, upstr
             with contextlib.suppress(httpx.HTTPError):
                 r.close()
     assert wait_until(lambda: rdb.zcard(key) == 0, timeout=5)
+
+
+# -- a spoken answer's audio id, served by one replica and sent back to another ---------------------------
+SAID = "Paris it is."
+
+
+@pytest.fixture
+def speaking_replicas(bg, tmp_path, rdb):
+    up = ScriptedUpstream(Script(flavour="omni", text=SAID, audio_chunks=2))
+    bg.run(up.start())
+    prefix = f"omnigate-test:{uuid.uuid4().hex}"
+    config = {
+        "engines": [
+            {
+                "name": "omni",
+                "kind": "vllm-omni",
+                "base_url": up.base_url,
+                "model": "scripted",
+                "serves": ["omni"],
+            }
+        ],
+        "redis": {"url": REDIS_URL},
+        "rate_limits": {"key_prefix": prefix},
+        "logging": {"level": "info"},
+    }
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    made = [Replica(path, tmp_path / f"speaker-{i}.log") for i in range(2)]
+    try:
+        assert wait_until(lambda: all(r.ready() for r in made), timeout=60, interval=0.2)
+        yield made, up, prefix
+    finally:
+        for r in made:
+            r.stop()
+        bg.run(up.stop())
+        keys = list(rdb.scan_iter(match=f"{prefix}:*"))
+        if keys:
+            rdb.delete(*keys)
+
+
+def test_an_audio_id_one_replica_served_resolves_on_another(speaking_replicas, rdb):
+    (a, b), up, prefix = speaking_replicas
+    speech = {"model": "omni", "modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
+    first = [{"role": "user", "content": "Capital of France?"}]
+    with httpx.Client(timeout=20) as client:
+        answer = client.post(a.url + "/v1/chat/completions", json={**speech, "messages": first})
+        assert answer.status_code == 200, answer.text
+        audio = answer.json()["choices"][0]["message"]["audio"]
+        # Kept in the shared Redis, expiring with the audio.
+        ttl = rdb.pttl(f"{prefix}:answer-audio:{audio['id']}")
+        assert 0 < ttl <= (audio["expires_at"] - time.time() + 5) * 1000
+
+        turns = [
+            *first,
+            {"role": "assistant", "audio": {"id": audio["id"]}},
+            {"role": "user", "content": "Again?"},
+        ]
+        again = client.post(b.url + "/v1/chat/completions", json={**speech, "messages": turns})
+        assert again.status_code == 200, again.text
+        assert [m for m in up.requests[-1]["messages"] if m["role"] == "assistant"] == [
+            {"role": "assistant", "content": SAID}
+        ]
+        rdb.delete(f"{prefix}:answer-audio:{audio['id']}")  # expired: gone from Redis, on every replica
+        for r in (a, b):
+            gone = client.post(r.url + "/v1/chat/completions", json={**speech, "messages": turns})
+            assert gone.status_code == 400 and gone.json()["error"]["code"] == "audio_not_found"

@@ -1,7 +1,8 @@
 // One chat-completions call with the official openai-node SDK, its outcome as JSON on stdout.
 // Usage: node contract.mjs '{"base_url": ..., "mode": "create"|"stream"|"helper", "request": {...}}'
 // mode "stream" iterates the raw chunks; "helper" lets the SDK reassemble the stream
-// (chat.completions.stream(...).finalChatCompletion()). An API error is reported, not thrown.
+// (chat.completions.stream(...).finalChatCompletion()); "converse" asks job.turns one after the other,
+// appending each answer's message as returned. An API error is reported, not thrown.
 import { readFileSync } from "node:fs";
 import OpenAI from "openai";
 
@@ -19,6 +20,18 @@ async function run() {
     const chunks = [];
     for await (const chunk of stream) chunks.push(chunk);
     return { chunks };
+  }
+  if (job.mode === "converse") {
+    // A conversation as the SDK's users write one: each answer's message, as the SDK returned it, is
+    // appended to the messages before the next user turn (job.turns).
+    const messages = [...job.request.messages];
+    const completions = [];
+    for (const turn of job.turns) {
+      if (completions.length) messages.push(completions.at(-1).choices[0].message);
+      messages.push({ role: "user", content: turn });
+      completions.push(await client.chat.completions.create({ ...job.request, messages }));
+    }
+    return { completions };
   }
   if (job.mode === "helper") {
     const runner = client.chat.completions.stream({ ...job.request, stream: true });

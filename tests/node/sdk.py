@@ -43,10 +43,15 @@ def install(cache: Path = CACHE) -> Path:
 
 
 def call(
-    base_url: str, mode: str, request: dict[str, Any], api_key: str | None = None, timeout: float = 240
+    base_url: str,
+    mode: str,
+    request: dict[str, Any],
+    api_key: str | None = None,
+    timeout: float = 240,
+    **more: Any,
 ) -> dict[str, Any]:
     cache = install()
-    job: dict[str, Any] = {"base_url": base_url, "mode": mode}
+    job: dict[str, Any] = {"base_url": base_url, "mode": mode, **more}
     if api_key is not None:
         job["api_key"] = api_key
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:

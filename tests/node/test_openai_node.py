@@ -111,3 +111,32 @@ def test_a_large_media_part_from_the_node_sdk_reaches_the_engine_as_sent(url, up
     got = sdk.call(url, "create", request)
     assert got["completion"]["choices"][0]["message"]["content"]
     assert ups.omni_a.requests[-1]["messages"][0]["content"][0]["input_audio"]["data"] == b64
+
+
+def test_a_spoken_conversation_appending_each_answer_as_the_sdk_returns_it(url, ups):
+    from tests.conftest import OMNI_MODEL
+
+    ups.omni_a.default = Script(flavour="omni", text="Paris it is.", audio_chunks=2)
+    request = {
+        "model": OMNI_MODEL,
+        "messages": [{"role": "system", "content": "You are a voice assistant."}],
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "Ethan", "format": "wav"},
+    }
+    got = sdk.call(url, "converse", request, turns=["Capital of France?", "Say it again.", "Thanks."])
+    assert "error" not in got, got
+    completions = got["completions"]
+    assert len(completions) == 3
+    ids = [c["choices"][0]["message"]["audio"]["id"] for c in completions]
+    assert len(set(ids)) == 3
+    # The last request carried both earlier answers (their audio objects, as the SDK returned them); the
+    # engine received each as the words it said, never the audio.
+    sent = ups.omni_a.requests[-1]["messages"]
+    assert [m for m in sent if m["role"] == "assistant"] == [
+        {"role": "assistant", "content": "Paris it is."}
+    ] * 2
+    assert [m["content"] for m in sent if m["role"] == "user"] == [
+        "Capital of France?",
+        "Say it again.",
+        "Thanks.",
+    ]
