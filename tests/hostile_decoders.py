@@ -163,3 +163,107 @@ def escapes(
         "handed_file": _outcome(write_handed),
         "environment": ",".join(sorted(k for k in os.environ if k.startswith("OMNIGATE"))) or "empty",
     }
+
+
+_PAGE = 4096
+#: unmapped address space a walk crosses before it stops (arenas and libraries are rarely further apart)
+_GAP = 64 << 20
+
+
+def finds_secrets(halves: list[tuple[str, str]]) -> dict[str, object]:
+    """Which of the secrets (each ``head + tail``) lie in this process's own memory, as a decoder
+    running the attacker's code would look for them: ``/proc/self/environ`` where it can be read, the
+    environment, and every readable page mapped around the stack, the heap and the allocators'
+    arenas, found without ``/proc``. Each answer is the indexes of the secrets found there.
+
+    A secret comes in two halves and is only ever compared half by half, so the search itself never
+    puts it in memory. A page is walked to where ``mincore`` says it is mapped and read through a pipe
+    (``write`` from its address): a page that cannot be read, or is unmapped meanwhile, fails with
+    EFAULT instead of killing the reader.
+    """
+    import ctypes
+
+    wanted = [(head.encode(), tail.encode()) for head, tail in halves]
+    edge = max(len(a) + len(b) for a, b in wanted)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.write.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+    libc.sbrk.restype = ctypes.c_void_p
+    libc.sbrk.argtypes = [ctypes.c_ssize_t]
+
+    def holds(data: bytes) -> set[int]:
+        hits = set()
+        for i, (first, rest) in enumerate(wanted):
+            at = data.find(first)
+            while at >= 0 and i not in hits:
+                if data[at + len(first) : at + len(first) + len(rest)] == rest:
+                    hits.add(i)
+                at = data.find(first, at + 1)
+        return hits
+
+    found: dict[str, object] = {}
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            found["proc_environ"] = sorted(holds(f.read()))
+    except OSError as exc:
+        found["proc_environ"] = type(exc).__name__
+    found["environ"] = sorted(set().union(*(holds(v.encode()) for v in os.environ.values())))
+
+    vec = ctypes.create_string_buffer(1)
+    r, w = os.pipe()
+    seen: set[int] = set()
+    pages = 0
+
+    def page_at(page: int) -> bytes | None:
+        """The page's bytes, copied by the kernel through a pipe (None where it cannot be read)."""
+        n = libc.write(w, page, _PAGE)
+        if n <= 0:
+            return None
+        data = os.read(r, n)
+        return data if n == _PAGE else None
+
+    def walk(seed: int) -> set[int]:
+        """The secrets on the readable pages mapped around ``seed``, up and down, until a long gap."""
+        nonlocal pages
+        hits: set[int] = set()
+        for step in (-_PAGE, _PAGE):
+            page, gap, carry = (seed & ~(_PAGE - 1)) + (_PAGE if step > 0 else 0), 0, b""
+            while gap < _GAP and 0 < page < 1 << 47:
+                data = None
+                if libc.mincore(page, _PAGE, vec) == 0:
+                    gap = 0
+                    if page not in seen:
+                        seen.add(page)
+                        data = page_at(page)
+                else:
+                    gap += _PAGE
+                if data is None:
+                    carry = b""
+                else:
+                    pages += 1
+                    # with its neighbour's edge, so a secret across two pages is found too
+                    hits |= holds(carry + data if step > 0 else data + carry)
+                    carry = data[-edge:] if step > 0 else data[:edge]
+                page += step
+        return hits
+
+    small = bytes(range(40))  # a small object: in one of the interpreter's own arenas
+    large = bytearray(1 << 20)  # a large one: mapped by the C library's allocator
+    seeds = {
+        "stack": ctypes.c_void_p.in_dll(libc, "program_invocation_name").value or 0,
+        "arena": id(small),
+        "heap": libc.sbrk(0) or 0,
+        "mapped": ctypes.addressof((ctypes.c_char * len(large)).from_buffer(large)),
+    }
+    try:
+        memory: dict[str, list[int]] = {}
+        for name, seed in seeds.items():
+            hits = walk(seed) if seed else set()
+            if hits:
+                memory[name] = sorted(hits)
+    finally:
+        os.close(r)
+        os.close(w)
+    found["memory"] = memory
+    found["pages"] = pages
+    return found

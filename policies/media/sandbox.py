@@ -22,12 +22,14 @@ import collections
 import contextlib
 import ctypes
 import multiprocessing
+import multiprocessing.forkserver as mp_forkserver
+import multiprocessing.util as mp_util
 import os
 import secrets
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import shared_memory
@@ -76,6 +78,7 @@ class Sandbox:
     def _new_pool(self) -> ProcessPoolExecutor:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_preload())
+        start_forkserver()
         if self._fds is None:
             self._fds = FdServer()
         return ProcessPoolExecutor(
@@ -381,6 +384,45 @@ def _segment(size: int) -> shared_memory.SharedMemory | None:
         shm.unlink()
         return None
     return shm
+
+
+#: the interpreter started first, with the gateway's environment, only to execute the forkserver's
+#: with a clean one: ``python -P -S -c _EXEC <n> <n NAME=VALUE> <the forkserver's command line>``
+#: (``-S``: nothing of the installation's site; ``os`` and ``sys`` are built in, found before any path)
+_EXEC = (
+    "import os, sys; n = int(sys.argv[1]); "
+    "os.execve(sys.argv[n + 2], sys.argv[n + 2 :], dict(a.split('=', 1) for a in sys.argv[2 : n + 2]))"
+)
+_STARTING = threading.Lock()
+
+
+def start_forkserver() -> None:
+    """Start multiprocessing's forkserver, where it is not running, with a clean environment.
+
+    Every worker is forked from it, so whatever its environment held is in every worker's memory:
+    clearing the worker's environment forgets the variables, not the copies the forkserver's
+    interpreter made of them when it started. The forkserver's command line is therefore executed
+    through one more interpreter that replaces itself with the forkserver (``execve``), passing on
+    only what :func:`worker.forkserver_environment` allows: the forkserver's initial environment
+    block and heap never held the gateway's keys. multiprocessing starts it with
+    ``util.spawnv_passfds``, which is replaced for that one call, under a lock (a process that other
+    code starts at the same moment gets the clean environment too). Each worker checks the
+    environment its forkserver started with, so a forkserver started some other way shows as an
+    unconfined worker (``environment: inherited``).
+    """
+    with _STARTING:
+        spawnv = mp_util.spawnv_passfds
+
+        def clean(path: bytes, args: Sequence[Any], passfds: Sequence[int]) -> int:
+            env = [f"{k}={v}" for k, v in worker.forkserver_environment(dict(os.environ)).items()]
+            launch = [path, "-P", "-S", "-c", _EXEC, str(len(env)), *env, path, *args[1:]]
+            return spawnv(path, launch, passfds)
+
+        mp_util.spawnv_passfds = clean
+        try:
+            mp_forkserver.ensure_running()
+        finally:
+            mp_util.spawnv_passfds = spawnv
 
 
 def _preload() -> list[str]:

@@ -11,7 +11,8 @@ a decoder parsing hostile bytes with a C library will one day run the attacker's
 - a network namespace with nothing in it, where the kernel allows one;
 - a seccomp allow-list of the system calls decoding needs (libseccomp): no ``execve``, ``ptrace``,
   ``mount``, ``unshare``, no socket but a Unix one, no new process, any other call fails with EPERM;
-- no environment (the gateway's keys are not in the worker's memory to be read);
+- no environment, and none of the gateway's keys in its memory to be read: the forkserver it is
+  forked from starts with an allow-list of the gateway's variables (:data:`ENVIRONMENT`);
 - no core dumps, no files written, an address-space cap above what the imports already mapped, a
   CPU-time limit reset for every task (the kernel kills a worker that spins past it).
 
@@ -364,9 +365,50 @@ def _seccomp_allow_list(lib: Any) -> bool:
         lib.seccomp_release(ctx)
 
 
-def _scrub_environment() -> None:
-    """Forget the gateway's environment: the dict, the C library's array and the strings the process
-    started with (the forkserver's copy of the gateway's, where keys may be)."""
+#: what the forkserver, and so every worker, starts with of the gateway's environment: what the
+#: interpreter, the C library and the decoders read (search and import paths, locale, time zone), never
+#: a key. Variables named ``LC_*`` pass too.
+ENVIRONMENT = (
+    "PATH", "LD_LIBRARY_PATH", "TMPDIR", "LANG", "LANGUAGE", "TZ",
+    "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX",
+    "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONUNBUFFERED",
+)  # fmt: skip
+#: the decoders' thread pools, read when their libraries load in the forkserver: one thread, as a
+#: worker decodes one part at a time (init_worker sets them again)
+THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def passes(name: str) -> bool:
+    """Whether a variable of the gateway's environment may reach the forkserver."""
+    return name in ENVIRONMENT or name in THREADS or name.startswith("LC_")
+
+
+def forkserver_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The environment the forkserver is started with: the allowed part of ``environ``, one thread each."""
+    env = {k: v for k, v in environ.items() if passes(k) and k not in THREADS}
+    return env | dict.fromkeys(THREADS, "1")
+
+
+def _started_with() -> list[str]:
+    """The names of the environment this process started with (as the forkserver was executed)."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            block = f.read()
+    except OSError:
+        return list(os.environ)  # the same names, as the interpreter read them at its start
+    return [e.partition(b"=")[0].decode("utf-8", "replace") for e in block.split(b"\0") if e]
+
+
+def _scrub_environment() -> bool:
+    """Forget the environment: the dict, the C library's array and the strings the process started
+    with; whether that environment was a clean one (only what :func:`passes`).
+
+    Scrubbing cannot forget every copy: the forkserver the worker was forked from read its environment
+    into its heap, and those freed strings stay in the worker's memory. The forkserver is therefore
+    started with a clean environment (policies/media/sandbox.py); a worker whose forkserver was not
+    (someone else started it) says so, and the sandbox counts it as unconfined.
+    """
+    clean = all(passes(name) for name in _started_with())
     os.environ.clear()
     with contextlib.suppress(OSError, ValueError, IndexError):
         with open("/proc/self/stat") as f:
@@ -375,6 +417,7 @@ def _scrub_environment() -> None:
         start, end = int(fields[47]), int(fields[48])
         if 0 < start < end:
             ctypes.memset(start, 0, end - start)
+    return clean
 
 
 def init_worker(
@@ -387,15 +430,14 @@ def init_worker(
 ) -> None:
     """The ProcessPoolExecutor initializer: confine this process before it decodes anything."""
     watch = _gateway_fd(gateway_pid) if gateway_pid is not None else None  # while its pid is visible
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    for var in THREADS:
         os.environ[var] = str(threads)
     import policies.media.process  # noqa: F401 - already loaded from the forkserver; imported before the cap
 
     _state["cpu_s"] = cpu_s
     _state["channel"] = channel
     mapped = _address_space()
-    _scrub_environment()
-    _state["environment"] = "scrubbed"
+    _state["environment"] = "scrubbed" if _scrub_environment() else "inherited"
     libc = _libc()
     seccomp = _libseccomp()
     dirs = exposed_dirs()

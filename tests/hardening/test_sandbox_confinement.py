@@ -126,6 +126,126 @@ def test_hostile_code_in_a_worker_is_denied_every_step(targets, filesystem):
     assert db.read_bytes() == before_db
 
 
+#: a gateway's keys as its environment carries them: sizes that land in each of the allocators
+#: (the interpreter's small-object arenas, the C library's heap), every one under a page
+_SECRET_SIZES = {
+    "OMNIGATE_ADMIN__API_KEY": 64,
+    "OMNIGATE_TENANT_SENTINEL_KEY": 200,
+    "OMNIGATE_TENANTS_SENTINEL_KEYS": 400,
+    "OMNIGATE_AUDIT_SENTINEL_SIGNING_KEY": 600,
+    "OMNIGATE_ENGINE_SENTINEL_TOKEN": 1500,
+}
+
+_SECRETS_IN_A_WORKER = textwrap.dedent(
+    """
+    import asyncio, json, os, sys
+    from core.settings import MediaSettings
+    from policies.media.sandbox import Sandbox
+    from tests import hostile_decoders as bad
+
+    names = sys.argv[1].split(",")
+    halves = [(os.environ[n][:8], os.environ[n][8:]) for n in names]  # never whole in the worker's args
+
+    def environment(pid):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return sorted(e.partition(b"=")[0].decode() for e in f.read().split(b"\\0") if e)
+
+    async def go():
+        box = Sandbox(MediaSettings(decode_workers=1, decode_deadline_s=60, decode_cpu_s=60))
+        await box.start()
+        try:
+            seen = await box.run(bad.finds_secrets, (halves,), param="p")
+            # what the gateway's own processes below it (the forkserver, its resource tracker) started with
+            below = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+            children = {}
+            for pid in below:
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                            children[pid] = environment(pid)
+                except OSError:
+                    pass
+            return box.confinement, seen, sorted(children.values())
+        finally:
+            await box.aclose()
+
+    print(json.dumps(asyncio.run(go())))
+    """
+)
+
+
+def test_a_worker_holds_none_of_the_gateway_s_keys_in_its_memory():
+    """The gateway's keys are in its environment; a decoder that runs the attacker's code searches its
+    own memory for them (its environment block, the interpreter's and the C library's heaps, without
+    ``/proc``). Clearing the worker's environment leaves copies in memory it inherited from a forkserver
+    that started with all of the gateway's; the forkserver must start without them."""
+    secrets = {name: os.urandom(size).hex()[:size] for name, size in _SECRET_SIZES.items()}
+    env = {**os.environ, **secrets}
+    names = ",".join(secrets)
+    halves = [(v[:8], v[8:]) for v in secrets.values()]
+
+    # the search first, in a plain process that started with the keys: it finds every one
+    code = f"import json; from tests.hostile_decoders import finds_secrets as f; print(json.dumps(f({halves!r})))"
+    plain = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert plain.returncode == 0, plain.stderr
+    unconfined = json.loads(plain.stdout)
+    everyone = list(range(len(secrets)))
+    assert unconfined["proc_environ"] == everyone
+    assert unconfined["environ"] == everyone
+    assert unconfined["memory"]["stack"] == everyone  # found by walking its memory, without /proc
+
+    # then as a gateway whose worker runs the same search
+    out = subprocess.run(
+        [sys.executable, "-c", _SECRETS_IN_A_WORKER, names],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert out.returncode == 0, out.stderr
+    confinement, seen, below = json.loads(out.stdout.splitlines()[-1])  # (after the start-up log)
+    assert confinement["environment"] == "scrubbed"
+    assert seen["pages"] > 1000  # it did read its memory
+    assert seen["environ"] == []
+    assert seen["proc_environ"] in ("FileNotFoundError", "PermissionError", [])
+    assert seen["memory"] == {}, {list(secrets)[i] for hits in seen["memory"].values() for i in hits}
+    # the processes the gateway started for its workers started without its keys
+    assert below
+    for names_seen in below:
+        assert not set(names_seen) & set(secrets), names_seen
+
+
+def test_workers_of_a_forkserver_started_with_the_gateway_s_environment_are_unconfined():
+    """A forkserver something else started first (multiprocessing's own way, with every variable) is
+    not replaced: its workers say so, and the gateway refuses to start on them."""
+    code = textwrap.dedent(
+        """
+        import asyncio, multiprocessing.forkserver
+        from core.settings import MediaSettings
+        from policies.media.sandbox import Sandbox, Unconfined
+        multiprocessing.forkserver.ensure_running()
+        async def go():
+            box = Sandbox(MediaSettings(decode_workers=1))
+            try:
+                await box.start()
+            except Unconfined as exc:
+                print("refused:", exc)
+            finally:
+                await box.aclose()
+        asyncio.run(go())
+        """
+    )
+    env = {**os.environ, "OMNIGATE_ADMIN__API_KEY": os.urandom(32).hex()}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110
+    )
+    assert out.returncode == 0, out.stderr
+    assert "refused: the decoding workers could not be confined (environment)" in out.stdout
+
+
 def test_a_worker_reads_the_part_it_was_handed_and_writes_only_its_output(tmp_path):
     """The descriptors that replace names: an argument read-only, a reserved output writable."""
     from policies.media.shared import SharedOut, write_out
