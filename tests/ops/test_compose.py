@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 from collections import defaultdict
 from pathlib import Path
 from urllib.parse import urlparse
@@ -18,9 +19,11 @@ from tests.ops.catalogue import OPS, ROOT
 from tests.ops.tools import run, venv_tool
 
 COMPOSE = OPS / "compose.yaml"
+SIGNING_KEY = secrets.token_hex(32)  # as the env file's comment says to make one
 SHARED = {"redis", "postgres", "prometheus", "grafana", "proxy"}
 PROFILES = {
-    "gpu": SHARED | {"gateway", "omni-int4", "omni-bf16", "weights-omni-int4", "weights-omni-bf16"},
+    "gpu": SHARED
+    | {"gateway", "omni-int4", "omni-bf16", "weights-omni-int4", "weights-omni-bf16", "dcgm-exporter"},
     "cpu": SHARED | {"gateway-cpu"},
 }
 
@@ -35,7 +38,7 @@ def _env(**extra: str) -> dict[str, str]:
 def compose_config(profile: str, **env: str) -> dict:
     result = run(
         [venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", profile, "config", "--format", "json"],
-        env=_env(OMNIGATE_ADMIN_KEY="k" * 32, **env),
+        env=_env(**{"OMNIGATE_ADMIN_KEY": "k" * 32, "OMNIGATE_AUDIT_SIGNING_KEY": SIGNING_KEY, **env}),
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -51,7 +54,7 @@ def test_docker_compose_config_validates_each_profile(profile):
     assert set(config["services"]) == PROFILES[name]
     result = run(
         [venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", name, "config", "--quiet"],
-        env=_env(OMNIGATE_ADMIN_KEY="k" * 32),
+        env=_env(OMNIGATE_ADMIN_KEY="k" * 32, OMNIGATE_AUDIT_SIGNING_KEY=SIGNING_KEY),
     )
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
 
@@ -81,11 +84,15 @@ def _mounted(svc: dict, target: str) -> Path:
     return Path(next(v["source"] for v in svc["volumes"] if v["target"] == target))
 
 
-def test_gateway_config_is_valid_and_reachable_by_proxy_and_prometheus(profile, capsys):
+def test_gateway_config_is_valid_and_reachable_by_proxy_and_prometheus(profile, capsys, monkeypatch):
     _name, config = profile
     _gw_name, gw = _gateway(config)
     assert gw["command"][:3] == ["serve", "--config", "/etc/omnigate/omnigate.yaml"]
     config_file = _mounted(gw, "/etc/omnigate/omnigate.yaml")
+    for key, value in gw["environment"].items():  # the file as the service starts it: its environment over it
+        if key.startswith("OMNIGATE_"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("OMNIGATE_ADMIN__API_KEY", secrets.token_hex(32))  # "k" * 32 is refused as weak
     assert check_config(str(config_file)) == 0, capsys.readouterr().err
     settings = yaml.safe_load(config_file.read_text())
     port = settings["server"]["port"]
@@ -272,7 +279,7 @@ def test_the_gateway_requires_the_revisions_the_weights_checks_verified(monkeypa
     env = config["services"]["gateway"]["environment"]
     assert env["OMNIGATE_ADMIN__API_KEY"] == "k" * 32  # the anchor's variable is kept beside the new ones
     for key, value in env.items():
-        if key.startswith("OMNIGATE_ENGINES__"):
+        if key.startswith("OMNIGATE_"):
             monkeypatch.setenv(key, value)
     settings = load_settings(OPS / "config" / "compose-gpu.yaml")
     by_name = {e.name: e for e in settings.engines}
@@ -280,3 +287,119 @@ def test_the_gateway_requires_the_revisions_the_weights_checks_verified(monkeypa
         assert by_name[engine].expected_revision == revision
         # ... the revision the engine's weights check verified and its folder is named after
         assert config["services"][engine]["command"][0] == f"/models/{engine}/snapshots/{revision}"
+
+
+# -- the shipped shape keeps the docs' promises ------------------------------------------------------------
+
+
+def _settings(profile: str, monkeypatch) -> tuple[dict, dict, object]:
+    """compose's config for a profile, its gateway service, and the gateway's settings as that service
+    starts them (the mounted file with the service's environment over it)."""
+    from core.settings import load_settings
+
+    config = compose_config(profile)
+    _, gw = _gateway(config)
+    for key, value in gw["environment"].items():
+        if key.startswith("OMNIGATE_"):
+            monkeypatch.setenv(key, value)
+    return config, gw, load_settings(_mounted(gw, "/etc/omnigate/omnigate.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_the_audit_trail_is_signed_in_compose_s_postgresql_with_a_witness_beside_it(name, monkeypatch):
+    config, gw, settings = _settings(name, monkeypatch)
+    audit = settings.audit
+    assert audit.enabled and audit.store == "postgres"
+    dsn = urlparse(audit.postgres_dsn.get_secret_value())
+    pg = config["services"]["postgres"]
+    assert dsn.hostname == "postgres" and dsn.port == 5432
+    assert (
+        dsn.username == pg["environment"]["POSTGRES_USER"]
+        and dsn.password == pg["environment"]["POSTGRES_PASSWORD"]
+    )
+    assert dsn.path == "/" + pg["environment"]["POSTGRES_DB"]
+    assert gw["depends_on"]["postgres"]["condition"] == "service_healthy"
+    # Signed with the key from the env file, which compose requires.
+    assert audit.signing.key is not None and audit.signing.key.get_secret_value() == SIGNING_KEY
+    result = run(
+        [venv_tool("docker-compose"), "-f", str(COMPOSE), "--profile", name, "config", "--quiet"],
+        env=_env(OMNIGATE_ADMIN_KEY="k" * 32),
+    )
+    assert result.returncode != 0 and "OMNIGATE_AUDIT_SIGNING_KEY" in result.stderr
+    # The signed heads go to a volume of their own, not the database's.
+    assert audit.witness_path is not None
+    volume = next(v for v in gw["volumes"] if audit.witness_path.is_relative_to(v["target"]))
+    assert volume["type"] == "volume" and volume["source"] not in {v["source"] for v in pg.get("volumes", [])}
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_every_chain_in_front_of_an_engine_that_takes_media_screens_it(name, monkeypatch):
+    from gateway.chains import build_policy_sets
+    from policies.registry import build_chain
+
+    _, _, settings = _settings(name, monkeypatch)
+    if not any(e.modalities()[0] - {"text"} for e in settings.engines):
+        return
+    chains = {"default": build_chain(settings.policies), **build_policy_sets(settings)}
+    for chain_name, chain in chains.items():
+        assert "nsfw-screen" in chain.describe()["pre"], chain_name
+
+
+def test_the_gpu_profile_reads_power_and_memory_from_a_dcgm_exporter(monkeypatch):
+    config, _, settings = _settings("gpu", monkeypatch)
+    dcgm = config["services"]["dcgm-exporter"]
+    assert dcgm["profiles"] == ["gpu"] and "dcgm-exporter" in dcgm["image"]
+    seen = dcgm["deploy"]["resources"]["reservations"]["devices"][0]
+    for engine in settings.engines:
+        svc = config["services"][urlparse(str(engine.base_url)).hostname]
+        ids = svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        tel = engine.telemetry
+        # Each engine's GPUs, by the index the exporter labels them with (it sees every GPU of the host).
+        assert tel.dcgm_url is not None and urlparse(str(tel.dcgm_url)).hostname == "dcgm-exporter"
+        assert str(urlparse(str(tel.dcgm_url)).port) in dcgm["expose"]
+        assert sorted(tel.gpus) == sorted(ids) and seen.get("count") in ("all", -1)
+    moved = compose_config(
+        "gpu", OMNIGATE_AUDIT_SIGNING_KEY=SIGNING_KEY, OMNI_BF16_GPU_A="4", OMNI_BF16_GPU_B="5"
+    )
+    env = moved["services"]["gateway"]["environment"]
+    assert [
+        env["OMNIGATE_ENGINES__1__TELEMETRY__GPUS__0"],
+        env["OMNIGATE_ENGINES__1__TELEMETRY__GPUS__1"],
+    ] == [
+        "4",
+        "5",
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_every_shipped_rule_watches_an_engine_and_has_its_target_in_the_layout(name, monkeypatch):
+    _, _, settings = _settings(name, monkeypatch)
+    controller = settings.routing.controller
+    if not controller.enabled:
+        return
+    engines = settings.engines
+    variants = {e.variant for e in engines}
+    for rule in controller.rules:
+        watched = [e for e in engines if rule.select.matches(e.name, e.variant, e.role)]
+        assert watched, f"rule {rule.name} watches no engine of this layout: leave it out"
+        if rule.action.kind == "shift":
+            missing = set(rule.action.to_variants) - variants
+            assert not missing, f"rule {rule.name} shifts to {sorted(missing)}, which no engine here is"
+        if rule.signal == "accuracy":
+            assert settings.routing.accuracy.enabled, f"rule {rule.name} reads a sentinel that is off"
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_offload_is_promised_only_where_the_engines_sleep_and_share_a_gpu(name, monkeypatch):
+    config, _, settings = _settings(name, monkeypatch)
+    if not any(
+        r.action.sleep_idle for r in settings.routing.controller.rules if settings.routing.controller.enabled
+    ):
+        return
+    devices: dict[str, set[str]] = {}
+    for engine in settings.engines:
+        svc = config["services"][urlparse(str(engine.base_url)).hostname]
+        assert "--enable-sleep-mode" in svc["command"], engine.name
+        devices[engine.name] = set(svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"])
+    shared = [a for a in devices for b in devices if a != b and devices[a] & devices[b]]
+    assert shared, "sleep_idle sleeps only engines that share a GPU with the one under pressure"
