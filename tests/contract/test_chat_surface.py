@@ -222,7 +222,7 @@ def test_reasoning_is_relayed_under_the_engines_key(gateway, ups, key):
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"verbosity_level": "high"}, "verbosity_level"),
         (
             {"messages": [{"role": "user", "content": "hi", "cache_control": {"type": "ephemeral"}}]},
             "messages.0.cache_control",
