@@ -3,7 +3,9 @@
 Every replica runs one, each tick (``routing.controller.interval_s``):
 
 1. it publishes a summary of its own measurements (latency histograms, outcomes, WER);
-2. it tries to take or renew the leader lease;
+2. it tries to take or renew the leader lease (the leader also renews it on a beat of its own, a third
+   of ``routing.state.lease_ttl_s``, so a lease no longer than the tick never lapses between two ticks
+   and hands the lead to whichever replica ticks in the gap);
 3. the leader merges every replica's summary with the scraped telemetry into a
    :class:`~engines.snapshot.Snapshot`, calls :func:`~engines.rollback.decide`, and
    writes the new state and routing table in one fenced update;
@@ -104,6 +106,7 @@ class RolloutController:
         self.state = ControllerState()
         self._hook_tasks: set[asyncio.Task[Any]] = set()
         self._task: asyncio.Task[None] | None = None
+        self._lease_task: asyncio.Task[None] | None = None
         self._tick_lock = asyncio.Lock()
         e = settings.energy
         self.energy = energy if energy is not None else EnergyBook(e.audio_tokens_per_s)
@@ -144,6 +147,7 @@ class RolloutController:
             await self.aclose()
             raise
         self._task = asyncio.create_task(self._run(), name="rollout-controller")
+        self._lease_task = asyncio.create_task(self._keep_lease(), name="rollout-controller-lease")
 
     async def _load_or_seed(self) -> None:
         await self.store.start()
@@ -156,9 +160,10 @@ class RolloutController:
         self._apply(doc)
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._lease_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for closer in (self.telemetry, self.sentinel, self.accuracy, self.offload):
             if closer is not None:
                 await closer.aclose()
@@ -184,6 +189,28 @@ class RolloutController:
                 self.metrics.controller_errors.labels("tick").inc()
                 log.warning("controller_tick_failed", error=str(exc) or type(exc).__name__)
             await asyncio.sleep(interval)
+
+    async def _keep_lease(self) -> None:
+        """While this replica leads, renew its lease every third of the TTL, whatever the ticks take.
+
+        Renewed only by the tick, a lease no longer than the tick's interval lapsed before every renewal,
+        and the lead went to whichever replica ticked in the gap: two meters integrated the same engine's
+        power in turn, and a leader taking the lead back joined an interval the other had counted."""
+        ttl = self.settings.state.lease_ttl_s
+        while True:
+            await asyncio.sleep(ttl / 3)
+            if not self.is_leader:
+                continue
+            try:
+                held = await asyncio.wait_for(self.store.acquire_lease(ttl), timeout=ttl / 3)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.metrics.controller_errors.labels("store").inc()
+                log.warning("controller_lease_renewal_failed", error=str(exc) or type(exc).__name__)
+                continue  # the lease runs on until its TTL; the next beat or tick tries again
+            if not held:
+                self._set_leader(False)
 
     # -- one tick ---------------------------------------------------------------------------
     async def tick(self) -> Decision | None:
@@ -285,6 +312,9 @@ class RolloutController:
             cap = self.pool.configured_cap(name)
             if cap is not None:
                 values["concurrency_cap"] = float(cap)
+            seqs = self.pool.engines[name].config.max_num_seqs
+            if seqs is not None:
+                values["max_num_seqs"] = float(seqs)
             if self.telemetry is not None:
                 values.update(self.telemetry.latest(name))
             tpj = self._energy(name, info.variant, now, values, merged[name], in_flight[name])
@@ -358,6 +388,10 @@ class RolloutController:
     def _set_leader(self, leader: bool) -> None:
         if leader != self.is_leader:
             log.info("controller_leadership", replica=self.replica_id, leader=leader)
+            if not leader:
+                # Another replica integrates the power while this one follows: should the lead come back,
+                # its meter starts a new series rather than join an interval the other has counted.
+                self.energy_meter.restart()
         self.is_leader = leader
         self.metrics.controller_leader.set(1 if leader else 0)
 

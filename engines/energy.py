@@ -79,6 +79,12 @@ class EnergyMeter:
             track.segments.popleft()
         return added
 
+    def restart(self) -> None:
+        """Start every engine's series anew: the next observation adds nothing (this meter stopped
+        observing, and what happened meanwhile is not its to count)."""
+        for track in self._tracks.values():
+            track.last = None
+
     def window_joules(self, engine: str) -> float:
         track = self._tracks.get(engine)
         return sum(j for _, j in track.segments) if track else 0.0

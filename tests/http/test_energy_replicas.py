@@ -24,8 +24,8 @@ def dcgm(bg):
     bg.run(d.stop())
 
 
-def _replica(bg, trio, dcgm, prefix: str, name: str) -> GatewayServer:
-    state = SharedStateSettings(backend="redis", key_prefix=prefix, lease_ttl_s=1.0,
+def _replica(bg, trio, dcgm, prefix: str, name: str, lease_ttl_s: float = 1.0) -> GatewayServer:
+    state = SharedStateSettings(backend="redis", key_prefix=prefix, lease_ttl_s=lease_ttl_s,
                                 replica_id=name)  # fmt: skip
     engine_list = engines(trio)
     engine_list[0] = engine_list[0].model_copy(
@@ -69,6 +69,38 @@ def test_the_followers_answers_carry_the_energy_the_leader_measured(bg, fresh, d
         )
         assert tpj is not None and tpj > 0
         # The energy is integrated once, by the leader.
+        assert (
+            follower.registry.get_sample_value(
+                "omnigate_engine_energy_joules_total", {"engine": "omni-int4", "variant": "int4"}
+            )
+            is None
+        )
+    finally:
+        b.stop()
+        a.stop()
+
+
+def test_the_leader_keeps_its_lease_between_decisions_and_nobody_else_leads(bg, fresh, dcgm, prefix):
+    """A lease no longer than the decision interval lapsed between two ticks, and whichever replica ticked in
+    the gap took it: the lead changed hands at random, each new leader integrated energy from its own
+    meter, and a leader taking it back joined an interval the other had already counted. (The test above
+    failed that way under load: the follower had integrated 605 J itself.) The lease is renewed on its own
+    beat, a third of its TTL, so it never lapses while the leader lives."""
+    a = _replica(bg, fresh, dcgm, prefix, "replica-a", lease_ttl_s=0.5)
+    b = _replica(bg, fresh, dcgm, prefix, "replica-b", lease_ttl_s=0.5)
+    try:
+        assert wait_until(lambda: admin(a.url, "").json()["leader"] in ("replica-a", "replica-b"), timeout=10)
+        ca, cb = a.services.controller, b.services.controller
+        first = admin(a.url, "").json()["leader"]
+        seen: list[tuple[str | None, bool, bool]] = []
+        deadline = time.monotonic() + 6.0  # six decision ticks
+        while time.monotonic() < deadline:
+            holder = admin(a.url, "").json()["leader"]
+            seen.append((holder, a.bg.call(lambda: ca.is_leader), b.bg.call(lambda: cb.is_leader)))
+            time.sleep(0.05)
+        assert {h for h, _, _ in seen} == {first}, seen
+        assert not any(la and lb for _, la, lb in seen), seen
+        follower = b if first == "replica-a" else a
         assert (
             follower.registry.get_sample_value(
                 "omnigate_engine_energy_joules_total", {"engine": "omni-int4", "variant": "int4"}
