@@ -4,8 +4,9 @@ A decoder parses hostile bytes with C libraries; assume one falls. The attacker'
 a real decoding worker, with the real confinement (policies/media/worker.py), and tries what the
 issue found open: the gateway's environment and memory through ``/proc``, another request's spool
 file by name in ``/dev/shm``, the audit database (opened and mapped shared), any other path, a
-network socket, ``execve``, a new process, ``ptrace``, and writing the part it was handed. The same
-code run unconfined shows each step works there first.
+network socket, ``execve``, a new process, ``ptrace``, and writing the part it was handed, and it
+searches its own memory for the gateway's keys. The same code run unconfined shows each step works
+there first.
 """
 
 from __future__ import annotations
