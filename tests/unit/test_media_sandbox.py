@@ -193,6 +193,28 @@ def test_a_worker_is_confined():
     assert reached == "PermissionError", reached  # the host's loopback, listening, is not reachable
 
 
+def test_the_forkserver_is_given_only_the_allowed_environment():
+    from policies.media.worker import forkserver_environment
+
+    gateway = {
+        "PATH": "/usr/bin",
+        "LC_ALL": "C.UTF-8",
+        "PYTHONPATH": "/srv/omnigate",
+        "OMP_NUM_THREADS": "16",
+        "OMNIGATE_ADMIN__API_KEY": "k" * 64,
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "HOME": "/var/lib/omnigate",
+    }
+    assert forkserver_environment(gateway) == {
+        "PATH": "/usr/bin",
+        "LC_ALL": "C.UTF-8",
+        "PYTHONPATH": "/srv/omnigate",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
 @pytest.mark.parametrize(
     "culprit",
     [bad.sleeps, bad.hangs_in_c, bad.spins, bad.crashes, bad.allocates],
