@@ -27,6 +27,8 @@ from core.schemas import ChatCompletionRequest, Message
 from gateway.render import AUDIO_TTL_S
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
     from gateway.redis_client import SharedRedis
 
 log = structlog.get_logger("omnigate.answer_audio")
@@ -93,16 +95,23 @@ class RedisAnswers:
     def __init__(self, redis: SharedRedis, key_prefix: str) -> None:
         self._redis = redis
         self._prefix = f"{key_prefix}:answer-audio:"
+        self._client: aioredis.Redis | None = None
+
+    def _conn(self) -> aioredis.Redis:
+        # Made on first use: a replica that serves no speech never opens the pool for this.
+        if self._client is None:
+            self._client = self._redis.client()
+        return self._client
 
     async def put(self, audio: str, spoken: Spoken) -> None:
         ttl_ms = int((spoken.expires_at - time.time()) * 1000)
         if ttl_ms <= 0:
             return
         value = orjson.dumps({"t": spoken.transcript, "e": spoken.expires_at, "tenant": spoken.tenant})
-        await self._redis.client().set(self._prefix + audio, value, px=ttl_ms)
+        await self._conn().set(self._prefix + audio, value, px=ttl_ms)
 
     async def get(self, audio: str) -> Spoken | None:
-        raw = await self._redis.client().get(self._prefix + audio)
+        raw = await self._conn().get(self._prefix + audio)
         if raw is None:
             return None
         doc = orjson.loads(raw)

@@ -175,3 +175,21 @@ def test_a_text_model_takes_the_spoken_turn_as_text_too(server, keys, fresh):
     resp = _post(server, keys, body)
     assert resp.status_code == 200, resp.text
     assert _assistant_turns(fresh.vllm) == [{"role": "assistant", "content": SAID}]
+
+
+def test_the_in_process_store_is_bounded(bg):
+    from gateway.answer_audio import MemoryAnswers
+
+    store = MemoryAnswers(max_answers=3, max_chars=10)
+    live = time.time() + 60
+
+    async def fill() -> list:
+        for i in range(5):
+            await store.put(f"a{i}", Spoken("xy", live, None))
+        kept = [await store.get(f"a{i}") for i in range(5)]
+        await store.put("long", Spoken("z" * 9, live, None))  # over the characters: the oldest go first
+        return [*kept, await store.get("a3"), await store.get("a4"), await store.get("long")]
+
+    got = bg.run(fill())
+    assert [g is not None for g in got[:5]] == [False, False, True, True, True]
+    assert got[5:] == [None, None, Spoken("z" * 9, live, None)]
