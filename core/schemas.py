@@ -319,6 +319,8 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 METADATA_MAX_PAIRS, METADATA_KEY_MAX, METADATA_VALUE_MAX = 16, 64, 512
 #: the longest regex, grammar or JSON schema text a structured output may carry, and its most choices
 _CONSTRAINT_MAX_CHARS = 100_000
+#: the largest token id, token count or priority passed on (no model has a token id or length past it)
+_INT32 = 2**31 - 1
 _CHOICES_MAX = 1024
 
 _Choices = Annotated[
@@ -408,9 +410,11 @@ class ChatCompletionRequest(BaseModel):
     thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
     # vLLM's sampling and decoding extras (VLLM_EXTRA_FIELDS), each only to an engine that takes it
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=_INT32)] | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=_INT32)]], Field(max_length=256)] | None = (
+        None
+    )
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -420,7 +424,7 @@ class ChatCompletionRequest(BaseModel):
     guided_grammar: _Constraint | None = None
     #: vLLM's scheduling priority (lower runs earlier, 0 by default): only 0 or more, so a client can yield
     #: its place to other requests but never take theirs
-    priority: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    priority: Annotated[int, Field(ge=0, le=_INT32)] | None = None
     # OpenAI's own fields the gateway honours in its way (docs/clients.md)
     #: up to 16 string pairs the client attaches; recorded in the audit record
     metadata: (

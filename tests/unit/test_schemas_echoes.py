@@ -91,6 +91,7 @@ def test_vllm_extras_are_validated_and_named_as_features():
         {"min_tokens": -1},
         {"min_tokens": 10, "max_tokens": 5},
         {"stop_token_ids": [-3]},
+        {"stop_token_ids": [2**40]},
         {"stop_token_ids": "7"},
         {"ignore_eos": "yes please"},
         {"priority": -10},  # ahead of every other request: never a client's to take
