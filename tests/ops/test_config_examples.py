@@ -97,3 +97,9 @@ def test_each_compose_config_passes_check_config_in_its_services_environment(pro
     env["OMNIGATE_ADMIN__API_KEY"] = _secret()  # the env file's key, made as it says (the test's is weak)
     rc, out = _check(config, env, tmp_path)
     assert rc == 0, f"{name} ({config.name}):\n{out}"
+
+
+def test_the_media_page_names_the_default_pre_chain_the_code_has():
+    chain = " → ".join(p.name for p in Settings().policies.pre)
+    text = " ".join((DOCS / "media.md").read_text().split())
+    assert f"The default pre chain is `{chain}`" in text
