@@ -390,3 +390,116 @@ def test_the_chart_s_pods_write_one_signed_chain_that_survives_a_killed_pod(char
     # Signed with the Secret's key: another key does not verify the same chain.
     forged = _verify(shape, secrets.token_hex(32), witnesses)
     assert forged.returncode != 0, forged.stdout
+
+
+# -- compose, gpu profile -----------------------------------------------------------------------------------
+REVISIONS = {"omni-int4": "0123456789abcdef0123456789abcdef01234567", "omni-bf16": "f" * 40}
+
+
+@pytest.fixture(scope="module")
+def compose(tmp_path_factory, bg) -> Iterator[tuple[Shape, dict[str, ScriptedUpstream]]]:
+    """compose's gpu profile as ``docker compose config`` renders it: its gateway service as a process,
+    the engines as scripted vLLM-Omni servers that list the model and verified snapshot compose serves."""
+    from tests.ops.test_compose import _gateway, _mounted, compose_config
+
+    tmp_path = tmp_path_factory.mktemp("compose")
+    rendered = compose_config(
+        "gpu",
+        OMNIGATE_ADMIN_KEY=secrets.token_hex(32),
+        OMNIGATE_AUDIT_SIGNING_KEY=secrets.token_hex(32),
+        OMNI_INT4_REVISION=REVISIONS["omni-int4"],
+        OMNI_BF16_REVISION=REVISIONS["omni-bf16"],
+    )
+    _, gw = _gateway(rendered)
+    config = yaml.safe_load(_mounted(gw, "/etc/omnigate/omnigate.yaml").read_text())
+    upstreams: dict[str, ScriptedUpstream] = {}
+    for engine in config["engines"]:
+        svc = rendered["services"][engine["name"]]
+        served = next(a.split("=", 1)[1] for a in svc["command"] if a.startswith("--served-model-name="))
+        up = ScriptedUpstream(Script(flavour="omni"), models=[served])
+        up.roots[served] = svc["command"][0]  # vLLM lists the folder it loaded as the model's root
+        bg.run(up.start())
+        upstreams[engine["name"]] = up
+    _engines_to(config, upstreams)
+    # The gateway's volume (its home, the witness file on it) at a folder of the test's.
+    home = next(v["target"] for v in gw["volumes"] if v["source"] == "gateway-state")
+    witness = tmp_path / "witness"
+    witness.mkdir()
+    config["audit"]["witness_path"] = config["audit"]["witness_path"].replace(home, str(witness))
+    prefix = redis_prefix()
+    try:
+        with fresh_pg_database() as dsn:
+            env = dict(gw["environment"])
+            # compose's own PostgreSQL and Redis, here this machine's
+            assert env["OMNIGATE_AUDIT__POSTGRES_DSN"].endswith("@postgres:5432/omnigate")
+            assert env["OMNIGATE_REDIS__URL"] == "redis://redis:6379/0"
+            env["OMNIGATE_AUDIT__POSTGRES_DSN"] = dsn
+            env["OMNIGATE_REDIS__URL"] = REDIS
+            # no GPU here: the exporter's address answers nothing
+            for k in [k for k in env if k.endswith("__DCGM_URL")]:
+                env[k] = f"http://127.0.0.1:{free_port()}/metrics"
+            shape = Shape(
+                tmp_path,
+                config,
+                gw["command"],
+                [{"name": k, "value": v} for k, v in env.items()],
+                {},
+                dsn=dsn,
+                paths={home: witness},
+                extra={
+                    "OMNIGATE_TRAFFIC__KEY_PREFIX": f"{prefix}:traffic",
+                    "OMNIGATE_ROUTING__STATE__KEY_PREFIX": f"{prefix}:routing",
+                    "OMNIGATE_RATE_LIMITS__KEY_PREFIX": f"{prefix}:rate",
+                },
+            )
+            try:
+                gateway = shape.start("gateway").wait_ready()
+                key = _tenant_key(gateway, shape)
+                yield shape, upstreams, key
+            finally:
+                shape.stop()
+    finally:
+        for up in upstreams.values():
+            bg.run(up.stop())
+
+
+def test_a_decompression_bomb_is_refused_by_every_chain_compose_ships(compose):
+    shape, upstreams, key = compose
+    _bomb_refused_everywhere(shape, [shape.pods[-1]], upstreams, key)
+
+
+def test_compose_s_gateway_keeps_its_signed_chain_and_its_pins_across_a_kill(compose):
+    """Runs last in the module: the gateway is killed and started again (restart: unless-stopped)."""
+    shape, upstreams, key = compose
+    gateway = shape.pods[-1]
+    for _ in range(3):
+        assert _chat(gateway, key).status_code == 200
+    r = httpx.post(
+        gateway.url + "/admin/routing/pin",
+        json={"model": PUBLIC_MODEL, "variant": "bf16", "actor": "sre"},
+        headers=shape.admin,
+        timeout=20,
+    )
+    assert r.status_code == 200 and r.json()["changed"], r.text
+    gateway.kill()
+    again = shape.start("gateway").wait_ready()
+    # The routing state is compose's Redis's: the pin outlived the process.
+    assert httpx.get(again.url + "/admin/routing", headers=shape.admin, timeout=10).json()["pins"] == {
+        PUBLIC_MODEL: "bf16"
+    }
+    before = upstreams["omni-bf16"].request_count
+    for _ in range(3):
+        assert _chat(again, key).status_code == 200
+    assert upstreams["omni-bf16"].request_count - before == 3
+    again.stop()
+    (witness,) = shape.paths.values()
+    heads = sorted(witness.glob("*"))
+    assert heads, "no signed head reached the witness volume"
+    signing_key = next(e["value"] for e in shape._env if e["name"] == "OMNIGATE_AUDIT__SIGNING__KEY")
+    done = _verify(shape, signing_key, heads)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"] is True and report["records"] >= 6 and report["checkpoints_signed"] >= 1, report
+    assert report["uncovered_records"] == 0, report
+    forged = _verify(shape, secrets.token_hex(32), heads)
+    assert forged.returncode != 0, forged.stdout
