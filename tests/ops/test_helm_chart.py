@@ -529,3 +529,19 @@ def test_one_replica_may_keep_its_own_stores():
     assert not {"OMNIGATE_AUDIT__POSTGRES_DSN", "OMNIGATE_REDIS__URL", "OMNIGATE_AUDIT__WITNESS_PATH"} & set(
         env
     )
+
+
+def test_every_chain_the_chart_ships_screens_the_media_its_engines_take(tmp_path, monkeypatch):
+    from core.settings import load_settings
+    from gateway.chains import build_policy_sets
+    from policies.registry import build_chain
+
+    objects = render()
+    fill_env(monkeypatch, objects)
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(objects[("ConfigMap", "omnigate")]["data"]["omnigate.yaml"])
+    settings = load_settings(path)
+    assert any(e.modalities()[0] - {"text"} for e in settings.engines)
+    chains = {"default": build_chain(settings.policies), **build_policy_sets(settings)}
+    for name, chain in chains.items():
+        assert "nsfw-screen" in chain.describe()["pre"], name
