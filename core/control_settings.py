@@ -3,9 +3,11 @@
 The defaults are the operating rules the deployment started from: P99 time to first
 token above 600 ms (the engine's, from the engine request to its first token, per 1,000 prompt
 tokens for longer prompts, no tenant over a quarter of the samples) rolls the INT4 engine back to
-FP16/BF16, VRAM above 90 % for 30 s lowers the engine's concurrency and puts an idle variant on
-the same GPU to sleep, P50
-time to first token above 400 ms raises the engine's batch limit (within a ceiling),
+FP16/BF16, and so does a whole (non-streamed) answer's time per output token above 100 ms,
+VRAM above 90 % for 30 s lowers the engine's concurrency and puts an idle variant on
+the same GPU to sleep, the engine's P50
+time to first token above 400 ms raises the engine's batch limit (within a ceiling and the engine's
+own max_num_seqs),
 WER above 5 % on sampled speech degrades INT4 to INT8, a canary takes 10 % of traffic
 unless its errors or latency say otherwise, a non-INT4 engine under 100 tokens per joule
 shifts to INT4, and an engine under 90 % on the operator's held-out set is no destination
@@ -52,6 +54,10 @@ Signal = Literal[
     "upstream_tpot_p50",
     "upstream_tpot_p95",
     "upstream_tpot_p99",
+    # a whole (non-streamed) answer's time per output token: the engine's duration over its output tokens
+    "upstream_whole_tpot_p50",
+    "upstream_whole_tpot_p95",
+    "upstream_whole_tpot_p99",
     "error_rate",
     "kv_cache_usage",
     "vram_usage",
@@ -87,6 +93,9 @@ SAMPLED_SIGNALS = frozenset(
         "upstream_tpot_p50",
         "upstream_tpot_p95",
         "upstream_tpot_p99",
+        "upstream_whole_tpot_p50",
+        "upstream_whole_tpot_p95",
+        "upstream_whole_tpot_p99",
         "error_rate",
         "wer",
         "accuracy",
@@ -302,8 +311,10 @@ class RuleAction(_Strict):
     a variant of ``sleep_variants`` when that list is set) to sleep through vLLM-Omni's
     ``/v1/omni/sleep`` at ``sleep_level``, and wake them on the way back.
     ``raise_concurrency``: raise the engine's cap on requests in flight (per replica) to
-    ``raise_factor`` times its configured cap, never above ``max_concurrency``; a lower
-    cap in force (VRAM pressure, overload) still wins. ``exclude_target``: while the
+    ``raise_factor`` times its configured cap, never above ``max_concurrency`` nor above
+    the engine's own ``max_num_seqs`` shared among the replicas (an engine that declares
+    none is never raised: past what it runs at once, requests only queue inside it, where
+    shedding cannot see them); a lower cap in force (VRAM pressure, overload) still wins. ``exclude_target``: while the
     condition holds, the engine is no destination of any rule's shift (it moves no traffic
     itself, so has no way back).
     """
@@ -331,7 +342,9 @@ class RuleAction(_Strict):
         description="raise_concurrency: the raised cap as a multiple of the engine's configured cap",
     )
     max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
-        default=None, description="raise_concurrency: the ceiling of the raised cap (required)"
+        default=None,
+        description="raise_concurrency: the ceiling of the raised cap (required); the engine's max_num_seqs "
+        "over the replicas bounds it too",
     )
     sleep_idle: bool = Field(
         default=False, description="limit_concurrency: also sleep idle engines that share a GPU with this one"
@@ -436,6 +449,20 @@ def default_rules() -> list[Rule]:
             recover_for_s=300,
             action=RuleAction(kind="shift", to_variants=["fp16", "bf16"], trickle_weight=0.05),
         ),
+        # Whole (non-streamed) answers have no first token to time: the engine's duration over the output
+        # tokens it reported stands in for them (answers of 16 tokens or more, so a prompt's prefill is a
+        # small share). A decode under ten tokens a second is slower than a healthy INT4 engine serves.
+        Rule(
+            name="int4-latency-whole",
+            select=RuleSelector(variants=["int4"]),
+            signal="upstream_whole_tpot_p99",
+            above=0.1,
+            for_s=30,
+            min_samples=20,
+            recover_below=0.075,
+            recover_for_s=300,
+            action=RuleAction(kind="shift", to_variants=["fp16", "bf16"], trickle_weight=0.05),
+        ),
         Rule(
             name="vram-pressure",
             signal="vram_usage",
@@ -446,12 +473,14 @@ def default_rules() -> list[Rule]:
             recover_for_s=60,
             action=RuleAction(kind="limit_concurrency", concurrency_factor=0.5, sleep_idle=True),
         ),
-        # The client's time to first token, queueing in the gateway included: a P50 above 400 ms while the
-        # engine has room means requests wait for a slot the engine could batch. Raising the cap does nothing
-        # for a slow engine, so the VRAM rule's lower cap wins over it (rollback.route).
+        # The engine's time to first token (streamed answers; per 1,000 prompt tokens, a short prompt's is its
+        # TTFT): a P50 above 400 ms means the engine's batch runs behind. Not the client's: a whole answer's
+        # duration or a wait in the gateway is no first token. The raise never passes the engine's own
+        # max_num_seqs (an engine that declares none is not raised), and the VRAM rule's lower cap wins over
+        # it (rollback.route).
         Rule(
             name="latency-batch",
-            signal="ttft_p50",
+            signal="upstream_ttft_per_1k_prompt_tokens_p50",
             above=0.4,
             for_s=30,
             min_samples=20,

@@ -34,7 +34,10 @@ _UPPER = [_MIN_S * _GROWTH**k for k in range(1, _N_BUCKETS + 1)]
 #: tenant sends: the engine's time to first token per 1,000 prompt tokens (a prompt shorter than the
 #: window's ``prompt_tokens_floor`` counts as that long, where a first token's fixed cost outweighs its
 #: prefill; no sample where the engine reported no prompt tokens) and its time per output token after the
-#: first (streamed text answers of two tokens or more; speech adds no tokens to divide by)
+#: first (streamed text answers of two tokens or more; speech adds no tokens to divide by); last, for a
+#: whole (non-streamed) answer, which has no first token to time, the engine's duration over the output
+#: tokens it reported (text answers of ``WHOLE_ANSWER_MIN_TOKENS`` tokens or more). ``ttft`` and
+#: ``first_audio`` are streamed answers only: a whole answer's client-visible time is ``e2e``.
 LATENCIES = (
     "ttft",
     "first_audio",
@@ -43,7 +46,19 @@ LATENCIES = (
     "upstream_e2e",
     "upstream_ttft_per_1k_prompt_tokens",
     "upstream_tpot",
+    "upstream_whole_tpot",
 )
+#: A whole answer's duration holds its prefill once; over this many output tokens or more the prefill is
+#: a small share of the time per token, so a tenant's long prompt with a one-word answer is no sample.
+WHOLE_ANSWER_MIN_TOKENS = 16
+
+
+def ttft_per_1k_prompt_tokens(upstream_ttft_s: float, prompt_tokens: int, floor: int) -> float | None:
+    """The engine's time to first token per 1,000 prompt tokens (a prompt under ``floor`` counts as that
+    long); None where the engine reported no prompt tokens."""
+    if prompt_tokens <= 0:
+        return None
+    return upstream_ttft_s * 1000.0 / max(prompt_tokens, floor, 1)
 
 
 def bucket_index(value: float) -> int:
@@ -293,12 +308,16 @@ class OutcomeWindow:
 
     def _engine_share(
         self, up_ttft: float, up_e2e: float, tokens: int, audio_s: float, prompt: int
-    ) -> tuple[float, float]:
-        """The engine's time to first token per 1,000 prompt tokens and its time per output token (NaN: none)."""
-        per_1k = up_ttft * 1000.0 / max(prompt, self._floor) if prompt > 0 else math.nan
+    ) -> tuple[float, float, float]:
+        """The engine's time to first token per 1,000 prompt tokens, its time per output token after the
+        first (streamed) and a whole answer's time per output token (NaN: none)."""
+        per_1k = ttft_per_1k_prompt_tokens(up_ttft, prompt, self._floor)  # NaN stays NaN
         streamed_text = tokens >= 2 and audio_s == 0.0 and up_e2e >= up_ttft
         tpot = (up_e2e - up_ttft) / (tokens - 1) if streamed_text else math.nan  # NaN compares false
-        return per_1k, tpot
+        # A whole answer: the engine was timed to its end only (no first token on the wire).
+        whole_text = up_ttft != up_ttft and tokens >= WHOLE_ANSWER_MIN_TOKENS and audio_s == 0.0
+        whole = up_e2e / tokens if whole_text and up_e2e == up_e2e else math.nan
+        return math.nan if per_1k is None else per_1k, tpot, whole
 
     def _fold(self) -> None:
         if not self._q:
@@ -315,8 +334,11 @@ class OutcomeWindow:
             slot.ok += 1
             slot.tokens += tokens
             slot.audio_s += audio_s
-            per_1k, tpot = self._engine_share(up_ttft, up_e2e, tokens, audio_s, prompt)
-            values = (ttft, first_audio, e2e, up_ttft, up_e2e, per_1k, tpot)
+            if up_ttft != up_ttft and up_e2e == up_e2e:
+                # A whole answer: its client saw every token at once, at the end (that is e2e, not a TTFT).
+                ttft = first_audio = math.nan
+            per_1k, tpot, whole = self._engine_share(up_ttft, up_e2e, tokens, audio_s, prompt)
+            values = (ttft, first_audio, e2e, up_ttft, up_e2e, per_1k, tpot, whole)
             for name, value in zip(LATENCIES, values, strict=True):
                 if value == value:  # not NaN
                     buckets = slot.latency[name].setdefault(tenant, {})

@@ -69,7 +69,8 @@ class Metrics:
         )
         self.ttft = Histogram(
             "omnigate_time_to_first_token_seconds",
-            "From request arrival to the first token released to the client",
+            "From request arrival to the first token released to the client (streamed requests: a whole "
+            'answer\'s time is omnigate_request_duration_seconds{stream="false"})',
             ["engine", "variant"],
             buckets=_LATENCY,
             registry=r,
@@ -78,6 +79,16 @@ class Metrics:
             "omnigate_engine_time_to_first_token_seconds",
             "From sending the engine request to the engine's first token (streamed requests; what rollback reads)",
             ["engine", "variant"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        # Seconds per 1,000 prompt tokens (a prompt under routing.signals.prompt_tokens_floor counts as that
+        # long): what the shipped latency rollback rules read, so the alerts that check them read it too.
+        self.upstream_ttft_per_1k = Histogram(
+            "omnigate_engine_time_to_first_token_per_1k_prompt_tokens_seconds",
+            "The engine's time to first token per 1,000 prompt tokens, a prompt under the window's "
+            "prompt_tokens_floor counted as that long (streamed requests whose engine reported prompt tokens)",
+            ["engine", "variant", "model"],
             buckets=_LATENCY,
             registry=r,
         )
@@ -103,8 +114,8 @@ class Metrics:
         )
         self.duration = Histogram(
             "omnigate_request_duration_seconds",
-            "End-to-end duration of chat completion requests",
-            ["engine", "variant", "outcome"],
+            "End-to-end duration of chat completion requests, streamed or not (a whole answer's only latency)",
+            ["engine", "variant", "outcome", "stream"],
             buckets=_LATENCY,
             registry=r,
         )

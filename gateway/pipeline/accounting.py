@@ -17,6 +17,7 @@ from core.errors import ClientClosedRequest, EngineError, OmnigateError, Overloa
 from core.events import Completion
 from engines.energy import EnergyBook
 from engines.pool import EnginePool
+from engines.signals import ttft_per_1k_prompt_tokens
 from gateway.ratelimit import RateLimiter
 from observability.audit.log import AuditLog
 from observability.audit.record import RequestSnapshot
@@ -125,8 +126,8 @@ class Accounting:
             # One report per request (never per chunk): latency and outcome for its window and circuit.
             self.pool.report_success(
                 ctx.record.engine,
-                ctx.record.ttft_s,
-                ctx.record.first_audio_s,
+                self._ttft(ctx),
+                ctx.record.first_audio_s if ctx.record.stream else None,
                 ctx.record.elapsed(),
                 ctx.record.upstream_ttft_s,
                 ctx.record.upstream_e2e_s,
@@ -191,13 +192,23 @@ class Accounting:
         for reason in ctx.outputs.degraded:
             m.degradations.labels(reason).inc()
         engine, variant = ctx.record.engine or "none", ctx.record.variant or "none"
-        m.duration.labels(engine, variant, ctx.record.outcome).observe(ctx.record.elapsed())
-        if ctx.record.ttft_s is not None and ctx.record.engine:
-            m.ttft.labels(engine, variant).observe(ctx.record.ttft_s)
-        if ctx.record.first_audio_s is not None and ctx.record.engine:
+        stream = str(ctx.record.stream).lower()
+        m.duration.labels(engine, variant, ctx.record.outcome, stream).observe(ctx.record.elapsed())
+        ttft = self._ttft(ctx)
+        if ttft is not None and ctx.record.engine:
+            m.ttft.labels(engine, variant).observe(ttft)
+        if ctx.record.first_audio_s is not None and ctx.record.stream and ctx.record.engine:
             m.first_audio.labels(engine, variant).observe(ctx.record.first_audio_s)
         if ctx.record.upstream_ttft_s is not None and ctx.record.engine:
             m.upstream_ttft.labels(engine, variant).observe(ctx.record.upstream_ttft_s)
+            per_1k = ttft_per_1k_prompt_tokens(
+                ctx.record.upstream_ttft_s,
+                ctx.record.prompt_tokens,
+                self.pool.routing.signals.prompt_tokens_floor,
+            )
+            if per_1k is not None and ctx.record.outcome in ("served", "degraded"):
+                model = ctx.record.public_model or "unknown"
+                m.upstream_ttft_per_1k.labels(engine, variant, model).observe(per_1k)
         if ctx.record.upstream_e2e_s is not None and ctx.record.engine:
             m.upstream_duration.labels(engine, variant, str(ctx.record.stream).lower()).observe(
                 ctx.record.upstream_e2e_s
@@ -206,7 +217,14 @@ class Accounting:
             m.audio_output.labels(engine, variant).inc(ctx.record.audio_seconds)
 
     @staticmethod
-    def _log(ctx: RequestContext) -> None:
+    def _ttft(ctx: RequestContext) -> float | None:
+        """The client's time to first token: streamed answers only. A whole answer reaches its client at
+        once, at its end; that is its duration (``omnigate_request_duration_seconds``), and taken for a
+        first token it made a long answer from an idle engine look like a queue."""
+        return ctx.record.ttft_s if ctx.record.stream else None
+
+    @classmethod
+    def _log(cls, ctx: RequestContext) -> None:
         log.info(
             "request_finished",
             tenant=ctx.identity.tenant,
@@ -230,7 +248,7 @@ class Accounting:
             ]
             or None,
             notes=ctx.outputs.notes or None,
-            ttft_ms=round(ctx.record.ttft_s * 1000, 2) if ctx.record.ttft_s is not None else None,
+            ttft_ms=round(ttft * 1000, 2) if (ttft := cls._ttft(ctx)) is not None else None,
             duration_ms=round(ctx.record.elapsed() * 1000, 2),
             prompt_tokens=ctx.record.prompt_tokens,
             completion_tokens=ctx.record.completion_tokens,

@@ -41,17 +41,30 @@ def table(state: ControllerState, infos=(INT4, BF16)) -> RoutingTable:
 # -- P50 > 400 ms -> raise the batch limit -------------------------------------------------------------------
 
 
-def run_p50(p50, config: ControllerSettings, seconds: int, cap: float = 8.0, extra=None):
+#: what the shipped latency-batch rule reads: the engine's own time to first token (per 1,000 prompt tokens)
+P50 = RULES["latency-batch"].signal
+
+
+def run_p50(
+    p50,
+    config: ControllerSettings,
+    seconds: int,
+    cap: float = 8.0,
+    extra=None,
+    max_num_seqs: float | None = 32.0,
+    replicas: int = 1,
+):
     state, transitions, tables = ControllerState(), [], {}
+    seqs = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     for t in range(seconds):
-        values = {"ttft_p50": p50(t), "concurrency_cap": cap, **((extra or {}).get("int4", lambda t: {})(t))}
+        values = {P50: p50(t), "concurrency_cap": cap, **seqs, **((extra or {}).get("int4", lambda t: {})(t))}
         engines = {
             INT4.name: EngineSignals(info=INT4, values=values, samples={k: 100 for k in values}),
             BF16.name: EngineSignals(
-                info=BF16, values={"ttft_p50": 0.1, "concurrency_cap": cap}, samples={"ttft_p50": 100}
+                info=BF16, values={P50: 0.1, "concurrency_cap": cap, **seqs}, samples={P50: 100}
             ),
         }
-        d = decide(Snapshot(now=float(t), engines=engines), state, config)
+        d = decide(Snapshot(now=float(t), engines=engines, replicas=replicas), state, config)
         state = d.state
         transitions += d.transitions
         tables[t] = table(state)
@@ -60,7 +73,7 @@ def run_p50(p50, config: ControllerSettings, seconds: int, cap: float = 8.0, ext
 
 def test_a_p50_over_400_ms_for_30_s_raises_the_cap_to_twice_within_the_ceiling_and_the_way_back_restores_it():
     rule = RULES["latency-batch"]
-    assert rule.signal == "ttft_p50" and rule.above == 0.4 and rule.for_s == 30
+    assert rule.signal == "upstream_ttft_per_1k_prompt_tokens_p50" and rule.above == 0.4 and rule.for_s == 30
     assert rule.action.kind == "raise_concurrency" and rule.action.max_concurrency == 16
     trs, tables, _state = run_p50(lambda t: 0.55 if t < 100 else 0.2, cfg(rule, dwell=60), 300)
     assert [(t.at, t.action, t.engine) for t in trs] == [
@@ -98,11 +111,33 @@ def test_the_raise_has_hysteresis_dwell_and_ignores_a_short_spike():
     }
 
 
+def test_the_engines_max_num_seqs_bounds_the_raise_shared_among_the_replicas():
+    rule = RULES["latency-batch"]
+    # 2 x 8 = 16 is the rule's ceiling; the engine runs 12 at once.
+    _, tables, _ = run_p50(lambda t: 0.9, cfg(rule), 40, max_num_seqs=12.0)
+    assert tables[35].raised == {"omni-int4": 12}
+    # Three replicas each send up to their own cap: each may take a third of the 30 the engine runs.
+    _, tables, _ = run_p50(lambda t: 0.9, cfg(rule), 40, max_num_seqs=30.0, replicas=3)
+    assert tables[35].raised == {"omni-int4": 10}
+    # An engine that runs no more than its cap already: nothing to raise, nothing fires.
+    trs, tables, state = run_p50(lambda t: 0.9, cfg(rule), 60, max_num_seqs=8.0)
+    assert trs == [] and tables[59].raised == {} and state.holds == {"latency-batch@omni-int4": "no-target"}
+    trs, tables, _ = run_p50(lambda t: 0.9, cfg(rule), 60, max_num_seqs=16.0, replicas=2)
+    assert trs == [] and tables[59].raised == {}
+
+
+def test_an_engine_that_declares_no_max_num_seqs_is_never_raised():
+    trs, tables, state = run_p50(lambda t: 0.9, cfg(RULES["latency-batch"]), 60, max_num_seqs=None)
+    assert trs == [] and tables[59].raised == {}
+    assert state.holds == {"latency-batch@omni-int4": "no-target"}
+
+
 def test_without_a_configured_cap_there_is_nothing_to_raise():
     rule = RULES["latency-batch"]
     state = ControllerState()
     for t in range(60):
-        engines = {INT4.name: EngineSignals(info=INT4, values={"ttft_p50": 0.9}, samples={"ttft_p50": 100})}
+        values = {P50: 0.9, "max_num_seqs": 32.0}
+        engines = {INT4.name: EngineSignals(info=INT4, values=values, samples={P50: 100})}
         d = decide(Snapshot(now=float(t), engines=engines), state, cfg(rule))
         state = d.state
         assert d.transitions == ()

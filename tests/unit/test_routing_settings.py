@@ -29,7 +29,7 @@ def test_defaults_are_one_process_and_the_default_rules():
     assert s.routing.state.backend == "memory" and not s.routing.sentinel.enabled
     assert s.routing.sentinel.sample_share == 0.10
     assert [r.name for r in s.routing.controller.rules] == [
-        "int4-latency", "vram-pressure", "latency-batch", "wer-drift", "canary-errors", "canary-latency",
+        "int4-latency", "int4-latency-whole", "vram-pressure", "latency-batch", "wer-drift", "canary-errors", "canary-latency",
         "energy-efficiency", "accuracy-floor",
     ]  # fmt: skip
     assert s.routing.controller.rules[0].recover_below == 0.45
