@@ -4,8 +4,8 @@ the shipped configs (only the engines' addresses substituted) against scripted e
 - ops/config/my-vllm.yaml ("my own vLLM at host:8000") starts as written and serves a chat completion;
 - the server says "ready" once, with its URL, when it can answer, and /v1/* answers 503 with Retry-After
   before (the engines are probed after uvicorn listens);
-- the README's next step (ops/config/scripted-omni.yaml, scripted vLLM-Omni servers) serves its Python
-  speech example as the README prints it.
+- the README's curl line and Python block run as printed, and its next step
+  (ops/config/scripted-omni.yaml, scripted vLLM-Omni servers) serves its Python speech example.
 """
 
 from __future__ import annotations
@@ -114,11 +114,56 @@ def test_my_vllm_config_serves_and_says_ready_once_after_503s_while_the_engine_i
         bg.run(vllm.stop())
 
 
+def _readme_blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+
+
 def _readme_speech_example() -> str:
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
-    [speech] = [b for b in blocks if "scripted-omni" in b or "qwen3-omni-flash" in b]
+    [speech] = [b for b in _readme_blocks("python") if "qwen3-omni-flash" in b]
     return speech
+
+
+def test_the_readmes_first_examples_run_as_printed(bg, tmp_path, capfd):
+    """The curl line and the Python block for `make serve`'s embedded model, against a gateway whose engine
+    answers under that model's name (tests/contract/test_local_model.py runs the real model)."""
+    from prometheus_client import CollectorRegistry
+
+    from core.settings import DEFAULT_PUBLIC_MODEL, Settings
+    from tests.harness import GatewayServer
+
+    vllm = ScriptedUpstream(Script(flavour="vllm", text="Paris."))
+    bg.run(vllm.start())
+    settings = Settings(
+        engines=[
+            {
+                "name": "local",
+                "kind": "vllm",
+                "base_url": vllm.base_url,
+                "model": "scripted",
+                "serves": [DEFAULT_PUBLIC_MODEL],
+            }
+        ],
+        audit={"sqlite_path": str(tmp_path / "audit.db")},
+        logging={"level": "warning"},
+    )
+    server = GatewayServer(bg, settings, CollectorRegistry()).start()
+    try:
+        [curl] = [b for b in _readme_blocks("sh") if b.startswith("curl")]
+        done = subprocess.run(
+            ["bash", "-c", curl.replace("http://127.0.0.1:8080", server.url)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0 and "Paris." in done.stdout and done.stdout.rstrip().endswith("[DONE]")
+        [first] = [b for b in _readme_blocks("python") if DEFAULT_PUBLIC_MODEL in b]
+        capfd.readouterr()
+        exec(compile(first.replace("http://127.0.0.1:8080", server.url), "README.md", "exec"), {})
+        assert "Paris." in capfd.readouterr().out
+        assert vllm.request_count == 2
+    finally:
+        server.stop()
+        bg.run(vllm.stop())
 
 
 def test_the_readmes_next_step_serves_its_speech_example_without_a_gpu(bg, isolated):
