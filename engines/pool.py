@@ -2,7 +2,7 @@
 
 - :mod:`engines.health`: probed health, model identity and each engine's circuit breaker;
 - :mod:`engines.slots`: per-engine concurrency, the bounded FIFO wait and the :class:`Lease` a request
-  holds on its engine;
+  holds on its engine; with Redis, the caps are shared by every replica (:meth:`EnginePool.share_caps`);
 - :mod:`engines.choice`: the order to try a model's engines in, drawn from the routing table
   (:mod:`engines.routing`) that the rollback controller publishes; the request path only reads it.
 
@@ -26,10 +26,10 @@ from engines.health import Health
 from engines.rollback import Transition
 from engines.routing import EngineInfo, RoutingTable, base_weights
 from engines.signals import EngineSummary
-from engines.slots import Lease, Slots
+from engines.slots import Lease, SharedCaps, Slots
 from observability.metrics import Metrics
 
-__all__ = ["EnginePool", "Lease", "build_engine"]
+__all__ = ["EnginePool", "Lease", "SharedCaps", "build_engine"]
 
 log = structlog.get_logger(__name__)
 
@@ -103,6 +103,10 @@ class EnginePool:
     @property
     def overloaded(self) -> bool:
         return self.slots.overloaded
+
+    def share_caps(self, shared: SharedCaps) -> None:
+        """Hold each engine's cap across every replica through ``shared`` (started and closed with the pool)."""
+        self.slots.shared = shared
 
     # -- read side (request path) ------------------------------------------
     def models(self) -> list[str]:
@@ -181,8 +185,10 @@ class EnginePool:
     async def lease(self, engines: list[Engine], model: str | None = None) -> Lease | None:
         """:meth:`claim`, held as a :class:`Lease` that settles the slot once; None: no engine could be
         claimed."""
-        engine = await self.slots.claim(engines, model)
-        return None if engine is None else Lease(engine, self.slots.release, self.health.failure)
+        got = await self.slots.claim_slot(engines, model)
+        if got is None:
+            return None
+        return Lease(got[0], self.slots.release, self.health.failure, shared=got[1])
 
     def release(self, engine: Engine | str, *, settled: bool = True) -> None:
         """End a claim. ``settled=False``: no outcome was reported (the half-open trial is given back)."""
@@ -231,6 +237,8 @@ class EnginePool:
         return self.health.readmit(name)
 
     async def start(self) -> None:
+        if self.slots.shared is not None:
+            await self.slots.shared.start()
         await self.health.start()
 
     async def probe_now(self) -> None:
@@ -238,6 +246,11 @@ class EnginePool:
 
     async def aclose(self) -> None:
         await self.health.stop()
+        if self.slots.shared is not None:
+            try:
+                await self.slots.shared.aclose()
+            except Exception as exc:  # Redis gone at shutdown: the leases expire by themselves
+                log.warning("engine_caps_close_failed", error=repr(exc))
         for engine in self.engines.values():
             try:
                 await engine.aclose()

@@ -10,17 +10,32 @@ engine for a request is at its cap, the request waits in a bounded FIFO queue pe
 (``max_waiting``, at most ``max_wait_s``) and a freed slot is handed straight to the oldest waiter, so
 newcomers cannot overtake; a full queue or a wait that runs out is :class:`core.errors.EngineBusy`
 (503 with ``Retry-After``). All of it runs on the event loop thread and needs no locks.
+
+With Redis configured the caps hold across replicas (:class:`SharedCaps`): every slot a replica grants
+is also a lease in Redis, in a sorted set per engine scored by its expiry (Redis's own clock), taken by
+a Lua script only while the engine holds fewer than its cap, so the engine never has more requests in
+flight than its cap however many replicas send to it. A slot handed to a waiter keeps its lease; a
+lease is renewed by a heartbeat only while the request holding it lives (one whose request ended
+without giving it back is given back and logged, ``engine_lease_leaked``), and a killed replica's
+leases expire after ``traffic.lease_ttl_s``. An engine full on other replicas is tried again after a
+short pause until the wait limit (no FIFO across replicas). Redis unreachable: as admission does, each
+replica fails open to a share of each cap (``traffic.fail_open_share``), loudly, and probes Redis until
+it answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import math
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import structlog
 
@@ -33,6 +48,9 @@ from observability.metrics import Metrics
 log = structlog.get_logger("engines.pool")
 
 _BUSY_RETRY_AFTER_S = 1.0
+#: how long an engine found full on the other replicas is passed over, and how often a request holding a
+#: local slot on it asks Redis again
+_SHARED_RETRY_S = 0.05
 
 
 class _Requeue(Exception):
@@ -41,10 +59,265 @@ class _Requeue(Exception):
 
 @dataclass(eq=False, slots=True)
 class _Waiter:
-    """One request waiting for a slot on any of ``engines``; the future resolves to the engine granted."""
+    """One request waiting for a slot on any of ``engines``; the future resolves to the engine granted
+    and the shared lease that comes with a slot handed over (None: the slot is new, or not shared)."""
 
     engines: tuple[str, ...]
-    future: asyncio.Future[Engine]
+    future: asyncio.Future[tuple[Engine, str | None]]
+
+
+# -- caps shared through Redis ---------------------------------------------------------------------------
+# One sorted set per engine: lease id -> expiry in ms of the Redis server's clock (TIME), so replicas'
+# clocks never matter; expired members are removed before every count.
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+# KEYS[1] the engine's leases; ARGV ttl ms, cap, lease id -> 1 taken | 0 the engine is at its cap
+_TAKE_LUA = (
+    _NOW
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+)
+# KEYS[1] the engine's leases; ARGV lease ids -> removed
+_GIVE_BACK_LUA = """
+local removed = 0
+for i = 1, #ARGV do removed = removed + redis.call('ZREM', KEYS[1], ARGV[i]) end
+return removed
+"""
+# KEYS[1] the engine's leases; ARGV ttl ms, lease ids -> the ids no longer there (not brought back)
+_RENEW_LUA = (
+    _NOW
+    + """
+local exp = now + tonumber(ARGV[1])
+local lost = {}
+for i = 2, #ARGV do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+    redis.call('ZADD', KEYS[1], 'XX', exp, ARGV[i])
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return lost
+"""
+)
+# KEYS[1] the engine's leases -> live leases
+_COUNT_LUA = (
+    _NOW
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZCARD', KEYS[1])
+"""
+)
+
+TAKEN, REFUSED, DOWN = "taken", "refused", "down"
+
+
+class SharedCaps:
+    """Engine slots as leases in Redis, shared by every replica (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: Any,
+        metrics: Metrics,
+        *,
+        key_prefix: str,
+        lease_ttl_s: float,
+        heartbeat_s: float,
+        timeout_s: float,
+        probe_s: float,
+        fail_open_share: float,
+        replica_id: str | None = None,
+    ) -> None:
+        """``client``: a ``redis.asyncio.Redis`` over the gateway's shared pool (closed here, not the pool)."""
+        self.client = client
+        self._metrics = metrics
+        self._prefix = key_prefix
+        self._ttl_ms = int(lease_ttl_s * 1000)
+        self.lease_ttl_s = lease_ttl_s
+        self._heartbeat_s = heartbeat_s
+        self._timeout_s = timeout_s
+        self._probe_s = probe_s
+        self.fail_open_share = fail_open_share
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self._ids = itertools.count(1)
+        self._take = client.register_script(_TAKE_LUA)
+        self._give = client.register_script(_GIVE_BACK_LUA)
+        self._renew = client.register_script(_RENEW_LUA)
+        self._count = client.register_script(_COUNT_LUA)
+        #: lease id -> engine name, for every lease this replica holds
+        self.held: dict[str, str] = {}
+        #: lease id -> the task of the request holding it (None while it passes to a waiter)
+        self.owners: dict[str, asyncio.Task[Any] | None] = {}
+        self.up: bool | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    def key(self, engine: str) -> str:
+        return f"{{{self._prefix}}}:engine:{engine}"
+
+    def fail_open_cap(self, cap: int) -> int:
+        """The share of ``cap`` one replica applies alone while Redis is unreachable (never below 1)."""
+        return max(1, math.floor(cap * self.fail_open_share))
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._probe()
+        self._loop_task = asyncio.create_task(self._maintain(), name="engine-lease-heartbeat")
+
+    async def aclose(self) -> None:
+        self._closing = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.wait({self._loop_task}, timeout=self._timeout_s * 4 + 1)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.held:  # requests still open at shutdown: their slots go back now, not after the TTL
+            await self._give_back(list(self.held.items()))
+        self.held.clear()
+        self.owners.clear()
+        await self.client.aclose()
+
+    # -- the request path ------------------------------------------------------------------------------
+    async def take(self, engine: str, cap: int) -> tuple[str, str | None]:
+        """One lease on ``engine`` if it holds fewer than ``cap`` on every replica together:
+        (TAKEN, lease id), (REFUSED, None), or (DOWN, None) when Redis cannot say (fail open)."""
+        if not self.up:
+            return DOWN, None
+        lease = f"{self.replica_id}:{next(self._ids)}"
+        try:
+            async with asyncio.timeout(self._timeout_s * 2):
+                ok = await self._take(keys=[self.key(engine)], args=[self._ttl_ms, cap, lease])
+        except asyncio.CancelledError:
+            # The script may have run: give the lease back (a no-op if it was not taken).
+            self._spawn(self._give_back([(lease, engine)]))
+            raise
+        except Exception as exc:  # redis errors, OSError, timeouts: all mean "unreachable" here
+            self._spawn(self._give_back([(lease, engine)]))
+            self._mark_down("engine_acquire", exc)
+            return DOWN, None
+        if not ok:
+            return REFUSED, None
+        self.held[lease] = engine
+        self.owners[lease] = asyncio.current_task()
+        return TAKEN, lease
+
+    def own(self, lease: str) -> None:
+        """The current task holds ``lease`` now (a slot handed over from another request)."""
+        if lease in self.held:
+            self.owners[lease] = asyncio.current_task()
+
+    def passing(self, lease: str) -> None:
+        """``lease`` goes to a waiter with its slot: nobody's until the waiter resumes."""
+        if lease in self.held:
+            self.owners[lease] = None
+
+    def give_back(self, lease: str) -> None:
+        engine = self.held.pop(lease, None)
+        self.owners.pop(lease, None)
+        if engine is not None:
+            self._spawn(self._give_back([(lease, engine)]))
+
+    async def in_flight(self, engine: str) -> int | None:
+        """Leases on ``engine`` across every replica; None when Redis cannot say."""
+        try:
+            async with asyncio.timeout(self._timeout_s * 2):
+                return int(await self._count(keys=[self.key(engine)]))
+        except Exception:
+            return None
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _give_back(self, leases: list[tuple[str, str]]) -> None:
+        by_engine: dict[str, list[str]] = {}
+        for lease, engine in leases:
+            by_engine.setdefault(engine, []).append(lease)
+        for engine, ids in by_engine.items():
+            try:
+                async with asyncio.timeout(self._timeout_s * 2):
+                    await self._give(keys=[self.key(engine)], args=ids)
+            except Exception as exc:
+                # Nothing renews them any more: they expire by themselves after lease_ttl_s.
+                self._metrics.traffic_store_errors.labels("engine_release").inc()
+                log.warning("engine_lease_release_failed", engine=engine, leases=len(ids), error=repr(exc))
+
+    # -- health and renewal (off the request path) --------------------------------------------------------
+    def _mark_down(self, op: str, exc: BaseException) -> None:
+        self._metrics.traffic_store_errors.labels(op).inc()
+        if self.up is not False:
+            self.up = False
+            log.error(
+                "engine_caps_store_unreachable",
+                op=op,
+                error=repr(exc),
+                action="failing open to a share of each engine's cap",
+                fail_open_share=self.fail_open_share,
+            )
+
+    async def _probe(self) -> None:
+        try:
+            async with asyncio.timeout(self._timeout_s * 2):
+                await self.client.ping()
+        except Exception as exc:
+            self._mark_down("engine_ping", exc)
+        else:
+            if self.up is False:
+                log.warning("engine_caps_store_recovered", action="sharing engine caps through Redis again")
+            self.up = True
+
+    async def _maintain(self) -> None:
+        tick = min(self._heartbeat_s, self._probe_s)
+        next_renew = time.monotonic() + self._heartbeat_s
+        while not self._closing:
+            await asyncio.sleep(tick)
+            try:
+                if not self.up:
+                    await self._probe()
+                elif time.monotonic() >= next_renew:
+                    await self.renew_all()
+                    next_renew = time.monotonic() + self._heartbeat_s
+            except Exception as exc:  # the loop must outlive any one bad step
+                log.warning("engine_lease_heartbeat_failed", error=repr(exc))
+
+    async def renew_all(self) -> None:
+        """Renew the leases whose request lives; give back those whose request ended without them."""
+        leaked = [lease for lease, owner in self.owners.items() if owner is not None and owner.done()]
+        if leaked:
+            log.error("engine_lease_leaked", leases=leaked)
+            gone = [(lease, self.held.pop(lease)) for lease in leaked if lease in self.held]
+            for lease in leaked:
+                self.owners.pop(lease, None)
+            await self._give_back(gone)
+        by_engine: dict[str, list[str]] = {}
+        for lease, engine in self.held.items():
+            by_engine.setdefault(engine, []).append(lease)
+        for engine, ids in by_engine.items():
+            try:
+                async with asyncio.timeout(self._timeout_s * 4):
+                    lost = await self._renew(keys=[self.key(engine)], args=[self._ttl_ms, *ids])
+            except Exception as exc:
+                self._mark_down("engine_renew", exc)
+                return
+            for raw in lost:
+                lease = raw.decode() if isinstance(raw, bytes) else str(raw)
+                if self.held.pop(lease, None) is not None:
+                    self.owners.pop(lease, None)
+                    log.warning(
+                        "engine_lease_lost",
+                        engine=engine,
+                        lease=lease,
+                        reason="expired in Redis before renewal; the request runs on uncounted",
+                    )
 
 
 class Lease:
@@ -58,10 +331,18 @@ class Lease:
     moves on to another engine. Settling twice is a no-op, so no path can release a slot twice.
     """
 
-    __slots__ = ("_failed", "_held", "_kept", "_release", "engine")
+    __slots__ = ("_failed", "_held", "_kept", "_release", "engine", "shared")
 
-    def __init__(self, engine: Engine, release: Callable[..., None], failed: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        release: Callable[..., None],
+        failed: Callable[[str], None],
+        shared: str | None = None,
+    ) -> None:
         self.engine = engine
+        #: the slot's lease in Redis (:class:`SharedCaps`), when the caps are shared
+        self.shared = shared
         self._release = release
         self._failed = failed
         self._held = True
@@ -81,7 +362,10 @@ class Lease:
         if not self._held:
             return
         self._held = False
-        self._release(self.engine, settled=reported)
+        if self.shared is None:
+            self._release(self.engine, settled=reported)
+        else:
+            self._release(self.engine, settled=reported, shared=self.shared)
 
     async def __aenter__(self) -> Lease:
         return self
@@ -122,6 +406,10 @@ class Slots:
         }
         #: set by the admission gate's overload loop: engines run at their max_in_flight_overloaded
         self.overloaded = False
+        #: the caps shared with the other replicas through Redis; None: this process's own
+        self.shared: SharedCaps | None = None
+        #: engine -> monotonic time until which it is passed over (full on the other replicas)
+        self._shared_busy: dict[str, float] = {}
         health.on_down = self.strand_check
         health.on_up = self.grow
 
@@ -135,6 +423,8 @@ class Slots:
         if raised is not None and normal is not None:
             normal = max(normal, raised)  # the controller's raise_concurrency; overload still wins
         own = overloaded if self.overloaded else normal
+        if own is not None and self.shared is not None and self.shared.up is False:
+            own = self.shared.fail_open_cap(own)  # Redis unreachable: this replica's share, alone
         routed = table.limits.get(name)
         if own is None or routed is None:
             return routed if own is None else own
@@ -149,7 +439,9 @@ class Slots:
     def full(self, name: str) -> bool:
         """At its cap, or others are already queued for it (a newcomer never overtakes the queue)."""
         limit = self.limit(name)
-        return (limit is not None and self.in_flight[name] >= limit) or self._queued(name)
+        if limit is not None and self.in_flight[name] >= limit:
+            return True
+        return self._queued(name) or self._shared_busy.get(name, 0.0) > time.monotonic()
 
     def _queued(self, name: str) -> bool:
         q = self._waiters[name]
@@ -169,6 +461,60 @@ class Slots:
         return True
 
     async def claim(self, engines: list[Engine], model: str | None = None) -> Engine | None:
+        """:meth:`claim_slot` without its shared lease (which, with shared caps, is then released only
+        when this task ends: requests hold a :class:`Lease` instead)."""
+        got = await self.claim_slot(engines, model)
+        return None if got is None else got[0]
+
+    async def claim_slot(
+        self, engines: list[Engine], model: str | None = None
+    ) -> tuple[Engine, str | None] | None:
+        """:meth:`_claim_local`, and with shared caps the slot's lease in Redis: the engine and the lease.
+
+        An engine full on the other replicas is passed over for a moment when another of ``engines`` has
+        room; otherwise the request keeps its local slot (its place in this replica's queue) and asks
+        Redis again every few tens of milliseconds until the engine's wait limit, then 503 engine_busy.
+        """
+        shared = self.shared
+        started = time.monotonic()
+        while True:
+            got = await self._claim_local(engines, model)
+            if got is None or shared is None:
+                return got
+            engine, lease = got
+            if lease is not None:
+                shared.own(lease)
+                return got
+            limit = self.limit(engine.name)
+            if limit is None:
+                return got
+            deadline = started + engine.config.max_wait_s
+            try:
+                while True:
+                    result, lease = await shared.take(engine.name, limit)
+                    if result != REFUSED:
+                        return engine, lease
+                    self._shared_busy[engine.name] = time.monotonic() + _SHARED_RETRY_S
+                    if any(
+                        e is not engine and self._health.up(e.name) and not self.full(e.name) for e in engines
+                    ):
+                        break  # another engine has room: this slot goes back, the claim looks again
+                    if time.monotonic() + _SHARED_RETRY_S > deadline:
+                        self._metrics.admission_shed.labels("engine_busy").inc()
+                        raise EngineBusy(
+                            f"no engine for {model!r} had a free slot within the wait limit",
+                            retry_after=_BUSY_RETRY_AFTER_S,
+                        )
+                    await asyncio.sleep(_SHARED_RETRY_S)
+                    limit = self.limit(engine.name) or limit
+            except BaseException:
+                self.release(engine, settled=False)
+                raise
+            self.release(engine, settled=False)
+
+    async def _claim_local(
+        self, engines: list[Engine], model: str | None = None
+    ) -> tuple[Engine, str | None] | None:
         """A slot on the first of ``engines`` (in order) that has one; the engine, already claimed.
 
         Only available engines (healthy, circuit not open) take load that spills over from a full
@@ -182,12 +528,12 @@ class Slots:
             up = [e for e in engines if up_now(e.name)]
             for e in up:
                 if self.acquire(e):
-                    return e
+                    return e, None
             full = [e for e in up if self.full(e.name)]
             if not full:
                 for e in engines:
                     if e not in up and self.acquire(e):
-                        return e
+                        return e, None
                 return None
             if deadline is None:
                 deadline = asyncio.get_running_loop().time() + max(e.config.max_wait_s for e in full)
@@ -196,7 +542,9 @@ class Slots:
             except _Requeue:
                 continue
 
-    async def _wait(self, full: list[Engine], model: str | None, deadline: float) -> Engine:
+    async def _wait(
+        self, full: list[Engine], model: str | None, deadline: float
+    ) -> tuple[Engine, str | None]:
         queues = [e for e in full if e.config.max_wait_s > 0 and self.waiting(e.name) < e.config.max_waiting]
         if not queues:
             self._metrics.admission_shed.labels("engine_busy").inc()
@@ -208,15 +556,23 @@ class Slots:
             self._waiters[e.name].append(waiter)
             self.publish(e.name)
         t0 = time.perf_counter()
+        # An engine passed over for being full on the other replicas is looked at again when that ends.
+        loop = asyncio.get_running_loop()
+        busy = [self._shared_busy[e.name] for e in queues if e.name in self._shared_busy]
+        recheck = min(busy) - time.monotonic() + loop.time() if busy else None
+        until = deadline if recheck is None or recheck >= deadline else max(recheck, loop.time())
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(until):
                 granted = await waiter.future
         except BaseException as exc:  # cancellation included: a slot handed over meanwhile is passed on
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 # A slot was handed over just as the wait ended: pass it on.
-                self.release(waiter.future.result(), settled=False)
+                engine, lease = waiter.future.result()
+                self.release(engine, settled=False, shared=lease)
             else:
                 waiter.future.cancel()
+            if isinstance(exc, TimeoutError) and until < deadline:
+                raise _Requeue() from None
             if isinstance(exc, TimeoutError):
                 self._metrics.admission_shed.labels("engine_busy").inc()
                 raise EngineBusy(
@@ -229,13 +585,14 @@ class Slots:
                 with contextlib.suppress(ValueError):
                     self._waiters[e.name].remove(waiter)
                 self.publish(e.name)
-        self._metrics.engine_queue_wait.labels(granted.name).observe(time.perf_counter() - t0)
+        self._metrics.engine_queue_wait.labels(granted[0].name).observe(time.perf_counter() - t0)
         return granted
 
-    def release(self, engine: Engine | str, *, settled: bool = True) -> None:
+    def release(self, engine: Engine | str, *, settled: bool = True, shared: str | None = None) -> None:
         """End a claim. ``settled=False``: no outcome was reported (the half-open trial is given back).
 
-        While the engine is within its cap, the slot goes straight to the oldest request waiting for it.
+        While the engine is within its cap, the slot goes straight to the oldest request waiting for it,
+        with its lease in Redis (``shared``); otherwise the lease is given back.
         """
         name = engine if isinstance(engine, str) else engine.name
         if name not in self.in_flight:
@@ -243,13 +600,15 @@ class Slots:
         if not settled:
             self._health.give_back_trial(name)
         limit = self.limit(name)
-        if not (limit is not None and self.in_flight[name] > limit) and self._hand_over(name):
+        if not (limit is not None and self.in_flight[name] > limit) and self._hand_over(name, shared):
             self.publish(name)
             return
         self.in_flight[name] = max(0, self.in_flight[name] - 1)
+        if shared is not None and self.shared is not None:
+            self.shared.give_back(shared)
         self.publish(name)
 
-    def _hand_over(self, name: str) -> bool:
+    def _hand_over(self, name: str, lease: str | None = None) -> bool:
         """Give one held slot of ``name`` to its oldest live waiter; False when nobody can take it."""
         q = self._waiters[name]
         engine = self.engines[name]
@@ -261,7 +620,9 @@ class Slots:
             if not self._health.admit(engine, self._by_model):
                 return False
             q.popleft()
-            w.future.set_result(engine)
+            if lease is not None and self.shared is not None:
+                self.shared.passing(lease)
+            w.future.set_result((engine, lease))
             return True
         return False
 

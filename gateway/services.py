@@ -26,7 +26,7 @@ from engines.controller import RolloutController
 from engines.energy import EnergyBook
 from engines.offload import OffloadClient
 from engines.offload import targets_from as offload_targets
-from engines.pool import EnginePool, build_engine
+from engines.pool import EnginePool, SharedCaps, build_engine
 from engines.rollback import Transition
 from engines.sentinel import AccuracySentinel
 from engines.state_store import build_store as build_state_store
@@ -163,6 +163,22 @@ class Services:
             if settings.traffic.enabled
             else None
         )
+        if redis.configured:
+            # Every replica counts each engine's requests in one place: its cap holds whatever the pod count.
+            traffic = settings.traffic
+            pool.share_caps(
+                SharedCaps(
+                    redis.client(),
+                    metrics,
+                    key_prefix=traffic.key_prefix,
+                    lease_ttl_s=traffic.lease_ttl_s,
+                    heartbeat_s=traffic.heartbeat_interval_s,
+                    timeout_s=settings.redis.timeout_s,
+                    probe_s=settings.redis.probe_s,
+                    fail_open_share=traffic.fail_open_share,
+                    replica_id=admission.replica_id if admission is not None else None,
+                )
+            )
         chains = Chains(policies)
         pipeline = Pipeline(
             pool,

@@ -1,0 +1,179 @@
+"""An engine's concurrency cap holds across replicas: two real ``omnigate serve`` processes on one Redis, one
+scripted engine that counts the requests it has at once.
+
+Before the caps were shared, each replica kept its own count, so two replicas sent an engine with a cap
+of 3 up to 6 requests at once. A replica killed mid-request gives its engine slots back when their
+leases expire; with Redis unreachable each replica falls back, as admission does, to a share of the cap.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+import redis
+import yaml
+
+from tests.harness import ServeProcess, wait_until
+from tests.upstream import Script, ScriptedUpstream
+
+pytestmark = pytest.mark.timeout(180)
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+CAP = 3
+LEASE_TTL_S = 1.5
+ASK = {"model": "omni", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+class Replica(ServeProcess):
+    role = "replica"
+
+
+@pytest.fixture
+def upstream(bg):
+    # Each answer takes a while, so that requests pile up at the engine if nothing holds them back.
+    up = ScriptedUpstream(Script(flavour="omni", text="slow words", first_byte_delay_s=0.4))
+    bg.run(up.start())
+    yield up
+    bg.run(up.stop())
+
+
+@pytest.fixture
+def rdb():
+    client = redis.Redis.from_url(REDIS_URL)
+    client.ping()
+    yield client
+    client.close()
+
+
+def _config(upstream: ScriptedUpstream, prefix: str, redis_url: str = REDIS_URL, **traffic) -> dict:
+    return {
+        "engines": [
+            {
+                "name": "omni",
+                "kind": "vllm-omni",
+                "base_url": upstream.base_url,
+                "model": "scripted",
+                "serves": ["omni"],
+                "max_in_flight": CAP,
+                "max_in_flight_overloaded": None,
+                "max_wait_s": 60,
+                "first_byte_timeout_s": 30,
+            }
+        ],
+        "redis": {"url": redis_url, "timeout_s": 0.3, "probe_s": 0.5},
+        "traffic": {
+            "soft_limit": 100,
+            "hard_limit": 200,
+            "key_prefix": prefix,
+            "lease_ttl_s": LEASE_TTL_S,
+            "heartbeat_s": 0.3,
+            **traffic,
+        },
+        "rate_limits": {"key_prefix": prefix},
+        "routing": {"controller": {"enabled": False}},
+        "auth": {"required": False},
+        "logging": {"level": "info"},
+    }
+
+
+def _start(tmp_path, config: dict, n: int) -> list[Replica]:
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    made = [Replica(path, tmp_path / f"replica-{i}.log") for i in range(n)]
+    try:
+        assert wait_until(lambda: all(r.ready() for r in made), timeout=90, interval=0.2)
+    except BaseException:
+        for r in made:
+            r.stop()
+        raise
+    return made
+
+
+@pytest.fixture
+def replicas(tmp_path, upstream, rdb):
+    prefix = f"omnigate-test:{uuid.uuid4().hex}"
+    made = _start(tmp_path, _config(upstream, prefix), 2)
+    try:
+        yield made, f"{{{prefix}}}:engine:omni"
+    finally:
+        for r in made:
+            r.stop()
+        keys = list(rdb.scan_iter(match=f"*{prefix}*"))
+        if keys:
+            rdb.delete(*keys)
+
+
+def _load(urls: list[str], per_url: int) -> list[int]:
+    """``per_url`` concurrent non-streamed requests on each of ``urls``; their statuses."""
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def one(url: str) -> None:
+        try:
+            status = httpx.post(url + "/v1/chat/completions", json=ASK, timeout=120).status_code
+        except httpx.HTTPError:
+            status = -1
+        with lock:
+            statuses.append(status)
+
+    threads = [threading.Thread(target=one, args=(u,)) for u in urls for _ in range(per_url)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return statuses
+
+
+def test_an_engine_never_has_more_requests_than_its_cap_whatever_the_replica_count(replicas, upstream, rdb):
+    (a, b), key = replicas
+    upstream.reset_stats()
+    statuses = _load([a.url, b.url], per_url=2 * CAP)
+    assert statuses == [200] * (4 * CAP)  # they waited for a slot; none was refused
+    assert upstream.completed == 4 * CAP
+    assert upstream.max_in_flight <= CAP, f"the engine had {upstream.max_in_flight} requests at once"
+    assert upstream.max_in_flight == CAP  # and the cap was used, not starved
+    assert wait_until(lambda: rdb.zcard(key) == 0, timeout=5)  # every lease given back
+
+
+def test_a_killed_replicas_engine_slots_come_back_when_their_leases_expire(replicas, upstream, rdb, bg):
+    (a, b), key = replicas
+    upstream.reset_stats()
+    slow = Script(flavour="omni", text="slow words", first_byte_delay_s=30)
+    bg.call(lambda: upstream.enqueue(*[slow] * CAP))
+    held = [
+        threading.Thread(target=_load, args=([a.url], 1), daemon=True) for _ in range(CAP)
+    ]  # the engine's whole cap, taken through a
+    for t in held:
+        t.start()
+    assert wait_until(lambda: upstream.in_flight == CAP, timeout=30)
+    assert rdb.zcard(key) == CAP
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait(10)
+    killed_at = time.monotonic()
+    # Nobody gives them back: b's requests wait until the dead replica's leases expire, then are served.
+    assert wait_until(lambda: rdb.zcard(key) == 0, timeout=LEASE_TTL_S * 6, interval=0.05)
+    assert time.monotonic() - killed_at > LEASE_TTL_S * 0.5
+    upstream.reset_stats()
+    assert _load([b.url], per_url=CAP + 1) == [200] * (CAP + 1)
+    assert upstream.max_in_flight <= CAP
+
+
+def test_with_redis_unreachable_each_replica_keeps_a_share_of_the_cap(tmp_path, upstream):
+    """As admission does when its store is down: each replica alone applies ``fail_open_share`` of the
+    cap (never below one), loudly, rather than refusing or sending the whole cap from every replica."""
+    dead = "redis://127.0.0.1:1/0"  # nothing listens there
+    (alone,) = _start(
+        tmp_path, _config(upstream, f"omnigate-test:{uuid.uuid4().hex}", dead, fail_open_share=0.5), 1
+    )
+    try:
+        upstream.reset_stats()
+        assert _load([alone.url], per_url=2 * CAP) == [200] * (2 * CAP)
+        assert upstream.max_in_flight == max(1, CAP // 2)
+        assert "engine_caps_store_unreachable" in alone.log_path.read_text()
+    finally:
+        alone.stop()
