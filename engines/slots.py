@@ -21,6 +21,9 @@ leases expire after ``traffic.lease_ttl_s``. An engine full on other replicas is
 short pause until the wait limit (no FIFO across replicas). Redis unreachable: as admission does, each
 replica fails open to a share of each cap (``traffic.fail_open_share``), loudly, and probes Redis until
 it answers.
+
+Its length: the local slots and their leases in Redis are one count (a slot handed over keeps its lease,
+a cap lowered or raised applies to both), kept side by side so the two cannot drift.
 """
 
 from __future__ import annotations
@@ -495,16 +498,16 @@ class Slots:
                     if result != REFUSED:
                         return engine, lease
                     self._shared_busy[engine.name] = time.monotonic() + _SHARED_RETRY_S
-                    if any(
-                        e is not engine and self._health.up(e.name) and not self.full(e.name) for e in engines
-                    ):
-                        break  # another engine has room: this slot goes back, the claim looks again
                     if time.monotonic() + _SHARED_RETRY_S > deadline:
                         self._metrics.admission_shed.labels("engine_busy").inc()
                         raise EngineBusy(
                             f"no engine for {model!r} had a free slot within the wait limit",
                             retry_after=_BUSY_RETRY_AFTER_S,
                         )
+                    if any(
+                        e is not engine and self._health.up(e.name) and not self.full(e.name) for e in engines
+                    ):
+                        break  # another engine has room: this slot goes back, the claim looks again
                     await asyncio.sleep(_SHARED_RETRY_S)
                     limit = self.limit(engine.name) or limit
             except BaseException:
@@ -558,8 +561,9 @@ class Slots:
         t0 = time.perf_counter()
         # An engine passed over for being full on the other replicas is looked at again when that ends.
         loop = asyncio.get_running_loop()
-        busy = [self._shared_busy[e.name] for e in queues if e.name in self._shared_busy]
-        recheck = min(busy) - time.monotonic() + loop.time() if busy else None
+        now = time.monotonic()
+        busy = [t for e in queues if (t := self._shared_busy.get(e.name, 0.0)) > now]
+        recheck = min(busy) - now + loop.time() if busy else None
         until = deadline if recheck is None or recheck >= deadline else max(recheck, loop.time())
         try:
             async with asyncio.timeout_at(until):
