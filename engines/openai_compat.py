@@ -20,6 +20,7 @@ adapter reuses them, so they stay in one module.
 from __future__ import annotations
 
 import asyncio
+import collections
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -473,7 +474,28 @@ def request_id_header() -> dict[str, str]:
     The id is the one gateway/middleware.py made and bound to the log context (never the client's).
     """
     rid = structlog.contextvars.get_contextvars().get("request_id")
-    return {"X-Request-Id": rid} if isinstance(rid, str) and rid else {}
+    if not isinstance(rid, str) or not rid:
+        return {}
+    return {"X-Request-Id": _engine_request_id(rid)}
+
+
+#: engine calls made so far per recent request id (bounded: oldest forgotten first)
+_CALLS: collections.OrderedDict[str, int] = collections.OrderedDict()
+_CALLS_KEPT = 4096
+
+
+def _engine_request_id(rid: str) -> str:
+    """``rid`` for a request's first engine call, ``rid-2``, ``rid-3`` ... for its retries and failovers.
+
+    vLLM refuses a request id that is still running ("Request id ... already running"), and an attempt
+    aborted a moment ago may still be in its engine when the retry arrives; the suffix keeps each call
+    unique while a grep for the gateway's id still finds every one of them.
+    """
+    n = _CALLS.pop(rid, 0) + 1
+    _CALLS[rid] = n
+    while len(_CALLS) > _CALLS_KEPT:
+        _CALLS.popitem(last=False)
+    return rid if n == 1 else f"{rid}-{n}"
 
 
 def _sent(body: bytes | Body) -> Any:

@@ -382,6 +382,25 @@ def test_every_engine_request_carries_the_gateways_request_id_so_the_logs_join(s
     assert len(set(seen)) == len(seen)
 
 
+def test_a_failover_sends_the_next_engine_a_request_id_of_its_own_that_still_names_the_gateways(
+    started, upstreams
+):
+    """vLLM refuses an id still running; an attempt aborted a moment ago may be: each call gets its own."""
+    from tests.upstream import Script
+
+    server = started()
+    upstreams.omni_a.enqueue(Script(flavour="omni", fault="500_before_headers"))
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=10,
+        json={"model": OMNI_MODEL, "stream": False, "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    assert upstreams.omni_a.headers[-1]["x-request-id"] == rid
+    assert upstreams.omni_b.headers[-1]["x-request-id"] == f"{rid}-2"
+
+
 def test_logging_log_prompts_is_refused_as_a_setting_nothing_reads(tmp_path):
     from pydantic import ValidationError
 
