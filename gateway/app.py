@@ -23,7 +23,7 @@ from core.settings import Settings
 from gateway import heap
 from gateway.api import admin, admin_audit, admin_routing, admin_state, admin_tenants, chat, ops
 from gateway.console import routes as console
-from gateway.middleware import RequestIdMiddleware
+from gateway.middleware import BodyDeadlineMiddleware, RequestIdMiddleware
 from gateway.readiness import Readiness, ReadinessGate
 from gateway.services import Services
 from observability.metrics import Metrics
@@ -144,6 +144,8 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(ReadinessGate, readiness=app.state.readiness, render=error_response)
+    # Inside the request id's: a 408 for a body that did not come carries the request's id too.
+    app.add_middleware(BodyDeadlineMiddleware, timeout_s=settings.server.body_timeout_s)
     app.add_middleware(RequestIdMiddleware)
     return app
 
