@@ -334,6 +334,11 @@ class ServerSettings(_Strict):
         "the request's first byte on a kept-alive connection); otherwise the connection is closed (omnigate "
         "serve; uvicorn has no header timeout of its own)",
     )
+    max_header_bytes: Annotated[int, Field(ge=4096, le=1024 * 1024)] = Field(
+        default=64 * 1024,
+        description="the most bytes a request line and headers may take; a larger head is answered 431 and "
+        "its connection closed (omnigate serve; uvicorn's httptools parser has no cap of its own)",
+    )
     keepalive_timeout_s: Annotated[int, Field(ge=1, le=300)] = Field(
         default=5, description="an idle connection between two requests is closed after this many seconds"
     )

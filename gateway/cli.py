@@ -219,9 +219,11 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         access_log=False,
         timeout_graceful_shutdown=int(settings.server.graceful_shutdown_s),
         # uvicorn bounds no request head: its protocol, with the head's deadline (gateway/header_deadline.py)
-        http=protocol_class(settings.server.header_timeout_s),
+        http=protocol_class(
+            settings.server.header_timeout_s, max_header_bytes=settings.server.max_header_bytes
+        ),
         timeout_keep_alive=settings.server.keepalive_timeout_s,
-        h11_max_incomplete_event_size=64 * 1024,
+        h11_max_incomplete_event_size=settings.server.max_header_bytes,
         ws="none",  # no WebSocket routes: do not load a WebSocket implementation
     )
     _DrainingServer.build(config, app.state.services, app.state.readiness).run()

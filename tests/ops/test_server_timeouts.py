@@ -247,3 +247,102 @@ def test_each_http_implementation_closes_a_half_sent_head_and_serves_a_whole_one
         sock.sendall(b"GET / HTTP/1.1\r\nHo")
         assert _closed_by_server(sock)[0]
     assert httpx.get(f"http://127.0.0.1:{port}/", timeout=5).text == "ok"
+
+
+# -- the size of a request head ---------------------------------------------------------------------------
+MAX_HEADER_BYTES = 16 * 1024
+
+
+def _send_head(port: int, head: bytes) -> tuple[bool, bytes]:
+    """Send ``head`` (as much of it as the server takes) and read what comes back until it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        try:
+            for i in range(0, len(head), 64 * 1024):
+                sock.sendall(head[i : i + 64 * 1024])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused while it was still coming: what was answered is read below
+        return _closed_by_server(sock)
+
+
+def _refused_as_too_large(closed: bool, got: bytes) -> bool:
+    """431 in OpenAI's error shape, or (the answer lost to a reset) a close without an answer."""
+    if not closed:
+        return False
+    if not got:
+        return True
+    head, _, body = got.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 431"):
+        return False
+    import orjson
+
+    err = orjson.loads(body)["error"]
+    return err["code"] == "request_header_fields_too_large" and err["type"] == "invalid_request_error"
+
+
+def _big_heads(limit: int) -> dict[str, bytes]:
+    return {
+        "one-huge-header": b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (limit * 4) + b"\r\n\r\n",
+        "many-headers": b"GET / HTTP/1.1\r\nHost: x\r\n"
+        + b"".join(b"X-H%d: %s\r\n" % (i, b"b" * 100) for i in range(limit // 50))
+        + b"\r\n",
+        "huge-url": b"GET /?" + b"q" * (limit * 2) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        "never-ending-header": b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (limit * 8),
+    }
+
+
+@pytest.fixture(params=["httptools", "h11"])
+def capped_server(request, bg):
+    import asyncio
+
+    import uvicorn
+
+    from gateway.header_deadline import protocol_class
+
+    port = free_port()
+    http = protocol_class(HEADER_TIMEOUT_S, request.param, max_header_bytes=MAX_HEADER_BYTES)
+    config = uvicorn.Config(_hello, host="127.0.0.1", port=port, http=http, lifespan="off", log_config=None,
+                            access_log=False)  # fmt: skip
+    server = uvicorn.Server(config)
+
+    async def start() -> asyncio.Task[None]:
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        return task
+
+    task = bg.run(start())
+    yield port
+
+    async def stop() -> None:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+    bg.run(stop())
+
+
+@pytest.mark.parametrize("kind", list(_big_heads(MAX_HEADER_BYTES)))
+def test_each_http_implementation_refuses_a_request_head_over_the_cap(capped_server, kind):
+    port = capped_server
+    closed, got = _send_head(port, _big_heads(MAX_HEADER_BYTES)[kind])
+    assert _refused_as_too_large(closed, got), got[:300]
+    # A head under the cap is served, with a body in the same packet, and the server itself is unaffected.
+    fits = b"POST / HTTP/1.1\r\nHost: x\r\nX-Fits: " + b"f" * (MAX_HEADER_BYTES // 2) + b"\r\n"
+    body = b"z" * (MAX_HEADER_BYTES * 4)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(fits + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        sock.settimeout(5)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    assert httpx.get(f"http://127.0.0.1:{port}/", timeout=5).text == "ok"
+
+
+def test_the_served_gateway_refuses_megabytes_of_headers(served):
+    # omnigate serve with the chart's config: server.max_header_bytes (64 KiB) bounds a request head.
+    port, url = served
+    head = b"GET /healthz HTTP/1.1\r\nHost: gw\r\nX-Big: " + b"a" * (2 * 1024 * 1024) + b"\r\n\r\n"
+    closed, got = _send_head(port, head)
+    assert _refused_as_too_large(closed, got), got[:300]
+    assert b"200 OK" not in got
+    ok = httpx.get(url + "/healthz", headers={"x-fits": "f" * 16 * 1024}, timeout=5)
+    assert ok.status_code == 200
