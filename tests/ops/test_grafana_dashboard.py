@@ -175,7 +175,7 @@ def test_provisioning_points_at_the_dashboard_and_prometheus():
 THRESHOLD_PANELS = {
     "OmnigateTTFTAboveTarget": "Engine time to first token",
     "OmnigateLatencyP99RollbackExpected": "Engine time to first token",
-    "OmnigateLatencyP95ScaleOut": "Time to first token",
+    "OmnigateLatencyP95ScaleOut": "Engine time to first token",
     "OmnigateFirstAudioPacketSlow": "First audio packet",
     "OmnigateEngineVRAMHigh": "VRAM usage",
     "OmnigateEngineVRAMAboveBudget": "VRAM used",

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Histogram
 
+from core.control_settings import default_rules
 from observability.metrics import Metrics
 from tests.ops.catalogue import (
     EXPORTED,
@@ -107,7 +108,8 @@ def test_rules_name_only_known_metrics_and_planned_ones_only_in_pending_groups(g
 
 def test_recording_rule_names_follow_the_convention():
     for name in recording_rules():
-        assert re.fullmatch(r"[a-z_]+:[a-z_]+:[a-z0-9_]+", name), name
+        # level:metric:operations; a metric's own name may hold digits (..._per_1k_prompt_tokens_...)
+        assert re.fullmatch(r"[a-z_]+:[a-z][a-z0-9_]*:[a-z0-9_]+", name), name
 
 
 @pytest.mark.parametrize("name,rule", sorted(alert_rules().items()))
@@ -161,14 +163,19 @@ def test_thresholds_are_the_documented_ones():
         0.3,
     )
     # The deployment's TTFT target is engine-true: from sending the engine its request to its first
-    # chunk, as the pipeline records omnigate_engine_time_to_first_token_seconds.
-    engine_ttft = "engine_variant:omnigate_engine_time_to_first_token_seconds:p99_5m"
-    assert threshold("OmnigateTTFTAboveTarget") == ({engine_ttft}, 0.234)
-    # Scale-out reads what clients wait for (slot waits and pre-policies included).
-    assert threshold("OmnigateLatencyP95ScaleOut") == ({ttft.format("p95")}, 0.5)
-    # The rollback alerts read the engine's own TTFT, as the int4-latency rule does.
-    assert threshold("OmnigateLatencyP99RollbackExpected") == ({engine_ttft}, 0.6)
-    assert threshold("OmnigateRollbackNotTaken") == ({engine_ttft}, 0.6)
+    # chunk, per 1,000 prompt tokens as the rollback rules read it (a short prompt's is its TTFT).
+    per_1k = "engine_variant:omnigate_engine_time_to_first_token_per_1k_prompt_tokens_seconds:p99_5m"
+    assert threshold("OmnigateTTFTAboveTarget") == ({per_1k}, 0.234)
+    # Scale-out reads the engine's own first tokens: not a whole answer's duration (no first token),
+    # nor a wait in the gateway, which more engines would not shorten.
+    engine_ttft = "engine_variant:omnigate_engine_time_to_first_token_seconds:{}_5m"
+    assert threshold("OmnigateLatencyP95ScaleOut") == ({engine_ttft.format("p95")}, 0.5)
+    # The rollback alerts read what the int4-latency rule reads, so they fire where it acts.
+    assert threshold("OmnigateLatencyP99RollbackExpected") == ({per_1k}, 0.6)
+    assert threshold("OmnigateRollbackNotTaken") == ({per_1k}, 0.6)
+    assert not any(
+        ttft.format("p95") in r["expr"] or ttft.format("p99") in r["expr"] for r in alerts.values()
+    )
     assert threshold("OmnigateEngineVRAMHigh") == ({"omnigate_engine_vram_usage_ratio"}, 0.9)
     assert alerts["OmnigateEngineVRAMHigh"]["for"] == "30s"
     # Peak VRAM of the BF16 deployment, absolute: 144 GB in bytes, the highest reading of 5 minutes.
@@ -212,13 +219,14 @@ def _quantile_sources(name: str, recordings: dict[str, str]) -> set[str]:
     return {n.removesuffix("_bucket") for n in resolve({name}, recordings) if n.endswith("_bucket")}
 
 
+PER_1K = "omnigate_engine_time_to_first_token_per_1k_prompt_tokens_seconds"
 QUANTILE_ALERTS = {
     # alert -> the histogram its percentile is read from
-    "OmnigateTTFTAboveTarget": "omnigate_engine_time_to_first_token_seconds",
+    "OmnigateTTFTAboveTarget": PER_1K,
     "OmnigateFirstAudioPacketSlow": "omnigate_time_to_first_audio_seconds",
-    "OmnigateLatencyP95ScaleOut": "omnigate_time_to_first_token_seconds",
-    "OmnigateLatencyP99RollbackExpected": "omnigate_engine_time_to_first_token_seconds",
-    "OmnigateRollbackNotTaken": "omnigate_engine_time_to_first_token_seconds",
+    "OmnigateLatencyP95ScaleOut": "omnigate_engine_time_to_first_token_seconds",
+    "OmnigateLatencyP99RollbackExpected": PER_1K,
+    "OmnigateRollbackNotTaken": PER_1K,
 }
 
 
@@ -251,6 +259,7 @@ def test_the_deployments_latency_thresholds_are_bounds_of_the_histograms_involve
     bounds = _histogram_bounds()
     for family in (
         "omnigate_engine_time_to_first_token_seconds",
+        PER_1K,
         "omnigate_time_to_first_token_seconds",
         "omnigate_time_to_first_audio_seconds",
         "omnigate_request_duration_seconds",
@@ -260,6 +269,26 @@ def test_the_deployments_latency_thresholds_are_bounds_of_the_histograms_involve
     assert 0.05 in bounds["omnigate_sentinel_wer"]
 
 
+def test_the_rollback_alerts_read_the_signal_the_rollback_rules_read():
+    """OmnigateRollbackNotTaken and OmnigateLatencyP99RollbackExpected check on the int4-latency rule: the
+    same figure (the engine's TTFT per 1,000 prompt tokens, its P99) and the same threshold."""
+    rules = {r.name: r for r in default_rules()}
+    rule = rules["int4-latency"]
+    assert rule.signal == "upstream_ttft_per_1k_prompt_tokens_p99"
+    assert rules["canary-latency"].signal == rule.signal
+    recordings = recording_rules()
+    for alert in ("OmnigateRollbackNotTaken", "OmnigateLatencyP99RollbackExpected"):
+        names, value = _threshold(alert_rules()[alert]["expr"])
+        assert value == rule.above
+        [recorded] = names
+        assert "histogram_quantile(0.99," in recordings[recorded]
+        assert resolve(names, recordings) == {f"{PER_1K}_bucket"}
+    # The histogram is what the window computes: the same function, the same floor.
+    metrics = Metrics(CollectorRegistry())
+    assert metrics.upstream_ttft_per_1k._name == PER_1K
+    assert metrics.upstream_ttft_per_1k._labelnames == ("engine", "variant", "model")
+
+
 THRESHOLD_MOVES = [
     # alert, its threshold as written, moved so that its promtool tests must fail
     ("OmnigateTTFTAboveTarget", "p99_5m > 0.234\n", "p99_5m > 0.3\n"),
@@ -267,6 +296,9 @@ THRESHOLD_MOVES = [
     ("OmnigateFirstAudioPacketSlow", "p99_5m > 0.3\n", "p99_5m > 0.4\n"),
     ("OmnigateFirstAudioPacketSlow", "p99_5m > 0.3\n", "p99_5m > 0.234\n"),
     ("OmnigateLatencyP95ScaleOut", "p95_5m > 0.5\n", "p95_5m > 0.4\n"),
+    ("OmnigateLatencyP95ScaleOut", "p95_5m > 0.5\n", "p95_5m > 0.75\n"),
+    ("OmnigateLatencyP99RollbackExpected", "p99_5m > 0.6\n", "p99_5m > 0.75\n"),
+    ("OmnigateLatencyP99RollbackExpected", "p99_5m > 0.6\n", "p99_5m > 0.1\n"),
     ("OmnigateEngineVRAMAboveBudget", "[5m])) > 144e9\n", "[5m])) > 160e9\n"),
     ("OmnigateEngineVRAMAboveBudget", "[5m])) > 144e9\n", "[5m])) > 143e9\n"),
     ("OmnigateEngineAccuracyLow", "< 0.9\n", "< 0.8\n"),
