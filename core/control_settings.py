@@ -312,9 +312,9 @@ class RuleAction(_Strict):
     ``/v1/omni/sleep`` at ``sleep_level``, and wake them on the way back.
     ``raise_concurrency``: raise the engine's cap on requests in flight (per replica) to
     ``raise_factor`` times its configured cap, never above ``max_concurrency`` nor above
-    the engine's own ``max_num_seqs`` shared among the replicas (an engine that declares
-    none is never raised: past what it runs at once, requests only queue inside it, where
-    shedding cannot see them); a lower cap in force (VRAM pressure, overload) still wins. ``exclude_target``: while the
+    the engine's own ``max_num_seqs`` (an engine that declares none is never raised: past
+    what it runs at once, requests only queue inside it, where shedding cannot see them);
+    a lower cap in force (VRAM pressure, overload) still wins. ``exclude_target``: while the
     condition holds, the engine is no destination of any rule's shift (it moves no traffic
     itself, so has no way back).
     """
@@ -344,7 +344,7 @@ class RuleAction(_Strict):
     max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
         default=None,
         description="raise_concurrency: the ceiling of the raised cap (required); the engine's max_num_seqs "
-        "over the replicas bounds it too",
+        "bounds it too",
     )
     sleep_idle: bool = Field(
         default=False, description="limit_concurrency: also sleep idle engines that share a GPU with this one"

@@ -188,8 +188,8 @@ class EngineConfig(_Strict):
     max_num_seqs: Annotated[int, Field(ge=1, le=100000)] | None = Field(
         default=None,
         description="requests the engine itself runs at once (vLLM's --max-num-seqs): the rollback "
-        "controller's raise_concurrency never raises the cap past it, shared among the replicas; null: "
-        "max_in_flight is never raised",
+        "controller's raise_concurrency never raises the cap (max_in_flight) past it; null: max_in_flight "
+        "is never raised",
     )
     max_waiting: Annotated[int, Field(ge=0, le=100000)] = Field(
         default=64, description="requests that may wait for a free slot of this engine"

@@ -280,10 +280,9 @@ def _other_incident(rule: Rule, sig: EngineSignals, base: Incident, snap: Snapsh
         seqs = sig.values.get("max_num_seqs")
         if cap is None or seqs is None or a.max_concurrency is None:
             return None  # no configured cap to raise, or no room the engine declared to raise it into
-        # Past what the engine runs at once, requests queue inside it, where shedding cannot see them; every
-        # replica sends it up to its own cap, so each gets its share of the engine's max_num_seqs.
-        room = math.floor(float(seqs) / max(1, snap.replicas))
-        raised = min(a.max_concurrency, math.ceil(a.raise_factor * float(cap)), room)
+        # Past what the engine runs at once, requests queue inside it, where shedding cannot see them. The
+        # cap is the engine's whole (shared by the replicas through Redis), as max_num_seqs is.
+        raised = min(a.max_concurrency, math.ceil(a.raise_factor * float(cap)), math.floor(float(seqs)))
         return replace(base, limit=raised) if raised > cap else None  # at the ceiling already
     running = sig.values.get("requests_running") or sig.values.get("in_flight") or 0.0
     per_replica = a.concurrency_factor * float(running) / max(1, snap.replicas)
