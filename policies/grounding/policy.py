@@ -23,6 +23,11 @@ then per public model, then ``mode``:
     everything is released at once; the verdict is recorded and sent as the
     stream's final event. It never claims to have blocked anything.
 
+A request whose messages of the ``evidence_roles`` carry no text has nothing to
+judge an answer against (an open-domain question, with only the question as its
+premise): the guard abstains, and the answer is served unjudged with the verdict
+``skipped`` and the reason ``no_evidence``.
+
 Its length: the policy and its three stream checks share the premise, the speech gate and the
 verdict rules; a check is only read beside the others.
 """
@@ -40,7 +45,18 @@ from core.errors import GroundingFailed
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest, Message
 from observability.metrics import Metrics
-from policies.base import Accept, Deps, Halt, PolicyBase, PolicyConfig, Reject, Retry, StreamMode, Verdict
+from policies.base import (
+    Accept,
+    Deps,
+    Halt,
+    PolicyBase,
+    PolicyConfig,
+    Reject,
+    Retry,
+    StreamCheck,
+    StreamMode,
+    Verdict,
+)
 from policies.grounding.claims import Premise, claims_of, premise_of, split_sentences
 from policies.grounding.scorer import Judgement, Scorer
 
@@ -49,6 +65,8 @@ DEFAULT_INSTRUCTION = (
     "Do not add names, numbers or dates that are not stated there; if the answer is not there, say so."
 )
 HEADER = "x-omnigate-grounding"
+EvidenceRole = Literal["system", "developer", "user", "tool"]
+_PREMISE_ROLES: tuple[EvidenceRole, ...] = ("system", "developer", "user", "tool")  # claims.PREMISE_ROLES
 
 
 class GroundingConfig(PolicyConfig):
@@ -80,6 +98,13 @@ class GroundingConfig(PolicyConfig):
     )
     speech_chars_per_second: Annotated[float, Field(gt=0.0, le=200.0)] = Field(
         default=30.0, description="window mode: the speaking-rate bound for releasing audio"
+    )
+    evidence_roles: Annotated[list[EvidenceRole], Field(min_length=1)] = Field(
+        default_factory=lambda: list(_PREMISE_ROLES),
+        description=(
+            "the roles whose text is evidence: a request with none is served unjudged (skipped, no_evidence); "
+            "[tool]: judge only answers to retrieved documents"
+        ),
     )
 
 
@@ -372,7 +397,29 @@ class WindowCheck(_Check):
         return out + audio + self._meta
 
 
-_CHECKS: dict[str, type[_Check]] = {"hold": HoldCheck, "window": WindowCheck, "passthrough": PassthroughCheck}
+class AbstainCheck:
+    """No evidence in the request: everything is released as it comes, and nothing is judged."""
+
+    def __init__(self, policy: Grounding, request: ChatCompletionRequest, ctx: RequestContext) -> None:
+        self.policy = policy
+        self.mode = policy.stream_mode(request, ctx)
+        self.attempt = ctx.record.retries + 1
+
+    async def feed(self, delta: Delta) -> list[Delta]:
+        return [delta]
+
+    async def finish(self) -> Verdict:
+        return self.policy.skipped(self.mode, self.attempt, "no_evidence")
+
+    def release(self) -> list[Delta]:
+        return []
+
+
+_CHECKS: dict[str, type[HoldCheck | WindowCheck | PassthroughCheck]] = {
+    "hold": HoldCheck,
+    "window": WindowCheck,
+    "passthrough": PassthroughCheck,
+}
 
 
 class Grounding(PolicyBase):
@@ -421,25 +468,44 @@ class Grounding(PolicyBase):
             return cfg.modes_by_tenant[ctx.identity.tenant]
         return cfg.modes_by_model.get(request.model, cfg.mode)
 
-    def open_check(self, request: ChatCompletionRequest, ctx: RequestContext) -> _Check:
+    def open_check(self, request: ChatCompletionRequest, ctx: RequestContext) -> StreamCheck:
+        if not self.has_evidence(request, ctx):
+            return AbstainCheck(self, request, ctx)
         return _CHECKS[self.stream_mode(request, ctx)](self, request, ctx)
 
     async def post(
         self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext
     ) -> Verdict:
+        attempt = ctx.record.retries + 1
+        if not self.has_evidence(request, ctx):
+            return self.skipped("hold", attempt, "no_evidence")
         check = HoldCheck(self, request, ctx)  # a whole answer is judged as a held one
         text = completion.text or completion.transcript
         if completion.tool_calls and not text.strip():
-            return self.tool_turn("hold", check.attempt)
+            return self.tool_turn("hold", attempt)
         return check._verdict(await check.judge_text(text))
 
     def tool_turn(self, mode: str, attempt: int) -> Accept:
+        return self.skipped(mode, attempt, "tool_calls")
+
+    def skipped(self, mode: str, attempt: int, reason: str) -> Accept:
         self.metrics.grounding_verdicts.labels(mode, "skipped").inc()
         return Accept(
-            notes={
-                "grounding": {"mode": mode, "verdict": "skipped", "reason": "tool_calls", "attempt": attempt}
-            }
+            notes={"grounding": {"mode": mode, "verdict": "skipped", "reason": reason, "attempt": attempt}}
         )
+
+    def has_evidence(self, request: ChatCompletionRequest, ctx: RequestContext) -> bool:
+        """Whether any message of ``evidence_roles`` carries text (input speech's transcripts count as the user's).
+
+        Without evidence the premise is at most the question itself, and an answer that says anything the
+        question does not would be judged unsupported: there is nothing to judge it against.
+        """
+        roles = set(self.config.evidence_roles)
+        own = (self.config.retry_instruction or "").strip()
+        for m in request.messages:
+            if m.role in roles and (t := m.text().strip()) and t != own:
+                return True
+        return "user" in roles and any(t.strip() for t in ctx.outputs.input_transcripts)
 
     # -- pieces the checks share ---------------------------------------------
     def premise(self, request: ChatCompletionRequest, ctx: RequestContext) -> Premise:
