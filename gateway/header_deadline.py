@@ -45,6 +45,17 @@ def _too_large(limit: int, default_headers: list[tuple[bytes, bytes]]) -> bytes:
     return b"".join(head) + body
 
 
+def _head_part(before: bytes, data: bytes) -> int:
+    """How many bytes of ``data`` belong to a head that ``before`` (what came of it so far) began: up to
+    its blank line, which may straddle the two, or all of them."""
+    if before:
+        seam = (before[-3:] + data[:3]).find(b"\r\n\r\n")
+        if seam >= 0:
+            return seam + 4 - len(before[-3:])
+    end = data.find(b"\r\n\r\n")
+    return len(data) if end < 0 else end + 4
+
+
 class _HeadTooLarge(Exception):
     """Raised from a parser callback: the parser stops, and the protocol answers 431."""
 
@@ -94,9 +105,8 @@ class H11WithHeadDeadline(H11Protocol):
         # is taken at any size. While the head is outstanding (nothing of the request parsed yet, so
         # whatever h11 holds is head) its bytes are counted up to its end before h11 sees them.
         if self.conn.their_state is h11.IDLE:
-            end = data.find(b"\r\n\r\n")
-            held = len(self.conn.trailing_data[0])
-            if held + (len(data) if end < 0 else end + 4) > self.max_header_bytes:
+            held = self.conn.trailing_data[0]
+            if len(held) + _head_part(held, data) > self.max_header_bytes:
                 self._deadline.clear()
                 if not self.transport.is_closing():
                     self.transport.write(_too_large(self.max_header_bytes, self.server_state.default_headers))
@@ -127,16 +137,18 @@ def _httptools_class() -> type[asyncio.Protocol] | None:
         head_timeout_s: float = 10.0
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
         _deadline: _Deadline
-        #: the head is outstanding (from the connection's start or a message's, to its headers' end)
+        #: the head is outstanding (from the connection's start or the last message's end, to its headers' end)
         _in_head: bool
         #: bytes received while the head was outstanding, and the head's parsed size (URL and headers)
         _head_bytes: int
         _parsed_bytes: int
+        _tail: bytes  # the last bytes counted: a head's blank line may straddle two reads
         _refused: bool
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._in_head, self._head_bytes, self._parsed_bytes, self._refused = True, 0, 0, False
+            self._tail = b""
             self._deadline = _Deadline(self.loop, self.head_timeout_s, transport)
             self._deadline.arm()
 
@@ -145,20 +157,25 @@ def _httptools_class() -> type[asyncio.Protocol] | None:
                 # Counted before the parser sees the bytes: httptools keeps a header's pieces until
                 # the header is whole, so a header of megabytes would be held before any callback.
                 # Where the head ends in this piece, only its part is counted (a body may follow).
-                end = data.find(b"\r\n\r\n")
-                if self._head_bytes + (len(data) if end < 0 else end + 4) > self.max_header_bytes:
+                if self._head_bytes + _head_part(self._tail, data) > self.max_header_bytes:
                     self._refuse()
                     return
                 self._head_bytes += len(data)
+                self._tail = (self._tail + data[-3:])[-3:]
             super().data_received(data)
 
         def on_message_begin(self) -> None:
-            self._in_head, self._head_bytes, self._parsed_bytes = True, 0, 0
+            self._parsed_bytes = 0
             self._deadline.arm()
             super().on_message_begin()
 
-        # A message that begins inside a piece already counted (a pipelined one) is measured as it is
-        # parsed: its URL and headers, each as the parser hands it on.
+        def on_message_complete(self) -> None:
+            # What comes next on the connection is the next request's head, counted from its first read.
+            self._in_head, self._head_bytes, self._tail = True, 0, b""
+            super().on_message_complete()
+
+        # A message that begins inside a read whose start was another's (a pipelined one) is measured as
+        # it is parsed too: its URL and headers, each as the parser hands it on.
         def on_url(self, url: bytes) -> None:
             self._parsed(len(url))
             super().on_url(url)

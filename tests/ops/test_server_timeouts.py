@@ -3,14 +3,16 @@
 The Helm chart serves ``omnigate serve`` with no proxy in front, and uvicorn has no header timeout of
 its own: half-sent requests stayed open for good. ``server.header_timeout_s`` bounds the time from a
 connection's start (or a request's first byte) to the end of its head; ``server.body_timeout_s``
-bounds the body, ``server.keepalive_timeout_s`` an idle connection between requests. The chart sets
-all three, and the gateway is started here from the rendered chart, command and config as its
+bounds the body, ``server.keepalive_timeout_s`` an idle connection between requests, and
+``server.max_header_bytes`` the size of a head (httptools has no cap of its own). The chart sets the
+three timeouts, and the gateway is started here from the rendered chart, command and config as its
 Deployment runs them.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import socket
 import subprocess
@@ -346,3 +348,15 @@ def test_the_served_gateway_refuses_megabytes_of_headers(served):
     assert b"200 OK" not in got
     ok = httpx.get(url + "/healthz", headers={"x-fits": "f" * 16 * 1024}, timeout=5)
     assert ok.status_code == 200
+
+
+def test_a_later_request_on_a_kept_alive_connection_is_capped_too(capped_server):
+    port = capped_server
+    body = b"z" * (MAX_HEADER_BYTES * 4)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        sock.settimeout(5)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(_big_heads(MAX_HEADER_BYTES)["one-huge-header"])
+        assert _refused_as_too_large(*_closed_by_server(sock))
