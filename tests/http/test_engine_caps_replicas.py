@@ -177,3 +177,93 @@ def test_with_redis_unreachable_each_replica_keeps_a_share_of_the_cap(tmp_path, 
         assert "engine_caps_store_unreachable" in alone.log_path.read_text()
     finally:
         alone.stop()
+
+
+# -- the same, in one process: two pools standing for two replicas, one Redis -------------------------------
+def _pools(prefix: str, *caps: int):
+    import redis.asyncio as aioredis
+    from prometheus_client import CollectorRegistry
+
+    from core.settings import EngineConfig
+    from engines.pool import EnginePool, SharedCaps, build_engine
+    from observability.metrics import Metrics
+
+    pools = []
+    for replica in ("a", "b"):
+        engines = [
+            build_engine(
+                EngineConfig(
+                    name=f"e{i}",
+                    kind="vllm",
+                    base_url="http://127.0.0.1:9/v1",
+                    model="m",
+                    serves=["x"],
+                    max_in_flight=cap,
+                    max_in_flight_overloaded=None,
+                    max_wait_s=2,
+                )
+            )
+            for i, cap in enumerate(caps)
+        ]
+        metrics = Metrics(CollectorRegistry())
+        pool = EnginePool(engines, metrics)
+        for e in engines:
+            pool._set_health(e, True)
+        pool.share_caps(
+            SharedCaps(
+                aioredis.from_url(REDIS_URL),
+                metrics,
+                key_prefix=prefix,
+                lease_ttl_s=5,
+                heartbeat_s=1,
+                timeout_s=1,
+                probe_s=1,
+                fail_open_share=1.0,
+                replica_id=replica,
+            )
+        )
+        pools.append(pool)
+    return pools
+
+
+async def test_a_request_spills_over_to_an_engine_with_room_and_a_freed_slot_keeps_its_lease(rdb):
+    import asyncio
+
+    from core.errors import EngineBusy
+
+    prefix = f"omnigate-test:{uuid.uuid4().hex}"
+    a, b = _pools(prefix, 1, 1)
+    key = f"{{{prefix}}}:engine:"
+    for p in (a, b):
+        await p.slots.shared.start()
+    try:
+        order = list(a.engines.values())
+        first = await a.lease(order, "x")
+        assert first is not None and first.engine.name == "e0"
+        # e0 is full on a: b's request, asking for e0 first, is sent to e1.
+        second = await b.lease(list(b.engines.values()), "x")
+        assert second is not None and second.engine.name == "e1"
+        assert rdb.zcard(key + "e0") == 1 and rdb.zcard(key + "e1") == 1
+        # Every engine is full across the replicas: a request on a waits, then is refused.
+        with pytest.raises(EngineBusy):
+            await a.lease(order, "x")
+        # A waiter on b gets e1 once b's own request lets go of it: the slot passes with its lease.
+        waiting = asyncio.create_task(b.lease(list(b.engines.values()), "x"))
+        await asyncio.sleep(0.2)
+        second.settle(reported=True)
+        third = await waiting
+        assert third is not None and third.engine.name == "e1"
+        assert rdb.zcard(key + "e1") == 1
+        # e0 freed on a: a request on b takes it (it polls Redis for the slot another replica freed).
+        waiting = asyncio.create_task(b.lease(list(b.engines.values()), "x"))
+        await asyncio.sleep(0.2)
+        first.settle(reported=True)
+        fourth = await waiting
+        assert fourth is not None and fourth.engine.name == "e0"
+        third.settle(reported=True)
+        fourth.settle(reported=True)
+        await asyncio.sleep(0.2)
+        assert rdb.zcard(key + "e0") == 0 and rdb.zcard(key + "e1") == 0
+    finally:
+        for p in (a, b):
+            await p.slots.shared.aclose()
