@@ -103,3 +103,39 @@ def test_the_media_page_names_the_default_pre_chain_the_code_has():
     chain = " → ".join(p.name for p in Settings().policies.pre)
     text = " ".join((DOCS / "media.md").read_text().split())
     assert f"The default pre chain is `{chain}`" in text
+
+
+def _in_step_with_the_defaults(rules: list, variants: set[str]) -> None:
+    """Each shipped rule is a default rule restricted to the layout: the same signal, thresholds and pacing;
+    its engines and targets only those of the layout's variants, and no offload where the engines share no
+    GPU. A change to a default rule then fails here until the shipped layouts follow it."""
+    from core.control_settings import default_rules
+
+    defaults = {r.name: r for r in default_rules()}
+    for rule in rules:
+        assert rule.name in defaults, f"{rule.name} is no default rule"
+        want = defaults[rule.name]
+        sel = want.select.model_dump()
+        if sel["variants"]:
+            sel["variants"] = [v for v in sel["variants"] if v in variants]
+        assert rule.select.model_dump() == sel, rule.name
+        assert rule.model_dump(exclude={"action", "select"}) == want.model_dump(
+            exclude={"action", "select"}
+        ), rule.name
+        action = want.model_dump()["action"]
+        action["to_variants"] = [v for v in action["to_variants"] if v in variants]
+        got = rule.action.model_dump()
+        assert got == action | {"sleep_idle": got["sleep_idle"]}, rule.name
+
+
+def test_compose_s_rules_are_the_default_rules_restricted_to_its_engines():
+    from core.control_settings import ControllerSettings
+    from core.settings import EngineConfig
+
+    doc = yaml.safe_load((CONFIGS / "compose-gpu.yaml").read_text())
+    engines = [EngineConfig.model_validate(e) for e in doc["engines"]]
+    controller = ControllerSettings.model_validate(doc["routing"]["controller"])
+    _in_step_with_the_defaults(controller.rules, {e.variant for e in engines})
+    # the latency rules of both kinds of answer watch the INT4 engine
+    names = {r.name for r in controller.rules}
+    assert {"int4-latency", "int4-latency-whole", "latency-batch", "wer-drift"} <= names, names

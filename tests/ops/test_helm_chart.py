@@ -545,3 +545,97 @@ def test_every_chain_the_chart_ships_screens_the_media_its_engines_take(tmp_path
     chains = {"default": build_chain(settings.policies), **build_policy_sets(settings)}
     for name, chain in chains.items():
         assert "nsfw-screen" in chain.describe()["pre"], name
+
+
+# -- the rollback rules of the chart's engine layout --------------------------------------------------------
+def _chart_settings(tmp_path, monkeypatch, values: dict | None = None):
+    from core.settings import load_settings
+
+    objects = render(values)
+    fill_env(monkeypatch, objects)
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(objects[("ConfigMap", "omnigate")]["data"]["omnigate.yaml"])
+    return load_settings(path)
+
+
+def test_every_rule_the_chart_ships_watches_an_engine_and_shifts_to_a_variant_it_runs(tmp_path, monkeypatch):
+    """The gateway's default rules roll INT4 back to INT8 first and watch canaries: the chart's layout has
+    neither, so its config carries rules of its own, each with a target its engines have."""
+    settings = _chart_settings(tmp_path, monkeypatch)
+    controller = settings.routing.controller
+    assert controller.enabled
+    engines = settings.engines
+    variants = {e.variant for e in engines}
+    names = [r.name for r in controller.rules]
+    assert {"int4-latency", "int4-latency-whole", "wer-drift", "latency-batch"} <= set(names), names
+    for rule in controller.rules:
+        watched = [e for e in engines if rule.select.matches(e.name, e.variant, e.role)]
+        assert watched, f"rule {rule.name} watches no engine of the chart: leave it out"
+        if rule.action.kind == "shift":
+            missing = set(rule.action.to_variants) - variants
+            assert not missing, f"rule {rule.name} shifts to {sorted(missing)}, which no engine here is"
+        if rule.signal == "accuracy":
+            assert settings.routing.accuracy.enabled, f"rule {rule.name} reads a sentinel that is off"
+        if rule.signal == "tokens_per_joule":
+            assert all(e.telemetry is not None for e in watched), f"rule {rule.name} has no power source"
+        if rule.action.sleep_idle:
+            raise AssertionError(f"rule {rule.name} sleeps engines, which share no GPU in the chart")
+
+
+def test_the_chart_s_rules_are_the_gateway_s_defaults_restricted_to_its_engines(tmp_path, monkeypatch):
+    """A rule the chart shares with the defaults watches the same signal with the same thresholds, so a
+    change to a default rule is made here too; only its targets (and offload) follow the layout."""
+    from core.control_settings import default_rules
+
+    defaults = {r.name: r for r in default_rules()}
+    settings = _chart_settings(tmp_path, monkeypatch)
+    variants = {e.variant for e in settings.engines}
+    for rule in settings.routing.controller.rules:
+        assert rule.name in defaults, rule.name
+        want = defaults[rule.name]
+        kept = [v for v in want.action.to_variants if v in variants]
+        assert rule.action.to_variants == kept, rule.name
+        got = rule.model_dump(exclude={"action"})
+        assert got == want.model_dump(exclude={"action"}), rule.name
+        action = rule.model_dump()["action"]
+        expected = want.model_dump()["action"] | {"to_variants": kept, "sleep_idle": False}
+        assert action == expected, rule.name
+
+
+@pytest.mark.parametrize(
+    ("rule", "needle"),
+    [
+        (
+            {
+                "name": "to-int8",
+                "select": {"variants": ["int4"]},
+                "signal": "wer",
+                "above": 0.05,
+                "recover_below": 0.03,
+                "action": {"kind": "shift", "to_variants": ["int8", "bf16"]},
+            },
+            "to-int8: shifts to int8, which no engine of config.engines is",
+        ),
+        (
+            {
+                "name": "canary-errors",
+                "select": {"roles": ["canary"]},
+                "signal": "error_rate",
+                "above": 0.05,
+                "recover_below": 0.04,
+                "action": {"kind": "set_weight", "weight": 0.0},
+            },
+            "canary-errors: watches no engine of config.engines",
+        ),
+    ],
+    ids=["dead-target", "no-engine"],
+)
+def test_a_rule_without_a_target_or_an_engine_in_the_layout_does_not_render(rule, needle):
+    with pytest.raises(helm.HelmRenderError, match=needle):
+        render({"config": {"routing": {"controller": {"rules": [rule]}}}})
+    # with a canary engine and an INT8 engine configured, the same rule renders
+    engines = yaml.safe_load((CHART / "values.yaml").read_text())["config"]["engines"]
+    engines = [*engines, {**engines[1], "name": "omni-int8", "variant": "int8", "role": "canary"}]
+    objects = render({"config": {"engines": engines, "routing": {"controller": {"rules": [rule]}}}})
+    config = yaml.safe_load(objects[("ConfigMap", "omnigate")]["data"]["omnigate.yaml"])
+    assert [r["name"] for r in config["routing"]["controller"]["rules"]] == [rule["name"]]
