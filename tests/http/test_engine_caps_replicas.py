@@ -140,6 +140,30 @@ def test_an_engine_never_has_more_requests_than_its_cap_whatever_the_replica_cou
     assert wait_until(lambda: rdb.zcard(key) == 0, timeout=5)  # every lease given back
 
 
+def test_a_streaming_requests_lease_is_renewed_for_as_long_as_it_streams(replicas, upstream, rdb, bg):
+    """The lease belongs to the request: renewed through many heartbeats while its answer streams (not
+    taken for a leak), given back when it ends."""
+    (a, b), key = replicas
+    long = Script(flavour="omni", text=" ".join(["word"] * 40), chunk_delay_s=0.1)  # about 4 s
+    bg.call(lambda: upstream.enqueue(*[long] * CAP))
+    body = {**ASK, "stream": True, "max_tokens": 64}
+    with httpx.Client(timeout=60) as client:
+        opened = [
+            client.send(client.build_request("POST", r.url + "/v1/chat/completions", json=body), stream=True)
+            for r in (a, b, a)
+        ]
+        assert [r.status_code for r in opened] == [200] * CAP
+        time.sleep(2.0)  # several heartbeats (0.3 s) and more than one lease TTL (1.5 s)
+        assert rdb.zcard(key) == CAP
+        for r in opened:
+            r.read()
+            r.close()
+    assert wait_until(lambda: rdb.zcard(key) == 0, timeout=5)
+    for r in (a, b):
+        log = r.log_path.read_text()
+        assert "engine_lease_leaked" not in log and "engine_lease_lost" not in log
+
+
 def test_a_killed_replicas_engine_slots_come_back_when_their_leases_expire(replicas, upstream, rdb, bg):
     (a, b), key = replicas
     upstream.reset_stats()
