@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from tests.media import data_uri, plain_image, png
+from tests.ops import test_deployment_shape
 from tests.ops.test_deployment_shape import REDIS, Pod, Shape, _engines_to, _tenant_key
 from tests.ops.test_helm_chart import render
 from tests.stores import fresh_pg_database, redis_prefix
@@ -31,7 +32,8 @@ from tests.upstream import Script, ScriptedUpstream
 pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = ROOT / "ops" / "config" / "omnigate.yaml"
+CONFIGS = ROOT / "ops" / "config"
+TEMPLATE = CONFIGS / "omnigate.yaml"
 PUBLIC_MODEL = "qwen3-omni-flash"
 # What a model says about an open-domain question: names and a number the question does not state.
 ANSWER = (
@@ -45,8 +47,8 @@ PICTURE = [
 ]
 
 
-def _body(kind: str, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": PUBLIC_MODEL, "stream": stream, "max_tokens": 256}
+def _body(kind: str, stream: bool, model: str = PUBLIC_MODEL) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "stream": stream, "max_tokens": 256}
     if kind == "open-domain":
         body["messages"] = [{"role": "user", "content": OPEN_DOMAIN}]
     elif kind == "image":
@@ -80,48 +82,59 @@ def _served(url: str, key: str | None, body: dict[str, Any]) -> tuple[httpx.Resp
     return r, text, frames
 
 
-def _assert_answered(url: str, key: str | None, kind: str, stream: bool) -> None:
-    r, text, frames = _served(url, key, _body(kind, stream))
+def _assert_answered(
+    url: str,
+    key: str | None,
+    kind: str,
+    stream: bool,
+    *,
+    model: str = PUBLIC_MODEL,
+    text_is: str | None = ANSWER,
+) -> None:
+    r, text, frames = _served(url, key, _body(kind, stream, model))
     assert r.status_code == 200, (kind, stream, r.status_code, r.text[-2000:])
     assert r.headers.get("x-omnigate-grounding") is None, (kind, stream, dict(r.headers))
     assert not [f for f in frames if "error" in f], (kind, stream, frames[-3:])
-    assert text.strip() == ANSWER, (kind, stream, text)
+    assert text.strip() == text_is if text_is is not None else text.strip(), (kind, stream, text)
 
 
 KINDS = [(k, s) for k in ("open-domain", "image", "speech") for s in (False, True)]
 IDS = [f"{k}-{'stream' if s else 'json'}" for k, s in KINDS]
 
 
-# -- ops/config/omnigate.yaml ------------------------------------------------------------------------------
+# -- the configs of ops/config that start here ----------------------------------------------------------
 class Served:
     def __init__(self, url: str, key: str | None, upstreams: dict[str, ScriptedUpstream]) -> None:
         self.url, self.key, self.upstreams = url, key, upstreams
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory, bg) -> Iterator[Served]:
-    """The template as written; what it leaves to the environment made here; its engines scripted."""
-    tmp = tmp_path_factory.mktemp("template")
-    config = yaml.safe_load(TEMPLATE.read_text())
+def _start(config_path: Path, tmp: Path, bg) -> Iterator[Served]:
+    """A config as written; what it leaves to the environment made here; its engines scripted."""
+    text = config_path.read_text()
+    config = yaml.safe_load(text)
     upstreams: dict[str, ScriptedUpstream] = {}
     for engine in config["engines"]:
         flavour = "omni" if engine["kind"] == "vllm-omni" else "vllm"
-        up = ScriptedUpstream(Script(flavour=flavour, text=ANSWER, chunk_words=3))
+        up = ScriptedUpstream(Script(flavour=flavour, text=ANSWER, chunk_words=3), models=[engine["model"]])
         bg.run(up.start())
         upstreams[engine["name"]] = up
     _engines_to(config, upstreams)
-    path = tmp / "omnigate.yaml"
+    path = tmp / config_path.name
     path.write_text(yaml.safe_dump(config))
     admin = secrets.token_hex(32)
     env = {
-        # the secrets its comments name, made as they say
-        "OMNIGATE_ADMIN__API_KEY": admin,
-        "OMNIGATE_AUDIT__SIGNING__KEY": secrets.token_hex(32),
-        "OMNIGATE_ENGINES__2__API_KEY": "sk-" + secrets.token_hex(16),
         # its files in the test's folder
         "OMNIGATE_AUDIT__SQLITE_PATH": str(tmp / "audit.db"),
         "OMNIGATE_AUTH__DIRECTORY__SQLITE_PATH": str(tmp / "directory.db"),
     }
+    # the secrets its comments name, made as they say
+    if "OMNIGATE_ADMIN__API_KEY" in text:
+        env["OMNIGATE_ADMIN__API_KEY"] = admin
+    if "OMNIGATE_AUDIT__SIGNING__KEY" in text:
+        env["OMNIGATE_AUDIT__SIGNING__KEY"] = secrets.token_hex(32)
+    for i in range(len(config["engines"])):
+        if f"OMNIGATE_ENGINES__{i}__API_KEY" in text:
+            env[f"OMNIGATE_ENGINES__{i}__API_KEY"] = "sk-" + secrets.token_hex(16)
     pod = Pod(
         "gateway",
         ["serve", "--config", str(path), "--host", "0.0.0.0", "--port", "8080"],
@@ -131,10 +144,12 @@ def template(tmp_path_factory, bg) -> Iterator[Served]:
     )
     try:
         pod.wait_ready()
-        shape = Shape(tmp, config, [], [], {}, dsn="")  # for its admin headers only
-        shape.admin_key = admin
-        # The template's own key is a placeholder: a tenant on the default chain, made through /admin.
-        key = _tenant_key(pod, shape, {"name": "newcomer"})
+        key = None
+        if config.get("tenants") or config.get("api_keys"):
+            # The config's own key is a placeholder: a tenant on the default chain, made through /admin.
+            shape = Shape(tmp, config, [], [], {}, dsn="")  # for its admin headers only
+            shape.admin_key = admin
+            key = _tenant_key(pod, shape, {"name": "newcomer"})
         yield Served(pod.url, key, upstreams)
     finally:
         pod.stop()
@@ -142,9 +157,36 @@ def template(tmp_path_factory, bg) -> Iterator[Served]:
             bg.run(up.stop())
 
 
+@pytest.fixture(scope="module")
+def template(tmp_path_factory, bg) -> Iterator[Served]:
+    """ops/config/omnigate.yaml, the production template (its grounding guard in the default chain)."""
+    yield from _start(TEMPLATE, tmp_path_factory.mktemp("template"), bg)
+
+
+@pytest.fixture(scope="module")
+def scripted_omni(tmp_path_factory, bg) -> Iterator[Served]:
+    yield from _start(CONFIGS / "scripted-omni.yaml", tmp_path_factory.mktemp("scripted-omni"), bg)
+
+
+@pytest.fixture(scope="module")
+def my_vllm(tmp_path_factory, bg) -> Iterator[Served]:
+    yield from _start(CONFIGS / "my-vllm.yaml", tmp_path_factory.mktemp("my-vllm"), bg)
+
+
 @pytest.mark.parametrize(("kind", "stream"), KINDS, ids=IDS)
 def test_the_template_answers_without_an_error_or_a_flag(template, kind, stream):
     _assert_answered(template.url, template.key, kind, stream)
+
+
+@pytest.mark.parametrize(("kind", "stream"), KINDS, ids=IDS)
+def test_the_scripted_omni_config_answers_without_an_error_or_a_flag(scripted_omni, kind, stream):
+    _assert_answered(scripted_omni.url, scripted_omni.key, kind, stream)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_my_vllm_config_answers_an_open_domain_question_without_an_error_or_a_flag(my_vllm, stream):
+    """A text model's config: the open-domain question (pictures and speech are for omni engines)."""
+    _assert_answered(my_vllm.url, my_vllm.key, "open-domain", stream, model="my-model")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
@@ -234,3 +276,13 @@ def chart_pod(tmp_path_factory, bg) -> Iterator[Served]:
 @pytest.mark.parametrize(("kind", "stream"), KINDS, ids=IDS)
 def test_the_chart_s_config_answers_without_an_error_or_a_flag(chart_pod, kind, stream):
     _assert_answered(chart_pod.url, chart_pod.key, kind, stream)
+
+
+# -- compose's gpu profile, as docker compose config renders it --------------------------------------------
+compose = test_deployment_shape.compose  # its gateway service as a process, on this machine's stores
+
+
+@pytest.mark.parametrize(("kind", "stream"), KINDS, ids=IDS)
+def test_compose_s_gpu_profile_answers_without_an_error_or_a_flag(compose, kind, stream):
+    shape, _, key = compose
+    _assert_answered(shape.pods[-1].url, key, kind, stream, text_is=None)
