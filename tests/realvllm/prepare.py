@@ -131,6 +131,9 @@ def server_command(prepared: Prepared, port: int) -> list[str]:
         # flip a near-tie under greedy decoding; the suite compares runs token for token, so every run
         # computes its prompt afresh.
         "--no-enable-prefix-caching",
+        # vLLM takes the gateway's X-Request-Id as its request id (chatcmpl-<id>) in any case, but logs each
+        # request it receives only with this flag: the suite greps the log for the gateway's id.
+        "--enable-log-requests",
     ]
 
 
