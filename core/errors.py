@@ -111,10 +111,14 @@ class OmnigateError(Exception):
             }
         }
 
+    #: the Retry-After of an error that says nothing of its own (None: no header)
+    default_retry_after: float | None = None
+
     def headers(self) -> dict[str, str]:
-        if self.retry_after is None:
+        after = self.retry_after if self.retry_after is not None else self.default_retry_after
+        if after is None:
             return {}
-        return {"Retry-After": str(max(1, round(self.retry_after)))}
+        return {"Retry-After": str(max(1, round(after)))}
 
 
 class InvalidRequest(OmnigateError):
@@ -312,6 +316,8 @@ class EngineUnavailable(EngineError):
     code = "engine_unavailable"
     kind = "unavailable"
     retryable = True
+    # an engine down now is probed again within seconds; the SDKs honour the header when they retry
+    default_retry_after = 1.0
     public = "the model is unavailable at the moment; retry the request"
 
 

@@ -78,6 +78,11 @@ class Health:
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- read side ------------------------------------------------------------
+    @property
+    def all_probed(self) -> bool:
+        """Every engine has had its first probe (or failed to start): where a start ends."""
+        return len(self._probed) >= len(self.engines)
+
     def up(self, name: str) -> bool:
         """Healthy and its circuit lets requests through."""
         return self.healthy.get(name, False) and self.circuits[name].available()

@@ -134,6 +134,11 @@ class EnginePool:
     def ready(self) -> bool:
         return any(self.health.healthy.values())
 
+    @property
+    def started(self) -> bool:
+        """Every engine has been started and probed once, whatever the verdict."""
+        return self.health.all_probed
+
     def health_report(self) -> dict[str, bool]:
         return dict(self.health.healthy)
 

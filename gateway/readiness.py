@@ -1,9 +1,11 @@
 """When the gateway can answer: the one ``gateway_ready`` line, and a 503 on ``/v1/*`` until then.
 
 uvicorn listens once the lifespan is done, but the engines are started and probed after it (a local
-model may take a while to load), so there is a window where a request would find no engine. Until the
-first engine is healthy, ``/v1/*`` answers 503 with ``Retry-After`` (code ``gateway_starting``); from
-then on the gate is open for good (an engine lost later is the pipeline's business, not a start's).
+model may take a while to load), so there is a window where a request would find no engine. Until an
+engine is healthy or every engine has had its first probe, ``/v1/*`` answers 503 with ``Retry-After``
+(code ``gateway_starting``); from then on the gate is open for good. A gateway whose engines are all
+down once started is no longer starting: its requests get the pipeline's own answer (a 503 naming the
+engines, or a 4xx for a bad request), not "starting" for ever.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _POLL_S = 0.05
 
 
 class Readiness:
-    """Open once the first engine is healthy; it is never closed again."""
+    """Open once an engine is healthy or every engine has been probed; it is never closed again."""
 
     def __init__(self, pool: EnginePool) -> None:
         self._pool = pool
@@ -35,14 +37,14 @@ class Readiness:
     @property
     def open(self) -> bool:
         # Read from the pool on every call until it opens: a caller that saw pool.ready is never refused.
-        if not self._open and self._pool.ready:
+        if not self._open and (self._pool.ready or self._pool.started):
             self._open = True
         return self._open
 
     def announce(self, url: str) -> None:
         """Log ``gateway_ready`` with ``url`` once the gateway can answer (now, or when it first can)."""
         if self.open:
-            log.info("gateway_ready", url=url)
+            self._ready(url)
             return
         log.info(
             "gateway_listening",
@@ -55,7 +57,15 @@ class Readiness:
         # The engines' health has no event to wait on; a short poll, for one log line at the start.
         while not self.open:  # noqa: ASYNC110
             await asyncio.sleep(_POLL_S)
-        log.info("gateway_ready", url=url)
+        self._ready(url)
+
+    def _ready(self, url: str) -> None:
+        if self._pool.ready:
+            log.info("gateway_ready", url=url)
+        else:
+            log.warning(
+                "gateway_ready", url=url, detail="no engine answered its first health probe: requests get 503"
+            )
 
     def cancel(self) -> None:
         if self._announced is not None:
