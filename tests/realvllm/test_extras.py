@@ -142,3 +142,43 @@ def test_the_engine_log_carries_the_gateways_request_id(real_gateway, vllm):
         time.sleep(0.5)
     lines = [line for line in vllm.log.read_text(errors="replace").splitlines() if rid in line]
     assert any(f"chatcmpl-{rid}" in line for line in lines), vllm.tail()
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+TAG = (
+    '{"type": "structural_tag", "structures": [{"begin": "<a>", "schema": {"type": "object"}, "end": "</a>"}],'
+    ' "triggers": ["<a>"]}'
+)
+
+
+@pytest.mark.parametrize(
+    "structured",
+    [
+        {"json": ANSWER},
+        {"json": ANSWER, "disable_any_whitespace": True},
+        {"json": ANSWER, "disable_additional_properties": True},
+        {"json": ANSWER, "whitespace_pattern": "[ ]?"},
+        {"json_object": True},
+        {"grammar": 'root ::= "yes" | "no"'},
+        {"regex": "[a-z]{4}"},
+        {"structural_tag": TAG},
+    ],
+    ids=[
+        "json",
+        "no-whitespace",
+        "no-additional",
+        "whitespace-pattern",
+        "json_object",
+        "grammar",
+        "regex",
+        "tag",
+    ],
+)
+def test_every_structured_output_the_gateway_accepts_the_real_vllm_serves(via, structured):
+    got = _ask(via, MODEL, {"structured_outputs": structured}, max_tokens=32)
+    content = got.choices[0].message.content
+    assert got.choices[0].finish_reason in ("stop", "length")
+    if "grammar" in structured:
+        assert content in ("yes", "no")
+    if "regex" in structured:
+        assert len(content) == 4 and content.isalpha()
