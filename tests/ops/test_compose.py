@@ -132,6 +132,7 @@ def test_gpu_engines_carry_the_serving_flags():
         args = svc["command"]
         assert "--omni" in args
         assert "--log-stats" in args  # vLLM-Omni's /metrics (queue, KV cache, per-stage TTFT) needs it
+        assert "--enable-log-requests" in args  # its log names each request by the gateway's request id
         assert f"--served-model-name={engine['model']}" in args
         assert f"--port={urlparse(engine['base_url']).port}" in args
         assert svc["ipc"] == "host"

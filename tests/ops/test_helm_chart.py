@@ -354,6 +354,7 @@ def test_engines_start_only_after_their_weights_are_verified(tmp_path):
     assert flag["--dir"] == snapshot and engine["args"][0] == snapshot
     assert f"--served-model-name={ENGINE['servedModelName']}" in engine["args"]
     assert {"--omni", "--log-stats"} <= set(engine["args"])
+    assert "--enable-log-requests" in engine["args"]  # the engine's log joins the gateway's on the request id
     assert engine["env"] == [{"name": "HF_HUB_OFFLINE", "value": "1"}]
     assert next(m for m in engine["volumeMounts"] if m["name"] == "models")["readOnly"] is True
     # The manifest the init container reads is the pinned one, and it verifies the snapshot it pins.
