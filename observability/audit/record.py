@@ -221,7 +221,12 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
             ),
         },
         "duration_ms": round(snap.duration_ms, 3),
-        "ttft_ms": round(ctx.record.ttft_s * 1000, 3) if ctx.record.ttft_s is not None else None,
+        # a stream's time to first token; a whole answer has none (its duration says how long it took)
+        "ttft_ms": (
+            round(ctx.record.ttft_s * 1000, 3)
+            if ctx.record.ttft_s is not None and ctx.record.stream
+            else None
+        ),
         "body_bytes": ctx.record.body_bytes,
     }
     req = snap.received

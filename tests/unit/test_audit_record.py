@@ -109,3 +109,15 @@ def test_the_energy_estimate_is_in_the_usage_only_where_power_was_measured():
     ctx.record.energy_joules = 0.123456
     p = request_payload(RequestSnapshot(ctx, REQUEST, None, completion, 1.0))
     assert p["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "energy_joules": 0.123}
+
+
+def test_a_whole_answer_has_no_time_to_first_token_only_a_duration():
+    """Time to first token is a stream's; a whole answer's ttft_s (when a path set it) is its duration."""
+    completion = Completion(text="Sure.", usage=Usage(7, 3))
+    ctx = _ctx("digests")
+    ctx.record.ttft_s = 0.25
+    ctx.record.stream = False
+    whole = request_payload(RequestSnapshot(ctx, REQUEST, None, completion, 250.0))
+    assert whole["ttft_ms"] is None and whole["duration_ms"] == 250.0
+    ctx.record.stream = True
+    assert request_payload(RequestSnapshot(ctx, REQUEST, None, completion, 250.0))["ttft_ms"] == 250.0
