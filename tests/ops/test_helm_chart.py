@@ -93,6 +93,33 @@ def test_values_schema_refuses_bad_values(values, needle):
     assert problems and needle in problems, report
 
 
+def _default_engines() -> list[dict]:
+    return list(yaml.safe_load((CHART / "values.yaml").read_text())["config"]["engines"])
+
+
+@pytest.mark.parametrize("cap", [0, "8", 2.5])
+def test_values_schema_refuses_an_engine_cap_that_is_not_a_count(cap):
+    engines = [{**e, "max_in_flight": cap} for e in _default_engines()]
+    report = helm.lint(str(CHART), {"config": {"engines": engines}}, strict=True)
+    problems = " ".join(report["errors"] + [m["error"] for m in report["messages"] if m["severity"] >= 2])
+    assert problems and "max_in_flight" in problems, report
+
+
+def test_each_engine_s_cap_is_declared_within_the_engine_s_own_concurrency_and_can_be_set():
+    """The chart's engines declare their caps (shared by every pod through Redis) at no more than the
+    max_num_seqs their vLLM-Omni deploy configs run with; an engine's cap set in the values reaches the
+    ConfigMap as set, the other engines' as the chart declares them."""
+    ops = CHART.parents[1]
+    for engine in _default_engines():
+        deploy = yaml.safe_load((ops / "vllm-omni" / f"{engine['model']}.yaml").read_text())
+        seqs = min(stage["max_num_seqs"] for stage in deploy["stages"])
+        assert 1 <= engine["max_in_flight"] <= seqs, (engine["name"], engine["max_in_flight"], seqs)
+    engines = [{**e, "max_in_flight": 2} if e["name"] == "omni-int4" else e for e in _default_engines()]
+    rendered = _gateway_config(render({"config": {"engines": engines}}))
+    caps = {e["name"]: e["max_in_flight"] for e in rendered["engines"]}
+    assert caps == {"omni-int4": 2, "omni-bf16": 8}
+
+
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_rendered_objects_are_valid_kubernetes(kube_version):
     objects = render()
