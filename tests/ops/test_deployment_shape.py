@@ -8,7 +8,8 @@ name, a port and a folder for each pod's volumes, and the engines' addresses (th
 tests/upstream.py). compose is rendered by ``docker compose config`` and its gateway service started
 the same way. In those shapes: one audit chain across the pods verifies with its signatures and
 against every pod's witness after a pod is killed and replaced; a pin made on one pod holds on the
-other; a decompression-bomb PNG is refused by every chain the config ships.
+other; an engine given a small cap in the chart's values never has more requests at once than that cap
+from both pods together; a decompression-bomb PNG is refused by every chain the config ships.
 """
 
 from __future__ import annotations
@@ -21,15 +22,18 @@ import secrets
 import signal
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 import yaml
 
 from tests.harness import free_port, omnigate_command, wait_until
 from tests.media import data_uri, plain_image, png, png_bomb
+from tests.ops.catalogue import CHART
 from tests.ops.test_helm_chart import render
 from tests.stores import fresh_pg_database, redis_prefix
 from tests.upstream import Script, ScriptedUpstream
@@ -38,6 +42,8 @@ pytestmark = pytest.mark.timeout(240)
 
 REDIS = "redis://127.0.0.1:6379/0"
 PUBLIC_MODEL = "qwen3-omni-flash"
+#: the primary engine's max_in_flight in the chart's values here (the chart's default is 8)
+ENGINE_CAP = 2
 
 
 # -- a pod as a process -------------------------------------------------------------------------------------
@@ -210,11 +216,16 @@ class Fleet:
 def chart(tmp_path_factory, omni) -> Iterator[Fleet]:
     """The chart rendered with two replicas, both pods started. The chain test, last, kills one."""
     tmp_path = tmp_path_factory.mktemp("chart")
-    objects = render({"autoscaling": {"enabled": False}, "replicaCount": 2})
+    # A small cap for the INT4 engine, set as a user would: the chart's engines, that entry changed.
+    engines = yaml.safe_load((CHART / "values.yaml").read_text())["config"]["engines"]
+    engines = [{**e, "max_in_flight": ENGINE_CAP} if e["name"] == "omni-int4" else e for e in engines]
+    objects = render({"autoscaling": {"enabled": False}, "replicaCount": 2, "config": {"engines": engines}})
     dep = objects[("Deployment", "omnigate")]
     assert dep["spec"]["replicas"] == 2
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     config = yaml.safe_load(objects[("ConfigMap", "omnigate")]["data"]["omnigate.yaml"])
+    caps = {e["name"]: e["max_in_flight"] for e in config["engines"]}
+    assert caps == {"omni-int4": ENGINE_CAP, "omni-bf16": 8}, caps
     _engines_to(config, omni)
     chart_secrets = {
         (name, key): base64.b64decode(value).decode()
@@ -323,6 +334,49 @@ def test_a_pin_on_one_pod_holds_on_the_other(chart, omni):
         timeout=20,
         interval=0.2,
     )
+
+
+def test_an_engine_never_has_more_requests_in_flight_from_the_pods_than_its_cap(chart, omni, bg):
+    """The INT4 engine's cap (2 here) is the engine's, not a pod's: 12 slow requests at once, half through
+    each pod, and the engine never holds more than 2 of them. The others go to the BF16 fallback or wait
+    for a slot; each ends served or, past max_wait_s, 503 engine_busy. Were the caps a pod's own, each pod
+    would send it 2."""
+    shape, pods, key = chart.shape, chart.pods, chart.key
+    capped = omni["omni-int4"]
+    slow = Script(flavour="omni", text="slow words", first_byte_delay_s=1.0)
+
+    def script(default: Script) -> None:
+        for up in omni.values():
+            up.default = default
+
+    def start_slow() -> None:
+        script(slow)
+        for up in omni.values():
+            up.reset_stats()
+
+    per_pod = 3 * ENGINE_CAP
+    bg.call(start_slow)
+    try:
+        with ThreadPoolExecutor(per_pod * len(pods)) as workers:
+            answers = list(workers.map(lambda p: _chat(p, key), [p for p in pods for _ in range(per_pod)]))
+    finally:
+        bg.call(lambda: script(Script(flavour="omni")))
+    assert len(answers) == per_pod * len(pods)
+    for r in answers:  # each one ended: served, or refused after its wait for a slot
+        ok = r.status_code == 200 or (r.status_code == 503 and r.json()["error"]["code"] == "engine_busy")
+        assert ok, (r.status_code, r.text)
+    served = sum(r.status_code == 200 for r in answers)
+    assert sum(up.completed for up in omni.values()) == served
+    assert capped.max_in_flight <= ENGINE_CAP, f"the engine had {capped.max_in_flight} requests at once"
+    assert capped.max_in_flight == ENGINE_CAP  # and the cap was used, not starved
+    # Every slot is given back: no lease of the engine is left in Redis.
+    prefix = shape.extra["OMNIGATE_TRAFFIC__KEY_PREFIX"]  # the caps' leases live under the traffic prefix
+    client = redis.Redis.from_url(REDIS)
+    try:
+        leases = [f"{{{prefix}}}:engine:{name}" for name in omni]
+        assert wait_until(lambda: sum(client.zcard(k) for k in leases) == 0, timeout=30, interval=0.2)
+    finally:
+        client.close()
 
 
 def _chains(config: dict[str, Any]) -> list[str | None]:
