@@ -20,7 +20,8 @@ generated from them); they validate as one ``routing`` block, and the controller
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Sequence
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, model_validator
 
@@ -550,6 +551,58 @@ def energy_and_accuracy_rules() -> list[Rule]:
             action=RuleAction(kind="exclude_target"),
         ),
     ]
+
+
+class RuleScope(NamedTuple):
+    """One configured engine as a rule's selector and shift see it (the check at load time)."""
+
+    name: str
+    variant: str
+    role: str
+    serves: tuple[str, ...]
+
+
+def why_rule_cannot_act(rule: Rule, engines: Sequence[RuleScope]) -> str | None:
+    """Why ``rule`` can never act on these engines, or None when it can.
+
+    It cannot when its selector matches none of them, or when it is a shift and, for every engine it
+    watches, no other engine of a ``to_variants`` variant serves one of that engine's models. A
+    destination that exists but is down, asleep or excluded at run time is something else: the
+    controller holds the shift (``no-target``) until one can take the traffic.
+    """
+    watched = [e for e in engines if rule.select.matches(e.name, e.variant, e.role)]
+    if not watched:
+        layout = ", ".join(f"{e.name} ({e.variant}, {e.role})" for e in engines)
+        return f"watches no engine (the engines: {layout})"
+    if rule.action.kind != "shift":
+        return None
+    wanted = rule.action.to_variants
+    for src in watched:
+        for dst in engines:
+            if dst.name != src.name and dst.variant in wanted and set(dst.serves) & set(src.serves):
+                return None
+    models = sorted({m for e in watched for m in e.serves})
+    served = "; ".join(
+        f"{m} is served by " + ", ".join(f"{e.name} ({e.variant})" for e in engines if m in e.serves)
+        for m in models
+    )
+    those = "that variant" if len(wanted) == 1 else "those variants"
+    return (
+        f"shifts to {', '.join(wanted)}, but no other engine of {those} serves its engines' models ({served})"
+    )
+
+
+def active_rules(rules: Sequence[Rule], engines: Sequence[RuleScope]) -> tuple[list[Rule], dict[str, str]]:
+    """The rules that can act on these engines, and why each of the others cannot (by name)."""
+    kept: list[Rule] = []
+    left_out: dict[str, str] = {}
+    for rule in rules:
+        why = why_rule_cannot_act(rule, engines)
+        if why is None:
+            kept.append(rule)
+        else:
+            left_out[rule.name] = why
+    return kept, left_out
 
 
 class OffloadSettings(_Strict):

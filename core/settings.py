@@ -25,7 +25,13 @@ from pydantic_settings import (
 )
 
 from core.auth_settings import AdminKey, AuthSettings, MetricsSettings
-from core.control_settings import EngineTelemetry, RoutingSettings
+from core.control_settings import (
+    EngineTelemetry,
+    RoutingSettings,
+    RuleScope,
+    active_rules,
+    why_rule_cannot_act,
+)
 from core.settings_sources import EnvOverYaml
 
 _log = structlog.get_logger("omnigate.settings")
@@ -1002,6 +1008,39 @@ class Settings(BaseSettings):
             fixed = [e for e in self.engines if model in e.serves and e.role != "primary" and e.weight]
             if sum(e.weight or 0 for e in fixed) > 1 + 1e-9:
                 raise ValueError(f"the weights of {model!r}'s canaries and fallbacks add up to more than 1")
+        return self
+
+    @model_validator(mode="after")
+    def _rules_can_act(self) -> Settings:
+        """A rule listed in the file that can never act refuses the file; a default one is left out.
+
+        Never acting: its selector matches no engine, or its shift has no engine of a target variant
+        serving the models of the engines it watches. The defaults are the deployment's rules for any
+        layout, so a small one (one INT4 engine, the embedded model) keeps only those that can act here.
+        """
+        controller = self.routing.controller
+        scope = [RuleScope(e.name, e.variant, e.role, tuple(e.serves)) for e in self.engines]
+        if "rules" in controller.model_fields_set:
+            for i, rule in enumerate(controller.rules):
+                why = why_rule_cannot_act(rule, scope)
+                if why is not None:
+                    raise ValueError(
+                        f"routing.controller.rules[{i}] {rule.name}: {why}; it could never act: "
+                        "leave it out, or add the engine it needs"
+                    )
+            return self
+        kept, left_out = active_rules(controller.rules, scope)
+        if left_out:
+            # A copy (the routing block given may be another Settings' too), the list still unset: the
+            # defaults of this layout, checked again against the engines of any Settings built from it.
+            fields = {**dict(controller), "rules": kept}
+            narrowed = type(controller).model_construct(_fields_set=controller.model_fields_set, **fields)
+            self.routing = self.routing.model_copy(update={"controller": narrowed})
+            _log.info(
+                "rollback_rules_inactive",
+                rules=left_out,
+                detail="default rollback rules that cannot act on the configured engines are left out",
+            )
         return self
 
     @classmethod

@@ -101,3 +101,53 @@ def test_duplicate_engine_names_are_refused(tmp_path):
     )
     with pytest.raises(ValidationError, match="used twice"):
         load_settings(cfg)
+
+
+INT4_ENGINE = (
+    '  - {name: q, kind: vllm, base_url: "http://127.0.0.1:9/v1", model: m, variant: int4, serves: [x]}\n'
+)
+BF16_ENGINE = (
+    '  - {name: b, kind: vllm, base_url: "http://127.0.0.1:9/v1", model: m, variant: bf16, serves: [y]}\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("rule", "named"),
+    [
+        (
+            "{name: wer-drift, signal: wer, above: 0.05, select: {variants: [int4]},"
+            " action: {kind: shift, to_variants: [int8]}}",
+            "routing.controller.rules[0] wer-drift: shifts to int8",
+        ),
+        (
+            "{name: int4-latency, signal: upstream_ttft_p99, above: 0.6, select: {variants: [int4]},"
+            " action: {kind: shift, to_variants: [fp16, bf16]}}",
+            "x is served by q (int4)",  # the BF16 engine serves y, not x
+        ),
+        (
+            "{name: canary-errors, signal: error_rate, above: 0.05, select: {roles: [canary]},"
+            " action: {kind: set_weight, weight: 0}}",
+            "routing.controller.rules[0] canary-errors: watches no engine",
+        ),
+    ],
+)
+def test_check_config_refuses_a_listed_rule_that_can_never_act(tmp_path, rule, named):
+    cfg = tmp_path / "rules.yaml"
+    cfg.write_text(
+        f"engines:\n{INT4_ENGINE}{BF16_ENGINE}routing:\n  controller:\n    rules:\n      - {rule}\n"
+    )
+    out = _cli("check-config", str(cfg))
+    assert out.returncode == 1, out.stdout
+    assert named in out.stderr and "could never act" in out.stderr
+
+
+def test_check_config_passes_one_int4_engine_and_says_which_default_rules_it_leaves_out(tmp_path):
+    cfg = tmp_path / "one.yaml"
+    cfg.write_text(f"engines:\n{INT4_ENGINE}")
+    out = _cli("check-config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    said = out.stdout + out.stderr
+    assert "rollback_rules_inactive" in said
+    for name in ("int4-latency", "wer-drift", "canary-errors", "energy-efficiency"):
+        assert name in said
+    assert "configuration OK" in out.stdout
