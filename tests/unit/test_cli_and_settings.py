@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import secrets
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
 from core.settings import DEFAULT_PUBLIC_MODEL, load_settings
+from tests.harness import ServeProcess, wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "ops" / "config" / "omnigate.yaml"
 
@@ -151,3 +154,44 @@ def test_check_config_passes_one_int4_engine_and_says_which_default_rules_it_lea
     for name in ("int4-latency", "wer-drift", "canary-errors", "energy-efficiency"):
         assert name in said
     assert "configuration OK" in out.stdout
+
+
+NO_TARGET_RULE = (
+    "routing:\n  controller:\n    rules:\n      - {name: wer-drift, signal: wer, above: 0.05, "
+    "select: {variants: [int4]}, action: {kind: shift, to_variants: [int8]}}\n"
+)
+
+
+def test_serve_refuses_to_start_with_a_listed_rule_that_can_never_act(tmp_path):
+    cfg = tmp_path / "rules.yaml"
+    cfg.write_text(f"engines:\n{INT4_ENGINE}{NO_TARGET_RULE}")
+    out = _cli("serve", "--config", str(cfg), "--port", "0")
+    assert out.returncode == 1
+    assert "routing.controller.rules[0] wer-drift: shifts to int8" in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_hot_reload_to_a_rule_that_can_never_act_is_refused_and_the_gateway_serves_on(tmp_path):
+    base = f"engines:\n{INT4_ENGINE}audit: {{sqlite_path: {tmp_path / 'audit.db'}}}\n"
+    cfg = tmp_path / "omnigate.yaml"
+    cfg.write_text(base)
+    gateway = ServeProcess(cfg, tmp_path / "gateway.log")
+
+    def logged(event: str) -> list[str]:
+        if gateway.proc.poll() is not None:
+            raise RuntimeError(gateway.log_path.read_text()[-2000:])
+        return [line for line in gateway.log_path.read_text().splitlines() if event in line]
+
+    try:
+        # Its engine is down: the start ends with a warning, and the process serves its own routes.
+        assert wait_until(lambda: bool(logged("gateway_ready")), timeout=90, interval=0.2)
+        assert logged("rollback_rules_inactive")  # the default rules it left out
+        cfg.write_text(base + NO_TARGET_RULE)
+        gateway.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: bool(logged("config_reload_failed")), timeout=60, interval=0.1)
+        [failed] = logged("config_reload_failed")
+        assert "wer-drift" in failed and "shifts to int8" in failed
+        assert not logged("config_reloaded")
+        assert httpx.get(gateway.url + "/healthz", timeout=10).status_code == 200  # the running config stays
+    finally:
+        gateway.stop()
