@@ -463,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     p_wm = sub.add_parser("weights-manifest", help="print the SHA-256 manifest of a model folder")
     p_wm.add_argument("dir")
     args = parser.parse_args(argv)
+    if args.command != "serve":
+        # A command's standard output is its data (an export's records, a key, a manifest): what it or
+        # the settings it loads log goes to standard error. serve configures its own log from its config.
+        from observability.logging import configure_logging
+
+        configure_logging("info", json_output=False, stream=sys.stderr)
     if args.command == "verify-weights":
         return verify_weights(args)
     if args.command == "weights-manifest":

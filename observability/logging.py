@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 import structlog
 
 
-def configure_logging(level: str = "info", json_output: bool = True) -> None:
+def configure_logging(level: str = "info", json_output: bool = True, stream: TextIO | None = None) -> None:
+    """Events to ``stream`` (standard output by default: the server's log; standard error for a command
+    whose standard output is its data)."""
+    out = stream if stream is not None else sys.stdout
     lvl = getattr(logging, level.upper(), logging.INFO)
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer() if json_output else structlog.dev.ConsoleRenderer(colors=False)
@@ -21,11 +25,11 @@ def configure_logging(level: str = "info", json_output: bool = True) -> None:
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stdout),
+        logger_factory=structlog.WriteLoggerFactory(file=out),
         cache_logger_on_first_use=True,
     )
     # Route the stdlib's loggers (uvicorn, litellm, transformers) through the same renderer.
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(out)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
