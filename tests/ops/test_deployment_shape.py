@@ -548,7 +548,7 @@ def test_compose_s_gateway_keeps_its_signed_chain_and_its_pins_across_a_kill(com
     again.stop()
     (witness,) = shape.paths.values()
     heads = sorted(witness.glob("*"))
-    assert heads, "no signed head reached the witness volume"
+    assert heads, f"no signed head reached the witness volume (exit {again.proc.returncode}): {again.log()}"
     signing_key = next(e["value"] for e in shape._env if e["name"] == "OMNIGATE_AUDIT__SIGNING__KEY")
     done = _verify(shape, signing_key, heads)
     assert done.returncode == 0, done.stdout + done.stderr
