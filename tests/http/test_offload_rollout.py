@@ -57,16 +57,25 @@ def test_vram_pressure_sleeps_the_idle_bf16_on_the_same_gpu_and_the_way_back_wak
         assert kinds[:2] == ["limit_concurrency", "sleep"]
 
         # The INT4 engine gets worse: the shift is due, but BF16 sleeps, so it is woken first; its gauge lags.
-        fresh.set(fresh.bf16, wake_delay_s=1.5)
+        fresh.set(fresh.bf16, wake_delay_s=3.0)
         fresh.set(fresh.int4, kv_cache_usage_perc=0.99)
         assert wait_until(
             lambda: ("wakeup", {"stage_ids": [0, 1, 2]}) in bg.call(lambda: fresh.bf16.sleep_calls), 30
         )
         bg.call(lambda: fresh.bf16.reset_stats())
-        # While the gauge still reads asleep, BF16 takes nothing.
+
+        # While the gauge still reads asleep, BF16 takes nothing. Only the chats sent while it was still
+        # waking count (on a loaded machine the wake may end before the third).
+        def phase() -> str | None:
+            return bg.call(lambda: getattr(controller.state.sleeping.get("omni-bf16"), "phase", None))
+
+        sent_while_waking = 0
         for _ in range(3):
+            if phase() != "waking":
+                break
             assert chat(server.url).ok
-            assert bg.call(lambda: controller.state.sleeping["omni-bf16"].phase) == "waking"
+            sent_while_waking += 1
+        assert sent_while_waking >= 1
         assert bg.call(lambda: fresh.bf16.request_count) == 0
         assert wait_until(lambda: bg.call(lambda: pool.table.engine_weight("omni-bf16")) == 1.0, 30)
         recent = [t for t in bg.call(lambda: list(controller.recent)) if t.source == "auto"]
