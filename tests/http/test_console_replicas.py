@@ -50,7 +50,7 @@ def _signed_in(server) -> tuple[httpx.Client, str]:
     c = httpx.Client(base_url=server.url, timeout=10)
     assert c.post("/admin/console/login", data={"key": ADMIN_KEY}).status_code == 303
     token = re.search(
-        r'name="csrf-token" content="([0-9a-f]{64})"', c.get("/admin/console/overview").text
+        r'name="csrf-token" content="([A-Za-z0-9_-]{43})"', c.get("/admin/console/overview").text
     ).group(1)
     return c, token
 
