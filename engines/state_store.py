@@ -3,9 +3,10 @@
 One document holds the version, the controller state and the routing table; it is
 only ever changed by a read-modify-write that Redis checks (``WATCH``/``MULTI``), so
 a manual pin on one replica and the leader's tick on another cannot overwrite each
-other. The leader holds a lease (``SET NX PX``, renewed by a compare-and-expire
-script); its writes are fenced on it. Every replica publishes a summary of its own
-measurements under a key that expires, which the leader merges.
+other. The leader holds a lease, a redis-py ``Lock`` whose token is the replica id
+(taken without waiting, its TTL reset while held, released on shutdown); its writes
+are fenced on it. Every replica publishes a summary of its own measurements under a
+key that expires, which the leader merges.
 
     {prefix}:doc        JSON {"version", "state", "table"}
     {prefix}:version    the document's version, for followers to poll cheaply
@@ -17,6 +18,7 @@ measurements under a key that expires, which the leader merges.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -27,6 +29,8 @@ from typing import Any, Protocol
 
 import orjson
 import structlog
+from redis.asyncio.lock import Lock
+from redis.exceptions import LockError
 
 log = structlog.get_logger(__name__)
 
@@ -125,26 +129,6 @@ class MemoryStore:
         self._summary = None
 
 
-_RENEW = """
-local cur = redis.call('get', KEYS[1])
-if cur == ARGV[1] then
-  redis.call('pexpire', KEYS[1], ARGV[2])
-  return 1
-end
-if not cur then
-  redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-return 0
-"""
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then
-  return redis.call('del', KEYS[1])
-end
-return 0
-"""
-
-
 class RedisStore:
     """Many replicas sharing one Redis; see the module docstring for the keys."""
 
@@ -153,8 +137,7 @@ class RedisStore:
         self.replica_id = replica_id or default_replica_id()
         self._redis = client
         self._p = prefix
-        self._renew = self._redis.register_script(_RENEW)
-        self._release = self._redis.register_script(_RELEASE)
+        self._lease: Lock | None = None
 
     def _k(self, name: str) -> str:
         return f"{self._p}:{name}"
@@ -202,11 +185,21 @@ class RedisStore:
         raise RuntimeError("the routing document kept changing under this update")
 
     async def acquire_lease(self, ttl_s: float) -> bool:
-        ok = await self._renew(keys=[self._k("leader")], args=[self.replica_id, int(ttl_s * 1000)])
-        return bool(ok)
+        """Renew the lease this replica holds, or take it if nobody does; False while another replica holds it."""
+        if self._lease is None:
+            # One token for the replica, whichever task renews it (not one per thread).
+            self._lease = Lock(self._redis, self._k("leader"), timeout=ttl_s, thread_local=False)
+        self._lease.timeout = ttl_s
+        try:
+            return await self._lease.reacquire()
+        except LockError:  # not taken yet, or lapsed (expired, or taken by another replica)
+            return bool(await self._lease.acquire(blocking=False, token=self.replica_id))
 
     async def release_lease(self) -> None:
-        await self._release(keys=[self._k("leader")], args=[self.replica_id])
+        if self._lease is None:
+            return
+        with contextlib.suppress(LockError):  # not held (any more): nothing to give back
+            await self._lease.release()
 
     async def leader(self) -> str | None:
         raw = await self._redis.get(self._k("leader"))

@@ -168,6 +168,44 @@ async def test_redis_store_lease_is_exclusive_and_writes_are_fenced_on_it(prefix
         await redis.aclose()
 
 
+async def test_redis_store_lease_is_kept_by_renewal_and_lapses_to_another_replica(prefix):
+    """A leader that renews keeps the lead past its TTL; one that stops (dies) loses it to the next taker."""
+    import asyncio
+
+    redis = SharedRedis(RedisSettings(url=REDIS))
+    one = RedisStore(redis.client(), prefix, "one")
+    two = RedisStore(redis.client(), prefix, "two")
+    raw = redis.client()
+    ttl = 1.0
+    try:
+        assert await one.acquire_lease(ttl)
+        await two.release_lease()  # a replica that does not hold the lease gives nothing back
+        assert await two.leader() == "one"
+        for _ in range(4):  # renewed every 0.3 s, the lease outlives its TTL
+            await asyncio.sleep(0.3)
+            assert await one.acquire_lease(ttl) and not await two.acquire_lease(ttl)
+            assert 0.5 * ttl * 1000 < await raw.pttl(f"{prefix}:leader") <= ttl * 1000
+        await asyncio.sleep(ttl + 0.3)  # "one" stops renewing: the lease lapses, nobody released it
+        assert await one.leader() is None
+        assert await two.acquire_lease(ttl) and await two.leader() == "two"
+        assert not await one.acquire_lease(ttl)  # the old leader does not take it back
+
+        def bump(doc):
+            return {**doc.state, "frozen": True}, {"weights": {}}
+
+        with pytest.raises(NotLeader):
+            await one.update(bump, fenced=True)
+        await one.release_lease()  # the old leader's shutdown leaves the new leader's lease alone
+        assert await one.leader() == "two"
+        await two.release_lease()
+        assert await one.leader() is None and await one.acquire_lease(ttl)
+    finally:
+        await raw.aclose()
+        await one.aclose()
+        await two.aclose()
+        await redis.aclose()
+
+
 def test_a_replica_that_cannot_reach_redis_serves_with_the_configured_split(bg, trio, prefix):
     trio.reset()
     with socket.socket() as sock:
