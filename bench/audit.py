@@ -26,11 +26,11 @@ from bench.common import add_smoke, emit, out_path, smoke_result
 from core.context import Identity, PolicyRun, Record, RequestContext
 from core.events import Completion, Usage
 from core.schemas import ChatCompletionRequest
-from core.settings import AuditSettings
 from observability.audit.backends import build_store
 from observability.audit.log import AuditLog
 from observability.audit.record import RequestSnapshot
 from observability.metrics import Metrics
+from observability.settings import AuditSettings
 
 PROMPT = ("Summarise the quarterly figures for the board, in three sentences. " * 32)[:2048]
 ANSWER = ("Revenue grew, costs held, and the outlook is steady. " * 20)[:1024]

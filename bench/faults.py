@@ -24,7 +24,8 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from core.settings import EngineConfig, Settings
+from engines.settings import EngineConfig
+from gateway.settings import Settings
 from tests.harness import BackgroundLoop, GatewayServer
 from tests.upstream import Script, ScriptedUpstream
 

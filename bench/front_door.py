@@ -18,10 +18,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from core.auth_settings import DirectorySettings, FailureLimitSettings
-from core.settings import Settings
 from gateway.auth_failures import AuthFailures, TooManyAuthFailures
+from gateway.auth_settings import DirectorySettings, FailureLimitSettings
 from gateway.directory.live import LiveDirectory
+from gateway.settings import Settings
 from gateway.tenants import Directory, KeyEntry, KeyRefused, mint_key
 from observability.metrics import Metrics
 

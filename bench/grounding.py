@@ -133,9 +133,9 @@ def _scorer_latency(args: argparse.Namespace) -> dict:
     import torch
 
     from core.schemas import ChatCompletionRequest
-    from core.settings import GroundingSettings
     from policies.grounding.claims import claims_of, premise_of, split_sentences
     from policies.grounding.scorer import CrossEncoderScorer, FallbackScorer
+    from policies.settings import GroundingSettings
 
     if args.device == "cpu":
         torch.set_num_threads(1)

@@ -23,7 +23,6 @@ import statistics
 import time
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from core.settings import MediaSettings
 from policies.media.audio import AudioConfig
 from policies.media.budget import BudgetConfig
 from policies.media.image import ImageConfig
@@ -31,6 +30,7 @@ from policies.media.parts import decode_payload, media_parts
 from policies.media.process import MediaTarget, Settings, probe_part, process_part
 from policies.media.sandbox import DecoderFailed, Sandbox
 from policies.media.video import VideoConfig
+from policies.settings import MediaSettings
 from tests import hostile_decoders
 from tests.media import data_uri, photo, tone, video, wav
 

@@ -15,7 +15,7 @@ import asyncio
 from prometheus_client import CollectorRegistry
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from core.control_settings import EngineTelemetry, SignalSettings
+from engines.rollout_settings import EngineTelemetry, SignalSettings
 from engines.telemetry import TelemetryCollector
 from observability.metrics import Metrics
 

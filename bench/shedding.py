@@ -305,9 +305,9 @@ async def _ramp(args: argparse.Namespace, store: str) -> dict:
 async def _admission_loop(store: str, n: int, concurrency: int) -> dict:
     """The gate alone in this process: admit + release, sequentially and ``concurrency`` at a time."""
     from core.context import RequestContext
-    from core.settings import RedisSettings, TrafficSettings
     from gateway.admission import AdmissionGate
     from gateway.redis_client import SharedRedis
+    from gateway.traffic_settings import RedisSettings, TrafficSettings
     from observability.metrics import Metrics
 
     prefix = f"omnigate-bench:{uuid.uuid4().hex}"

@@ -31,8 +31,8 @@ from typing import Any
 import orjson
 import structlog
 
-from core.control_settings import AccuracySettings
 from core.schemas import ChatCompletionRequest
+from engines.rollout_settings import AccuracySettings
 from observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)

@@ -45,7 +45,6 @@ from typing import Any
 
 import structlog
 
-from core.control_settings import RoutingSettings
 from engines.accuracy import HeldOutSentinel
 from engines.energy import EnergyBook, EnergyMeter, token_equivalents
 from engines.offload import OffloadClient
@@ -62,6 +61,7 @@ from engines.rollback import (
     route,
     unpin,
 )
+from engines.rollout_settings import RoutingSettings
 from engines.routing import RoutingTable
 from engines.sentinel import AccuracySentinel
 from engines.signals import EngineSummary

@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import structlog
 
-from core.control_settings import RoutingSettings
 from engines.base import Engine
 from engines.circuit import Circuit
 from engines.identity import ListsModels, identity_problem
 from engines.rollback import Transition
+from engines.rollout_settings import RoutingSettings
 from engines.routing import EngineInfo, RoutingTable
 from engines.signals import EngineSummary, OutcomeWindow
 from observability.metrics import ENGINE_STATES, Metrics

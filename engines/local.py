@@ -33,7 +33,7 @@ from engines.base import declared
 
 if TYPE_CHECKING:
     from core.schemas import ChatCompletionRequest
-    from core.settings import EngineConfig
+    from engines.settings import EngineConfig
 
 log = structlog.get_logger(__name__)
 

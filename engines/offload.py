@@ -28,8 +28,8 @@ import httpx
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.control_settings import OffloadSettings
 from engines.rollback import Intent
+from engines.rollout_settings import OffloadSettings
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.offload")

@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from core.control_settings import RoutingSettings
-from core.settings import EngineConfig
 from engines import choice
 from engines.base import Engine
 from engines.health import Health
 from engines.rollback import Transition
+from engines.rollout_settings import RoutingSettings
 from engines.routing import EngineInfo, RoutingTable, base_weights
+from engines.settings import EngineConfig
 from engines.signals import EngineSummary
 from engines.slots import Lease, SharedCaps, Slots
 from observability.metrics import Metrics

@@ -37,7 +37,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from core.control_settings import ControllerSettings, Rule
+from engines.rollout_rules import Rule
+from engines.rollout_settings import ControllerSettings
 from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
 from engines.snapshot import EngineSignals, Incident, Snapshot
 from engines.targets import shift_targets

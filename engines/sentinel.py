@@ -32,9 +32,9 @@ from typing import Any
 
 import structlog
 
-from core.control_settings import SentinelSettings
 from core.events import Completion
 from engines.language import detect, long_enough
+from engines.rollout_settings import SentinelSettings
 from engines.signals import WerWindow
 from observability.metrics import Metrics
 

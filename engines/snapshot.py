@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.control_settings import SAMPLED_SIGNALS
+from engines.rollout_rules import SAMPLED_SIGNALS
 from engines.routing import EngineInfo
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
-from core.control_settings import ControllerSettings, Rule
+from engines.rollout_rules import Rule
+from engines.rollout_settings import ControllerSettings
 
 if TYPE_CHECKING:
     from engines.snapshot import EngineSignals, Incident, Snapshot

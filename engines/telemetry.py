@@ -46,7 +46,7 @@ import orjson
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.control_settings import EngineTelemetry, SignalSettings
+from engines.rollout_settings import EngineTelemetry, SignalSettings
 from observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)

@@ -43,8 +43,8 @@ import structlog
 
 from core.context import DEGRADED_TEXT_ONLY, LoadSnapshot, RequestContext
 from core.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
-from core.settings import RedisSettings, TrafficSettings
 from gateway.redis_client import SharedRedis
+from gateway.traffic_settings import RedisSettings, TrafficSettings
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.traffic")

@@ -19,13 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from core.errors import InvalidRequest, OmnigateError
-from core.settings import Settings
 from gateway import heap
 from gateway.api import admin, admin_audit, admin_routing, admin_state, admin_tenants, chat, ops
 from gateway.console import routes as console
 from gateway.middleware import BodyDeadlineMiddleware, RequestIdMiddleware
 from gateway.readiness import Readiness, ReadinessGate
 from gateway.services import Services
+from gateway.settings import Settings
 from observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)

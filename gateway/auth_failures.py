@@ -26,8 +26,8 @@ from typing import Any
 
 import structlog
 
-from core.auth_settings import FailureLimitSettings
 from core.errors import RateLimited
+from gateway.auth_settings import FailureLimitSettings
 from gateway.redis_client import SharedRedis
 from observability.metrics import Metrics
 

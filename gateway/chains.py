@@ -36,7 +36,7 @@ from policies.base import Deps
 from policies.registry import LoadedPolicy, PolicyChain, PolicyConfigError, build_chain
 
 if TYPE_CHECKING:
-    from core.settings import Settings
+    from gateway.settings import Settings
 
 log = structlog.get_logger(__name__)
 

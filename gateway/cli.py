@@ -20,9 +20,10 @@ if TYPE_CHECKING:  # the commands import what they use when they run: the CLI st
 
     import uvicorn
 
-    from core.settings import AuditSettings, Settings
     from gateway.readiness import Readiness
     from gateway.services import Services
+    from gateway.settings import Settings
+    from observability.settings import AuditSettings
 
 
 def _format_validation(exc: ValidationError) -> str:
@@ -34,7 +35,7 @@ def _format_validation(exc: ValidationError) -> str:
 
 
 def _load(path: str | None) -> Settings:
-    from core.settings import load_settings
+    from gateway.settings import load_settings
 
     return load_settings(path)
 

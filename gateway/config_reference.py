@@ -19,8 +19,8 @@ from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from core.settings import Settings
-from core.settings_sources import ENV_PREFIX
+from gateway.settings import Settings
+from gateway.settings_sources import ENV_PREFIX
 
 #: pydantic-settings joins nested keys of an environment variable with this (Settings.model_config)
 ENV_DELIMITER = "__"
@@ -232,7 +232,7 @@ def _table(rows: list[Row], with_env: bool) -> str:
 
 
 def settings_reference() -> str:
-    """Markdown: one table per top-level section of :class:`core.settings.Settings`."""
+    """Markdown: one table per top-level section of :class:`gateway.settings.Settings`."""
     out: list[str] = []
     for name, field in Settings.model_fields.items():
         rows = [

@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 from prometheus_client import start_http_server
 
-from core.settings import Settings
+from gateway.settings import Settings
 from observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)

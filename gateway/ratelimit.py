@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from core.errors import Overloaded, RateLimited
-from core.settings import RateLimitSettings, TenantConfig
+from core.settings import TenantConfig
 from gateway.redis_client import SharedRedis
+from gateway.traffic_settings import RateLimitSettings
 from observability.metrics import Metrics
 
 if TYPE_CHECKING:

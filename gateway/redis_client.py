@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.settings import RedisSettings
+from gateway.traffic_settings import RedisSettings
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis

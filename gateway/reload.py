@@ -37,10 +37,10 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from core.settings import Settings, load_settings
 from gateway import heap, secret_check
 from gateway.chains import ChainSet
 from gateway.services import Services, build_scorer_if_used
+from gateway.settings import Settings, load_settings
 from policies.registry import PolicyConfigError
 
 log = structlog.get_logger(__name__)

@@ -15,7 +15,7 @@ import math
 import re
 from collections import Counter
 
-from core.settings import Settings
+from gateway.settings import Settings
 
 MIN_LENGTH = 32
 MIN_BITS = 100.0

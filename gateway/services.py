@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from core.capabilities import EngineFacts
-from core.settings import Settings, TenantConfig
+from core.settings import TenantConfig
 from engines.accuracy import HeldOutSentinel
 from engines.controller import RolloutController
 from engines.energy import EnergyBook
@@ -40,6 +40,7 @@ from gateway.metrics_server import MetricsServer
 from gateway.pipeline import Pipeline
 from gateway.ratelimit import RateLimiter
 from gateway.redis_client import SharedRedis
+from gateway.settings import Settings
 from gateway.sse import OpenStreams
 from gateway.tenants import Directory
 from observability.audit import AuditLog

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core.errors import AuthenticationFailed, DirectoryUnavailable
-from core.settings import ApiKeyConfig, Settings, TenantConfig
+from core.settings import TenantConfig
+from gateway.settings import ApiKeyConfig, Settings
 
 KEY_PREFIX = "og_"
 _ID_LEN = 12

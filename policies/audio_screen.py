@@ -22,12 +22,12 @@ from pydantic import Field, field_validator
 from core.context import RequestContext, Screening
 from core.errors import ContentPolicyViolation
 from core.schemas import ChatCompletionRequest
-from core.settings import MediaSettings
 from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.models import SpeechToText
 from policies.media.parts import media_parts, payload_arg
 from policies.media.process import screen_pcm
 from policies.media.sandbox import MediaRuntime, runtime_of
+from policies.settings import MediaSettings
 
 
 class AudioScreenConfig(PolicyConfig):

@@ -79,8 +79,8 @@ if TYPE_CHECKING:
     from core.errors import OmnigateError
     from core.events import Completion, Delta
     from core.schemas import ChatCompletionRequest
-    from core.settings import Settings
     from observability.metrics import Metrics
+    from policies.settings import ChainSettings
 
 Stage = Literal["pre", "stream", "post"]
 StreamMode = Literal["passthrough", "window", "hold"]
@@ -162,7 +162,7 @@ class Deps:
     (``isinstance``), so this protocol module names no policy's types.
     """
 
-    settings: Settings
+    settings: ChainSettings
     metrics: Metrics
     resources: Mapping[str, object] = field(default_factory=dict)
     #: what each engine serves and takes, as its adapter declares it (core/capabilities.py): the media

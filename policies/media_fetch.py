@@ -14,7 +14,6 @@ from typing import Any, ClassVar
 from core.context import MediaRecord, RequestContext
 from core.errors import OmnigateError
 from core.schemas import ChatCompletionRequest
-from core.settings import MediaSettings
 from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.fetch import FetchConfig, SafeFetcher
 from policies.media.parts import (
@@ -28,6 +27,7 @@ from policies.media.parts import (
 )
 from policies.media.sandbox import MediaRuntime, runtime_of
 from policies.media.targets import check_modalities, targets_from
+from policies.settings import MediaSettings
 
 
 class MediaFetch(PolicyBase):

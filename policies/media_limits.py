@@ -37,7 +37,6 @@ from core.errors import (
     ModalBudgetExceeded,
 )
 from core.schemas import PART_MODALITY, ChatCompletionRequest, Message
-from core.settings import MediaSettings
 from core.spooled import SpooledMedia, SpoolFull, SpoolWriter
 from policies.base import Deps, PolicyBase, PolicyConfig, Segmented
 from policies.media import budget as tokens
@@ -59,6 +58,7 @@ from policies.media.parts import (
 from policies.media.sandbox import SHARE_MIN, MediaRuntime, SharedPart, runtime_of, shared_part
 from policies.media.shared import SharedOut
 from policies.media.targets import MediaTarget, check_modalities, targets_from
+from policies.settings import MediaSettings
 
 if TYPE_CHECKING:
     from policies.media.audio import AudioResult  # the decoders load only where media is served

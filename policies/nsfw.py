@@ -26,7 +26,6 @@ from pydantic import Field
 from core.context import RequestContext, Screening
 from core.errors import ContentPolicyViolation
 from core.schemas import ChatCompletionRequest
-from core.settings import MediaSettings
 from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.config import VideoConfig
 from policies.media.image import screen_view
@@ -34,6 +33,7 @@ from policies.media.models import NSFWModel
 from policies.media.parts import MediaRef, media_parts, output_part, payload_arg, replace_parts, spool_parts
 from policies.media.sandbox import MediaRuntime, runtime_of
 from policies.media.video import ScreenedVideo, screen_video
+from policies.settings import MediaSettings
 
 _SIZE = (256, 256)  # what the model's own preprocessing resizes to first (bilinear)
 

@@ -14,8 +14,8 @@ from typing import Any, Protocol, cast
 
 from pydantic import ValidationError
 
-from core.settings import PolicyChainConfig, PolicySpec
 from policies.base import RESOURCES, STAGE_PROTOCOL, PolicyConfig, Stage
+from policies.settings import PolicyChainConfig, PolicySpec
 
 ENTRY_POINT_GROUP = "omnigate.policies"
 

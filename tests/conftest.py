@@ -10,7 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from engines.settings import EngineConfig
+from gateway.settings import Settings
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import BackgroundLoop, GatewayServer
 from tests.upstream import Script, ScriptedUpstream
 

@@ -10,7 +10,7 @@ import httpx
 import yaml
 from prometheus_client import CollectorRegistry
 
-from core.settings import load_settings
+from gateway.settings import load_settings
 from gateway.tenants import MintedKey, mint_key
 from tests.harness import BackgroundLoop, GatewayServer
 from tests.stores import redis_prefix

@@ -23,8 +23,8 @@ import httpx
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from core.settings import Settings
 from gateway.app import create_app
+from gateway.settings import Settings
 
 T = TypeVar("T")
 

@@ -2,7 +2,7 @@
 
 A page asks for one with a marker on a line of its own:
 
-- ``<!-- config-reference: settings -->``: every key of ``core.settings.Settings``;
+- ``<!-- config-reference: settings -->``: every key of ``gateway.settings.Settings``;
 - ``<!-- config-reference: policy NAME -->``: the ``config:`` keys of one installed policy;
 - ``<!-- error-tree -->``: the classes of ``core.errors`` with their status, type and code.
 """

@@ -19,10 +19,10 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse
 
 from core.errors import AuthenticationFailed, OmnigateError
-from core.settings import Settings
 from gateway.api import console_session
 from gateway.api.auth import client_address
 from gateway.services import Services
+from gateway.settings import Settings
 
 
 class AdminDisabled(OmnigateError):

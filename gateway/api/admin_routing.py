@@ -13,9 +13,9 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
-from core.control_settings import Variant
 from core.errors import InvalidRequest, ModelNotFound
 from engines.rollback import Transition
+from engines.rollout_rules import Variant
 from gateway.api.admin import credential_of, require_admin, services_of
 from gateway.api.chat import validation_to_error
 from gateway.services import Services

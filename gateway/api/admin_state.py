@@ -21,11 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
 from core.errors import Conflict
-from core.settings import load_settings
 from gateway.api.admin import require_admin, services_of
 from gateway.api.chat import validation_to_error
 from gateway.chains import build_policy_sets
 from gateway.reload import RESTART_ONLY, format_config_error
+from gateway.settings import load_settings
 from observability.audit.search import AuditQuery
 from observability.metrics import SHED_REASONS
 from policies.registry import build_chain

@@ -6,7 +6,7 @@ the backends, the backends import the protocol, and nothing imports back.
 
 from __future__ import annotations
 
-from core.auth_settings import DirectorySettings
+from gateway.auth_settings import DirectorySettings
 from gateway.directory.store import DirectoryStore
 
 

@@ -16,11 +16,12 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from core.auth_settings import DirectorySettings
 from core.errors import Conflict, DirectoryUnavailable
-from core.settings import Settings, TenantConfig
+from core.settings import TenantConfig
+from gateway.auth_settings import DirectorySettings
 from gateway.directory.backends import build_store
 from gateway.directory.store import DirectoryStore
+from gateway.settings import Settings
 from gateway.tenants import KeyEntry
 from observability.metrics import Metrics
 

@@ -11,7 +11,8 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
-from core.settings import Settings, TenantConfig
+from core.settings import TenantConfig
+from gateway.settings import Settings
 from gateway.tenants import KeyEntry
 
 

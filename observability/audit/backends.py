@@ -6,8 +6,8 @@ the backends, the backends import the protocol, and nothing imports back.
 
 from __future__ import annotations
 
-from core.settings import AuditSettings
 from observability.audit.store import AuditStore
+from observability.settings import AuditSettings
 
 
 def build_store(settings: AuditSettings) -> AuditStore:

@@ -52,7 +52,7 @@ from typing import Any, Literal
 
 import orjson
 
-from core.settings import AuditSigning
+from observability.settings import AuditSigning
 
 GENESIS = "0" * 64
 _DOMAIN = b"omnigate-audit-v1\n"

@@ -49,7 +49,6 @@ from typing import Any
 import structlog
 
 from core.errors import AuditUnavailable, Overloaded
-from core.settings import AuditSettings
 from observability.audit.chain import MAX_BATCH, ChainBroken, Checkpoint, Row, Signer, canonical, plain_data
 from observability.audit.guard import ChainGuard
 from observability.audit.record import RequestSnapshot, request_payload
@@ -58,6 +57,7 @@ from observability.audit.store import AuditStore, Entry, Sealer
 from observability.audit.verify import verify_tail
 from observability.audit.witness import Witness, read_heads
 from observability.metrics import Metrics
+from observability.settings import AuditSettings
 
 log = structlog.get_logger("omnigate.audit")
 

@@ -35,7 +35,6 @@ import numpy as np
 import structlog
 
 from core.errors import GuardUnavailable
-from core.settings import GroundingSettings
 from observability.metrics import Metrics
 from policies.grounding.claims import (
     Premise,
@@ -45,6 +44,7 @@ from policies.grounding.claims import (
     numbers_in,
     words_in,
 )
+from policies.settings import GroundingSettings
 
 log = structlog.get_logger(__name__)
 

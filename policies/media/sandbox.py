@@ -39,9 +39,9 @@ import structlog
 
 from core import errors, spooled
 from core.errors import GuardUnavailable, InvalidMedia, MediaTooLarge, Overloaded
-from core.settings import MediaSettings
 from policies.media import shared, worker
 from policies.media.parts import MediaRef, decode_payload_into
+from policies.settings import MediaSettings
 
 if TYPE_CHECKING:
     from policies.base import Deps

@@ -13,9 +13,9 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import PolicyChainConfig, PolicySpec
 from gateway.fields import DROPPED_HEADER
 from gateway.tenants import mint_key
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer
 from tests.upstream import Script
@@ -476,7 +476,7 @@ def test_n_is_refused_where_it_cannot_be_served_whole(client, ups, grounded):
 def test_the_unknown_fields_mode_follows_a_hot_reload(bg, upstreams, tmp_path):
     import yaml
 
-    from core.settings import load_settings
+    from gateway.settings import load_settings
 
     upstreams.reset()
     key = mint_key()

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from core.settings import PolicyChainConfig, PolicySpec
 from policies.grounding.policy import DEFAULT_INSTRUCTION
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
 from tests.upstream import Script

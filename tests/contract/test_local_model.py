@@ -9,7 +9,8 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import DEFAULT_PUBLIC_MODEL, load_settings
+from engines.settings import DEFAULT_PUBLIC_MODEL
+from gateway.settings import load_settings
 from tests.harness import GatewayServer, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -7,7 +7,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import PolicyChainConfig
+from policies.settings import PolicyChainConfig
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
 from tests.upstream import Script

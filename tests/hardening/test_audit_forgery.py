@@ -21,11 +21,11 @@ import pytest
 import yaml
 
 from core.errors import AuditUnavailable
-from core.settings import AuditSettings
 from observability.audit.backends import build_store
 from observability.audit.chain import GENESIS, link
 from observability.audit.log import AuditLog
 from observability.metrics import Metrics
+from observability.settings import AuditSettings
 from tests.console_setup import SIGNING_KEY, admin, chat, config, start, tenant_keys
 from tests.stores import fresh_pg_database
 

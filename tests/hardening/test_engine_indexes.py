@@ -21,10 +21,12 @@ from aiohttp import web
 
 from core.errors import EngineProtocolError
 from core.schemas import ChatCompletionRequest
-from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
 from engines.litellm_engine import LiteLLMEngine
 from engines.openai_compat import OpenAICompatEngine
+from engines.settings import EngineConfig
 from engines.vllm_omni import VLLMOmniEngine
+from gateway.settings import Settings
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import GatewayServer
 
 pytestmark = pytest.mark.timeout(60)

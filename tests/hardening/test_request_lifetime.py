@@ -21,11 +21,12 @@ from prometheus_client import CollectorRegistry
 from redis import asyncio as aioredis
 
 from core.context import RequestContext
-from core.settings import PolicyChainConfig, PolicySpec, RedisSettings, TrafficSettings
 from gateway.admission import AdmissionGate
 from gateway.redis_client import SharedRedis
 from gateway.tenants import mint_key
+from gateway.traffic_settings import RedisSettings, TrafficSettings
 from observability.metrics import Metrics
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, eventually
 from tests.upstream import Script

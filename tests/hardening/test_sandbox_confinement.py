@@ -24,10 +24,10 @@ import pytest
 
 from core import spooled
 from core.errors import GuardUnavailable
-from core.settings import MediaSettings
 from policies.media import sandbox as sandbox_module
 from policies.media.sandbox import Sandbox, Unconfined, missing_confinement
 from policies.media.shared import SharedBytes
+from policies.settings import MediaSettings
 from tests import hostile_decoders as bad
 
 pytestmark = pytest.mark.timeout(120)
@@ -140,7 +140,7 @@ _SECRET_SIZES = {
 _SECRETS_IN_A_WORKER = textwrap.dedent(
     """
     import asyncio, json, os, sys
-    from core.settings import MediaSettings
+    from policies.settings import MediaSettings
     from policies.media.sandbox import Sandbox
     from tests import hostile_decoders as bad
 
@@ -225,7 +225,7 @@ def test_workers_of_a_forkserver_started_with_the_gateway_s_environment_are_unco
     code = textwrap.dedent(
         """
         import asyncio, multiprocessing.forkserver
-        from core.settings import MediaSettings
+        from policies.settings import MediaSettings
         from policies.media.sandbox import Sandbox, Unconfined
         multiprocessing.forkserver.ensure_running()
         async def go():
@@ -379,7 +379,7 @@ def test_the_gateway_is_not_dumpable_so_its_environment_is_not_readable_by_its_u
     code = textwrap.dedent(
         """
         import asyncio, ctypes
-        from core.settings import MediaSettings
+        from policies.settings import MediaSettings
         from policies.media.sandbox import MediaRuntime
         asyncio.run(MediaRuntime(MediaSettings()).start())
         print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))

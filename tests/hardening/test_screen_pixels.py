@@ -20,8 +20,8 @@ import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from core.settings import PolicyChainConfig, PolicySpec
 from policies.media.models import NSFWModel
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, gateway_settings
 from tests.harness import GatewayServer
 from tests.media import (

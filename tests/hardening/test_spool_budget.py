@@ -27,9 +27,9 @@ import yaml
 from bench.common import free_port
 from core import spooled
 from core.errors import Overloaded
-from core.settings import MediaSettings
 from gateway.api import body as json_body
 from policies.media.sandbox import ByteBudget, MediaRuntime, RequestBudget
+from policies.settings import MediaSettings
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,8 +17,8 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import PolicyChainConfig, PolicySpec
 from gateway.tenants import mint_key
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, eventually
 from tests.upstream import Script

@@ -9,16 +9,17 @@ from dataclasses import dataclass
 import httpx
 import orjson
 
-from core.control_settings import (
+from engines.rollout_rules import Rule
+from engines.rollout_settings import (
     CircuitSettings,
     ControllerSettings,
     RoutingSettings,
-    Rule,
     SentinelSettings,
     SharedStateSettings,
     SignalSettings,
 )
-from core.settings import EngineConfig, Settings
+from engines.settings import EngineConfig
+from gateway.settings import Settings
 from tests.harness import BackgroundLoop
 from tests.upstream import Script, ScriptedUpstream
 

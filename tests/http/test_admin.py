@@ -43,7 +43,7 @@ def test_admin_needs_the_key_and_stays_out_of_the_schema(bg, upstreams):
 def test_an_empty_or_short_admin_key_is_refused_at_start(key):
     from pydantic import ValidationError
 
-    from core.settings import Settings
+    from gateway.settings import Settings
 
     with pytest.raises(ValidationError, match="at least 16 characters"):
         Settings(admin={"api_key": key})

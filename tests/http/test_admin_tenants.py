@@ -9,7 +9,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from core.settings import load_settings
+from gateway.settings import load_settings
 from gateway.tenants import mint_key
 from tests.conftest import TEXT_MODEL
 from tests.harness import GatewayServer

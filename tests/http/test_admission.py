@@ -15,9 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from core.context import RequestContext
 from core.schemas import ChatCompletionRequest
-from core.settings import PolicyChainConfig, PolicySpec, Settings
+from gateway.settings import Settings
 from gateway.tenants import mint_key
 from policies.registry import available_plugins
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, eventually
 from tests.plugins import PLUGINS

@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry
 
 from core.context import RequestContext
 from core.schemas import ChatCompletionRequest
-from core.settings import PolicyChainConfig, PolicySpec
 from gateway.pipeline.segments import segment_request
 from policies.base import Segmented
 from policies.media_limits import MediaLimits, MediaLimitsConfig
 from policies.registry import available_plugins
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
 from tests.media import long_flac

@@ -19,9 +19,9 @@ import yaml
 from itsdangerous.encoding import base64_decode, base64_encode
 from pydantic import ValidationError
 
-from core.settings import Settings
 from gateway.api import console_session as session
 from gateway.console.routes import CSP
+from gateway.settings import Settings
 from tests.console_setup import ADMIN, ADMIN_KEY, config, start, tenant_keys
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,8 +8,9 @@ import httpx
 import pytest
 from aiohttp import web
 
-from core.control_settings import EnergySettings, EngineTelemetry, RoutingSettings, SignalSettings
-from core.settings import EngineConfig, Settings
+from engines.rollout_settings import EnergySettings, EngineTelemetry, RoutingSettings, SignalSettings
+from engines.settings import EngineConfig
+from gateway.settings import Settings
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import ADMIN, ADMIN_KEY
 from tests.upstream import Script, ScriptedUpstream

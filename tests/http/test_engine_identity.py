@@ -11,7 +11,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from engines.settings import EngineConfig
+from gateway.settings import Settings
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import GatewayServer
 from tests.upstream import Script, ScriptedUpstream
 

@@ -17,10 +17,11 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.control_settings import Rule, RuleAction, SharedStateSettings, default_rules
-from core.settings import PolicyChainConfig, PolicySpec
+from engines.rollout_rules import Rule, RuleAction, default_rules
+from engines.rollout_settings import SharedStateSettings
 from policies.base import PolicyBase, PolicyConfig
 from policies.registry import available_plugins
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import MODEL, Trio, chat, engines, settings
 from tests.upstream import Script

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from core.settings import load_settings
 from gateway.reload import reload_config
+from gateway.settings import load_settings
 from gateway.tenants import mint_key
 from tests.conftest import LITELLM_MODEL, OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
@@ -136,7 +136,7 @@ def test_removing_the_last_tenant_by_reload_does_not_open_the_gateway(bg, upstre
 def test_required_false_next_to_tenants_or_a_shared_directory_is_refused():
     from pydantic import ValidationError
 
-    from core.settings import Settings
+    from gateway.settings import Settings
 
     with pytest.raises(
         ValidationError, match=re.escape("auth.required is false, but the config names tenants")
@@ -404,7 +404,7 @@ def test_a_failover_sends_the_next_engine_a_request_id_of_its_own_that_still_nam
 def test_logging_log_prompts_is_refused_as_a_setting_nothing_reads(tmp_path):
     from pydantic import ValidationError
 
-    from core.settings import Settings
+    from gateway.settings import Settings
 
     with pytest.raises(ValidationError, match="log_prompts"):
         Settings(logging={"log_prompts": True})

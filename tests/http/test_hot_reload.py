@@ -22,8 +22,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from core.settings import load_settings
 from gateway.reload import reload_config
+from gateway.settings import load_settings
 from gateway.tenants import mint_key
 from policies.registry import available_plugins
 from tests.conftest import OMNI_MODEL

@@ -16,11 +16,12 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import PolicyChainConfig, PolicySpec, Settings
 from gateway.services import Services
+from gateway.settings import Settings
 from gateway.tenants import mint_key
 from observability.metrics import Metrics
 from policies.registry import PolicyConfigError
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests import hostile_decoders
 from tests.conftest import OMNI_MODEL, gateway_settings
 from tests.harness import GatewayServer
@@ -227,7 +228,7 @@ def test_after_a_hot_reload_the_new_chain_still_fetches_and_bounds_media(bg, ups
     }
     path = tmp_path / "omnigate.yaml"
     path.write_text(yaml.safe_dump(doc))
-    from core.settings import load_settings
+    from gateway.settings import load_settings
 
     server = GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
     try:

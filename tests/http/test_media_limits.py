@@ -12,7 +12,9 @@ import soundfile as sf
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from engines.settings import EngineConfig
+from gateway.settings import Settings
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer
 from tests.media import (

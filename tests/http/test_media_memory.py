@@ -40,7 +40,9 @@ from prometheus_client import CollectorRegistry
 
 from bench.common import free_port
 from core import spooled
-from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from engines.settings import EngineConfig
+from gateway.settings import Settings
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import GatewayServer
 from tests.media import data_uri, tone, wav
 

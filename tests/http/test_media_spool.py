@@ -16,8 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core import spooled
-from core.settings import PolicyChainConfig, PolicySpec
 from gateway.tenants import mint_key
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, gateway_settings
 from tests.harness import GatewayServer
 from tests.media import data_uri, tone, wav

@@ -17,8 +17,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from core import spooled
-from core.settings import load_settings
 from gateway.api.body import SPOOL_MIN
+from gateway.settings import load_settings
 from gateway.tenants import mint_key
 from policies.registry import available_plugins
 from tests.conftest import OMNI_MODEL

@@ -6,8 +6,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import PolicyChainConfig, PolicySpec
 from policies.registry import PolicyConfigError, available_plugins, build_chain
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer
 from tests.plugins import PLUGINS

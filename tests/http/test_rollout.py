@@ -14,15 +14,8 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
-from core.control_settings import (
-    CircuitSettings,
-    EngineTelemetry,
-    Rule,
-    RuleAction,
-    RuleSelector,
-    SentinelSettings,
-    SignalSettings,
-)
+from engines.rollout_rules import Rule, RuleAction, RuleSelector
+from engines.rollout_settings import CircuitSettings, EngineTelemetry, SentinelSettings, SignalSettings
 from engines.telemetry import TelemetryCollector
 from observability.metrics import Metrics
 from tests.harness import GatewayServer, wait_until

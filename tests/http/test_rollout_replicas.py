@@ -10,11 +10,12 @@ import socket
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.control_settings import Rule, RuleAction, RuleSelector, SharedStateSettings
-from core.settings import RedisSettings
 from engines.rollback import ControllerState
+from engines.rollout_rules import Rule, RuleAction, RuleSelector
+from engines.rollout_settings import SharedStateSettings
 from engines.state_store import NotLeader, RedisStore
 from gateway.redis_client import SharedRedis
+from gateway.traffic_settings import RedisSettings
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import MODEL, REDIS, admin, chat, engines, settings
 from tests.upstream import Script

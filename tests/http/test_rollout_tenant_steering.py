@@ -17,8 +17,8 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.control_settings import Rule, default_rules
-from core.settings import Settings
+from engines.rollout_rules import Rule, default_rules
+from gateway.settings import Settings
 from gateway.tenants import mint_key
 from tests.harness import BackgroundLoop, GatewayServer, wait_until
 from tests.http.rollout_helpers import ADMIN_KEY, MODEL, Trio, engines, settings

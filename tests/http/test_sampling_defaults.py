@@ -11,8 +11,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from core.settings import load_settings
 from gateway.reload import reload_config
+from gateway.settings import load_settings
 from tests.conftest import LITELLM_MODEL, OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import PolicyChainConfig, PolicySpec
 from policies.media.models import NSFWModel
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, gateway_settings
 from tests.harness import GatewayServer
 from tests.media import data_uri, plain_image, png, skin_image, speech, video

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import PolicyChainConfig, PolicySpec
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, gateway_settings
 from tests.harness import GatewayServer
 from tests.media import Canary, MediaServer, plain_image, png

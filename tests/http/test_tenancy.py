@@ -11,9 +11,9 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
-from core.settings import PolicyChainConfig, PolicySpec
 from gateway.tenants import mint_key
 from policies.registry import available_plugins
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings
 from tests.harness import GatewayServer, wait_until
 from tests.plugins import PLUGINS

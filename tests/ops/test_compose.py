@@ -274,7 +274,7 @@ def test_an_unpinned_engine_cannot_pass_its_check():
 
 
 def test_the_gateway_requires_the_revisions_the_weights_checks_verified(monkeypatch):
-    from core.settings import load_settings
+    from gateway.settings import load_settings
 
     config = compose_config("gpu", OMNI_INT4_REVISION=REVISION, OMNI_BF16_REVISION="f" * 40)
     env = config["services"]["gateway"]["environment"]
@@ -296,7 +296,7 @@ def test_the_gateway_requires_the_revisions_the_weights_checks_verified(monkeypa
 def _settings(profile: str, monkeypatch) -> tuple[dict, dict, object]:
     """compose's config for a profile, its gateway service, and the gateway's settings as that service
     starts them (the mounted file with the service's environment over it)."""
-    from core.settings import load_settings
+    from gateway.settings import load_settings
 
     config = compose_config(profile)
     _, gw = _gateway(config)

@@ -560,8 +560,8 @@ def test_one_replica_may_keep_its_own_stores():
 
 
 def test_every_chain_the_chart_ships_screens_the_media_its_engines_take(tmp_path, monkeypatch):
-    from core.settings import load_settings
     from gateway.chains import build_policy_sets
+    from gateway.settings import load_settings
     from policies.registry import build_chain
 
     objects = render()
@@ -577,7 +577,7 @@ def test_every_chain_the_chart_ships_screens_the_media_its_engines_take(tmp_path
 
 # -- the rollback rules of the chart's engine layout --------------------------------------------------------
 def _chart_settings(tmp_path, monkeypatch, values: dict | None = None):
-    from core.settings import load_settings
+    from gateway.settings import load_settings
 
     objects = render(values)
     fill_env(monkeypatch, objects)
@@ -613,7 +613,7 @@ def test_every_rule_the_chart_ships_watches_an_engine_and_shifts_to_a_variant_it
 def test_the_chart_s_rules_are_the_gateway_s_defaults_restricted_to_its_engines(tmp_path, monkeypatch):
     """A rule the chart shares with the defaults watches the same signal with the same thresholds, so a
     change to a default rule is made here too; only its targets (and offload) follow the layout."""
-    from core.control_settings import default_rules
+    from engines.rollout_rules import default_rules
 
     defaults = {r.name: r for r in default_rules()}
     settings = _chart_settings(tmp_path, monkeypatch)

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import Settings
 from gateway.app import create_app
+from gateway.settings import Settings
 from tests.conftest import gateway_settings
 from tests.harness import GatewayServer
 from tests.ops.catalogue import (

@@ -19,9 +19,9 @@ from PIL import Image
 from prometheus_client import CollectorRegistry
 
 from core import spooled
-from core.settings import PolicySpec
 from gateway.api.body import SPOOL_MIN
 from policies.media.image import target_size
+from policies.settings import PolicySpec
 from tests.harness import GatewayServer
 from tests.media import data_uri, png, tone, wav
 from tests.realomni.conftest import MODEL, omni_settings

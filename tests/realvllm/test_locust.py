@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import EngineConfig, PolicyChainConfig, PolicySpec, Settings
+from engines.settings import EngineConfig
+from gateway.settings import Settings
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import GatewayServer
 from tests.realvllm.conftest import ENGINE, MODEL
 from tests.upstream import Script, ScriptedUpstream

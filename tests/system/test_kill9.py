@@ -20,11 +20,11 @@ import httpx
 import pytest
 import yaml
 
-from core.settings import AuditSettings
 from gateway.tenants import mint_key
 from observability.audit.backends import build_store
 from observability.audit.chain import Signer
 from observability.audit.verify import verify_store
+from observability.settings import AuditSettings
 from tests.stores import fresh_pg_database, redis_prefix
 
 pytestmark = pytest.mark.timeout(180)

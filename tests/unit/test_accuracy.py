@@ -13,8 +13,6 @@ import soundfile as sf
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from core.control_settings import AccuracySettings, ControllerSettings, Rule, RuleAction, default_rules
-from core.settings import EngineConfig
 from engines.accuracy import (
     HeldOutItem,
     HeldOutSentinel,
@@ -25,7 +23,10 @@ from engines.accuracy import (
 )
 from engines.pool import build_engine
 from engines.rollback import ControllerState, decide
+from engines.rollout_rules import Rule, RuleAction, default_rules
+from engines.rollout_settings import AccuracySettings, ControllerSettings
 from engines.routing import EngineInfo
+from engines.settings import EngineConfig
 from engines.snapshot import EngineSignals, Snapshot
 from observability.metrics import Metrics
 from tests.upstream import Script, ScriptedUpstream

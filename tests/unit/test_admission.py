@@ -9,8 +9,10 @@ from pydantic import ValidationError
 from core.context import LoadSnapshot, RequestContext
 from core.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
 from core.schemas import ChatCompletionRequest
-from core.settings import EngineConfig, Settings, TrafficSettings
+from engines.settings import EngineConfig
 from gateway.admission import AdmissionGate, Limits, decide, decide_overload
+from gateway.settings import Settings
+from gateway.traffic_settings import TrafficSettings
 from observability.metrics import Metrics
 from policies.shedding import LoadShedding, LoadSheddingConfig
 from policies.shedding import decide as shed

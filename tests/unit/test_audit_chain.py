@@ -14,12 +14,12 @@ import orjson
 import pytest
 from pydantic import SecretStr
 
-from core.settings import AuditSettings
 from observability.audit.backends import build_store
 from observability.audit.chain import Signer, link
 from observability.audit.log import AuditLog
 from observability.audit.verify import export_store, verify_store
 from observability.metrics import Metrics
+from observability.settings import AuditSettings
 from tests.stores import fresh_pg_database
 
 pytestmark = pytest.mark.timeout(120)

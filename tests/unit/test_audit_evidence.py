@@ -20,13 +20,13 @@ import asyncpg
 import orjson
 import pytest
 
-from core.settings import AuditSettings
 from observability.audit.backends import build_store
 from observability.audit.chain import GENESIS, Checkpoint, Signer, link
 from observability.audit.log import AuditLog
 from observability.audit.verify import verify_store
 from observability.audit.witness import read_heads
 from observability.metrics import Metrics
+from observability.settings import AuditSettings
 from tests.stores import fresh_pg_database
 
 pytestmark = pytest.mark.timeout(300)

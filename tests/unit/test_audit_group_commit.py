@@ -11,10 +11,10 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from core.settings import AuditSettings
 from observability.audit import AuditLog
 from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics
+from observability.settings import AuditSettings
 
 
 def _batches(registry: CollectorRegistry) -> tuple[float, float]:

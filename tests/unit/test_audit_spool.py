@@ -6,7 +6,6 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from core.settings import AuditSettings
 from observability.audit.backends import build_store
 from observability.audit.chain import Signer, canonical
 from observability.audit.guard import ChainGuard
@@ -14,6 +13,7 @@ from observability.audit.log import AuditLog, now_iso
 from observability.audit.store import Entry
 from observability.audit.verify import verify_store
 from observability.metrics import Metrics
+from observability.settings import AuditSettings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,13 +11,14 @@ from core.digest import OutputDigest
 from core.errors import EngineFailed, InvalidRequest
 from core.events import Completion, Delta, merge_tool_calls
 from core.schemas import ChatCompletionRequest
-from core.settings import EngineConfig, PolicyChainConfig
 from engines.openai_compat import rejection
 from engines.pool import EnginePool, build_engine
+from engines.settings import EngineConfig
 from gateway.fields import UnknownField, parse_request
 from gateway.pipeline import Pipeline
 from observability.metrics import Metrics
 from policies.registry import available_plugins, build_chain
+from policies.settings import PolicyChainConfig
 
 USER = [{"role": "user", "content": "hi"}]
 

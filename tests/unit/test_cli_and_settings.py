@@ -12,7 +12,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from core.settings import DEFAULT_PUBLIC_MODEL, load_settings
+from engines.settings import DEFAULT_PUBLIC_MODEL
+from gateway.settings import load_settings
 from tests.harness import ServeProcess, wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "ops" / "config" / "omnigate.yaml"

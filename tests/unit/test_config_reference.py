@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from core.settings import Settings, load_settings
 from gateway.config_reference import (
     leaf_keys,
     missing_descriptions,
@@ -21,6 +20,7 @@ from gateway.config_reference import (
     settings_reference,
     walk,
 )
+from gateway.settings import Settings, load_settings
 
 BUILT_IN = {
     "request-limits",

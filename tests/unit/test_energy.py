@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from core.control_settings import ControllerSettings, Rule, RuleAction, RuleSelector, default_rules
 from engines.energy import EnergyBook, EnergyMeter, token_equivalents, trapezoid_joules
 from engines.rollback import ControllerState, decide, route
+from engines.rollout_rules import Rule, RuleAction, RuleSelector, default_rules
+from engines.rollout_settings import ControllerSettings
 from engines.routing import EngineInfo
 from engines.snapshot import EngineSignals, Snapshot
 from engines.telemetry import parse_dcgm_power

@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.errors import EngineBusy
-from core.settings import EngineConfig
 from engines.pool import EnginePool, build_engine
 from engines.routing import RoutingTable
+from engines.settings import EngineConfig
 from observability.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(30)

@@ -15,9 +15,10 @@ import uuid
 
 from prometheus_client import CollectorRegistry
 
-from core.settings import RateLimitSettings, RedisSettings, TenantConfig
+from core.settings import TenantConfig
 from gateway.ratelimit import RateLimiter
 from gateway.redis_client import SharedRedis
+from gateway.traffic_settings import RateLimitSettings, RedisSettings
 from observability.metrics import Metrics
 
 HEAVY = ("numpy", "soundfile", "redis", "limits", "PIL", "av", "onnxruntime", "torch", "litellm")
@@ -27,7 +28,7 @@ _SCRIPT = textwrap.dedent(
     import json, sys
     from starlette.testclient import TestClient
     from gateway.app import create_app
-    from core.settings import Settings
+    from gateway.settings import Settings
 
     settings = Settings.model_validate({
         "engines": [{"name": "text", "kind": "vllm", "base_url": sys.argv[1], "model": "scripted",

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from core.settings import Settings
 from gateway.cli import auth_banner
 from gateway.secret_check import WeakSecret, check, problems
+from gateway.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "ops" / "config" / "omnigate.yaml"

@@ -7,7 +7,6 @@ import pytest
 from core.context import RequestContext
 from core.events import Delta
 from core.schemas import ChatCompletionRequest
-from core.settings import PolicyChainConfig, PolicySpec
 from policies.grounding.claims import (
     claims_of,
     date_supported,
@@ -20,6 +19,7 @@ from policies.grounding.claims import (
 )
 from policies.grounding.policy import GroundingConfig, SpeechGate
 from policies.registry import PolicyConfigError, available_plugins, build_chain
+from policies.settings import PolicyChainConfig, PolicySpec
 
 
 def _req(messages: list[dict]) -> ChatCompletionRequest:
@@ -158,8 +158,8 @@ def test_retry_adjustment_lowers_temperature_and_adds_the_instruction_once():
 
 
 async def test_the_policy_takes_the_gateway_scorer_when_started():
-    from core.settings import Settings
     from gateway.services import Services
+    from gateway.settings import Settings
     from observability.metrics import Metrics
     from policies.registry import resources_used
 

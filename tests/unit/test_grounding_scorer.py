@@ -17,7 +17,6 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
 from core.schemas import ChatCompletionRequest
-from core.settings import GroundingSettings
 from observability.metrics import Metrics
 from policies.grounding.claims import claims_of, premise_of, split_sentences
 from policies.grounding.scorer import (
@@ -28,6 +27,7 @@ from policies.grounding.scorer import (
     _Batcher,
     build_scorer,
 )
+from policies.settings import GroundingSettings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -274,8 +274,9 @@ async def test_a_failing_model_fails_closed_with_guard_unavailable(tmp_path):
 
 
 async def test_a_scorer_that_cannot_load_fails_the_gateway_start(tmp_path):
-    from core.settings import PolicyChainConfig, PolicySpec, Settings
     from gateway.services import Services
+    from gateway.settings import Settings
+    from policies.settings import PolicyChainConfig, PolicySpec
 
     settings = Settings(
         policies=PolicyChainConfig(post=[PolicySpec(name="grounding")]),

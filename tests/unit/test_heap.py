@@ -15,7 +15,7 @@ _SCRIPT = textwrap.dedent(
     from starlette.testclient import TestClient
     from gateway import heap
     from gateway.app import create_app
-    from core.settings import Settings
+    from gateway.settings import Settings
 
     class Node:
         pass

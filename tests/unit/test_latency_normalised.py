@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.control_settings import ControllerSettings, SignalSettings, default_rules
 from engines.rollback import ControllerState, decide
+from engines.rollout_rules import default_rules
+from engines.rollout_settings import ControllerSettings, SignalSettings
 from engines.routing import EngineInfo
 from engines.signals import EngineSummary, OutcomeWindow, tenant_weights
 from engines.snapshot import EngineSignals, Snapshot

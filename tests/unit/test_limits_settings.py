@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from core.settings import EngineConfig, Settings
+from engines.settings import EngineConfig
+from gateway.settings import Settings
 
 
 def _engine(**kw) -> dict:

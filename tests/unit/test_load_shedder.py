@@ -7,10 +7,10 @@ from typing import ClassVar
 
 from core.context import RequestContext
 from core.schemas import ChatCompletionRequest
-from core.settings import PolicyChainConfig, PolicySpec
 from gateway.services import unshed_chains
 from policies.base import LoadShedder, PolicyBase, PolicyConfig
 from policies.registry import available_plugins, build_chain
+from policies.settings import PolicyChainConfig, PolicySpec
 from policies.shedding import LoadShedding
 
 

@@ -14,8 +14,8 @@ import structlog.testing
 from core.errors import EngineUnavailable
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
-from core.settings import EngineConfig, LocalEngineOptions
 from engines.local import LocalEngine
+from engines.settings import EngineConfig, LocalEngineOptions
 from tests import cachedir
 
 pytestmark = pytest.mark.slow

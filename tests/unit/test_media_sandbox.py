@@ -18,11 +18,11 @@ import pytest
 import soundfile as sf
 
 from core.errors import InvalidMedia, MediaTooLarge, MediaURLForbidden, Overloaded
-from core.settings import MediaSettings
 from policies.media.audio import AudioConfig, decode_pcm, normalise_audio
 from policies.media.container import open_av, sniff_demuxer
 from policies.media.sandbox import ByteBudget, DecoderFailed, RequestBudget, Sandbox
 from policies.media.video import sample_frames
+from policies.settings import MediaSettings
 from tests import hostile_decoders as bad
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.control_settings import EngineTelemetry, SignalSettings
-from core.settings import EngineConfig
+from engines.rollout_settings import EngineTelemetry, SignalSettings
+from engines.settings import EngineConfig
 from engines.telemetry import TelemetryCollector, parse_vllm
 from engines.vllm_omni import VLLMOmniEngine
 from observability.metrics import Metrics

@@ -8,11 +8,12 @@ from typing import ClassVar
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.settings import PolicyChainConfig, PolicySpec, Settings
 from gateway.chains import Chains, ChainSet
+from gateway.settings import Settings
 from observability.metrics import Metrics
 from policies.base import Deps, Policy, PolicyBase
 from policies.registry import PolicyConfigError, available_plugins, build_chain
+from policies.settings import PolicyChainConfig, PolicySpec
 from tests.plugins import LIFECYCLE, PLUGINS, Empty, TagConfig
 
 

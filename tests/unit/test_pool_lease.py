@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.errors import EngineProtocolError, EngineTimeout
-from core.settings import EngineConfig
 from engines.pool import EnginePool, Lease, build_engine
+from engines.settings import EngineConfig
 from observability.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(30)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.control_settings import CircuitSettings, RoutingSettings
-from core.settings import EngineConfig
 from engines.circuit import Circuit
 from engines.pool import EnginePool, build_engine
+from engines.rollout_settings import CircuitSettings, RoutingSettings
 from engines.routing import EngineInfo, RoutingTable, base_weights
+from engines.settings import EngineConfig
 from engines.signals import EngineSummary, OutcomeWindow, bucket_counts, quantile
 from engines.telemetry import bucket_delta, histogram_quantile, parse_dcgm, parse_vllm
 from observability.metrics import Metrics

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from core.context import RequestContext
 from core.errors import Overloaded, RateLimited
-from core.settings import RedisSettings, TrafficSettings
 from gateway.admission import AdmissionGate, Limits, LocalSlots, RedisSlots, Ticket
 from gateway.redis_client import SharedRedis
+from gateway.traffic_settings import RedisSettings, TrafficSettings
 from observability.metrics import Metrics
 from tests.harness import eventually
 from tests.tcpproxy import TCPProxy

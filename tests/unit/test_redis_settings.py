@@ -12,9 +12,10 @@ import yaml
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from core.settings import RedisSettings, load_settings
 from gateway.redis_client import SharedRedis
 from gateway.services import Services
+from gateway.settings import load_settings
+from gateway.traffic_settings import RedisSettings
 from observability.metrics import Metrics
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
-from core.control_settings import ControllerSettings, Rule, RuleAction, RuleSelector, default_rules
 from engines.rollback import ControllerState, Transition, decide, pin, route
+from engines.rollout_rules import Rule, RuleAction, RuleSelector, default_rules
+from engines.rollout_settings import ControllerSettings
 from engines.routing import EngineInfo, RoutingTable
 from engines.snapshot import EngineSignals, Snapshot
 

@@ -11,11 +11,12 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.control_settings import ControllerSettings, OffloadSettings, Rule, RuleAction, default_rules
-from core.settings import EngineConfig
 from engines.pool import EnginePool, build_engine
 from engines.rollback import ControllerState, Intent, Transition, decide, route
+from engines.rollout_rules import Rule, RuleAction, default_rules
+from engines.rollout_settings import ControllerSettings, OffloadSettings
 from engines.routing import EngineInfo, RoutingTable
+from engines.settings import EngineConfig
 from engines.snapshot import EngineSignals, Snapshot
 from observability.metrics import Metrics
 

@@ -6,8 +6,8 @@ import pytest
 import structlog
 from pydantic import ValidationError
 
-from core.control_settings import default_rules
-from core.settings import Settings
+from engines.rollout_rules import default_rules
+from gateway.settings import Settings
 
 ENGINES = [
     {"name": "a", "kind": "vllm", "base_url": "http://127.0.0.1:9/v1", "model": "m", "serves": ["x"]},

@@ -8,8 +8,8 @@ import jiwer
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.control_settings import SentinelSettings
 from core.events import Completion
+from engines.rollout_settings import SentinelSettings
 from engines.sentinel import AccuracySentinel, WerScorer
 from observability.metrics import Metrics
 from tests.speech import read_pcm, speech_set

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.control_settings import SentinelSettings
 from core.events import Completion
 from engines.language import detect
+from engines.rollout_settings import SentinelSettings
 from engines.sentinel import AccuracySentinel, WerScorer
 from observability.metrics import Metrics
 from tests.speech import PAIRS, read_pcm, speech_set
@@ -138,7 +138,7 @@ async def test_the_configured_language_comes_first_tenant_then_model_then_deploy
 def test_the_example_deployment_turns_the_sentinel_on_for_english():
     import yaml
 
-    from core.settings import Settings
+    from gateway.settings import Settings
 
     path = Path(__file__).resolve().parents[2] / "ops" / "config" / "omnigate.yaml"
     routing = Settings(**yaml.safe_load(path.read_text())).routing

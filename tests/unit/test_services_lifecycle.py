@@ -15,12 +15,12 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
-from core.settings import Settings
 from gateway.app import create_app
 from gateway.auth_failures import AuthFailures
 from gateway.ratelimit import RateLimiter
 from gateway.redis_client import SharedRedis
 from gateway.services import Services
+from gateway.settings import Settings
 from observability.metrics import Metrics
 from policies.base import Deps, PolicyBase
 from policies.registry import PolicyConfigError, available_plugins

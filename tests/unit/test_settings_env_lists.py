@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from core.settings import load_settings
+from gateway.settings import load_settings
 
 YAML = """
 engines:

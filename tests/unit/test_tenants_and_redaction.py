@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from core.settings import Settings
+from gateway.settings import Settings
 from gateway.tenants import Directory, KeyRefused, key_digest, key_id_of, mint_key
 from observability.audit.redact import redact
 

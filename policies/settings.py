@@ -1,0 +1,137 @@
+"""Settings of the policies: the chains (pre, stream, post), media work's bounds and the grounding scorer."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from core.settings import Name
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PolicySpec(_Strict):
+    """One item of a policy chain."""
+
+    name: Name = Field(description="the policy's entry-point name in group omnigate.policies")
+    shadow: bool = Field(default=False, description="run and record the verdict, never act on it")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the policy's own settings, validated against its Config model at start-up",
+    )
+
+
+class PolicyChainConfig(_Strict):
+    """The order of each list is the order the policies run in."""
+
+    pre: list[PolicySpec] = Field(
+        # Load shedding first: a request shed to text-only is decided before any work is spent on it.
+        default_factory=lambda: [
+            PolicySpec(name=n)
+            for n in ("load-shedding", "request-limits", "media-fetch", "media-limits", "nsfw-screen")
+        ],
+        description="pre-policies, in the order they run (media-fetch and media-limits added where missing)",
+    )
+    stream: list[PolicySpec] = Field(
+        default_factory=list, description="stream filters, in the order they run"
+    )
+    post: list[PolicySpec] = Field(
+        default_factory=list, description="post-policies and streaming post-checks, in the order they run"
+    )
+    max_retries: Annotated[int, Field(ge=0, le=5)] = Field(
+        default=2, description="retry budget for post-policy verdicts (the pipeline owns it)"
+    )
+
+
+class GroundingSettings(_Strict):
+    """The grounding scorer (policy ``grounding``), built and loaded once at start-up when a policy uses it."""
+
+    model: str | None = Field(
+        default=None,
+        description="NLI cross-encoder: a model name in the local model cache or a local path; unset: the fallback",
+    )
+    entailment_label: str | int | None = Field(
+        default=None, description="the entailment label's name or index; default: the one named *entail*"
+    )
+    embedding_model: str | None = Field(
+        default=None,
+        description="fallback scorer: a local sentence-transformers directory; default: all-MiniLM-L6-v2",
+    )
+    similarity_floor: Annotated[float, Field(gt=0.0, lt=1.0)] = Field(
+        default=0.35, description="fallback scorer: the cosine similarity that maps to the 0.8 threshold"
+    )
+    device: str = Field(default="cpu", description="torch device of the scorer model")
+    batch_size: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=32, description="claims of concurrent requests scored in one model call, at most"
+    )
+    max_length: Annotated[int, Field(ge=16, le=8192)] = Field(
+        default=512, description="cross-encoder input length in tokens"
+    )
+    max_wait_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = Field(
+        default=2.0, description="how long a scoring job waits for company before the batch runs"
+    )
+    premise_chunk_chars: Annotated[int, Field(ge=200, le=20000)] = Field(
+        default=1200, description="the premise is cut into sentence-aligned chunks of this size"
+    )
+
+
+class MediaSettings(_Strict):
+    """Process-wide bounds on media work: bytes in flight, and the sandboxed decoding workers.
+
+    They apply to every chain and tenant policy set (the media steps are fixed steps of each).
+    """
+
+    max_request_bytes: Annotated[int, Field(ge=1024)] = Field(
+        default=256 * 1024 * 1024,
+        description="media bytes one request may hold: inline and fetched parts as they stream in, plus "
+        "what decoding produces (413 naming the part that crosses it)",
+    )
+    max_inflight_bytes: Annotated[int, Field(ge=1024)] = Field(
+        default=1024 * 1024 * 1024, description="media bytes all requests of this process may hold together"
+    )
+    inflight_wait_s: Annotated[float, Field(ge=0, le=60)] = Field(
+        default=5.0, description="how long a request waits for room under max_inflight_bytes (then 503)"
+    )
+    decode_workers: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=2, description="sandboxed decoding worker processes"
+    )
+    decode_memory_mb: Annotated[int, Field(ge=64)] = Field(
+        default=1536, description="address space a decoding worker may map beyond its loaded libraries"
+    )
+    decode_cpu_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=60.0, description="CPU seconds one part may cost its worker (the kernel kills it past that)"
+    )
+    decode_deadline_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=30.0, description="wall-clock seconds one part may take to decode (400 past that)"
+    )
+    decode_tasks_per_child: Annotated[int, Field(ge=1)] = Field(
+        default=64, description="parts a worker decodes before it is replaced by a fresh one"
+    )
+    decode_filesystem: Literal["auto", "mount-namespace", "landlock"] = Field(
+        default="auto",
+        description="how a decoding worker gets a filesystem view of its own: a user and mount "
+        "namespace holding only the Python installation and the project's packages, read-only, or a "
+        "Landlock ruleset allowing reads of those alone; auto tries the namespace, then Landlock",
+    )
+    decode_confinement: Literal["require", "warn"] = Field(
+        default="require",
+        description="what the gateway does when the kernel refuses part of the workers' confinement "
+        "(a filesystem view, the seccomp allow-list): require refuses to start, warn logs an error "
+        "and decodes anyway",
+    )
+
+    @model_validator(mode="after")
+    def _request_fits(self) -> MediaSettings:
+        if self.max_request_bytes > self.max_inflight_bytes:
+            raise ValueError("media.max_request_bytes: larger than media.max_inflight_bytes")
+        return self
+
+
+class ChainSettings(Protocol):
+    """What a policy reads of the settings its chain is opened under (the gateway hands it the root model)."""
+
+    @property
+    def media(self) -> MediaSettings: ...
