@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -59,9 +60,12 @@ class _Job:
 
     request: ChatCompletionRequest
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[tuple[str, Any]]
+    streamer: Any  # the _streamer_class() built for this request, in the event loop
+    #: resolved (to None) once the worker has finished, whatever its outcome
     done: asyncio.Future[None]
     cancel: threading.Event = field(default_factory=threading.Event)
+    #: set by the worker before ``done``: the final accounting, or what it raised
+    outcome: _Finish | BaseException | None = None
 
 
 class _Finish:
@@ -75,80 +79,27 @@ class _Finish:
         self.completion_tokens = completion_tokens
 
 
-class _TextRelay:
-    """Turns generated token ids into text pieces and hands them to the event loop.
+class _StopStrings:
+    """Stop strings, matched on text because they may span tokens.
 
-    Duck-types transformers' ``BaseStreamer`` (``put``/``end``) so that torch stays a lazy import.
-    Stop strings are matched here, on text, because they may span tokens; text that might be
-    the start of a stop string is held back until it is known not to be.
+    Text that might be the start of a stop string is held back until it is known not to be.
     """
 
-    def __init__(self, tokenizer: Any, job: _Job, stops: list[str], eos_ids: set[int]) -> None:
-        self._tok = tokenizer
-        self._job = job
+    def __init__(self, stops: list[str]) -> None:
         self._stops = stops
-        self._eos_ids = eos_ids
-        self._ids: list[int] = []
-        # incremental detokenisation (as in TGI): decoding a short window and diffing keeps
-        # each step O(1) and lets multi-byte characters complete before they are sent
-        self._prefix_offset = 0
-        self._read_offset = 0
         self._held = ""
-        self._seen_prompt = False
-        self.stop_hit = False
-        self.first_token_at: float | None = None
+        self.hit = False
 
-    @property
-    def completion_tokens(self) -> int:
-        return len(self._ids)
-
-    @property
-    def last_token(self) -> int | None:
-        return self._ids[-1] if self._ids else None
-
-    def put(self, value: Any) -> None:
-        if not self._seen_prompt:  # generate() hands over the prompt first
-            self._seen_prompt = True
-            return
-        if self.stop_hit:  # the step already under way when a stop string completed
-            return
-        ids = value.reshape(-1).tolist()
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        self._ids.extend(ids)
-        if ids and ids[-1] in self._eos_ids:
-            return
-        self._feed(self._decode_step(final=False))
-
-    def end(self) -> None:
-        if not self.stop_hit:
-            self._feed(self._decode_step(final=True))
-            if self._held:
-                self._emit(self._held)
-                self._held = ""
-
-    def _decode_step(self, *, final: bool) -> str:
-        ids = self._ids
-        prefix: str = self._tok.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        text: str = self._tok.decode(ids[self._prefix_offset :], skip_special_tokens=True)
-        if len(text) > len(prefix) and (final or not text.endswith("\ufffd")):
-            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-            return text[len(prefix) :]
-        return ""
-
-    def _feed(self, text: str) -> None:
-        if not text:
-            return
-        if not self._stops:
-            self._emit(text)
-            return
+    def feed(self, text: str) -> str:
+        """The part of ``text`` (after what was held) that can be released now."""
+        if not self._stops or not text:
+            return text
         held = self._held + text
         cut = min((i for s in self._stops if (i := held.find(s)) != -1), default=-1)
         if cut != -1:
-            self.stop_hit = True
+            self.hit = True
             self._held = ""
-            self._emit(held[:cut])
-            return
+            return held[:cut]
         keep = 0
         for s in self._stops:
             for k in range(min(len(s) - 1, len(held)), keep, -1):
@@ -156,23 +107,78 @@ class _TextRelay:
                     keep = k
                     break
         self._held = held[len(held) - keep :] if keep else ""
-        self._emit(held[: len(held) - keep])
+        return held[: len(held) - keep]
 
-    def _emit(self, text: str) -> None:
-        if text:
-            _post(self._job, ("text", text))
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+@functools.cache
+def _streamer_class() -> type[Any]:
+    """transformers' ``AsyncTextIteratorStreamer`` with the token count and the stop strings of one request.
+
+    The library decodes the tokens (holding back an unfinished word or character) and hands the text to
+    the event loop's queue. Stop strings are matched here, in the generation thread, so the stopping
+    criterion ends generation at the step that completed one. Built on first use: transformers is the
+    optional "local" extra, imported lazily.
+    """
+    from transformers import AsyncTextIteratorStreamer
+
+    class TokenStreamer(AsyncTextIteratorStreamer):
+        def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            self.stops = _StopStrings(stops)
+            self.completion_tokens = 0
+            self.last_token: int | None = None
+            self.first_token_at: float | None = None
+            self.ended = False
+            self._discard = False
+
+        def put(self, value: Any) -> None:
+            if self.next_tokens_are_prompt:  # generate() hands over the prompt first
+                super().put(value)  # type: ignore[no-untyped-call]  # transformers leaves put() unannotated
+                return
+            if self.stops.hit:  # the step already under way when a stop string completed
+                return
+            ids = value.reshape(-1).tolist()
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self.completion_tokens += len(ids)
+            if ids:
+                self.last_token = ids[-1]
+            super().put(value)  # type: ignore[no-untyped-call]  # transformers leaves put() unannotated
+
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if self._discard or self.stops.hit:
+                text = ""
+            else:
+                text = self.stops.feed(text)
+                if stream_end and not self.stops.hit:
+                    text += self.stops.flush()
+            if stream_end:
+                self.ended = True
+            if text or stream_end:
+                super().on_finalized_text(text, stream_end)
+
+        def abandon(self) -> None:
+            """End the stream without what it still holds (generation failed)."""
+            if not self.ended:
+                self._discard = True
+                self.end()  # type: ignore[no-untyped-call]  # transformers leaves end() unannotated
+
+    return TokenStreamer
 
 
 class _StopOnRequest:
     """A stopping criterion: the consumer went away, or a stop string completed."""
 
-    def __init__(self, job: _Job, relay: _TextRelay, torch: Any) -> None:
+    def __init__(self, job: _Job, torch: Any) -> None:
         self._job = job
-        self._relay = relay
         self._torch = torch
 
     def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-        stop = self._job.cancel.is_set() or self._relay.stop_hit
+        stop = self._job.cancel.is_set() or self._job.streamer.stops.hit
         return self._torch.full((input_ids.shape[0],), stop, dtype=self._torch.bool, device=input_ids.device)
 
 
@@ -197,13 +203,6 @@ class _SeededSampler:
         chosen = torch.multinomial(probs, num_samples=1, generator=self._gen)
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(-1, chosen, 0.0)
-
-
-def _post(job: _Job, item: tuple[str, Any]) -> None:
-    try:
-        job.loop.call_soon_threadsafe(job.queue.put_nowait, item)
-    except RuntimeError:  # the loop is closed: nobody is listening any more
-        job.cancel.set()
 
 
 class LocalEngine:
@@ -389,9 +388,17 @@ class LocalEngine:
             raise EngineUnavailable(f"local engine {self.name!r} is not loaded", engine=self.name)
         await self._slots.acquire()
         loop = asyncio.get_running_loop()
-        # unbounded, but the worker posts at most one piece per token plus the end,
-        # so max_tokens bounds it; not blocking the worker lets it finish and free its slot
-        job = _Job(request=request, loop=loop, queue=asyncio.Queue(), done=loop.create_future())
+        stop = request.stop
+        stops = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
+        # built here: the streamer hands its text to this loop's queue, which is unbounded, but the worker
+        # puts at most one piece per token plus the end, so max_tokens bounds it; not blocking the worker
+        # lets it finish and free its slot
+        job = _Job(
+            request=request,
+            loop=loop,
+            streamer=_streamer_class()(self._tokenizer, stops),
+            done=loop.create_future(),
+        )
         job.done.add_done_callback(lambda _: self._slots.release())
         self._active.add(job)
         worker = threading.Thread(
@@ -404,22 +411,22 @@ class LocalEngine:
             self._active.discard(job)
             raise
         try:
-            while True:
-                kind, value = await job.queue.get()
-                if kind == "text":
-                    yield Delta(text=value)
-                elif kind == "end":
-                    yield Delta(
-                        finish_reason=value.finish_reason,
-                        usage=Usage(value.prompt_tokens, value.completion_tokens),
-                    )
-                    return
-                else:
-                    if isinstance(value, OmnigateError):
-                        raise value
-                    raise EngineError(
-                        f"local engine {self.name!r} failed to generate: {value}", engine=self.name
-                    ) from value
+            async for text in job.streamer:
+                if text:
+                    yield Delta(text=text)
+            await asyncio.shield(job.done)
+            outcome = job.outcome
+            if isinstance(outcome, _Finish):
+                yield Delta(
+                    finish_reason=outcome.finish_reason,
+                    usage=Usage(outcome.prompt_tokens, outcome.completion_tokens),
+                )
+                return
+            if isinstance(outcome, OmnigateError):
+                raise outcome
+            raise EngineError(
+                f"local engine {self.name!r} failed to generate: {outcome}", engine=self.name
+            ) from outcome
         finally:
             job.cancel.set()
             try:
@@ -457,10 +464,10 @@ class LocalEngine:
 
     def _generate(self, job: _Job) -> None:
         """Runs in a dedicated thread: one generation, start to end."""
-        torch, tok, model = self._torch, self._tokenizer, self._model
+        torch, model = self._torch, self._model
         request = job.request
         started = time.perf_counter()
-        relay: _TextRelay | None = None
+        streamer = job.streamer
         prompt_tokens = 0
         try:
             enc = self._prompt_ids(request)
@@ -473,9 +480,6 @@ class LocalEngine:
                     code="context_length_exceeded",
                 )
             max_new = min(request.output_token_limit or self._opts.default_max_tokens, room)
-            stop = request.stop
-            stops = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
-            relay = _TextRelay(tok, job, stops, self._eos_ids)
 
             gen_config = copy.deepcopy(model.generation_config)
             gen_config.update(
@@ -514,20 +518,21 @@ class LocalEngine:
                         **enc,
                         generation_config=gen_config,
                         logits_processor=LogitsProcessorList(processors),
-                        stopping_criteria=StoppingCriteriaList([_StopOnRequest(job, relay, torch)]),
-                        streamer=relay,
+                        stopping_criteria=StoppingCriteriaList([_StopOnRequest(job, torch)]),
+                        streamer=streamer,
                     )
-            n = relay.completion_tokens
-            if relay.stop_hit or relay.last_token in self._eos_ids:
+            n = streamer.completion_tokens
+            if streamer.stops.hit or streamer.last_token in self._eos_ids:
                 reason = "stop"
             elif n >= max_new:
                 reason = "length"
             else:
                 reason = "stop"
             cancelled = job.cancel.is_set()  # read first: the consumer sets it once it has the end
-            _post(job, ("end", _Finish(reason, prompt_tokens, n)))
+            job.outcome = _Finish(reason, prompt_tokens, n)
+            streamer.abandon()  # generate() ended the stream; this ends it when generate() never ran
             elapsed = time.perf_counter() - started
-            first = relay.first_token_at
+            first = streamer.first_token_at
             decode_s = time.perf_counter() - first if first else 0.0
             log.info(
                 "local_generation_finished",
@@ -542,7 +547,9 @@ class LocalEngine:
         except BaseException as exc:
             if not job.cancel.is_set() and not isinstance(exc, OmnigateError):
                 log.warning("local_generation_failed", engine=self.name, error=str(exc))
-            _post(job, ("error", exc))
+            job.outcome = exc
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+                streamer.abandon()
         finally:
             with contextlib.suppress(RuntimeError):
                 job.loop.call_soon_threadsafe(job.done.set_result, None)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import structlog.testing
 
-from core.errors import EngineUnavailable
+from core.errors import EngineUnavailable, InvalidRequest
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
-from engines.local import LocalEngine
+from engines.local import LocalEngine, _StopStrings
 from engines.settings import EngineConfig, LocalEngineOptions
 from tests import cachedir
 
@@ -118,6 +118,26 @@ async def test_stop_string_cuts_the_text(engine: LocalEngine) -> None:
     assert "Paris" not in text
     assert text.rstrip().endswith("France is"), text
     assert deltas[-1].finish_reason == "stop"
+
+
+def test_stop_strings_spanning_pieces_are_held_back_and_cut() -> None:
+    stops = _StopStrings(["Paris", "\n\n"])
+    released = [stops.feed(t) for t in ("The capital is P", "a", "r", "is.")]
+    assert released == ["The capital is ", "", "", ""] and stops.hit
+    held = _StopStrings(["Paris"])
+    assert [held.feed(t) for t in ("Pa", "rty")] == ["", "Party"] and not held.hit
+    assert held.feed("at Pa") == "at " and held.flush() == "Pa" and held.flush() == ""
+    assert _StopStrings([]).feed("anything") == "anything"
+
+
+async def test_a_request_that_fails_before_generating_ends_with_its_error(engine: LocalEngine) -> None:
+    too_long = "word " * (engine._context_len + 10)
+    with pytest.raises(InvalidRequest) as err:
+        await asyncio.wait_for(_collect(engine, _request(too_long)), 60)
+    assert err.value.code == "context_length_exceeded"
+    assert not engine._active
+    done = await asyncio.wait_for(engine.complete(_request(QUESTION, max_tokens=3)), 60)
+    assert done.usage.completion_tokens == 3
 
 
 async def test_seed_makes_sampling_reproducible(engine: LocalEngine) -> None:
