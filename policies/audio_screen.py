@@ -23,10 +23,11 @@ from core.context import RequestContext, Screening
 from core.errors import ContentPolicyViolation
 from core.schemas import ChatCompletionRequest
 from policies.base import Deps, PolicyBase, PolicyConfig
-from policies.media.models import SpeechToText
+from policies.media.models import SPEECH_TO_TEXT, SpeechToText
 from policies.media.parts import media_parts, payload_arg
 from policies.media.process import screen_pcm
 from policies.media.sandbox import MediaRuntime, runtime_of
+from policies.registry import Extra
 from policies.settings import MediaSettings
 
 
@@ -58,6 +59,7 @@ class AudioScreen(PolicyBase):
     stage: ClassVar[str] = "pre"
     Config: ClassVar[type[PolicyConfig]] = AudioScreenConfig
     runs_after: ClassVar[tuple[str, ...]] = ("media-fetch",)
+    extra: ClassVar[Extra] = SPEECH_TO_TEXT  # whisper: refused at boot without the guards extra
 
     def __init__(self, config: AudioScreenConfig) -> None:
         self.config = config

@@ -1,12 +1,16 @@
 """Finds policy plugins in the ``omnigate.policies`` entry-point group and builds the chain.
 
 Plugins are checked when they are loaded (stage, config model, lifecycle, hook signature),
-not on first call, so a broken plugin fails the boot with its name.
+not on first call, so a broken plugin fails the boot with its name. So is a plugin whose
+libraries come with an optional extra of the package that is not installed (its ``extra``,
+an :class:`Extra`): the boot fails naming the extra, not an ImportError at the first request.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -22,6 +26,42 @@ ENTRY_POINT_GROUP = "omnigate.policies"
 
 class PolicyConfigError(ValueError):
     """A policy named in the config is unknown, misplaced or badly configured."""
+
+
+@dataclass(frozen=True, slots=True)
+class Extra:
+    """An optional extra of the omnigate package a plugin needs (pyproject.toml's optional-dependencies).
+
+    ``modules`` are the top-level modules the plugin imports from it; the extra counts as installed
+    when each of them can be found (found, not imported: the check loads no model runtime).
+    """
+
+    name: str
+    modules: tuple[str, ...]
+
+    def missing(self) -> list[str]:
+        """The modules of ``modules`` that cannot be imported here."""
+        out = []
+        for module in self.modules:
+            if module in sys.modules:
+                continue
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ImportError:  # a finder that refuses the module (or its parent package)
+                found = False
+            if not found:
+                out.append(module)
+        return out
+
+    def refusal(self, what: str) -> str | None:
+        """Why ``what`` cannot run here (the extra and how to install it), or None when it can."""
+        missing = self.missing()
+        if not missing:
+            return None
+        return (
+            f"{what} needs the {self.name!r} extra, which is not installed ({', '.join(missing)} missing): "
+            f"pip install 'omnigate[{self.name}]'"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +186,9 @@ def _load_one(spec: PolicySpec, stage: str, where: str, plugins: Mapping[str, ty
         known = ", ".join(sorted(plugins)) or "none"
         raise PolicyConfigError(f"{where}.name: unknown policy {spec.name!r} (installed: {known})")
     cls = check_plugin(spec.name, found)
+    extra = getattr(cls, "extra", None)
+    if isinstance(extra, Extra) and (why := extra.refusal(f"policy {spec.name!r}")) is not None:
+        raise PolicyConfigError(f"{where}.name: {why}")
     if cls.stage != stage:
         raise PolicyConfigError(f"{where}.name: policy {spec.name!r} is a {cls.stage} policy, not {stage}")
     try:

