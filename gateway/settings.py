@@ -183,80 +183,6 @@ class ModelSettings(_Strict):
     )
 
 
-#: keys of earlier releases that now live in the ``redis`` block: (path of the old key, field of ``redis``)
-DEPRECATED_REDIS_KEYS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("rate_limits", "redis_url"), "url"),
-    (("traffic", "redis_url"), "url"),
-    (("routing", "state", "redis_url"), "url"),
-    (("traffic", "redis_timeout_s"), "timeout_s"),
-    (("traffic", "redis_max_connections"), "max_connections"),
-    (("traffic", "redis_probe_s"), "probe_s"),
-)
-
-
-def _plain(value: Any) -> Any:
-    return value.get_secret_value() if isinstance(value, SecretStr) else value
-
-
-def _take_deprecated_redis_keys(data: dict[str, Any]) -> dict[str, Any]:
-    """Move the old per-feature Redis keys into ``redis`` (one warning each); refuse two that disagree."""
-    found: dict[str, list[tuple[str, Any]]] = {}
-    for path, field in DEPRECATED_REDIS_KEYS:
-        parent: Any = data
-        parents: list[tuple[Any, str]] = []
-        for part in path[:-1]:
-            if not isinstance(parent, dict) or not isinstance(parent.get(part), dict):
-                parent = None
-                break
-            parents.append((parent, part))
-            parent = parent[part]
-        if not isinstance(parent, dict) or path[-1] not in parent:
-            continue
-        # copies along the path: the caller's dicts are left as they were given
-        if not found:
-            data = dict(data)
-        node = data
-        for _, part in parents:
-            node[part] = dict(node[part])
-            node = node[part]
-        value = node.pop(path[-1])
-        if value is not None:
-            found.setdefault(field, []).append((".".join(path), value))
-    if not found:
-        return data
-    block = data.get("redis")
-    new: dict[str, Any] = (
-        dict(block)
-        if isinstance(block, dict)
-        else block.model_dump(exclude_unset=True)
-        if isinstance(block, BaseModel)
-        else {}
-    )
-    for field, olds in found.items():
-        first_key, first = olds[0]
-        for key, value in olds[1:]:
-            if str(_plain(value)) != str(_plain(first)):
-                raise ValueError(
-                    f"{first_key} and {key} name different values, and there is one Redis now: "
-                    f"set redis.{field} and remove both"
-                )
-        if field in new and new[field] is not None and str(_plain(new[field])) != str(_plain(first)):
-            raise ValueError(
-                f"redis.{field} and {first_key} (deprecated) name different values: "
-                f"keep redis.{field} and remove {first_key}"
-            )
-        new[field] = _plain(first)
-        for key, _ in olds:
-            _log.warning(
-                "deprecated_setting",
-                key=key,
-                use=f"redis.{field}",
-                detail=f"{key} is read as redis.{field} for one more release; move it there",
-            )
-    data["redis"] = new
-    return data
-
-
 _yaml_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("omnigate_yaml", default=None)
 
 
@@ -295,11 +221,6 @@ class Settings(BaseSettings):
         if self.auth.required is not None:
             return self.auth.required
         return bool(self.tenants or self.api_keys or self.admin.enabled or self.auth.directory.shared)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _deprecated_redis_keys(cls, data: Any) -> Any:
-        return _take_deprecated_redis_keys(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _redis_where_needed(self) -> Settings:

@@ -24,7 +24,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -75,9 +75,6 @@ class MediaLimitsConfig(PolicyConfig):
     budget: BudgetConfig = BudgetConfig()
     one_modality_per_message: Literal["split", "refuse", "off"] = Field(
         default="split", description="Qwen-Omni takes one non-text modality per message: split it or refuse"
-    )
-    workers: Annotated[int, Field(ge=1, le=32)] = Field(
-        default=2, description="deprecated: decoding runs in the process-wide sandbox (media.decode_workers)"
     )
 
 
