@@ -1,7 +1,8 @@
 """The base install's size and the gateway's cold start, against the install with the model extras.
 
-    python -m bench.install_size closure [--extra guards ...]   # the locked packages of a set, one a line
-    python -m bench.install_size measure [--runs 5] [--out FILE] # build both venvs, measure, print a table
+    python -m bench.install_size [--runs 5] [--out FILE]   # build both venvs, measure, print JSON
+    python -m bench.install_size --closure [--extra guards]  # the locked packages of a set, one a line
+    python -m bench.install_size --smoke                     # no venv built: this venv's cold start once
 
 A set is pyproject.toml's ``[project] dependencies`` (the base) plus the named extras, closed over
 what they pull as requirements/lock.txt's ``# via`` comments say (a package is in when one of the
@@ -15,13 +16,14 @@ against a scripted vLLM (tests/upstream.py) with the default chain (load sheddin
 media fetch, media limits, the NSFW screen on onnxruntime) and the SQLite audit on: seconds from
 the process start to its ``gateway_ready`` log line, and to the first answered chat completion
 (polled every 20 ms from the start), and the process's RSS then. The first run warms the page
-cache, so the figures are medians of the runs after it: a cold process, a warm disk.
+cache, so the figures are medians of the runs after it: a cold process, a warm disk. Both venvs
+are built first and then started in turn (base, full, base, ...), so the machine's load falls on both.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import re
 import shutil
@@ -34,6 +36,8 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.common import add_smoke, emit, free_port, out_path, smoke_result
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements" / "lock.txt"
@@ -175,8 +179,6 @@ def cold_start(venv: Path, upstream_url: str, work: Path) -> dict[str, float]:
     """One ``omnigate serve`` of ``venv``: seconds to gateway_ready and to the first answer, and RSS."""
     import httpx
 
-    from tests.harness import free_port
-
     port = free_port()
     config = work / "gateway.yaml"
     config.write_text(
@@ -242,9 +244,27 @@ def cold_start(venv: Path, upstream_url: str, work: Path) -> dict[str, float]:
     return {"ready_s": ready[0], "first_answer_s": answered, "rss_mib": rss}
 
 
-def measure(runs: int) -> dict[str, object]:
-    from tests.harness import free_port
+def _summary(starts: list[dict[str, float]]) -> dict[str, object]:
+    warm = starts[1:] or starts
+    return {
+        "ready_s_median": round(statistics.median(s["ready_s"] for s in warm), 3),
+        "first_answer_s_median": round(statistics.median(s["first_answer_s"] for s in warm), 3),
+        "rss_mib_median": round(statistics.median(s["rss_mib"] for s in warm), 1),
+        "first_run": {k: round(v, 3) for k, v in starts[0].items()},
+        "all_runs": [{k: round(v, 3) for k, v in s.items()} for s in starts],
+    }
 
+
+def _sets() -> dict[str, dict[str, object]]:
+    lock = read_lock()
+    out: dict[str, dict[str, object]] = {}
+    for label, extras in (("base", ()), ("full", MODEL_EXTRAS)):
+        names = closure(extras, lock)
+        out[label] = {"extras": list(extras), "packages": len(names), "has_torch": "torch" in names}
+    return out
+
+
+def measure(runs: int, smoke: bool = False) -> dict[str, object]:
     up_port = free_port()
     upstream = subprocess.Popen(
         [sys.executable, "-m", "tests.upstream", "--flavour", "vllm", "--port", str(up_port)],
@@ -252,30 +272,32 @@ def measure(runs: int) -> dict[str, object]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    result: dict[str, object] = {"runs": runs, "python": sys.version.split()[0]}
+    upstream_url = f"http://127.0.0.1:{up_port}/v1"
+    result: dict[str, object] = {"runs": runs, "python": sys.version.split()[0], **_sets()}
     try:
-        for label, extras, models in (("base", (), False), ("full", MODEL_EXTRAS, True)):
-            with tempfile.TemporaryDirectory(prefix=f"omnigate-{label}-") as tmp:
-                where = Path(tmp)
+        if smoke:  # this venv (the whole lock, editable), once: shows the measuring still works
+            with tempfile.TemporaryDirectory(prefix="omnigate-install-smoke-") as tmp:
+                result["current"] = _summary([cold_start(Path(sys.prefix), upstream_url, Path(tmp))])
+            return result
+        with contextlib.ExitStack() as stack:
+            venvs: dict[str, tuple[Path, Path]] = {}
+            for label, extras, models in (("base", (), False), ("full", MODEL_EXTRAS, True)):
+                where = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"omnigate-{label}-")))
                 site, build_s = build_venv(where, extras, models)
-                starts = [
-                    cold_start(site.parents[2], f"http://127.0.0.1:{up_port}/v1", where) for _ in range(runs)
-                ]
-                warm = starts[1:] or starts
-                lock = read_lock()
-                names = closure(extras, lock)
-                result[label] = {
-                    "extras": list(extras),
-                    "packages": len(names),
-                    "has_torch": "torch" in names,
-                    "site_packages_mib": round(du_mib(site), 1),
-                    "install_s": round(build_s, 1),
-                    "ready_s_median": round(statistics.median(s["ready_s"] for s in warm), 3),
-                    "first_answer_s_median": round(statistics.median(s["first_answer_s"] for s in warm), 3),
-                    "rss_mib_median": round(statistics.median(s["rss_mib"] for s in warm), 1),
-                    "first_run": {k: round(v, 3) for k, v in starts[0].items()},
-                    "all_runs": [{k: round(v, 3) for k, v in s.items()} for s in starts],
-                }
+                venvs[label] = (site, where)
+                entry = result[label]
+                assert isinstance(entry, dict)
+                entry["site_packages_mib"] = round(du_mib(site), 1)
+                entry["install_s"] = round(build_s, 1)
+            # Alternating, base then full, so that a change in the machine's load falls on both.
+            starts: dict[str, list[dict[str, float]]] = {label: [] for label in venvs}
+            for _ in range(runs):
+                for label, (site, where) in venvs.items():
+                    starts[label].append(cold_start(site.parents[2], upstream_url, where))
+            for label, runs_of in starts.items():
+                entry = result[label]
+                assert isinstance(entry, dict)
+                entry.update(_summary(runs_of))
     finally:
         upstream.terminate()
         upstream.wait(10)
@@ -284,21 +306,17 @@ def measure(runs: int) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.install_size", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-    p_closure = sub.add_parser("closure", help="the locked packages of the base (and --extra ...)")
-    p_closure.add_argument("--extra", action="append", default=[])
-    p_measure = sub.add_parser("measure", help="build the base and the full venvs and measure them")
-    p_measure.add_argument("--runs", type=int, default=5)
-    p_measure.add_argument("--out", type=Path, default=None, help="write the figures as JSON here too")
+    ap.add_argument("--runs", type=int, default=5, help="cold starts per install (the first warms the disk)")
+    ap.add_argument("--closure", action="store_true", help="print the locked packages of the set and stop")
+    ap.add_argument("--extra", action="append", default=[], help="with --closure: an extra of the set")
+    add_smoke(ap)
     args = ap.parse_args(argv)
-    if args.command == "closure":
+    if args.closure:
         print("\n".join(sorted(closure(tuple(args.extra)))))
         return 0
-    result = measure(args.runs)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    result = measure(1 if args.smoke else args.runs, smoke=args.smoke)
+    not_measured = {"both installs": "smoke: no venv is built (minutes each); this venv is started once"}
+    emit(smoke_result(result, args, not_measured), out_path(args, "install_size"))
     return 0
 
 

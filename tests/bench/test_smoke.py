@@ -133,6 +133,11 @@ def _profile(doc: dict) -> None:
         assert doc["samples"] > 0 and doc["layers_pct"]
 
 
+def _install_size(doc: dict) -> None:
+    assert doc["base"]["has_torch"] is False and doc["full"]["has_torch"] is True
+    assert 0 < doc["current"]["ready_s_median"] <= doc["current"]["first_answer_s_median"]
+
+
 def _relay(doc: dict) -> None:
     assert doc["chunks"] > 0 and doc["done"] is True
 
@@ -167,6 +172,7 @@ SMOKE: dict[str, tuple[Callable[[dict], None], int]] = {
     "grounding": (_grounding, 90),
     "hostile_media": (_hostile_media, 90),
     "incidents": (_incidents, 120),
+    "install_size": (_install_size, 120),
     "load": (_load, 90),
     "media": (_media, 60),
     "media_sandbox": (_media_sandbox, 90),
