@@ -46,7 +46,7 @@ def _error_tree() -> str:
 
 
 def _render(what: str) -> str:
-    from gateway.config_reference import policy_reference, settings_reference
+    from docs.hooks.config_reference import policy_reference, settings_reference
 
     if what == "config-reference: settings":
         return settings_reference()

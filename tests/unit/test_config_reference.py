@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config_reference import (
+from docs.hooks.config_reference import (
     leaf_keys,
     missing_descriptions,
     policy_configs,

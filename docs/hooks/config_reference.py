@@ -2,7 +2,8 @@
 
 The documentation site builds its reference page from :func:`settings_reference` and
 :func:`policy_reference` (``docs/hooks/config_ref.py``), so the page cannot drift from what the gateway
-validates; :func:`missing_descriptions` names the fields that would render without a meaning.
+validates; :func:`missing_descriptions` names the fields that would render without a meaning. It is
+build-time code of the manual, beside its hook and outside the installed packages.
 """
 
 from __future__ import annotations
