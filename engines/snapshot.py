@@ -22,7 +22,7 @@ class EngineSignals:
     info: EngineInfo
     healthy: bool = True
     circuit: str = "closed"
-    #: signal name -> value (None: not measured); see ``control_settings.Signal``
+    #: signal name -> value (None: not measured); see ``engines.rollout_rules.Signal``
     values: Mapping[str, float | None] = field(default_factory=dict)
     #: signal name -> how many samples the value rests on (sampled signals only)
     samples: Mapping[str, int] = field(default_factory=dict)
