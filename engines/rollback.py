@@ -37,6 +37,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pydantic import ConfigDict, TypeAdapter
+
 from engines.rollout_rules import Rule
 from engines.rollout_settings import ControllerSettings
 from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
@@ -56,6 +58,8 @@ HOUR_S = 3600.0
 class Sleep:
     """An engine put to sleep (``asleep``) or woken and not yet confirmed awake (``waking``)."""
 
+    __pydantic_config__ = ConfigDict(defer_build=True)  # built on first use, not at import
+
     engine: str
     phase: str
     #: the incident that put it to sleep ("rule@engine"), or the one that woke it
@@ -66,29 +70,14 @@ class Sleep:
     sent_at: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "engine": self.engine,
-            "phase": self.phase,
-            "by": self.by,
-            "level": self.level,
-            "since": self.since,
-            "sent_at": self.sent_at,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Sleep:
-        return cls(
-            engine=d["engine"],
-            phase=d["phase"],
-            by=d["by"],
-            level=int(d["level"]),
-            since=float(d["since"]),
-            sent_at=float(d["sent_at"]),
-        )
+        d: dict[str, Any] = _SLEEP.dump_python(self, mode="json")
+        return d
 
 
 @dataclass(frozen=True, slots=True)
 class ControllerState:
+    __pydantic_config__ = ConfigDict(defer_build=True)  # built on first use, not at import
+
     incidents: Mapping[str, Incident] = field(default_factory=dict)
     #: "rule@engine" -> since when its condition has held (not acted on yet)
     breaches: Mapping[str, float] = field(default_factory=dict)
@@ -104,31 +93,20 @@ class ControllerState:
     sleeping: Mapping[str, Sleep] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "incidents": {k: i.to_dict() for k, i in self.incidents.items()},
-            "breaches": dict(self.breaches),
-            "holds": dict(self.holds),
-            "switches": list(self.switches),
-            "last_switch": dict(self.last_switch),
-            "frozen": self.frozen,
-            "pins": dict(self.pins),
-            "sleeping": {k: z.to_dict() for k, z in self.sleeping.items()},
-        }
+        d: dict[str, Any] = _STATE.dump_python(self, mode="json")
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> ControllerState:
+        """The state as the routing document stores it (None or empty: a fresh state)."""
         if not d:
             return cls()
-        return cls(
-            incidents={k: Incident.from_dict(v) for k, v in (d.get("incidents") or {}).items()},
-            breaches={k: float(v) for k, v in (d.get("breaches") or {}).items()},
-            holds=dict(d.get("holds") or {}),
-            switches=tuple(float(t) for t in d.get("switches") or ()),
-            last_switch={k: float(v) for k, v in (d.get("last_switch") or {}).items()},
-            frozen=bool(d.get("frozen", False)),
-            pins=dict(d.get("pins") or {}),
-            sleeping={k: Sleep.from_dict(v) for k, v in (d.get("sleeping") or {}).items()},
-        )
+        return _STATE.validate_python(d)
+
+
+#: the stored shapes (the routing document in Redis, the admin API): JSON types, tuples as lists
+_SLEEP = TypeAdapter(Sleep)
+_STATE = TypeAdapter(ControllerState)
 
 
 # -- outputs -------------------------------------------------------------------------------------------------
@@ -145,6 +123,8 @@ class Transition:
     a fixed word (manual, outlier-ejection, health-probe, ...); ``source`` is auto or manual.
     """
 
+    __pydantic_config__ = ConfigDict(defer_build=True)  # built on first use, not at import
+
     at: float
     action: str
     reason: str
@@ -154,15 +134,12 @@ class Transition:
     detail: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "at": self.at,
-            "action": self.action,
-            "reason": self.reason,
-            "source": self.source,
-            "engine": self.engine,
-            "models": list(self.models),
-            "detail": dict(self.detail),
-        }
+        """As the log, the audit trail and the admin API show it."""
+        d: dict[str, Any] = _TRANSITION.dump_python(self, mode="json")
+        return d
+
+
+_TRANSITION = TypeAdapter(Transition)
 
 
 @dataclass(frozen=True, slots=True)

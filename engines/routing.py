@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ConfigDict, TypeAdapter
+
 _EPS = 1e-9
 _ROLE_ORDER = {"primary": 0, "canary": 1, "fallback": 2}
 
@@ -31,6 +33,8 @@ class EngineInfo:
 
 @dataclass(frozen=True, slots=True)
 class RoutingTable:
+    __pydantic_config__ = ConfigDict(defer_build=True)  # built on first use, not at import
+
     version: int = 0
     #: public model -> engine -> share of new requests (each model's shares add up to 1)
     weights: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
@@ -51,25 +55,12 @@ class RoutingTable:
         return max((w.get(engine, 0.0) for w in self.weights.values()), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "weights": {m: dict(w) for m, w in self.weights.items()},
-            "limits": dict(self.limits),
-            "pins": dict(self.pins),
-            "raised": dict(self.raised),
-            "asleep": list(self.asleep),
-        }
+        d: dict[str, Any] = _TABLE.dump_python(self, mode="json")
+        return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RoutingTable:
-        return cls(
-            version=int(data.get("version", 0)),
-            weights={m: {e: float(x) for e, x in w.items()} for m, w in data.get("weights", {}).items()},
-            limits={e: int(x) for e, x in data.get("limits", {}).items()},
-            pins={m: str(v) for m, v in data.get("pins", {}).items()},
-            raised={e: int(x) for e, x in data.get("raised", {}).items()},
-            asleep=tuple(str(e) for e in data.get("asleep", ())),
-        )
+        return _TABLE.validate_python(data)
 
     def same_routing(self, other: RoutingTable) -> bool:
         """Equal apart from the version number (weights compared to 1e-6)."""
@@ -87,6 +78,10 @@ class RoutingTable:
                 if abs(w.get(name, 0.0) - o.get(name, 0.0)) > 1e-6:
                     return False
         return True
+
+
+#: the shared shape (the routing document in Redis, the admin API): JSON types, ``asleep`` as a list
+_TABLE = TypeAdapter(RoutingTable)
 
 
 def base_weights(engines: Iterable[EngineInfo]) -> dict[str, dict[str, float]]:

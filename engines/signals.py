@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ConfigDict, TypeAdapter
+
 # Buckets: 1 ms to ~2 min, each 2 % wider than the last; values outside are clamped.
 _GROWTH = 1.02
 _MIN_S = 0.001
@@ -127,6 +129,8 @@ def tenant_weights(counts: Mapping[str, float], cap: float) -> dict[str, float]:
 class EngineSummary:
     """One replica's (or, merged, every replica's) measurements of one engine over the window."""
 
+    __pydantic_config__ = ConfigDict(defer_build=True)  # built on first use, not at import
+
     ok: int = 0
     errors: int = 0
     #: latency name -> bucket -> weight of its samples (a tenant over its share weighs less than 1 each)
@@ -172,33 +176,13 @@ class EngineSummary:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "errors": self.errors,
-            "latency": {n: {str(i): c for i, c in b.items()} for n, b in self.latency.items()},
-            "wer_errors": self.wer_errors,
-            "wer_words": self.wer_words,
-            "wer_samples": self.wer_samples,
-            "tokens": self.tokens,
-            "audio_s": self.audio_s,
-            "finished_total": self.finished_total,
-        }
+        d: dict[str, Any] = _SUMMARY.dump_python(self, mode="json")
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> EngineSummary:
-        return cls(
-            ok=int(d.get("ok", 0)),
-            errors=int(d.get("errors", 0)),
-            latency={
-                n: {int(i): float(c) for i, c in b.items()} for n, b in (d.get("latency") or {}).items()
-            },
-            wer_errors=float(d.get("wer_errors", 0.0)),
-            wer_words=int(d.get("wer_words", 0)),
-            wer_samples=int(d.get("wer_samples", 0)),
-            tokens=int(d.get("tokens", 0)),
-            audio_s=float(d.get("audio_s", 0.0)),
-            finished_total=int(d.get("finished_total", 0)),
-        )
+        """A replica's published summary; keys it does not have (an older replica) take their defaults."""
+        return _SUMMARY.validate_python(d)
 
     def values(self) -> tuple[dict[str, float | None], dict[str, int]]:
         """The summary as controller signals (``ttft_p99``, ``error_rate``, ``wer``, ...), with counts."""
@@ -214,6 +198,10 @@ class EngineSummary:
         values["wer"] = self.wer
         samples["wer"] = self.wer_samples
         return values, samples
+
+
+#: what a replica publishes for the leader to merge: JSON types, the latency buckets keyed by their index as text
+_SUMMARY = TypeAdapter(EngineSummary)
 
 
 class _Slot:

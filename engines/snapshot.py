@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ConfigDict, GetCoreSchemaHandler, TypeAdapter
+from pydantic_core import CoreSchema, core_schema
+
 from engines.rollout_rules import SAMPLED_SIGNALS
 from engines.routing import EngineInfo
 
@@ -53,6 +56,8 @@ class Snapshot:
 class Incident:
     """A rule's action in force on one engine."""
 
+    __pydantic_config__ = ConfigDict(defer_build=True)  # built on first use, not at import
+
     rule: str
     engine: str
     action: str
@@ -67,32 +72,20 @@ class Incident:
     clear_since: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "rule": self.rule,
-            "engine": self.engine,
-            "action": self.action,
-            "since": self.since,
-            "detected_at": self.detected_at,
-            "value": self.value,
-            "targets": {m: list(t) for m, t in self.targets.items()},
-            "weight": self.weight,
-            "keep": self.keep,
-            "limit": self.limit,
-            "clear_since": self.clear_since,
-        }
+        d: dict[str, Any] = _INCIDENT.dump_python(self, mode="json")
+        return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Incident:
-        return cls(
-            rule=d["rule"],
-            engine=d["engine"],
-            action=d["action"],
-            since=float(d["since"]),
-            detected_at=float(d.get("detected_at", d["since"])),
-            value=float(d.get("value", 0.0)),
-            targets={m: tuple(t) for m, t in (d.get("targets") or {}).items()},
-            weight=float(d.get("weight", 0.0)),
-            keep=float(d.get("keep", 0.0)),
-            limit=d.get("limit"),
-            clear_since=d.get("clear_since"),
-        )
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        # An incident stored before detection time was recorded has none: it was detected when it began.
+        return core_schema.no_info_before_validator_function(_detected_when_begun, handler(source))
+
+
+def _detected_when_begun(d: Any) -> Any:
+    if isinstance(d, Mapping) and "detected_at" not in d and "since" in d:
+        return {**d, "detected_at": d["since"]}
+    return d
+
+
+#: the stored shape (Redis, audit, the admin API): JSON types, targets as lists
+_INCIDENT = TypeAdapter(Incident)

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import orjson
 import structlog
+from pydantic import ConfigDict, TypeAdapter
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
@@ -37,19 +38,24 @@ log = structlog.get_logger(__name__)
 
 @dataclass(slots=True)
 class Doc:
+    __pydantic_config__ = ConfigDict(defer_build=True)  # built on first use, not at import
+
     version: int = 0
     state: dict[str, Any] = field(default_factory=dict)
     table: dict[str, Any] = field(default_factory=dict)
 
     def dumps(self) -> bytes:
-        return orjson.dumps({"version": self.version, "state": self.state, "table": self.table})
+        return _DOC.dump_json(self)
 
     @classmethod
     def loads(cls, raw: bytes | str | None) -> Doc:
         if not raw:
             return cls()
-        d = orjson.loads(raw)
-        return cls(int(d.get("version", 0)), d.get("state") or {}, d.get("table") or {})
+        return _DOC.validate_json(raw)
+
+
+#: the document as Redis holds it: {"version", "state", "table"} (a key it does not know is ignored)
+_DOC = TypeAdapter(Doc)
 
 
 #: an update function: the current document in, the new state and table out (None: leave it alone)
