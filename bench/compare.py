@@ -93,9 +93,9 @@ def _omnigate(up_port: int, port: int, chain: str, audit: bool = True) -> list[s
                 "max_in_flight_overloaded": None,
             }
         ],
-        "policies": {
-            "pre": [] if chain == "off" else [{"name": "load-shedding"}, {"name": "request-limits"}]
-        },
+        # "default": the chain a config without a ``policies`` key gets (load shedding, request limits and
+        # the media policies: fetch, limits, the NSFW screen), as a user gets it.
+        **({"policies": {"pre": []}} if chain == "off" else {}),
         "traffic": {"soft_limit": 10000, "hard_limit": 10000},
         "logging": {"level": "warning"},
         "audit": {"enabled": audit},

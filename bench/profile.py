@@ -3,7 +3,7 @@
     python -m bench.profile [--streams 64] [--seconds 20] [--chain default|off] [--out FILE] [--smoke]
 
 omnigate runs alone on core 0 with the same configuration as ``bench.compare``
-(admission limits lifted; ``default`` is ``load-shedding`` + ``request-limits``,
+(admission limits lifted; ``default`` is the chain a config without ``policies`` gets,
 the SQLite audit trail on); the scripted upstream (64 chunks, no delay) and the
 load generator share core 1. py-spy (``pip install py-spy``) records the gateway
 for ``--seconds`` while ``--streams`` streams run back to back, sampling only the
@@ -133,7 +133,7 @@ async def run(args: argparse.Namespace) -> dict:
             served = await _load_until(url, body, args.streams, lambda: loop.time() >= until)
             out: dict = {"requests": served}
         else:
-            raw = Path(tempfile.mkdtemp()) / "py-spy.txt"
+            raw = Path(args.raw) if args.raw else Path(tempfile.mkdtemp()) / "py-spy.txt"
             recorder = subprocess.Popen(
                 [
                     spy,
@@ -182,6 +182,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--seconds", type=int, default=20)
     ap.add_argument("--chain", choices=["default", "off"], default="default")
+    ap.add_argument("--raw", help="keep py-spy's raw samples (collapsed stacks) in this file")
     add_smoke(ap)
     args = ap.parse_args()
     if args.smoke:

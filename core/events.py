@@ -58,6 +58,9 @@ class Delta:
     logprobs: list[dict[str, Any]] | None = None
     #: the choice this piece belongs to (``n`` > 1); 0 otherwise
     index: int = 0
+    #: another piece follows at once (the engine's read brought it with this one): the transport may write
+    #: them to the client together. False promises nothing; a piece is never held back waiting on it.
+    more: bool = False
 
     @property
     def output_pieces(self) -> int:

@@ -264,19 +264,34 @@ class OpenAICompatEngine:
                 ) from exc
             translate = self._translator(request.choices)
             async for batch in sse_data(resp.content, self.name):
+                # The pieces one read brought are translated together and go on marked as such (each but the
+                # last says another follows: the relay writes them to the client at once); a bad event in
+                # the read is raised after the pieces before it, in the order the engine sent them.
+                deltas: list[Delta] = []
+                failure: OmnigateError | None = None
                 for data in batch:
                     if data == _DONE:
                         finished = True
                         break
                     try:
-                        chunk = orjson.loads(data)
+                        delta = translate(orjson.loads(data))
                     except orjson.JSONDecodeError as exc:
-                        raise EngineProtocolError(
+                        failure = EngineProtocolError(
                             f"engine {self.name} sent malformed JSON", engine=self.name
-                        ) from exc
-                    delta = translate(chunk)
+                        )
+                        failure.__cause__ = exc
+                        break
+                    except OmnigateError as exc:
+                        failure = exc
+                        break
                     if delta is not None:
-                        yield delta
+                        deltas.append(delta)
+                last = len(deltas) - 1
+                for i, delta in enumerate(deltas):
+                    delta.more = i < last
+                    yield delta
+                if failure is not None:
+                    raise failure
                 if finished:
                     break
             if not finished:

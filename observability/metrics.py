@@ -121,7 +121,7 @@ class Metrics:
         )
         self.chunk_gap = Histogram(
             "omnigate_inter_chunk_gap_seconds",
-            "Gap between consecutive chunks relayed to the client",
+            "Widest gap between consecutive chunks of a stream relayed to the client (one observation per stream)",
             ["engine", "variant"],
             buckets=_GAP,
             registry=r,

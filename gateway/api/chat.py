@@ -317,17 +317,25 @@ class ClientGone(Exception):
 
 async def _frames(stream: ResponseStream, renderer: ChunkRenderer) -> AsyncIterator[bytes]:
     """After the first byte the status is fixed: a failure becomes an error frame and [DONE]."""
+    # A batch (what one read of the engine brought and the policies released) goes out in one write.
+    batch: list[bytes] = []
     try:
-        async for delta in stream.deltas():
-            frame = renderer.render(delta)
-            if frame:
-                yield frame
-        yield renderer.final()
+        async for deltas in stream.batches():
+            for delta in deltas:
+                if frame := renderer.render(delta):
+                    batch.append(frame)
+            if batch:
+                yield batch[0] if len(batch) == 1 else b"".join(batch)
+                batch.clear()
+        batch.append(renderer.final())
+        yield b"".join(batch)
     except OmnigateError as exc:
-        yield error_frame(exc)
+        batch.append(error_frame(exc))
+        yield b"".join(batch)
     except Exception as exc:
         log.error("stream_failed", exc_info=exc)
-        yield error_frame(OmnigateError("internal error; see the gateway log for this request id"))
+        batch.append(error_frame(OmnigateError("internal error; see the gateway log for this request id")))
+        yield b"".join(batch)
 
 
 __all__ = ["JSONResponse", "routes", "validation_to_error"]

@@ -148,16 +148,18 @@ class Relay:
     # -- the stream -------------------------------------------------------------
     async def relay(
         self, attempt: Attempt, filters: Filters, checks: Checks, completion: Completion, ctx: RequestContext
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncIterator[list[Delta]]:
+        """The attempt's released pieces, a batch at a time: what one read of the engine brought
+        (``Delta.more``) and the filters and checks let through goes out together, in one write."""
         engine = attempt.engine
-        gap = self.metrics.chunk_gap.labels(engine.name, engine.config.variant)
         upstream = attempt.upstream
         first: Delta | None = attempt.first
-        last_t = 0.0
+        last_t = widest = 0.0
         cap = attempt.request.output_token_limit
         if cap is not None:
             cap *= attempt.request.choices  # n > 1: the pieces of every choice arrive on one stream
         pieces = 0
+        batch: list[Delta] = []
         try:
             while True:
                 if first is not None:
@@ -184,25 +186,47 @@ class Relay:
                 out = [delta] if not filters else self.feed(filters, delta)
                 if checks:
                     out = await self.feed_checks(checks, out, ctx)
-                for d in out:
-                    now = time.perf_counter()
-                    if last_t:
-                        gap.observe(now - last_t)
-                    last_t = now
-                    if ctx.record.ttft_s is None and (d.text or d.audio):
-                        ctx.record.ttft_s = now - ctx.record.started
-                    if ctx.record.first_audio_s is None and d.audio:
-                        ctx.record.first_audio_s = now - ctx.record.started
-                    yield d
+                if out:
+                    batch += out
+                if batch and (cut or not delta.more):
+                    last_t, widest = self._released(batch, ctx, last_t, widest)
+                    yield batch
+                    batch = []
                 if cut:
                     break
+            if batch:
+                last_t, widest = self._released(batch, ctx, last_t, widest)
+                yield batch
         except EngineError as exc:
             self.metrics.engine_errors.labels(engine.name, exc.kind).inc()
             self.pool.report_failure(engine)
             log.warning("engine_stream_failed", engine=engine.name, kind=exc.kind, error=exc.detail)
+            if batch:  # what came before the failure in the same read still goes out, ahead of the error
+                last_t, widest = self._released(batch, ctx, last_t, widest)
+                yield batch
             raise
         finally:
+            if widest:
+                # One observation per stream, never per chunk: its widest gap between released batches.
+                self.metrics.chunk_gap.labels(engine.name, engine.config.variant).observe(widest)
             await upstream.aclose()
+
+    @staticmethod
+    def _released(
+        batch: list[Delta], ctx: RequestContext, last_t: float, widest: float
+    ) -> tuple[float, float]:
+        """A batch about to go out: the first text and audio times, and the widest gap so far."""
+        now = time.perf_counter()
+        if last_t and now - last_t > widest:
+            widest = now - last_t
+        record = ctx.record
+        if record.ttft_s is None or record.first_audio_s is None:
+            for d in batch:
+                if record.ttft_s is None and (d.text or d.audio):
+                    record.ttft_s = now - record.started
+                if record.first_audio_s is None and d.audio:
+                    record.first_audio_s = now - record.started
+        return now, widest
 
     async def feed_checks(self, checks: Checks, batch: list[Delta], ctx: RequestContext) -> list[Delta]:
         for i, (policy, check) in enumerate(checks):

@@ -45,13 +45,13 @@ class ResponseStream:
     #: why the transport ended the stream early, when it said (:meth:`cut`); the record takes it
     cause: BaseException | None = None
     _released: bool = False
-    _gen: AsyncGenerator[Delta, None] | None = None
-    _head: Delta | None = None
+    _gen: AsyncGenerator[list[Delta], None] | None = None
+    _head: list[Delta] | None = None
     _ended: bool = False
     _iterated: bool = False
 
     async def _prime(self) -> None:
-        """Run until the first released delta or the end; errors before that reach the caller."""
+        """Run until the first released batch or the end; errors before that reach the caller."""
         self._gen = run_stream(self.pipeline, self)
         try:
             self._head = await anext(self._gen)
@@ -61,26 +61,33 @@ class ResponseStream:
             await self._gen.aclose()
             raise
 
-    def deltas(self) -> AsyncIterator[Delta]:
+    def batches(self) -> AsyncIterator[list[Delta]]:
+        """The released pieces, a batch at a time (what goes to the client in one write)."""
         if self._iterated or self._gen is None:
             raise RuntimeError("a response stream is primed, then iterated once")
         self._iterated = True
         return self._iter()
 
-    async def _iter(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The released pieces one at a time."""
+        async for batch in self.batches():
+            for d in batch:
+                yield d
+
+    async def _iter(self) -> AsyncIterator[list[Delta]]:
         assert self._gen is not None
         # A spoken answer's words, as its transcript went out: kept under its audio id once it is served.
         spoken: list[str] | None = [] if self.request.wants_audio else None
         if self._head is not None:
             head, self._head = self._head, None
-            if spoken is not None and head.text and not head.index:
-                spoken.append(head.text)
+            if spoken is not None:
+                spoken.extend(d.text for d in head if d.text and not d.index)
             yield head
         if not self._ended:
-            async for d in self._gen:
-                if spoken is not None and d.text and not d.index:
-                    spoken.append(d.text)
-                yield d
+            async for batch in self._gen:
+                if spoken is not None:
+                    spoken.extend(d.text for d in batch if d.text and not d.index)
+                yield batch
         if spoken is not None and self.ctx.record.outcome in ("served", "degraded"):
             ctx = self.ctx
             await self.pipeline.answers.remember(
@@ -104,12 +111,12 @@ class ResponseStream:
             await self._gen.aclose()
 
 
-async def _closed() -> AsyncGenerator[Delta, None]:
+async def _closed() -> AsyncGenerator[list[Delta], None]:
     return
     yield  # pragma: no cover
 
 
-async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[Delta, None]:
+async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Delta], None]:
     """Relay one stream through filters and checks; retry only while nothing was released."""
     ctx, attempt = rs.ctx, rs.attempt
     relay, accounting = p.relay, p.accounting
@@ -134,11 +141,12 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[Delta, N
                 relayed = Attempt(attempt.engine, attempt.request, joined, await anext(joined))
             halted: Halt | None = None
             try:
-                async for delta in relay.relay(relayed, filters, checks, completion, ctx):
+                async for batch in relay.relay(relayed, filters, checks, completion, ctx):
                     rs._released = True
                     if released is not None:
-                        released.add(delta)
-                    yield delta
+                        for delta in batch:
+                            released.add(delta)
+                    yield batch
             except Halt as h:
                 halted = h
             accepted: list[Accept] = []
@@ -156,9 +164,9 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[Delta, N
                 raise verdict.error
             if isinstance(verdict, Accept):
                 p._apply(accepted, ctx, committed=rs._released)
-                for out in release():
+                if outs := release():
                     rs._released = True
-                    yield relay.mark(ctx, out)
+                    yield [relay.mark(ctx, out) for out in outs]
                 accounting.account(ctx, completion)
                 return
             # Retry. Only a whole attempt can be served later; a halted one was cut short.
@@ -177,8 +185,8 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[Delta, N
                 ctx.outputs.degrade("retries-exhausted")
                 if isinstance(verdict.exhausted, Accept):
                     p._apply([verdict.exhausted], ctx, committed=True)
-                for out in release():
-                    yield relay.mark(ctx, out)
+                if outs := release():
+                    yield [relay.mark(ctx, out) for out in outs]
                 accounting.account(ctx, completion)
                 return
             if not candidates:
@@ -187,9 +195,9 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[Delta, N
                 raise AnswerWithheld(f"policy {verdict.reason} held the answer back and no retry is left")
             best = p._exhausted(candidates, ctx)
             rs.request = best.request
-            for out in best.release():
+            if outs := best.release():
                 rs._released = True
-                yield relay.mark(ctx, out)
+                yield [relay.mark(ctx, out) for out in outs]
             accounting.account(ctx, best.completion)
             return
     except BaseException as exc:  # GeneratorExit and cancellation are outcomes too (a client that left)
