@@ -1,11 +1,12 @@
-# omnigate: `make serve` runs the gateway on its embedded default; `make test` runs every test.
+# omnigate: `make serve` runs the gateway on its embedded default; `make test` runs every test but the
+# benchmarks' smoke runs (`make bench-smoke`) and the real vLLM-Omni suite (`make test-omni`), CI's next steps.
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-fast test-omni bench docs lint lock clean ops-sync
+.PHONY: install serve test test-fast test-omni bench bench-smoke docs lint lock clean ops-sync
 
 $(STAMP): requirements/lock.txt requirements/models.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,10 +23,15 @@ serve: install
 
 # The real vLLM suite (tests/realvllm) needs vLLM and its model prepared once per machine, outside the clone
 # (tests/cachedir.py): a few minutes on a fresh machine, seconds once cached. test-fast skips it.
+# Two pytest runs (docs/testing.md): the independent tests on two workers (pytest-xdist), then those marked
+# serial (tests/conftest.py SERIAL: timing, memory, both cores) alone. Both always run; either failing fails.
 test: install
 	bash scripts/test-env.sh
 	$(PY) -m tests.realvllm.prepare
-	$(PY) -m pytest -q
+	status=0; \
+	$(PY) -m pytest -q -n 2 -m "not serial" || status=$$?; \
+	$(PY) -m pytest -q -m serial || status=$$?; \
+	exit $$status
 
 test-fast: install
 	bash scripts/test-env.sh
@@ -40,6 +46,12 @@ test-omni: install
 
 bench: install
 	$(PY) -m bench.overhead
+
+# Every benchmark's smoke run (tests/bench, marker bench: tiny sizes, one fact of each result checked), left
+# out of `make test`; CI runs it as its own step after `make test`.
+bench-smoke: install
+	bash scripts/test-env.sh
+	$(PY) -m pytest -q -m bench tests/bench
 
 # The manual (docs/, mkdocs.yml): the configuration reference is generated from the settings models.
 docs: install

@@ -21,15 +21,45 @@ TEXT_MODEL = "text-model"
 LITELLM_MODEL = "litellm-text"
 
 
+#: Suites a plain `pytest` (and `make test`) leaves out; each runs when its marker is asked for with `-m`.
+ON_REQUEST = {
+    # its server holds about 10 GB and both cores: `make test-omni` (`-m realomni`)
+    "realomni",
+    # the benchmarks' smoke runs (tests/bench): CI's own step after `make test`, `make bench-smoke` (`-m bench`)
+    "bench",
+}
+
+#: What must not share the machine with a second pytest-xdist worker: `make test` runs the rest on two
+#: workers (`-n 2 -m "not serial"`), then these alone (`-m serial`). Path prefix -> why.
+SERIAL = {
+    # figures with ceilings (peak RSS, process growth, refusal and abort latencies, grace periods) that a
+    # second worker on the other core would move
+    "tests/hardening/": "RSS and latency ceilings, 16 streams at once, SIGTERM grace periods",
+    "tests/http/test_media_memory.py": "peak RSS of the gateway process under media bodies",
+    "tests/unit/test_redaction_time.py": "the redactor's time bound",
+    "tests/unit/test_footprint.py": "the import and memory footprint of the gateway",
+    "tests/system/": "kill -9 of gateways and decode workers mid-write, timed recoveries",
+    # vLLM on the CPU keeps both cores busy; a second worker would starve it (and be starved)
+    "tests/realvllm/": "a real vLLM server on both cores",
+    "tests/browser/": "headless Chromium, timed page loads",
+}
+
+
+# First, so that the serial marker is on the items before `-m` selects by it (the mark plugin's own
+# pytest_collection_modifyitems does that selection).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The real vLLM-Omni suite runs only when asked for by marker (`make test-omni`: `-m realomni`): its
-    server holds about 10 GB and both cores, so a plain `pytest` (and `make test`) leaves it out."""
-    if "realomni" in (config.getoption("markexpr") or ""):
+    for item in items:
+        if item.nodeid.startswith(tuple(SERIAL)):
+            item.add_marker(pytest.mark.serial)
+    markexpr = config.getoption("markexpr") or ""
+    left_out = {name for name in ON_REQUEST if name not in markexpr}
+    if not left_out:
         return
-    deselected = [item for item in items if item.get_closest_marker("realomni") is not None]
+    deselected = [item for item in items if any(item.get_closest_marker(m) for m in left_out)]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if item.get_closest_marker("realomni") is None]
+        items[:] = [item for item in items if not any(item.get_closest_marker(m) for m in left_out)]
 
 
 @pytest.fixture(scope="session")
@@ -140,8 +170,12 @@ def gateway_settings(ups: Upstreams, policies: PolicyChainConfig | None = None, 
 
 
 @pytest.fixture(scope="session")
-def gateway(bg: BackgroundLoop, upstreams: Upstreams) -> GatewayServer:
-    server = GatewayServer(bg, gateway_settings(upstreams)).start()
+def gateway(
+    bg: BackgroundLoop, upstreams: Upstreams, tmp_path_factory: pytest.TempPathFactory
+) -> GatewayServer:
+    # An audit file of this run's own (per pytest-xdist worker), not the shared default var/omnigate-audit.db.
+    db = tmp_path_factory.mktemp("audit") / "audit.db"
+    server = GatewayServer(bg, gateway_settings(upstreams, audit={"sqlite_path": str(db)})).start()
     yield server
     server.stop()
 

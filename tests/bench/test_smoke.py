@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(180)]
 
 #: modules of bench/ that are libraries, run through the benchmarks that use them
 LIBRARIES = {
