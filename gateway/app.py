@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.errors import InvalidRequest, OmnigateError
 from gateway import heap
@@ -44,6 +45,77 @@ def error_response(exc: OmnigateError) -> JSONResponse:
     if exc.status == 401:
         headers["WWW-Authenticate"] = "Bearer"  # RFC 9110: a 401 names the scheme it wants
     return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+
+
+def render_exception(exc: Exception) -> Response:
+    """The one answer for an exception that ended a request before its response started."""
+    if isinstance(exc, OmnigateError):
+        return error_response(exc)
+    if isinstance(exc, RequestValidationError):
+        return error_response(chat.validation_to_error(exc.errors()))
+    if isinstance(exc, StarletteHTTPException):
+        etype, code = _STATUS_TYPES.get(exc.status_code, ("invalid_request_error", None))
+        err = OmnigateError(str(exc.detail), status=exc.status_code, code=code)
+        err.type = etype
+        return error_response(err)
+    if isinstance(exc, chat.ClientGone):
+        return Response(status_code=499)  # nobody reads it; the status is for access logs
+    log.error("unhandled_error", exc_info=exc)
+    return error_response(OmnigateError("internal error; see the gateway log for this request id"))
+
+
+_ANSWERED = (OmnigateError, RequestValidationError, StarletteHTTPException, chat.ClientGone)
+
+
+class _Answered:
+    """An ASGI app's errors answered by :func:`render_exception` while its response has not started;
+    after that, the exception goes on to the server (the status is sent, the stream ends)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def sending(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if started:
+                raise
+            await render_exception(exc)(scope, receive, send)
+            if not isinstance(exc, _ANSWERED):
+                raise  # as Starlette's server-error middleware: answered with a 500, and on to the server's log
+
+
+class Gateway(FastAPI):
+    """The FastAPI app, with the data plane's one route served beside it.
+
+    ``POST /v1/chat/completions`` goes from the server straight to the route's ASGI app through the
+    gateway's own middlewares (request id, body deadline, readiness) and one error boundary, not through
+    FastAPI's and Starlette's stack (exception, body-limit and exit-stack middlewares, the router): the
+    request line crosses as few layers as it can. Everything else, the chat route's other methods
+    included, is FastAPI's.
+    """
+
+    data_plane: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            self.data_plane is not None
+            and scope["type"] == "http"
+            and scope["path"] == chat.PATH
+            and scope["method"] == "POST"
+        ):
+            scope["app"] = self
+            await self.data_plane(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 def _on_sighup(services: Services, config_path: str | Path | None) -> bool:
@@ -96,7 +168,7 @@ def create_app(
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             await services.aclose()
 
-    app = FastAPI(title="omnigate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = Gateway(title="omnigate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.services = services
     app.state.config_path = config_path
     app.state.readiness = Readiness(services.pool)  # the server announces "ready" through it
@@ -109,29 +181,8 @@ def create_app(
     app.include_router(admin_state.router)
     app.include_router(console.router)
 
-    @app.exception_handler(OmnigateError)
-    async def _omnigate_error(request: Request, exc: OmnigateError) -> JSONResponse:
-        return error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(chat.validation_to_error(exc.errors()))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        etype, code = _STATUS_TYPES.get(exc.status_code, ("invalid_request_error", None))
-        err = OmnigateError(str(exc.detail), status=exc.status_code, code=code)
-        err.type = etype
-        return error_response(err)
-
-    @app.exception_handler(chat.ClientGone)
-    async def _client_gone(request: Request, exc: chat.ClientGone) -> Response:
-        return Response(status_code=499)  # nobody reads it; the status is for access logs
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled_error", exc_info=exc)
-        return error_response(OmnigateError("internal error; see the gateway log for this request id"))
+    for kind in (*_ANSWERED, Exception):
+        app.add_exception_handler(kind, _handler)
 
     base_openapi = app.openapi
 
@@ -147,7 +198,20 @@ def create_app(
     # Inside the request id's: a 408 for a body that did not come carries the request's id too.
     app.add_middleware(BodyDeadlineMiddleware, timeout_s=settings.server.body_timeout_s)
     app.add_middleware(RequestIdMiddleware)
+    # The same middlewares, in the same order, around the chat route's data plane (see Gateway).
+    app.data_plane = RequestIdMiddleware(
+        BodyDeadlineMiddleware(
+            ReadinessGate(
+                _Answered(chat.ChatCompletions()), readiness=app.state.readiness, render=error_response
+            ),
+            timeout_s=settings.server.body_timeout_s,
+        )
+    )
     return app
+
+
+async def _handler(request: Request, exc: Exception) -> Response:
+    return render_exception(exc)
 
 
 __all__ = ["InvalidRequest", "create_app"]

@@ -279,7 +279,8 @@ class JSONAnswer(Response):
             log.warning("client_stalled", written=at, size=len(body), timeout_s=deadline)
 
 
-routes = [Route("/v1/chat/completions", ChatCompletions(), methods=["POST"], name="chat_completions")]
+PATH = "/v1/chat/completions"
+routes = [Route(PATH, ChatCompletions(), methods=["POST"], name="chat_completions")]
 
 
 async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
