@@ -27,8 +27,8 @@ from bench.common import (
     wait_http,
 )
 from core.schemas import ChatCompletionRequest
-from engines.pool import build_engine
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
+from engines.selection.pool import build_engine
 
 
 async def _drive(engine, request: ChatCompletionRequest, total: int, concurrency: int) -> tuple[float, int]:

@@ -19,7 +19,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from bench.common import add_smoke, emit, out_path, pct, smoke_result
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
 from tests.harness import BackgroundLoop, GatewayServer
 from tests.upstream import Script, ScriptedUpstream

@@ -120,7 +120,7 @@ def measure(
 
 def integrate(raw: dict) -> dict:
     """Each run's samples through the gateway's EnergyMeter (busy flags as the controller sets them)."""
-    from engines.energy import EnergyMeter, trapezoid_joules
+    from engines.rollout.energy import EnergyMeter, trapezoid_joules
 
     samples = [(float(t), float(w), bool(b)) for t, w, b in raw["samples"]]
     if not samples:

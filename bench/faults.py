@@ -24,7 +24,7 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
 from tests.harness import BackgroundLoop, GatewayServer
 from tests.upstream import Script, ScriptedUpstream

@@ -452,7 +452,7 @@ async def slow_engines(s, ups, t0):
 
 
 async def sleep_state(s: aiohttp.ClientSession, ups: Upstreams, v: str) -> float | None:
-    from engines.offload import parse_sleep_state
+    from engines.rollout.offload import parse_sleep_state
 
     async with s.get(ups.url(v) + "/metrics") as r:
         return parse_sleep_state(await r.text(), [0, 1, 2])

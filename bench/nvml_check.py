@@ -15,8 +15,8 @@ import asyncio
 from prometheus_client import CollectorRegistry
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from engines.rollout_settings import EngineTelemetry, SignalSettings
-from engines.telemetry import TelemetryCollector
+from engines.rollout.settings import EngineTelemetry, SignalSettings
+from engines.rollout.telemetry import TelemetryCollector
 from observability.metrics import Metrics
 
 

@@ -15,7 +15,7 @@ import argparse
 from bench.adapters import cli, measure
 from bench.common import free_port, pin_self, scripted_upstream, wait_http
 from core.schemas import ChatCompletionRequest
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
 
 
 async def run(args: argparse.Namespace) -> dict:

@@ -14,9 +14,9 @@ import time
 from prometheus_client import CollectorRegistry
 
 from bench.common import add_smoke, emit, out_path, smoke_result
-from engines.pool import EnginePool, build_engine
-from engines.rollout_settings import RoutingSettings
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
+from engines.rollout.settings import RoutingSettings
+from engines.selection.pool import EnginePool, build_engine
 from observability.metrics import Metrics
 
 

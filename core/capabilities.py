@@ -1,7 +1,7 @@
 """What an engine takes and does, as its adapter declares it: the facts the rest of the gateway reads.
 
-An adapter fills :class:`Capabilities` from its configuration (``engines/base.py``'s
-:func:`~engines.base.declared`) and the gateway hands the media policies each engine's
+An adapter fills :class:`Capabilities` from its configuration (``engines/adapters/base.py``'s
+:func:`~engines.adapters.base.declared`) and the gateway hands the media policies each engine's
 :class:`EngineFacts` (``policies/base.py``'s ``Deps.engines``): the policies read what the engine
 takes (its modalities, its video form and audio rate, its context) from the adapter, never from the
 settings.

@@ -61,7 +61,7 @@ class Lease(Protocol):
 
 
 class EngineSlot(Protocol):
-    """The engine slot a request's current attempt holds (engines/slots.py's ``Lease``), settled once:
+    """The engine slot a request's current attempt holds (engines/selection/slots.py's ``Lease``), settled once:
     ``reported`` says whether the request's outcome was reported for the engine (if not, a half-open
     trial is given back to its circuit)."""
 
@@ -220,7 +220,7 @@ class Record:
     completion_tokens: int = 0
     #: seconds of speech served (speech adds no completion tokens)
     audio_seconds: float = 0.0
-    #: estimated GPU energy of the answer (engines/energy.py), None without power telemetry for its engine
+    #: estimated GPU energy of the answer (engines/rollout/energy.py), None without power telemetry for its engine
     energy_joules: float | None = None
 
     def elapsed(self) -> float:

@@ -273,7 +273,7 @@ class ResponseFormat(_Wire):
 #: the engine builds around its messages.
 CHAT_TEMPLATE_KWARGS: frozenset[str] = frozenset({"enable_thinking", "thinking"})
 
-#: the request fields that only an engine speaking OpenAI's full surface can honour (engines/base.py)
+#: the request fields that only an engine speaking OpenAI's full surface can honour (engines/adapters/base.py)
 FEATURE_FIELDS: tuple[str, ...] = (
     "tools",
     "tool_choice",
@@ -289,7 +289,7 @@ FEATURE_FIELDS: tuple[str, ...] = (
 
 
 #: vLLM's own sampling and decoding extras (sent through ``extra_body``): each reaches only an engine that
-#: declares it in its capabilities' ``features`` (engines/base.py), and a request that sets one no engine of
+#: declares it in its capabilities' ``features`` (engines/adapters/base.py), and a request that sets one no engine of
 #: the model takes is refused naming it, as for :data:`FEATURE_FIELDS`
 VLLM_EXTRA_FIELDS: tuple[str, ...] = (
     "min_p",

@@ -1,7 +1,7 @@
 """The settings types the kernel needs: the name pattern every layer's settings share, and a tenant.
 
 The request context (:mod:`core.context`) carries a tenant's model; the other layers' settings models
-sit beside the packages that own them (``engines/settings.py``, ``policies/settings.py``,
+sit beside the packages that own them (``engines/adapters/settings.py``, ``policies/settings.py``,
 ``observability/settings.py``, ``gateway/settings.py``, which composes the root model).
 """
 

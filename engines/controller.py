@@ -7,12 +7,12 @@ Every replica runs one, each tick (``routing.controller.interval_s``):
    of ``routing.state.lease_ttl_s``, so a lease no longer than the tick never lapses between two ticks
    and hands the lead to whichever replica ticks in the gap);
 3. the leader merges every replica's summary with the scraped telemetry into a
-   :class:`~engines.snapshot.Snapshot`, calls :func:`~engines.rollback.decide`, and
+   :class:`~engines.rollout.snapshot.Snapshot`, calls :func:`~engines.rollout.rollback.decide`, and
    writes the new state and routing table in one fenced update;
 4. the others read the table when its version changes and apply it.
 
 The leader also carries out the decision's sleep and wake intents through
-:class:`~engines.offload.OffloadClient` (after the new table is written, so a sleeping
+:class:`~engines.rollout.offload.OffloadClient` (after the new table is written, so a sleeping
 engine has no traffic before it is put to sleep), and reads back the sleep gauge of the
 engines it put to sleep into the next snapshot (``sleep_state``).
 
@@ -24,10 +24,10 @@ each callback in :attr:`RolloutController.on_transition` (the audit trail hooks 
 there: ``controller.on_transition.append(fn)``, ``fn(transition)`` sync or async).
 
 The leader also integrates each engine's GPU power over its active time into
-``tokens_per_joule`` (:mod:`engines.energy`) and publishes the engines' joules per token
-beside its own summary; every replica copies them into its :class:`~engines.energy.EnergyBook`,
+``tokens_per_joule`` (:mod:`engines.rollout.energy`) and publishes the engines' joules per token
+beside its own summary; every replica copies them into its :class:`~engines.rollout.energy.EnergyBook`,
 which the request path reads for ``usage.energy_joules``. The held-out accuracy sentinel
-(:mod:`engines.accuracy`), when configured, runs on the leader and adds ``accuracy``.
+(:mod:`engines.rollout.accuracy`), when configured, runs on the leader and adds ``accuracy``.
 
 Its length: the leader's tick gathers what the energy meter, the sentinels and the offload client
 measured into one snapshot; the gathering is to move to the collectors themselves with the restructuring.
@@ -45,11 +45,10 @@ from typing import Any
 
 import structlog
 
-from engines.accuracy import HeldOutSentinel
-from engines.energy import EnergyBook, EnergyMeter, token_equivalents
-from engines.offload import OffloadClient
-from engines.pool import EnginePool
-from engines.rollback import (
+from engines.rollout.accuracy import HeldOutSentinel
+from engines.rollout.energy import EnergyBook, EnergyMeter, token_equivalents
+from engines.rollout.offload import OffloadClient
+from engines.rollout.rollback import (
     ControllerState,
     Decision,
     Transition,
@@ -61,13 +60,14 @@ from engines.rollback import (
     route,
     unpin,
 )
-from engines.rollout_settings import RoutingSettings
-from engines.routing import RoutingTable
-from engines.sentinel import AccuracySentinel
-from engines.signals import EngineSummary
-from engines.snapshot import EngineSignals, Snapshot
-from engines.state_store import Doc, NotLeader, StateStore
-from engines.telemetry import TelemetryCollector
+from engines.rollout.routing import RoutingTable
+from engines.rollout.sentinel import AccuracySentinel
+from engines.rollout.settings import RoutingSettings
+from engines.rollout.signals import EngineSummary
+from engines.rollout.snapshot import EngineSignals, Snapshot
+from engines.rollout.state_store import Doc, NotLeader, StateStore
+from engines.rollout.telemetry import TelemetryCollector
+from engines.selection.pool import EnginePool
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.routing")

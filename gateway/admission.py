@@ -22,7 +22,7 @@ engines' concurrency caps (``EnginePool.set_overloaded``); the request path neve
 
 Every decision is written to the request's audit record (``ctx.record.admission``, the record's ``control.admission``), and every
 request shed for load is counted once in ``omnigate_admission_shed_total`` by reason: ``tenant_quota``,
-``overload``, ``text_only`` (counted when the request finishes) and ``engine_busy`` (engines/slots.py).
+``overload``, ``text_only`` (counted when the request finishes) and ``engine_busy`` (engines/selection/slots.py).
 
 Its length: the local and the Redis-shared counters implement one admission rule and are kept side by
 side so the two cannot drift.

@@ -203,7 +203,7 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
     from gateway.secret_check import WeakSecret
 
     configure_logging(settings.logging.level, settings.logging.json_output)
-    from engines.sentinel import SentinelUnavailable
+    from engines.rollout.sentinel import SentinelUnavailable
     from policies.registry import PolicyConfigError
 
     try:

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.errors import OmnigateError, Overloaded
-from engines.pool import EnginePool
+from engines.selection.pool import EnginePool
 
 log = structlog.get_logger(__name__)
 

@@ -25,7 +25,7 @@ AUDIO_TTL_S = 3600
 #: a usage extension: seconds of speech served, since speech adds no completion tokens (vLLM-Omni counts none)
 AUDIO_SECONDS = "output_audio_seconds"
 #: a usage extension: the answer's estimated GPU energy (its tokens times the engine's joules per token over
-#: the signal window; engines/energy.py), only where the engine's GPU power is measured
+#: the signal window; engines/rollout/energy.py), only where the engine's GPU power is measured
 ENERGY_JOULES = "energy_joules"
 
 

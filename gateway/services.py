@@ -21,16 +21,16 @@ import structlog
 
 from core.capabilities import EngineFacts
 from core.settings import TenantConfig
-from engines.accuracy import HeldOutSentinel
 from engines.controller import RolloutController
-from engines.energy import EnergyBook
-from engines.offload import OffloadClient
-from engines.offload import targets_from as offload_targets
-from engines.pool import EnginePool, SharedCaps, build_engine
-from engines.rollback import Transition
-from engines.sentinel import AccuracySentinel
-from engines.state_store import build_store as build_state_store
-from engines.telemetry import TelemetryCollector
+from engines.rollout.accuracy import HeldOutSentinel
+from engines.rollout.energy import EnergyBook
+from engines.rollout.offload import OffloadClient
+from engines.rollout.offload import targets_from as offload_targets
+from engines.rollout.rollback import Transition
+from engines.rollout.sentinel import AccuracySentinel
+from engines.rollout.state_store import build_store as build_state_store
+from engines.rollout.telemetry import TelemetryCollector
+from engines.selection.pool import EnginePool, SharedCaps, build_engine
 from gateway.admission import AdmissionGate
 from gateway.answer_audio import AnswerAudio
 from gateway.auth_failures import AuthFailures

@@ -1,7 +1,7 @@
 """The root settings model: every layer's settings composed into one document, and ``load_settings``.
 
 The YAML file is read first, then ``OMNIGATE_`` environment overrides (:mod:`gateway.settings_sources`).
-Each layer declares its own models beside its code (``engines/settings.py``, ``engines/rollout_settings.py``,
+Each layer declares its own models beside its code (``engines/adapters/settings.py``, ``engines/rollout/settings.py``,
 ``policies/settings.py``, ``observability/settings.py``, ``gateway/auth_settings.py``,
 ``gateway/traffic_settings.py``, the kernel's ``core/settings.py``); here they validate as one, with
 the checks that span them. Each policy validates its own ``config`` block against the model it
@@ -24,9 +24,9 @@ from pydantic_settings import (
 )
 
 from core.settings import Name, TenantConfig
-from engines.rollout_rules import RuleScope, active_rules, why_rule_cannot_act
-from engines.rollout_settings import RoutingSettings
-from engines.settings import EngineConfig, default_engines
+from engines.adapters.settings import EngineConfig, default_engines
+from engines.rollout.rules import RuleScope, active_rules, why_rule_cannot_act
+from engines.rollout.settings import RoutingSettings
 from gateway.auth_settings import AdminKey, AuthSettings, MetricsSettings
 from gateway.settings_sources import EnvOverYaml
 from gateway.traffic_settings import RateLimitSettings, RedisSettings, TrafficSettings

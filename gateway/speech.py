@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from core.audio import ENCODABLE_FORMATS, STREAMABLE_FORMATS
 from core.errors import InvalidRequest
 from core.schemas import ChatCompletionRequest
-from engines.base import Engine
+from engines.adapters.base import Engine
 
 
 def check_speech(request: ChatCompletionRequest, engines: Iterable[Engine]) -> None:

@@ -17,7 +17,7 @@ from core.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from core.schemas import ChatCompletionRequest
-    from engines.base import Engine
+    from engines.adapters.base import Engine
 
 
 class ThinkingBudgetUnsupported(InvalidRequest):

@@ -6,7 +6,7 @@ passes only when every listed file is there with its sum and nothing else is (th
 metadata a Hugging Face download keeps under ``.cache/huggingface/`` aside): a missing, a
 changed or an extra file fails, and so does an empty or unreadable manifest. The folder
 is the pinned snapshot, ``.../snapshots/<revision>``: the engine loads it by that path, so
-its ``/v1/models`` root names the revision the gateway checks (:mod:`engines.identity`).
+its ``/v1/models`` root names the revision the gateway checks (:mod:`engines.selection.identity`).
 """
 
 from __future__ import annotations

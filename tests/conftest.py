@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
 from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import BackgroundLoop, GatewayServer

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
 from core.errors import InvalidRequest, ModelNotFound
-from engines.rollback import Transition
-from engines.rollout_rules import Variant
+from engines.rollout.rollback import Transition
+from engines.rollout.rules import Variant
 from gateway.api.admin import credential_of, require_admin, services_of
 from gateway.api.chat import validation_to_error
 from gateway.services import Services

@@ -41,8 +41,8 @@ from core.context import RequestContext, SegmentPlan
 from core.errors import InvalidRequest, ModelNotFound, OmnigateError
 from core.events import Completion
 from core.schemas import ChatCompletionRequest
-from engines.energy import EnergyBook
-from engines.pool import EnginePool
+from engines.rollout.energy import EnergyBook
+from engines.selection.pool import EnginePool
 from gateway.answer_audio import AnswerAudio, MemoryAnswers
 from gateway.chains import Chains, ChainSet
 from gateway.pipeline.accounting import Accounting

@@ -15,9 +15,9 @@ import structlog
 from core.context import PolicyRun, RequestContext
 from core.errors import ClientClosedRequest, EngineError, OmnigateError, Overloaded
 from core.events import Completion
-from engines.energy import EnergyBook
-from engines.pool import EnginePool
-from engines.signals import ttft_per_1k_prompt_tokens
+from engines.rollout.energy import EnergyBook
+from engines.rollout.signals import ttft_per_1k_prompt_tokens
+from engines.selection.pool import EnginePool
 from gateway.ratelimit import RateLimiter
 from observability.audit.log import AuditLog
 from observability.audit.record import RequestSnapshot

@@ -19,8 +19,8 @@ from core.context import RequestContext
 from core.errors import EngineError, EngineProtocolError, EngineUnavailable, InvalidRequest
 from core.events import Delta
 from core.schemas import ChatCompletionRequest
-from engines.base import Engine
-from engines.pool import EnginePool
+from engines.adapters.base import Engine
+from engines.selection.pool import EnginePool
 from gateway import thinking
 from observability.metrics import Metrics
 

@@ -19,7 +19,7 @@ from core.context import RequestContext
 from core.errors import EngineError
 from core.events import Completion, Delta, Usage
 from core.schemas import ChatCompletionRequest
-from engines.pool import EnginePool
+from engines.selection.pool import EnginePool
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.attempt import Attempt
 from observability.metrics import Metrics

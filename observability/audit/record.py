@@ -213,7 +213,7 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
             "completion_tokens": ctx.record.completion_tokens,
             # speech is metered in seconds: it adds no completion tokens
             **({"audio_seconds": round(ctx.record.audio_seconds, 3)} if ctx.record.audio_seconds else {}),
-            # an estimate (engines/energy.py), present only where the engine's GPU power is measured
+            # an estimate (engines/rollout/energy.py), present only where the engine's GPU power is measured
             **(
                 {"energy_joules": round(ctx.record.energy_joules, 3)}
                 if ctx.record.energy_joules is not None

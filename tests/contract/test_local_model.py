@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.settings import DEFAULT_PUBLIC_MODEL
+from engines.adapters.settings import DEFAULT_PUBLIC_MODEL
 from gateway.settings import load_settings
 from tests.harness import GatewayServer, wait_until
 

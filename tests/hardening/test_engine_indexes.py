@@ -21,10 +21,10 @@ from aiohttp import web
 
 from core.errors import EngineProtocolError
 from core.schemas import ChatCompletionRequest
-from engines.litellm_engine import LiteLLMEngine
-from engines.openai_compat import OpenAICompatEngine
-from engines.settings import EngineConfig
-from engines.vllm_omni import VLLMOmniEngine
+from engines.adapters.litellm_engine import LiteLLMEngine
+from engines.adapters.openai_compat import OpenAICompatEngine
+from engines.adapters.settings import EngineConfig
+from engines.adapters.vllm_omni import VLLMOmniEngine
 from gateway.settings import Settings
 from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import GatewayServer

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import httpx
 import orjson
 
-from engines.rollout_rules import Rule
-from engines.rollout_settings import (
+from engines.adapters.settings import EngineConfig
+from engines.rollout.rules import Rule
+from engines.rollout.settings import (
     CircuitSettings,
     ControllerSettings,
     RoutingSettings,
@@ -18,7 +19,6 @@ from engines.rollout_settings import (
     SharedStateSettings,
     SignalSettings,
 )
-from engines.settings import EngineConfig
 from gateway.settings import Settings
 from tests.harness import BackgroundLoop
 from tests.upstream import Script, ScriptedUpstream

@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from engines.rollout_rules import Rule, RuleAction, RuleSelector, default_rules
-from engines.rollout_settings import AccuracySettings
+from engines.rollout.rules import Rule, RuleAction, RuleSelector, default_rules
+from engines.rollout.settings import AccuracySettings
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import Trio, admin, chat, engines, settings
 from tests.upstream import Script

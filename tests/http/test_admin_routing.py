@@ -6,7 +6,7 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
-from engines.rollout_rules import Rule, RuleAction, RuleSelector
+from engines.rollout.rules import Rule, RuleAction, RuleSelector
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import ADMIN_KEY, MODEL, admin, chat, engines, settings
 from tests.upstream import Script

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.rollout_settings import EnergySettings, EngineTelemetry, SharedStateSettings
+from engines.rollout.settings import EnergySettings, EngineTelemetry, SharedStateSettings
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import MODEL, admin, engines, settings
 from tests.http.test_energy_usage import Dcgm

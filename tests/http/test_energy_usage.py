@@ -8,8 +8,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from engines.rollout_settings import EnergySettings, EngineTelemetry, RoutingSettings, SignalSettings
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
+from engines.rollout.settings import EnergySettings, EngineTelemetry, RoutingSettings, SignalSettings
 from gateway.settings import Settings
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import ADMIN, ADMIN_KEY

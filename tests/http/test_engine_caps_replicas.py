@@ -208,8 +208,8 @@ def _pools(prefix: str, *caps: int):
     import redis.asyncio as aioredis
     from prometheus_client import CollectorRegistry
 
-    from engines.pool import EnginePool, SharedCaps, build_engine
-    from engines.settings import EngineConfig
+    from engines.adapters.settings import EngineConfig
+    from engines.selection.pool import EnginePool, SharedCaps, build_engine
     from observability.metrics import Metrics
 
     pools = []

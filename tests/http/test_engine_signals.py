@@ -17,8 +17,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.rollout_rules import Rule, RuleAction, default_rules
-from engines.rollout_settings import SharedStateSettings
+from engines.rollout.rules import Rule, RuleAction, default_rules
+from engines.rollout.settings import SharedStateSettings
 from policies.base import PolicyBase, PolicyConfig
 from policies.registry import available_plugins
 from policies.settings import PolicyChainConfig, PolicySpec

@@ -134,7 +134,7 @@ def test_the_readmes_first_examples_run_as_printed(bg, tmp_path, capfd):
     answers under that model's name (tests/contract/test_local_model.py runs the real model)."""
     from prometheus_client import CollectorRegistry
 
-    from engines.settings import DEFAULT_PUBLIC_MODEL
+    from engines.adapters.settings import DEFAULT_PUBLIC_MODEL
     from gateway.settings import Settings
     from tests.harness import GatewayServer
 

@@ -12,7 +12,7 @@ import soundfile as sf
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
 from policies.settings import PolicyChainConfig, PolicySpec
 from tests.conftest import OMNI_MODEL, TEXT_MODEL, gateway_settings

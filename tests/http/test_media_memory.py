@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry
 
 from bench.common import free_port
 from core import spooled
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
 from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import GatewayServer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.rollout_rules import Rule, RuleAction, RuleSelector
+from engines.rollout.rules import Rule, RuleAction, RuleSelector
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import chat, engines, settings
 

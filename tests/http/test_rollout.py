@@ -14,9 +14,9 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
-from engines.rollout_rules import Rule, RuleAction, RuleSelector
-from engines.rollout_settings import CircuitSettings, EngineTelemetry, SentinelSettings, SignalSettings
-from engines.telemetry import TelemetryCollector
+from engines.rollout.rules import Rule, RuleAction, RuleSelector
+from engines.rollout.settings import CircuitSettings, EngineTelemetry, SentinelSettings, SignalSettings
+from engines.rollout.telemetry import TelemetryCollector
 from observability.metrics import Metrics
 from tests.harness import GatewayServer, wait_until
 from tests.http.rollout_helpers import MODEL, admin, chat, engines, settings

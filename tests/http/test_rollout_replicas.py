@@ -10,10 +10,10 @@ import socket
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.rollback import ControllerState
-from engines.rollout_rules import Rule, RuleAction, RuleSelector
-from engines.rollout_settings import SharedStateSettings
-from engines.state_store import NotLeader, RedisStore
+from engines.rollout.rollback import ControllerState
+from engines.rollout.rules import Rule, RuleAction, RuleSelector
+from engines.rollout.settings import SharedStateSettings
+from engines.rollout.state_store import NotLeader, RedisStore
 from gateway.redis_client import SharedRedis
 from gateway.traffic_settings import RedisSettings
 from tests.harness import GatewayServer, wait_until

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.rollout_rules import Rule, default_rules
+from engines.rollout.rules import Rule, default_rules
 from gateway.settings import Settings
 from gateway.tenants import mint_key
 from tests.harness import BackgroundLoop, GatewayServer, wait_until

@@ -109,7 +109,7 @@ def _in_step_with_the_defaults(rules: list, variants: set[str]) -> None:
     """Each shipped rule is a default rule restricted to the layout: the same signal, thresholds and pacing;
     its engines and targets only those of the layout's variants, and no offload where the engines share no
     GPU. A change to a default rule then fails here until the shipped layouts follow it."""
-    from engines.rollout_rules import default_rules
+    from engines.rollout.rules import default_rules
 
     defaults = {r.name: r for r in default_rules()}
     for rule in rules:
@@ -129,8 +129,8 @@ def _in_step_with_the_defaults(rules: list, variants: set[str]) -> None:
 
 
 def test_compose_s_rules_are_the_default_rules_restricted_to_its_engines():
-    from engines.rollout_settings import ControllerSettings
-    from engines.settings import EngineConfig
+    from engines.adapters.settings import EngineConfig
+    from engines.rollout.settings import ControllerSettings
 
     doc = yaml.safe_load((CONFIGS / "compose-gpu.yaml").read_text())
     engines = [EngineConfig.model_validate(e) for e in doc["engines"]]

@@ -613,7 +613,7 @@ def test_every_rule_the_chart_ships_watches_an_engine_and_shifts_to_a_variant_it
 def test_the_chart_s_rules_are_the_gateway_s_defaults_restricted_to_its_engines(tmp_path, monkeypatch):
     """A rule the chart shares with the defaults watches the same signal with the same thresholds, so a
     change to a default rule is made here too; only its targets (and offload) follow the layout."""
-    from engines.rollout_rules import default_rules
+    from engines.rollout.rules import default_rules
 
     defaults = {r.name: r for r in default_rules()}
     settings = _chart_settings(tmp_path, monkeypatch)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Histogram
 
-from engines.rollout_rules import default_rules
+from engines.rollout.rules import default_rules
 from observability.metrics import Metrics
 from tests.ops.catalogue import (
     EXPORTED,

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.rollout_settings import EngineTelemetry, SignalSettings
-from engines.telemetry import TelemetryCollector, parse_dcgm_used_bytes
+from engines.rollout.settings import EngineTelemetry, SignalSettings
+from engines.rollout.telemetry import TelemetryCollector, parse_dcgm_used_bytes
 from observability.metrics import Metrics
 from tests.upstream import Script, ScriptedUpstream
 

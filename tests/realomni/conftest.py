@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
 from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import GatewayServer

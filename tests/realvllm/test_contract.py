@@ -209,9 +209,9 @@ def test_a_prompt_over_the_context_is_a_400_before_the_stream(via, direct, strea
 
 def test_a_body_sent_in_pieces_reaches_vllm_whole(via, direct):
     """A message of 64 Ki characters or more is written into the engine's body in pieces (chunked
-    transfer, engines.base.Body): vLLM must read it whole. Its answer is the context refusal, which it
+    transfer, engines.adapters.base.Body): vLLM must read it whole. Its answer is the context refusal, which it
     gives only after tokenising the prompt; a body cut or mangled on the way would be a JSON error."""
-    from engines.base import LARGE_STRING
+    from engines.adapters.base import LARGE_STRING
 
     long = [{"role": "user", "content": "word " * (LARGE_STRING // 5 + 10)}]
     with pytest.raises(openai.BadRequestError) as direct_err:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.identity import identity_problem
+from engines.selection.identity import identity_problem
 from tests.harness import GatewayServer
 from tests.realvllm.conftest import ENGINE, MODEL, real_settings
 

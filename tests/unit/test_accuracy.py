@@ -13,7 +13,8 @@ import soundfile as sf
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from engines.accuracy import (
+from engines.adapters.settings import EngineConfig
+from engines.rollout.accuracy import (
     HeldOutItem,
     HeldOutSentinel,
     HeldOutSetError,
@@ -21,13 +22,12 @@ from engines.accuracy import (
     is_correct,
     load_set,
 )
-from engines.pool import build_engine
-from engines.rollback import ControllerState, decide
-from engines.rollout_rules import Rule, RuleAction, default_rules
-from engines.rollout_settings import AccuracySettings, ControllerSettings
-from engines.routing import EngineInfo
-from engines.settings import EngineConfig
-from engines.snapshot import EngineSignals, Snapshot
+from engines.rollout.rollback import ControllerState, decide
+from engines.rollout.routing import EngineInfo
+from engines.rollout.rules import Rule, RuleAction, default_rules
+from engines.rollout.settings import AccuracySettings, ControllerSettings
+from engines.rollout.snapshot import EngineSignals, Snapshot
+from engines.selection.pool import build_engine
 from observability.metrics import Metrics
 from tests.upstream import Script, ScriptedUpstream
 
@@ -210,7 +210,7 @@ async def test_a_transition_queues_a_replay_of_the_engines_it_touched():
         def __init__(self, serves):
             self.config = _Cfg(serves)
 
-    from engines.rollback import Transition
+    from engines.rollout.rollback import Transition
 
     engines = {"a": _E(["omni"]), "b": _E(["omni"]), "c": _E(["other"])}
     s = HeldOutSentinel(AccuracySettings(), lambda: engines, Metrics(CollectorRegistry()), items=[])

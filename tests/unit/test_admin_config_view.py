@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
 from gateway.api.admin_state import _engine_json
 
 

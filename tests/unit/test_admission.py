@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from core.context import LoadSnapshot, RequestContext
 from core.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
 from core.schemas import ChatCompletionRequest
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
 from gateway.admission import AdmissionGate, Limits, decide, decide_overload
 from gateway.settings import Settings
 from gateway.traffic_settings import TrafficSettings

@@ -14,8 +14,8 @@ from core.context import RequestContext
 from core.errors import EngineFailed, EngineRejected, EngineUnavailable
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
-from engines.pool import EnginePool, build_engine
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
+from engines.selection.pool import EnginePool, build_engine
 from gateway.pipeline.attempt import Attempts, first_chunk
 from observability.metrics import Metrics
 

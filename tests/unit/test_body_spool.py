@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from core import spooled
 from core.schemas import ChatCompletionRequest
 from core.spooled import SpooledMedia
-from engines.base import Body, request_body, whole_strings, wire_messages
+from engines.adapters.base import Body, request_body, whole_strings, wire_messages
 from gateway.api import body as client_body
 
 RAW = os.urandom(3 * (1 << 19) + 2)  # decodes from 2 MiB of base64 with padding

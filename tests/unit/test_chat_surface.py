@@ -11,9 +11,9 @@ from core.digest import OutputDigest
 from core.errors import EngineFailed, InvalidRequest
 from core.events import Completion, Delta, merge_tool_calls
 from core.schemas import ChatCompletionRequest
-from engines.openai_compat import rejection
-from engines.pool import EnginePool, build_engine
-from engines.settings import EngineConfig
+from engines.adapters.openai_compat import rejection
+from engines.adapters.settings import EngineConfig
+from engines.selection.pool import EnginePool, build_engine
 from gateway.fields import UnknownField, parse_request
 from gateway.pipeline import Pipeline
 from observability.metrics import Metrics

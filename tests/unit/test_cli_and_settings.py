@@ -12,7 +12,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from engines.settings import DEFAULT_PUBLIC_MODEL
+from engines.adapters.settings import DEFAULT_PUBLIC_MODEL
 from gateway.settings import load_settings
 from tests.harness import ServeProcess, wait_until
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from engines.energy import EnergyBook, EnergyMeter, token_equivalents, trapezoid_joules
-from engines.rollback import ControllerState, decide, route
-from engines.rollout_rules import Rule, RuleAction, RuleSelector, default_rules
-from engines.rollout_settings import ControllerSettings
-from engines.routing import EngineInfo
-from engines.snapshot import EngineSignals, Snapshot
-from engines.telemetry import parse_dcgm_power
+from engines.rollout.energy import EnergyBook, EnergyMeter, token_equivalents, trapezoid_joules
+from engines.rollout.rollback import ControllerState, decide, route
+from engines.rollout.routing import EngineInfo
+from engines.rollout.rules import Rule, RuleAction, RuleSelector, default_rules
+from engines.rollout.settings import ControllerSettings
+from engines.rollout.snapshot import EngineSignals, Snapshot
+from engines.rollout.telemetry import parse_dcgm_power
 
 # A deployment serving BF16 first, with INT4 beside it: where preferring INT4 moves traffic.
 INT4 = EngineInfo("omni-int4", "int4", "fallback", ("omni",))

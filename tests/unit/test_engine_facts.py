@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from core.capabilities import Capabilities, EngineFacts
-from engines.litellm_engine import LiteLLMEngine
-from engines.openai_compat import OpenAICompatEngine
-from engines.settings import EngineConfig
+from engines.adapters.litellm_engine import LiteLLMEngine
+from engines.adapters.openai_compat import OpenAICompatEngine
+from engines.adapters.settings import EngineConfig
 from policies.media.targets import MediaTarget, targets_from
 
 

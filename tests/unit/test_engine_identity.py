@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.identity import identity_problem, revision_of
+from engines.selection.identity import identity_problem, revision_of
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 ROOT = f"/models/hub/models--Qwen--Qwen3-Omni/snapshots/{REV}"

@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.errors import EngineBusy
-from engines.pool import EnginePool, build_engine
-from engines.routing import RoutingTable
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
+from engines.rollout.routing import RoutingTable
+from engines.selection.pool import EnginePool, build_engine
 from observability.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(30)

@@ -63,11 +63,11 @@ def test_a_type_only_import_from_the_kernel_up_breaks_the_build(tmp_path: Path) 
 
 def test_a_policy_that_imports_an_engine_or_the_gateway_breaks_the_layers(tmp_path: Path) -> None:
     tree = _copy(tmp_path)
-    _append(tree / "policies" / "limits.py", "from engines.pool import EnginePool  # noqa: F401")
+    _append(tree / "policies" / "limits.py", "from engines.selection.pool import EnginePool  # noqa: F401")
     _append(tree / "observability" / "metrics.py", "import gateway.services  # noqa: F401")
     done = _lint_imports(tree)
     assert done.returncode == 1
-    assert "policies.limits -> engines.pool" in done.stdout
+    assert "policies.limits -> engines.selection.pool" in done.stdout
     assert "observability.metrics -> gateway.services" in done.stdout
 
 

@@ -1,7 +1,7 @@
 """Latency signals that judge the engine, not one tenant's prompts: the window, the tenant cap, and ``decide``.
 
 No HTTP: an :class:`OutcomeWindow` on a fake clock is fed what the pipeline reports, its summary
-becomes the controller's snapshot, and the pure :func:`engines.rollback.decide` runs the shipped rules.
+becomes the controller's snapshot, and the pure :func:`engines.rollout.rollback.decide` runs the shipped rules.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engines.rollback import ControllerState, decide
-from engines.rollout_rules import default_rules
-from engines.rollout_settings import ControllerSettings, SignalSettings
-from engines.routing import EngineInfo
-from engines.signals import EngineSummary, OutcomeWindow, tenant_weights
-from engines.snapshot import EngineSignals, Snapshot
+from engines.rollout.rollback import ControllerState, decide
+from engines.rollout.routing import EngineInfo
+from engines.rollout.rules import default_rules
+from engines.rollout.settings import ControllerSettings, SignalSettings
+from engines.rollout.signals import EngineSummary, OutcomeWindow, tenant_weights
+from engines.rollout.snapshot import EngineSignals, Snapshot
 
 SHIPPED = next(r for r in default_rules() if r.name == "int4-latency")
 SIGNALS = SignalSettings()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
 
 

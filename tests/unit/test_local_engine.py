@@ -14,8 +14,8 @@ import structlog.testing
 from core.errors import EngineUnavailable, InvalidRequest
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
-from engines.local import LocalEngine, _StopStrings
-from engines.settings import EngineConfig, LocalEngineOptions
+from engines.adapters.local import LocalEngine, _StopStrings
+from engines.adapters.settings import EngineConfig, LocalEngineOptions
 from tests import cachedir
 
 pytestmark = pytest.mark.slow

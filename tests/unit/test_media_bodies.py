@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.base import BODY_PIECE, LARGE_STRING, Body, request_body
+from engines.adapters.base import BODY_PIECE, LARGE_STRING, Body, request_body
 from gateway.api import body as client_body
 
 B64 = base64.b64encode(os.urandom(3 * (1 << 19))).decode()  # 2 MiB of base64

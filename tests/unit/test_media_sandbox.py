@@ -296,7 +296,7 @@ def test_the_process_budget_makes_requests_wait_then_503():
 
 def test_urls_never_reach_an_engine_adapter():
     from core.schemas import ChatCompletionRequest
-    from engines.base import wire_messages
+    from engines.adapters.base import wire_messages
 
     for url in ("https://example.com/a.png", "http://127.0.0.1/x", "file:///etc/passwd", "ftp://x/y"):
         req = ChatCompletionRequest.model_validate(

@@ -8,9 +8,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.offload import OffloadClient, OffloadTarget, parse_sleep_state
-from engines.rollback import Intent
-from engines.rollout_settings import OffloadSettings
+from engines.rollout.offload import OffloadClient, OffloadTarget, parse_sleep_state
+from engines.rollout.rollback import Intent
+from engines.rollout.settings import OffloadSettings
 from observability.metrics import Metrics
 from tests.upstream import ScriptedUpstream
 

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.rollout_settings import EngineTelemetry, SignalSettings
-from engines.settings import EngineConfig
-from engines.telemetry import TelemetryCollector, parse_vllm
-from engines.vllm_omni import VLLMOmniEngine
+from engines.adapters.settings import EngineConfig
+from engines.adapters.vllm_omni import VLLMOmniEngine
+from engines.rollout.settings import EngineTelemetry, SignalSettings
+from engines.rollout.telemetry import TelemetryCollector, parse_vllm
 from observability.metrics import Metrics
 from tests.upstream import Script, ScriptedUpstream
 

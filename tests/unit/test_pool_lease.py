@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.errors import EngineProtocolError, EngineTimeout
-from engines.pool import EnginePool, Lease, build_engine
-from engines.settings import EngineConfig
+from engines.adapters.settings import EngineConfig
+from engines.selection.pool import EnginePool, Lease, build_engine
 from observability.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(30)

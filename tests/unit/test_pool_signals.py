@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.circuit import Circuit
-from engines.pool import EnginePool, build_engine
-from engines.rollout_settings import CircuitSettings, RoutingSettings
-from engines.routing import EngineInfo, RoutingTable, base_weights
-from engines.settings import EngineConfig
-from engines.signals import EngineSummary, OutcomeWindow, bucket_counts, quantile
-from engines.telemetry import bucket_delta, histogram_quantile, parse_dcgm, parse_vllm
+from engines.adapters.settings import EngineConfig
+from engines.rollout.routing import EngineInfo, RoutingTable, base_weights
+from engines.rollout.settings import CircuitSettings, RoutingSettings
+from engines.rollout.signals import EngineSummary, OutcomeWindow, bucket_counts, quantile
+from engines.rollout.telemetry import bucket_delta, histogram_quantile, parse_dcgm, parse_vllm
+from engines.selection.circuit import Circuit
+from engines.selection.pool import EnginePool, build_engine
 from observability.metrics import Metrics
 
 

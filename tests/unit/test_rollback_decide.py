@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
-from engines.rollback import ControllerState, Transition, decide, pin, route
-from engines.rollout_rules import Rule, RuleAction, RuleSelector, default_rules
-from engines.rollout_settings import ControllerSettings
-from engines.routing import EngineInfo, RoutingTable
-from engines.snapshot import EngineSignals, Snapshot
+from engines.rollout.rollback import ControllerState, Transition, decide, pin, route
+from engines.rollout.routing import EngineInfo, RoutingTable
+from engines.rollout.rules import Rule, RuleAction, RuleSelector, default_rules
+from engines.rollout.settings import ControllerSettings
+from engines.rollout.snapshot import EngineSignals, Snapshot
 
 INT4 = EngineInfo("omni-int4", "int4", "primary", ("omni",))
 BF16 = EngineInfo("omni-bf16", "bf16", "fallback", ("omni",))

@@ -11,13 +11,13 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engines.pool import EnginePool, build_engine
-from engines.rollback import ControllerState, Intent, Transition, decide, route
-from engines.rollout_rules import Rule, RuleAction, default_rules
-from engines.rollout_settings import ControllerSettings, OffloadSettings
-from engines.routing import EngineInfo, RoutingTable
-from engines.settings import EngineConfig
-from engines.snapshot import EngineSignals, Snapshot
+from engines.adapters.settings import EngineConfig
+from engines.rollout.rollback import ControllerState, Intent, Transition, decide, route
+from engines.rollout.routing import EngineInfo, RoutingTable
+from engines.rollout.rules import Rule, RuleAction, default_rules
+from engines.rollout.settings import ControllerSettings, OffloadSettings
+from engines.rollout.snapshot import EngineSignals, Snapshot
+from engines.selection.pool import EnginePool, build_engine
 from observability.metrics import Metrics
 
 INT4 = EngineInfo("omni-int4", "int4", "primary", ("omni",))

@@ -6,7 +6,7 @@ import pytest
 import structlog
 from pydantic import ValidationError
 
-from engines.rollout_rules import default_rules
+from engines.rollout.rules import default_rules
 from gateway.settings import Settings
 
 ENGINES = [

@@ -156,10 +156,10 @@ def test_a_field_that_cannot_be_honoured_says_so(extra, param, mode):
 
 def test_engines_that_cannot_take_vllms_extras_do_not_declare_them():
     from core.schemas import VLLM_EXTRA_FIELDS
-    from engines.litellm_engine import LiteLLMEngine
-    from engines.local import LocalEngine
-    from engines.openai_compat import OpenAICompatEngine
-    from engines.settings import EngineConfig
+    from engines.adapters.litellm_engine import LiteLLMEngine
+    from engines.adapters.local import LocalEngine
+    from engines.adapters.openai_compat import OpenAICompatEngine
+    from engines.adapters.settings import EngineConfig
     from tests.unit.test_local_engine import _config
 
     extras = set(VLLM_EXTRA_FIELDS)

@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.events import Completion
-from engines.rollout_settings import SentinelSettings
-from engines.sentinel import AccuracySentinel, WerScorer
+from engines.rollout.sentinel import AccuracySentinel, WerScorer
+from engines.rollout.settings import SentinelSettings
 from observability.metrics import Metrics
 from tests.speech import read_pcm, speech_set
 

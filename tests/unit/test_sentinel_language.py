@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.events import Completion
-from engines.language import detect
-from engines.rollout_settings import SentinelSettings
-from engines.sentinel import AccuracySentinel, WerScorer
+from engines.rollout.language import detect
+from engines.rollout.sentinel import AccuracySentinel, WerScorer
+from engines.rollout.settings import SentinelSettings
 from observability.metrics import Metrics
 from tests.speech import PAIRS, read_pcm, speech_set
 

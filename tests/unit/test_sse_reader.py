@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from core.errors import EngineProtocolError
-from engines.openai_compat import _MAX_LINE_BYTES, sse_data
+from engines.adapters.openai_compat import _MAX_LINE_BYTES, sse_data
 
 
 async def _read(pieces: list[bytes]) -> list[list[bytes]]:

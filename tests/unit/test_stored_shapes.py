@@ -15,11 +15,11 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from engines.rollback import ControllerState, Sleep, Transition
-from engines.routing import RoutingTable
-from engines.signals import EngineSummary
-from engines.snapshot import Incident
-from engines.state_store import Doc, RedisStore
+from engines.rollout.rollback import ControllerState, Sleep, Transition
+from engines.rollout.routing import RoutingTable
+from engines.rollout.signals import EngineSummary
+from engines.rollout.snapshot import Incident
+from engines.rollout.state_store import Doc, RedisStore
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

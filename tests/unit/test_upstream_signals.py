@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engines.routing import EngineInfo
-from engines.signals import WHOLE_ANSWER_MIN_TOKENS, EngineSummary, OutcomeWindow
-from engines.snapshot import EngineSignals
+from engines.rollout.routing import EngineInfo
+from engines.rollout.signals import WHOLE_ANSWER_MIN_TOKENS, EngineSummary, OutcomeWindow
+from engines.rollout.snapshot import EngineSignals
 
 
 class Clock:

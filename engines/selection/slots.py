@@ -43,9 +43,9 @@ from typing import Any
 import structlog
 
 from core.errors import EngineBusy, EngineError
-from engines.base import Engine
-from engines.health import Health
-from engines.routing import RoutingTable
+from engines.adapters.base import Engine
+from engines.rollout.routing import RoutingTable
+from engines.selection.health import Health
 from observability.metrics import Metrics
 
 log = structlog.get_logger("engines.pool")

@@ -40,8 +40,8 @@ from core.errors import (
 )
 from core.events import Completion, Delta, Usage
 from core.schemas import FEATURE_FIELDS, MAX_TOOL_CALLS, VLLM_EXTRA_FIELDS, ChatCompletionRequest
-from engines.base import Body, checked_index, declared, request_body, wire_messages
-from engines.settings import EngineConfig
+from engines.adapters.base import Body, checked_index, declared, request_body, wire_messages
+from engines.adapters.settings import EngineConfig
 
 log = structlog.get_logger(__name__)
 

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
-from engines.rollout_settings import CircuitSettings
+from engines.rollout.settings import CircuitSettings
 
 State = Literal["closed", "open", "half_open"]
 

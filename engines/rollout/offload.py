@@ -1,7 +1,7 @@
 """Putting idle engines' weights to sleep and waking them: vLLM-Omni's control routes, carried out for the controller.
 
-:func:`engines.rollback.decide` says which engine should sleep or wake (an
-:class:`~engines.rollback.Intent`); :class:`OffloadClient` sends it and reads back the
+:func:`engines.rollout.rollback.decide` says which engine should sleep or wake (an
+:class:`~engines.rollout.rollback.Intent`); :class:`OffloadClient` sends it and reads back the
 engine's ``vllm:engine_sleep_state`` gauge, which is what routing trusts: an engine is
 routed to again only once the gauge says every slept stage is awake.
 
@@ -28,8 +28,8 @@ import httpx
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.rollback import Intent
-from engines.rollout_settings import OffloadSettings
+from engines.rollout.rollback import Intent
+from engines.rollout.settings import OffloadSettings
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.offload")

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from core.settings import Name
-from engines.rollout_settings import EngineTelemetry
+from engines.rollout.settings import EngineTelemetry
 
 EngineKind = Literal["vllm-omni", "vllm", "litellm", "local"]
 Variant = Literal["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
@@ -157,7 +157,7 @@ class EngineConfig(_Strict):
         description="the thinking budget: sent as min(requested, this) where enforced (this when unset); "
         "elsewhere max_tokens is held to it while thinking is not turned off",
     )
-    # Per-engine concurrency caps (see engines/slots.py); the seeds' max_num_seqs: 8, and 4 under overload.
+    # Per-engine concurrency caps (see engines/selection/slots.py); the seeds' max_num_seqs: 8, and 4 under overload.
     max_in_flight: Annotated[int, Field(ge=1, le=100000)] | None = Field(
         default=8, description="requests this engine serves at once; null: no limit"
     )

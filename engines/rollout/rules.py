@@ -60,7 +60,7 @@ Signal = Literal[
     "requests_running",
     "engine_ttft_p99",
     "wer",
-    # energy per token (engines/energy.py) and the held-out set's accuracy (engines/accuracy.py)
+    # energy per token (engines/rollout/energy.py) and the held-out set's accuracy (engines/rollout/accuracy.py)
     "tokens_per_joule",
     "accuracy",
 ]

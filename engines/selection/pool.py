@@ -1,10 +1,10 @@
 """The engines behind each public model: a small facade over the pool's three jobs.
 
-- :mod:`engines.health`: probed health, model identity and each engine's circuit breaker;
-- :mod:`engines.slots`: per-engine concurrency, the bounded FIFO wait and the :class:`Lease` a request
+- :mod:`engines.selection.health`: probed health, model identity and each engine's circuit breaker;
+- :mod:`engines.selection.slots`: per-engine concurrency, the bounded FIFO wait and the :class:`Lease` a request
   holds on its engine; with Redis, the caps are shared by every replica (:meth:`EnginePool.share_caps`);
-- :mod:`engines.choice`: the order to try a model's engines in, drawn from the routing table
-  (:mod:`engines.routing`) that the rollback controller publishes; the request path only reads it.
+- :mod:`engines.selection.choice`: the order to try a model's engines in, drawn from the routing table
+  (:mod:`engines.rollout.routing`) that the rollback controller publishes; the request path only reads it.
 
 The pipeline asks :meth:`EnginePool.candidates` for the order, takes a :meth:`EnginePool.lease` on the
 first engine with a free slot and reports outcomes back; the admin views and the controller read the
@@ -18,15 +18,15 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from engines import choice
-from engines.base import Engine
-from engines.health import Health
-from engines.rollback import Transition
-from engines.rollout_settings import RoutingSettings
-from engines.routing import EngineInfo, RoutingTable, base_weights
-from engines.settings import EngineConfig
-from engines.signals import EngineSummary
-from engines.slots import Lease, SharedCaps, Slots
+from engines.adapters.base import Engine
+from engines.adapters.settings import EngineConfig
+from engines.rollout.rollback import Transition
+from engines.rollout.routing import EngineInfo, RoutingTable, base_weights
+from engines.rollout.settings import RoutingSettings
+from engines.rollout.signals import EngineSummary
+from engines.selection import choice
+from engines.selection.health import Health
+from engines.selection.slots import Lease, SharedCaps, Slots
 from observability.metrics import Metrics
 
 __all__ = ["EnginePool", "Lease", "SharedCaps", "build_engine"]
@@ -36,19 +36,19 @@ log = structlog.get_logger(__name__)
 
 def build_engine(config: EngineConfig) -> Engine:
     if config.kind == "vllm":
-        from engines.openai_compat import OpenAICompatEngine
+        from engines.adapters.openai_compat import OpenAICompatEngine
 
         return OpenAICompatEngine(config)
     if config.kind == "vllm-omni":
-        from engines.vllm_omni import VLLMOmniEngine
+        from engines.adapters.vllm_omni import VLLMOmniEngine
 
         return VLLMOmniEngine(config)
     if config.kind == "litellm":
-        from engines.litellm_engine import LiteLLMEngine
+        from engines.adapters.litellm_engine import LiteLLMEngine
 
         return LiteLLMEngine(config)
     if config.kind == "local":
-        from engines.local import LocalEngine
+        from engines.adapters.local import LocalEngine
 
         return LocalEngine(config)
     raise ValueError(f"unknown engine kind {config.kind!r}")
@@ -116,7 +116,7 @@ class EnginePool:
         return model in self._by_model
 
     def candidates(self, model: str) -> list[Engine]:
-        """Engines for ``model`` in the order to try them (:func:`engines.choice.order`). An engine the
+        """Engines for ``model`` in the order to try them (:func:`engines.selection.choice.order`). An engine the
         controller put to sleep (the table's ``asleep``) or serving other weights is not a candidate."""
         table, health, slots = self.table, self.health, self.slots
         return choice.order(
@@ -153,7 +153,7 @@ class EnginePool:
         return self.slots.in_flight.get(name, 0)
 
     def limit(self, name: str) -> int | None:
-        """The engine's concurrency cap now (see :meth:`engines.slots.Slots.limit`); None: no cap."""
+        """The engine's concurrency cap now (see :meth:`engines.selection.slots.Slots.limit`); None: no cap."""
         return self.slots.limit(name)
 
     def configured_cap(self, name: str) -> int | None:
@@ -184,7 +184,7 @@ class EnginePool:
         return self.slots.acquire(engine)
 
     async def claim(self, engines: list[Engine], model: str | None = None) -> Engine | None:
-        """A slot on the first of ``engines`` that has one (see :meth:`engines.slots.Slots.claim`)."""
+        """A slot on the first of ``engines`` that has one (see :meth:`engines.selection.slots.Slots.claim`)."""
         return await self.slots.claim(engines, model)
 
     async def lease(self, engines: list[Engine], model: str | None = None) -> Lease | None:

@@ -1,10 +1,10 @@
 """Whether each engine may take load: probed health, model identity, and its circuit breaker.
 
 Health comes from a background probe loop (a watchdog off the request path); passive outcomes
-the pipeline reports feed each engine's circuit breaker (:mod:`engines.circuit`) and its outcome
-window (:mod:`engines.signals`). Every change of state is published as a metric and handed to
-``transition_sink`` (the rollback controller) as a :class:`engines.rollback.Transition`; the slots
-(:mod:`engines.slots`) hear of an engine going away or coming back through ``on_down``/``on_up``.
+the pipeline reports feed each engine's circuit breaker (:mod:`engines.selection.circuit`) and its outcome
+window (:mod:`engines.rollout.signals`). Every change of state is published as a metric and handed to
+``transition_sink`` (the rollback controller) as a :class:`engines.rollout.rollback.Transition`; the slots
+(:mod:`engines.selection.slots`) hear of an engine going away or coming back through ``on_down``/``on_up``.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import structlog
 
-from engines.base import Engine
-from engines.circuit import Circuit
-from engines.identity import ListsModels, identity_problem
-from engines.rollback import Transition
-from engines.rollout_settings import RoutingSettings
-from engines.routing import EngineInfo, RoutingTable
-from engines.signals import EngineSummary, OutcomeWindow
+from engines.adapters.base import Engine
+from engines.rollout.rollback import Transition
+from engines.rollout.routing import EngineInfo, RoutingTable
+from engines.rollout.settings import RoutingSettings
+from engines.rollout.signals import EngineSummary, OutcomeWindow
+from engines.selection.circuit import Circuit
+from engines.selection.identity import ListsModels, identity_problem
 from observability.metrics import ENGINE_STATES, Metrics
 
 log = structlog.get_logger("engines.pool")

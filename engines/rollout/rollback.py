@@ -16,14 +16,14 @@ Anti-flapping, in the order it is applied:
 * at most ``max_switches_per_hour`` automatic switches in any hour;
 * a frozen controller, or a model with a pinned variant, takes no automatic action.
 
-Where a shift may send traffic (:func:`engines.targets.shift_targets`):
+Where a shift may send traffic (:func:`engines.rollout.targets.shift_targets`):
 
 * never to an engine an ``exclude_target`` rule holds (the held-out accuracy under 90 %);
 * never to an engine whose own traffic a shift or set_weight in force moved away, except that a
   rule listed earlier ends a later rule's shift onto the engine it fires on: INT4 rolled back for
   latency ends "prefer INT4 for energy" rather than wait behind it, never the other way round.
 
-Sleeping engines (:mod:`engines.offload`): ``decide`` only says which engine should sleep or
+Sleeping engines (:mod:`engines.rollout.offload`): ``decide`` only says which engine should sleep or
 wake (:attr:`Decision.intents`); the controller sends them. An engine that is asleep, or
 waking and not yet confirmed awake by its ``sleep_state`` gauge, has no traffic share.
 
@@ -39,11 +39,11 @@ from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter
 
-from engines.rollout_rules import Rule
-from engines.rollout_settings import ControllerSettings
-from engines.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
-from engines.snapshot import EngineSignals, Incident, Snapshot
-from engines.targets import shift_targets
+from engines.rollout.routing import EngineInfo, RoutingTable, base_weights, move_share, normalise, set_share
+from engines.rollout.rules import Rule
+from engines.rollout.settings import ControllerSettings
+from engines.rollout.snapshot import EngineSignals, Incident, Snapshot
+from engines.rollout.targets import shift_targets
 
 HOUR_S = 3600.0
 

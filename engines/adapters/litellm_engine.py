@@ -15,9 +15,9 @@ from typing import Any
 from core.errors import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, OmnigateError
 from core.events import Completion, Delta, Usage
 from core.schemas import FEATURE_FIELDS, MAX_TOOL_CALLS, VLLM_EXTRA_FIELDS, ChatCompletionRequest
-from engines.base import checked_index, declared, whole_strings, wire_messages
-from engines.openai_compat import request_id_header
-from engines.settings import EngineConfig
+from engines.adapters.base import checked_index, declared, whole_strings, wire_messages
+from engines.adapters.openai_compat import request_id_header
+from engines.adapters.settings import EngineConfig
 
 _PASS = (
     "temperature",

@@ -5,7 +5,7 @@ vLLM's ``/v1/models`` lists each served name as ``id`` and the ``--model`` it lo
 loads the verified snapshot by its path, ``.../snapshots/<revision>`` (what
 ``omnigate verify-weights`` checked), under ``--served-model-name <model id>``, so
 ``id`` is the model id and the last segment of ``root`` is the revision. An engine
-that lists neither is never routed to (see :mod:`engines.pool`).
+that lists neither is never routed to (see :mod:`engines.selection.pool`).
 """
 
 from __future__ import annotations

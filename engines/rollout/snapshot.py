@@ -1,7 +1,7 @@
 """What the rollback controller reads and remembers: one tick's engine signals and an incident in force.
 
-Kept apart from :mod:`engines.rollback` (the pure ``decide``) so that the shift-target rules
-(:mod:`engines.targets`), which ``decide`` calls, read the same types without importing it back.
+Kept apart from :mod:`engines.rollout.rollback` (the pure ``decide``) so that the shift-target rules
+(:mod:`engines.rollout.targets`), which ``decide`` calls, read the same types without importing it back.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import ConfigDict, GetCoreSchemaHandler, TypeAdapter
 from pydantic_core import CoreSchema, core_schema
 
-from engines.rollout_rules import SAMPLED_SIGNALS
-from engines.routing import EngineInfo
+from engines.rollout.routing import EngineInfo
+from engines.rollout.rules import SAMPLED_SIGNALS
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +25,7 @@ class EngineSignals:
     info: EngineInfo
     healthy: bool = True
     circuit: str = "closed"
-    #: signal name -> value (None: not measured); see ``engines.rollout_rules.Signal``
+    #: signal name -> value (None: not measured); see ``engines.rollout.rules.Signal``
     values: Mapping[str, float | None] = field(default_factory=dict)
     #: signal name -> how many samples the value rests on (sampled signals only)
     samples: Mapping[str, int] = field(default_factory=dict)

@@ -2,7 +2,7 @@
 
 Each part of the controller (telemetry, circuit breaking, signals, the WER and accuracy sentinels,
 energy, offload, the shared state) has its settings model here, with a description for every field
-(the configuration reference is generated from them); the rules are in :mod:`engines.rollout_rules`.
+(the configuration reference is generated from them); the rules are in :mod:`engines.rollout.rules`.
 They validate as one ``routing`` block, and the controller reads them as one.
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, model_validator
 
-from engines.rollout_rules import Rule, default_rules
+from engines.rollout.rules import Rule, default_rules
 
 #: a BCP 47 primary language subtag (ISO 639-1/-3), lower case: "en", "zh", "yue"
 LanguageTag = Annotated[str, Field(pattern=r"^[a-z]{2,3}$")]
@@ -108,7 +108,7 @@ class SentinelSettings(_Strict):
 
     Only speech in one of ``languages`` (those the ASR model covers: tiny.en hears English only) is
     scored; the language comes from the configuration (``model_languages``, ``tenant_languages``,
-    ``default_language``), else from the transcript (:mod:`engines.language`). Anything else is
+    ``default_language``), else from the transcript (:mod:`engines.rollout.language`). Anything else is
     counted as unscored, never as word errors.
     """
 
@@ -154,7 +154,7 @@ class SentinelSettings(_Strict):
 
 
 class EnergySettings(_Strict):
-    """Energy per token (engines/energy.py): GPU power from the engines' telemetry over counted tokens."""
+    """Energy per token (engines/rollout/energy.py): GPU power from the engines' telemetry over counted tokens."""
 
     audio_tokens_per_s: Annotated[float, Field(ge=0, le=1000)] = Field(
         default=12.5,
@@ -169,7 +169,7 @@ class EnergySettings(_Strict):
 
 
 class AccuracySettings(_Strict):
-    """The held-out accuracy sentinel (engines/accuracy.py): an operator's set replayed per engine."""
+    """The held-out accuracy sentinel (engines/rollout/accuracy.py): an operator's set replayed per engine."""
 
     enabled: bool = Field(default=False, description="replay the held-out set against every engine")
     set_path: str | None = Field(

@@ -27,9 +27,9 @@ from core.audio import split_wav
 from core.errors import EngineFailed, EngineProtocolError, EngineRejected
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
-from engines.base import checked_index
-from engines.openai_compat import OpenAICompatEngine, _choice_completion, _usage, rejection
-from engines.settings import EngineConfig
+from engines.adapters.base import checked_index
+from engines.adapters.openai_compat import OpenAICompatEngine, _choice_completion, _usage, rejection
+from engines.adapters.settings import EngineConfig
 
 # vLLM-Omni's answer to a speaker its talker does not have (serving_chat.py), before any chunk.
 _INVALID_SPEAKER = re.compile(r"Invalid speaker '([^']*)'\. Supported: (.*)$", re.DOTALL)

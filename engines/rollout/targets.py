@@ -1,6 +1,6 @@
 """Where a rule's shift may send traffic: the engines of its wanted variants that can take it.
 
-Pure, like :func:`engines.rollback.decide`, which calls it when a shift is due. A destination is
+Pure, like :func:`engines.rollout.rollback.decide`, which calls it when a shift is due. A destination is
 up and awake, of the first of ``to_variants`` that has one for the model, not held by an ``exclude_target``
 rule (the held-out accuracy under its floor), and not an engine whose own traffic a shift or
 set_weight in force moved away, unless that incident is a later-listed rule's shift onto the
@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
-from engines.rollout_rules import Rule
-from engines.rollout_settings import ControllerSettings
+from engines.rollout.rules import Rule
+from engines.rollout.settings import ControllerSettings
 
 if TYPE_CHECKING:
-    from engines.snapshot import EngineSignals, Incident, Snapshot
+    from engines.rollout.snapshot import EngineSignals, Incident, Snapshot
 
 
 def excluded_targets(snap: Snapshot, config: ControllerSettings) -> frozenset[str]:

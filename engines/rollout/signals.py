@@ -138,7 +138,7 @@ class EngineSummary:
     wer_errors: float = 0.0
     wer_words: int = 0
     wer_samples: int = 0
-    #: what energy per token divides by: completion tokens and seconds of speech served (engines/energy.py)
+    #: what energy per token divides by: completion tokens and seconds of speech served (engines/rollout/energy.py)
     tokens: int = 0
     audio_s: float = 0.0
     #: requests finished since the replica started (not windowed: tells a busy engine from a sliding window)

@@ -12,7 +12,7 @@ the corpus WER of the window, not an average of per-answer rates.
 
 Only speech in a language the ASR model covers (``languages``; tiny.en: English) is
 scored. The language is the tenant's, else the model's, else the deployment's as
-configured, else what the transcript shows (:func:`engines.language.detect`, which
+configured, else what the transcript shows (:func:`engines.rollout.language.detect`, which
 says English only on clear evidence); an answer in any other language, or one whose
 language cannot be told, is counted in ``omnigate_sentinel_unscored_total`` with its
 reason and never as word errors: a Chinese deployment cannot roll INT4 back on speech
@@ -39,9 +39,9 @@ from typing import Any
 import structlog
 
 from core.events import Completion
-from engines.language import detect, long_enough
-from engines.rollout_settings import SentinelSettings
-from engines.signals import WerWindow
+from engines.rollout.language import detect, long_enough
+from engines.rollout.settings import SentinelSettings
+from engines.rollout.signals import WerWindow
 from observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)

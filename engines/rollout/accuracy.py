@@ -32,7 +32,7 @@ import orjson
 import structlog
 
 from core.schemas import ChatCompletionRequest
-from engines.rollout_settings import AccuracySettings
+from engines.rollout.settings import AccuracySettings
 from observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)

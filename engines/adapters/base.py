@@ -24,7 +24,7 @@ from core.spooled import SpooledMedia
 
 if TYPE_CHECKING:
     from core.schemas import ChatCompletionRequest
-    from engines.settings import EngineConfig
+    from engines.adapters.settings import EngineConfig
 
 
 #: re-exported: adapters and callers import the capabilities from here, the kernel defines them

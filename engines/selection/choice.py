@@ -1,7 +1,7 @@
 """The order to try a model's engines in, for one request: a weighted draw, then the rest.
 
 A pure function of what the pool knows now (which engines are up and under their cap) and
-the routing table's weights (:mod:`engines.routing`), so it is tested without slots or probes.
+the routing table's weights (:mod:`engines.rollout.routing`), so it is tested without slots or probes.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Mapping
 
-from engines.base import Engine
+from engines.adapters.base import Engine
 
 #: the order engines of one model are listed in before any weight is applied
 ROLE_ORDER = {"primary": 0, "canary": 1, "fallback": 2}

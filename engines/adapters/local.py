@@ -30,11 +30,11 @@ import structlog
 
 from core.errors import EngineError, EngineUnavailable, InvalidRequest, OmnigateError
 from core.events import Completion, Delta, Usage
-from engines.base import declared
+from engines.adapters.base import declared
 
 if TYPE_CHECKING:
     from core.schemas import ChatCompletionRequest
-    from engines.settings import EngineConfig
+    from engines.adapters.settings import EngineConfig
 
 log = structlog.get_logger(__name__)
 

@@ -10,7 +10,7 @@ Per engine, every ``scrape_interval_s``:
   a PromQL query against a Prometheus server, or NVML when the gateway shares the host;
 * from the same DCGM exporter or NVML, the GPUs' power draw (``DCGM_FI_DEV_POWER_USAGE``,
   ``nvmlDeviceGetPowerUsage``), summed over the engine's GPUs as ``power_watts``, which the
-  controller integrates into energy per token (:mod:`engines.energy`).
+  controller integrates into energy per token (:mod:`engines.rollout.energy`).
 
 ``vram_usage`` is the GPU memory ratio when one of those sources is configured;
 otherwise it falls back to vLLM's KV-cache usage, since vLLM reserves its share of
@@ -46,7 +46,7 @@ import orjson
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.rollout_settings import EngineTelemetry, SignalSettings
+from engines.rollout.settings import EngineTelemetry, SignalSettings
 from observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)

@@ -3,7 +3,7 @@
 Method (the figure is an estimate, and this is what it estimates):
 
 * power is the sum over the engine's GPUs of DCGM's ``DCGM_FI_DEV_POWER_USAGE`` (W) or NVML's
-  ``nvmlDeviceGetPowerUsage`` (mW, read as W), as :mod:`engines.telemetry` scrapes it;
+  ``nvmlDeviceGetPowerUsage`` (mW, read as W), as :mod:`engines.rollout.telemetry` scrapes it;
 * the controller observes it once a tick, with whether the engine was busy (requests in flight on
   any replica, or requests finished since the last tick); the energy of the interval between two
   observations is the trapezoid ``(w0 + w1) / 2 * (t1 - t0)``, counted when the engine was busy at
