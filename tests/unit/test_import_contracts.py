@@ -34,7 +34,12 @@ def test_the_tree_keeps_every_contract() -> None:
     done = _lint_imports(ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 broken" in done.stdout
-    for contract in ("Layers:", "The kernel imports nothing of the project", "No circles"):
+    for contract in (
+        "Layers:",
+        "The kernel imports nothing of the project",
+        "No circles",
+        "Adapters know nothing",
+    ):
         assert contract in done.stdout
 
 
@@ -78,3 +83,22 @@ def test_a_new_circle_inside_a_package_breaks_the_build(tmp_path: Path) -> None:
     done = _lint_imports(tree)
     assert done.returncode == 1
     assert "No cycles are allowed in gateway" in done.stdout
+
+
+def test_an_adapter_or_the_rollout_plane_reaching_across_engines_breaks_the_build(tmp_path: Path) -> None:
+    tree = _copy(tmp_path)
+    engines = tree / "engines"
+    _append(
+        engines / "adapters" / "local.py", "from engines.rollout.signals import OutcomeWindow  # noqa: F401"
+    )
+    _append(engines / "rollout" / "offload.py", "from engines.selection.pool import EnginePool  # noqa: F401")
+    _append(
+        tree / "gateway" / "pipeline" / "relay.py",
+        "from engines.rollout.state_store import StateStore  # noqa: F401",
+    )
+    done = _lint_imports(tree)
+    assert done.returncode == 1
+    assert "engines.adapters.local -> engines.rollout.signals" in done.stdout
+    assert "engines.rollout.offload -> engines.selection.pool" in done.stdout
+    assert "gateway.pipeline.relay -> engines.rollout.state_store" in done.stdout
+    assert "engines.rollout is not allowed to import engines.selection" in done.stdout
