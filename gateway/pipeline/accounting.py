@@ -1,8 +1,9 @@
-"""What a request leaves behind: its metrics, its access log event (``request_finished``), its tenant's
-token charge and its audit record, made once per request in :meth:`Accounting.finish`. It settles the
-engine slot with the request's outcome and then closes the request's holdings (``ctx.holds``: admission
-slot, media budget, chain generation, in-flight count) at once; that stack closes anyway when the
-request's lifetime ends (``Pipeline.lifetime``), so no release depends on this being called.
+"""What a request leaves behind, made once in :meth:`Accounting.finish`: its one frozen record
+(gateway/pipeline/record.py), published to its subscribers (engine outcome, metrics, access log, tenant
+charge, audit trail). Before publishing it settles the engine slot with the request's outcome and closes
+the request's holdings (``ctx.holds``: admission slot, media budget, chain generation, in-flight count);
+that stack closes anyway when the request's lifetime ends (``Pipeline.lifetime``), so no release depends
+on this being called.
 """
 
 from __future__ import annotations
@@ -13,14 +14,22 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from core.context import PolicyRun, RequestContext
-from core.errors import ClientClosedRequest, EngineError, OmnigateError, Overloaded
+from core.errors import EngineError
 from core.events import Completion
 from engines.rollout.energy import EnergyBook
-from engines.rollout.signals import ttft_per_1k_prompt_tokens
 from engines.selection.pool import EnginePool
+from gateway.pipeline.record import (
+    Finished,
+    Subscriber,
+    access_log,
+    audit_submit,
+    engine_outcome,
+    observe,
+    outcome_of,
+    tenant_charge,
+)
 from gateway.ratelimit import RateLimiter
 from observability.audit.log import AuditLog
-from observability.audit.record import RequestSnapshot
 from observability.metrics import Metrics
 from policies.registry import LoadedPolicy
 
@@ -52,7 +61,11 @@ class Accounting:
         self.admission = admission
         #: the engines' joules per token (engines/energy.py), for usage.energy_joules; None: not estimated
         self.energy = energy
-        self._background: set[asyncio.Task[None]] = set()
+        self._engine_outcome = engine_outcome(pool)
+        #: what every finished request's record is published to, in order (the audit last: it is awaited)
+        self._subscribers: list[Subscriber] = [observe(metrics, pool), access_log]
+        if limiter is not None:
+            self._subscribers.append(tenant_charge(limiter))
 
     def policy_ran(
         self,
@@ -117,25 +130,21 @@ class Accounting:
             await self.audit.wait(fut)
 
     def finish(self, ctx: RequestContext, error: BaseException | None) -> asyncio.Future[int] | None:
-        """Account for the request, give back what it holds and hand its record to the audit; once per
-        request (a second call finds it accounted for and does nothing)."""
-        if ctx.record.outcome is not None:
+        """Account for the request once (a second call finds it accounted for and does nothing): its one
+        record is made, what it holds is given back, and the record is published to its subscribers; the
+        audit's commit is returned, for the durability the route awaits."""
+        r = ctx.record
+        if r.outcome is not None:
             return None
+        outcome, status, code, left = outcome_of(error, bool(ctx.outputs.degraded))
+        r.outcome = outcome
+        if status is not None:
+            r.status, r.error_code = status, code
+        finished = Finished.of(ctx, left, audited=self.audit is not None)
+        # The engine's window hears of a served request before its slot is settled (a half-open trial's
+        # verdict comes with it).
+        self._engine_outcome(finished)
         lease, ctx.lease = ctx.lease, None
-        if ctx.record.engine is not None and error is None:
-            # One report per request (never per chunk): latency and outcome for its window and circuit.
-            self.pool.report_success(
-                ctx.record.engine,
-                self._ttft(ctx),
-                ctx.record.first_audio_s if ctx.record.stream else None,
-                ctx.record.elapsed(),
-                ctx.record.upstream_ttft_s,
-                ctx.record.upstream_e2e_s,
-                ctx.record.completion_tokens,
-                ctx.record.audio_seconds,
-                prompt_tokens=ctx.record.prompt_tokens,
-                tenant=ctx.identity.tenant,
-            )
         if lease is not None:
             lease.settle(reported=error is None or isinstance(error, EngineError))
         if self.admission is not None:
@@ -146,110 +155,6 @@ class Accounting:
             ctx.holds.close()
         except Exception as exc:  # every release has run; the record is still owed
             log.error("request_release_failed", exc_info=exc)
-        if error is None:
-            ctx.record.outcome = "degraded" if ctx.outputs.degraded else "served"
-        elif isinstance(error, ClientClosedRequest):
-            # The client left (mid-body) or stopped reading (stalled): cancelled, with the reason named.
-            ctx.record.outcome, ctx.record.status, ctx.record.error_code = (
-                "cancelled",
-                error.status,
-                error.code,
-            )
-            self.metrics.client_disconnects.inc()
-        elif isinstance(error, OmnigateError):
-            ctx.record.status = error.status
-            ctx.record.error_code = error.code
-            # Load refused on purpose (overload, engine busy, audit full) is a refusal, not a failure.
-            refused = error.status < 500 or isinstance(error, Overloaded)
-            ctx.record.outcome = "refused" if refused else "failed"
-        elif isinstance(error, GeneratorExit) or type(error).__name__ == "CancelledError":
-            ctx.record.outcome = "cancelled"
-            self.metrics.client_disconnects.inc()
-        else:
-            ctx.record.outcome, ctx.record.status, ctx.record.error_code = "failed", 500, "internal_error"
-        self._observe(ctx)
-        self._log(ctx)
-        tenant = ctx.identity.tenant_config
-        if tenant is not None and tenant.tokens_per_minute and self.limiter is not None:
-            used = ctx.record.prompt_tokens + ctx.record.completion_tokens
-            if used:
-                task = asyncio.get_running_loop().create_task(self.limiter.charge(tenant, used))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-        if self.audit is None:
-            return None
-        snapshot = RequestSnapshot(
-            ctx, ctx.record.received, ctx.record.output, ctx.record.completion, ctx.record.elapsed() * 1000
-        )
-        return self.audit.submit(
-            "request", request_id=ctx.identity.request_id, tenant=ctx.identity.tenant, snapshot=snapshot
-        )
-
-    def _observe(self, ctx: RequestContext) -> None:
-        m = self.metrics
-        assert ctx.record.outcome is not None
-        m.requests.labels(ctx.record.public_model or "unknown", ctx.record.outcome).inc()
-        for reason in ctx.outputs.degraded:
-            m.degradations.labels(reason).inc()
-        engine, variant = ctx.record.engine or "none", ctx.record.variant or "none"
-        stream = str(ctx.record.stream).lower()
-        m.duration.labels(engine, variant, ctx.record.outcome, stream).observe(ctx.record.elapsed())
-        ttft = self._ttft(ctx)
-        if ttft is not None and ctx.record.engine:
-            m.ttft.labels(engine, variant).observe(ttft)
-        if ctx.record.first_audio_s is not None and ctx.record.stream and ctx.record.engine:
-            m.first_audio.labels(engine, variant).observe(ctx.record.first_audio_s)
-        if ctx.record.upstream_ttft_s is not None and ctx.record.engine:
-            m.upstream_ttft.labels(engine, variant).observe(ctx.record.upstream_ttft_s)
-            per_1k = ttft_per_1k_prompt_tokens(
-                ctx.record.upstream_ttft_s,
-                ctx.record.prompt_tokens,
-                self.pool.routing.signals.prompt_tokens_floor,
-            )
-            if per_1k is not None and ctx.record.outcome in ("served", "degraded"):
-                model = ctx.record.public_model or "unknown"
-                m.upstream_ttft_per_1k.labels(engine, variant, model).observe(per_1k)
-        if ctx.record.upstream_e2e_s is not None and ctx.record.engine:
-            m.upstream_duration.labels(engine, variant, str(ctx.record.stream).lower()).observe(
-                ctx.record.upstream_e2e_s
-            )
-        if ctx.record.audio_seconds and ctx.record.engine:
-            m.audio_output.labels(engine, variant).inc(ctx.record.audio_seconds)
-
-    @staticmethod
-    def _ttft(ctx: RequestContext) -> float | None:
-        """The client's time to first token: streamed answers only. A whole answer reaches its client at
-        once, at its end; that is its duration (``omnigate_request_duration_seconds``), and taken for a
-        first token it made a long answer from an idle engine look like a queue."""
-        return ctx.record.ttft_s if ctx.record.stream else None
-
-    @classmethod
-    def _log(cls, ctx: RequestContext) -> None:
-        log.info(
-            "request_finished",
-            tenant=ctx.identity.tenant,
-            model=ctx.record.public_model,
-            stream=ctx.record.stream,
-            engine=ctx.record.engine,
-            variant=ctx.record.variant,
-            outcome=ctx.record.outcome,
-            status=ctx.record.status,
-            error_code=ctx.record.error_code,
-            attempts=ctx.record.attempts,
-            retries=ctx.record.retries,
-            degraded=ctx.outputs.degraded or None,
-            priority=ctx.load.priority if ctx.load is not None else None,
-            admitted_at_in_flight=ctx.load.in_flight if ctx.load is not None else None,
-            policies=[(p.name, p.verdict) for p in ctx.record.policy_runs] or None,
-            attempt_log=[
-                {"attempt": p.attempt, "policy": p.name, "verdict": p.verdict, "score": p.score}
-                for p in ctx.record.policy_runs
-                if p.stage == "post"
-            ]
-            or None,
-            notes=ctx.outputs.notes or None,
-            ttft_ms=round(ttft * 1000, 2) if (ttft := cls._ttft(ctx)) is not None else None,
-            duration_ms=round(ctx.record.elapsed() * 1000, 2),
-            prompt_tokens=ctx.record.prompt_tokens,
-            completion_tokens=ctx.record.completion_tokens,
-        )
+        for subscriber in self._subscribers:
+            subscriber(finished)
+        return audit_submit(self.audit, finished) if self.audit is not None else None
