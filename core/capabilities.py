@@ -20,7 +20,7 @@ class Capabilities:
     #: is not sent to it (refused when no engine for the model honours it)
     features: frozenset[str] = frozenset()
     #: the engine enforces a reasoning-token budget itself (vLLM's ``thinking_token_budget``); without
-    #: it only ``max_tokens`` bounds thinking (gateway/thinking.py)
+    #: it only ``max_tokens`` bounds thinking (engines/selection/thinking.py)
     thinking_budget: bool = False
     #: how the engine takes video: ``video`` (a container) or ``frames`` (a sequence of images)
     video_form: str = "video"

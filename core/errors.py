@@ -22,7 +22,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     │   ├── ModalBudgetExceeded         400 invalid_request_error  modal_budget_exceeded
     │   ├── UnknownField                400 invalid_request_error  unknown_field
     │   ├── ContextLengthExceeded       400 invalid_request_error  context_length_exceeded
-    │   └── ThinkingBudgetUnsupported   400 invalid_request_error  thinking_budget_unsupported  [gateway.thinking]
+    │   └── ThinkingBudgetUnsupported   400 invalid_request_error  thinking_budget_unsupported  [engines.selection.thinking]
     ├── AuthenticationFailed            401 authentication_error   invalid_api_key
     │   └── KeyRefused                  401 authentication_error   invalid_api_key  [gateway.tenants]
     ├── PermissionDenied                403 permission_error       permission_denied

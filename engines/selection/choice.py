@@ -1,7 +1,10 @@
-"""The order to try a model's engines in, for one request: a weighted draw, then the rest.
+"""Engine choice for one request, in one place: which of a model's engines can serve it (input
+modalities, features, a thinking budget only an engine can keep), the order to try them in (a weighted
+draw, then the rest) and the request as each one is sent it.
 
-A pure function of what the pool knows now (which engines are up and under their cap) and
-the routing table's weights (:mod:`engines.rollout.routing`), so it is tested without slots or probes.
+Pure functions of the request, the engines' capabilities, what the pool knows now (which engines are up
+and under their cap) and the routing table's weights (:mod:`engines.rollout.routing`), so they are
+tested without slots or probes.
 """
 
 from __future__ import annotations
@@ -9,7 +12,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Mapping
 
+from core.errors import InvalidRequest
+from core.schemas import ChatCompletionRequest
 from engines.adapters.base import Engine
+from engines.selection import thinking
 
 #: the order engines of one model are listed in before any weight is applied
 ROLE_ORDER = {"primary": 0, "canary": 1, "fallback": 2}
@@ -68,3 +74,36 @@ def order(
     out.extend(standby)
     out.extend(down)
     return out
+
+
+def able(engines: list[Engine], request: ChatCompletionRequest) -> list[Engine]:
+    """Those of ``engines`` (in order) that can serve ``request``; a request none can serve is refused
+    (400) by the field it asked for, never served with the field dropped."""
+    fitting = [e for e in engines if not (request.input_modalities() - e.capabilities.input_modalities)]
+    if not fitting:
+        kinds = ", ".join(sorted(request.input_modalities() - {"text"}))
+        raise InvalidRequest(f"the model {request.model!r} does not accept {kinds} input", param="messages")
+    features = request.features()
+    if features:
+        capable = [e for e in fitting if features <= e.capabilities.features]
+        if not capable:
+            field = min(features - set().union(*(e.capabilities.features for e in fitting)) or features)
+            raise InvalidRequest(f"the model {request.model!r} does not support {field}", param=field)
+        fitting = capable
+    if thinking.needs_enforcement(request):
+        fitting = [e for e in fitting if e.capabilities.thinking_budget]
+        if not fitting:
+            raise thinking.refuse(request)
+    return fitting
+
+
+def fit(engine: Engine, request: ChatCompletionRequest) -> tuple[ChatCompletionRequest | None, list[str]]:
+    """The request as ``engine`` is sent it, and the degradations that carries; None: it cannot serve it."""
+    if request.input_modalities() - engine.capabilities.input_modalities:
+        return None, []
+    request, held = thinking.fit(engine, request)
+    degraded = [held] if held is not None else []
+    if request.wants_audio and not engine.capabilities.speaks:
+        degraded.append("engine-text-only")
+        request = request.model_copy(update={"modalities": ["text"], "audio": None})
+    return request, degraded

@@ -16,12 +16,12 @@ from typing import Generic, TypeVar
 import structlog
 
 from core.context import RequestContext
-from core.errors import EngineError, EngineProtocolError, EngineUnavailable, InvalidRequest
+from core.errors import EngineError, EngineProtocolError, EngineUnavailable
 from core.events import Delta
 from core.schemas import ChatCompletionRequest
 from engines.adapters.base import Engine
+from engines.selection import choice
 from engines.selection.pool import EnginePool
-from gateway import thinking
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.request")
@@ -129,41 +129,17 @@ class Attempts:
         engines = self.pool.candidates(request.model)
         if not engines:
             raise self.no_engine(request)  # every engine of the model serves other weights than configured
-        fitting = [e for e in engines if not (request.input_modalities() - e.capabilities.input_modalities)]
-        if not fitting:
-            kinds = ", ".join(sorted(request.input_modalities() - {"text"}))
-            raise InvalidRequest(
-                f"the model {request.model!r} does not accept {kinds} input", param="messages"
-            )
-        features = request.features()
-        if features:
-            # A field an engine cannot honour is refused, never dropped on the way to it.
-            able = [e for e in fitting if features <= e.capabilities.features]
-            if not able:
-                field = min(features - set().union(*(e.capabilities.features for e in fitting)) or features)
-                raise InvalidRequest(f"the model {request.model!r} does not support {field}", param=field)
-            fitting = able
-        if thinking.needs_enforcement(request):
-            fitting = [e for e in fitting if e.capabilities.thinking_budget]
-            if not fitting:
-                raise thinking.refuse(request)
-        return fitting
+        return choice.able(engines, request)
 
     @staticmethod
     def adapt(
         engine: Engine, request: ChatCompletionRequest, ctx: RequestContext
     ) -> ChatCompletionRequest | None:
         """Fit the request to what the engine can do; None when it cannot serve it at all."""
-        missing = request.input_modalities() - engine.capabilities.input_modalities
-        if missing:
-            return None
-        request, held = thinking.fit(engine, request)
-        if held is not None:
-            ctx.outputs.degrade(held)
-        if request.wants_audio and not engine.capabilities.speaks:
-            ctx.outputs.degrade("engine-text-only")
-            return request.model_copy(update={"modalities": ["text"], "audio": None})
-        return request
+        fitted, degraded = choice.fit(engine, request)
+        for reason in degraded:
+            ctx.outputs.degrade(reason)
+        return fitted
 
     def _failed(self, engine: Engine, exc: EngineError, more: bool) -> None:
         # The lease has already counted a failover-worthy error against the engine's circuit.
