@@ -1,11 +1,12 @@
 """How one chat completion request is served, top to bottom; a newcomer starts here.
 
     admission (audit room, tenant rate limits, model access, a concurrency slot: gateway/admission.py)
-      → pre-policies (the tenant's chain; load-shedding first)                  this file
-      → engine choice → first upstream chunk (failover point)                   attempt.py
-      → stream filters → streaming post-checks → first released chunk (commit)  relay.py, stream.py
-      → post-policies (retry while nothing was sent)                            this file, stream.py
-      → accounting → audit record (committed before the response is complete)   accounting.py
+      → pre-policies (the tenant's chain; load-shedding first)                  this file, prepare.py
+      → engine choice → first upstream chunk (failover point)                   attempt.py (engines/selection/choice.py)
+      → stream filters → streaming post-checks → first released batch (commit)  relay.py, stream.py
+      → post-policies (retry while nothing was sent)                            stream.py, complete.py, verdicts.py
+      → one record, published to its subscribers (the audit committed before
+        the response is complete)                                               accounting.py, record.py
 
 Nothing here knows about HTTP: the transport renders what :meth:`Pipeline.stream`
 and :meth:`Pipeline.complete` return. Both run the one attempt loop
@@ -32,14 +33,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from core.context import RequestContext, SegmentPlan
 from core.errors import InvalidRequest, ModelNotFound, OmnigateError
-from core.events import Completion
 from core.schemas import ChatCompletionRequest
 from engines.rollout.energy import EnergyBook
 from engines.selection.pool import EnginePool
@@ -47,16 +46,17 @@ from gateway.answer_audio import AnswerAudio, MemoryAnswers
 from gateway.chains import Chains, ChainSet
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.attempt import Attempt, Attempts, first_chunk
-from gateway.pipeline.relay import Candidate, Relay
-from gateway.pipeline.segments import join, segment_request, segmented
+from gateway.pipeline.complete import CompletionResult, run_complete
+from gateway.pipeline.prepare import let_go_of_media, run_pre
+from gateway.pipeline.relay import Relay
+from gateway.pipeline.segments import segmented
 from gateway.pipeline.stream import ResponseStream, run_stream
 from gateway.ratelimit import RateLimiter
 from gateway.speech import check_speech
 from observability.audit.log import AuditLog
-from observability.audit.record import InputDigests
 from observability.metrics import Metrics
-from policies.base import Accept, Reject, Retry, Segmented
-from policies.registry import LoadedPolicy, PolicyChain
+from policies.base import Segmented
+from policies.registry import PolicyChain
 
 if TYPE_CHECKING:
     from gateway.admission import AdmissionGate
@@ -64,24 +64,6 @@ if TYPE_CHECKING:
 __all__ = ["Attempt", "CompletionResult", "Pipeline", "ResponseStream"]
 
 log = structlog.get_logger("omnigate.request")
-
-
-@dataclass(slots=True)
-class CompletionResult:
-    request: ChatCompletionRequest
-    completion: Completion
-    ctx: RequestContext
-
-
-def _text_only(request: ChatCompletionRequest) -> ChatCompletionRequest:
-    """The request without its media parts (what a ``digests`` or ``redacted`` record reads of it)."""
-    messages = [
-        m.model_copy(update={"content": [p for p in m.content if p.type == "text"]})
-        if isinstance(m.content, list)
-        else m
-        for m in request.messages
-    ]
-    return request.model_copy(update={"messages": messages})
 
 
 class Pipeline:
@@ -145,7 +127,7 @@ class Pipeline:
         """The current tenant policy sets by name; a tenant without one gets ``chain``."""
         return self.policies.current.sets
 
-    def _chain(self, ctx: RequestContext) -> PolicyChain:
+    def chain_for(self, ctx: RequestContext) -> PolicyChain:
         # The generation the request began on, to its end: a reload meanwhile does not move it.
         # The context holds it as a lease (core knows no chains); the pipeline put it there, so it is a ChainSet.
         generation = ctx.policies if isinstance(ctx.policies, ChainSet) else self.policies.current
@@ -159,7 +141,7 @@ class Pipeline:
             prepared = self._prepare(request, ctx)
             del request  # the media steps replace its parts: nothing here may keep the client's strings alive
             request, plan = await prepared
-            attempt = await self._open(request, ctx)
+            attempt = await self.open_attempt(request, ctx)
         except BaseException as exc:  # cancellation included: every request is accounted for once
             await self.accounting.settle(ctx, exc)
             raise
@@ -173,7 +155,7 @@ class Pipeline:
             prepared = self._prepare(request, ctx)
             del request  # as in stream
             request, plan = await prepared
-            result = await self._complete(request, plan, ctx)
+            result = await run_complete(self, request, plan, ctx)
         except BaseException as exc:  # as in stream
             await self.accounting.settle(ctx, exc)
             raise
@@ -254,7 +236,7 @@ class Pipeline:
             if applied:
                 request = request.model_copy(update=applied)
                 ctx.record.sampling_defaults = applied
-        chain = self._chain(ctx)
+        chain = self.chain_for(ctx)
         if request.choices > 1 and (chain.post or chain.stream):
             # Post-policies and stream filters judge and retry one answer; n answers would pass unjudged.
             raise InvalidRequest(
@@ -268,8 +250,8 @@ class Pipeline:
                 if not request.input_modalities() - {"text"}:
                     continue  # a media step has nothing to do on a text-only request: not run, not recorded
                 if not media_seen:
-                    media_seen, digests = True, self._let_go_of_media(ctx)
-            out = await self._run_pre(policy, request, ctx)
+                    media_seen, digests = True, let_go_of_media(ctx, self.audit is not None)
+            out = await run_pre(policy, request, ctx, self.accounting.policy_ran)
             request, plan = (out.request, out.plan) if isinstance(out, Segmented) else (out, plan)
         if digests is not None:
             await digests  # made, so the client's strings are gone before the engine is called
@@ -278,151 +260,14 @@ class Pipeline:
             ctx.record.segments = list(plan.boundaries)
         return request, plan
 
-    def _let_go_of_media(self, ctx: RequestContext) -> asyncio.Future[Any] | None:
-        """Keep for the audit record only the digests of the client's parts, so that its media strings
-        go as soon as the media steps have replaced them (a request otherwise holds its input until it
-        ends: what its peak memory would be made of). Hashed on a thread while the media steps run.
-        ``audit_content: raw`` keeps the request as sent, media included: that is what it records."""
-        received = ctx.record.received
-        if received is None or ctx.record.input_digests is not None or ctx.identity.audit_content == "raw":
-            return None
-        ctx.record.received = _text_only(received)
-        if self.audit is None:
-            return None
-        digests = ctx.record.input_digests = InputDigests(received)
-        return asyncio.get_running_loop().run_in_executor(None, digests.get)
-
-    async def _run_pre(
-        self, policy: LoadedPolicy, request: ChatCompletionRequest, ctx: RequestContext
-    ) -> ChatCompletionRequest | Segmented:
-        t0 = time.perf_counter()
-        verdict, detail = "accept", None
-        mark = ctx.outputs.mark()
-        out: ChatCompletionRequest | Segmented
-        try:
-            out = await policy.impl.pre(request, ctx)
-            if out is not request:
-                verdict = "rewrite"
-        except OmnigateError as exc:
-            verdict, detail = "reject", exc.code
-            if not policy.shadow:
-                raise
-            out = request
-        finally:
-            self.accounting.policy_ran(policy, ctx, verdict, time.perf_counter() - t0, detail)
-        if policy.shadow:
-            # A shadow policy's rewrite (and segment plan) is not served: neither announced nor audited as done.
-            ctx.outputs.undo(mark)
-            return request
-        return out
-
     # -- the engine calls (the one attempt loop) ------------------------------
-    async def _open(self, request: ChatCompletionRequest, ctx: RequestContext) -> Attempt:
+    async def open_attempt(self, request: ChatCompletionRequest, ctx: RequestContext) -> Attempt:
         """The stream path's attempt: engines in order until one yields its first chunk."""
         answered = await self.attempts.call(request, ctx, first_chunk)
         upstream, first = answered.result
         # The engine's own time to first token: no body read, pre-policy, slot wait or hold-back in it.
         ctx.record.upstream_ttft_s, ctx.record.upstream_e2e_s = time.perf_counter() - answered.sent, None
         return Attempt(answered.engine, answered.request, upstream, first, answered.sent)
-
-    async def _complete_once(
-        self, request: ChatCompletionRequest, ctx: RequestContext
-    ) -> tuple[Completion, ChatCompletionRequest]:
-        """The JSON path's attempt: engines in order until one returns a whole answer."""
-        answered = await self.attempts.call(request, ctx, lambda engine, adapted: engine.complete(adapted))
-        cap = answered.request.output_token_limit
-        if cap is not None and answered.result.usage.completion_tokens > cap * answered.request.choices:
-            # The engine ignored max_tokens. A whole answer has no pieces to count and the gateway no
-            # tokenizer of the engine's model: it cannot be cut exactly, so it is served and announced.
-            ctx.outputs.degrade("output-over-cap")
-        ctx.record.ttft_s = ctx.record.elapsed()
-        # A whole answer has no first token to time: its engine latency is a signal of its own.
-        ctx.record.upstream_ttft_s, ctx.record.upstream_e2e_s = None, time.perf_counter() - answered.sent
-        self.accounting.account(ctx, answered.result)
-        return answered.result, answered.request
-
-    async def _complete_segments(
-        self, request: ChatCompletionRequest, plan: SegmentPlan | None, ctx: RequestContext
-    ) -> tuple[Completion, ChatCompletionRequest]:
-        completion, served = await self._complete_once(request, ctx)
-        if plan is None or not segmented(plan):
-            return completion, served
-        parts = [completion]
-        for i in range(1, len(plan.boundaries)):
-            self.metrics.segments.inc()
-            self.attempts.unbind(ctx)  # the previous segment's engine slot: one slot per request at a time
-            more, _ = await self._complete_once(segment_request(served, plan, i), ctx)
-            parts.append(more)
-        joined = join(parts, plan.separator)
-        self.accounting.account(ctx, joined)
-        return joined, served
-
-    # -- post-policies and the retry budget ------------------------------------
-    async def _complete(
-        self, request: ChatCompletionRequest, plan: SegmentPlan | None, ctx: RequestContext
-    ) -> CompletionResult:
-        chain = self._chain(ctx)
-        budget = chain.max_retries
-        candidates: list[Candidate] = []
-        while True:
-            ctx.retries_left = budget
-            completion, served = await self._complete_segments(request, plan, ctx)
-            verdict, accepted = await self.relay.post(chain.post, served, completion, ctx)
-            if isinstance(verdict, Accept):
-                self._apply(accepted, ctx, committed=False)
-                return CompletionResult(served, completion, ctx)
-            if isinstance(verdict, Reject):
-                raise verdict.error
-            candidates.append(Candidate(verdict, served, completion, lambda: []))
-            if budget > 0:
-                budget -= 1
-                request = self._retry(request, verdict, ctx)
-                self.attempts.unbind(ctx)
-                continue
-            best = self._exhausted(candidates, ctx)
-            self.accounting.account(ctx, best.completion)
-            return CompletionResult(best.request, best.completion, ctx)
-
-    def _exhausted(self, candidates: list[Candidate], ctx: RequestContext) -> Candidate:
-        """No retry left: serve the best-scoring attempt as its verdict says, or raise its refusal."""
-        ctx.outputs.degrade("retries-exhausted")
-        best = max(
-            enumerate(candidates),
-            key=lambda ic: (ic[1].verdict.score if ic[1].verdict.score is not None else float("-inf"), ic[0]),
-        )[1]
-        outcome = best.verdict.exhausted
-        policy = next((p for p in self._chain(ctx).post if p.name == best.verdict.reason), None)
-        if policy is not None:
-            kind = "exhausted_reject" if isinstance(outcome, Reject) else "exhausted_serve"
-            self.accounting.policy_ran(policy, ctx, kind, 0.0, None, best.verdict.score)
-        if isinstance(outcome, Reject):
-            raise outcome.error
-        if isinstance(outcome, Accept):
-            self._apply([outcome], ctx, committed=False)
-        return best
-
-    def _apply(self, accepted: list[Accept], ctx: RequestContext, committed: bool) -> None:
-        """Headers and notes of the verdicts acted on; headers only while the response has not started."""
-        for v in accepted:
-            if v.headers and not committed:
-                ctx.outputs.response_headers.update(v.headers)
-            if v.notes:
-                ctx.outputs.notes.update(v.notes)
-
-    def _retry(
-        self, request: ChatCompletionRequest, verdict: Retry, ctx: RequestContext
-    ) -> ChatCompletionRequest:
-        ctx.record.retries += 1
-        self.metrics.retries.labels(verdict.reason).inc()
-        log.info(
-            "request_retry",
-            reason=verdict.reason,
-            attempt=ctx.record.retries,
-            engine=ctx.record.engine,
-            score=verdict.score,
-            adjusted=sorted(verdict.update) or None,
-        )
-        return request.model_copy(update=verdict.update) if verdict.update else request
 
     # -- names older callers and tests reach for -------------------------------
     def _engines_for(self, request: ChatCompletionRequest) -> list[Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -32,16 +32,6 @@ _DEAD: Any = object()  # a shadow check that halted: not fed any more
 
 Filters = list[tuple[LoadedPolicy, StreamFilter]]
 Checks = list[tuple[LoadedPolicy, Any]]
-
-
-@dataclass(slots=True)
-class Candidate:
-    """A complete attempt that a post-policy wanted retried: served if it scores best when retries run out."""
-
-    verdict: Retry
-    request: ChatCompletionRequest
-    completion: Completion
-    release: Callable[[], list[Delta]]
 
 
 class Relay:
@@ -185,7 +175,14 @@ class Relay:
                 completion.add(delta)
                 out = [delta] if not filters else self.feed(filters, delta)
                 if checks:
-                    out = await self.feed_checks(checks, out, ctx)
+                    try:
+                        out = await self.feed_checks(checks, out, ctx)
+                    except Halt:
+                        if batch:  # released before the check halted: it goes out, then the stream ends
+                            last_t, widest = self._released(batch, ctx, last_t, widest)
+                            yield batch
+                            batch = []
+                        raise
                 if out:
                     batch += out
                 if batch and (cut or not delta.more):

@@ -18,9 +18,10 @@ from core.digest import OutputDigest
 from core.errors import AnswerWithheld
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
+from gateway.pipeline import verdicts
 from gateway.pipeline.attempt import Attempt
-from gateway.pipeline.relay import Candidate
 from gateway.pipeline.segments import concat, segmented
+from gateway.pipeline.verdicts import Candidate
 from policies.base import Accept, Halt, Reject, Verdict
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
     """Relay one stream through filters and checks; retry only while nothing was released."""
     ctx, attempt = rs.ctx, rs.attempt
     relay, accounting = p.relay, p.accounting
-    chain = p._chain(ctx)
+    chain = p.chain_for(ctx)
     budget = chain.max_retries
     candidates: list[Candidate] = []
     error: BaseException | None = None
@@ -137,7 +138,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
             relayed = attempt
             plan = rs.plan
             if plan is not None and segmented(plan):
-                joined = concat(attempt, plan, ctx, p._open, p.attempts.unbind, p.metrics.segments.inc)
+                joined = concat(attempt, plan, ctx, p.open_attempt, p.attempts.unbind, p.metrics.segments.inc)
                 relayed = Attempt(attempt.engine, attempt.request, joined, await anext(joined))
             halted: Halt | None = None
             try:
@@ -163,7 +164,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
             if isinstance(verdict, Reject):
                 raise verdict.error
             if isinstance(verdict, Accept):
-                p._apply(accepted, ctx, committed=rs._released)
+                verdicts.apply(accepted, ctx, committed=rs._released)
                 if outs := release():
                     rs._released = True
                     yield [relay.mark(ctx, out) for out in outs]
@@ -174,9 +175,9 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
                 candidates.append(Candidate(verdict, attempt.request, completion, release))
             if budget > 0 and not rs._released:
                 budget -= 1
-                request = p._retry(attempt.request, verdict, ctx)
+                request = verdicts.retried(attempt.request, verdict, ctx, p.metrics)
                 p.attempts.unbind(ctx)
-                attempt = await p._open(request, ctx)
+                attempt = await p.open_attempt(request, ctx)
                 continue
             if rs._released:
                 # Too late to hold anything back: terminate if the policy says so, else finish flagged.
@@ -184,7 +185,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
                     raise verdict.exhausted.error
                 ctx.outputs.degrade("retries-exhausted")
                 if isinstance(verdict.exhausted, Accept):
-                    p._apply([verdict.exhausted], ctx, committed=True)
+                    verdicts.apply([verdict.exhausted], ctx, committed=True)
                 if outs := release():
                     yield [relay.mark(ctx, out) for out in outs]
                 accounting.account(ctx, completion)
@@ -193,7 +194,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
                 if isinstance(verdict.exhausted, Reject):
                     raise verdict.exhausted.error
                 raise AnswerWithheld(f"policy {verdict.reason} held the answer back and no retry is left")
-            best = p._exhausted(candidates, ctx)
+            best = verdicts.exhausted(candidates, ctx, chain, accounting)
             rs.request = best.request
             if outs := best.release():
                 rs._released = True
