@@ -138,6 +138,15 @@ def _install_size(doc: dict) -> None:
     assert 0 < doc["current"]["ready_s_median"] <= doc["current"]["first_answer_s_median"]
 
 
+def _request_line(doc: dict) -> None:
+    assert doc["status"] == 200
+    assert (
+        "gateway.pipeline.relay" in doc["module_list"]
+        and "engines.adapters.openai_compat" in doc["module_list"]
+    )
+    assert doc["modules"] == len(doc["module_list"]) and doc["package_crossings"] > 0
+
+
 def _relay(doc: dict) -> None:
     assert doc["chunks"] > 0 and doc["done"] is True
 
@@ -182,6 +191,7 @@ SMOKE: dict[str, tuple[Callable[[dict], None], int]] = {
     "pool_overhead": (_pool_overhead, 60),
     "profile": (_profile, 60),
     "relay": (_relay, 60),
+    "request_line": (_request_line, 60),
     "shedding": (_shedding, 90),
     "soak": (_soak, 60),
     "whisper_weights": (_whisper_weights, 90),
