@@ -406,7 +406,7 @@ class ChatCompletionRequest(BaseModel):
     top_k: Annotated[int, Field(ge=-1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     chat_template_kwargs: dict[str, bool] | None = None
-    #: vLLM's cap on reasoning tokens (sent only to an engine that enforces it: engines/base.Capabilities)
+    #: vLLM's cap on reasoning tokens (sent only to an engine that enforces it: engines/adapters/base.Capabilities)
     thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
     # vLLM's sampling and decoding extras (VLLM_EXTRA_FIELDS), each only to an engine that takes it
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
