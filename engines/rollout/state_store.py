@@ -25,13 +25,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 import structlog
 from pydantic import ConfigDict, TypeAdapter
-from redis.asyncio.lock import Lock
-from redis.exceptions import LockError
+
+if TYPE_CHECKING:
+    from redis.asyncio.lock import Lock
 
 log = structlog.get_logger(__name__)
 
@@ -192,6 +193,9 @@ class RedisStore:
 
     async def acquire_lease(self, ttl_s: float) -> bool:
         """Renew the lease this replica holds, or take it if nobody does; False while another replica holds it."""
+        from redis.asyncio.lock import Lock  # only where the state is shared: a text gateway loads no redis
+        from redis.exceptions import LockError
+
         if self._lease is None:
             # One token for the replica, whichever task renews it (not one per thread).
             self._lease = Lock(self._redis, self._k("leader"), timeout=ttl_s, thread_local=False)
@@ -202,6 +206,8 @@ class RedisStore:
             return bool(await self._lease.acquire(blocking=False, token=self.replica_id))
 
     async def release_lease(self) -> None:
+        from redis.exceptions import LockError
+
         if self._lease is None:
             return
         with contextlib.suppress(LockError):  # not held (any more): nothing to give back
