@@ -162,7 +162,7 @@ class OpenAICompatEngine:
             return False
 
     async def served_models(self) -> list[dict[str, Any]]:
-        """The engine's ``/v1/models`` cards (``id``, ``root``): what engines/identity.py checks."""
+        """The engine's ``/v1/models`` cards (``id``, ``root``): what engines/selection/identity.py checks."""
         session = self._require_session()
         try:
             async with asyncio.timeout(self.config.connect_timeout_s + 2):

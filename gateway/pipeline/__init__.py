@@ -114,7 +114,7 @@ class Pipeline:
 
     @property
     def energy(self) -> EnergyBook | None:
-        """The engines' joules per token (engines/energy.py), for usage.energy_joules; None: not estimated."""
+        """The engines' joules per token (engines/rollout/energy.py), for usage.energy_joules; None: not estimated."""
         return self.accounting.energy
 
     @property

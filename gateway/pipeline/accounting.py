@@ -59,7 +59,7 @@ class Accounting:
         self.sentinel = sentinel
         #: the admission gate (gateway/admission.py); None: traffic control is off
         self.admission = admission
-        #: the engines' joules per token (engines/energy.py), for usage.energy_joules; None: not estimated
+        #: the engines' joules per token (engines/rollout/energy.py), for usage.energy_joules; None: not estimated
         self.energy = energy
         self._engine_outcome = engine_outcome(pool)
         #: what every finished request's record is published to, in order (the audit last: it is awaited)

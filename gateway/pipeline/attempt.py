@@ -2,7 +2,7 @@
 
 Both paths call it: the stream path's call ends at the engine's first chunk (the failover point), the
 JSON path's at its whole answer. Each try takes a lease on the first engine left that has a free slot
-(waiting boundedly when all are at their cap, see :mod:`engines.slots`); the lease settles that slot
+(waiting boundedly when all are at their cap, see :mod:`engines.selection.slots`); the lease settles that slot
 in its ``__aexit__`` when the call fails, and is handed to the request (``ctx.lease``) when it succeeds.
 """
 
