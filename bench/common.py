@@ -27,11 +27,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(args: list[str], cpu: int | None, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(
+    args: list[str], cpu: int | None, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen:
+    """``python args`` on core ``cpu``, from the checkout (or ``cwd``: another checkout's code runs)."""
     prefix = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
     return subprocess.Popen(
         [*prefix, sys.executable, *args],
-        cwd=ROOT,
+        cwd=cwd or ROOT,
         env={**os.environ, **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -132,6 +135,8 @@ def pct(values: list[float], q: float) -> float:
 class LoadResult:
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
+    #: each served stream's end: from sending the request to the end of its body
+    totals: list[float] = field(default_factory=list)
     chunks: int = 0
     errors: int = 0
     requests: int = 0
@@ -177,6 +182,7 @@ async def stream_load(url: str, body: dict, concurrency: int, total: int) -> Loa
         except (TimeoutError, aiohttp.ClientError):
             result.errors += 1
             return
+        result.totals.append(time.perf_counter() - t0)
         result.requests += 1
 
     async def worker(session: aiohttp.ClientSession) -> None:

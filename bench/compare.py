@@ -15,6 +15,8 @@ default one, ``omnigate-noaudit`` an empty chain and no audit trail (what the du
 audit costs). LiteLLM's proxy is installed on first use into
 ``.bench/litellm-venv`` (``litellm[proxy]==1.100.0``, the newest release whose proxy extra installs).
 ``--smoke`` runs the targets at two small levels; LiteLLM's proxy only where it is installed already.
+``omnigate-before`` with ``--before DIR`` runs the default chain from another checkout (e.g. a
+``git worktree`` of an older commit), so before and after take turns in one run.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ LITELLM_VERSION = "1.100.0"
 def _merge(into: LoadResult, part: LoadResult) -> None:
     into.ttft += part.ttft
     into.gaps += part.gaps
+    into.totals += part.totals
     into.chunks += part.chunks
     into.errors += part.errors
     into.requests += part.requests
@@ -105,16 +108,25 @@ def _omnigate(up_port: int, port: int, chain: str, audit: bool = True) -> list[s
     return ["-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)]
 
 
+#: the checkout ``omnigate-before`` runs (``--before``)
+_BEFORE: list[str] = []
+
+
 def _start(target: str, up_port: int, port: int) -> tuple[subprocess.Popen, str]:
     """Start a proxy on core 0; return it and its readiness URL."""
     if target == "relay":
         args = ["-m", "bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{up_port}/v1"]
         return spawn(args, cpu=0), f"http://127.0.0.1:{port}/health"
-    if target in ("omnigate", "omnigate-off", "omnigate-noaudit"):
+    if target in ("omnigate", "omnigate-off", "omnigate-noaudit", "omnigate-before"):
         # omnigate-noaudit: policies off and no audit trail, to see what the durable audit costs.
-        chain = "default" if target == "omnigate" else "off"
+        # omnigate-before: the default chain served by another checkout's code (--before DIR), for
+        # before-and-after figures taken in turns within one run.
+        chain = "default" if target in ("omnigate", "omnigate-before") else "off"
+        tree = Path(_BEFORE[0]) if target == "omnigate-before" and _BEFORE else None
+        if target == "omnigate-before" and tree is None:
+            raise SystemExit("omnigate-before needs --before DIR (a checkout of the code to compare with)")
         return spawn(
-            _omnigate(up_port, port, chain, audit=target != "omnigate-noaudit"), cpu=0
+            _omnigate(up_port, port, chain, audit=target != "omnigate-noaudit"), cpu=0, cwd=tree
         ), f"http://127.0.0.1:{port}/readyz"
     if target == "litellm":
         exe = _litellm_bin()
@@ -267,6 +279,7 @@ async def run(args: argparse.Namespace) -> dict:
                 out["direct"].setdefault(target, {})[c] = {
                     "ttft_p50_ms": pct(d.ttft, 50) * 1e3,
                     "ttft_p99_ms": pct(d.ttft, 99) * 1e3,
+                    "total_p50_ms": pct(d.totals, 50) * 1e3,
                     "requests_per_s": d.requests / d.wall,
                 }
                 out["targets"][target]["levels"][c] = {
@@ -277,6 +290,8 @@ async def run(args: argparse.Namespace) -> dict:
                     "added_ttft_p50_ms": (pct(r.ttft, 50) - pct(d.ttft, 50)) * 1e3,
                     "added_ttft_p99_ms": (pct(r.ttft, 99) - pct(d.ttft, 99)) * 1e3,
                     "added_gap_p50_ms": (pct(r.gaps, 50) - pct(d.gaps, 50)) * 1e3,
+                    # the end of the stream, as the client sees it (what batching the writes shortens)
+                    "total_p50_ms": pct(r.totals, 50) * 1e3,
                     "requests_per_s": r.requests / r.wall,
                     "cpu_s_per_1000_requests": cpu[target] / max(1, r.requests) * 1000,
                     "cpu_ms_per_request": cpu[target] / max(1, r.requests) * 1e3,
@@ -322,8 +337,13 @@ def main() -> None:
         help="whole runs, each with fresh processes; the summary gives each figure's median and range",
     )
     ap.add_argument("--hold-s", type=float, default=3.0, help="seconds the held streams stay open")
+    ap.add_argument(
+        "--before", help="a checkout of older code: the target omnigate-before runs it (before and after)"
+    )
     add_smoke(ap)
     args = ap.parse_args()
+    if args.before:
+        _BEFORE.append(args.before)
     if args.smoke:
         args.levels, args.chunks, args.min_requests, args.one_stream_requests = [1, 4], 8, 8, 8
         args.rounds, args.hold, args.hold_s, args.repeats = 2, 8, 0.5, 1
@@ -346,7 +366,15 @@ def main() -> None:
     )
 
 
-_SUMMARIZED = ("added_ttft_p50_ms", "added_ttft_p99_ms", "cpu_ms_per_request", "requests_per_s")
+_SUMMARIZED = (
+    "added_ttft_p50_ms",
+    "added_ttft_p99_ms",
+    "cpu_ms_per_request",
+    "requests_per_s",
+    "total_p50_ms",
+)
+#: the figures the lean-request-line issue holds omnigate to, as ratios to the relay of the same run
+_TO_RELAY = ("cpu_ms_per_request", "requests_per_s", "total_p50_ms")
 
 
 def _spread(values: list[float]) -> dict:
@@ -363,6 +391,14 @@ def summarize(runs: list[dict]) -> dict:
                 row[key] = _spread([r["targets"][target]["levels"][level][key] for r in runs])
             # Against the relay of the same run: what the issue's ratios compare.
             if target != "relay" and "relay" in runs[0]["targets"]:
+                for key in _TO_RELAY:
+                    row[f"{key}_to_relay"] = _spread(
+                        [
+                            r["targets"][target]["levels"][level][key]
+                            / r["targets"]["relay"]["levels"][level][key]
+                            for r in runs
+                        ]
+                    )
                 row["added_ttft_p50_to_relay"] = _spread(
                     [
                         r["targets"][target]["levels"][level]["added_ttft_p50_ms"]
