@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 if TYPE_CHECKING:  # the commands import what they use when they run: the CLI starts without them
+    import socket
+    from collections.abc import Callable
     from types import FrameType
 
     import uvicorn
@@ -159,9 +161,13 @@ class _DrainingServer:
     """
 
     @staticmethod
-    def build(config: uvicorn.Config, services: Services, readiness: Readiness) -> uvicorn.Server:
+    def build(
+        config: uvicorn.Config,
+        services: Services,
+        readiness: Readiness,
+        on_listening: Callable[[], None] | None = None,
+    ) -> uvicorn.Server:
         import asyncio
-        import socket
         from collections.abc import Sequence
 
         import uvicorn
@@ -174,6 +180,8 @@ class _DrainingServer:
                 shown = f"[{host}]" if ":" in host else host
                 scheme = "https" if self.config.ssl is not None else "http"
                 readiness.announce(f"{scheme}://{shown}:{port}")
+                if on_listening is not None:
+                    on_listening()
 
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
                 if services.draining.is_set():
@@ -188,10 +196,61 @@ class _DrainingServer:
         return Server(config)
 
 
-def serve(path: str | None, host: str | None, port: int | None) -> int:
-    import uvicorn
+def workers_refused(settings: Settings, workers: int, port: int | None = None) -> list[str]:
+    """Why ``workers`` processes would not be one gateway (empty: they would), as the Helm chart refuses
+    more than one replica: every worker keeps in its own memory what is not in Redis or PostgreSQL."""
+    if workers <= 1:
+        return []
+    why = f"{workers} workers"
+    out = []
+    if settings.redis.url is None:
+        out.append(
+            f"redis.url is not set, but {why} would each keep their own admission limits, rate limits and "
+            "engine caps: set redis.url"
+        )
+    if not settings.traffic.enabled:
+        out.append(
+            f"traffic.enabled is false, but {why} share their admission limits through Redis: remove it"
+        )
+    if settings.routing.state.backend != "redis":
+        out.append(
+            f"routing.state.backend is {settings.routing.state.backend}, but {why} would each run their own "
+            "rollback controller and a pin or freeze would hold in one worker: set routing.state.backend: redis"
+        )
+    audit = settings.audit
+    if not audit.enabled:
+        out.append(f"audit.enabled is false, but {why} need one audit chain: remove it")
+    elif audit.store != "postgres":
+        out.append(
+            f"audit.store is {audit.store}, but {why} cannot write one chain to one SQLite file: set "
+            "audit.store: postgres (with audit.postgres_dsn)"
+        )
+    if settings.auth_required and not settings.auth.directory.shared:
+        out.append(
+            f"auth.directory.backend is {settings.auth.directory.backend}, but with {why} tenants and keys "
+            "made through /admin would hold in one worker: set auth.directory.backend: postgres (with "
+            "auth.directory.postgres_dsn)"
+        )
+    metrics_port = settings.metrics.port
+    if metrics_port is None:
+        out.append(
+            f"metrics.port is not set, but with {why} a scrape of /metrics on the main port would see one "
+            f"worker: set metrics.port (worker i serves /metrics on metrics.port + i)"
+        )
+    elif metrics_port and metrics_port + workers - 1 > 65535:
+        out.append(f"metrics.port + {workers - 1} (the last worker's /metrics) is above 65535")
+    elif (
+        metrics_port
+        and metrics_port <= (settings.server.port if port is None else port) < metrics_port + workers
+    ):
+        out.append(
+            f"the workers' /metrics ports {metrics_port}..{metrics_port + workers - 1} take the server's port: "
+            "set metrics.port outside it"
+        )
+    return out
 
-    from gateway.app import create_app
+
+def serve(path: str | None, host: str | None, port: int | None, workers: int | None = None) -> int:
     from observability.logging import configure_logging
 
     try:
@@ -200,10 +259,35 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         msg = _format_validation(exc) if isinstance(exc, ValidationError) else str(exc)
         print(msg, file=sys.stderr)
         return 1
-    from gateway.secret_check import WeakSecret
-
+    n = settings.server.workers if workers is None else workers
+    refused = workers_refused(settings, n, port)
+    if refused:
+        print(f"refusing to start {n} workers:\n" + "\n".join(f"  {p}" for p in refused), file=sys.stderr)
+        return 1
     configure_logging(settings.logging.level, settings.logging.json_output)
+    for line in auth_banner(settings):
+        print(f"omnigate: {line}", file=sys.stderr)
+    host = host or settings.server.host
+    port = port if port is not None else settings.server.port
+    if n == 1:
+        return _serve_one(settings, path, host, port, None, None)
+    return _Supervisor(settings, path, host, port, n).run()
+
+
+def _serve_one(
+    settings: Settings,
+    path: str | None,
+    host: str,
+    port: int,
+    sock: socket.socket | None,
+    on_listening: Callable[[], None] | None,
+) -> int:
+    import uvicorn
+
     from engines.rollout.sentinel import SentinelUnavailable
+    from gateway.app import create_app
+    from gateway.header_deadline import protocol_class
+    from gateway.secret_check import WeakSecret
     from policies.registry import PolicyConfigError
 
     try:
@@ -214,14 +298,10 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
     except (PolicyConfigError, SentinelUnavailable) as exc:  # e.g. a policy whose extra is not installed
         print(f"refusing to start:\n  {exc}", file=sys.stderr)
         return 1
-    for line in auth_banner(settings):
-        print(f"omnigate: {line}", file=sys.stderr)
-    from gateway.header_deadline import protocol_class
-
     config = uvicorn.Config(
         app,
-        host=host or settings.server.host,
-        port=port if port is not None else settings.server.port,
+        host=host,
+        port=port,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(settings.server.graceful_shutdown_s),
@@ -233,8 +313,166 @@ def serve(path: str | None, host: str | None, port: int | None) -> int:
         h11_max_incomplete_event_size=settings.server.max_header_bytes,
         ws="none",  # no WebSocket routes: do not load a WebSocket implementation
     )
-    _DrainingServer.build(config, app.state.services, app.state.readiness).run()
+    server = _DrainingServer.build(config, app.state.services, app.state.readiness, on_listening)
+    server.run(sockets=None if sock is None else [sock])
     return 0
+
+
+class _Supervisor:
+    """``omnigate serve --workers N``: N forked processes, each with its own app and its own listening
+    socket on the one port (SO_REUSEPORT: the kernel spreads the connections over the workers by their
+    addresses, where one shared socket lets whichever worker wakes first take a whole burst).
+
+    The parent serves nothing: it binds the port first (so a port in use, or port 0's pick, is settled
+    once), forwards SIGTERM/SIGINT (drain, then stop; a second one stops at once) and SIGHUP (reload the
+    config) to every worker, and restarts a worker that dies after it was listening. A worker that exits
+    before it listens (a refused config) stops them all, with its exit status. Each worker's settings
+    differ in two things: /metrics on ``metrics.port + i`` and, where it is named, the routing replica id
+    suffixed with ``-i``.
+    """
+
+    def __init__(self, settings: Settings, path: str | None, host: str, port: int, workers: int) -> None:
+        self.settings = settings
+        self.path = path
+        self.host = host
+        self.workers = workers
+        self.reserved = self._socket(port, listen=False)
+        self.port: int = self.reserved.getsockname()[1]
+        self.children: dict[int, tuple[int, int]] = {}  # pid -> (worker index, read end of its pipe)
+        self.stopping = False
+        self.status = 0
+
+    def _socket(self, port: int, *, listen: bool) -> socket.socket:
+        import socket
+
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((self.host, port))
+        if listen:
+            sock.listen(2048)  # uvicorn's default backlog
+        return sock
+
+    def _worker_settings(self, i: int) -> Settings:
+        s = self.settings
+        assert s.metrics.port is not None  # workers_refused
+        metrics = s.metrics.model_copy(update={"port": s.metrics.port + i if s.metrics.port else 0})
+        update: dict[str, object] = {"metrics": metrics}
+        state = s.routing.state
+        if state.replica_id is not None:
+            routing = s.routing.model_copy(
+                update={"state": state.model_copy(update={"replica_id": f"{state.replica_id}-{i}"})}
+            )
+            update["routing"] = routing
+        return s.model_copy(update=update)
+
+    def _spawn(self, i: int) -> None:
+        import os
+        import signal
+
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid:
+            os.close(write)
+            os.set_blocking(read, False)
+            self.children[pid] = (i, read)
+            return
+        code = 1
+        try:  # the worker: default signal handling until uvicorn and the app set theirs
+            os.close(read)
+            for r in (r for _, r in self.children.values()):
+                os.close(r)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the app reloads on it once started
+            _term_with_parent()
+            self.reserved.close()
+            sock = self._socket(self.port, listen=True)
+
+            def listening() -> None:
+                os.write(write, b"1")
+                os.close(write)
+
+            code = _serve_one(self._worker_settings(i), self.path, self.host, self.port, sock, listening)
+        except BaseException:  # a forked worker never returns into the parent's code: it exits here
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _forward(self, sig: int, frame: FrameType | None) -> None:
+        import os
+        import signal
+
+        if sig != signal.SIGHUP:
+            self.stopping = True
+            if sig == signal.SIGINT and _terminal_signals_the_group():
+                return  # Ctrl-C at a terminal reached every worker already
+        for pid in self.children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def run(self) -> int:
+        import os
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._forward)
+        print(
+            f"omnigate: {self.workers} workers on port {self.port} (supervisor pid {os.getpid()})",
+            file=sys.stderr,
+        )
+        for i in range(self.workers):
+            self._spawn(i)
+        while self.children:
+            pid, wait_status = os.wait()
+            if pid not in self.children:
+                continue
+            i, read = self.children.pop(pid)
+            try:
+                listened = os.read(read, 1) == b"1"
+            except BlockingIOError:
+                listened = False
+            os.close(read)
+            code = os.waitstatus_to_exitcode(wait_status)
+            if self.stopping:
+                self.status = self.status or (code if code > 0 else 0)
+            elif listened:
+                print(f"omnigate: worker {i} (pid {pid}) exited ({code}): starting another", file=sys.stderr)
+                self._spawn(i)
+            else:
+                self.stopping = True
+                self.status = code if code > 0 else 1
+                for other in self.children:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(other, signal.SIGTERM)
+        self.reserved.close()
+        return self.status
+
+
+def _term_with_parent() -> None:
+    """A worker whose supervisor dies (SIGKILL, OOM) gets SIGTERM and drains, rather than serving on alone."""
+    import ctypes
+    import ctypes.util
+    import signal
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+
+def _terminal_signals_the_group() -> bool:
+    """Whether this process is in the foreground of a terminal (a Ctrl-C there signals the whole group)."""
+    import os
+
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError):
+        return False
 
 
 def _audit_settings(args: argparse.Namespace) -> AuditSettings:
@@ -398,6 +636,13 @@ def weights_manifest(folder: str) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"{n} is not between 1 and 256")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="omnigate", description="A guarded gateway for omni-modal LLM engines."
@@ -407,6 +652,13 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--config", help="YAML config file (default: the embedded local engine)")
     p_serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p_serve.add_argument("--port", type=int, default=None, help="port (default 8080)")
+    p_serve.add_argument(
+        "--workers",
+        type=_positive,
+        default=None,
+        help="worker processes on the port (default server.workers, 1); above 1 needs the state that must "
+        "be global in Redis and PostgreSQL",
+    )
     p_check = sub.add_parser("check-config", help="validate a config file and print what it resolves to")
     p_check.add_argument("file", type=Path)
     p_audit = sub.add_parser("audit", help="verify or export the audit trail")
@@ -481,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "weights-manifest":
         return weights_manifest(args.dir)
     if args.command == "serve":
-        return serve(args.config, args.host, args.port)
+        return serve(args.config, args.host, args.port, args.workers)
     if args.command == "audit":
         return audit_command(args)
     if args.command == "keys":

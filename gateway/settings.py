@@ -87,6 +87,13 @@ class ServerSettings(_Strict):
     drain_delay_s: Annotated[float, Field(ge=0)] = Field(
         default=5.0, description="on SIGTERM, readiness fails at once and the gateway keeps serving this long"
     )
+    workers: Annotated[int, Field(ge=1, le=256)] = Field(
+        default=1,
+        description="worker processes serving the port (omnigate serve --workers overrides it); above 1, "
+        "omnigate serve refuses to start unless admission, rate limits, engine caps and the routing state "
+        "are in Redis, the audit trail (and the directory, where keys are checked) in PostgreSQL and /metrics "
+        "on metrics.port",
+    )
 
 
 class ConsoleSettings(_Strict):
