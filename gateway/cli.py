@@ -327,8 +327,8 @@ class _Supervisor:
     once), forwards SIGTERM/SIGINT (drain, then stop; a second one stops at once) and SIGHUP (reload the
     config) to every worker, and restarts a worker that dies after it was listening. A worker that exits
     before it listens (a refused config) stops them all, with its exit status. Each worker's settings
-    differ in two things: /metrics on ``metrics.port + i`` and, where it is named, the routing replica id
-    suffixed with ``-i``.
+    differ (through its environment, see ``_worker_environment``) in /metrics on ``metrics.port + i``, its
+    own audit journal and, where one is named, the routing replica id suffixed with ``-i``.
     """
 
     def __init__(self, settings: Settings, path: str | None, host: str, port: int, workers: int) -> None:
@@ -354,18 +354,17 @@ class _Supervisor:
             sock.listen(2048)  # uvicorn's default backlog
         return sock
 
-    def _worker_settings(self, i: int) -> Settings:
+    def _worker_environment(self, i: int) -> dict[str, str]:
+        """What differs in worker ``i``, as environment variables: its settings and every reload of its
+        config file then agree on them (a reload reads the environment again)."""
         s = self.settings
         assert s.metrics.port is not None  # workers_refused
-        metrics = s.metrics.model_copy(update={"port": s.metrics.port + i if s.metrics.port else 0})
-        update: dict[str, object] = {"metrics": metrics}
-        state = s.routing.state
-        if state.replica_id is not None:
-            routing = s.routing.model_copy(
-                update={"state": state.model_copy(update={"replica_id": f"{state.replica_id}-{i}"})}
-            )
-            update["routing"] = routing
-        return s.model_copy(update=update)
+        env = {"OMNIGATE_METRICS__PORT": str(s.metrics.port + i if s.metrics.port else 0)}
+        if i > 0:  # the audit journal takes one process (observability/audit/spool.py)
+            env["OMNIGATE_AUDIT__SPOOL_PATH"] = f"{s.audit.spool_file}.{i}"
+        if s.routing.state.replica_id is not None:
+            env["OMNIGATE_ROUTING__STATE__REPLICA_ID"] = f"{s.routing.state.replica_id}-{i}"
+        return env
 
     def _spawn(self, i: int) -> None:
         import os
@@ -394,7 +393,8 @@ class _Supervisor:
                 os.write(write, b"1")
                 os.close(write)
 
-            code = _serve_one(self._worker_settings(i), self.path, self.host, self.port, sock, listening)
+            os.environ.update(self._worker_environment(i))
+            code = _serve_one(_load(self.path), self.path, self.host, self.port, sock, listening)
         except BaseException:  # a forked worker never returns into the parent's code: it exits here
             import traceback
 

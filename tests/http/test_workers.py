@@ -1,7 +1,7 @@
 """``omnigate serve --workers 2`` as a process on this machine's Redis and PostgreSQL: one gateway in two
 processes. Admission's hard limit and an engine's cap hold across both workers (each worker's own
-/metrics, on ``metrics.port + i``, shows that both served); SIGTERM ends both workers, each sealing
-its head of the one audit chain, which then verifies; and two workers without the state that must be
+/metrics, on ``metrics.port + i``, shows that both served); SIGHUP reloads both; SIGTERM ends both
+workers, each sealing its head of the one audit chain, which then verifies; and two workers without the state that must be
 global refuse to start, naming what to set."""
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class Workers:
         return sum(
             float(line.split()[-1])
             for line in text.splitlines()
-            if line.startswith(name + " ") or line.startswith(name + "{")
+            if line.startswith((name + " ", name + "{")) or ("{" in name and line.startswith(name))
         )
 
     def stop(self) -> None:
@@ -236,7 +236,7 @@ def test_an_engine_cap_holds_across_the_workers(gateway, engines):
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
 
 
-def test_sigterm_ends_both_workers_and_the_one_chain_verifies(engines, tmp_path):
+def test_sighup_reloads_and_sigterm_ends_both_workers_and_the_one_chain_verifies(engines, tmp_path):
     with _two_workers(engines, tmp_path) as (gw, _):
         workers = gw.workers()
         assert len(workers) == 2
@@ -245,6 +245,17 @@ def test_sigterm_ends_both_workers_and_the_one_chain_verifies(engines, tmp_path)
                 assert c.post(gw.url + "/v1/chat/completions", json=_chat("capped")).status_code == 200
         served = [gw.metric(w, "omnigate_requests_total") for w in (0, 1)]
         assert sum(served) == 12 and all(n > 0 for n in served), served
+        # SIGHUP to the supervisor: every worker reads the file again, each with its own port (no restart owed)
+        gw.proc.send_signal(signal.SIGHUP)
+        assert wait_until(
+            lambda: all(gw.metric(w, 'omnigate_config_reloads_total{result="ok"}') == 1 for w in (0, 1)),
+            30,
+            0.2,
+        ), gw.log()
+        reloads = [
+            json.loads(line) for line in gw.log_path.read_text().splitlines() if "config_reloaded" in line
+        ]
+        assert [r["restart_required"] for r in reloads] == [None, None], reloads
         gw.proc.send_signal(signal.SIGTERM)
         assert gw.proc.wait(40) == 0, gw.log()
         for w in workers:  # each worker drained and stopped on its own, none left behind
