@@ -10,7 +10,30 @@ every name, label set and bucket list can be read and reviewed together.
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class Children(Generic[M]):
+    """``metric.labels(*values)`` with each child made once: a dict lookup per call on the request path
+    (prometheus_client's ``labels`` checks and converts every value and takes a lock each time). Only
+    for metrics whose children are never removed."""
+
+    __slots__ = ("_made", "_metric")
+
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._made: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._made.get(values)
+        if child is None:
+            child = self._made[values] = self._metric.labels(*values)
+        return child
+
 
 # Latency buckets sized for LLM serving: tens of ms up to a minute. The deployment's thresholds are
 # bounds, so a percentile read against one is exact, not interpolated across it: 0.234 (engine TTFT

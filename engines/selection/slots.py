@@ -46,7 +46,7 @@ from core.errors import EngineBusy, EngineError
 from engines.adapters.base import Engine
 from engines.rollout.routing import RoutingTable
 from engines.selection.health import Health
-from observability.metrics import Metrics
+from observability.metrics import Children, Metrics
 
 log = structlog.get_logger("engines.pool")
 
@@ -400,6 +400,9 @@ class Slots:
         self._by_model = by_model
         self._health = health
         self._metrics = metrics
+        self._in_flight_gauge = Children(metrics.engine_in_flight)
+        self._waiting_gauge = Children(metrics.engine_waiting)
+        self._limit_gauge = Children(metrics.engine_limit)
         self._table = table
         self.in_flight: dict[str, int] = {name: 0 for name in engines}
         self._waiters: dict[str, deque[_Waiter]] = {name: deque() for name in engines}
@@ -662,8 +665,7 @@ class Slots:
             self.grow(name)
 
     def publish(self, name: str) -> None:
-        m = self._metrics
         limit = self.limit(name)
-        m.engine_in_flight.labels(name).set(self.in_flight[name])
-        m.engine_waiting.labels(name).set(self.waiting(name))
-        m.engine_limit.labels(name).set(-1 if limit is None else limit)
+        self._in_flight_gauge(name).set(self.in_flight[name])
+        self._waiting_gauge(name).set(self.waiting(name))
+        self._limit_gauge(name).set(-1 if limit is None else limit)

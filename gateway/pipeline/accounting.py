@@ -30,7 +30,7 @@ from gateway.pipeline.record import (
 )
 from gateway.ratelimit import RateLimiter
 from observability.audit.log import AuditLog
-from observability.metrics import Metrics
+from observability.metrics import Children, Metrics
 from policies.registry import LoadedPolicy
 
 if TYPE_CHECKING:
@@ -62,6 +62,10 @@ class Accounting:
         #: the engines' joules per token (engines/rollout/energy.py), for usage.energy_joules; None: not estimated
         self.energy = energy
         self._engine_outcome = engine_outcome(pool)
+        self._decisions, self._policy_duration = (
+            Children(metrics.policy_decisions),
+            Children(metrics.policy_duration),
+        )
         #: what every finished request's record is published to, in order (the audit last: it is awaited)
         self._subscribers: list[Subscriber] = [observe(metrics, pool), access_log]
         if limiter is not None:
@@ -89,9 +93,9 @@ class Accounting:
                 score,
             )
         )
-        shadow = str(policy.shadow).lower()
-        self.metrics.policy_decisions.labels(policy.name, policy.stage, verdict, shadow).inc()
-        self.metrics.policy_duration.labels(policy.name, policy.stage).observe(seconds)
+        shadow = "true" if policy.shadow else "false"
+        self._decisions(policy.name, policy.stage, verdict, shadow).inc()
+        self._policy_duration(policy.name, policy.stage).observe(seconds)
 
     def account(self, ctx: RequestContext, completion: Completion) -> None:
         """The served answer's usage, speech seconds, energy; the sentinel may sample its audio."""

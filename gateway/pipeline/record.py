@@ -21,7 +21,7 @@ from core.settings import TenantConfig
 from engines.rollout.signals import ttft_per_1k_prompt_tokens
 from observability.audit.log import AuditLog
 from observability.audit.record import RequestSnapshot
-from observability.metrics import Metrics
+from observability.metrics import Children, Metrics
 
 if TYPE_CHECKING:
     from engines.selection.pool import EnginePool
@@ -151,31 +151,35 @@ def engine_outcome(pool: EnginePool) -> Subscriber:
 def observe(m: Metrics, pool: EnginePool) -> Subscriber:
     """The request's metrics, observed once."""
     floor = pool.routing.signals.prompt_tokens_floor
+    requests, degradations, duration = Children(m.requests), Children(m.degradations), Children(m.duration)
+    ttft, first_audio, upstream_ttft = Children(m.ttft), Children(m.first_audio), Children(m.upstream_ttft)
+    per_1k, upstream_duration = Children(m.upstream_ttft_per_1k), Children(m.upstream_duration)
+    audio_output = Children(m.audio_output)
 
     def record(f: Finished) -> None:
-        m.requests.labels(f.model or "unknown", f.outcome).inc()
+        requests(f.model or "unknown", f.outcome).inc()
         if f.client_left:
             m.client_disconnects.inc()
         for reason in f.degraded:
-            m.degradations.labels(reason).inc()
+            degradations(reason).inc()
         engine, variant = f.engine or "none", f.variant or "none"
         stream = "true" if f.stream else "false"
-        m.duration.labels(engine, variant, f.outcome, stream).observe(f.duration_s)
+        duration(engine, variant, f.outcome, stream).observe(f.duration_s)
         if f.engine is None:
             return
         if f.ttft_s is not None:
-            m.ttft.labels(engine, variant).observe(f.ttft_s)
+            ttft(engine, variant).observe(f.ttft_s)
         if f.first_audio_s is not None:
-            m.first_audio.labels(engine, variant).observe(f.first_audio_s)
+            first_audio(engine, variant).observe(f.first_audio_s)
         if f.upstream_ttft_s is not None:
-            m.upstream_ttft.labels(engine, variant).observe(f.upstream_ttft_s)
-            per_1k = ttft_per_1k_prompt_tokens(f.upstream_ttft_s, f.prompt_tokens, floor)
-            if per_1k is not None and f.served:
-                m.upstream_ttft_per_1k.labels(engine, variant, f.model or "unknown").observe(per_1k)
+            upstream_ttft(engine, variant).observe(f.upstream_ttft_s)
+            normalised = ttft_per_1k_prompt_tokens(f.upstream_ttft_s, f.prompt_tokens, floor)
+            if normalised is not None and f.served:
+                per_1k(engine, variant, f.model or "unknown").observe(normalised)
         if f.upstream_e2e_s is not None:
-            m.upstream_duration.labels(engine, variant, stream).observe(f.upstream_e2e_s)
+            upstream_duration(engine, variant, stream).observe(f.upstream_e2e_s)
         if f.audio_seconds:
-            m.audio_output.labels(engine, variant).inc(f.audio_seconds)
+            audio_output(engine, variant).inc(f.audio_seconds)
 
     return record
 
