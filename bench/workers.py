@@ -10,7 +10,7 @@ admission lifted as bench/compare.py lifts them. ``workers1`` is ``--workers 1``
 ``--workers 2``. Both gateways are pinned to core 0 (the workers of ``workers2`` share it), the scripted
 upstream and this load generator to core 1: the figure compared is CPU per request, summed over the
 whole process tree (supervisor, workers, their decoding workers), which one core shows as well as
-two. The gateways take turns within each round, so the VM's drift falls on both. Throughput scaling
+two; and what each gateway spends idle, per second (probes, leases, heartbeats: once per process). The gateways take turns within each round, so the VM's drift falls on both. Throughput scaling
 with the worker count needs a core per worker beyond the upstream's and the load generator's: a
 2-core machine cannot show it, and the requests per second here are those of one shared core.
 """
@@ -136,6 +136,11 @@ async def run(args: argparse.Namespace, dsns: dict[str, str], prefix: str) -> di
             urls[target] = f"http://127.0.0.1:{port}/v1/chat/completions"
             await stream_load(urls[target], body, 4, 40)  # warm-up (every worker takes some)
             out["targets"][target] = {"workers": n, "levels": {}}
+        await asyncio.sleep(2)
+        idle0 = {t: _tree_cpu(procs[t].pid) for t in TARGETS}
+        await asyncio.sleep(args.idle_s)
+        for t in TARGETS:  # what the gateway spends serving nothing (probes, leases, heartbeats), per second
+            out["targets"][t]["idle_cpu_ms_per_s"] = (_tree_cpu(procs[t].pid) - idle0[t]) / args.idle_s * 1e3
         for c in args.levels:
             per_round = max(c, args.requests // args.rounds)
             loads = {t: LoadResult() for t in TARGETS}
@@ -178,11 +183,12 @@ def main() -> None:
     ap.add_argument(
         "--requests", type=int, default=240, help="requests per gateway and level, over the rounds"
     )
+    ap.add_argument("--idle-s", type=float, default=20.0, help="seconds both gateways sit idle, measured")
     add_smoke(ap)
     args = ap.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
     if args.smoke:
-        args.levels, args.rounds, args.requests, args.chunks = [1, 4], 2, 8, 8
+        args.levels, args.rounds, args.requests, args.chunks, args.idle_s = [1, 4], 2, 8, 8, 1.0
     prefix = f"omnigate-bench-workers-{uuid.uuid4().hex[:8]}"
     with fresh_pg_database("omnigate_bench") as one, fresh_pg_database("omnigate_bench") as two:
         try:
