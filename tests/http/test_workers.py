@@ -332,3 +332,28 @@ def test_two_workers_without_global_state_refuse_to_start(tmp_path):
     finally:
         one.send_signal(signal.SIGTERM)
         one.wait(30)
+
+
+def test_what_two_workers_need_and_one_does_not(tmp_path):
+    from gateway.cli import workers_refused
+    from gateway.settings import load_settings
+
+    global_state = _config("postgresql://postgres@127.0.0.1:5432/x", "p", *(_Addr(),) * 2)
+    path = tmp_path / "omnigate.yaml"
+    path.write_text(yaml.safe_dump(global_state))
+    settings = load_settings(path)
+    assert workers_refused(settings, 2) == []
+    assert (
+        workers_refused(
+            settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": None})}), 1
+        )
+        == []
+    )
+    metrics = global_state["metrics"]["port"]
+    (clash,) = workers_refused(settings, 2, port=metrics + 1)  # worker 1's /metrics would take the port
+    assert f"{metrics}..{metrics + 1} take the server's port" in clash
+    assert workers_refused(settings, 3, port=metrics + 3) == []
+
+
+class _Addr:
+    base_url = "http://127.0.0.1:9/v1"
