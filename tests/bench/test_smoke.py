@@ -167,6 +167,12 @@ def _whisper_weights(doc: dict) -> None:
     assert doc.get("check") or "check against faster-whisper" in doc["not_measured"]
 
 
+def _workers(doc: dict) -> None:
+    for target in doc["targets"].values():
+        assert all(lv["requests"] > 0 and lv["errors"] == 0 for lv in target["levels"].values()), target
+    assert doc["cpu_per_request_workers2_over_workers1"]
+
+
 #: module -> (what its result must show, timeout in seconds)
 SMOKE: dict[str, tuple[Callable[[dict], None], int]] = {
     "adapters": (_adapters, 60),
@@ -195,6 +201,7 @@ SMOKE: dict[str, tuple[Callable[[dict], None], int]] = {
     "shedding": (_shedding, 90),
     "soak": (_soak, 60),
     "whisper_weights": (_whisper_weights, 90),
+    "workers": (_workers, 120),
 }
 
 
