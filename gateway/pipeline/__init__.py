@@ -137,28 +137,22 @@ class Pipeline:
     async def stream(self, request: ChatCompletionRequest, ctx: RequestContext) -> ResponseStream:
         """Run everything up to the first upstream chunk; raise before committing."""
         self._begin(ctx, request)
-        try:
+        async with self.accounting.settling(ctx):  # cancellation included: every request accounted for once
             prepared = self._prepare(request, ctx)
             del request  # the media steps replace its parts: nothing here may keep the client's strings alive
             request, plan = await prepared
             attempt = await self.open_attempt(request, ctx)
-        except BaseException as exc:  # cancellation included: every request is accounted for once
-            await self.accounting.settle(ctx, exc)
-            raise
         rs = ResponseStream(self, attempt.request, ctx, attempt, plan)
         await rs._prime()  # the stream's own teardown accounts for errors from here on
         return rs
 
     async def complete(self, request: ChatCompletionRequest, ctx: RequestContext) -> CompletionResult:
         self._begin(ctx, request)
-        try:
+        async with self.accounting.settling(ctx):  # as in stream
             prepared = self._prepare(request, ctx)
             del request  # as in stream
             request, plan = await prepared
             result = await run_complete(self, request, plan, ctx)
-        except BaseException as exc:  # as in stream
-            await self.accounting.settle(ctx, exc)
-            raise
         ctx.record.completion = result.completion
         if result.request.wants_audio and result.completion.audio:
             completion = result.completion
@@ -181,12 +175,9 @@ class Pipeline:
         """
         self.accounting.open(ctx)
         with ctx.holds:  # released last, whatever happened above them
-            try:
-                async with contextlib.AsyncExitStack() as stack:
-                    yield stack
-            except BaseException as exc:  # cancellation included: every request is accounted for once
-                await self.accounting.settle(ctx, exc)  # nothing to do when the pipeline already has
-                raise
+            # The stack closes first (the open response stream), then a request it ended is accounted for.
+            async with self.accounting.settling(ctx), contextlib.AsyncExitStack() as stack:
+                yield stack
             if ctx.record.outcome is None:
                 log.error("request_unaccounted")
                 await self.accounting.settle(ctx, RuntimeError("the request ended unaccounted for"))

@@ -128,6 +128,11 @@ class Accounting:
     async def settle(self, ctx: RequestContext, error: BaseException | None) -> None:
         await self.durable(ctx, self.finish(ctx, error))
 
+    def settling(self, ctx: RequestContext) -> Settling:
+        """``async with accounting.settling(ctx):`` a block that ends by an exception accounts for the
+        request with it (once), and the exception goes on."""
+        return Settling(self, ctx)
+
     async def durable(self, ctx: RequestContext, fut: asyncio.Future[int] | None) -> None:
         """Unless the client left, wait (at most ``audit.ack_timeout_s``) for the audit record's commit."""
         if fut is not None and self.audit is not None and ctx.record.outcome != "cancelled":
@@ -162,3 +167,35 @@ class Accounting:
         for subscriber in self._subscribers:
             subscriber(finished)
         return audit_submit(self.audit, finished) if self.audit is not None else None
+
+
+class Outcome:
+    """What ended a block: the exception it raised (any: a cancellation, a client gone, ``GeneratorExit``
+    included), or None. It records and never handles: the exception goes on."""
+
+    __slots__ = ("error",)
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> Outcome:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self.error = exc
+
+
+class Settling:
+    """The request accounted for with whatever exception ends the block (see :meth:`Accounting.settling`)."""
+
+    __slots__ = ("_accounting", "_ctx")
+
+    def __init__(self, accounting: Accounting, ctx: RequestContext) -> None:
+        self._accounting, self._ctx = accounting, ctx
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
+            await self._accounting.settle(self._ctx, exc)  # nothing to do when it already was

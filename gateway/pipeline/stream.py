@@ -19,6 +19,7 @@ from core.errors import AnswerWithheld
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
 from gateway.pipeline import verdicts
+from gateway.pipeline.accounting import Outcome
 from gateway.pipeline.attempt import Attempt
 from gateway.pipeline.segments import concat, segmented
 from gateway.pipeline.verdicts import Candidate
@@ -54,13 +55,11 @@ class ResponseStream:
     async def _prime(self) -> None:
         """Run until the first released batch or the end; errors before that reach the caller."""
         self._gen = run_stream(self.pipeline, self)
-        try:
-            self._head = await anext(self._gen)
-        except StopAsyncIteration:
-            self._ended = True
-        except BaseException:  # cancellation included: the generator's own finally accounts for it
-            await self._gen.aclose()
-            raise
+        async with _ClosedOnError(self._gen):  # cancellation included: the generator's finally accounts
+            try:
+                self._head = await anext(self._gen)
+            except StopAsyncIteration:
+                self._ended = True
 
     def batches(self) -> AsyncIterator[list[Delta]]:
         """The released pieces, a batch at a time (what goes to the client in one write)."""
@@ -112,6 +111,22 @@ class ResponseStream:
             await self._gen.aclose()
 
 
+class _ClosedOnError:
+    """Closes a generator when the block ends by an exception (any); the exception goes on."""
+
+    __slots__ = ("_gen",)
+
+    def __init__(self, gen: AsyncGenerator[list[Delta], None]) -> None:
+        self._gen = gen
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
+            await self._gen.aclose()
+
+
 async def _closed() -> AsyncGenerator[list[Delta], None]:
     return
     yield  # pragma: no cover
@@ -124,90 +139,91 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
     chain = p.chain_for(ctx)
     budget = chain.max_retries
     candidates: list[Candidate] = []
-    error: BaseException | None = None
+    ended = Outcome()  # GeneratorExit and cancellation are outcomes too (a client that left)
     released = ctx.record.output = (
         OutputDigest(ctx.identity.audit_content != "digests") if accounting.audit is not None else None
     )
     try:
-        while True:
-            ctx.retries_left = budget
-            rs.attempt, rs.request = attempt, attempt.request
-            filters = [(pol, pol.impl.open_stream(attempt.request, ctx)) for pol in chain.stream]
-            checks = relay.open_checks(chain.post, attempt.request, ctx)
-            completion = Completion()
-            relayed = attempt
-            plan = rs.plan
-            if plan is not None and segmented(plan):
-                joined = concat(attempt, plan, ctx, p.open_attempt, p.attempts.unbind, p.metrics.segments.inc)
-                relayed = Attempt(attempt.engine, attempt.request, joined, await anext(joined))
-            halted: Halt | None = None
-            try:
-                async for batch in relay.relay(relayed, filters, checks, completion, ctx):
-                    rs._released = True
-                    if released is not None:
-                        for delta in batch:
-                            released.add(delta)
-                    yield batch
-            except Halt as h:
-                halted = h
-            accepted: list[Accept] = []
-            if halted is not None:
-                verdict: Verdict = halted.verdict
-                release: Callable[[], list[Delta]] = list
-            elif checks:
-                verdict, release, accepted = await relay.end(
-                    attempt.request, completion, ctx, filters, checks
-                )
-            else:
-                verdict, accepted = await relay.post(chain.post, attempt.request, completion, ctx)
-                release = partial(relay.flush, filters)
-            if isinstance(verdict, Reject):
-                raise verdict.error
-            if isinstance(verdict, Accept):
-                verdicts.apply(accepted, ctx, committed=rs._released)
-                if outs := release():
+        with ended:
+            while True:
+                ctx.retries_left = budget
+                rs.attempt, rs.request = attempt, attempt.request
+                filters = [(pol, pol.impl.open_stream(attempt.request, ctx)) for pol in chain.stream]
+                checks = relay.open_checks(chain.post, attempt.request, ctx)
+                completion = Completion()
+                relayed = attempt
+                plan = rs.plan
+                if plan is not None and segmented(plan):
+                    joined = concat(
+                        attempt, plan, ctx, p.open_attempt, p.attempts.unbind, p.metrics.segments.inc
+                    )
+                    relayed = Attempt(attempt.engine, attempt.request, joined, await anext(joined))
+                halted: Halt | None = None
+                try:
+                    async for batch in relay.relay(relayed, filters, checks, completion, ctx):
+                        rs._released = True
+                        if released is not None:
+                            for delta in batch:
+                                released.add(delta)
+                        yield batch
+                except Halt as h:
+                    halted = h
+                accepted: list[Accept] = []
+                if halted is not None:
+                    verdict: Verdict = halted.verdict
+                    release: Callable[[], list[Delta]] = list
+                elif checks:
+                    verdict, release, accepted = await relay.end(
+                        attempt.request, completion, ctx, filters, checks
+                    )
+                else:
+                    verdict, accepted = await relay.post(chain.post, attempt.request, completion, ctx)
+                    release = partial(relay.flush, filters)
+                if isinstance(verdict, Reject):
+                    raise verdict.error
+                if isinstance(verdict, Accept):
+                    verdicts.apply(accepted, ctx, committed=rs._released)
+                    if outs := release():
+                        rs._released = True
+                        yield [relay.mark(ctx, out) for out in outs]
+                    accounting.account(ctx, completion)
+                    return
+                # Retry. Only a whole attempt can be served later; a halted one was cut short.
+                if halted is None and not rs._released:
+                    candidates.append(Candidate(verdict, attempt.request, completion, release))
+                if budget > 0 and not rs._released:
+                    budget -= 1
+                    request = verdicts.retried(attempt.request, verdict, ctx, p.metrics)
+                    p.attempts.unbind(ctx)
+                    attempt = await p.open_attempt(request, ctx)
+                    continue
+                if rs._released:
+                    # Too late to hold anything back: terminate if the policy says so, else finish flagged.
+                    if isinstance(verdict.exhausted, Reject):
+                        raise verdict.exhausted.error
+                    ctx.outputs.degrade("retries-exhausted")
+                    if isinstance(verdict.exhausted, Accept):
+                        verdicts.apply([verdict.exhausted], ctx, committed=True)
+                    if outs := release():
+                        yield [relay.mark(ctx, out) for out in outs]
+                    accounting.account(ctx, completion)
+                    return
+                if not candidates:
+                    if isinstance(verdict.exhausted, Reject):
+                        raise verdict.exhausted.error
+                    raise AnswerWithheld(f"policy {verdict.reason} held the answer back and no retry is left")
+                best = verdicts.exhausted(candidates, ctx, chain, accounting)
+                rs.request = best.request
+                if outs := best.release():
                     rs._released = True
                     yield [relay.mark(ctx, out) for out in outs]
-                accounting.account(ctx, completion)
+                accounting.account(ctx, best.completion)
                 return
-            # Retry. Only a whole attempt can be served later; a halted one was cut short.
-            if halted is None and not rs._released:
-                candidates.append(Candidate(verdict, attempt.request, completion, release))
-            if budget > 0 and not rs._released:
-                budget -= 1
-                request = verdicts.retried(attempt.request, verdict, ctx, p.metrics)
-                p.attempts.unbind(ctx)
-                attempt = await p.open_attempt(request, ctx)
-                continue
-            if rs._released:
-                # Too late to hold anything back: terminate if the policy says so, else finish flagged.
-                if isinstance(verdict.exhausted, Reject):
-                    raise verdict.exhausted.error
-                ctx.outputs.degrade("retries-exhausted")
-                if isinstance(verdict.exhausted, Accept):
-                    verdicts.apply([verdict.exhausted], ctx, committed=True)
-                if outs := release():
-                    yield [relay.mark(ctx, out) for out in outs]
-                accounting.account(ctx, completion)
-                return
-            if not candidates:
-                if isinstance(verdict.exhausted, Reject):
-                    raise verdict.exhausted.error
-                raise AnswerWithheld(f"policy {verdict.reason} held the answer back and no retry is left")
-            best = verdicts.exhausted(candidates, ctx, chain, accounting)
-            rs.request = best.request
-            if outs := best.release():
-                rs._released = True
-                yield [relay.mark(ctx, out) for out in outs]
-            accounting.account(ctx, best.completion)
-            return
-    except BaseException as exc:  # GeneratorExit and cancellation are outcomes too (a client that left)
-        error = exc if rs.cause is None else rs.cause
-        raise
     finally:
         # Finished (and the record handed to the audit) before any await a cancelled task may not complete.
+        error = None if ended.error is None else (rs.cause or ended.error)
         fut = accounting.finish(ctx, error)
-        error = None  # its traceback holds this frame: no cycle through it
+        error = ended.error = None  # its traceback holds this frame: no cycle through it
         try:
             await attempt.upstream.aclose()
         finally:
