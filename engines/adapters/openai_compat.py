@@ -380,13 +380,19 @@ class OpenAICompatEngine:
         text = delta.get("content") or ""
         finish = choice.get("finish_reason")
         calls = delta.get("tool_calls")
-        reasoning, key = _reasoning(delta)
+        # Most pieces are plain text: the reasoning keys are looked for only where one is present.
+        if "reasoning_content" in delta or "reasoning" in delta:
+            reasoning, key = _reasoning(delta)
+        else:
+            reasoning, key = "", "reasoning_content"
         lp = choice.get("logprobs")
         index = choice.get("index", 0)  # n > 1: vLLM streams each choice's pieces under its index (checked)
         if not (text or calls or reasoning or lp):
             if finish is None and not usage:
                 return None
             return Delta(finish_reason=finish, usage=_usage(usage) if usage else None, index=index)
+        if not (calls or reasoning or lp or usage):
+            return Delta(text=text, finish_reason=finish, index=index)
         return Delta(
             text=text,
             finish_reason=finish,
