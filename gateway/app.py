@@ -91,6 +91,9 @@ class _Answered:
             await render_exception(exc)(scope, receive, send)
             if not isinstance(exc, _ANSWERED):
                 raise  # as Starlette's server-error middleware: answered with a 500, and on to the server's log
+            # Answered: its traceback goes (as Starlette's exception handling lets it go), so the frames it
+            # holds, and the request's media in them, are not kept by a cycle until the next collection.
+            exc.__traceback__ = None
 
 
 class Gateway(FastAPI):
