@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -35,6 +36,7 @@ import threading
 import time
 import tomllib
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from bench.common import add_smoke, emit, free_port, out_path, smoke_result
@@ -198,7 +200,7 @@ def cold_start(venv: Path, upstream_url: str, work: Path) -> dict[str, float]:
     for stale in ("audit.db", "directory.db"):
         for f in work.glob(stale + "*"):
             f.unlink()
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     proc = subprocess.Popen(
         [str(venv / "bin" / "omnigate"), "serve", "--config", str(config), "--port", str(port)],
         cwd=work,
@@ -215,7 +217,8 @@ def cold_start(venv: Path, upstream_url: str, work: Path) -> dict[str, float]:
             line = raw.decode(errors="replace")
             log.append(line)
             if not ready and '"gateway_ready"' in line:
-                ready.append(time.monotonic() - t0)
+                # The line's own time, not when this thread read it (which may come after the first answer).
+                ready.append(_logged_at(line, wall0) or time.monotonic() - t0)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -262,6 +265,15 @@ def _sets() -> dict[str, dict[str, object]]:
         names = closure(extras, lock)
         out[label] = {"extras": list(extras), "packages": len(names), "has_torch": "torch" in names}
     return out
+
+
+def _logged_at(line: str, wall0: float) -> float | None:
+    """Seconds from ``wall0`` (the process's start, wall clock) to a JSON log line's own timestamp."""
+    try:
+        stamp = json.loads(line).get("timestamp")
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() - wall0 if stamp else None
+    except (ValueError, AttributeError):
+        return None
 
 
 def measure(runs: int, smoke: bool = False) -> dict[str, object]:
