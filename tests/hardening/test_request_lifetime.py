@@ -310,9 +310,14 @@ async def test_a_server_error_mid_body_gives_back_its_slot(serve, bg):
 
 async def test_readyz_says_when_the_gateway_cannot_admit(serve, upstreams):
     server = serve(traffic={"soft_limit": 1, "hard_limit": 2})
-    upstreams.bg.call(
-        lambda: setattr(upstreams.omni_a, "default", Script(flavour="omni", text=LONG, chunk_delay_s=0.05))
-    )
+
+    def slow() -> None:
+        # Both engines answer slowly: a request that fails over (a first byte late on a loaded machine)
+        # is still held open, so the two requests are still in flight when /readyz is asked.
+        for u in (upstreams.omni_a, upstreams.omni_b):
+            u.default = Script(flavour="omni", text=LONG, chunk_delay_s=0.05)
+
+    upstreams.bg.call(slow)
     async with httpx.AsyncClient(timeout=20) as client:
         assert (await client.get(server.url + "/readyz")).status_code == 200
         held = []
