@@ -70,6 +70,9 @@ from engines.rollout.telemetry import TelemetryCollector
 from engines.selection.pool import EnginePool
 from observability.metrics import Metrics
 
+#: how long shutdown waits for transition hooks still running before it cancels them
+_HOOKS_CLOSE_S = 5.0
+
 log = structlog.get_logger("omnigate.routing")
 
 TransitionHook = Callable[[Transition], "Awaitable[None] | None"]
@@ -175,7 +178,13 @@ class RolloutController:
             log.warning("controller_release_failed", error=str(exc))
         self._set_leader(False)
         if self._hook_tasks:
-            await asyncio.gather(*self._hook_tasks, return_exceptions=True)
+            # Bounded: a transition hook stuck on a peer that no longer answers must not hold up shutdown.
+            _, stuck = await asyncio.wait(set(self._hook_tasks), timeout=_HOOKS_CLOSE_S)
+            for task in stuck:
+                log.warning("transition_hook_abandoned", timeout_s=_HOOKS_CLOSE_S)
+                task.cancel()
+            if stuck:
+                await asyncio.gather(*stuck, return_exceptions=True)
         await self.store.aclose()
 
     async def _run(self) -> None:

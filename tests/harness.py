@@ -109,7 +109,14 @@ class GatewayServer:
         async def _stop() -> None:
             self.server.should_exit = True
             if self._task is not None:
-                await asyncio.wait_for(self._task, 15)
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._task), 15)
+                except TimeoutError:
+                    # Say where the shutdown is stuck: every task of the loop, with its stack.
+                    for task in asyncio.all_tasks():
+                        task.print_stack(limit=12, file=sys.stderr)
+                    self._task.cancel()
+                    raise
 
         self.bg.run(_stop())
 

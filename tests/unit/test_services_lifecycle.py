@@ -314,3 +314,30 @@ async def test_a_controller_whose_part_fails_to_start_closes_the_parts_it_starte
         assert ("close", "telemetry") in EVENTS and controller._task is None
     finally:
         await services.aclose()
+
+
+async def test_a_transition_hook_stuck_at_shutdown_does_not_hold_the_controller_open(tmp_path, monkeypatch):
+    from engines import controller as controller_module
+    from engines.rollout.rollback import Transition
+
+    monkeypatch.setattr(controller_module, "_HOOKS_CLOSE_S", 0.2)
+    services = Services.build(_settings(tmp_path), Metrics(CollectorRegistry()), ALL)
+    controller = services.controller
+    stuck = asyncio.Event()
+
+    async def hook(t: Transition) -> None:
+        await stuck.wait()  # a peer that never answers
+
+    controller.on_transition.append(hook)
+    try:
+        await controller.start()
+        controller.emit(Transition(at=0, action="shift", reason="test", source="auto", engine="a"))
+        assert controller._hook_tasks
+        t0 = time.monotonic()
+        with structlog.testing.capture_logs() as logs:
+            await asyncio.wait_for(controller.aclose(), 10)
+        assert time.monotonic() - t0 < 5
+        assert not controller._hook_tasks
+        assert any(e["event"] == "transition_hook_abandoned" for e in logs)
+    finally:
+        await services.aclose()
