@@ -40,6 +40,7 @@ SERIAL = {
     # shutdowns overran the harness's 15 s (measured, -n 2); alone they pass in seconds
     "tests/http/test_engine_signals.py": "replicas' controller ticks and shutdowns on deadlines",
     "tests/http/test_rollout_replicas.py": "replicas' leader ticks and shutdowns on deadlines",
+    "tests/http/test_energy_replicas.py": "replicas' leases on a half-second TTL, renewed on a beat of a third of it",
     "tests/unit/test_redaction_time.py": "the redactor's time bound",
     "tests/unit/test_footprint.py": "the import and memory footprint of the gateway",
     "tests/system/": "kill -9 of gateways and decode workers mid-write, timed recoveries",
