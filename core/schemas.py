@@ -7,6 +7,9 @@ so one can never be carried along unnoticed: :mod:`gateway.fields` refuses the
 request naming it, or (``unknown_fields: drop``) drops it and says so. There is
 no field through which a client could set an engine's URL, key or headers, and
 ``chat_template_kwargs`` takes only the keys in :data:`CHAT_TEMPLATE_KWARGS`.
+
+Its length: one model per part of OpenAI's request, in one place, because the allow-list is the set of
+these models and a reviewer must read it whole to see what can reach an engine.
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ request shed for load is counted once in ``omnigate_admission_shed_total`` by re
 
 Its length: the local and the Redis-shared counters implement one admission rule and are kept side by
 side so the two cannot drift.
+
+Its length: the decision table above, the local and Redis slot stores that count for it and the overload
+loop that reads them are kept together while the Redis lease scripts are still shared with
+engines/selection/slots.py; moving both stores' leases into one lease module is the split still owed.
 """
 
 from __future__ import annotations

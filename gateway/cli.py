@@ -2,7 +2,9 @@
 ``directory import``, ``verify-weights`` and ``weights-manifest``.
 
 Its length: one small function per subcommand and the argument parser that names them all; each
-imports what it uses when it runs, so the command starts without the gateway's libraries.
+imports what it uses when it runs, so the command starts without the gateway's libraries. The
+``--workers`` supervisor (forking, signal forwarding, the refusals above one worker) is the largest
+part and is the piece to move into a module of its own next.
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ premise): the guard abstains, and the answer is served unjudged with the verdict
 
 Its length: the policy and its three stream checks share the premise, the speech gate and the
 verdict rules; a check is only read beside the others.
+
+Its length: the three streaming modes (hold, window, passthrough) share the verdict, retry adjustment and
+receipt code here; it splits when the evidence kinds of the guard-services issue (images, audio) arrive.
 """
 
 from __future__ import annotations
