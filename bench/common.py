@@ -41,6 +41,22 @@ def spawn(
     )
 
 
+def bench_engine(up_port: int, capped: bool = False) -> dict:
+    """The one engine every gateway benchmark routes to: the scripted upstream as vLLM, model ``bench``.
+    Uncapped unless ``capped``: a relay and LiteLLM's proxy have no per-engine caps to compare with."""
+    engine: dict = {
+        "name": "bench-vllm",
+        "kind": "vllm",
+        "base_url": f"http://127.0.0.1:{up_port}/v1",
+        "model": "scripted",
+        "variant": "fp16",
+        "serves": ["bench"],
+    }
+    if not capped:
+        engine.update(max_in_flight=10000, max_in_flight_overloaded=None)
+    return engine
+
+
 def scripted_upstream(port: int, flavour: str, cpu: int | None, *options: str) -> subprocess.Popen:
     """The scripted engine (``tests/upstream.py``) on ``port``, as the benches start it (``options``: its
     other flags, e.g. ``--chunks``)."""

@@ -39,6 +39,7 @@ from bench.common import (
     ROOT,
     LoadResult,
     add_smoke,
+    bench_engine,
     cpu_seconds,
     emit,
     free_port,
@@ -84,18 +85,7 @@ def _omnigate(up_port: int, port: int, chain: str, audit: bool = True) -> list[s
     # The relay and LiteLLM's proxy have no admission limits or per-engine caps; lift omnigate's so the
     # comparison measures relaying (with its defaults it sheds above 16 and refuses above 64 streams).
     cfg = {
-        "engines": [
-            {
-                "name": "bench-vllm",
-                "kind": "vllm",
-                "base_url": f"http://127.0.0.1:{up_port}/v1",
-                "model": "scripted",
-                "variant": "fp16",
-                "serves": ["bench"],
-                "max_in_flight": 10000,
-                "max_in_flight_overloaded": None,
-            }
-        ],
+        "engines": [bench_engine(up_port)],
         # "default": the chain a config without a ``policies`` key gets (load shedding, request limits and
         # the media policies: fetch, limits, the NSFW screen), as a user gets it.
         **({"policies": {"pre": []}} if chain == "off" else {}),

@@ -30,6 +30,7 @@ import httpx
 from bench.common import (
     ROOT,
     add_smoke,
+    bench_engine,
     emit,
     free_port,
     out_path,
@@ -53,15 +54,7 @@ def _module(filename: str) -> str | None:
 
 def _config(up_port: int, chain: str, audit_path: Path) -> dict[str, Any]:
     return {
-        "engines": [
-            {
-                "name": "bench-vllm",
-                "kind": "vllm",
-                "base_url": f"http://127.0.0.1:{up_port}/v1",
-                "model": "scripted",
-                "serves": ["bench"],
-            }
-        ],
+        "engines": [bench_engine(up_port, capped=True)],
         **({"policies": {"pre": []}} if chain == "off" else {}),
         "logging": {"level": "warning"},
         "audit": {"enabled": True, "sqlite_path": str(audit_path)},

@@ -35,6 +35,7 @@ import yaml
 from bench.common import (
     LoadResult,
     add_smoke,
+    bench_engine,
     cpu_seconds,
     emit,
     free_port,
@@ -55,18 +56,7 @@ TARGETS = {"workers1": 1, "workers2": 2}
 
 def _config(up_port: int, dsn: str, prefix: str, metrics_port: int) -> dict:
     return {
-        "engines": [
-            {
-                "name": "bench-vllm",
-                "kind": "vllm",
-                "base_url": f"http://127.0.0.1:{up_port}/v1",
-                "model": "scripted",
-                "variant": "fp16",
-                "serves": ["bench"],
-                "max_in_flight": 10000,
-                "max_in_flight_overloaded": None,
-            }
-        ],
+        "engines": [bench_engine(up_port)],
         "redis": {"url": REDIS},
         "traffic": {"soft_limit": 10000, "hard_limit": 10000, "key_prefix": f"{prefix}:traffic"},
         "rate_limits": {"key_prefix": f"{prefix}:rate"},
