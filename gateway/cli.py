@@ -153,6 +153,12 @@ def auth_banner(settings: Settings) -> list[str]:
     return lines
 
 
+def stop_deadline_s(settings: Settings) -> float:
+    """How long a stop may take before it counts as stuck: the drain, the streams' grace, the resources'
+    closes (gateway/services.py ``_CLOSE_S``) and a margin."""
+    return settings.server.drain_delay_s + settings.server.graceful_shutdown_s + 30.0
+
+
 class _DrainingServer:
     """uvicorn's Server, with a drain phase before it stops listening.
 
@@ -170,6 +176,7 @@ class _DrainingServer:
         on_listening: Callable[[], None] | None = None,
     ) -> uvicorn.Server:
         import asyncio
+        import faulthandler
         from collections.abc import Sequence
 
         import uvicorn
@@ -189,6 +196,9 @@ class _DrainingServer:
                 if services.draining.is_set():
                     super().handle_exit(sig, frame)
                     return
+                # A stop that overruns its deadline by far prints every thread's stack to stderr (what
+                # it is stuck in), then goes on waiting: the supervisor or the orchestrator decides.
+                faulthandler.dump_traceback_later(stop_deadline_s(services.settings), exit=False)
                 loop = asyncio.get_event_loop()
                 loop.call_soon_threadsafe(services.begin_drain)
                 loop.call_soon_threadsafe(
@@ -411,12 +421,32 @@ class _Supervisor:
         import signal
 
         if sig != signal.SIGHUP:
-            self.stopping = True
+            self._stop_by_deadline()
             if sig == signal.SIGINT and _terminal_signals_the_group():
                 return  # Ctrl-C at a terminal reached every worker already
         for pid in self.children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
+
+    def _stop_by_deadline(self) -> None:
+        """The workers are stopping: those still running at the deadline (a worker stuck in its stop has
+        printed its stacks by then, see ``_DrainingServer``) are killed, and the supervisor exits 1."""
+        import math
+        import signal
+
+        if not self.stopping:
+            self.stopping = True
+            signal.alarm(math.ceil(stop_deadline_s(self.settings)) + 5)
+
+    def _overran(self, sig: int, frame: FrameType | None) -> None:
+        import os
+        import signal
+
+        for pid, (i, _) in self.children.items():
+            print(f"omnigate: worker {i} (pid {pid}) did not stop by its deadline: killed", file=sys.stderr)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.status = self.status or 1
 
     def run(self) -> int:
         import os
@@ -424,6 +454,7 @@ class _Supervisor:
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._forward)
+        signal.signal(signal.SIGALRM, self._overran)
         print(
             f"omnigate: {self.workers} workers on port {self.port} (supervisor pid {os.getpid()})",
             file=sys.stderr,
@@ -447,7 +478,7 @@ class _Supervisor:
                 print(f"omnigate: worker {i} (pid {pid}) exited ({code}): starting another", file=sys.stderr)
                 self._spawn(i)
             else:
-                self.stopping = True
+                self._stop_by_deadline()
                 self.status = code if code > 0 else 1
                 for other in self.children:
                     with contextlib.suppress(ProcessLookupError):

@@ -449,10 +449,18 @@ class Services:
         await self._stack.aclose()
 
 
+#: how long one resource's close may take at shutdown before it is abandoned (logged by name), so that a
+#: store that stops answering cannot hold the process past its stop for good
+_CLOSE_S = 15.0
+
+
 async def _close_logged(name: str, close: Callable[[], Awaitable[object]]) -> None:
-    # One resource's failing close must not keep the others open; it is logged, by name.
+    # One resource's failing or hanging close must not keep the others open; it is logged, by name.
     try:
-        await close()
+        async with asyncio.timeout(_CLOSE_S):
+            await close()
+    except TimeoutError:
+        log.error("service_close_timed_out", resource=name, after_s=_CLOSE_S)
     except Exception as exc:
         log.warning("service_close_failed", resource=name, error=f"{type(exc).__name__}: {exc}")
 

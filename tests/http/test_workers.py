@@ -115,7 +115,7 @@ class Workers:
         )
 
     def log(self) -> str:
-        return self.log_path.read_text()[-4000:]
+        return self.log_path.read_text()[-12000:]
 
     def ready(self) -> bool:
         if self.proc.poll() is not None:
@@ -143,7 +143,7 @@ class Workers:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(40)
+                self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 for w in self.workers():
                     w.kill()
@@ -257,7 +257,11 @@ def test_sighup_reloads_and_sigterm_ends_both_workers_and_the_one_chain_verifies
         ]
         assert [r["restart_required"] for r in reloads] == [None, None], reloads
         gw.proc.send_signal(signal.SIGTERM)
-        assert gw.proc.wait(40) == 0, gw.log()
+        try:
+            code = gw.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the workers did not stop: {gw.log()}") from None
+        assert code == 0, gw.log()
         for w in workers:  # each worker drained and stopped on its own, none left behind
             assert not w.is_running() or w.status() == psutil.STATUS_ZOMBIE
         log = gw.log()

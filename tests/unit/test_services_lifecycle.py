@@ -268,6 +268,29 @@ async def test_a_close_that_fails_is_logged_and_the_teardown_goes_on(tmp_path, m
     assert services.audit is not None and services.audit.store._db is None
 
 
+async def test_a_close_that_hangs_is_abandoned_by_name_and_the_teardown_goes_on(tmp_path, monkeypatch):
+    # A store that stops answering at shutdown must not hold the process past its stop for good.
+    import gateway.services as services_module
+
+    monkeypatch.setattr(services_module, "_CLOSE_S", 0.2)
+    EVENTS.clear()
+    services = _spied(tmp_path, monkeypatch)
+    spied_close = services.pool.aclose
+
+    async def hanging_close() -> None:
+        await spied_close()
+        await asyncio.Event().wait()
+
+    services.pool.aclose = hanging_close
+    await services.start()
+    with structlog.testing.capture_logs() as logs:
+        await asyncio.wait_for(services.aclose(), 10)
+    assert _order("close") == [*reversed(_order("start")), "auth_failures", "limiter", "redis"]
+    hung = [e for e in logs if e["event"] == "service_close_timed_out"]
+    assert [e["resource"] for e in hung] == ["pool"], logs
+    assert services.audit is not None and services.audit.store._db is None
+
+
 async def test_aclose_twice_closes_nothing_the_second_time(tmp_path, monkeypatch):
     EVENTS.clear()
     services = _spied(tmp_path, monkeypatch)
