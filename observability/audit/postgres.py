@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import asyncpg
+import structlog
 
 from observability.audit.chain import GENESIS, Checkpoint, Row
 from observability.audit.search import AuditQuery, select
@@ -31,10 +32,28 @@ from observability.audit.store import (
     schema,
 )
 
+log = structlog.get_logger("omnigate.audit")
+
 _LOCK = 0x6F6D6E6961756469  # "omniaudi": the advisory lock that serialises appends
 
 _SCHEMA = schema("BIGINT", "BOOLEAN")
 _ROW = ROW_SELECT
+
+
+#: how long a close waits for the connections in use to come back before it cuts them
+_CLOSE_S = 10.0
+
+
+async def _close_pool(pool: asyncpg.Pool) -> None:
+    """asyncpg's ``close`` waits for every connection in use to be released, without limit: a query
+    stuck on a server that stopped answering would hold the gateway's stop for good. After ``_CLOSE_S``
+    the connections are cut (``terminate``); an append then in flight was not acknowledged, so its
+    request had not been answered as audited."""
+    try:
+        await asyncio.wait_for(pool.close(), _CLOSE_S)
+    except TimeoutError:
+        log.error("audit_store_close_timed_out", after_s=_CLOSE_S)
+        pool.terminate()
 
 
 class PostgresStore:
@@ -60,12 +79,10 @@ class PostgresStore:
                 )
 
     async def close(self) -> None:
-        if self._read_pool is not None:
-            await self._read_pool.close()
-            self._read_pool = None
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
+        for pool in (self._read_pool, self._pool):
+            if pool is not None:
+                await _close_pool(pool)
+        self._read_pool = self._pool = None
         self._encoder.shutdown(wait=False)
 
     @property
