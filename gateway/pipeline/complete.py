@@ -13,8 +13,6 @@ from core.events import Completion
 from core.schemas import ChatCompletionRequest
 from gateway.pipeline import verdicts
 from gateway.pipeline.segments import join, segment_request, segmented
-from gateway.pipeline.verdicts import Candidate
-from policies.base import Accept, Reject
 
 if TYPE_CHECKING:
     from gateway.pipeline import Pipeline
@@ -66,23 +64,17 @@ async def run_complete(
 ) -> CompletionResult:
     """The answer served: the first accepted attempt, or the best one when the retries run out."""
     chain = p.chain_for(ctx)
-    budget = chain.max_retries
-    candidates: list[Candidate] = []
+    rounds = verdicts.Rounds(chain, ctx, p.metrics, p.accounting)
     while True:
-        ctx.retries_left = budget
+        ctx.retries_left = rounds.budget
         completion, served = await _segments(p, request, plan, ctx)
         verdict, accepted = await p.relay.post(chain.post, served, completion, ctx)
-        if isinstance(verdict, Accept):
-            verdicts.apply(accepted, ctx, committed=False)
-            return CompletionResult(served, completion, ctx)
-        if isinstance(verdict, Reject):
-            raise verdict.error
-        candidates.append(Candidate(verdict, served, completion, lambda: []))
-        if budget > 0:
-            budget -= 1
-            request = verdicts.retried(request, verdict, ctx, p.metrics)
+        step = rounds.judge(verdict, accepted, served, completion)
+        if step.again is not None:
+            request = step.again
             p.attempts.unbind(ctx)
             continue
-        best = verdicts.exhausted(candidates, ctx, chain, p.accounting)
-        p.accounting.account(ctx, best.completion)
-        return CompletionResult(best.request, best.completion, ctx)
+        assert step.request is not None and step.completion is not None
+        if step.best:
+            p.accounting.account(ctx, step.completion)
+        return CompletionResult(step.request, step.completion, ctx)

@@ -15,15 +15,13 @@ from typing import TYPE_CHECKING
 
 from core.context import RequestContext, SegmentPlan
 from core.digest import OutputDigest
-from core.errors import AnswerWithheld
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
 from gateway.pipeline import verdicts
 from gateway.pipeline.accounting import Outcome
 from gateway.pipeline.attempt import Attempt
 from gateway.pipeline.segments import concat, segmented
-from gateway.pipeline.verdicts import Candidate
-from policies.base import Accept, Halt, Reject, Verdict
+from policies.base import Accept, Halt, Verdict
 
 if TYPE_CHECKING:
     from gateway.pipeline import Pipeline
@@ -137,8 +135,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
     ctx, attempt = rs.ctx, rs.attempt
     relay, accounting = p.relay, p.accounting
     chain = p.chain_for(ctx)
-    budget = chain.max_retries
-    candidates: list[Candidate] = []
+    rounds = verdicts.Rounds(chain, ctx, p.metrics, accounting)
     ended = Outcome()  # GeneratorExit and cancellation are outcomes too (a client that left)
     released = ctx.record.output = (
         OutputDigest(ctx.identity.audit_content != "digests") if accounting.audit is not None else None
@@ -146,7 +143,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
     try:
         with ended:
             while True:
-                ctx.retries_left = budget
+                ctx.retries_left = rounds.budget
                 rs.attempt, rs.request = attempt, attempt.request
                 filters = [(pol, pol.impl.open_stream(attempt.request, ctx)) for pol in chain.stream]
                 checks = relay.open_checks(chain.post, attempt.request, ctx)
@@ -179,45 +176,25 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
                 else:
                     verdict, accepted = await relay.post(chain.post, attempt.request, completion, ctx)
                     release = partial(relay.flush, filters)
-                if isinstance(verdict, Reject):
-                    raise verdict.error
-                if isinstance(verdict, Accept):
-                    verdicts.apply(accepted, ctx, committed=rs._released)
-                    if outs := release():
-                        rs._released = True
-                        yield [relay.mark(ctx, out) for out in outs]
-                    accounting.account(ctx, completion)
-                    return
-                # Retry. Only a whole attempt can be served later; a halted one was cut short.
-                if halted is None and not rs._released:
-                    candidates.append(Candidate(verdict, attempt.request, completion, release))
-                if budget > 0 and not rs._released:
-                    budget -= 1
-                    request = verdicts.retried(attempt.request, verdict, ctx, p.metrics)
+                step = rounds.judge(
+                    verdict,
+                    accepted,
+                    attempt.request,
+                    completion,
+                    release,
+                    released=rs._released,
+                    whole=halted is None,
+                )
+                if step.again is not None:
                     p.attempts.unbind(ctx)
-                    attempt = await p.open_attempt(request, ctx)
+                    attempt = await p.open_attempt(step.again, ctx)
                     continue
-                if rs._released:
-                    # Too late to hold anything back: terminate if the policy says so, else finish flagged.
-                    if isinstance(verdict.exhausted, Reject):
-                        raise verdict.exhausted.error
-                    ctx.outputs.degrade("retries-exhausted")
-                    if isinstance(verdict.exhausted, Accept):
-                        verdicts.apply([verdict.exhausted], ctx, committed=True)
-                    if outs := release():
-                        yield [relay.mark(ctx, out) for out in outs]
-                    accounting.account(ctx, completion)
-                    return
-                if not candidates:
-                    if isinstance(verdict.exhausted, Reject):
-                        raise verdict.exhausted.error
-                    raise AnswerWithheld(f"policy {verdict.reason} held the answer back and no retry is left")
-                best = verdicts.exhausted(candidates, ctx, chain, accounting)
-                rs.request = best.request
-                if outs := best.release():
+                assert step.request is not None and step.completion is not None
+                rs.request = step.request
+                if outs := step.release():
                     rs._released = True
                     yield [relay.mark(ctx, out) for out in outs]
-                accounting.account(ctx, best.completion)
+                accounting.account(ctx, step.completion)
                 return
     finally:
         # Finished (and the record handed to the audit) before any await a cancelled task may not complete.
