@@ -56,7 +56,7 @@ from observability.audit.spool import Spool
 from observability.audit.store import AuditStore, Entry, Sealer
 from observability.audit.verify import verify_tail
 from observability.audit.witness import Witness, read_heads
-from observability.metrics import Metrics
+from observability.metrics import Children, Metrics
 from observability.settings import AuditSettings
 
 log = structlog.get_logger("omnigate.audit")
@@ -93,6 +93,8 @@ class AuditLog:
         self.settings = settings
         self.store = store
         self.metrics = metrics
+        self._written = Children(metrics.audit_written)
+        self._commit = metrics.audit_commit.labels(store.name)
         self.signer = Signer.from_settings(settings.signing)
         self.guard = ChainGuard(self.signer, settings.checkpoint_every, now_iso)
         self.witness = Witness(settings.witness_path)
@@ -495,10 +497,10 @@ class AuditLog:
         if self._outage and not self._spooling:
             self._outage = False
             log.warning("audit_store_recovered", on_unavailable="refuse")
-        self.metrics.audit_commit.labels(self.store.name).observe(time.perf_counter() - t0)
+        self._commit.observe(time.perf_counter() - t0)
         self.metrics.audit_batch.observe(len(rows))
         for p, row in zip(batch, rows, strict=True):  # one row per record written
-            self.metrics.audit_written.labels(p.kind).inc()
+            self._written(p.kind).inc()
             if p.future is not None and not p.future.done():
                 p.future.set_result(row.seq)
         self._head = (rows[-1].seq, rows[-1].hash)
@@ -603,7 +605,7 @@ class AuditLog:
                 self._head = (rows[-1].seq, rows[-1].hash)
                 self.guard.appended(*self._head, made)
                 for e in todo:
-                    self.metrics.audit_written.labels(e.kind).inc()
+                    self._written(e.kind).inc()
             await spool.replayed(len(chunk))
             await self._published(made)
 
