@@ -123,7 +123,8 @@ class RolloutController:
         self.accuracy = accuracy
         if accuracy is not None:
             self.on_transition.append(accuracy.on_transition)
-        pool.transition_sink = self.emit
+        # The pool's circuit and health transitions come out through its feed; nothing is set on the pool.
+        pool.transitions.subscribe(self.emit)
 
     @property
     def replica_id(self) -> str:
@@ -389,7 +390,7 @@ class RolloutController:
         table = RoutingTable.from_dict(doc.table) if doc.table else self._table(self.state)
         table = replace(table, version=doc.version)  # every other field as stored or derived
         if table.version != self.pool.table.version:
-            self.pool.set_table(table)
+            self.pool.publish(self.pool.view.next(table=table))  # the next view: one swap, read by requests
             self.metrics.routing_version.set(table.version)
             log.debug("routing_table_applied", version=table.version, leader=self.is_leader)
         self.metrics.controller_frozen.set(1 if self.state.frozen else 0)

@@ -2,9 +2,11 @@
 
 Health comes from a background probe loop (a watchdog off the request path); passive outcomes
 the pipeline reports feed each engine's circuit breaker (:mod:`engines.selection.circuit`) and its outcome
-window (:mod:`engines.rollout.signals`). Every change of state is published as a metric and handed to
-``transition_sink`` (the rollback controller) as a :class:`engines.rollout.rollback.Transition`; the slots
-(:mod:`engines.selection.slots`) hear of an engine going away or coming back through ``on_down``/``on_up``.
+window (:mod:`engines.rollout.signals`). Every change of state is published as a metric and as a
+:class:`engines.rollout.rollback.Transition` on the pool's :class:`~engines.selection.transitions.Transitions`
+(the rollback controller subscribes there). An engine going away or coming back is told to the pool's
+``availability`` callback, given at construction, which passes it on to the slots
+(:mod:`engines.selection.slots`); nothing is set on health from outside.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import structlog
 
 from engines.adapters.base import Engine
 from engines.rollout.rollback import Transition
-from engines.rollout.routing import EngineInfo, RoutingTable
+from engines.rollout.routing import EngineInfo
 from engines.rollout.settings import RoutingSettings
 from engines.rollout.signals import EngineSummary, OutcomeWindow
 from engines.selection.circuit import Circuit
 from engines.selection.identity import ListsModels, identity_problem
+from engines.selection.transitions import Transitions
+from engines.selection.view import Views
 from observability.metrics import ENGINE_STATES, Metrics
 
 log = structlog.get_logger("engines.pool")
@@ -41,13 +45,17 @@ class Health:
         infos: dict[str, EngineInfo],
         metrics: Metrics,
         routing: RoutingSettings,
-        table: Callable[[], RoutingTable],
+        views: Views,
         probe_interval_s: float,
+        transitions: Transitions,
+        availability: Callable[[str, bool], None],
     ) -> None:
+        """``availability(name, up)``: engine ``name`` became unavailable (False) or its circuit closed again
+        (True)."""
         self.engines = engines
         self.infos = infos
         self._metrics = metrics
-        self._table = table
+        self._views = views
         self._probe_interval_s = probe_interval_s
         self.healthy: dict[str, bool] = {name: False for name in engines}
         #: engines serving another model id or revision than configured: never routed to, with the reason
@@ -69,11 +77,9 @@ class Health:
             )
             for name in engines
         }
-        #: called with every transition (eject, half_open, readmit, up, down); set by the controller
-        self.transition_sink: Callable[[Transition], None] | None = None
-        #: the slots' hooks: an engine became unavailable / its circuit closed again
-        self.on_down: Callable[[str], None] = lambda name: None
-        self.on_up: Callable[[str], None] = lambda name: None
+        #: where every transition (eject, half_open, readmit, up, down) is published
+        self._transitions = transitions
+        self._availability = availability
         self._probed: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -96,7 +102,7 @@ class Health:
             return "ejected"
         if c == "half_open":
             return "half_open"
-        return "serving" if self._table().engine_weight(name) > 0 else "standby"
+        return "serving" if self._views.current.table.engine_weight(name) > 0 else "standby"
 
     def summaries(self, window_s: float) -> dict[str, EngineSummary]:
         return {name: win.summary(window_s) for name, win in self.windows.items()}
@@ -157,15 +163,12 @@ class Health:
             detail["ejected_for_s"] = round(circuit.open_until - time.monotonic(), 3)
         self.refresh_state(name)
         if state == "open":
-            self.on_down(name)
+            self._availability(name, False)
         elif state == "closed":
-            self.on_up(name)
+            self._availability(name, True)
         t = Transition(at=time.time(), action=action, reason=reason, source=source, engine=name,
                        models=self.infos[name].serves, detail=detail)  # fmt: skip
-        if self.transition_sink is not None:
-            self.transition_sink(t)
-        else:
-            log.warning("engine_transition", **t.to_dict())
+        self._transitions.publish(t)
 
     def refresh_state(self, name: str) -> None:
         now_state = self.state(name)
@@ -186,10 +189,10 @@ class Health:
             return
         log.info("engine_health_changed", engine=name, healthy=healthy)
         if not healthy:
-            self.on_down(name)
-        if not first and self.transition_sink is not None:
+            self._availability(name, False)
+        if not first and self._transitions.subscribed:
             # The first probe result is where an engine starts, not a change of state.
-            self.transition_sink(
+            self._transitions.publish(
                 Transition(
                     at=time.time(),
                     action="up" if healthy else "down",

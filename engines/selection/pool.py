@@ -6,6 +6,11 @@
 - :mod:`engines.selection.choice`: the order to try a model's engines in, drawn from the routing table
   (:mod:`engines.rollout.routing`) that the rollback controller publishes; the request path only reads it.
 
+Control hands the request path one immutable :class:`~engines.selection.view.View` (routing table, overload),
+built from the current one and swapped in by :meth:`EnginePool.publish` (``set_table``, ``set_overloaded``:
+shorthands); a request reads it once. The data plane reacts to a new view by itself, and its transitions go
+out through :attr:`EnginePool.transitions`, which the controller subscribes to.
+
 The pipeline asks :meth:`EnginePool.candidates` for the order, takes a :meth:`EnginePool.lease` on the
 first engine with a free slot and reports outcomes back; the admin views and the controller read the
 rest.
@@ -14,22 +19,23 @@ rest.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import structlog
 
 from engines.adapters.base import Engine
 from engines.adapters.settings import EngineConfig
-from engines.rollout.rollback import Transition
 from engines.rollout.routing import EngineInfo, RoutingTable, base_weights
 from engines.rollout.settings import RoutingSettings
 from engines.rollout.signals import EngineSummary
 from engines.selection import choice
 from engines.selection.health import Health
 from engines.selection.slots import Lease, SharedCaps, Slots
+from engines.selection.transitions import Transitions
+from engines.selection.view import View, Views
 from observability.metrics import Metrics
 
-__all__ = ["EnginePool", "Lease", "SharedCaps", "build_engine"]
+__all__ = ["EnginePool", "Lease", "SharedCaps", "View", "build_engine"]
 
 log = structlog.get_logger(__name__)
 
@@ -71,13 +77,24 @@ class EnginePool:
             for name, e in self.engines.items()
         }
         self._rng = random.Random(self.routing.seed)
-        self.table = RoutingTable(weights=base_weights(self.infos.values()))
+        self.views = Views(View(RoutingTable(weights=base_weights(self.infos.values()))))
+        #: every circuit and health transition, for whoever subscribes (the rollback controller)
+        self.transitions = Transitions()
         interval = self.routing.probe_interval_s if probe_interval_s is None else probe_interval_s
-        self.health = Health(self.engines, self.infos, metrics, self.routing, lambda: self.table, interval)
-        self.slots = Slots(self.engines, self._by_model, self.health, metrics, lambda: self.table)
+        self.health = Health(
+            self.engines,
+            self.infos,
+            metrics,
+            self.routing,
+            self.views,
+            interval,
+            self.transitions,
+            self._availability,
+        )
+        self.slots = Slots(self.engines, self._by_model, self.health, metrics, self.views)
         for name in self.engines:
             self.health.refresh_state(name)
-            self.slots.publish(name)
+            self.slots.gauges(name)
 
     # the health's and slots' state under the names the pool's tests and admin views have always used
     @property
@@ -91,18 +108,25 @@ class EnginePool:
     def _set_health(self, engine: Engine, healthy: bool) -> None:
         self.health.set_health(engine, healthy)
 
-    @property
-    def transition_sink(self) -> Callable[[Transition], None] | None:
-        """Called with every circuit and health transition; set by the rollback controller."""
-        return self.health.transition_sink
+    def _availability(self, name: str, up: bool) -> None:
+        """Health's news for the slots: ``name``'s circuit closed again (``up``) or it became unavailable."""
+        if up:
+            self.slots.grow(name)
+        else:
+            self.slots.strand_check(name)
 
-    @transition_sink.setter
-    def transition_sink(self, sink: Callable[[Transition], None] | None) -> None:
-        self.health.transition_sink = sink
+    @property
+    def view(self) -> View:
+        """The view requests read now (routing table, overload, generation)."""
+        return self.views.current
+
+    @property
+    def table(self) -> RoutingTable:
+        return self.views.current.table
 
     @property
     def overloaded(self) -> bool:
-        return self.slots.overloaded
+        return self.views.current.overloaded
 
     def share_caps(self, shared: SharedCaps) -> None:
         """Hold each engine's cap across every replica through ``shared`` (started and closed with the pool)."""
@@ -115,16 +139,18 @@ class EnginePool:
     def serves(self, model: str) -> bool:
         return model in self._by_model
 
-    def candidates(self, model: str) -> list[Engine]:
-        """Engines for ``model`` in the order to try them (:func:`engines.selection.choice.order`). An engine the
-        controller put to sleep (the table's ``asleep``) or serving other weights is not a candidate."""
-        table, health, slots = self.table, self.health, self.slots
+    def candidates(self, model: str, view: View | None = None) -> list[Engine]:
+        """Engines for ``model`` in the order to try them (:func:`engines.selection.choice.order`), under
+        ``view`` (None: the current one, read once). An engine the controller put to sleep (the table's
+        ``asleep``) or serving other weights is not a candidate."""
+        view = self.views.current if view is None else view
+        table, health, slots = view.table, self.health, self.slots
         return choice.order(
             self._by_model.get(model, ()),
             table.weights.get(model, {}),
             self._rng,
             excluded=lambda name: name in table.asleep or name in health.mismatched,
-            open_to_load=lambda name: health.up(name) and not slots.full(name),
+            open_to_load=lambda name: health.up(name) and not slots.full(name, view),
         )
 
     def is_healthy(self, name: str) -> bool:
@@ -183,14 +209,18 @@ class EnginePool:
         """Claim one request's slot on ``engine`` now; False when it is at its cap or ejected."""
         return self.slots.acquire(engine)
 
-    async def claim(self, engines: list[Engine], model: str | None = None) -> Engine | None:
+    async def claim(
+        self, engines: list[Engine], model: str | None = None, view: View | None = None
+    ) -> Engine | None:
         """A slot on the first of ``engines`` that has one (see :meth:`engines.selection.slots.Slots.claim`)."""
-        return await self.slots.claim(engines, model)
+        return await self.slots.claim(engines, model, view)
 
-    async def lease(self, engines: list[Engine], model: str | None = None) -> Lease | None:
+    async def lease(
+        self, engines: list[Engine], model: str | None = None, view: View | None = None
+    ) -> Lease | None:
         """:meth:`claim`, held as a :class:`Lease` that settles the slot once; None: no engine could be
-        claimed."""
-        got = await self.slots.claim_slot(engines, model)
+        claimed. ``view``: the one the request read (None: the current one)."""
+        got = await self.slots.claim_slot(engines, model, view)
         if got is None:
             return None
         return Lease(got[0], self.slots.release, self.health.failure, shared=got[1])
@@ -198,10 +228,6 @@ class EnginePool:
     def release(self, engine: Engine | str, *, settled: bool = True) -> None:
         """End a claim. ``settled=False``: no outcome was reported (the half-open trial is given back)."""
         self.slots.release(engine, settled=settled)
-
-    def set_overloaded(self, overloaded: bool) -> None:
-        """Switch every engine to its overload cap, or back (called by the admission gate's loop)."""
-        self.slots.set_overloaded(overloaded)
 
     def report_success(self, engine: Engine | str, ttft_s: float | None, first_audio_s: float | None,
                        e2e_s: float, upstream_ttft_s: float | None = None,
@@ -228,14 +254,34 @@ class EnginePool:
         """A request failed at the engine (refused, reset, timed out, 5xx, broken stream)."""
         self.health.failure(engine if isinstance(engine, str) else engine.name)
 
-    # -- write side ---------------------------------------------------------
-    def set_table(self, table: RoutingTable) -> None:
-        """Swap in a new routing table (one reference assignment: requests see the old or the new)."""
-        self.table = table
+    # -- write side (control) -----------------------------------------------
+    def publish(self, view: View) -> None:
+        """Make ``view`` (built from the current one, :meth:`View.next`) the one requests read: one reference
+        assignment, so a request sees the old or the new. The engines' gauges show it at once; requests
+        waiting for a slot wake on it by themselves."""
+        self.views.publish(view)
         for name in self.engines:
             self.health.refresh_state(name)
-            self._metrics.engine_weight.labels(name).set(table.engine_weight(name))
-            self.slots.grow(name)
+            self._metrics.engine_weight.labels(name).set(view.table.engine_weight(name))
+            self.slots.gauges(name)
+
+    def set_table(self, table: RoutingTable) -> None:
+        """Publish the next view with a new routing table (the controller)."""
+        self.publish(self.views.current.next(table=table))
+
+    def set_overloaded(self, overloaded: bool) -> None:
+        """Publish the next view with every engine at its overload cap, or back (the admission gate's loop)."""
+        if overloaded == self.overloaded:
+            return
+        self.publish(self.views.current.next(overloaded=overloaded))
+        for name in self.engines:
+            log.info(
+                "engine_limit_changed",
+                engine=name,
+                limit=self.limit(name),
+                overloaded=overloaded,
+                in_flight=self.in_flight(name),
+            )
 
     def readmit(self, name: str) -> bool:
         """Close an engine's circuit by hand; True when it was open or half-open."""

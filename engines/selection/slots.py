@@ -5,7 +5,9 @@ A request claims a slot on an engine (:meth:`Slots.acquire`, :meth:`Slots.claim`
 engine's cap is the lowest of its configured ``max_in_flight`` (the seeds' ``max_num_seqs``, 8), its
 ``max_in_flight_overloaded`` (4) while the gateway is overloaded (see :mod:`gateway.admission`), and the
 routing table's ``limits`` entry that the rollback controller's ``limit_concurrency`` action sets (its
-``raise_concurrency`` replaces the configured cap by a higher one, ``raised``). When every available
+``raise_concurrency`` replaces the configured cap by a higher one, ``raised``): all of it read from the
+pool's current :class:`~engines.selection.view.View` (:meth:`View.limit`), once per claim. A request
+waiting for a slot also wakes on the next view and lets waiters in where the cap rose. When every available
 engine for a request is at its cap, the request waits in a bounded FIFO queue per engine
 (``max_waiting``, at most ``max_wait_s``) and a freed slot is handed straight to the oldest waiter, so
 newcomers cannot overtake; a full queue or a wait that runs out is :class:`core.errors.EngineBusy`
@@ -44,8 +46,8 @@ import structlog
 
 from core.errors import EngineBusy, EngineError
 from engines.adapters.base import Engine
-from engines.rollout.routing import RoutingTable
 from engines.selection.health import Health
+from engines.selection.view import View, Views
 from observability.metrics import Children, Metrics
 
 log = structlog.get_logger("engines.pool")
@@ -394,7 +396,7 @@ class Slots:
         by_model: dict[str, list[Engine]],
         health: Health,
         metrics: Metrics,
-        table: Callable[[], RoutingTable],
+        views: Views,
     ) -> None:
         self.engines = engines
         self._by_model = by_model
@@ -403,38 +405,24 @@ class Slots:
         self._in_flight_gauge = Children(metrics.engine_in_flight)
         self._waiting_gauge = Children(metrics.engine_waiting)
         self._limit_gauge = Children(metrics.engine_limit)
-        self._table = table
+        self._views = views
         self.in_flight: dict[str, int] = {name: 0 for name in engines}
         self._waiters: dict[str, deque[_Waiter]] = {name: deque() for name in engines}
         #: configured caps per engine: (normal, while overloaded); None: no cap
         self._caps: dict[str, tuple[int | None, int | None]] = {
             e.name: (e.config.max_in_flight, e.config.overload_limit()) for e in engines.values()
         }
-        #: set by the admission gate's overload loop: engines run at their max_in_flight_overloaded
-        self.overloaded = False
         #: the caps shared with the other replicas through Redis; None: this process's own
         self.shared: SharedCaps | None = None
         #: engine -> monotonic time until which it is passed over (full on the other replicas)
         self._shared_busy: dict[str, float] = {}
-        health.on_down = self.strand_check
-        health.on_up = self.grow
 
     # -- read side ------------------------------------------------------------
-    def limit(self, name: str) -> int | None:
-        """The engine's concurrency cap now: the lowest of its configured cap (normal or overloaded) and the
-        routing table's; None: no cap."""
-        table = self._table()
-        normal, overloaded = self._caps[name]
-        raised = table.raised.get(name)
-        if raised is not None and normal is not None:
-            normal = max(normal, raised)  # the controller's raise_concurrency; overload still wins
-        own = overloaded if self.overloaded else normal
-        if own is not None and self.shared is not None and self.shared.up is False:
-            own = self.shared.fail_open_cap(own)  # Redis unreachable: this replica's share, alone
-        routed = table.limits.get(name)
-        if own is None or routed is None:
-            return routed if own is None else own
-        return min(own, routed)
+    def limit(self, name: str, view: View | None = None) -> int | None:
+        """The engine's concurrency cap under ``view`` (None: the current one; see :meth:`View.limit`)."""
+        shared = self.shared
+        fail_open = shared.fail_open_cap if shared is not None and shared.up is False else None
+        return (view or self._views.current).limit(name, *self._caps[name], fail_open)
 
     def configured_cap(self, name: str) -> int | None:
         return self._caps[name][0]
@@ -442,9 +430,9 @@ class Slots:
     def waiting(self, name: str) -> int:
         return sum(1 for w in self._waiters[name] if not w.future.done())
 
-    def full(self, name: str) -> bool:
+    def full(self, name: str, view: View | None = None) -> bool:
         """At its cap, or others are already queued for it (a newcomer never overtakes the queue)."""
-        limit = self.limit(name)
+        limit = self.limit(name, view)
         if limit is not None and self.in_flight[name] >= limit:
             return True
         return self._queued(name) or self._shared_busy.get(name, 0.0) > time.monotonic()
@@ -456,42 +444,46 @@ class Slots:
         return bool(q)
 
     # -- claims -------------------------------------------------------------
-    def acquire(self, engine: Engine) -> bool:
+    def acquire(self, engine: Engine, view: View | None = None) -> bool:
         """Claim one request's slot on ``engine`` now; False when it is at its cap or ejected."""
         name = engine.name
-        if self.full(name) or not self._health.admit(engine, self._by_model):
+        if self.full(name, view) or not self._health.admit(engine, self._by_model):
             return False
         self.in_flight[name] += 1
-        self.publish(name)
+        self.gauges(name)
         self._metrics.engine_queue_wait.labels(name).observe(0.0)
         return True
 
-    async def claim(self, engines: list[Engine], model: str | None = None) -> Engine | None:
+    async def claim(
+        self, engines: list[Engine], model: str | None = None, view: View | None = None
+    ) -> Engine | None:
         """:meth:`claim_slot` without its shared lease (which, with shared caps, is then released only
         when this task ends: requests hold a :class:`Lease` instead)."""
-        got = await self.claim_slot(engines, model)
+        got = await self.claim_slot(engines, model, view)
         return None if got is None else got[0]
 
     async def claim_slot(
-        self, engines: list[Engine], model: str | None = None
+        self, engines: list[Engine], model: str | None = None, view: View | None = None
     ) -> tuple[Engine, str | None] | None:
         """:meth:`_claim_local`, and with shared caps the slot's lease in Redis: the engine and the lease.
 
+        The caps are ``view``'s (None: the current view, read once); a request that waits reads the newest.
         An engine full on the other replicas is passed over for a moment when another of ``engines`` has
         room; otherwise the request keeps its local slot (its place in this replica's queue) and asks
         Redis again every few tens of milliseconds until the engine's wait limit, then 503 engine_busy.
         """
         shared = self.shared
         started = time.monotonic()
+        view = self._views.current if view is None else view
         while True:
-            got = await self._claim_local(engines, model)
+            got = await self._claim_local(engines, model, view)
             if got is None or shared is None:
                 return got
             engine, lease = got
             if lease is not None:
                 shared.own(lease)
                 return got
-            limit = self.limit(engine.name)
+            limit = self.limit(engine.name, view)
             if limit is None:
                 return got
             deadline = started + engine.config.max_wait_s
@@ -517,28 +509,29 @@ class Slots:
                 self.release(engine, settled=False)
                 raise
             self.release(engine, settled=False)
+            view = self._views.current  # looking again after a pause: the newest view
 
     async def _claim_local(
-        self, engines: list[Engine], model: str | None = None
+        self, engines: list[Engine], model: str | None, view: View
     ) -> tuple[Engine, str | None] | None:
         """A slot on the first of ``engines`` (in order) that has one; the engine, already claimed.
 
         Only available engines (healthy, circuit not open) take load that spills over from a full
         one. When every available engine is at its cap, wait boundedly for the first slot any of
         them frees. With no available engine at all, the others are tried as a last resort; None
-        when none of them can be claimed either.
+        when none of them can be claimed either. A look after a wait reads the newest view.
         """
         deadline: float | None = None
         up_now = self._health.up
         while True:
             up = [e for e in engines if up_now(e.name)]
             for e in up:
-                if self.acquire(e):
+                if self.acquire(e, view):
                     return e, None
-            full = [e for e in up if self.full(e.name)]
+            full = [e for e in up if self.full(e.name, view)]
             if not full:
                 for e in engines:
-                    if e not in up and self.acquire(e):
+                    if e not in up and self.acquire(e, view):
                         return e, None
                 return None
             if deadline is None:
@@ -546,6 +539,7 @@ class Slots:
             try:
                 return await self._wait(full, model, deadline)
             except _Requeue:
+                view = self._views.current
                 continue
 
     async def _wait(
@@ -560,7 +554,7 @@ class Slots:
         waiter = _Waiter(tuple(e.name for e in queues), asyncio.get_running_loop().create_future())
         for e in queues:
             self._waiters[e.name].append(waiter)
-            self.publish(e.name)
+            self.gauges(e.name)
         t0 = time.perf_counter()
         # An engine passed over for being full on the other replicas is looked at again when that ends.
         loop = asyncio.get_running_loop()
@@ -570,7 +564,13 @@ class Slots:
         until = deadline if recheck is None or recheck >= deadline else max(recheck, loop.time())
         try:
             async with asyncio.timeout_at(until):
-                granted = await waiter.future
+                while not waiter.future.done():
+                    woken = (waiter.future, self._views.published())
+                    await asyncio.wait(woken, return_when=asyncio.FIRST_COMPLETED)
+                    if not waiter.future.done():  # a new view: where the cap rose, waiters go in
+                        for name in waiter.engines:
+                            self.grow(name)
+                granted = waiter.future.result()
         except BaseException as exc:  # cancellation included: a slot handed over meanwhile is passed on
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 # A slot was handed over just as the wait ended: pass it on.
@@ -591,7 +591,7 @@ class Slots:
             for e in queues:
                 with contextlib.suppress(ValueError):
                     self._waiters[e.name].remove(waiter)
-                self.publish(e.name)
+                self.gauges(e.name)
         self._metrics.engine_queue_wait.labels(granted[0].name).observe(time.perf_counter() - t0)
         return granted
 
@@ -608,12 +608,12 @@ class Slots:
             self._health.give_back_trial(name)
         limit = self.limit(name)
         if not (limit is not None and self.in_flight[name] > limit) and self._hand_over(name, shared):
-            self.publish(name)
+            self.gauges(name)
             return
         self.in_flight[name] = max(0, self.in_flight[name] - 1)
         if shared is not None and self.shared is not None:
             self.shared.give_back(shared)
-        self.publish(name)
+        self.gauges(name)
 
     def _hand_over(self, name: str, lease: str | None = None) -> bool:
         """Give one held slot of ``name`` to its oldest live waiter; False when nobody can take it."""
@@ -641,7 +641,7 @@ class Slots:
             if not self._hand_over(name):
                 self.in_flight[name] -= 1
                 break
-        self.publish(name)
+        self.gauges(name)
 
     def strand_check(self, name: str) -> None:
         """``name`` became unavailable: waiters with no available engine left look again (last resort)."""
@@ -649,22 +649,8 @@ class Slots:
             if not w.future.done() and not any(self._health.up(n) for n in w.engines):
                 w.future.set_exception(_Requeue())
 
-    def set_overloaded(self, overloaded: bool) -> None:
-        """Switch every engine to its overload cap, or back (called by the admission gate's loop)."""
-        if overloaded == self.overloaded:
-            return
-        self.overloaded = overloaded
-        for name in self.engines:
-            log.info(
-                "engine_limit_changed",
-                engine=name,
-                limit=self.limit(name),
-                overloaded=overloaded,
-                in_flight=self.in_flight[name],
-            )
-            self.grow(name)
-
-    def publish(self, name: str) -> None:
+    def gauges(self, name: str) -> None:
+        """Show the engine's in-flight count, queue and cap in the metrics."""
         limit = self.limit(name)
         self._in_flight_gauge(name).set(self.in_flight[name])
         self._waiting_gauge(name).set(self.waiting(name))
