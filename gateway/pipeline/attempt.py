@@ -22,6 +22,7 @@ from core.schemas import ChatCompletionRequest
 from engines.adapters.base import Engine
 from engines.selection import choice
 from engines.selection.pool import EnginePool
+from engines.selection.view import View
 from observability.metrics import Metrics
 
 log = structlog.get_logger("omnigate.request")
@@ -85,11 +86,12 @@ class Attempts:
 
         An engine error that allows failover moves on to the next engine; any other error ends the loop.
         """
-        engines = self.engines_for(request)
+        view = self.pool.view  # the one view of the routing and caps this request's engine choice reads
+        engines = self.engines_for(request, view)
         last: EngineError | None = None
         try:
             while engines:
-                lease = await self.pool.lease(engines, request.model)
+                lease = await self.pool.lease(engines, request.model, view)
                 if lease is None:
                     break
                 engine = lease.engine
@@ -125,8 +127,8 @@ class Attempts:
             lease.settle(reported=False)
         ctx.record.engine = None
 
-    def engines_for(self, request: ChatCompletionRequest) -> list[Engine]:
-        engines = self.pool.candidates(request.model)
+    def engines_for(self, request: ChatCompletionRequest, view: View | None = None) -> list[Engine]:
+        engines = self.pool.candidates(request.model, view)
         if not engines:
             raise self.no_engine(request)  # every engine of the model serves other weights than configured
         return choice.able(engines, request)

@@ -184,3 +184,25 @@ async def test_a_whole_answer_is_the_json_paths_call():
     assert answered.result.text == "whole" and _busy(pool) == {"a": 1}
     attempts.unbind(ctx)
     assert _busy(pool) == {"a": 0}
+
+
+async def test_one_request_reads_one_view_for_its_order_and_its_claims():
+    """A view published while the request fails over (here, one that caps the second engine at zero) is
+    not half-applied: the request's order and every claim it makes read the view it began with."""
+    from engines.rollout.routing import RoutingTable
+
+    pool, attempts, _ = _setup("a", "b")
+    began = pool.view
+    script = Script(a=EngineFailed("down", engine="a"), b="ok")
+
+    async def call(engine, request):
+        if engine.name == "a":
+            table = RoutingTable(weights=began.table.weights, limits={"b": 0})
+            pool.set_table(table)  # control publishes mid-request
+        return await script(engine, request)
+
+    ctx = _ctx()
+    answered = await attempts.call(_request(), ctx, call)
+    assert answered.engine.name == "b" and script.calls == ["a", "b"]
+    assert pool.view.generation == began.generation + 1 and pool.limit("b") == 0
+    ctx.lease.settle(reported=True)  # type: ignore[union-attr]
