@@ -30,7 +30,8 @@ from engines.rollout.settings import RoutingSettings
 from engines.rollout.signals import EngineSummary
 from engines.selection import choice
 from engines.selection.health import Health
-from engines.selection.slots import Lease, SharedCaps, Slots
+from engines.selection.shared_caps import SharedCaps
+from engines.selection.slots import Lease, Slots
 from engines.selection.transitions import Transitions
 from engines.selection.view import View, Views
 from observability.metrics import Metrics

@@ -13,44 +13,34 @@ engine for a request is at its cap, the request waits in a bounded FIFO queue pe
 newcomers cannot overtake; a full queue or a wait that runs out is :class:`core.errors.EngineBusy`
 (503 with ``Retry-After``). All of it runs on the event loop thread and needs no locks.
 
-With Redis configured the caps hold across replicas (:class:`SharedCaps`): every slot a replica grants
-is also a lease in Redis, in a sorted set per engine scored by its expiry (Redis's own clock), taken by
-a Lua script only while the engine holds fewer than its cap, so the engine never has more requests in
-flight than its cap however many replicas send to it. A slot handed to a waiter keeps its lease; a
-lease is renewed by a heartbeat only while the request holding it lives (one whose request ended
-without giving it back is given back and logged, ``engine_lease_leaked``), and a killed replica's
-leases expire after ``traffic.lease_ttl_s``. An engine full on other replicas is tried again after a
-short pause until the wait limit (no FIFO across replicas). Redis unreachable: as admission does, each
-replica fails open to a share of each cap (``traffic.fail_open_share``), loudly, and probes Redis until
-it answers.
+With Redis configured the caps hold across replicas: every slot a replica grants is also a lease in
+Redis, taken only while the engine holds fewer than its cap on every replica together
+(:class:`~engines.selection.shared_caps.SharedCaps`, engines/selection/shared_caps.py, over the lease
+protocol of :mod:`core.leases`). A slot handed to a waiter keeps its lease. An engine full on other
+replicas is tried again after a short pause until the wait limit (no FIFO across replicas). Redis
+unreachable: each replica fails open to a share of each cap (``traffic.fail_open_share``).
 
-Its length: the local slots and their leases in Redis are one count (a slot handed over keeps its lease,
-a cap lowered or raised applies to both), kept side by side so the two cannot drift.
+Its length: the slots, the bounded wait and the :class:`Lease` that settles a slot are one count (a slot
+handed over keeps its place and its lease, a cap lowered or raised applies to all of them); the wait and
+the hand-over read and write the same per-engine counts and queues, so they stay in one class.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import math
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
-
-import structlog
 
 from core.errors import EngineBusy, EngineError
 from engines.adapters.base import Engine
 from engines.selection.health import Health
+from engines.selection.shared_caps import REFUSED, SharedCaps
 from engines.selection.view import View, Views
 from observability.metrics import Children, Metrics
-
-log = structlog.get_logger("engines.pool")
 
 _BUSY_RETRY_AFTER_S = 1.0
 #: how long an engine found full on the other replicas is passed over, and how often a request holding a
@@ -69,260 +59,6 @@ class _Waiter:
 
     engines: tuple[str, ...]
     future: asyncio.Future[tuple[Engine, str | None]]
-
-
-# -- caps shared through Redis ---------------------------------------------------------------------------
-# One sorted set per engine: lease id -> expiry in ms of the Redis server's clock (TIME), so replicas'
-# clocks never matter; expired members are removed before every count.
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-# KEYS[1] the engine's leases; ARGV ttl ms, cap, lease id -> 1 taken | 0 the engine is at its cap
-_TAKE_LUA = (
-    _NOW
-    + """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
-)
-# KEYS[1] the engine's leases; ARGV lease ids -> removed
-_GIVE_BACK_LUA = """
-local removed = 0
-for i = 1, #ARGV do removed = removed + redis.call('ZREM', KEYS[1], ARGV[i]) end
-return removed
-"""
-# KEYS[1] the engine's leases; ARGV ttl ms, lease ids -> the ids no longer there (not brought back)
-_RENEW_LUA = (
-    _NOW
-    + """
-local exp = now + tonumber(ARGV[1])
-local lost = {}
-for i = 2, #ARGV do
-  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
-    redis.call('ZADD', KEYS[1], 'XX', exp, ARGV[i])
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
-return lost
-"""
-)
-# KEYS[1] the engine's leases -> live leases
-_COUNT_LUA = (
-    _NOW
-    + """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-return redis.call('ZCARD', KEYS[1])
-"""
-)
-
-TAKEN, REFUSED, DOWN = "taken", "refused", "down"
-
-
-class SharedCaps:
-    """Engine slots as leases in Redis, shared by every replica (see the module docstring)."""
-
-    def __init__(
-        self,
-        client: Any,
-        metrics: Metrics,
-        *,
-        key_prefix: str,
-        lease_ttl_s: float,
-        heartbeat_s: float,
-        timeout_s: float,
-        probe_s: float,
-        fail_open_share: float,
-        replica_id: str | None = None,
-    ) -> None:
-        """``client``: a ``redis.asyncio.Redis`` over the gateway's shared pool (closed here, not the pool)."""
-        self.client = client
-        self._metrics = metrics
-        self._prefix = key_prefix
-        self._ttl_ms = int(lease_ttl_s * 1000)
-        self.lease_ttl_s = lease_ttl_s
-        self._heartbeat_s = heartbeat_s
-        self._timeout_s = timeout_s
-        self._probe_s = probe_s
-        self.fail_open_share = fail_open_share
-        self.replica_id = replica_id or uuid.uuid4().hex[:12]
-        self._ids = itertools.count(1)
-        self._take = client.register_script(_TAKE_LUA)
-        self._give = client.register_script(_GIVE_BACK_LUA)
-        self._renew = client.register_script(_RENEW_LUA)
-        self._count = client.register_script(_COUNT_LUA)
-        #: lease id -> engine name, for every lease this replica holds
-        self.held: dict[str, str] = {}
-        #: lease id -> the task of the request holding it (None while it passes to a waiter)
-        self.owners: dict[str, asyncio.Task[Any] | None] = {}
-        self.up: bool | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._loop_task: asyncio.Task[None] | None = None
-        self._closing = False
-
-    def key(self, engine: str) -> str:
-        return f"{{{self._prefix}}}:engine:{engine}"
-
-    def fail_open_cap(self, cap: int) -> int:
-        """The share of ``cap`` one replica applies alone while Redis is unreachable (never below 1)."""
-        return max(1, math.floor(cap * self.fail_open_share))
-
-    # -- lifecycle -------------------------------------------------------------------------------------
-    async def start(self) -> None:
-        await self._probe()
-        self._loop_task = asyncio.create_task(self._maintain(), name="engine-lease-heartbeat")
-
-    async def aclose(self) -> None:
-        self._closing = True
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.wait({self._loop_task}, timeout=self._timeout_s * 4 + 1)
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.held:  # requests still open at shutdown: their slots go back now, not after the TTL
-            await self._give_back(list(self.held.items()))
-        self.held.clear()
-        self.owners.clear()
-        await self.client.aclose()
-
-    # -- the request path ------------------------------------------------------------------------------
-    async def take(self, engine: str, cap: int) -> tuple[str, str | None]:
-        """One lease on ``engine`` if it holds fewer than ``cap`` on every replica together:
-        (TAKEN, lease id), (REFUSED, None), or (DOWN, None) when Redis cannot say (fail open)."""
-        if not self.up:
-            return DOWN, None
-        lease = f"{self.replica_id}:{next(self._ids)}"
-        try:
-            async with asyncio.timeout(self._timeout_s * 2):
-                ok = await self._take(keys=[self.key(engine)], args=[self._ttl_ms, cap, lease])
-        except asyncio.CancelledError:
-            # The script may have run: give the lease back (a no-op if it was not taken).
-            self._spawn(self._give_back([(lease, engine)]))
-            raise
-        except Exception as exc:  # redis errors, OSError, timeouts: all mean "unreachable" here
-            self._spawn(self._give_back([(lease, engine)]))
-            self._mark_down("engine_acquire", exc)
-            return DOWN, None
-        if not ok:
-            return REFUSED, None
-        self.held[lease] = engine
-        self.owners[lease] = asyncio.current_task()
-        return TAKEN, lease
-
-    def own(self, lease: str) -> None:
-        """The current task holds ``lease`` now (a slot handed over from another request)."""
-        if lease in self.held:
-            self.owners[lease] = asyncio.current_task()
-
-    def passing(self, lease: str) -> None:
-        """``lease`` goes to a waiter with its slot: nobody's until the waiter resumes."""
-        if lease in self.held:
-            self.owners[lease] = None
-
-    def give_back(self, lease: str) -> None:
-        engine = self.held.pop(lease, None)
-        self.owners.pop(lease, None)
-        if engine is not None:
-            self._spawn(self._give_back([(lease, engine)]))
-
-    async def in_flight(self, engine: str) -> int | None:
-        """Leases on ``engine`` across every replica; None when Redis cannot say."""
-        try:
-            async with asyncio.timeout(self._timeout_s * 2):
-                return int(await self._count(keys=[self.key(engine)]))
-        except Exception:
-            return None
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _give_back(self, leases: list[tuple[str, str]]) -> None:
-        by_engine: dict[str, list[str]] = {}
-        for lease, engine in leases:
-            by_engine.setdefault(engine, []).append(lease)
-        for engine, ids in by_engine.items():
-            try:
-                async with asyncio.timeout(self._timeout_s * 2):
-                    await self._give(keys=[self.key(engine)], args=ids)
-            except Exception as exc:
-                # Nothing renews them any more: they expire by themselves after lease_ttl_s.
-                self._metrics.traffic_store_errors.labels("engine_release").inc()
-                log.warning("engine_lease_release_failed", engine=engine, leases=len(ids), error=repr(exc))
-
-    # -- health and renewal (off the request path) --------------------------------------------------------
-    def _mark_down(self, op: str, exc: BaseException) -> None:
-        self._metrics.traffic_store_errors.labels(op).inc()
-        if self.up is not False:
-            self.up = False
-            log.error(
-                "engine_caps_store_unreachable",
-                op=op,
-                error=repr(exc),
-                action="failing open to a share of each engine's cap",
-                fail_open_share=self.fail_open_share,
-            )
-
-    async def _probe(self) -> None:
-        try:
-            async with asyncio.timeout(self._timeout_s * 2):
-                await self.client.ping()
-        except Exception as exc:
-            self._mark_down("engine_ping", exc)
-        else:
-            if self.up is False:
-                log.warning("engine_caps_store_recovered", action="sharing engine caps through Redis again")
-            self.up = True
-
-    async def _maintain(self) -> None:
-        tick = min(self._heartbeat_s, self._probe_s)
-        next_renew = time.monotonic() + self._heartbeat_s
-        while not self._closing:
-            await asyncio.sleep(tick)
-            try:
-                if not self.up:
-                    await self._probe()
-                elif time.monotonic() >= next_renew:
-                    await self.renew_all()
-                    next_renew = time.monotonic() + self._heartbeat_s
-            except Exception as exc:  # the loop must outlive any one bad step
-                log.warning("engine_lease_heartbeat_failed", error=repr(exc))
-
-    async def renew_all(self) -> None:
-        """Renew the leases whose request lives; give back those whose request ended without them."""
-        leaked = [lease for lease, owner in self.owners.items() if owner is not None and owner.done()]
-        if leaked:
-            log.error("engine_lease_leaked", leases=leaked)
-            gone = [(lease, self.held.pop(lease)) for lease in leaked if lease in self.held]
-            for lease in leaked:
-                self.owners.pop(lease, None)
-            await self._give_back(gone)
-        by_engine: dict[str, list[str]] = {}
-        for lease, engine in self.held.items():
-            by_engine.setdefault(engine, []).append(lease)
-        for engine, ids in by_engine.items():
-            try:
-                async with asyncio.timeout(self._timeout_s * 4):
-                    lost = await self._renew(keys=[self.key(engine)], args=[self._ttl_ms, *ids])
-            except Exception as exc:
-                self._mark_down("engine_renew", exc)
-                return
-            for raw in lost:
-                lease = raw.decode() if isinstance(raw, bytes) else str(raw)
-                if self.held.pop(lease, None) is not None:
-                    self.owners.pop(lease, None)
-                    log.warning(
-                        "engine_lease_lost",
-                        engine=engine,
-                        lease=lease,
-                        reason="expired in Redis before renewal; the request runs on uncounted",
-                    )
 
 
 class Lease:
