@@ -10,7 +10,8 @@ from core.context import LoadSnapshot, RequestContext
 from core.errors import InvalidRequest, Overloaded, PermissionDenied, RateLimited
 from core.schemas import ChatCompletionRequest
 from engines.adapters.settings import EngineConfig
-from gateway.admission import AdmissionGate, Limits, decide, decide_overload
+from gateway.admission import AdmissionGate, decide_overload
+from gateway.admission_slots import Limits, decide
 from gateway.settings import Settings
 from gateway.traffic_settings import TrafficSettings
 from observability.metrics import Metrics

@@ -15,7 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from core.context import RequestContext
 from core.errors import Overloaded, RateLimited
-from gateway.admission import AdmissionGate, Limits, LocalSlots, RedisSlots, Ticket
+from gateway.admission import AdmissionGate
+from gateway.admission_redis import RedisSlots
+from gateway.admission_slots import Limits, LocalSlots, Ticket
 from gateway.redis_client import SharedRedis
 from gateway.traffic_settings import RedisSettings, TrafficSettings
 from observability.metrics import Metrics
