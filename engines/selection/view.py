@@ -54,7 +54,7 @@ class View:
 
         The table's ``raised`` entry replaces the normal cap by a higher one (overload still wins).
         ``fail_open``: the share of a cap this replica applies alone while the shared caps' store is
-        unreachable (:meth:`engines.selection.slots.SharedCaps.fail_open_cap`); None when it answers.
+        unreachable (:meth:`engines.selection.shared_caps.SharedCaps.fail_open_cap`); None when it answers.
         """
         raised = self.table.raised.get(name)
         if raised is not None and normal is not None:
