@@ -9,7 +9,8 @@ Python function call made while one streamed text request is served through the 
 body deadline and readiness middlewares, the route, the pipeline, the engine adapter, the relay, the SSE
 response, the accounting and its subscribers). Counted are the product's own modules (``core``,
 ``gateway``, ``engines``, ``policies``, ``observability``) whose code ran, and the crossings between two of
-those packages (a call from a function of one into a function of another). Background tasks (health
+those packages (a call from a function of one into a function of another), with each module's length: the
+sum of their lines and the modules over 300 lines. Background tasks (health
 probes, the rollout controller, the audit writer) are switched off or run after the count, so what is
 counted is the request's own line.
 """
@@ -50,6 +51,13 @@ def _module(filename: str) -> str | None:
     if rel.parts[0] not in PACKAGES:
         return None
     return str(rel.with_suffix("")).replace("/", ".")
+
+
+def _lines(module: str) -> int:
+    """A module's length in lines, docstrings and comments included (the issue's 300-line measure)."""
+    parts = module.split(".")
+    path = ROOT.joinpath(*parts[:-1], "__init__.py" if parts[-1] == "__init__" else parts[-1] + ".py")
+    return len(path.read_text(encoding="utf-8").splitlines())
 
 
 def _config(up_port: int, chain: str, audit_path: Path) -> dict[str, Any]:
@@ -109,6 +117,7 @@ async def _count(up_port: int, chain: str) -> dict[str, Any]:
             finally:
                 sys.setprofile(None)
     modules = sorted(calls)
+    lines = {m: _lines(m) for m in modules}
     return {
         "status": status,
         "chain": chain,
@@ -117,6 +126,8 @@ async def _count(up_port: int, chain: str) -> dict[str, Any]:
         "package_crossings": sum(crossings.values()),
         "distinct_crossings": len(crossings),
         "module_list": modules,
+        "lines": sum(lines.values()),
+        "over_300_lines": {m: n for m, n in sorted(lines.items(), key=lambda kv: -kv[1]) if n > 300},
     }
 
 

@@ -146,6 +146,7 @@ def _request_line(doc: dict) -> None:
         and "engines.adapters.openai_compat" in doc["module_list"]
     )
     assert doc["modules"] == len(doc["module_list"]) and doc["package_crossings"] > 0
+    assert doc["lines"] > 0 and all(n > 300 for n in doc["over_300_lines"].values())
 
 
 def _relay(doc: dict) -> None:
