@@ -12,16 +12,14 @@ before its body ended. So the rest of the body is read in the background (at mos
 the client's stream does not wait for it. Without this, a share of requests paid
 a new TCP connection to the engine on their way to the first token.
 
-Its length: the stream and the whole-answer paths share the session, the body writer, the error
-translation and the response parsing (tool calls, reasoning, logprobs) of one wire shape; vLLM-Omni's
-adapter reuses them, so they stay in one module.
+The engine's construction, start, close and probes are engines/adapters/openai_control.py's; its error
+answers are read in engines/adapters/openai_errors.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
@@ -31,21 +29,20 @@ import structlog
 
 from core.errors import (
     EngineError,
-    EngineFailed,
     EngineProtocolError,
-    EngineRejected,
     EngineTimeout,
     EngineUnavailable,
     OmnigateError,
 )
 from core.events import Completion, Delta, Usage
-from core.schemas import FEATURE_FIELDS, MAX_TOOL_CALLS, VLLM_EXTRA_FIELDS, ChatCompletionRequest
-from engines.adapters.base import Body, checked_index, declared, request_body, wire_messages
-from engines.adapters.settings import EngineConfig
+from core.schemas import MAX_TOOL_CALLS, ChatCompletionRequest
+from engines.adapters.base import Body, checked_index, request_body, wire_messages
+from engines.adapters.openai_control import OpenAICompatBase
+from engines.adapters.openai_errors import _error_message, status_error
+from engines.adapters.openai_errors import rejection as rejection
 
 log = structlog.get_logger(__name__)
 
-_ERROR_BODY_LIMIT = 64 * 1024
 _DATA = b"data:"
 _DONE = b"[DONE]"
 # One SSE line may carry a large audio chunk (base64), never megabytes of it.
@@ -100,82 +97,8 @@ async def _finish_body(resp: aiohttp.ClientResponse) -> None:
             resp.close()
 
 
-class OpenAICompatEngine:
+class OpenAICompatEngine(OpenAICompatBase):
     """An engine that speaks plain OpenAI chat completions (kind ``vllm``)."""
-
-    #: vLLM's sampling and decoding extras this kind of engine honours (core.schemas.VLLM_EXTRA_FIELDS)
-    extras: tuple[str, ...] = VLLM_EXTRA_FIELDS
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.name = config.name
-        self.config = config
-        self._base = str(config.base_url).rstrip("/")
-        self._url = self._base + "/chat/completions"
-        # n > 1 only where every choice is read back (plain vLLM); vLLM-Omni's answers fold choices into one.
-        features = frozenset((*FEATURE_FIELDS, *self.extras)) | ({"n"} if config.kind == "vllm" else set())
-        self.capabilities = declared(config, features=features, thinking_budget=config.thinking_budget)
-        self._headers = {"Content-Type": "application/json"}
-        if config.api_key is not None:
-            self._headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
-        self._session: aiohttp.ClientSession | None = None
-        self._draining: set[asyncio.Task[None]] = set()
-
-    # -- lifecycle -------------------------------------------------------
-    async def start(self) -> None:
-        # Idle pooled connections are dropped before the engine's own keep-alive timeout
-        # (uvicorn, under vLLM, closes after 5 s): reusing one it just closed would fail a request.
-        connector = aiohttp.TCPConnector(
-            limit=self.config.max_connections,
-            ttl_dns_cache=300,
-            keepalive_timeout=self.config.keepalive_timeout_s,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s
-            ),
-            json_serialize=lambda o: orjson.dumps(o).decode(),
-            auto_decompress=False,
-        )
-
-    async def aclose(self) -> None:
-        for task in list(self._draining):
-            task.cancel()
-        await asyncio.gather(*self._draining, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def health(self) -> bool:
-        session = self._require_session()
-        root = self._base[: -len("/v1")] if self._base.endswith("/v1") else self._base
-        try:
-            async with asyncio.timeout(self.config.connect_timeout_s + 2):
-                async with session.get(root + "/health", headers=self._headers) as resp:
-                    # 503 is a dead engine even while /v1/models still answers; only a server without the
-                    # route (404) is judged by /v1/models.
-                    if resp.status != 404:
-                        return resp.status == 200
-                async with session.get(self._base + "/models", headers=self._headers) as resp:
-                    return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
-
-    async def served_models(self) -> list[dict[str, Any]]:
-        """The engine's ``/v1/models`` cards (``id``, ``root``): what engines/selection/identity.py checks."""
-        session = self._require_session()
-        try:
-            async with asyncio.timeout(self.config.connect_timeout_s + 2):
-                async with session.get(self._base + "/models", headers=self._headers) as resp:
-                    if resp.status != 200:
-                        raise EngineUnavailable(
-                            f"engine {self.name} answered {resp.status} to /v1/models", engine=self.name
-                        )
-                    doc = orjson.loads(await resp.read())
-        except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
-            raise EngineUnavailable(f"engine {self.name} did not list its models", engine=self.name) from exc
-        data = doc.get("data") if isinstance(doc, dict) else None
-        return [c for c in data if isinstance(c, dict)] if isinstance(data, list) else []
 
     # -- request shape ---------------------------------------------------
     def payload(self, request: ChatCompletionRequest, *, stream: bool) -> dict[str, Any]:
@@ -233,17 +156,8 @@ class OpenAICompatEngine:
         return self._session
 
     async def _check_status(self, resp: aiohttp.ClientResponse) -> None:
-        if resp.status == 200:
-            return
-        raw = await resp.content.read(_ERROR_BODY_LIMIT)
-        message = _error_message(raw) or resp.reason or "error"
-        retry_after = _retry_after(resp.headers.get("Retry-After"))
-        text = f"engine {self.name} answered {resp.status}: {message}"
-        if resp.status in (429, 503):
-            raise EngineUnavailable(text, engine=self.name, retry_after=retry_after)
-        if resp.status >= 500:
-            raise EngineFailed(text, engine=self.name)
-        raise rejection(text, message, engine=self.name, upstream_status=resp.status)
+        if resp.status != 200:
+            raise await status_error(resp, self.name)
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncGenerator[Delta, None]:
         session = self._require_session()
@@ -443,50 +357,6 @@ _PASS_EXTRAS = frozenset(
      "include_stop_str_in_output", "priority"}
 )  # fmt: skip
 
-# What an engine's 400 says, mapped to the gateway's own words: (pattern in its message, code, param, message).
-# Its text itself never reaches the client (it names the engine's model, limits and internals).
-_REJECTIONS: tuple[tuple[re.Pattern[str], str, str | None, str], ...] = (
-    (
-        re.compile(r"^'?max_(completion_)?tokens", re.IGNORECASE),
-        "context_length_exceeded",
-        "max_tokens",
-        "max_tokens is more than the model's context window leaves for the answer; lower it",
-    ),
-    (
-        re.compile(
-            r"context length|model length|max_model_len|too long|maximum context|prompt \(length",
-            re.IGNORECASE,
-        ),
-        "context_length_exceeded",
-        "messages",
-        "the messages and max_tokens together exceed the model's context window; shorten them",
-    ),
-    (
-        re.compile(r"tool.?choice|tool.?call|tools", re.IGNORECASE),
-        "engine_rejected_request",
-        "tools",
-        "the model does not accept these tools or this tool_choice",
-    ),
-    (
-        re.compile(r"json.?schema|response.?format|grammar|guided|structured", re.IGNORECASE),
-        "engine_rejected_request",
-        "response_format",
-        "the model does not accept this response_format",
-    ),
-    (
-        re.compile(r"logprob", re.IGNORECASE),
-        "engine_rejected_request",
-        "top_logprobs",
-        "the model does not return logprobs as asked",
-    ),
-    (
-        re.compile(r"\bn must\b|\bn\b.*\bgreedy", re.IGNORECASE),
-        "engine_rejected_request",
-        "n",
-        "the model cannot return n answers with these sampling settings (greedy decoding gives one)",
-    ),
-)
-
 
 def request_id_header() -> dict[str, str]:
     """The gateway's request id as ``X-Request-Id``, which vLLM adopts as its own request id, so the
@@ -522,16 +392,6 @@ def _engine_request_id(rid: str) -> str:
 def _sent(body: bytes | Body) -> Any:
     """What aiohttp writes: the bytes, or a media body's pieces as the connection drains them."""
     return body if isinstance(body, bytes) else body.stream()
-
-
-def rejection(detail: str, engine_message: str, *, engine: str, upstream_status: int) -> EngineRejected:
-    """An engine's 4xx as the gateway's own error: the engine's words go to the log only."""
-    for pattern, code, param, public in _REJECTIONS:
-        if pattern.search(engine_message):
-            return EngineRejected(
-                detail, engine=engine, upstream_status=upstream_status, code=code, param=param, public=public
-            )
-    return EngineRejected(detail, engine=engine, upstream_status=upstream_status)
 
 
 def _choice_completion(choice: dict[str, Any]) -> Completion:
@@ -589,25 +449,3 @@ def _logprob_entries(raw: Any) -> list[dict[str, Any]] | None:
 
 def _usage(raw: dict[str, Any]) -> Usage:
     return Usage(raw.get("prompt_tokens") or 0, raw.get("completion_tokens") or 0)
-
-
-def _error_message(raw: bytes | dict[str, Any]) -> str:
-    try:
-        doc = orjson.loads(raw) if isinstance(raw, (bytes, bytearray)) else raw
-    except orjson.JSONDecodeError:
-        return raw[:200].decode("utf-8", "replace").strip() if isinstance(raw, (bytes, bytearray)) else ""
-    if isinstance(doc, dict):
-        err = doc.get("error", doc)
-        if isinstance(err, dict):
-            return str(err.get("message") or err.get("detail") or "")[:500]
-        return str(err)[:500]
-    return ""
-
-
-def _retry_after(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None
