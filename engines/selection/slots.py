@@ -6,12 +6,11 @@ engine's cap is the lowest of its configured ``max_in_flight`` (the seeds' ``max
 ``max_in_flight_overloaded`` (4) while the gateway is overloaded (see :mod:`gateway.admission`), and the
 routing table's ``limits`` entry that the rollback controller's ``limit_concurrency`` action sets (its
 ``raise_concurrency`` replaces the configured cap by a higher one, ``raised``): all of it read from the
-pool's current :class:`~engines.selection.view.View` (:meth:`View.limit`), once per claim. A request
-waiting for a slot also wakes on the next view and lets waiters in where the cap rose. When every available
-engine for a request is at its cap, the request waits in a bounded FIFO queue per engine
-(``max_waiting``, at most ``max_wait_s``) and a freed slot is handed straight to the oldest waiter, so
-newcomers cannot overtake; a full queue or a wait that runs out is :class:`core.errors.EngineBusy`
-(503 with ``Retry-After``). All of it runs on the event loop thread and needs no locks.
+pool's current :class:`~engines.selection.view.View` (:meth:`View.limit`), once per claim. When every
+available engine for a request is at its cap, the request waits in a bounded FIFO queue per engine, where a
+freed slot goes straight to the oldest waiter and a new view lets waiters in where the cap rose: that wait is
+:class:`~engines.selection.slot_wait.SlotWait` (engines/selection/slot_wait.py), which :class:`Slots`
+extends over the same per-engine counts and queues. All of it runs on the event loop thread, without locks.
 
 With Redis configured the caps hold across replicas: every slot a replica grants is also a lease in
 Redis, taken only while the engine holds fewer than its cap on every replica together
@@ -19,46 +18,27 @@ Redis, taken only while the engine holds fewer than its cap on every replica tog
 protocol of :mod:`core.leases`). A slot handed to a waiter keeps its lease. An engine full on other
 replicas is tried again after a short pause until the wait limit (no FIFO across replicas). Redis
 unreachable: each replica fails open to a share of each cap (``traffic.fail_open_share``).
-
-Its length: the slots, the bounded wait and the :class:`Lease` that settles a slot are one count (a slot
-handed over keeps its place and its lease, a cap lowered or raised applies to all of them); the wait and
-the hand-over read and write the same per-engine counts and queues, so they stay in one class.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 
-from core.errors import EngineBusy, EngineError
+from core.errors import EngineError
 from engines.adapters.base import Engine
 from engines.selection.health import Health
 from engines.selection.shared_caps import REFUSED, SharedCaps
+from engines.selection.slot_wait import SlotWait, _Requeue, _Waiter
 from engines.selection.view import View, Views
 from observability.metrics import Children, Metrics
 
-_BUSY_RETRY_AFTER_S = 1.0
 #: how long an engine found full on the other replicas is passed over, and how often a request holding a
 #: local slot on it asks Redis again
 _SHARED_RETRY_S = 0.05
-
-
-class _Requeue(Exception):
-    """A waiter woken without a slot: every engine it waited for became unavailable; look again."""
-
-
-@dataclass(eq=False, slots=True)
-class _Waiter:
-    """One request waiting for a slot on any of ``engines``; the future resolves to the engine granted
-    and the shared lease that comes with a slot handed over (None: the slot is new, or not shared)."""
-
-    engines: tuple[str, ...]
-    future: asyncio.Future[tuple[Engine, str | None]]
 
 
 class Lease:
@@ -125,7 +105,7 @@ class Lease:
         self.settle(reported=retryable)
 
 
-class Slots:
+class Slots(SlotWait):
     def __init__(
         self,
         engines: dict[str, Engine],
@@ -230,11 +210,7 @@ class Slots:
                         return engine, lease
                     self._shared_busy[engine.name] = time.monotonic() + _SHARED_RETRY_S
                     if time.monotonic() + _SHARED_RETRY_S > deadline:
-                        self._metrics.admission_shed.labels("engine_busy").inc()
-                        raise EngineBusy(
-                            f"no engine for {model!r} had a free slot within the wait limit",
-                            retry_after=_BUSY_RETRY_AFTER_S,
-                        )
+                        raise self._busy(model)
                     if any(
                         e is not engine and self._health.up(e.name) and not self.full(e.name) for e in engines
                     ):
@@ -278,59 +254,6 @@ class Slots:
                 view = self._views.current
                 continue
 
-    async def _wait(
-        self, full: list[Engine], model: str | None, deadline: float
-    ) -> tuple[Engine, str | None]:
-        queues = [e for e in full if e.config.max_wait_s > 0 and self.waiting(e.name) < e.config.max_waiting]
-        if not queues:
-            self._metrics.admission_shed.labels("engine_busy").inc()
-            raise EngineBusy(
-                f"every engine for {model!r} is at its concurrency limit", retry_after=_BUSY_RETRY_AFTER_S
-            )
-        waiter = _Waiter(tuple(e.name for e in queues), asyncio.get_running_loop().create_future())
-        for e in queues:
-            self._waiters[e.name].append(waiter)
-            self.gauges(e.name)
-        t0 = time.perf_counter()
-        # An engine passed over for being full on the other replicas is looked at again when that ends.
-        loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        busy = [t for e in queues if (t := self._shared_busy.get(e.name, 0.0)) > now]
-        recheck = min(busy) - now + loop.time() if busy else None
-        until = deadline if recheck is None or recheck >= deadline else max(recheck, loop.time())
-        try:
-            async with asyncio.timeout_at(until):
-                while not waiter.future.done():
-                    woken = (waiter.future, self._views.published())
-                    await asyncio.wait(woken, return_when=asyncio.FIRST_COMPLETED)
-                    if not waiter.future.done():  # a new view: where the cap rose, waiters go in
-                        for name in waiter.engines:
-                            self.grow(name)
-                granted = waiter.future.result()
-        except BaseException as exc:  # cancellation included: a slot handed over meanwhile is passed on
-            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                # A slot was handed over just as the wait ended: pass it on.
-                engine, lease = waiter.future.result()
-                self.release(engine, settled=False, shared=lease)
-            else:
-                waiter.future.cancel()
-            if isinstance(exc, TimeoutError) and until < deadline:
-                raise _Requeue() from None
-            if isinstance(exc, TimeoutError):
-                self._metrics.admission_shed.labels("engine_busy").inc()
-                raise EngineBusy(
-                    f"no engine for {model!r} had a free slot within the wait limit",
-                    retry_after=_BUSY_RETRY_AFTER_S,
-                ) from None
-            raise
-        finally:
-            for e in queues:
-                with contextlib.suppress(ValueError):
-                    self._waiters[e.name].remove(waiter)
-                self.gauges(e.name)
-        self._metrics.engine_queue_wait.labels(granted[0].name).observe(time.perf_counter() - t0)
-        return granted
-
     def release(self, engine: Engine | str, *, settled: bool = True, shared: str | None = None) -> None:
         """End a claim. ``settled=False``: no outcome was reported (the half-open trial is given back).
 
@@ -368,22 +291,6 @@ class Slots:
             w.future.set_result((engine, lease))
             return True
         return False
-
-    def grow(self, name: str) -> None:
-        """The cap went up (or the engine came back): let waiters in while there is room."""
-        limit = self.limit(name)
-        while self._queued(name) and (limit is None or self.in_flight[name] < limit):
-            self.in_flight[name] += 1
-            if not self._hand_over(name):
-                self.in_flight[name] -= 1
-                break
-        self.gauges(name)
-
-    def strand_check(self, name: str) -> None:
-        """``name`` became unavailable: waiters with no available engine left look again (last resort)."""
-        for w in list(self._waiters[name]):
-            if not w.future.done() and not any(self._health.up(n) for n in w.engines):
-                w.future.set_exception(_Requeue())
 
     def gauges(self, name: str) -> None:
         """Show the engine's in-flight count, queue and cap in the metrics."""
