@@ -24,11 +24,11 @@ from collections.abc import Iterable
 import structlog
 
 from engines.adapters.base import Engine
-from engines.adapters.settings import EngineConfig
 from engines.rollout.routing import EngineInfo, RoutingTable, base_weights
 from engines.rollout.settings import RoutingSettings
 from engines.rollout.signals import EngineSummary
 from engines.selection import choice
+from engines.selection.build import build_engine
 from engines.selection.health import Health
 from engines.selection.shared_caps import SharedCaps
 from engines.selection.slots import Lease, Slots
@@ -39,26 +39,6 @@ from observability.metrics import Metrics
 __all__ = ["EnginePool", "Lease", "SharedCaps", "View", "build_engine"]
 
 log = structlog.get_logger(__name__)
-
-
-def build_engine(config: EngineConfig) -> Engine:
-    if config.kind == "vllm":
-        from engines.adapters.openai_compat import OpenAICompatEngine
-
-        return OpenAICompatEngine(config)
-    if config.kind == "vllm-omni":
-        from engines.adapters.vllm_omni import VLLMOmniEngine
-
-        return VLLMOmniEngine(config)
-    if config.kind == "litellm":
-        from engines.adapters.litellm_engine import LiteLLMEngine
-
-        return LiteLLMEngine(config)
-    if config.kind == "local":
-        from engines.adapters.local import LocalEngine
-
-        return LocalEngine(config)
-    raise ValueError(f"unknown engine kind {config.kind!r}")
 
 
 class EnginePool:
