@@ -35,6 +35,7 @@ from core.leases import (
     release_call,
     renew_call,
 )
+from gateway.admission_leaks import take_leaked
 from gateway.admission_slots import Grant, Limits, LocalSlots, Result, Ticket, stop_loop
 from gateway.redis_client import SharedRedis
 from gateway.traffic_settings import TrafficSettings
@@ -261,18 +262,8 @@ class RedisSlots:
                 await self._renew_all()
                 next_renew = time.monotonic() + heartbeat
 
-    def _leaked(self) -> list[tuple[str, str | None]]:
-        """The leases whose request has ended without giving them back, taken out of ``held``."""
-        gone = [lease for lease, owner in self.owners.items() if owner.done()]
-        out = []
-        for lease in gone:
-            del self.owners[lease]
-            if lease in self.held:
-                out.append((lease, self.held.pop(lease)))
-        return out
-
     async def _renew_all(self) -> None:
-        leaked = self._leaked()
+        leaked = take_leaked(self.owners, self.held)
         if leaked:
             # Renewal is tied to the request, not to the replica: a lease nobody will release is given
             # back now, where renewing it would hold the slot on every replica for as long as this one lives.
