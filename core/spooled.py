@@ -13,7 +13,7 @@ unless an adapter must hand a library one string (litellm) or bytes (the embedde
 The file lives as long as the request references it: it is unlinked when the last reference goes
 (``weakref.finalize``), and it is registered with multiprocessing's resource tracker, which unlinks
 what a killed gateway left behind; what a kill of every process left, the next start sweeps
-(:func:`sweep`). Its bytes are counted against the media budgets as they are written.
+(:func:`core.spool_sweep.sweep`). Its bytes are counted against the media budgets as they are written.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from typing import Any, Protocol
 from pydantic import GetCoreSchemaHandler
 from pydantic_core import core_schema
 
-#: where the files go: the POSIX shared-memory file system
-SHM_DIR = "/dev/shm"
-#: the start of every spool file's name, followed by the owner's pid (see :func:`sweep`)
-PREFIX = "omnigate-"
+# Re-exported: the spool's place and names, and the start-up sweep, are imported from here.
+from core.spool_sweep import PREFIX as PREFIX
+from core.spool_sweep import SHM_DIR as SHM_DIR
+from core.spool_sweep import sweep as sweep
+
 #: decoded bytes read back per piece when re-encoding (a multiple of 3: pieces encode on their own)
 _READ = 3 << 16
 #: bytes reserved at a time while writing (a full file system is an error then, never a SIGBUS later)
@@ -272,59 +273,6 @@ def hold(fd: int) -> None:
     gateway sweeping what a killed one left never removes it."""
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-
-
-def sweep() -> list[str]:
-    """Remove the spool files that killed gateways left behind; the names removed.
-
-    A file is this gateway's kind by its prefix; it is stale when the process its name names is gone
-    and no process holds it open with :func:`hold`'s lock (a gateway in another pid namespace sharing
-    the file system, or one whose pid was reused since, keeps its files). A kill that takes out every
-    process of a gateway, its resource tracker too, leaves its files to the next start.
-    """
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(SHM_DIR))
-    except OSError:
-        return removed
-    for entry in entries:
-        owner = _owner(entry.name)
-        if owner is None or owner == os.getpid() or _alive(owner):
-            continue
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)  # held open by a live gateway
-            continue
-        try:
-            os.unlink(entry.path)
-            removed.append(entry.name)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return removed
-
-
-def _owner(name: str) -> int | None:
-    if not name.startswith(PREFIX):
-        return None
-    pid = name[len(PREFIX) :].partition("-")[0]
-    return int(pid) if pid.isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive
-    return True
 
 
 def available() -> bool:
