@@ -1,0 +1,100 @@
+"""The types :mod:`core.context` is made of: the protocols of what a request holds and gives back once
+(:class:`Lease`, :class:`EngineSlot`, :class:`MediaBudget`), the entries of its record (:class:`PolicyRun`,
+:class:`MediaRecord`, :class:`Screening`) and a segmentation's plan (:class:`SegmentPlan`).
+
+Split from :mod:`core.context`, which re-exports every name here. Declarations only: nothing here runs
+while a request is served (a dataclass's methods are generated, not this module's code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class Lease(Protocol):
+    """Something a request holds from start to end and gives back once (gateway/admission.py's
+    ``Ticket``, gateway/chains.py's ``ChainSet`` generation)."""
+
+    def release(self) -> None: ...
+
+
+class EngineSlot(Protocol):
+    """The engine slot a request's current attempt holds (engines/selection/slots.py's ``Lease``), settled once:
+    ``reported`` says whether the request's outcome was reported for the engine (if not, a half-open
+    trial is given back to its circuit)."""
+
+    def settle(self, *, reported: bool) -> None: ...
+
+
+class MediaBudget(Protocol):
+    """The media bytes one request holds (policies/media/sandbox.py's ``RequestBudget``): the media steps
+    take from it, the pipeline releases it when the request ends."""
+
+    @property
+    def room(self) -> int: ...
+
+    async def take(self, n: int, param: str) -> None: ...
+
+    def release(self) -> None: ...
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    """One policy that actually executed (skipped ones are never recorded)."""
+
+    name: str
+    stage: str
+    verdict: str
+    duration_ms: float
+    shadow: bool = False
+    detail: str | None = None
+    attempt: int = 1
+    score: float | None = None
+
+
+@dataclass(slots=True)
+class MediaRecord:
+    """One media content part as the media policies found it and what they did to it (audit)."""
+
+    part: str  # where the client put it, e.g. "messages.0.content.1"
+    kind: str  # image | audio | video
+    source: str  # url | data
+    host: str | None = None  # the URL's host (never the full URL: it may carry tokens)
+    bytes: int = 0
+    format: str | None = None
+    width: int | None = None
+    height: int | None = None
+    duration_s: float | None = None
+    frames: int | None = None
+    modal_tokens: int = 0
+    actions: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Screening:
+    """One classifier verdict on a part as the engine receives it (e.g. NSFW score)."""
+
+    policy: str
+    part: str
+    score: float
+    flagged: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentPlan:
+    """A long input cut into consecutive segments: what the pipeline executes, one engine call per segment.
+
+    Data, not code to call back: the request the pre-policies return carries segment 0 as the content
+    part ``first``; the request for segment ``i`` is that request with ``first`` replaced by ``parts[i]``
+    (``gateway/pipeline/segments.py`` makes it). ``parts`` is a sequence of content parts (it may make each
+    on access, so only one segment's media is held at a time). ``boundaries`` are seconds into the
+    original part, kept for the audit record.
+    """
+
+    part: str
+    boundaries: list[tuple[float, float]]
+    first: Any
+    parts: Sequence[Any]
+    separator: str = "\n\n"
