@@ -7,7 +7,7 @@ the first token. It is ASGI rather than a request-to-response function so that t
 request's exit stack (``Pipeline.lifetime``) spans everything, the body read and the
 response being sent: what the request holds is given back however it ends. Every
 write to the client has a deadline (``server.stream_write_timeout_s``). Its OpenAPI
-operation is declared here (``OPENAPI_PATHS``).
+operation is declared in :mod:`gateway.api.chat_openapi` (``OPENAPI_PATHS``, re-exported here).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import orjson
 import structlog
@@ -38,6 +38,11 @@ from core.errors import (
 from core.schemas import ChatCompletionRequest
 from gateway.api import body as json_body
 from gateway.api.auth import authenticate
+
+# Re-exported: the app reads the route's OpenAPI operation, and the admin routes the error mapping, here.
+from gateway.api.chat_openapi import OPENAPI_COMPONENTS as OPENAPI_COMPONENTS
+from gateway.api.chat_openapi import OPENAPI_PATHS as OPENAPI_PATHS
+from gateway.api.validation import validation_to_error
 from gateway.auth_failures import TooManyAuthFailures
 from gateway.fields import DROPPED_HEADER, UnknownFields, dropped_header, parse_request
 from gateway.pipeline import ResponseStream
@@ -49,54 +54,6 @@ from policies.media.sandbox import RequestBudget
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
-
-# The body is parsed by hand, so its schema is declared here; the nested models go to
-# the document's components (see ``app.openapi``).
-_BODY_SCHEMA = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-OPENAPI_COMPONENTS: dict[str, Any] = _BODY_SCHEMA.pop("$defs", {})
-OPENAPI_COMPONENTS["ChatCompletionRequest"] = _BODY_SCHEMA
-OPENAPI_PATHS: dict[str, Any] = {
-    "/v1/chat/completions": {
-        "post": {
-            "summary": "Chat Completions",
-            "operationId": "chat_completions_v1_chat_completions_post",
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}
-                },
-            },
-            "responses": {
-                "200": {
-                    "description": "A chat completion; with `stream: true`, its chunks as server-sent events",
-                    "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {}}},
-                },
-                "4XX": {
-                    "description": 'An OpenAI-shaped error: `{"error": {"message", "type", "param", "code"}}`',
-                    "content": {"application/json": {"schema": {}}},
-                },
-            },
-        }
-    }
-}
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "body"})
-
-
-def _is_tag(part: str) -> bool:
-    # pydantic names union branches in error locations ('str', 'list[...]', 'TextPart', ...).
-    return part in _TYPE_TAGS or "[" in part or part[:1].isupper()
-
-
-def validation_to_error(errors: Sequence[Any]) -> InvalidRequest:
-    """The most specific validation error as an OpenAI ``invalid_request_error`` naming the field."""
-    if not errors:
-        return InvalidRequest("invalid request body")
-    best = max(errors, key=lambda e: len(e.get("loc", ())))
-    param = ".".join(str(x) for x in best.get("loc", ()) if not _is_tag(str(x))) or None
-    msg = best.get("msg", "invalid value")
-    return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
 
 
 async def _read_body(
