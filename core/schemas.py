@@ -8,8 +8,9 @@ request naming it, or (``unknown_fields: drop``) drops it and says so. There is
 no field through which a client could set an engine's URL, key or headers, and
 ``chat_template_kwargs`` takes only the keys in :data:`CHAT_TEMPLATE_KWARGS`.
 
-Its length: one model per part of OpenAI's request, in one place, because the allow-list is the set of
-these models and a reviewer must read it whole to see what can reach an engine.
+The allow-list is these models with the leaf models of :mod:`core.request_parts` (parts, tools, formats)
+and the tables and bounds of :mod:`core.request_fields`; a reviewer reads the three to see what can reach
+an engine.
 """
 
 from __future__ import annotations
@@ -17,10 +18,48 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.json_schema import SkipJsonSchema
 
 from core.errors import InvalidRequest
-from core.spooled import SpooledMedia
+from core.request_fields import (
+    _INT32,
+    CHAT_TEMPLATE_KWARGS,
+    FEATURE_FIELDS,
+    GUIDED_FIELDS,
+    UNSUPPORTED_FIELDS,
+    VLLM_EXTRA_FIELDS,
+    LogitBias,
+    Metadata,
+    StopTokenIds,
+    StructuredOutputs,
+    _Choices,
+    _Constraint,
+)
+from core.request_parts import (
+    ASSISTANT_ECHOES,
+    MAX_TOOL_CALLS,
+    PART_MODALITY,
+    AssistantAudio,
+    AudioRequest,
+    AudioURLPart,
+    ContentPart,
+    ImagePart,
+    InputAudio,
+    InputAudioPart,
+    NamedToolChoice,
+    ResponseFormat,
+    StreamOptions,
+    TextPart,
+    Tool,
+    ToolCall,
+    URLRef,
+    VideoURLPart,
+    _Wire,
+)
+
+# Re-exported: the moved models and tables are imported from here (gateway, engines, policies, tests).
+__all__ = ["MAX_JSON_DEPTH", "ChatCompletionRequest", "Message", "too_deep"]
+__all__ += ["FEATURE_FIELDS", "MAX_TOOL_CALLS", "PART_MODALITY", "VLLM_EXTRA_FIELDS", "AudioURLPart"]
+__all__ += ["ImagePart", "InputAudio", "InputAudioPart", "TextPart", "URLRef", "VideoURLPart"]
 
 #: how deep a request body may nest objects and arrays, the body itself being level 1 (docs/clients.md)
 MAX_JSON_DEPTH = 64
@@ -47,115 +86,6 @@ def too_deep(doc: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
                 return ".".join(step)
             stack.append((item, level + 1, step))
     return None
-
-
-AudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
-
-
-class _Wire(BaseModel):
-    # Unknown fields are refused or dropped visibly (gateway/fields.py), never carried silently.
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Part(_Wire):
-    """A content part (a class, not an alias of _Wire: pydantic's mypy plugin reads no alias as a base)."""
-
-
-class URLRef(_Part):
-    # A long data URI is read into the spool as the body arrives (core/spooled.py): the part then
-    # carries it as a SpooledMedia, never a client's choice (JSON cannot make one).
-    url: Annotated[str, Field(min_length=1)] | SkipJsonSchema[SpooledMedia]
-    detail: Literal["auto", "low", "high"] | None = None
-
-
-class InputAudio(_Part):
-    data: Annotated[str, Field(min_length=1)] | SkipJsonSchema[SpooledMedia]
-    format: str = "wav"
-
-
-class TextPart(_Part):
-    type: Literal["text"]
-    text: str
-
-
-class ImagePart(_Part):
-    type: Literal["image_url"]
-    image_url: URLRef
-
-
-class InputAudioPart(_Part):
-    type: Literal["input_audio"]
-    input_audio: InputAudio
-
-
-class AudioURLPart(_Part):
-    type: Literal["audio_url"]
-    audio_url: URLRef
-
-
-class VideoURLPart(_Part):
-    type: Literal["video_url"]
-    video_url: URLRef
-
-
-ContentPart = Annotated[
-    TextPart | ImagePart | InputAudioPart | AudioURLPart | VideoURLPart,
-    Field(discriminator="type"),
-]
-
-#: content-part type -> the input modality it carries
-PART_MODALITY: dict[str, str] = {
-    "text": "text",
-    "image_url": "image",
-    "input_audio": "audio",
-    "audio_url": "audio",
-    "video_url": "video",
-}
-
-
-class FunctionCall(_Wire):
-    name: Annotated[str, Field(min_length=1, max_length=256)]
-    arguments: Annotated[str, Field(max_length=1_000_000)]
-
-
-class ToolCall(_Wire):
-    """A call the assistant made, as a client sends it back in the conversation."""
-
-    id: Annotated[str, Field(min_length=1, max_length=256)]
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-#: the most tool calls one assistant message carries (and so one answer: a client sends them back in one)
-MAX_TOOL_CALLS = 128
-
-
-class AssistantAudio(_Wire):
-    """An earlier spoken answer, as a client sends it back in the conversation.
-
-    OpenAI's reference shape is ``{"id": ...}``; the SDKs echo the whole object they were given
-    (``data``, ``expires_at``, ``transcript`` beside the id). Only the id is read: the gateway resolves it
-    to the transcript it served (gateway/answer_audio.py). The echoed audio itself is let go of here,
-    so a conversation does not carry every answer's speech along to the engine or the audit record.
-    """
-
-    id: Annotated[str, Field(min_length=1, max_length=256)]
-    expires_at: int | None = None
-    transcript: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _audio_let_go(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "data" in data:
-            data = {k: v for k, v in data.items() if k != "data"}
-        return data
-
-
-#: what an assistant message may carry besides its content because the SDKs echo an answer whole; never
-#: sent to an engine (the answer's words are its content, a spoken answer's its transcript)
-ASSISTANT_ECHOES: frozenset[str] = frozenset(
-    {"audio", "reasoning_content", "reasoning", "refusal", "annotations", "function_call"}
-)
 
 
 class Message(_Wire):
@@ -212,162 +142,6 @@ class Message(_Wire):
         return list(self.content)
 
 
-class AudioRequest(_Wire):
-    voice: Annotated[str, Field(min_length=1, max_length=64)] = "Chelsie"
-    format: AudioFormat = "wav"
-
-
-class StreamOptions(_Wire):
-    include_usage: bool = False
-    # Accepted as OpenAI defines it; the gateway always asks its engines for usage itself.
-    continuous_usage_stats: bool | None = None
-
-
-_TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
-
-
-class FunctionDefinition(_Wire):
-    name: Annotated[str, Field(pattern=_TOOL_NAME)]
-    description: Annotated[str, Field(max_length=100_000)] | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(_Wire):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class _NamedFunction(_Wire):
-    name: Annotated[str, Field(pattern=_TOOL_NAME)]
-
-
-class NamedToolChoice(_Wire):
-    type: Literal["function"]
-    function: _NamedFunction
-
-
-class JSONSchemaFormat(_Wire):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: str | None = None
-    # "schema" would shadow a BaseModel attribute; the wire name is kept through the alias.
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Wire):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("json_schema is required when type is 'json_schema'")
-        if self.type != "json_schema" and self.json_schema is not None:
-            raise ValueError("json_schema is only for type 'json_schema'")
-        return self
-
-
-#: chat_template_kwargs keys a client may set: switches the model's chat templates document for thinking
-#: (Qwen3's ``enable_thinking``, DeepSeek-V3.1's and Granite's ``thinking``). Anything else (a whole
-#: ``chat_template``, ``tools``, ``documents``, template internals) would let a client rewrite the prompt
-#: the engine builds around its messages.
-CHAT_TEMPLATE_KWARGS: frozenset[str] = frozenset({"enable_thinking", "thinking"})
-
-#: the request fields that only an engine speaking OpenAI's full surface can honour (engines/adapters/base.py)
-FEATURE_FIELDS: tuple[str, ...] = (
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "response_format",
-    "logprobs",
-    "top_logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "reasoning_effort",
-)
-
-
-#: vLLM's own sampling and decoding extras (sent through ``extra_body``): each reaches only an engine that
-#: declares it in its capabilities' ``features`` (engines/adapters/base.py), and a request that sets one no engine of
-#: the model takes is refused naming it, as for :data:`FEATURE_FIELDS`
-VLLM_EXTRA_FIELDS: tuple[str, ...] = (
-    "min_p",
-    "min_tokens",
-    "ignore_eos",
-    "stop_token_ids",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "priority",
-)
-
-#: request fields of OpenAI's the gateway knows and cannot honour: refused saying why (code
-#: ``unsupported_field``), never taken for a misspelt field nor silently dropped
-UNSUPPORTED_FIELDS: dict[str, str] = {
-    "web_search_options": "web search is not available through this gateway",
-    "prediction": "predicted outputs are not available through this gateway",
-    "functions": "the legacy functions are not served; send tools",
-    "function_call": "the legacy function_call is not served; send tool_choice",
-}
-
-#: the most entries ``metadata`` may have, and its keys' and values' lengths (OpenAI's limits)
-METADATA_MAX_PAIRS, METADATA_KEY_MAX, METADATA_VALUE_MAX = 16, 64, 512
-#: the longest regex, grammar or JSON schema text a structured output may carry, and its most choices
-_CONSTRAINT_MAX_CHARS = 100_000
-#: the largest token id, token count or priority passed on (no model has a token id or length past it)
-_INT32 = 2**31 - 1
-_CHOICES_MAX = 1024
-
-_Choices = Annotated[
-    list[Annotated[str, Field(max_length=_CONSTRAINT_MAX_CHARS)]],
-    Field(min_length=1, max_length=_CHOICES_MAX),
-]
-_Constraint = Annotated[str, Field(min_length=1, max_length=_CONSTRAINT_MAX_CHARS)]
-
-
-class StructuredOutputs(_Wire):
-    """vLLM's ``structured_outputs``: one constraint on the answer (what ``guided_*`` were before)."""
-
-    json_: dict[str, Any] | _Constraint | None = Field(default=None, alias="json")
-    regex: _Constraint | None = None
-    choice: _Choices | None = None
-    grammar: _Constraint | None = None
-    json_object: bool | None = None
-    structural_tag: _Constraint | None = None
-    disable_any_whitespace: bool | None = None
-    disable_additional_properties: bool | None = None
-    whitespace_pattern: Annotated[str, Field(max_length=1024)] | None = None
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    @model_validator(mode="after")
-    def _one_constraint(self) -> StructuredOutputs:
-        given = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError(
-                "exactly one of json, regex, choice, grammar, json_object, structural_tag is needed"
-            )
-        return self
-
-
-_CONSTRAINTS = ("json_", "regex", "choice", "grammar", "json_object", "structural_tag")
-#: the older ``guided_*`` fields and the ``structured_outputs`` key each stands for
-GUIDED_FIELDS: dict[str, str] = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-}
-
-
 class ChatCompletionRequest(BaseModel):
     """A chat completion request as the gateway accepts it."""
 
@@ -395,15 +169,7 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: (
-        Annotated[
-            dict[
-                Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100.0, le=100.0)]
-            ],
-            Field(max_length=1024),
-        ]
-        | None
-    ) = None
+    logit_bias: LogitBias | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM extras, allow-listed
     top_k: Annotated[int, Field(ge=-1)] | None = None
@@ -415,9 +181,7 @@ class ChatCompletionRequest(BaseModel):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=_INT32)] | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=_INT32)]], Field(max_length=256)] | None = (
-        None
-    )
+    stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -430,16 +194,7 @@ class ChatCompletionRequest(BaseModel):
     priority: Annotated[int, Field(ge=0, le=_INT32)] | None = None
     # OpenAI's own fields the gateway honours in its way (docs/clients.md)
     #: up to 16 string pairs the client attaches; recorded in the audit record
-    metadata: (
-        Annotated[
-            dict[
-                Annotated[str, Field(min_length=1, max_length=METADATA_KEY_MAX)],
-                Annotated[str, Field(max_length=METADATA_VALUE_MAX)],
-            ],
-            Field(max_length=METADATA_MAX_PAIRS),
-        ]
-        | None
-    ) = None
+    metadata: Metadata | None = None
     #: a stable identifier of the client's end user (what ``user`` was); recorded in the audit record
     safety_identifier: Annotated[str, Field(max_length=64)] | None = None
     #: only ``false``: the gateway keeps no completions to retrieve later (``true`` is refused)
