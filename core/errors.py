@@ -16,7 +16,7 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     │   ├── Conflict                    409 invalid_request_error  conflict
     │   ├── ConfigInvalid               422 invalid_request_error  invalid_config
     │   ├── InvalidMedia                400 invalid_request_error  invalid_media
-    │   │   └── DecoderFailed           400 invalid_request_error  invalid_media  [policies.media.sandbox]
+    │   │   └── DecoderFailed           400 invalid_request_error  invalid_media  [policies.media.decode_pool]
     │   ├── MediaURLForbidden           400 invalid_request_error  media_url_forbidden
     │   ├── MediaFetchFailed            400 invalid_request_error  media_fetch_failed
     │   ├── ModalBudgetExceeded         400 invalid_request_error  modal_budget_exceeded
