@@ -28,11 +28,10 @@ judge an answer against (an open-domain question, with only the question as its
 premise): the guard abstains, and the answer is served unjudged with the verdict
 ``skipped`` and the reason ``no_evidence``.
 
-Its length: the policy and its three stream checks share the premise, the speech gate and the
-verdict rules; a check is only read beside the others.
-
-Its length: the three streaming modes (hold, window, passthrough) share the verdict, retry adjustment and
-receipt code here; it splits when the evidence kinds of the guard-services issue (images, audio) arrive.
+Its length (over 500 lines): the policy and its stream checks (hold, window, passthrough) share the
+premise, the speech gate, the verdict rules, the retry adjustment and the receipt code; a check is only
+read beside the others. It splits when the evidence kinds of the guard-services issue (images, audio)
+arrive.
 """
 
 from __future__ import annotations

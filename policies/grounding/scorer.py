@@ -17,11 +17,9 @@ loaded per gateway, in the lifespan (:mod:`gateway.services`).
 Both load their models with sentence-transformers, from the ``guards`` extra (:data:`GUARDS`); it is
 imported in ``load``, so this module imports without it.
 
-Its length: the two scorers share the batcher, the judgement and the loading checks; split, each
-would import the other's halves.
-
-Its length: the two scorers share their batching, caching and loading code; the engine-served scorers
-(the guard-services issue) are the point at which this splits into a module per backend.
+Its length (over 500 lines): the two scorers share the batcher, the judgement, the caching and the
+loading checks; split, each would import the other's halves. The engine-served scorers (the
+guard-services issue) are the point at which this splits into a module per backend.
 """
 
 from __future__ import annotations
