@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING, Any, Literal
 # Re-exported: the protocols of what a request holds and the records' entries are imported from here.
 from core.context_types import EngineSlot as EngineSlot
 from core.context_types import Lease as Lease
+from core.context_types import LoadSnapshot as LoadSnapshot
 from core.context_types import MediaBudget as MediaBudget
 from core.context_types import MediaRecord as MediaRecord
 from core.context_types import PolicyRun as PolicyRun
 from core.context_types import Screening as Screening
 from core.context_types import SegmentPlan as SegmentPlan
+from core.context_types import Trace as Trace
 from core.digest import OutputDigest
 
 if TYPE_CHECKING:
@@ -43,21 +45,6 @@ Outcome = Literal["served", "degraded", "refused", "failed", "cancelled"]
 
 #: the degradation reason of a speech request served text-only above its soft limit
 DEGRADED_TEXT_ONLY = "load-text-only"
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    """The load a request arrived at (admitted or refused); the ``load-shedding`` policy decides on it."""
-
-    priority: str
-    in_flight: int  # admitted requests in flight when this one arrived, not counting it
-    soft_limit: int
-    hard_limit: int
-    store: str  # "local" or "redis"
-
-    @property
-    def above_soft_limit(self) -> bool:
-        return self.in_flight >= self.soft_limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +193,8 @@ class RequestContext:
     holds: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
     #: the request is counted in the in-flight gauge (a holding too: its release is on ``holds``)
     counted: bool = False
+    #: the request's trace (spans of its steps); None when tracing is off, and then nothing is traced
+    trace: Trace | None = field(default=None, repr=False)
     _admission: Lease | None = field(default=None, repr=False)
     _policies: Lease | None = field(default=None, repr=False)
     _lease: EngineSlot | None = field(default=None, repr=False)

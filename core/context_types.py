@@ -1,5 +1,5 @@
 """The types :mod:`core.context` is made of: the protocols of what a request holds and gives back once
-(:class:`Lease`, :class:`EngineSlot`, :class:`MediaBudget`), the entries of its record (:class:`PolicyRun`,
+(:class:`Lease`, :class:`EngineSlot`, :class:`MediaBudget`), its trace (:class:`Trace`), the load it was admitted under (:class:`LoadSnapshot`), the entries of its record (:class:`PolicyRun`,
 :class:`MediaRecord`, :class:`Screening`) and a segmentation's plan (:class:`SegmentPlan`).
 
 Split from :mod:`core.context`, which re-exports every name here. Declarations only: nothing here runs
@@ -8,9 +8,24 @@ while a request is served (a dataclass's methods are generated, not this module'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The load a request arrived at (admitted or refused); the ``load-shedding`` policy decides on it."""
+
+    priority: str
+    in_flight: int  # admitted requests in flight when this one arrived, not counting it
+    soft_limit: int
+    hard_limit: int
+    store: str  # "local" or "redis"
+
+    @property
+    def above_soft_limit(self) -> bool:
+        return self.in_flight >= self.soft_limit
 
 
 class Lease(Protocol):
@@ -38,6 +53,38 @@ class MediaBudget(Protocol):
     async def take(self, n: int, param: str) -> None: ...
 
     def release(self) -> None: ...
+
+
+class Trace(Protocol):
+    """A request's trace (observability/tracing.py's ``RequestTrace``), when tracing is on: the pipeline
+    tells it where a step ended; it makes the spans. Absent (``ctx.trace is None``) when tracing is off."""
+
+    trace_id: str
+    span_id: str
+
+    def admission(self, seconds: float, outcome: str, load: LoadSnapshot | None) -> None: ...
+
+    def policy(
+        self,
+        name: str,
+        stage: str,
+        verdict: str,
+        seconds: float,
+        *,
+        shadow: bool,
+        score: float | None,
+        attempt: int,
+    ) -> None: ...
+
+    def attempt(self, engine: str, variant: str | None, model: str, provider: str) -> object: ...
+
+    def attempt_failed(self, error: BaseException) -> None: ...
+
+    def audit(self, seconds: float, seq: int | None, error: BaseException | None) -> None: ...
+
+    def finished(self, record: Mapping[str, Any]) -> None: ...
+
+    def end(self) -> None: ...
 
 
 @dataclass(slots=True)

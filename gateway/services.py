@@ -46,6 +46,8 @@ from gateway.tenants import Directory
 from observability.audit import AuditLog
 from observability.audit import build_store as build_audit_store
 from observability.metrics import Metrics
+from observability.tracing import Tracing
+from observability.tracing import build as build_tracing
 from policies.base import Deps, LoadShedder
 from policies.media.sandbox import MediaRuntime
 from policies.registry import PolicyChain, available_plugins
@@ -96,6 +98,8 @@ class Services:
     #: the media sandbox and byte budgets every chain's media steps share (policies/media/sandbox.py);
     #: the gateway's, kept across reloads (``media`` needs a restart)
     media: MediaRuntime | None = None
+    #: OpenTelemetry traces (observability/tracing.py); None when tracing is off: requests carry no trace
+    tracing: Tracing | None = None
 
     @classmethod
     def build(
@@ -192,6 +196,7 @@ class Services:
             energy=energy if routing.energy.usage_field else None,
             sampling_defaults={m: c.sampling_defaults.values() for m, c in settings.models.items()},
             answers=AnswerAudio.build(redis, settings.rate_limits.key_prefix),
+            tracing=build_tracing(settings.tracing),
         )
         services = cls(
             settings,
@@ -212,9 +217,15 @@ class Services:
             redis=redis,
             auth_required=settings.auth_required,
             metrics_server=MetricsServer(settings, metrics) if settings.metrics.port is not None else None,
+            tracing=pipeline.tracing,
         )
         # Built here, used by what start starts: closed after all of it, the Redis pool last.
         services._on_close("redis", redis.aclose)
+        tracing = services.tracing
+        if tracing is not None:
+            # Closed last: the spans of the requests that ended during the drain are flushed to the
+            # collector (on a thread: the export may wait for its timeout).
+            services._on_close("tracing", lambda: asyncio.to_thread(tracing.shutdown))
         services._on_close("limiter", limiter.aclose)
         services._on_close("auth_failures", services.auth_failures.aclose)
         if audit is not None:

@@ -30,7 +30,7 @@ from engines.rollout.settings import RoutingSettings
 from gateway.auth_settings import AdminKey, AuthSettings, MetricsSettings
 from gateway.settings_sources import EnvOverYaml
 from gateway.traffic_settings import RateLimitSettings, RedisSettings, TrafficSettings
-from observability.settings import AuditSettings, LoggingSettings
+from observability.settings import AuditSettings, LoggingSettings, TracingSettings
 from policies.settings import GroundingSettings, MediaSettings, PolicyChainConfig
 
 _log = structlog.get_logger("omnigate.settings")
@@ -205,6 +205,7 @@ class Settings(BaseSettings):
     engines: Annotated[list[EngineConfig], Field(min_length=1)] = Field(default_factory=default_engines)
     policies: PolicyChainConfig = PolicyChainConfig()
     logging: LoggingSettings = LoggingSettings()
+    tracing: TracingSettings = TracingSettings()
     admin: AdminSettings = AdminSettings()
     grounding: GroundingSettings = GroundingSettings()
     policy_sets: dict[Name, PolicyChainConfig] = Field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Settings of observability: structured logging and the audit trail (store, commits, signing, spool)."""
+"""Settings of observability: structured logging, traces and the audit trail (store, commits, signing, spool)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,38 @@ class LoggingSettings(_Strict):
     )
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class TracingSettings(_Strict):
+    """OpenTelemetry traces (observability/tracing.py). The standard ``OTEL_*`` variables configure the
+    SDK as everywhere else (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_PROTOCOL``,
+    ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER``, ``OTEL_SDK_DISABLED``);
+    a field set here wins over its variable."""
+
+    enabled: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="auto: on when an OTLP endpoint is configured (here or by OTEL_EXPORTER_OTLP_"
+        "[TRACES_]ENDPOINT) and OTEL_SDK_DISABLED is not true; off costs the request path nothing",
+    )
+    endpoint: str | None = Field(
+        default=None,
+        description="the collector's OTLP endpoint (http/protobuf: the full URL of /v1/traces; grpc: "
+        "host:port or URL); unset: the OTEL_EXPORTER_OTLP_* variables, then the SDK's default",
+    )
+    protocol: Literal["http/protobuf", "grpc"] | None = Field(
+        default=None, description="unset: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, then http/protobuf"
+    )
+    service_name: str | None = Field(default=None, description="unset: OTEL_SERVICE_NAME, then omnigate")
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        default=None,
+        description="share of new traces kept (parent-based: a sampled client trace is kept); "
+        "unset: OTEL_TRACES_SAMPLER and its argument",
+    )
+    client_context: Literal["continue", "link", "ignore"] = Field(
+        default="continue",
+        description="a client's W3C traceparent: continue its trace; or start a new root that links to "
+        "it (clients outside the trust boundary); or ignore it",
+    )
 
 
 class AuditSigning(_Strict):

@@ -150,18 +150,19 @@ class ChatCompletions:
             client_request_id=request.scope["state"].get("client_request_id"),
             requested_priority=request.headers.get(services.settings.traffic.priority_header),
         )
-        try:
-            await authenticate(request, ctx)
-        except (KeyRefused, TooManyAuthFailures):
-            # Counted and audited in aggregate (gateway/auth_failures.py), never one record each.
-            raise
-        except OmnigateError as exc:
-            await services.pipeline.refused(ctx, exc)
-            raise
-        # What the request takes from here is given back when this closes, however the request ends.
-        async with services.pipeline.lifetime(ctx) as stack:
-            response = await _respond(request, ctx, services, stack)
-            await response(scope, receive, send)
+        with services.pipeline.traced(ctx, request.headers):
+            try:
+                await authenticate(request, ctx)
+            except (KeyRefused, TooManyAuthFailures):
+                # Counted and audited in aggregate (gateway/auth_failures.py), never one record each.
+                raise
+            except OmnigateError as exc:
+                await services.pipeline.refused(ctx, exc)
+                raise
+            # What the request takes from here is given back when this closes, however the request ends.
+            async with services.pipeline.lifetime(ctx) as stack:
+                response = await _respond(request, ctx, services, stack)
+                await response(scope, receive, send)
 
 
 async def _respond(

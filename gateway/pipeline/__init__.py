@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -55,6 +55,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.speech import check_speech
 from observability.audit.log import AuditLog
 from observability.metrics import Metrics
+from observability.tracing import Tracing
 from policies.base import Segmented
 from policies.registry import PolicyChain
 
@@ -80,8 +81,11 @@ class Pipeline:
         sampling_defaults: dict[str, dict[str, Any]] | None = None,
         energy: EnergyBook | None = None,
         answers: AnswerAudio | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.pool = pool
+        #: OpenTelemetry traces (observability/tracing.py); None: off, and requests carry no trace
+        self.tracing = tracing
         #: spoken answers a client may send back by their audio id (gateway/answer_audio.py)
         self.answers = answers if answers is not None else AnswerAudio(MemoryAnswers())
         #: the chain generation new requests take (gateway/chains.py); a bare chain: one generation of it
@@ -182,12 +186,35 @@ class Pipeline:
                 log.error("request_unaccounted")
                 await self.accounting.settle(ctx, RuntimeError("the request ended unaccounted for"))
 
+    @contextlib.contextmanager
+    def traced(self, ctx: RequestContext, headers: Mapping[str, str]) -> Iterator[None]:
+        """The request's trace while the block runs (tracing on): its ids on every log line of the request."""
+        if self.tracing is None:
+            yield
+            return
+        trace = ctx.trace = self.tracing.start(headers, ctx.identity.request_id)
+        structlog.contextvars.bind_contextvars(trace_id=trace.trace_id, span_id=trace.span_id)
+        try:
+            yield
+        finally:
+            trace.end()
+
     async def admit(self, ctx: RequestContext) -> None:
         """Take the request's admission slot, once; the transport calls it before reading the body, so a
         request admission refuses costs neither its body nor any media work. Held until it ends: it is
         one of the request's holdings (``ctx.holds``)."""
-        if self.admission is not None and ctx.admission is None:
+        if self.admission is None or ctx.admission is not None:
+            return
+        started, outcome = time.perf_counter(), "cancelled"
+        try:
             ctx.admission = await self.admission.admit(ctx)
+            outcome = "admitted"
+        except OmnigateError as exc:
+            outcome = exc.code or "refused"
+            raise
+        finally:
+            if ctx.trace is not None:
+                ctx.trace.admission(time.perf_counter() - started, outcome, ctx.load)
 
     async def refused(self, ctx: RequestContext, error: OmnigateError) -> None:
         """A request the transport refused before the pipeline (its key, its body): counted and audited."""

@@ -9,6 +9,7 @@ on this being called.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -93,6 +94,16 @@ class Accounting:
                 score,
             )
         )
+        if ctx.trace is not None:
+            ctx.trace.policy(
+                policy.name,
+                policy.stage,
+                verdict,
+                seconds,
+                shadow=policy.shadow,
+                score=score,
+                attempt=ctx.record.retries + 1,
+            )
         shadow = "true" if policy.shadow else "false"
         self._decisions(policy.name, policy.stage, verdict, shadow).inc()
         self._policy_duration(policy.name, policy.stage).observe(seconds)
@@ -135,8 +146,19 @@ class Accounting:
 
     async def durable(self, ctx: RequestContext, fut: asyncio.Future[int] | None) -> None:
         """Unless the client left, wait (at most ``audit.ack_timeout_s``) for the audit record's commit."""
-        if fut is not None and self.audit is not None and ctx.record.outcome != "cancelled":
+        if fut is None or self.audit is None or ctx.record.outcome == "cancelled":
+            return
+        if ctx.trace is None:
             await self.audit.wait(fut)
+            return
+        started, seq, error = time.perf_counter(), None, None
+        try:
+            seq = await self.audit.wait(fut)
+        except Exception as exc:
+            error = exc
+            raise
+        finally:
+            ctx.trace.audit(time.perf_counter() - started, seq, error)
 
     def finish(self, ctx: RequestContext, error: BaseException | None) -> asyncio.Future[int] | None:
         """Account for the request once (a second call finds it accounted for and does nothing): its one
@@ -164,6 +186,8 @@ class Accounting:
             ctx.holds.close()
         except Exception as exc:  # every release has run; the record is still owed
             log.error("request_release_failed", exc_info=exc)
+        if ctx.trace is not None:
+            ctx.trace.finished(finished.traced())
         for subscriber in self._subscribers:
             subscriber(finished)
         return audit_submit(self.audit, finished) if self.audit is not None else None

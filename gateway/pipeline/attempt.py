@@ -102,11 +102,17 @@ class Attempts:
                         if adapted is None:
                             continue  # the lease gives the slot back: no call was made
                         ctx.record.attempts += 1
+                        if ctx.trace is not None:  # its span context goes to the engine with the call
+                            ctx.trace.attempt(
+                                engine.name, engine.config.variant, adapted.model, engine.config.kind
+                            )
                         sent = time.perf_counter()
                         result = await call(engine, adapted)
                         lease.keep()
                 except EngineError as exc:
                     last = exc
+                    if ctx.trace is not None:
+                        ctx.trace.attempt_failed(exc)
                     self._failed(engine, exc, more=bool(engines))
                     if not exc.retryable:
                         raise

@@ -122,6 +122,16 @@ class Finished:
     def served(self) -> bool:
         return self.outcome in ("served", "degraded")
 
+    def traced(self) -> dict[str, Any]:
+        """What the request's span says of it (observability/tracing.py ``RequestTrace.finished``)."""
+        return {name: getattr(self, name) for name in _TRACED}
+
+
+_TRACED = (
+    "model", "stream", "engine", "variant", "tenant", "outcome", "status", "error_code", "attempts",
+    "retries", "ttft_s", "prompt_tokens", "completion_tokens", "audio_seconds",
+)  # fmt: skip
+
 
 #: a subscriber: called once with every finished request, in the order they are listed
 Subscriber = Callable[[Finished], None]
