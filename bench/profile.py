@@ -47,7 +47,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("logging (structlog)", ("structlog/",)),
     (
         "engine client (aiohttp, SSE parsing)",
-        ("aiohttp/", "engines/adapters/openai_compat.py", "engines/adapters/vllm_omni.py"),
+        (
+            "aiohttp/",
+            "engines/adapters/openai_compat.py",
+            "engines/adapters/openai_sse.py",
+            "engines/adapters/openai_read.py",
+            "engines/adapters/vllm_omni.py",
+        ),
     ),
     ("HTTP server (uvicorn, httptools)", ("uvicorn/", "httptools")),
     ("framework (Starlette, FastAPI middleware)", ("starlette/", "fastapi/", "gateway/middleware.py")),

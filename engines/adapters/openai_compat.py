@@ -2,99 +2,38 @@
 
 One pooled ``aiohttp.ClientSession`` per engine; each chunk is parsed once with
 orjson. Closing the stream closes the upstream connection, which is how vLLM
-learns the client left.
+learns the client left; a stream that ended with ``[DONE]`` keeps its connection
+(engines/adapters/openai_sse.py reads the rest of its body in the background).
 
-A stream that ended with ``[DONE]`` keeps its connection: the chunked body's
-terminator often arrives in a segment of its own just after ``[DONE]`` (uvicorn,
-under vLLM, writes it separately), and aiohttp closes a connection released
-before its body ended. So the rest of the body is read in the background (at most
-``_DRAIN_BYTES`` within ``_DRAIN_S``) and the connection goes back to the pool;
-the client's stream does not wait for it. Without this, a share of requests paid
-a new TCP connection to the engine on their way to the first token.
-
-The engine's construction, start, close and probes are engines/adapters/openai_control.py's; its error
-answers are read in engines/adapters/openai_errors.py.
+This module is the request's shape (the allow-listed body, the request id sent
+with it) and the calls. The engine's construction, start, close and probes are
+engines/adapters/openai_control.py's; its SSE body is read in
+engines/adapters/openai_sse.py, its chunks and whole answers in
+engines/adapters/openai_read.py, its error answers in engines/adapters/openai_errors.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import aiohttp
 import orjson
 import structlog
 
-from core.errors import (
-    EngineError,
-    EngineProtocolError,
-    EngineTimeout,
-    EngineUnavailable,
-    OmnigateError,
-)
-from core.events import Completion, Delta, Usage
-from core.schemas import MAX_TOOL_CALLS, ChatCompletionRequest
-from engines.adapters.base import Body, checked_index, request_body, wire_messages
+from core.errors import EngineProtocolError, EngineTimeout, EngineUnavailable, OmnigateError
+from core.events import Completion, Delta
+from core.schemas import ChatCompletionRequest
+from engines.adapters.base import Body, request_body, wire_messages
 from engines.adapters.openai_control import OpenAICompatBase
-from engines.adapters.openai_errors import _error_message, status_error
 from engines.adapters.openai_errors import rejection as rejection
+from engines.adapters.openai_errors import status_error
+from engines.adapters.openai_read import choice_delta, completion, translator
+from engines.adapters.openai_sse import DONE, finish_body, sse_data
 
 log = structlog.get_logger(__name__)
-
-_DATA = b"data:"
-_DONE = b"[DONE]"
-# One SSE line may carry a large audio chunk (base64), never megabytes of it.
-_MAX_LINE_BYTES = 16 * 1024 * 1024
-# What may follow [DONE] before the body's end (its terminator; a server's trailing bytes), and how long.
-_DRAIN_BYTES = 64 * 1024
-_DRAIN_S = 2.0
-
-
-async def sse_data(content: aiohttp.StreamReader, engine: str) -> AsyncIterator[list[bytes]]:
-    """The ``data:`` payloads of an SSE body, a batch per read: every complete line that read brought.
-
-    One read of the socket usually holds several events (an engine streaming faster
-    than the gateway reads); splitting them here costs one ``bytes.split`` instead of
-    two ``readline`` calls per event. Lines end with ``\n`` (a ``\r`` before it is
-    stripped); an unterminated line longer than ``_MAX_LINE_BYTES`` is a protocol error.
-    """
-    tail = b""
-    async for chunk in content.iter_any():
-        if tail:
-            chunk = tail + chunk
-        if b"\n" not in chunk:
-            tail = chunk
-        else:
-            *lines, tail = chunk.split(b"\n")
-            batch = [line[5:].strip() for line in lines if line.startswith(_DATA)]
-            if batch:
-                yield batch
-        if len(tail) > _MAX_LINE_BYTES:
-            raise EngineProtocolError(
-                f"engine {engine} sent an SSE line over {_MAX_LINE_BYTES} bytes", engine=engine
-            )
-    if tail.startswith(_DATA):
-        yield [tail[5:].strip()]
-
-
-async def _finish_body(resp: aiohttp.ClientResponse) -> None:
-    """Read what is left of a body after ``[DONE]`` so its connection can be reused; close it otherwise."""
-    reusable = False
-    try:
-        left = _DRAIN_BYTES
-        async with asyncio.timeout(_DRAIN_S):
-            while left > 0 and (chunk := await resp.content.readany()):
-                left -= len(chunk)
-        reusable = resp.content.is_eof()
-    except (TimeoutError, aiohttp.ClientError, OSError):
-        pass
-    finally:
-        if reusable:
-            resp.release()
-        else:
-            resp.close()
 
 
 class OpenAICompatEngine(OpenAICompatBase):
@@ -184,7 +123,7 @@ class OpenAICompatEngine(OpenAICompatBase):
                 deltas: list[Delta] = []
                 failure: OmnigateError | None = None
                 for data in batch:
-                    if data == _DONE:
+                    if data == DONE:
                         finished = True
                         break
                     try:
@@ -226,7 +165,7 @@ class OpenAICompatEngine(OpenAICompatBase):
                 elif resp.content.is_eof():
                     resp.release()
                 else:
-                    task = asyncio.get_running_loop().create_task(_finish_body(resp))
+                    task = asyncio.get_running_loop().create_task(finish_body(resp))
                     self._draining.add(task)
                     task.add_done_callback(self._draining.discard)
 
@@ -258,29 +197,8 @@ class OpenAICompatEngine(OpenAICompatBase):
 
     # -- translation -----------------------------------------------------
     def _translator(self, n: int) -> Callable[[dict[str, Any]], Delta | None]:
-        """A fresh per-stream translation function for a request of ``n`` choices; per-stream state
-        lives in its closure."""
-        name = self.name
-        state: dict[str, Any] = {}
-        choice_delta = self._choice_delta
-
-        def translate(chunk: dict[str, Any]) -> Delta | None:
-            if not isinstance(chunk, dict):
-                raise EngineProtocolError(f"engine {name} sent a chunk that is not an object", engine=name)
-            if "error" in chunk:
-                raise EngineError(f"engine {name} reported: {_error_message(chunk)}", engine=name)
-            usage = chunk.get("usage")
-            choices = chunk.get("choices")
-            if not choices:
-                return Delta(usage=_usage(usage)) if usage else None
-            choice = choices[0] if isinstance(choices, list) else None
-            if not isinstance(choice, dict):
-                raise EngineProtocolError(f"engine {name} sent a choice that is not an object", engine=name)
-            # Checked before anything reads it: the relay and the renderer file pieces by it (n > 1).
-            checked_index(choice.get("index", 0), n, "a choice", name)
-            return choice_delta(chunk, choice, usage, state)
-
-        return translate
+        """A fresh per-stream translation function for a request of ``n`` choices."""
+        return translator(self.name, n, self._choice_delta)
 
     def _choice_delta(
         self,
@@ -289,47 +207,11 @@ class OpenAICompatEngine(OpenAICompatBase):
         usage: dict[str, Any] | None,
         state: dict[str, Any],
     ) -> Delta | None:
-        """One streamed choice as a Delta (OpenAI's shape: text in ``delta.content``, calls in ``tool_calls``)."""
-        delta = choice.get("delta") or {}
-        text = delta.get("content") or ""
-        finish = choice.get("finish_reason")
-        calls = delta.get("tool_calls")
-        # Most pieces are plain text: the reasoning keys are looked for only where one is present.
-        if "reasoning_content" in delta or "reasoning" in delta:
-            reasoning, key = _reasoning(delta)
-        else:
-            reasoning, key = "", "reasoning_content"
-        lp = choice.get("logprobs")
-        index = choice.get("index", 0)  # n > 1: vLLM streams each choice's pieces under its index (checked)
-        if not (text or calls or reasoning or lp):
-            if finish is None and not usage:
-                return None
-            return Delta(finish_reason=finish, usage=_usage(usage) if usage else None, index=index)
-        if not (calls or reasoning or lp or usage):
-            return Delta(text=text, finish_reason=finish, index=index)
-        return Delta(
-            text=text,
-            finish_reason=finish,
-            usage=_usage(usage) if usage else None,
-            tool_calls=[_call_fragment(c, self.name) for c in calls] if calls else None,
-            reasoning=reasoning,
-            reasoning_key=key,
-            logprobs=_logprob_entries(lp),
-            index=index,
-        )
+        """One streamed choice as a Delta; an adapter whose chunks differ from OpenAI's reads them here."""
+        return choice_delta(choice, usage, self.name)
 
     def _completion(self, doc: dict[str, Any], n: int) -> Completion:
-        # By index, not position: choices of n > 1 are the client's choices 0..n-1, each once.
-        indexes = [checked_index(c.get("index", 0), n, "a choice", self.name) for c in doc["choices"]]
-        if not indexes or len(set(indexes)) != len(indexes):
-            raise EngineProtocolError(
-                f"engine {self.name} sent choices {indexes[:8]} for n={n}", engine=self.name
-            )
-        choices = [c for _, c in sorted(zip(indexes, doc["choices"], strict=True), key=lambda ic: ic[0])]
-        first, *rest = [_choice_completion(c) for c in choices]
-        first.usage = _usage(doc.get("usage") or {})
-        first.alternatives = rest
-        return first
+        return completion(doc, n, self.name)
 
 
 # Sampling fields passed as the client set them; the models below are dumped by their wire names.
@@ -392,60 +274,3 @@ def _engine_request_id(rid: str) -> str:
 def _sent(body: bytes | Body) -> Any:
     """What aiohttp writes: the bytes, or a media body's pieces as the connection drains them."""
     return body if isinstance(body, bytes) else body.stream()
-
-
-def _choice_completion(choice: dict[str, Any]) -> Completion:
-    message = choice.get("message") or {}
-    reasoning, key = _reasoning(message)
-    return Completion(
-        text=message.get("content") or "",
-        finish_reason=choice.get("finish_reason") or "stop",
-        tool_calls=[_whole_call(c) for c in message.get("tool_calls") or ()],
-        reasoning=reasoning,
-        reasoning_key=key,
-        logprobs=_logprob_entries(choice.get("logprobs")),
-    )
-
-
-def _reasoning(part: dict[str, Any]) -> tuple[str, str]:
-    """Reasoning text and the key it came under (vLLM has used both names)."""
-    for key in ("reasoning_content", "reasoning"):
-        value = part.get(key)
-        if value:
-            return value, key
-    return "", "reasoning_content"
-
-
-def _call_fragment(raw: dict[str, Any], engine: str) -> dict[str, Any]:
-    """A streamed tool-call fragment, keeping only OpenAI's fields (an engine's extras stay here).
-
-    Its index places it among the answer's calls (core/events.merge_tool_calls grows a list to it).
-    """
-    if not isinstance(raw, dict):
-        raise EngineProtocolError(f"engine {engine} sent a tool call that is not an object", engine=engine)
-    out: dict[str, Any] = {"index": checked_index(raw.get("index", 0), MAX_TOOL_CALLS, "a tool call", engine)}
-    if raw.get("id"):
-        out["id"] = raw["id"]
-        out["type"] = "function"
-    fn = raw.get("function")
-    if isinstance(fn, dict):
-        out["function"] = {k: fn[k] for k in ("name", "arguments") if isinstance(fn.get(k), str)}
-    return out
-
-
-def _whole_call(raw: dict[str, Any]) -> dict[str, Any]:
-    fn = raw.get("function") or {}
-    return {
-        "id": raw.get("id") or "",
-        "type": "function",
-        "function": {"name": fn.get("name") or "", "arguments": fn.get("arguments") or ""},
-    }
-
-
-def _logprob_entries(raw: Any) -> list[dict[str, Any]] | None:
-    content = raw.get("content") if isinstance(raw, dict) else None
-    return content if isinstance(content, list) and content else None
-
-
-def _usage(raw: dict[str, Any]) -> Usage:
-    return Usage(raw.get("prompt_tokens") or 0, raw.get("completion_tokens") or 0)

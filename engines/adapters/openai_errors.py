@@ -20,7 +20,7 @@ _ERROR_BODY_LIMIT = 64 * 1024
 async def status_error(resp: aiohttp.ClientResponse, engine: str) -> OmnigateError:
     """The error for an engine's answer other than 200."""
     raw = await resp.content.read(_ERROR_BODY_LIMIT)
-    message = _error_message(raw) or resp.reason or "error"
+    message = error_message(raw) or resp.reason or "error"
     retry_after = _retry_after(resp.headers.get("Retry-After"))
     text = f"engine {engine} answered {resp.status}: {message}"
     if resp.status in (429, 503):
@@ -85,7 +85,9 @@ def rejection(detail: str, engine_message: str, *, engine: str, upstream_status:
     return EngineRejected(detail, engine=engine, upstream_status=upstream_status)
 
 
-def _error_message(raw: bytes | dict[str, Any]) -> str:
+def error_message(raw: bytes | dict[str, Any]) -> str:
+    """What an engine's error body or streamed error chunk says: its message (at most 500 characters), the
+    start of a body that is not JSON, or ``""``."""
     try:
         doc = orjson.loads(raw) if isinstance(raw, (bytes, bytearray)) else raw
     except orjson.JSONDecodeError:

@@ -28,7 +28,8 @@ from core.errors import EngineFailed, EngineProtocolError, EngineRejected
 from core.events import Completion, Delta
 from core.schemas import ChatCompletionRequest
 from engines.adapters.base import checked_index
-from engines.adapters.openai_compat import OpenAICompatEngine, _choice_completion, _usage, rejection
+from engines.adapters.openai_compat import OpenAICompatEngine, rejection
+from engines.adapters.openai_read import choice_completion, read_usage
 from engines.adapters.settings import EngineConfig
 
 # vLLM-Omni's answer to a speaker its talker does not have (serving_chat.py), before any chunk.
@@ -146,7 +147,7 @@ class VLLMOmniEngine(OpenAICompatEngine):
                      audio_done=finish is not None)  # fmt: skip
 
     def _completion(self, doc: dict[str, Any], n: int) -> Completion:
-        out = Completion(usage=_usage(doc.get("usage") or {}))
+        out = Completion(usage=read_usage(doc.get("usage") or {}))
         # The stages' choices share one index (older builds), which must still be one of the request's.
         for choice in doc["choices"]:
             checked_index(choice.get("index", 0), n, "a choice", self.name)
@@ -171,7 +172,7 @@ class VLLMOmniEngine(OpenAICompatEngine):
                 or any(message.get(k) for k in ("reasoning_content", "reasoning"))
             ):
                 # The text stage's message is vLLM's (tool calls, reasoning and logprobs included).
-                part = _choice_completion(choice)
+                part = choice_completion(choice)
                 out.text += part.text
                 out.tool_calls += part.tool_calls
                 if part.reasoning:

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from core.errors import EngineProtocolError
-from engines.adapters.openai_compat import _MAX_LINE_BYTES, sse_data
+from engines.adapters.openai_sse import MAX_LINE_BYTES, sse_data
 
 
 async def _read(pieces: list[bytes]) -> list[list[bytes]]:
@@ -68,4 +68,4 @@ async def test_a_last_line_without_newline_is_kept() -> None:
 async def test_an_endless_line_is_a_protocol_error_not_unbounded_memory() -> None:
     chunk = b"data: " + b"x" * (1024 * 1024)
     with pytest.raises(EngineProtocolError):
-        await _read([chunk] * (_MAX_LINE_BYTES // len(chunk) + 2))
+        await _read([chunk] * (MAX_LINE_BYTES // len(chunk) + 2))
