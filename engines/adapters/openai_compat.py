@@ -32,6 +32,7 @@ from engines.adapters.openai_errors import rejection as rejection
 from engines.adapters.openai_errors import status_error
 from engines.adapters.openai_read import choice_delta, completion, translator
 from engines.adapters.openai_sse import DONE, finish_body, sse_data
+from observability.tracing import engine_headers
 
 log = structlog.get_logger(__name__)
 
@@ -243,13 +244,16 @@ _PASS_EXTRAS = frozenset(
 def request_id_header() -> dict[str, str]:
     """The gateway's request id as ``X-Request-Id``, which vLLM adopts as its own request id, so the
     engine's log lines join the gateway's; empty outside a request (health probes, the accuracy replay).
+    A traced request's call also carries its attempt's W3C ``traceparent``, so the engine's spans join
+    the gateway's trace (observability/tracing.py).
 
     The id is the one gateway/middleware.py made and bound to the log context (never the client's).
     """
+    headers = dict(engine_headers())
     rid = structlog.contextvars.get_contextvars().get("request_id")
-    if not isinstance(rid, str) or not rid:
-        return {}
-    return {"X-Request-Id": _engine_request_id(rid)}
+    if isinstance(rid, str) and rid:
+        headers["X-Request-Id"] = _engine_request_id(rid)
+    return headers
 
 
 #: engine calls made so far per recent request id (bounded: oldest forgotten first)
