@@ -104,7 +104,7 @@ class Attempts:
                         ctx.record.attempts += 1
                         if ctx.trace is not None:  # its span context goes to the engine with the call
                             ctx.trace.attempt(
-                                engine.name, engine.config.variant, adapted.model, engine.config.kind
+                                engine.name, engine.config.variant, engine.config.model, engine.config.kind
                             )
                         sent = time.perf_counter()
                         result = await call(engine, adapted)

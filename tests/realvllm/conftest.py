@@ -10,6 +10,7 @@ from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
 from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import GatewayServer
+from tests.otlp import Receiver
 from tests.realvllm.prepare import prepare
 from tests.realvllm.server import VllmServer
 from tests.upstream import Script, ScriptedUpstream
@@ -19,8 +20,17 @@ ENGINE = "real-vllm"
 
 
 @pytest.fixture(scope="session")
-def vllm() -> VllmServer:
-    server = VllmServer(prepare()).start()
+def otlp(bg) -> Receiver:
+    """The suite's trace collector: vLLM exports its spans here, and a traced gateway its own."""
+    receiver = bg.run(Receiver().start())
+    yield receiver
+    bg.run(receiver.stop())
+
+
+@pytest.fixture(scope="session")
+def vllm(otlp) -> VllmServer:
+    # Started once for the suite, exporting its own OpenTelemetry spans (tests/realvllm/test_traces.py).
+    server = VllmServer(prepare(), otlp_traces_endpoint=otlp.url).start()
     yield server
     server.stop()
 

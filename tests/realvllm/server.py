@@ -26,8 +26,10 @@ def _free_port() -> int:
 
 
 class VllmServer:
-    def __init__(self, prepared: Prepared) -> None:
+    def __init__(self, prepared: Prepared, otlp_traces_endpoint: str | None = None) -> None:
         self.prepared = prepared
+        #: an OTLP/HTTP endpoint vLLM exports its own spans to (``--otlp-traces-endpoint``)
+        self.otlp_traces_endpoint = otlp_traces_endpoint
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = Path(tempfile.mkdtemp(prefix="realvllm-")) / "vllm.log"
@@ -43,9 +45,14 @@ class VllmServer:
     def start(self) -> VllmServer:
         out = self.log.open("ab")
         # A process group of its own: vLLM forks its engine core, and a stop must reach both.
+        command, env = server_command(self.prepared, self.port), server_env()
+        if self.otlp_traces_endpoint is not None:
+            command += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
+            # vLLM exports over gRPC unless told otherwise; spans leave within 100 ms, not the SDK's 5 s.
+            env |= {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "100"}
         self.proc = subprocess.Popen(
-            server_command(self.prepared, self.port),
-            env=server_env(),
+            command,
+            env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=self.log.parent,
