@@ -31,6 +31,7 @@ from core.context_types import LoadSnapshot as LoadSnapshot
 from core.context_types import MediaBudget as MediaBudget
 from core.context_types import MediaRecord as MediaRecord
 from core.context_types import PolicyRun as PolicyRun
+from core.context_types import Scan as Scan
 from core.context_types import Screening as Screening
 from core.context_types import SegmentPlan as SegmentPlan
 from core.context_types import Trace as Trace
@@ -153,6 +154,15 @@ class PolicyOutputs:
     #: the traffic decisions policies made, by control loop (``shedding``); the audit record's ``control``
     #: holds them beside the admission's (``Record.admission``)
     control: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: what each guard looked at, by policy name (its receipt's facts; kept for a shadow policy too)
+    scans: dict[str, Scan] = field(default_factory=dict)
+
+    def scan(self, policy: str) -> Scan:
+        """The policy's :class:`Scan` on this request, made on first use."""
+        found = self.scans.get(policy)
+        if found is None:
+            found = self.scans[policy] = Scan()
+        return found
 
     def degrade(self, reason: str) -> None:
         if reason not in self.degraded:

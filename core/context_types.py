@@ -102,6 +102,41 @@ class PolicyRun:
 
 
 @dataclass(slots=True)
+class Scan:
+    """What one guard looked at on one request, as the guard reports it: its receipt's facts (the
+    pipeline adds the verdict, the mode and the score; observability/audit/record.py writes the receipt).
+
+    ``parts`` says what it judged, one entry a media part (``part``, ``kind``, and per kind ``width`` and
+    ``height`` of what it scored, ``frames`` of ``of``, ``ms`` and ``segments``); ``missed`` what it did not
+    look at and why (``part`` or ``"*"`` for the whole request, ``why``): "unavailable" is never "clean".
+    """
+
+    #: the messages whose text it screened, and their characters
+    messages: list[int] = field(default_factory=list)
+    chars: int = 0
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    missed: list[dict[str, str]] = field(default_factory=list)
+    #: the model that judged (its name) and the digest of its weights or its version
+    model: str | None = None
+    model_digest: str | None = None
+    threshold: float | None = None
+    #: what its ``on_error`` did, where it could not look (``fail_closed``: refused; ``fail_open``: served)
+    on_error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.messages:
+            out["text"] = {"messages": list(self.messages), "chars": self.chars}
+        for key in ("parts", "missed"):
+            if getattr(self, key):
+                out[key] = [dict(x) for x in getattr(self, key)]
+        for key in ("model", "model_digest", "threshold", "on_error"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+@dataclass(slots=True)
 class MediaRecord:
     """One media content part as the media policies found it and what they did to it (audit)."""
 

@@ -234,3 +234,17 @@ def completion_body(
     if ctx.outputs.notes:
         body["omnigate"] = ctx.outputs.notes
     return body
+
+
+def response_headers(ctx: RequestContext) -> dict[str, str]:
+    """The response's own headers: what verdicts added, the degradations, and ``x-omnigate-guards``: each
+    policy that ran before the response started, with its last verdict (``;shadow`` for a shadow one),
+    names and verdicts only; the receipts themselves are in the audit record."""
+    headers = dict(ctx.outputs.response_headers)
+    if ctx.outputs.degraded:
+        headers["x-omnigate-degraded"] = ",".join(ctx.outputs.degraded)
+    runs = ctx.record.policy_runs
+    if runs:
+        last = {run.name: run.verdict + (";shadow" if run.shadow else "") for run in runs}
+        headers["x-omnigate-guards"] = ", ".join(f"{name}={verdict}" for name, verdict in last.items())
+    return headers

@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from core.context import RequestContext, Screening
-from core.errors import ContentPolicyViolation
+from core.errors import ContentPolicyViolation, GuardUnavailable
 from core.schemas import ChatCompletionRequest
 from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.models import SPEECH_TO_TEXT, SpeechToText
@@ -79,7 +79,13 @@ class AudioScreen(PolicyBase):
         self._pool.shutdown(wait=False, cancel_futures=True)  # the thread ends once idle
 
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
-        refs = [r for r in media_parts(request) if r.kind == "audio" and not r.is_remote]
+        scan = ctx.outputs.scan(self.name)  # the receipt: which model heard what, and how long
+        scan.model = "whisper-tiny.en"
+        audio = [r for r in media_parts(request) if r.kind == "audio"]
+        for ref in audio:
+            if ref.is_remote:  # not fetched: the engine would hear what this screen did not
+                scan.missed.append({"part": ref.path, "why": "a remote URL the gateway did not fetch"})
+        refs = [r for r in audio if not r.is_remote]
         loop = asyncio.get_running_loop()
         if refs and self._runtime is None:
             self._runtime = MediaRuntime(MediaSettings())
@@ -90,6 +96,8 @@ class AudioScreen(PolicyBase):
                 screen_pcm, (payload_arg(ref), ref.param, self.config.max_duration_s), param=ref.param
             )
             transcript = await loop.run_in_executor(self._pool, self._hear, pcm)
+            # 16 kHz mono PCM16 (screen_pcm); heard in one piece: one segment
+            scan.parts.append({"part": ref.path, "kind": "audio", "ms": round(len(pcm) / 16), "segments": 1})
             ctx.outputs.input_transcripts.append(transcript)  # part of the grounding premise
             match = next((p for p in self._patterns if p.search(transcript)), None)
             ctx.outputs.screenings.append(
@@ -101,6 +109,10 @@ class AudioScreen(PolicyBase):
                 raise ContentPolicyViolation(
                     f"{ref.path}: the audio was refused by the content screen", param=ref.param
                 )
+        if scan.missed:  # after every part it could hear: the policy's on_error decides (not "clean")
+            raise GuardUnavailable(
+                ", ".join(m["part"] for m in scan.missed) + f": not screened by {self.name}"
+            )
         return request
 
     def transcribe_bytes(self, data: bytes, param: str) -> str:

@@ -23,8 +23,8 @@ import numpy as np
 from PIL import Image
 from pydantic import Field
 
-from core.context import RequestContext, Screening
-from core.errors import ContentPolicyViolation
+from core.context import MediaRecord, RequestContext, Scan, Screening
+from core.errors import ContentPolicyViolation, GuardUnavailable
 from core.schemas import ChatCompletionRequest
 from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.config import VideoConfig
@@ -83,8 +83,16 @@ class NSFWScreen(PolicyBase):
         self._pool.shutdown(wait=False, cancel_futures=True)  # the thread ends once idle
 
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
-        refs = [r for r in media_parts(request) if r.kind in ("image", "video") and not r.is_remote]
+        scan = ctx.outputs.scan(self.name)  # the receipt: which model, at what threshold, saw what
+        scan.model, scan.threshold = "open-nsfw", self.config.threshold
+        scan.model_digest = self._model.digest if self._model is not None else None
+        visual = [r for r in media_parts(request) if r.kind in ("image", "video")]
+        for ref in visual:
+            if ref.is_remote:  # not fetched by media-fetch: the engine would see what this screen did not
+                scan.missed.append({"part": ref.path, "why": "a remote URL the gateway did not fetch"})
+        refs = [r for r in visual if not r.is_remote]
         if not refs:
+            self._unscanned(scan)
             return request
         if self._runtime is None:
             self._runtime = MediaRuntime(MediaSettings())
@@ -96,6 +104,9 @@ class NSFWScreen(PolicyBase):
         loop = asyncio.get_running_loop()
         scores = await loop.run_in_executor(self._pool, self._score_all, frames)
         flagged: MediaRef | None = None
+        sizes = {m.part: m for m in ctx.outputs.media}
+        for ref, s, score in zip(refs, seen, scores, strict=True):
+            scan.parts.append(_saw(ref, s, sizes.get(ref.path), round(score, 4)))
         for ref, score in zip(refs, scores, strict=True):
             hit = score >= self.config.threshold
             ctx.outputs.screenings.append(Screening(self.name, ref.path, round(score, 4), hit))
@@ -107,6 +118,7 @@ class NSFWScreen(PolicyBase):
             raise ContentPolicyViolation(
                 f"{flagged.path}: the {flagged.kind} was refused by the content screen", param=flagged.param
             )
+        self._unscanned(scan)
         new: dict[tuple[int, int], list[Any]] = {}
         for ref, s in zip(refs, seen, strict=True):
             if isinstance(s, ScreenedVideo) and s.video is not None:
@@ -116,6 +128,13 @@ class NSFWScreen(PolicyBase):
                 new[(ref.message, ref.index)] = spool_parts([output_part(ref.type, "video/mp4", s.video)])
                 ctx.outputs.degrade("video-cut-to-screened-frames")
         return replace_parts(request, new)
+
+    def _unscanned(self, scan: Scan) -> None:
+        """A part this screen could not look at is not clean: the request is refused or served as the
+        policy's ``on_error`` says (gateway/pipeline/unjudged.py), after every other part was screened."""
+        if scan.missed:
+            parts = ", ".join(m["part"] for m in scan.missed)
+            raise GuardUnavailable(f"{parts}: not screened by {self.name}")
 
     def _task(self, ref: MediaRef) -> tuple[Any, tuple[Any, ...]]:
         """The decoding worker's task for one part: its screen's view of the pixels the engine gets."""
@@ -138,6 +157,18 @@ class NSFWScreen(PolicyBase):
         for owner, score in zip(owners, scores, strict=True):
             best[owner] = max(best[owner], score)
         return best
+
+
+def _saw(ref: MediaRef, seen: Any, forwarded: MediaRecord | None, score: float) -> dict[str, Any]:
+    """One part on the receipt: the image's size as the engine gets it, or the video's frames scored of
+    those it has (media-limits' record of the forwarded part); the score the model gave it."""
+    out: dict[str, Any] = {"part": ref.path, "kind": ref.kind, "score": score}
+    if forwarded is not None and forwarded.width is not None:
+        out["width"], out["height"] = forwarded.width, forwarded.height
+    if isinstance(seen, ScreenedVideo):
+        out["frames"] = len(seen.views)
+        out["of"] = forwarded.frames if forwarded is not None and forwarded.frames else len(seen.views)
+    return out
 
 
 __all__ = ["NSFWScreen"]

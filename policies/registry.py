@@ -71,6 +71,8 @@ class LoadedPolicy:
     shadow: bool
     impl: Any
     config: PolicyConfig
+    #: what happens when it cannot judge (policies/settings.py ``PolicySpec.on_error``)
+    on_error: str = "fail_closed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +202,9 @@ def _load_one(spec: PolicySpec, stage: str, where: str, plugins: Mapping[str, ty
     impl = cls(config)
     if not isinstance(impl, STAGE_PROTOCOL[stage]):
         raise PolicyConfigError(f"policy {spec.name!r} does not implement the {stage} hook")
-    return LoadedPolicy(name=spec.name, stage=stage, shadow=spec.shadow, impl=impl, config=config)
+    return LoadedPolicy(
+        name=spec.name, stage=stage, shadow=spec.shadow, impl=impl, config=config, on_error=spec.on_error
+    )
 
 
 def _check_order(stage: str, loaded: tuple[LoadedPolicy, ...]) -> None:

@@ -18,6 +18,12 @@ class PolicySpec(_Strict):
 
     name: Name = Field(description="the policy's entry-point name in group omnigate.policies")
     shadow: bool = Field(default=False, description="run and record the verdict, never act on it")
+    on_error: Literal["fail_closed", "fail_open"] = Field(
+        default="fail_closed",
+        description="when the policy cannot judge (its model unavailable or failing, a part it cannot "
+        "look at): fail_closed refuses the request (503 guard_unavailable); fail_open serves it, and its "
+        "receipt says it was not scanned",
+    )
     config: dict[str, Any] = Field(
         default_factory=dict,
         description="the policy's own settings, validated against its Config model at start-up",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import httpx
+
 from core.context import SegmentPlan
-from core.errors import ContentPolicyViolation
+from core.errors import ContentPolicyViolation, GuardUnavailable
 from core.events import Delta
 from core.schemas import TextPart
 from policies.base import Accept, Deps, PolicyBase, PolicyConfig, Retry, Segmented
@@ -209,6 +211,41 @@ class SplitText(PolicyBase):
         )
 
 
+class ServedGuardConfig(PolicyConfig):
+    url: str  # the guard model's endpoint (a classifier served over HTTP)
+    threshold: float = 0.5
+
+
+class ServedGuard(PolicyBase):
+    """Pre: the prompt's text judged by a classifier served over HTTP (``POST url`` with ``{"input": text}``,
+    answering ``{"score": p}``), as a production guard model is deployed. Its receipt names the text it
+    screened; an endpoint that does not answer is a guard that cannot judge (``GuardUnavailable``)."""
+
+    name: ClassVar[str] = "served-guard"
+    stage: ClassVar[str] = "pre"
+    Config = ServedGuardConfig
+
+    def __init__(self, config: ServedGuardConfig) -> None:
+        self.config = config
+
+    async def pre(self, request, ctx):
+        scan = ctx.outputs.scan(self.name)
+        scan.model, scan.threshold = self.config.url, self.config.threshold
+        texts = [(i, m.text()) for i, m in enumerate(request.messages) if m.text()]
+        try:
+            async with httpx.AsyncClient(timeout=2) as client:
+                r = await client.post(self.config.url, json={"input": "\n".join(t for _, t in texts)})
+                r.raise_for_status()
+                score = float(r.json()["score"])
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            raise GuardUnavailable(f"the {self.name} model is unavailable") from exc
+        scan.messages = [i for i, _ in texts]
+        scan.chars = sum(len(t) for _, t in texts)
+        if score >= self.config.threshold:
+            raise ContentPolicyViolation("the prompt was refused by the served guard")
+        return request
+
+
 PLUGINS = {
     cls.name: cls
     for cls in (
@@ -221,5 +258,6 @@ PLUGINS = {
         Recorder,
         FailStart,
         SplitText,
+        ServedGuard,
     )
 }

@@ -58,6 +58,9 @@ class Filters(BaseModel):
     policy: Text | None = Field(default=None, description="a policy that ran on the request")
     verdict: Text | None = Field(default=None, description="a verdict one of its policies returned")
     degraded: Text | None = Field(default=None, description="a degradation reason, e.g. load-text-only")
+    unscanned: Text | None = Field(
+        default=None, description="a policy whose receipt says it did not look at all of the request"
+    )
 
     @field_validator("since", "until")
     @classmethod
@@ -143,7 +146,9 @@ def summary(row: Row) -> dict[str, Any]:
         )
         out["degraded"] = payload.get("degraded") or []
         out["policies"] = [
-            f"{p.get('name')}:{p.get('verdict')}" + (" (shadow)" if p.get("shadow") else "")
+            f"{p.get('name')}:{p.get('verdict')}"
+            + (" (shadow)" if p.get("shadow") else "")
+            + (" (not all scanned)" if p.get("complete") is False else "")
             for p in payload.get("policies") or []
         ]
     else:

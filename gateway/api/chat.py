@@ -46,7 +46,7 @@ from gateway.api.validation import validation_to_error
 from gateway.auth_failures import TooManyAuthFailures
 from gateway.fields import DROPPED_HEADER, UnknownFields, dropped_header, parse_request
 from gateway.pipeline import ResponseStream
-from gateway.render import ChunkRenderer, completion_body, error_frame
+from gateway.render import ChunkRenderer, completion_body, error_frame, response_headers
 from gateway.services import Services
 from gateway.sse import SSEResponse, Stop
 from gateway.tenants import KeyRefused
@@ -132,13 +132,6 @@ def _parse_for(body: json_body.Reader, ctx: RequestContext, services: Services) 
     return chat
 
 
-def _headers(ctx: RequestContext) -> dict[str, str]:
-    headers = dict(ctx.outputs.response_headers)
-    if ctx.outputs.degraded:
-        headers["x-omnigate-degraded"] = ",".join(ctx.outputs.degraded)
-    return headers
-
-
 class ChatCompletions:
     """The route's ASGI app (a class: Starlette serves a class as ASGI, a function as request-to-response)."""
 
@@ -184,7 +177,7 @@ async def _respond(
         del chat
         result = await _unless_client_leaves(request, completing)
         content = completion_body(result.request, result.completion, ctx, completion_id)
-        return JSONAnswer(orjson.dumps(content), _headers(ctx), server.stream_write_timeout_s)
+        return JSONAnswer(orjson.dumps(content), response_headers(ctx), server.stream_write_timeout_s)
     opening = services.pipeline.stream(chat, ctx)
     del chat
     # Returns once the first chunk is released: a held-back answer can still be refused with a status.
@@ -200,7 +193,7 @@ async def _respond(
         _frames(stream, renderer),
         on_close=stream.aclose,
         on_stop=stopped,
-        headers=_headers(ctx),
+        headers=response_headers(ctx),
         keepalive_s=server.sse_keepalive_s,
         write_timeout_s=server.stream_write_timeout_s,
         streams=services.streams,

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from core.context import RequestContext
 from core.errors import OmnigateError
 from core.schemas import ChatCompletionRequest
+from gateway.pipeline.unjudged import NOT_SCANNED, could_not_judge, unjudged
 from observability.audit.record import InputDigests
 from policies.base import Segmented
 from policies.registry import LoadedPolicy
@@ -60,10 +61,15 @@ async def run_pre(
         out = await policy.impl.pre(request, ctx)
         if out is not request:
             verdict = "rewrite"
-    except OmnigateError as exc:
-        verdict, detail = "reject", exc.code
-        if not policy.shadow:
-            raise
+    except Exception as exc:
+        if could_not_judge(exc):
+            verdict, detail = "unavailable", None
+            unjudged(policy, ctx, exc)  # raises unless the request goes on unscreened by it
+            verdict = NOT_SCANNED
+        else:
+            verdict, detail = "reject", exc.code if isinstance(exc, OmnigateError) else None
+            if not policy.shadow:
+                raise
         out = request
     finally:
         ran(policy, ctx, verdict, time.perf_counter() - t0, detail)

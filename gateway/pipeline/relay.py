@@ -22,6 +22,7 @@ from core.schemas import ChatCompletionRequest
 from engines.selection.pool import EnginePool
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.attempt import Attempt
+from gateway.pipeline.unjudged import post_verdict
 from observability.metrics import Metrics
 from policies.base import Accept, Halt, Retry, StreamCheck, StreamFilter, StreamingPostPolicy, Verdict
 from policies.registry import LoadedPolicy
@@ -52,7 +53,7 @@ class Relay:
         accepted: list[Accept] = []
         for policy in post:
             t0 = time.perf_counter()
-            verdict = await policy.impl.post(request, completion, ctx)
+            verdict = await post_verdict(policy, request, completion, ctx)
             out = self.judged(policy, ctx, verdict, t0, accepted)
             if out is not None:
                 return out, accepted
@@ -111,7 +112,7 @@ class Relay:
                 continue
             t0 = time.perf_counter()
             if check is None:
-                verdict: Verdict = await policy.impl.post(request, completion, ctx)
+                verdict: Verdict = await post_verdict(policy, request, completion, ctx)
                 out = batch
             else:
                 out = []

@@ -32,7 +32,7 @@ from observability.audit.chain import canonical
 from observability.audit.redact import Budget
 
 if TYPE_CHECKING:
-    from core.context import RequestContext
+    from core.context import PolicyRun, RequestContext, Scan
     from core.events import Completion
     from core.schemas import ChatCompletionRequest
 
@@ -167,6 +167,26 @@ def _content(req: ChatCompletionRequest, mode: str, budget: Budget) -> list[dict
     return kept
 
 
+def _receipt(p: PolicyRun, scan: Scan | None) -> dict[str, Any]:
+    """One policy run as the record keeps it: its verdict, and the receipt of what it saw (``saw``;
+    ``complete`` is false where it could not look at something, ``on_error`` says what followed)."""
+    out: dict[str, Any] = {
+        "name": p.name,
+        "stage": p.stage,
+        "verdict": p.verdict,
+        "duration_ms": round(p.duration_ms, 3),
+        "shadow": p.shadow,
+        "mode": "shadow" if p.shadow else "enforce",
+        "detail": p.detail,
+        "attempt": p.attempt,
+        "score": p.score,
+    }
+    if scan is not None:
+        out["saw"] = scan.to_json()
+        out["complete"] = not scan.missed
+    return out
+
+
 def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
     ctx = snap.ctx
     payload: dict[str, Any] = {
@@ -183,19 +203,8 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
         "outcome": ctx.record.outcome,
         "status": ctx.record.status,
         "error_code": ctx.record.error_code,
-        "policies": [
-            {
-                "name": p.name,
-                "stage": p.stage,
-                "verdict": p.verdict,
-                "duration_ms": round(p.duration_ms, 3),
-                "shadow": p.shadow,
-                "detail": p.detail,
-                "attempt": p.attempt,
-                "score": p.score,
-            }
-            for p in ctx.record.policy_runs
-        ],
+        # each policy that ran, with its receipt: what it looked at and whether it could look at all of it
+        "policies": [_receipt(p, ctx.outputs.scans.get(p.name)) for p in ctx.record.policy_runs],
         "degraded": list(ctx.outputs.degraded),
         "notes": dict(ctx.outputs.notes),
         # the traffic decisions: the admission's (the gateway's record) and the policies' (shedding)

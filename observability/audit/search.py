@@ -2,7 +2,8 @@
 
 Column filters (time range, kind, tenant, request id) use the table's own
 columns; the others look inside the record's canonical JSON (``payload.outcome``,
-``payload.engine``, ``payload.client_request_id``, ``payload.policies[*]``,
+``payload.engine``, ``payload.client_request_id``, ``payload.policies[*]`` (a policy's name, verdict, or a receipt that
+says it did not look at everything: ``unscanned``),
 ``payload.degraded[*]``), with
 SQLite's JSON1 functions or PostgreSQL's ``jsonb``. Values are always bound as
 parameters, never formatted into the SQL. Paging is by ``seq``: newest first
@@ -34,6 +35,8 @@ class AuditQuery:
     policy: str | None = None
     verdict: str | None = None
     degraded: str | None = None
+    #: a policy whose receipt says it could not look at all of the request (``complete`` false)
+    unscanned: str | None = None
     before_seq: int | None = None
     after_seq: int | None = None
 
@@ -88,6 +91,15 @@ def where(q: AuditQuery, dialect: Dialect) -> tuple[str, list[Any]]:
             clauses.append(
                 f"(data::jsonb -> 'payload' -> 'policies') @> {p(orjson.dumps([run]).decode())}::jsonb"
             )
+    if q.unscanned is not None:
+        if dialect == "sqlite":
+            clauses.append(
+                "EXISTS (SELECT 1 FROM json_each(data, '$.payload.policies') r WHERE "
+                f"json_extract(r.value, '$.name') = {p(q.unscanned)} AND json_extract(r.value, '$.complete') = 0)"
+            )
+        else:
+            missed = orjson.dumps([{"name": q.unscanned, "complete": False}]).decode()
+            clauses.append(f"(data::jsonb -> 'payload' -> 'policies') @> {p(missed)}::jsonb")
     if q.degraded is not None:
         if dialect == "sqlite":
             clauses.append(

@@ -8,7 +8,9 @@ come with the ``guards`` extra (:data:`SPEECH_TO_TEXT`), imported when the model
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -35,6 +37,8 @@ class NSFWModel:
         # would pin ~100 MB in every replica. Without it, activations are freed after each call.
         options.enable_cpu_mem_arena = False
         self._session = ort.InferenceSession(str(MODEL_PATH), options, providers=["CPUExecutionProvider"])
+        #: the weights' SHA-256: which model judged, in every receipt of the screen
+        self.digest = "sha256:" + hashlib.sha256(Path(MODEL_PATH).read_bytes()).hexdigest()
         self._input = self._session.get_inputs()[0].name
         self._preprocess = preprocess_batch
         self._run(np.zeros((1, 224, 224, 3), np.float32))  # first run initialises kernels; do it now

@@ -70,6 +70,7 @@ def test_digests_of_every_input_part_and_the_output():
             "verdict": "accept",
             "duration_ms": 0.012,
             "shadow": False,
+            "mode": "enforce",
             "detail": None,
             "attempt": 1,
             "score": None,

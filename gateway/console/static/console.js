@@ -288,7 +288,7 @@ function tenants() {
 
 // -- Audit ----------------------------------------------------------------------------------------
 let recordsCursor = null;
-const FILTERS = ["since", "until", "request_id", "client_request_id", "tenant", "kind", "outcome", "engine", "policy", "verdict", "degraded"];
+const FILTERS = ["since", "until", "request_id", "client_request_id", "tenant", "kind", "outcome", "engine", "policy", "verdict", "degraded", "unscanned"];
 
 function filterQuery() {
   const q = new URLSearchParams();
@@ -322,6 +322,26 @@ async function search(more) {
   $("more-records").hidden = !recordsCursor;
 }
 
+// A guard's receipt in words: what it looked at, what it could not, and what followed.
+function receipt(x) {
+  const saw = x.saw;
+  if (!saw) return "";
+  const said = [];
+  if (saw.text) said.push(`text of messages ${saw.text.messages.join(", ")} (${saw.text.chars} chars)`);
+  for (const part of saw.parts || []) {
+    const what = part.kind === "image" ? `${part.width}x${part.height} px`
+      : part.kind === "video" ? `${part.frames} of ${part.of} frames`
+      : part.kind === "audio" ? `${part.ms} ms in ${part.segments} segments` : "";
+    said.push(`${part.kind} ${part.part}: ${what}`);
+  }
+  for (const miss of saw.missed || []) said.push(`NOT SCANNED ${miss.part}: ${miss.why}`);
+  if (saw.model) said.push(`model ${saw.model}${saw.model_digest ? " " + saw.model_digest.slice(0, 12) : ""}`);
+  if (saw.threshold !== undefined) said.push(`threshold ${saw.threshold}`);
+  if (saw.on_error) said.push(`on_error ${saw.on_error}`);
+  if (!said.length) said.push("nothing to scan");
+  return said.join("; ");
+}
+
 async function detail(seq) {
   const res = await api("GET", `/audit/records/${seq}`);
   if (!res.ok) { status(errorText(res), true); return; }
@@ -336,7 +356,8 @@ async function detail(seq) {
     .filter(([, v]) => v !== undefined && v !== null && v !== "");
   fill("detail-head", head.map(([k, v]) => { const x = row([k, v]); x.firstChild.className = "key"; return x; }));
   fill("detail-policies", (p.policies || []).map((x) => row([x.name, x.stage, x.verdict, x.duration_ms,
-    x.shadow ? "shadow" : "", x.attempt, x.detail === null || x.detail === undefined ? "" : JSON.stringify(x.detail)])));
+    x.shadow ? "shadow" : "", x.attempt, x.detail === null || x.detail === undefined ? "" : JSON.stringify(x.detail),
+    receipt(x)])));
   const control = { ...(p.control || {}), degraded: p.degraded, notes: p.notes, attempts: p.attempts,
     retries: p.retries, ttft_ms: p.ttft_ms, priority: p.priority, policy_set: p.policy_set };
   $("detail-control").textContent = JSON.stringify(control, null, 2);
