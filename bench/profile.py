@@ -72,7 +72,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "engines/controller.py",
         ),
     ),
-    ("request parsing (pydantic, orjson)", ("pydantic", "core/schemas.py")),
+    ("request parsing (pydantic, orjson)", ("pydantic", "core/schemas.py", "core/message.py")),
     ("asyncio (Python parts)", ("asyncio/",)),
 ]
 

@@ -1,9 +1,9 @@
 """The request's leaf wire models: content parts, tool calls, tools, audio and response formats.
 
 Split from :mod:`core.schemas`, which re-exports every name here: the allow-list of what can reach an
-engine is these models together with the message and the request in :mod:`core.schemas`. The models
-here declare fields only (pydantic checks them without calling back into this module), save the few
-validators of fields an ordinary text request does not send.
+engine is these models together with the message in :mod:`core.message` and the request in
+:mod:`core.schemas`. The models here declare fields only (pydantic checks them without calling back into
+this module), save the few validators of fields an ordinary text request does not send.
 """
 
 from __future__ import annotations

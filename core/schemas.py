@@ -8,9 +8,9 @@ request naming it, or (``unknown_fields: drop``) drops it and says so. There is
 no field through which a client could set an engine's URL, key or headers, and
 ``chat_template_kwargs`` takes only the keys in :data:`CHAT_TEMPLATE_KWARGS`.
 
-The allow-list is these models with the leaf models of :mod:`core.request_parts` (parts, tools, formats)
-and the tables and bounds of :mod:`core.request_fields`; a reviewer reads the three to see what can reach
-an engine.
+The allow-list is the request model here with the message of :mod:`core.message`, the leaf models of
+:mod:`core.request_parts` (parts, tools, formats) and the tables and bounds of :mod:`core.request_fields`;
+a reviewer reads the four to see what can reach an engine.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from core.errors import InvalidRequest
+from core.message import Message
 from core.request_fields import (
     _INT32,
     CHAT_TEMPLATE_KWARGS,
@@ -35,13 +36,10 @@ from core.request_fields import (
     _Constraint,
 )
 from core.request_parts import (
-    ASSISTANT_ECHOES,
     MAX_TOOL_CALLS,
     PART_MODALITY,
-    AssistantAudio,
     AudioRequest,
     AudioURLPart,
-    ContentPart,
     ImagePart,
     InputAudio,
     InputAudioPart,
@@ -50,10 +48,8 @@ from core.request_parts import (
     StreamOptions,
     TextPart,
     Tool,
-    ToolCall,
     URLRef,
     VideoURLPart,
-    _Wire,
 )
 
 # Re-exported: the moved models and tables are imported from here (gateway, engines, policies, tests).
@@ -86,60 +82,6 @@ def too_deep(doc: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
                 return ".".join(step)
             stack.append((item, level + 1, step))
     return None
-
-
-class Message(_Wire):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: Annotated[str, Field(max_length=256)] | None = None
-    #: assistant turns: the calls it made; tool turns: the call answered
-    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
-    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    # Assistant turns as the SDKs echo an answer (ASSISTANT_ECHOES): accepted, never forwarded.
-    audio: AssistantAudio | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    refusal: str | None = None
-    annotations: Annotated[list[dict[str, Any]], Field(max_length=1024)] | None = None
-    #: the legacy single function call: only the ``null`` the SDKs echo (``functions`` are not served)
-    function_call: Any = None
-
-    @model_validator(mode="after")
-    def _content_present(self) -> Message:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"content is required for role {self.role!r}")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls is only for assistant messages")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("tool messages need the tool_call_id they answer")
-        if self.tool_call_id is not None and self.role != "tool":
-            raise ValueError("tool_call_id is only for tool messages")
-        if self.function_call is not None:
-            raise ValueError("function_call (legacy functions) is not served; send tool_calls")
-        if self.role != "assistant":
-            for key in ("audio", "reasoning_content", "reasoning", "refusal", "annotations"):
-                if getattr(self, key) is not None:
-                    raise ValueError(f"{key} is only for assistant messages")
-        return self
-
-    def wire(self) -> dict[str, Any]:
-        """The message as an engine receives it (known fields only, by construction; no echoes)."""
-        return self.model_dump(exclude_none=True, exclude=set(ASSISTANT_ECHOES))
-
-    def text(self) -> str:
-        """The message's text, parts joined with newlines."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
-
-    def parts(self) -> list[Any]:
-        if self.content is None:
-            return []
-        if isinstance(self.content, str):
-            return [TextPart(type="text", text=self.content)]
-        return list(self.content)
 
 
 class ChatCompletionRequest(BaseModel):
