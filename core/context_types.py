@@ -62,6 +62,9 @@ class Trace(Protocol):
     trace_id: str
     span_id: str
 
+    @property
+    def sampled(self) -> bool: ...
+
     def admission(self, seconds: float, outcome: str, load: LoadSnapshot | None) -> None: ...
 
     def policy(

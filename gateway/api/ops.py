@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 from starlette.responses import JSONResponse, Response
 
 from core.context import RequestContext
@@ -94,4 +94,6 @@ async def metrics(request: Request) -> Response:
     if services.settings.metrics.port is not None:
         # Served on the metrics port only (see gateway/metrics_server.py); here it does not exist.
         raise NotFound("Not Found")
-    return Response(generate_latest(services.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    # OpenMetrics when the scraper asks for it (Prometheus does): only that format carries exemplars.
+    encode, content_type = choose_encoder(request.headers.get("accept", ""))
+    return Response(encode(services.metrics.registry), media_type=content_type)

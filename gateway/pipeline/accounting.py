@@ -187,7 +187,7 @@ class Accounting:
         except Exception as exc:  # every release has run; the record is still owed
             log.error("request_release_failed", exc_info=exc)
         if ctx.trace is not None:
-            ctx.trace.finished(finished.traced())
+            ctx.trace.finished(finished.traced(ctx.outputs.media))
         for subscriber in self._subscribers:
             subscriber(finished)
         return audit_submit(self.audit, finished) if self.audit is not None else None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from core.context import Outcome, PolicyRun, RequestContext
+from core.context import MediaRecord, Outcome, PolicyRun, RequestContext
 from core.errors import ClientClosedRequest, OmnigateError, Overloaded
 from core.settings import TenantConfig
 from engines.rollout.signals import ttft_per_1k_prompt_tokens
@@ -80,6 +80,8 @@ class Finished:
     audio_seconds: float
     #: what the audit trail encodes (off the request path), None when there is no audit trail
     audit: RequestSnapshot | None
+    #: the request's trace when it is sampled: the latency histograms' exemplars link to it
+    trace_id: str | None = None
 
     @classmethod
     def of(cls, ctx: RequestContext, client_left: bool, audited: bool) -> Finished:
@@ -116,15 +118,29 @@ class Finished:
             audit=RequestSnapshot(ctx, r.received, r.output, r.completion, duration * 1000)
             if audited
             else None,
+            trace_id=ctx.trace.trace_id if ctx.trace is not None and ctx.trace.sampled else None,
         )
 
     @property
     def served(self) -> bool:
         return self.outcome in ("served", "degraded")
 
-    def traced(self) -> dict[str, Any]:
-        """What the request's span says of it (observability/tracing.py ``RequestTrace.finished``)."""
-        return {name: getattr(self, name) for name in _TRACED}
+    def traced(self, media: list[MediaRecord]) -> dict[str, Any]:
+        """What the request's span says of it (observability/tracing.py ``RequestTrace.finished``), with
+        its input media counted by modality: images, videos and their frames, audio seconds, their tokens."""
+        out = {name: getattr(self, name) for name in _TRACED}
+        counts: dict[str, float] = {}
+        for m in media:
+            key = {"image": "images", "video": "videos", "audio": "audio_parts"}.get(m.kind, m.kind)
+            counts[key] = counts.get(key, 0) + 1
+            if m.kind == "video" and m.frames:
+                counts["video_frames"] = counts.get("video_frames", 0) + m.frames
+            if m.kind == "audio" and m.duration_s:
+                counts["audio_seconds"] = round(counts.get("audio_seconds", 0) + m.duration_s, 3)
+            if m.modal_tokens:
+                counts["media_tokens"] = counts.get("media_tokens", 0) + m.modal_tokens
+        out["modalities"] = counts
+        return out
 
 
 _TRACED = (
@@ -174,11 +190,13 @@ def observe(m: Metrics, pool: EnginePool) -> Subscriber:
             degradations(reason).inc()
         engine, variant = f.engine or "none", f.variant or "none"
         stream = "true" if f.stream else "false"
-        duration(engine, variant, f.outcome, stream).observe(f.duration_s)
+        # A sampled trace is the exemplar of the bucket the request fell in (OpenMetrics scrapes show it).
+        exemplar = {"trace_id": f.trace_id} if f.trace_id is not None else None
+        duration(engine, variant, f.outcome, stream).observe(f.duration_s, exemplar)
         if f.engine is None:
             return
         if f.ttft_s is not None:
-            ttft(engine, variant).observe(f.ttft_s)
+            ttft(engine, variant).observe(f.ttft_s, exemplar)
         if f.first_audio_s is not None:
             first_audio(engine, variant).observe(f.first_audio_s)
         if f.upstream_ttft_s is not None:

@@ -18,6 +18,7 @@ import pytest
 from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
 from tests.harness import GatewayServer
+from tests.media import data_uri, plain_image, png
 from tests.otlp import Receiver, Span
 from tests.upstream import Script, ScriptedUpstream
 
@@ -59,6 +60,7 @@ def _settings(bad: ScriptedUpstream, good: ScriptedUpstream, tmp_path, **tracing
                 role=role,
                 first_byte_timeout_s=5,
                 read_timeout_s=5,
+                input_modalities=["text", "image"],
             )
             for name, up, role in (("bad", bad, "primary"), ("good", good, "fallback"))
         ],
@@ -142,6 +144,11 @@ def test_a_streamed_request_is_one_trace_from_the_client_into_the_engine(serve, 
     # The engine that answered got its attempt's span as parent: vLLM's own spans join this trace.
     (sent,) = [h for h in good.headers if "traceparent" in h]
     assert sent["traceparent"].split("-")[1:3] == [CLIENT_TRACE, second.span_id]
+    # The latency histograms' exemplars link their buckets to this trace (in the OpenMetrics format).
+    openmetrics = {"accept": "application/openmetrics-text; version=1.0.0"}
+    scraped = httpx.get(server.url + "/metrics", headers=openmetrics).text
+    exemplars = [ln for ln in scraped.splitlines() if f'trace_id="{CLIENT_TRACE}"' in ln]
+    assert any(ln.startswith("omnigate_request_duration_seconds_bucket") for ln in exemplars), exemplars[:3]
     audit = by_name["audit commit"]
     assert audit.attributes["omnigate.audit.seq"] >= 1
     assert request.start_ns <= audit.start_ns and audit.end_ns <= request.end_ns
@@ -190,3 +197,26 @@ def test_otel_sdk_disabled_turns_it_off(serve, receiver, monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url)
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert serve().services.tracing is None
+
+
+def test_a_whole_answer_with_an_image_counts_it_on_its_span(serve, receiver):
+    server = serve(enabled="on", endpoint=receiver.url)
+    trace = "7bf92f3577b34da6a3ce929d0e0e4738"
+    image = {"type": "image_url", "image_url": {"url": data_uri("image/png", png(plain_image(64)))}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, image]}],
+    }
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json=body,
+        headers={"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    spans = _wait_for(receiver, trace, "POST /v1/chat/completions")
+    request = next(s for s in spans if s.name == "POST /v1/chat/completions")
+    assert request.attributes["omnigate.usage.input_images"] == 1
+    assert request.attributes["gen_ai.request.stream"] is False
+    screen = next(s for s in spans if s.name == "apply_guardrail nsfw-screen")
+    assert screen.attributes["omnigate.policy.verdict"] == "accept"
