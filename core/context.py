@@ -128,6 +128,9 @@ class Record:
     completion_tokens: int = 0
     #: seconds of speech served (speech adds no completion tokens)
     audio_seconds: float = 0.0
+    #: who counted the answer's tokens: None, the engine (its usage); "gateway", an answer cut before the
+    #: engine's usage came (the client left, the engine failed mid-stream), counted from what was relayed
+    usage_counted_by: str | None = None
     #: estimated GPU energy of the answer (engines/rollout/energy.py), None without power telemetry for its engine
     energy_joules: float | None = None
 

@@ -93,6 +93,9 @@ class Completion:
     logprobs: list[dict[str, Any]] | None = None
     #: the other answers of a non-streamed request with ``n`` > 1 (choices 1..n-1)
     alternatives: list[Completion] = field(default_factory=list)
+    #: the streamed pieces of the answer (choice 0) that carried text, speech or a call: what a stream cut
+    #: before the engine's usage came is counted by (one token a piece, as vLLM streams its tokens)
+    pieces: int = 0
 
     def add(self, d: Delta) -> None:
         """Fold a streamed delta into this completion (a piece of choice ``i`` > 0 into its alternative)."""
@@ -104,6 +107,8 @@ class Completion:
             if d.usage is not None:
                 self.usage = d.usage
             return
+        if d.text or d.audio or d.tool_calls or d.reasoning:
+            self.pieces += 1
         if d.text:
             self.text += d.text
         if d.tool_calls:

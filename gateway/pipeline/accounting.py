@@ -16,7 +16,7 @@ import structlog
 
 from core.context import PolicyRun, RequestContext
 from core.errors import EngineError
-from core.events import Completion
+from core.events import Completion, Usage
 from engines.rollout.energy import EnergyBook
 from engines.selection.pool import EnginePool
 from gateway.pipeline.record import (
@@ -128,6 +128,16 @@ class Accounting:
             ctx.record.energy_joules = self.energy.estimate(
                 ctx.record.engine, ctx.record.completion_tokens, ctx.record.audio_seconds
             )
+
+    def account_cut(self, ctx: RequestContext, completion: Completion) -> None:
+        """An answer cut before the engine's usage came (the client left, the engine failed mid-stream) is
+        still counted: its speech seconds, and its pieces as its tokens, marked as the gateway's count."""
+        if ctx.record.completion_tokens or not completion.pieces:
+            return
+        if not completion.usage.completion_tokens:
+            completion.usage = Usage(completion.usage.prompt_tokens, completion.pieces)
+            ctx.record.usage_counted_by = "gateway"
+        self.account(ctx, completion)
 
     def open(self, ctx: RequestContext) -> None:
         """Count the request in flight, once; the count is one of its holdings, given back with them."""

@@ -140,6 +140,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
     released = ctx.record.output = (
         OutputDigest(ctx.identity.audit_content != "digests") if accounting.audit is not None else None
     )
+    produced = [Completion()]  # the current attempt's answer so far: counted even when it is cut
     try:
         with ended:
             while True:
@@ -147,7 +148,7 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
                 rs.attempt, rs.request = attempt, attempt.request
                 filters = [(pol, pol.impl.open_stream(attempt.request, ctx)) for pol in chain.stream]
                 checks = relay.open_checks(chain.post, attempt.request, ctx)
-                completion = Completion()
+                completion = produced[0] = Completion()
                 relayed = attempt
                 plan = rs.plan
                 if plan is not None and segmented(plan):
@@ -199,6 +200,8 @@ async def run_stream(p: Pipeline, rs: ResponseStream) -> AsyncGenerator[list[Del
     finally:
         # Finished (and the record handed to the audit) before any await a cancelled task may not complete.
         error = None if ended.error is None else (rs.cause or ended.error)
+        if error is not None:
+            accounting.account_cut(ctx, produced[0])
         fut = accounting.finish(ctx, error)
         error = ended.error = None  # its traceback holds this frame: no cycle through it
         try:

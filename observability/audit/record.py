@@ -222,6 +222,8 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
             "completion_tokens": ctx.record.completion_tokens,
             # speech is metered in seconds: it adds no completion tokens
             **({"audio_seconds": round(ctx.record.audio_seconds, 3)} if ctx.record.audio_seconds else {}),
+            # an answer cut before the engine's usage came: counted by the gateway from what was relayed
+            **({"counted_by": ctx.record.usage_counted_by} if ctx.record.usage_counted_by else {}),
             # an estimate (engines/rollout/energy.py), present only where the engine's GPU power is measured
             **(
                 {"energy_joules": round(ctx.record.energy_joules, 3)}
