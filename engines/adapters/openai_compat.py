@@ -32,7 +32,7 @@ from engines.adapters.openai_errors import rejection as rejection
 from engines.adapters.openai_errors import status_error
 from engines.adapters.openai_read import choice_delta, completion, translator
 from engines.adapters.openai_sse import DONE, finish_body, sse_data
-from observability.tracing import engine_headers
+from observability.trace_spans import engine_headers
 
 log = structlog.get_logger(__name__)
 
