@@ -173,8 +173,6 @@ class RequestTrace:
                 attrs[gen_ai.GEN_AI_RESPONSE_MODEL] = model
             attrs[gen_ai.GEN_AI_USAGE_INPUT_TOKENS] = record["prompt_tokens"]
             attrs[gen_ai.GEN_AI_USAGE_OUTPUT_TOKENS] = record["completion_tokens"]
-            if record.get("finish_reasons"):
-                attrs[gen_ai.GEN_AI_RESPONSE_FINISH_REASONS] = list(record["finish_reasons"])
             if record.get("ttft_s") is not None:
                 attrs[gen_ai.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = record["ttft_s"]
         span.set_attributes(attrs)
