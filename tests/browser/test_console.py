@@ -35,6 +35,7 @@ from tests.console_setup import (
     stream_chat,
     tenant_keys,
 )
+from tests.media import data_uri, plain_image, png
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(180)
@@ -377,6 +378,46 @@ def test_find_a_requests_audit_record_by_its_id(driver, gw, shots):
         and len(json.loads(lines[0])["hash"]) == 64
     )
     shot(driver, shots, "audit")
+
+
+def test_a_records_page_shows_what_each_guard_saw(driver, bg, eng, tmp_path, shots):
+    """The receipt of the NSFW screen on the record's page: the image it scored, at its size as the engine
+    got it, and the model's weights digest."""
+    keys = tenant_keys()
+    doc = config(eng, tmp_path, keys)
+    doc["policies"] = {
+        "pre": [{"name": n} for n in ("request-limits", "media-fetch", "media-limits", "nsfw-screen")]
+    }
+    server = start(bg, doc, tmp_path / "omnigate.yaml")
+    try:
+        image = {"type": "image_url", "image_url": {"url": data_uri("image/png", png(plain_image(320)))}}
+        body = {
+            "model": OMNI,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}],
+        }
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {keys['acme'].key}"},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        assert "nsfw-screen=accept" in r.headers["x-omnigate-guards"]
+        rid = r.headers["x-request-id"]
+        open_page(driver, server.url, "audit")
+        by_id(driver, "f-request_id").send_keys(rid)
+        by_id(driver, "search-go").click()
+        wait(driver, lambda: len(table_rows(driver, "records")) == 1, "the request's record")
+        driver.find_element(By.CSS_SELECTOR, "#records tbody tr a").click()
+        wait(driver, lambda: by_id(driver, "detail").is_displayed(), "the record's detail")
+        rows = {p[0]: p for p in table_rows(driver, "detail-policies")}
+        saw = rows["nsfw-screen"][7]
+        assert "image messages.0.content.1: 320x320 px" in saw, saw
+        assert "model open-nsfw sha256:" in saw and "threshold 0.8" in saw, saw
+        assert rows["request-limits"][7] == ""  # not a screen: no receipt of parts
+        shot(driver, shots, "audit-receipt")
+    finally:
+        server.stop()
 
 
 def test_redacted_content_is_shown_redacted_and_as_text(driver, gw):

@@ -327,6 +327,7 @@ function receipt(x) {
   const saw = x.saw;
   if (!saw) return "";
   const said = [];
+  if (!saw.text && !(saw.parts || []).length && !(saw.missed || []).length) said.push("nothing to scan");
   if (saw.text) said.push(`text of messages ${saw.text.messages.join(", ")} (${saw.text.chars} chars)`);
   for (const part of saw.parts || []) {
     const what = part.kind === "image" ? `${part.width}x${part.height} px`
@@ -338,7 +339,6 @@ function receipt(x) {
   if (saw.model) said.push(`model ${saw.model}${saw.model_digest ? " " + saw.model_digest.slice(0, 12) : ""}`);
   if (saw.threshold !== undefined) said.push(`threshold ${saw.threshold}`);
   if (saw.on_error) said.push(`on_error ${saw.on_error}`);
-  if (!said.length) said.push("nothing to scan");
   return said.join("; ");
 }
 
