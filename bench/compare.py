@@ -1,8 +1,8 @@
 """Side by side: the scripted upstream directly, a minimal relay, omnigate, and LiteLLM's proxy.
 
     python -m bench.compare [--levels 1,16,64,256] [--chunks 64]
-                            [--targets relay,omnigate-off,omnigate-noaudit,omnigate,litellm]
-                            [--out FILE] [--smoke]
+                            [--targets relay,omnigate-off,omnigate-noaudit,omnigate,omnigate-traced,litellm]
+                            [--before DIR] [--out FILE] [--smoke]
 
 The proxies run on core 0 (started together, idle but for their turn); the
 upstream and this load generator share core 1. For each level, the targets take
@@ -12,7 +12,11 @@ added inter-chunk gap, requests/s, the proxy's CPU seconds per 1,000 requests
 and per streamed 64-chunk request; then RSS per open stream with 256 streams
 held open, and idle RSS. ``omnigate-off`` has an empty policy chain, ``omnigate`` the
 default one, ``omnigate-noaudit`` an empty chain and no audit trail (what the durable
-audit costs). LiteLLM's proxy is installed on first use into
+audit costs), ``omnigate-traced`` the default chain with every request traced (what tracing costs): it
+exports OTLP/HTTP to a receiver in this process, which counts the spans, and each of its turns ends when
+the spans of its requests are in, less the process's idle CPU over that wait. Its batch processor exports
+at least once a second instead of every 5 s, so the wait is short; under load a batch of 512 spans fills
+sooner than that, so the exports are the default's. LiteLLM's proxy is installed on first use into
 ``.bench/litellm-venv`` (``litellm[proxy]==1.100.0``, the newest release whose proxy extra installs).
 ``--smoke`` runs the targets at two small levels; LiteLLM's proxy only where it is installed already.
 ``omnigate-before`` with ``--before DIR`` runs the default chain from another checkout (e.g. a
@@ -24,16 +28,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gzip
+import math
 import os
 import platform
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import aiohttp
 import yaml
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 
 from bench.common import (
     ROOT,
@@ -58,6 +70,11 @@ LITELLM_VENV = ROOT / ".bench" / "litellm-venv"
 # litellm 1.101 and later move the proxy into a package `litellm-proxy` that PyPI does not serve;
 # 1.100.0 is the newest release whose `[proxy]` extra installs.
 LITELLM_VERSION = "1.100.0"
+#: the target whose traces are exported, all of them, to :class:`TraceSink`
+TRACED = "omnigate-traced"
+#: omnigate-traced's batch span processor exports at least this often (the default is 5 s): the longest a
+#: turn waits for its last spans. Under load a batch (512 spans) fills sooner, so its exports are the default's.
+BSP_DELAY_S = 1.0
 
 
 def _merge(into: LoadResult, part: LoadResult) -> None:
@@ -81,7 +98,59 @@ def _litellm_bin() -> Path:
     return exe
 
 
-def _omnigate(up_port: int, port: int, chain: str, audit: bool = True) -> list[str]:
+class TraceSink:
+    """An OTLP/HTTP trace receiver that counts spans: ``POST /v1/traces`` answered as a collector answers
+    (200, an empty ``ExportTraceServiceResponse``). It runs in the load generator, on core 1."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+        self.exports = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def _traces(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        if request.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        export = ExportTraceServiceRequest.FromString(body)
+        self.spans += sum(len(ss.spans) for rs in export.resource_spans for ss in rs.scope_spans)
+        self.exports += 1
+        return web.Response(
+            body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf"
+        )
+
+    async def start(self) -> TraceSink:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/traces", self._traces)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}/v1/traces"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def settle(self, expected: float = math.inf) -> float:
+        """Wait until ``expected`` spans have come, or none for longer than the batch processor holds them;
+        return the seconds waited."""
+        t0 = since = time.monotonic()
+        seen = self.spans
+        while self.spans < expected:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            if self.spans != seen:
+                seen, since = self.spans, now
+            elif now - since > BSP_DELAY_S + 0.5:
+                break
+        return time.monotonic() - t0
+
+
+def _omnigate(
+    up_port: int, port: int, chain: str, audit: bool = True, traces_to: str | None = None
+) -> list[str]:
     # The relay and LiteLLM's proxy have no admission limits or per-engine caps; lift omnigate's so the
     # comparison measures relaying (with its defaults it sheds above 16 and refuses above 64 streams).
     cfg = {
@@ -92,6 +161,8 @@ def _omnigate(up_port: int, port: int, chain: str, audit: bool = True) -> list[s
         "traffic": {"soft_limit": 10000, "hard_limit": 10000},
         "logging": {"level": "warning"},
         "audit": {"enabled": audit},
+        # every request traced, exported as a deployment exports them (OTLP/HTTP, the batch processor)
+        **({"tracing": {"enabled": "on", "endpoint": traces_to, "sample_ratio": 1.0}} if traces_to else {}),
     }
     path = Path(tempfile.mkdtemp()) / "omnigate.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -102,21 +173,28 @@ def _omnigate(up_port: int, port: int, chain: str, audit: bool = True) -> list[s
 _BEFORE: list[str] = []
 
 
-def _start(target: str, up_port: int, port: int) -> tuple[subprocess.Popen, str]:
-    """Start a proxy on core 0; return it and its readiness URL."""
+def _start(
+    target: str, up_port: int, port: int, traces_to: str | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Start a proxy on core 0; return it and its readiness URL (``traces_to``: omnigate-traced's receiver)."""
     if target == "relay":
         args = ["-m", "bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{up_port}/v1"]
         return spawn(args, cpu=0), f"http://127.0.0.1:{port}/health"
-    if target in ("omnigate", "omnigate-off", "omnigate-noaudit", "omnigate-before"):
+    if target in ("omnigate", "omnigate-off", "omnigate-noaudit", "omnigate-before", TRACED):
         # omnigate-noaudit: policies off and no audit trail, to see what the durable audit costs.
         # omnigate-before: the default chain served by another checkout's code (--before DIR), for
         # before-and-after figures taken in turns within one run.
-        chain = "default" if target in ("omnigate", "omnigate-before") else "off"
+        # omnigate-traced: the default chain, every request traced: what tracing on costs.
+        chain = "default" if target in ("omnigate", "omnigate-before", TRACED) else "off"
         tree = Path(_BEFORE[0]) if target == "omnigate-before" and _BEFORE else None
         if target == "omnigate-before" and tree is None:
             raise SystemExit("omnigate-before needs --before DIR (a checkout of the code to compare with)")
+        traces = traces_to if target == TRACED else None
         return spawn(
-            _omnigate(up_port, port, chain, audit=target != "omnigate-noaudit"), cpu=0, cwd=tree
+            _omnigate(up_port, port, chain, audit=target != "omnigate-noaudit", traces_to=traces),
+            cpu=0,
+            env={"OTEL_BSP_SCHEDULE_DELAY": str(int(BSP_DELAY_S * 1000))} if traces else None,
+            cwd=tree,
         ), f"http://127.0.0.1:{port}/readyz"
     if target == "litellm":
         exe = _litellm_bin()
@@ -212,6 +290,33 @@ async def _held_rss(
     return {"held_streams": opened, "rss_kib_per_open_stream": (peak - before) / max(1, opened)}
 
 
+class _TracedTurns:
+    """omnigate-traced's turns. Each ends when the spans of its requests are in, so their export is charged
+    to it and not to the next target's turn; the process's idle CPU over that wait, measured between its
+    turns, is taken off again."""
+
+    def __init__(self, sink: TraceSink, pid: int, spans_per_request: float) -> None:
+        self.sink, self.pid, self.spans_per_request = sink, pid, spans_per_request
+        self.idle_s = self.idle_cpu = 0.0
+        self._mark = (time.monotonic(), cpu_seconds(pid))
+
+    def begin(self) -> int:
+        now, cpu = time.monotonic(), cpu_seconds(self.pid)
+        self.idle_s += now - self._mark[0]
+        self.idle_cpu += cpu - self._mark[1]
+        return self.sink.spans
+
+    async def end(self, spans0: int, requests: int) -> tuple[int, float]:
+        """Wait for the turn's spans; return how many came and the seconds waited."""
+        waited = await self.sink.settle(spans0 + self.spans_per_request * requests)
+        self._mark = (time.monotonic(), cpu_seconds(self.pid))
+        return self.sink.spans - spans0, waited
+
+    @property
+    def idle_cpu_per_s(self) -> float:
+        return self.idle_cpu / self.idle_s if self.idle_s else 0.0
+
+
 async def run(args: argparse.Namespace) -> dict:
     pin_self(1)
     up_port = free_port()
@@ -232,6 +337,8 @@ async def run(args: argparse.Namespace) -> dict:
         "direct": {},
     }
     procs: dict[str, subprocess.Popen] = {}
+    sink = await TraceSink().start() if TRACED in args.targets else None
+    traced: _TracedTurns | None = None
     try:
         await wait_http(f"http://127.0.0.1:{up_port}/health")
         direct_url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
@@ -242,10 +349,18 @@ async def run(args: argparse.Namespace) -> dict:
         urls: dict[str, str] = {}
         for target in args.targets:
             port = free_port()
-            procs[target], ready = _start(target, up_port, port)
+            procs[target], ready = _start(target, up_port, port, sink.url if sink else None)
             await wait_http(ready, timeout=180)
             urls[target] = f"http://127.0.0.1:{port}/v1/chat/completions"
-            await stream_load(urls[target], body, 4, 20)  # warm-up
+            warm = await stream_load(urls[target], body, 4, 20)  # warm-up
+            if target == TRACED and sink is not None:
+                # Every span of the warm-up in: how many a request makes, what each turn then waits for.
+                await sink.settle()
+                if not sink.spans:
+                    raise SystemExit(f"{TRACED} exported no spans to {sink.url}")
+                traced = _TracedTurns(
+                    sink, procs[target].pid, sink.spans / max(1, warm.requests + warm.errors)
+                )
         await asyncio.sleep(1)
         for target, proc in procs.items():
             out["targets"][target] = {"idle_rss_mib": rss_kib(proc.pid) / 1024, "levels": {}}
@@ -257,13 +372,23 @@ async def run(args: argparse.Namespace) -> dict:
             direct = {t: LoadResult() for t in args.targets}
             proxied = {t: LoadResult() for t in args.targets}
             cpu = dict.fromkeys(args.targets, 0.0)
+            spans, flush_wait = 0, 0.0
             for i in range(args.rounds):
                 # Direct and proxied runs alternate, and the targets take turns in a rotating order.
                 for target in args.targets[i % len(args.targets) :] + args.targets[: i % len(args.targets)]:
                     _merge(direct[target], await stream_load(direct_url, direct_body, c, per_round))
+                    turn = traced if target == TRACED else None
+                    spans0 = turn.begin() if turn else 0
                     cpu0 = cpu_seconds(procs[target].pid)
-                    _merge(proxied[target], await stream_load(urls[target], body, c, per_round))
+                    part = await stream_load(urls[target], body, c, per_round)
+                    _merge(proxied[target], part)
+                    if turn:
+                        got, waited = await turn.end(spans0, part.requests + part.errors)
+                        spans, flush_wait = spans + got, flush_wait + waited
                     cpu[target] += cpu_seconds(procs[target].pid) - cpu0
+            if traced:
+                idle = traced.idle_cpu_per_s * flush_wait
+                cpu[TRACED] -= idle
             for target in args.targets:
                 d, r = direct[target], proxied[target]
                 out["direct"].setdefault(target, {})[c] = {
@@ -286,6 +411,30 @@ async def run(args: argparse.Namespace) -> dict:
                     "cpu_s_per_1000_requests": cpu[target] / max(1, r.requests) * 1000,
                     "cpu_ms_per_request": cpu[target] / max(1, r.requests) * 1e3,
                 }
+            if traced:
+                served = proxied[TRACED].requests + proxied[TRACED].errors
+                out["targets"][TRACED]["levels"][c].update(
+                    {
+                        # what the receiver got: the run shows the traces were exported, all of them
+                        "spans_received": spans,
+                        "spans_per_request": spans / max(1, served),
+                        "flush_wait_s": flush_wait,
+                        "idle_cpu_ms_taken_off": idle * 1e3,
+                    }
+                )
+        if traced and sink:
+            out["traces"] = {
+                "receiver": "OTLP/HTTP /v1/traces in the load generator (core 1), answering 200",
+                "spans_per_request_warm_up": traced.spans_per_request,
+                "idle_cpu_ms_per_s": traced.idle_cpu_per_s * 1e3,
+                "spans": sink.spans,
+                "exports": sink.exports,
+            }
+            print(
+                f"{TRACED}: {sink.spans} spans in {sink.exports} exports, "
+                f"{traced.spans_per_request:g} per request",
+                file=sys.stderr,
+            )
         for target in args.targets:
             out["targets"][target].update(await _held_rss(procs[target], urls[target], body, up_port, args))
         return out
@@ -294,9 +443,12 @@ async def run(args: argparse.Namespace) -> dict:
             proc.terminate()
         for proc in procs.values():
             try:
-                proc.wait(10)
+                # waited for off the loop: the traced gateway's shutdown flushes its last spans to the sink
+                await asyncio.to_thread(proc.wait, 10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if sink:
+            await sink.stop()
         upstream.terminate()
         upstream.wait(10)
 
@@ -306,7 +458,7 @@ def main() -> None:
     ap.add_argument("--levels", default="1,16,64,256", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument(
         "--targets",
-        default="relay,omnigate-off,omnigate-noaudit,omnigate,litellm",
+        default=f"relay,omnigate-off,omnigate-noaudit,omnigate,{TRACED},litellm",
         type=lambda s: s.split(","),
     )
     ap.add_argument("--chunks", type=int, default=64)
@@ -395,6 +547,20 @@ def summarize(runs: list[dict]) -> dict:
                         / r["targets"]["relay"]["levels"][level]["added_ttft_p50_ms"]
                         for r in runs
                     ]
+                )
+            # Against omnigate of the same run: what tracing on (or the older code) adds to a request.
+            if target in (TRACED, "omnigate-before") and "omnigate" in runs[0]["targets"]:
+                mine = [r["targets"][target]["levels"][level]["cpu_ms_per_request"] for r in runs]
+                base = [r["targets"]["omnigate"]["levels"][level]["cpu_ms_per_request"] for r in runs]
+                row["added_cpu_ms_per_request_to_omnigate"] = _spread(
+                    [m - b for m, b in zip(mine, base, strict=True)]
+                )
+                row["cpu_ms_per_request_to_omnigate"] = _spread(
+                    [m / b for m, b in zip(mine, base, strict=True)]
+                )
+            if "spans_per_request" in first["levels"][level]:
+                row["spans_per_request"] = _spread(
+                    [r["targets"][target]["levels"][level]["spans_per_request"] for r in runs]
                 )
     return out
 

@@ -49,10 +49,12 @@ def _cancels(doc: dict) -> None:
 
 
 def _compare(doc: dict) -> None:
-    for target in ("relay", "omnigate-off", "omnigate-noaudit", "omnigate"):
+    for target in ("relay", "omnigate-off", "omnigate-noaudit", "omnigate", "omnigate-traced"):
         for level in doc["targets"][target]["levels"].values():
             assert level["requests"] > 0 and level["errors"] == 0, (target, level)
         assert doc["targets"][target]["held_streams"] > 0
+    # the traced gateway's spans reached the receiver, every request's
+    assert all(lv["spans_per_request"] >= 1 for lv in doc["targets"]["omnigate-traced"]["levels"].values())
     assert "litellm" in doc["targets"] or "litellm" in doc["not_measured"]
 
 
