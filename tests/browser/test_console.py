@@ -36,6 +36,8 @@ from tests.console_setup import (
     tenant_keys,
 )
 from tests.media import data_uri, plain_image, png
+from tests.otlp import Receiver
+from tests.trace_view import waterfall
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(180)
@@ -418,6 +420,67 @@ def test_a_records_page_shows_what_each_guard_saw(driver, bg, eng, tmp_path, sho
         shot(driver, shots, "audit-receipt")
     finally:
         server.stop()
+
+
+def test_a_failed_over_screened_request_as_a_trace_viewer_shows_it(
+    driver, bg, eng, tmp_path, shots, monkeypatch
+):
+    """The trace of a streamed request with an image whose first engine fails before its headers: admission,
+    the guards, two engine attempts (the first an error), the audit commit, under the client's span; drawn
+    as a waterfall for the documentation (docs/img/trace-failover.png)."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    receiver = bg.run(Receiver().start())
+    keys = tenant_keys()
+    doc = config(eng, tmp_path, keys)
+    doc["policies"] = {
+        "pre": [
+            {"name": n}
+            for n in ("load-shedding", "request-limits", "media-fetch", "media-limits", "nsfw-screen")
+        ]
+    }
+    doc["tracing"] = {"enabled": "on", "endpoint": receiver.url}
+    server = start(bg, doc, tmp_path / "omnigate.yaml")
+    trace = "9a1c4e5f6b7d8e9fa0b1c2d3e4f5a6b7"
+    try:
+        eng.int4.enqueue(Script(flavour="omni", fault="500_before_headers"))
+        image = {"type": "image_url", "image_url": {"url": data_uri("image/png", png(plain_image(320)))}}
+        body = {
+            "model": OMNI,
+            "stream": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}],
+        }
+        headers = {
+            "authorization": f"Bearer {keys['acme'].key}",
+            "traceparent": f"00-{trace}-00f067aa0ba902b7-01",
+        }
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            "".join(r.iter_text())
+
+        def complete() -> bool:
+            names = [s.name for s in receiver.of_trace(trace)]
+            return names.count("chat omni-int4") == 1 and "POST /v1/chat/completions" in names
+
+        wait(driver, complete, "the trace exported")
+    finally:
+        server.stop()
+        bg.run(receiver.stop())
+    spans = receiver.of_trace(trace)
+    names = [s.name for s in spans]
+    assert {"admission", "apply_guardrail nsfw-screen", "chat omni-bf16", "audit commit"} <= set(names)
+    failed = next(s for s in spans if s.name == "chat omni-int4")
+    assert failed.status == 2
+    page = tmp_path / "trace.html"
+    page.write_text(waterfall(spans, "POST /v1/chat/completions: screened, failed over from INT4 to BF16"))
+    driver.get(page.as_uri())
+    wait(driver, lambda: len(table_rows_all(driver)) == len(spans), "the waterfall drawn")
+    driver.set_window_size(1440, 200 + 30 * len(spans))
+    driver.save_screenshot(str(shots / "trace-failover.png"))
+    driver.set_window_size(1440, 1000)
+
+
+def table_rows_all(d) -> list[str]:
+    return d.execute_script("return [...document.querySelectorAll('tr')].map(r => r.innerText)")
 
 
 def test_redacted_content_is_shown_redacted_and_as_text(driver, gw):
