@@ -24,6 +24,22 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _ENGINE_HEADERS: ContextVar[dict[str, str] | None] = ContextVar("omnigate_engine_trace", default=None)
 
 
+#: the request being served in this task, where tracing is on (steps deep in a policy add their spans to it)
+_CURRENT: ContextVar[RequestTrace | None] = ContextVar("omnigate_request_trace", default=None)
+
+
+def step(
+    name: str, seconds: float, attributes: Mapping[str, Any], error: BaseException | None = None
+) -> None:
+    """A span for a step of the request served in this task that has just ended (e.g. a media decode in
+    the sandbox); nothing when the request is not traced."""
+    current = _CURRENT.get()
+    if current is not None:
+        span = current._after(name, seconds, attributes)
+        if span is not None and error is not None:
+            span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+
+
 def engine_headers() -> dict[str, str]:
     """The W3C trace headers for the engine call being made in this task; empty when it is not traced."""
     return _ENGINE_HEADERS.get() or {}
@@ -44,6 +60,7 @@ class RequestTrace:
         self._parent = trace.set_span_in_context(span)
         self._attempt: Span | None = None
         self._ended = False
+        _CURRENT.set(self)
 
     @property
     def sampled(self) -> bool:

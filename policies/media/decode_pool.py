@@ -23,6 +23,7 @@ import secrets
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -33,6 +34,7 @@ import structlog
 
 from core import errors, spooled
 from core.errors import GuardUnavailable, InvalidMedia
+from observability.trace_spans import step
 from policies.media import shared, worker
 from policies.settings import MediaSettings
 
@@ -109,9 +111,20 @@ class WorkerPool:
         """``fn(*args)`` in a worker: its result, the gateway error it raised, or a generic 400."""
         args, segments = _share(args)
         tokens: list[str] = []
+        started, error = time.perf_counter(), None
         try:
             return await self._run(fn, args, param, tokens)
+        except Exception as exc:
+            error = exc
+            raise
         finally:
+            # A traced request's span of it (nothing when tracing is off): which part, how long, whether it failed.
+            step(
+                "media decode",
+                time.perf_counter() - started,
+                {"omnigate.media.part": param, "omnigate.media.task": fn.__name__},
+                error,
+            )
             if tokens and self._fds is not None:
                 self._fds.forget(tokens)
             for shm in segments:

@@ -10,14 +10,16 @@ linked to the client's span; with tracing off nothing is exported and the engine
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
 import pytest
+import yaml
 
 from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
-from tests.harness import GatewayServer
+from tests.harness import GatewayServer, ServeProcess, wait_until
 from tests.media import data_uri, plain_image, png
 from tests.otlp import Receiver, Span
 from tests.upstream import Script, ScriptedUpstream
@@ -220,3 +222,58 @@ def test_a_whole_answer_with_an_image_counts_it_on_its_span(serve, receiver):
     assert request.attributes["gen_ai.request.stream"] is False
     screen = next(s for s in spans if s.name == "apply_guardrail nsfw-screen")
     assert screen.attributes["omnigate.policy.verdict"] == "accept"
+    # the image decoded in the media sandbox: once by media-limits, once for the screen's view of it
+    decodes = [s for s in spans if s.name == "media decode"]
+    assert len(decodes) >= 2 and {d.parent_span_id for d in decodes} == {request.span_id}
+    assert {d.attributes["omnigate.media.part"] for d in decodes} == {"messages.0.content.1.image_url.url"}
+
+
+def test_a_sample_ratio_of_zero_keeps_only_the_clients_sampled_traces(serve, receiver):
+    server = serve(enabled="on", endpoint=receiver.url, sample_ratio=0.0)
+    before = len(receiver.spans)
+    _stream(server, {})  # a new root: not sampled, nothing exported
+    kept = "8bf92f3577b34da6a3ce929d0e0e4739"
+    _stream(server, {"traceparent": f"00-{kept}-{CLIENT_SPAN}-01"})  # the client sampled it: parent-based
+    _wait_for(receiver, kept, "POST /v1/chat/completions")
+    time.sleep(0.3)
+    assert {s.trace_id for s in receiver.spans[before:]} == {kept}
+
+
+def test_omnigate_serve_set_up_by_the_otel_variables_logs_each_requests_trace(
+    engines, receiver, tmp_path, monkeypatch
+):
+    """The shape users run: ``omnigate serve`` configured by the OTEL_* variables alone, JSON log lines."""
+    _, good = engines
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "omnigate-proc")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    config = tmp_path / "omnigate.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "engines": [
+                    {"name": "good", "kind": "vllm", "base_url": good.base_url, "model": "m", "serves": ["m"]}
+                ],
+                "auth": {"required": False},
+                "audit": {"sqlite_path": str(tmp_path / "audit.db")},
+                "routing": {"controller": {"enabled": False}},
+            }
+        )
+    )
+    proc = ServeProcess(config, tmp_path / "gateway.log")
+    try:
+        assert wait_until(proc.ready, timeout=60)
+        trace = "9bf92f3577b34da6a3ce929d0e0e4740"
+        url = proc.url + "/v1/chat/completions"
+        headers = {"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"}
+        with httpx.Client(timeout=30) as client, client.stream("POST", url, json=BODY, headers=headers) as r:
+            assert r.status_code == 200
+            "".join(r.iter_text())
+        spans = _wait_for(receiver, trace, "POST /v1/chat/completions")
+    finally:
+        proc.stop()
+    request = next(s for s in spans if s.name == "POST /v1/chat/completions")
+    assert request.resource["service.name"] == "omnigate-proc"
+    lines = [json.loads(ln) for ln in proc.log_path.read_text().splitlines() if ln.startswith("{")]
+    (finished,) = [ln for ln in lines if ln.get("event") == "request_finished"]
+    assert (finished["trace_id"], finished["span_id"]) == (trace, request.span_id)
