@@ -405,6 +405,56 @@ def test_engines_start_only_after_their_weights_are_verified(tmp_path):
     )
 
 
+def test_tracing_goes_to_the_gateway_and_to_every_engine_the_chart_runs(tmp_path, monkeypatch):
+    """One collector endpoint in the values: the gateway gets the standard OTEL_* variables (and, as
+    rendered, builds its tracer from them), each engine exports its own spans there; without it, neither."""
+    from gateway.settings import Settings
+    from observability import tracing
+
+    values, _ = _engine_values(tmp_path)
+    values = {**values, **SINGLE}
+    off = render(values)
+    (gw_off,) = off[("Deployment", "omnigate")]["spec"]["template"]["spec"]["containers"]
+    assert not [e for e in gw_off["env"] if e["name"].startswith(("OTEL_", "OMNIGATE_TRACING"))]
+    (engine_off,) = off[("Deployment", "omnigate-omni-int4")]["spec"]["template"]["spec"]["containers"]
+    assert not [a for a in engine_off["args"] if a.startswith("--otlp")]
+
+    collector = "http://otel-collector.observability:4318"
+    on = render({**values, "tracing": {"otlpEndpoint": collector, "sampleRatio": 0.25}})
+    for (kind, _), obj in on.items():
+        if kind in CORE_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+    (gw,) = on[("Deployment", "omnigate")]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in gw["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == collector
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf" and env["OTEL_SERVICE_NAME"] == "omnigate"
+    assert "k8s.pod.name=$(OTEL_K8S_POD_NAME)" in env["OTEL_RESOURCE_ATTRIBUTES"]
+    names = [e["name"] for e in gw["env"]]  # a variable is expanded only from one listed before it
+    assert names.index("OTEL_K8S_POD_NAME") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+    (engine,) = on[("Deployment", "omnigate-omni-int4")]["spec"]["template"]["spec"]["containers"]
+    assert f"--otlp-traces-endpoint={collector}/v1/traces" in engine["args"]
+    assert {"name": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "value": "http/protobuf"} in engine["env"]
+    # As a pod runs it: the gateway's settings and the OTEL_* variables turn tracing on, sampled as set.
+    for name, value in env.items():
+        if name.startswith(("OTEL_", "OMNIGATE_TRACING")) and value is not None:
+            monkeypatch.setenv(name, value.replace("$(OTEL_K8S_POD_NAME)", "omnigate-0"))
+    engine_cfg = {"name": "e", "kind": "vllm", "base_url": "http://e:8000/v1", "model": "m", "serves": ["m"]}
+    settings = Settings(engines=[engine_cfg])
+    assert settings.tracing.sample_ratio == 0.25 and tracing.enabled(settings.tracing)
+    tracer = tracing.build(settings.tracing)
+    assert tracer is not None
+    try:
+        resource = tracer.provider.resource.attributes
+        assert resource["service.name"] == "omnigate" and resource["k8s.pod.name"] == "omnigate-0"
+    finally:
+        tracer.shutdown()
+    grpc = render(
+        {**values, "tracing": {"otlpEndpoint": "otel-collector.observability:4317", "protocol": "grpc"}}
+    )
+    (engine,) = grpc[("Deployment", "omnigate-omni-int4")]["spec"]["template"]["spec"]["containers"]
+    assert "--otlp-traces-endpoint=otel-collector.observability:4317" in engine["args"]
+
+
 def test_another_pin_rolls_the_engine(tmp_path):
     values, _ = _engine_values(tmp_path)
     before = render(values)[("Deployment", "omnigate-omni-int4")]
