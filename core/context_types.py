@@ -1,9 +1,10 @@
 """The types :mod:`core.context` is made of: the protocols of what a request holds and gives back once
-(:class:`Lease`, :class:`EngineSlot`, :class:`MediaBudget`), its trace (:class:`Trace`), the load it was admitted under (:class:`LoadSnapshot`), the entries of its record (:class:`PolicyRun`,
+(:class:`Lease`, :class:`EngineSlot`, :class:`MediaBudget`), its trace (:class:`Trace`), the load it was
+admitted under (:class:`LoadSnapshot`), the entries of its record (:class:`PolicyRun`, :class:`Scan`,
 :class:`MediaRecord`, :class:`Screening`) and a segmentation's plan (:class:`SegmentPlan`).
 
-Split from :mod:`core.context`, which re-exports every name here. Declarations only: nothing here runs
-while a request is served (a dataclass's methods are generated, not this module's code).
+Split from :mod:`core.context`, which re-exports every name here. Declarations, with two small readings
+of them: whether a load is above its soft limit, and a guard's scan as its receipt's JSON.
 """
 
 from __future__ import annotations
