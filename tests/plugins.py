@@ -246,6 +246,57 @@ class ServedGuard(PolicyBase):
         return request
 
 
+async def _served_score(url: str, text: str) -> float:
+    try:
+        async with httpx.AsyncClient(timeout=2) as client:
+            r = await client.post(url, json={"input": text})
+            r.raise_for_status()
+            return float(r.json()["score"])
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        raise GuardUnavailable("the served check's model is unavailable") from exc
+
+
+class _ServedHold:
+    """Holds the whole answer, then asks the served model about it (``finish``)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.held: list[Delta] = []
+
+    async def feed(self, delta):
+        self.held.append(delta)
+        return []
+
+    async def finish(self):
+        score = await _served_score(self.url, "".join(d.text for d in self.held))
+        return Accept(score=score)
+
+    def release(self):
+        out, self.held = self.held, []
+        return out
+
+
+class ServedCheck(PolicyBase):
+    """Post: the answer judged by a classifier served over HTTP (streamed: held back whole, then judged);
+    its model unreachable is a guard that cannot judge."""
+
+    name: ClassVar[str] = "served-check"
+    stage: ClassVar[str] = "post"
+    Config = ServedGuardConfig
+
+    def __init__(self, config: ServedGuardConfig) -> None:
+        self.config = config
+
+    def stream_mode(self, request, ctx):
+        return "hold"
+
+    def open_check(self, request, ctx):
+        return _ServedHold(self.config.url)
+
+    async def post(self, request, completion, ctx):
+        return Accept(score=await _served_score(self.config.url, completion.text))
+
+
 PLUGINS = {
     cls.name: cls
     for cls in (
@@ -259,5 +310,6 @@ PLUGINS = {
         FailStart,
         SplitText,
         ServedGuard,
+        ServedCheck,
     )
 }

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from core.context import RequestContext
 from core.errors import OmnigateError
 from core.schemas import ChatCompletionRequest
-from gateway.pipeline.unjudged import NOT_SCANNED, could_not_judge, unjudged
+from gateway.pipeline.unjudged import NOT_SCANNED, UNAVAILABLE, could_not_judge, unjudged
 from observability.audit.record import InputDigests
 from policies.base import Segmented
 from policies.registry import LoadedPolicy
@@ -63,8 +63,10 @@ async def run_pre(
             verdict = "rewrite"
     except Exception as exc:
         if could_not_judge(exc):
-            verdict, detail = "unavailable", None
-            unjudged(policy, ctx, exc)  # raises unless the request goes on unscreened by it
+            verdict, detail = UNAVAILABLE, None
+            refused = unjudged(policy, ctx, exc)
+            if refused is not None:
+                raise refused from exc
             verdict = NOT_SCANNED
         else:
             verdict, detail = "reject", exc.code if isinstance(exc, OmnigateError) else None

@@ -20,9 +20,9 @@ from core.errors import EngineError
 from core.events import Completion, Delta, Usage
 from core.schemas import ChatCompletionRequest
 from engines.selection.pool import EnginePool
+from gateway.pipeline import unjudged as judging
 from gateway.pipeline.accounting import Accounting
 from gateway.pipeline.attempt import Attempt
-from gateway.pipeline.unjudged import post_verdict
 from observability.metrics import Metrics
 from policies.base import Accept, Halt, Retry, StreamCheck, StreamFilter, StreamingPostPolicy, Verdict
 from policies.registry import LoadedPolicy
@@ -53,7 +53,7 @@ class Relay:
         accepted: list[Accept] = []
         for policy in post:
             t0 = time.perf_counter()
-            verdict = await post_verdict(policy, request, completion, ctx)
+            verdict = await judging.post_verdict(policy, request, completion, ctx)
             out = self.judged(policy, ctx, verdict, t0, accepted)
             if out is not None:
                 return out, accepted
@@ -63,7 +63,7 @@ class Relay:
         self, policy: LoadedPolicy, ctx: RequestContext, verdict: Verdict, t0: float, accepted: list[Accept]
     ) -> Verdict | None:
         """Record one post verdict; the verdict to act on, or None to go on with the next policy."""
-        name = type(verdict).__name__.lower()
+        name = judging.verdict_name(verdict)
         self._ran(
             policy,
             ctx,
@@ -112,17 +112,10 @@ class Relay:
                 continue
             t0 = time.perf_counter()
             if check is None:
-                verdict: Verdict = await post_verdict(policy, request, completion, ctx)
+                verdict: Verdict = await judging.post_verdict(policy, request, completion, ctx)
                 out = batch
             else:
-                out = []
-                try:
-                    for d in batch:
-                        out.extend(await check.feed(d))
-                except Halt as h:
-                    verdict = h.verdict
-                else:
-                    verdict = await check.finish()
+                verdict, out = await judging.check_verdict(policy, check, batch, ctx)
             acting = self.judged(policy, ctx, verdict, t0, accepted)
             if acting is None:
                 if check is not None:
@@ -231,7 +224,7 @@ class Relay:
             if check is None or check is _DEAD or not batch:
                 continue
             released: list[Delta] = []
-            for d in batch:
+            for j, d in enumerate(batch):
                 t0 = time.perf_counter()
                 try:
                     out = await check.feed(d)
@@ -251,6 +244,17 @@ class Relay:
                         raise
                     checks[i] = (policy, _DEAD)
                     released = batch
+                    break
+                except Exception as exc:
+                    if not judging.could_not_judge(exc):
+                        raise
+                    refused = judging.unjudged(policy, ctx, exc)
+                    verdict = judging.UNAVAILABLE if refused else judging.NOT_SCANNED
+                    self._ran(policy, ctx, verdict, time.perf_counter() - t0, None)
+                    if refused is not None:
+                        raise refused from exc
+                    checks[i] = (policy, _DEAD)  # failing open: it is fed no more
+                    released += check.release() + batch[j:]
                     break
                 released.extend([d] if policy.shadow else out)
             batch = released

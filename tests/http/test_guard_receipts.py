@@ -211,3 +211,37 @@ def test_fail_open_serves_and_says_it_was_not_scanned(bg, engine, tmp_path):
         assert none == []
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("on_error", ["fail_closed", "fail_open"])
+def test_a_post_check_whose_model_is_down_follows_its_on_error(bg, engine, tmp_path, stream, on_error):
+    """The answer's check (held back whole when streamed) cannot reach its model: refused before any of
+    the answer goes out (closed), or served with the receipt saying it was not scanned (open)."""
+    down = f"http://127.0.0.1:{free_port()}/classify"
+    settings = Settings(
+        engines=[EngineConfig(name="e", kind="vllm", base_url=engine.base_url, model="m", serves=["m"])],
+        policies=PolicyChainConfig(
+            pre=[], post=[PolicySpec(name="served-check", on_error=on_error, config={"url": down})]
+        ),
+        logging={"level": "warning"},
+        routing={"controller": {"enabled": False}},
+        auth={"required": False},
+        admin={"api_key": ADMIN},
+        audit={"sqlite_path": str(tmp_path / "audit.db")},
+    )
+    plugins = {**available_plugins(), **PLUGINS}
+    server = GatewayServer(bg, settings, CollectorRegistry(), plugins=plugins).start()
+    body = {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        receipt = _receipts(_record(server, r.headers["x-request-id"]))["served-check"]
+    finally:
+        server.stop()
+    if on_error == "fail_closed":
+        assert r.status_code == 503 and r.json()["error"]["code"] == "guard_unavailable"
+        assert receipt["verdict"] == "unavailable"
+    else:
+        assert r.status_code == 200 and "pictures" in r.text  # the answer, whole or in pieces
+        assert receipt["verdict"] == "not_scanned"
+    assert receipt["complete"] is False and receipt["saw"]["on_error"] == on_error
