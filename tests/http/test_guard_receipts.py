@@ -12,6 +12,7 @@ the search say it was not scanned.
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -21,7 +22,7 @@ from gateway.settings import Settings
 from policies.registry import available_plugins
 from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import GatewayServer, free_port, wait_until
-from tests.media import data_uri, plain_image, png, speech
+from tests.media import data_uri, plain_image, png, speech, video
 from tests.plugins import PLUGINS
 from tests.upstream import Script, ScriptedUpstream
 
@@ -77,7 +78,8 @@ def _gateway(bg, engine, tmp_path, guard_url: str, on_error: str = "fail_closed"
                 base_url=engine.base_url,
                 model="m",
                 serves=["m"],
-                input_modalities=["text", "image", "audio"],
+                input_modalities=["text", "image", "audio", "video"],
+                video_input="video",
             )
         ],
         policies=PolicyChainConfig(pre=pre),
@@ -245,3 +247,23 @@ def test_a_post_check_whose_model_is_down_follows_its_on_error(bg, engine, tmp_p
         assert r.status_code == 200 and "pictures" in r.text  # the answer, whole or in pieces
         assert receipt["verdict"] == "not_scanned"
     assert receipt["complete"] is False and receipt["saw"]["on_error"] == on_error
+
+
+def test_a_videos_receipt_says_how_many_of_its_frames_were_scored(bg, engine, guard_model, tmp_path):
+    server = _gateway(bg, engine, tmp_path, guard_model)
+    clip = video(20.0, fps=4, frame_fn=lambda i: np.full((240, 320, 3), (40, 60, 200), np.uint8))
+    part = {"type": "video_url", "video_url": {"url": data_uri("video/mp4", clip)}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, part]}],
+    }
+    try:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        receipts = _receipts(_record(server, r.headers["x-request-id"]))
+    finally:
+        server.stop()
+    (seen,) = receipts["nsfw-screen"]["saw"]["parts"]
+    # media-limits forwards 40 frames (2 a second over 20 s); the screen scores 16 of them
+    # (max_video_frames), and the engine gets the video cut to those
+    assert (seen["kind"], seen["frames"], seen["of"]) == ("video", 16, 40)
