@@ -1,7 +1,8 @@
-"""An OTLP/HTTP trace receiver for tests: what a collector would get, decoded from its protobuf.
+"""OTLP trace receivers for tests: what a collector would get, decoded from its protobuf.
 
-``POST /v1/traces`` takes an ``ExportTraceServiceRequest`` (gzip or not) as the OTLP exporters send it
-and keeps every span, flattened to a :class:`Span` with hex ids and plain attribute values.
+:class:`Receiver`: ``POST /v1/traces`` takes an ``ExportTraceServiceRequest`` (gzip or not) as the OTLP/HTTP
+exporters send it; :class:`GrpcReceiver` the same over OTLP/gRPC. Each keeps every span, flattened to a
+:class:`Span` with hex ids and plain attribute values.
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ class Receiver:
         body = await request.read()
         if request.headers.get("Content-Encoding") == "gzip":
             body = gzip.decompress(body)
-        export = ExportTraceServiceRequest.FromString(body)
+        self.keep(ExportTraceServiceRequest.FromString(body))
+        return web.Response(
+            body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf"
+        )
+
+    def keep(self, export: ExportTraceServiceRequest) -> None:
         for rs in export.resource_spans:
             resource = _attrs(rs.resource.attributes)
             for ss in rs.scope_spans:
@@ -82,9 +88,6 @@ class Receiver:
                             links=[(ln.trace_id.hex(), ln.span_id.hex()) for ln in s.links],
                         )
                     )
-        return web.Response(
-            body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf"
-        )
 
     async def start(self) -> Receiver:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -104,3 +107,38 @@ class Receiver:
 
     def of_trace(self, trace_id: str) -> list[Span]:
         return [s for s in self.spans if s.trace_id == trace_id]
+
+
+class GrpcReceiver(Receiver):
+    """The same, over OTLP/gRPC (``TraceService/Export``); ``endpoint`` is what an exporter is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._server: Any = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"  # http: the exporter connects without TLS
+
+    async def start(self) -> GrpcReceiver:
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        receiver = self
+
+        class _Service(trace_service_pb2_grpc.TraceServiceServicer):
+            async def Export(
+                self, request: ExportTraceServiceRequest, context: Any
+            ) -> ExportTraceServiceResponse:
+                receiver.keep(request)
+                return ExportTraceServiceResponse()
+
+        self._server = grpc.aio.server()
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Service(), self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(None)

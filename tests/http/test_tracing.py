@@ -21,7 +21,7 @@ from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
 from tests.harness import GatewayServer, ServeProcess, wait_until
 from tests.media import data_uri, plain_image, png
-from tests.otlp import Receiver, Span
+from tests.otlp import GrpcReceiver, Receiver, Span
 from tests.upstream import Script, ScriptedUpstream
 
 pytestmark = pytest.mark.timeout(90)
@@ -277,3 +277,15 @@ def test_omnigate_serve_set_up_by_the_otel_variables_logs_each_requests_trace(
     lines = [json.loads(ln) for ln in proc.log_path.read_text().splitlines() if ln.startswith("{")]
     (finished,) = [ln for ln in lines if ln.get("event") == "request_finished"]
     assert (finished["trace_id"], finished["span_id"]) == (trace, request.span_id)
+
+
+def test_otlp_over_grpc(bg, serve):
+    grpc_receiver = bg.run(GrpcReceiver().start())
+    try:
+        server = serve(enabled="on", endpoint=grpc_receiver.endpoint, protocol="grpc")
+        trace = "abf92f3577b34da6a3ce929d0e0e4741"
+        _stream(server, {"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"})
+        spans = _wait_for(grpc_receiver, trace, "POST /v1/chat/completions")
+    finally:
+        bg.run(grpc_receiver.stop())
+    assert {"admission", "chat m", "audit commit"} <= {s.name for s in spans}
