@@ -81,6 +81,7 @@ class AudioScreen(PolicyBase):
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         scan = ctx.outputs.scan(self.name)  # the receipt: which model heard what, and how long
         scan.model = "whisper-tiny.en"
+        scan.model_digest = self._stt.digest if self._stt is not None else None
         audio = [r for r in media_parts(request) if r.kind == "audio"]
         for ref in audio:
             if ref.is_remote:  # not fetched: the engine would hear what this screen did not

