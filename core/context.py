@@ -131,6 +131,8 @@ class Record:
     #: who counted the answer's tokens: None, the engine (its usage); "gateway", an answer cut before the
     #: engine's usage came (the client left, the engine failed mid-stream), counted from what was relayed
     usage_counted_by: str | None = None
+    #: why the served answer ended (``stop``, ``length``, ``tool_calls``...), as the engine said
+    finish_reason: str | None = None
     #: estimated GPU energy of the answer (engines/rollout/energy.py), None without power telemetry for its engine
     energy_joules: float | None = None
 

@@ -173,7 +173,7 @@ class RequestTrace:
             "omnigate.usage.output_tokens": record["completion_tokens"],
             "omnigate.stream": record["stream"],
         }
-        for key in ("engine", "variant", "tenant", "error_code"):
+        for key in ("engine", "variant", "tenant", "error_code", "finish_reason"):
             if record.get(key) is not None:
                 attrs[f"omnigate.{key}"] = record[key]
         if record.get("audio_seconds"):
@@ -190,6 +190,8 @@ class RequestTrace:
                 attrs[gen_ai.GEN_AI_RESPONSE_MODEL] = model
             attrs[gen_ai.GEN_AI_USAGE_INPUT_TOKENS] = record["prompt_tokens"]
             attrs[gen_ai.GEN_AI_USAGE_OUTPUT_TOKENS] = record["completion_tokens"]
+            if record.get("finish_reason"):
+                attrs[gen_ai.GEN_AI_RESPONSE_FINISH_REASONS] = [record["finish_reason"]]
             if record.get("ttft_s") is not None:
                 attrs[gen_ai.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = record["ttft_s"]
         span.set_attributes(attrs)

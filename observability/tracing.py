@@ -19,7 +19,7 @@ A request's trace (:class:`RequestTrace`):
 
 Attributes: ``omnigate.*`` names always; OpenTelemetry's GenAI names (``gen_ai.operation.name``,
 ``gen_ai.request.model``, ``gen_ai.response.model``, ``gen_ai.usage.input_tokens``/``output_tokens``,
-``gen_ai.response.time_to_first_chunk``, ``gen_ai.request.stream``,
+``gen_ai.response.finish_reasons``, ``gen_ai.response.time_to_first_chunk``, ``gen_ai.request.stream``,
 ``gen_ai.provider.name``) only when ``OTEL_SEMCONV_STABILITY_OPT_IN`` names ``gen_ai_latest_experimental``:
 those conventions are still in development (docs/observability.md lists every name).
 """

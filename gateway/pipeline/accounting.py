@@ -110,6 +110,7 @@ class Accounting:
 
     def account(self, ctx: RequestContext, completion: Completion) -> None:
         """The served answer's usage, speech seconds, energy; the sentinel may sample its audio."""
+        ctx.record.finish_reason = completion.finish_reason
         ctx.record.prompt_tokens = completion.usage.prompt_tokens
         ctx.record.completion_tokens = completion.usage.completion_tokens
         if completion.audio and completion.sample_rate:

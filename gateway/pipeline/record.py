@@ -82,6 +82,8 @@ class Finished:
     audit: RequestSnapshot | None
     #: the request's trace when it is sampled: the latency histograms' exemplars link to it
     trace_id: str | None = None
+    #: why the served answer ended, as the engine said (None: no answer)
+    finish_reason: str | None = None
 
     @classmethod
     def of(cls, ctx: RequestContext, client_left: bool, audited: bool) -> Finished:
@@ -119,6 +121,7 @@ class Finished:
             if audited
             else None,
             trace_id=ctx.trace.trace_id if ctx.trace is not None and ctx.trace.sampled else None,
+            finish_reason=r.finish_reason,
         )
 
     @property
@@ -145,7 +148,7 @@ class Finished:
 
 _TRACED = (
     "model", "stream", "engine", "variant", "tenant", "outcome", "status", "error_code", "attempts",
-    "retries", "ttft_s", "prompt_tokens", "completion_tokens", "audio_seconds",
+    "retries", "ttft_s", "prompt_tokens", "completion_tokens", "audio_seconds", "finish_reason",
 )  # fmt: skip
 
 

@@ -196,6 +196,14 @@ class _Check:
 
     # -- verdict helpers --------------------------------------------------
     def _notes(self, j: Judgement, verdict: str) -> dict[str, Any]:
+        # The receipt: the evidence it judged against (messages, characters), the claims of the answer, the scorer.
+        scan = self.ctx.outputs.scan(self.policy.name)
+        scan.model, scan.threshold = self.policy.scorer_kind, self.cfg.threshold
+        roles = set(self.cfg.evidence_roles)
+        evidence = [(i, m.text()) for i, m in enumerate(self.request.messages) if m.role in roles]
+        scan.messages = [i for i, t in evidence if t.strip()]
+        scan.chars = sum(len(t) for _, t in evidence)
+        scan.parts = [{"part": "answer", "kind": "text", "claims": len(j.claims), "score": round(j.score, 4)}]
         weakest = j.weakest
         return {
             "grounding": {

@@ -136,6 +136,7 @@ def test_hold_mode_retries_and_releases_only_the_supported_answer(serve, upstrea
     assert got["notes"]["grounding"]["verdict"] == "pass"
     assert got["notes"]["grounding"]["attempt"] == 2
     assert "x-omnigate-grounding" not in raw.headers
+    assert "grounding=accept" in raw.headers["x-omnigate-guards"]  # its last verdict, before the release
     # The retry was adjusted: colder, with the grounding instruction first.
     first, second = upstreams.vllm.requests
     assert first["temperature"] == 0.9 and second["temperature"] == 0.0

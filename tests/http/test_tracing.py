@@ -126,6 +126,7 @@ def test_a_streamed_request_is_one_trace_from_the_client_into_the_engine(serve, 
     assert attrs["gen_ai.request.stream"] is True and attrs["gen_ai.response.time_to_first_chunk"] > 0
     assert attrs["omnigate.outcome"] == "served" and attrs["omnigate.engine"] == "good"
     assert attrs["omnigate.attempts"] == 2 and attrs["http.response.status_code"] == 200
+    assert attrs["gen_ai.response.finish_reasons"] == ["stop"] and attrs["omnigate.finish_reason"] == "stop"
 
     children = [s for s in spans if s.parent_span_id == request.span_id]
     names = sorted(s.name for s in children)

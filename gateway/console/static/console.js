@@ -332,7 +332,8 @@ function receipt(x) {
   for (const part of saw.parts || []) {
     const what = part.kind === "image" ? `${part.width}x${part.height} px`
       : part.kind === "video" ? `${part.frames} of ${part.of} frames`
-      : part.kind === "audio" ? `${part.ms} ms in ${part.segments} segments` : "";
+      : part.kind === "audio" ? `${part.ms} ms in ${part.segments} segments`
+      : part.kind === "text" ? `${part.claims} claims` : "";
     said.push(`${part.kind} ${part.part}: ${what}`);
   }
   for (const miss of saw.missed || []) said.push(`NOT SCANNED ${miss.part}: ${miss.why}`);
