@@ -188,3 +188,20 @@ async def eventually(predicate: Callable[[], Awaitable[bool] | bool], timeout: f
             return True
         await asyncio.sleep(0.01)
     return False
+
+
+def audit_payload(url: str, admin_key: str, request_id: str, timeout: float = 10) -> dict[str, Any]:
+    """The payload of a request's audit record, through the admin API, once it is written."""
+    headers = {"authorization": f"Bearer {admin_key}"}
+    found: list[dict[str, Any]] = []
+
+    def written() -> bool:
+        got = httpx.get(url + "/admin/audit/records", params={"request_id": request_id}, headers=headers)
+        found[:] = got.json()["records"]
+        return bool(found)
+
+    assert wait_until(written, timeout=timeout), f"no audit record of {request_id}"
+    r = httpx.get(url + f"/admin/audit/records/{found[0]['seq']}", headers=headers)
+    assert r.status_code == 200, r.text
+    payload: dict[str, Any] = r.json()["data"]["payload"]
+    return payload

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
-from tests.harness import GatewayServer, wait_until
+from tests.harness import GatewayServer, audit_payload
 from tests.upstream import Script, ScriptedUpstream
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,17 +66,7 @@ def test_a_client_that_leaves_mid_answer_still_leaves_its_usage(server):
                 events += 1
             if events >= 4:
                 break  # the client hangs up mid-answer
-    headers = {"authorization": f"Bearer {ADMIN}"}
-    found: list[dict] = []
-
-    def written() -> bool:
-        got = httpx.get(server.url + "/admin/audit/records", params={"request_id": rid}, headers=headers)
-        found[:] = got.json()["records"]
-        return bool(found)
-
-    assert wait_until(written, timeout=10)
-    record = httpx.get(server.url + f"/admin/audit/records/{found[0]['seq']}", headers=headers).json()
-    payload = record["data"]["payload"]
+    payload = audit_payload(server.url, ADMIN, rid)
     assert payload["outcome"] == "cancelled"
     usage = payload["usage"]
     assert usage["completion_tokens"] >= 2, usage

@@ -21,7 +21,7 @@ from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
 from policies.registry import available_plugins
 from policies.settings import PolicyChainConfig, PolicySpec
-from tests.harness import GatewayServer, free_port, wait_until
+from tests.harness import GatewayServer, audit_payload, free_port
 from tests.media import data_uri, plain_image, png, speech, video
 from tests.plugins import PLUGINS
 from tests.upstream import Script, ScriptedUpstream
@@ -117,18 +117,7 @@ def _b64(data: bytes) -> str:
 
 
 def _record(server: GatewayServer, rid: str) -> dict:
-    headers = {"authorization": f"Bearer {ADMIN}"}
-    found: list[dict] = []
-
-    def written() -> bool:
-        r = httpx.get(server.url + "/admin/audit/records", params={"request_id": rid}, headers=headers)
-        found[:] = r.json()["records"]
-        return bool(found)
-
-    assert wait_until(written, timeout=10)
-    r = httpx.get(server.url + f"/admin/audit/records/{found[0]['seq']}", headers=headers)
-    assert r.status_code == 200
-    return r.json()["data"]["payload"]
+    return audit_payload(server.url, ADMIN, rid)
 
 
 def _receipts(payload: dict) -> dict[str, dict]:
