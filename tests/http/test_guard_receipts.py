@@ -24,6 +24,7 @@ from policies.settings import PolicyChainConfig, PolicySpec
 from tests.harness import GatewayServer, audit_payload, free_port
 from tests.media import data_uri, plain_image, png, speech, video
 from tests.plugins import PLUGINS
+from tests.stores import fresh_pg_database
 from tests.upstream import Script, ScriptedUpstream
 
 pytestmark = pytest.mark.timeout(180)
@@ -61,7 +62,9 @@ def guard_model(bg):
     bg.run(runner.cleanup())
 
 
-def _gateway(bg, engine, tmp_path, guard_url: str, on_error: str = "fail_closed") -> GatewayServer:
+def _gateway(
+    bg, engine, tmp_path, guard_url: str, on_error: str = "fail_closed", audit: dict | None = None
+) -> GatewayServer:
     pre = [
         PolicySpec(name=n)
         for n in ("load-shedding", "request-limits", "media-fetch", "media-limits", "nsfw-screen")
@@ -87,7 +90,7 @@ def _gateway(bg, engine, tmp_path, guard_url: str, on_error: str = "fail_closed"
         routing={"controller": {"enabled": False}},
         auth={"required": False},
         admin={"api_key": ADMIN},
-        audit={"sqlite_path": str(tmp_path / "audit.db")},
+        audit=audit or {"sqlite_path": str(tmp_path / "audit.db")},
     )
     return GatewayServer(
         bg, settings, CollectorRegistry(), plugins={**available_plugins(), **PLUGINS}
@@ -179,9 +182,20 @@ def test_a_guard_whose_model_is_down_fails_closed(bg, engine, tmp_path):
     assert receipt["saw"]["on_error"] == "fail_closed"
 
 
-def test_fail_open_serves_and_says_it_was_not_scanned(bg, engine, tmp_path):
+@pytest.fixture(params=["sqlite", "postgres"])
+def audit_store(request, tmp_path):
+    """The two audit stores each search receipts in their own SQL (JSON functions of SQLite, jsonb of
+    PostgreSQL)."""
+    if request.param == "sqlite":
+        yield {"sqlite_path": str(tmp_path / "audit.db")}
+        return
+    with fresh_pg_database() as dsn:
+        yield {"store": "postgres", "postgres_dsn": dsn}
+
+
+def test_fail_open_serves_and_says_it_was_not_scanned(bg, engine, tmp_path, audit_store):
     down = f"http://127.0.0.1:{free_port()}/classify"
-    server = _gateway(bg, engine, tmp_path, down, on_error="fail_open")
+    server = _gateway(bg, engine, tmp_path, down, on_error="fail_open", audit=audit_store)
     headers = {"authorization": f"Bearer {ADMIN}"}
     try:
         r = httpx.post(server.url + "/v1/chat/completions", json=_body(), timeout=60)
