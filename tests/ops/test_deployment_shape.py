@@ -35,6 +35,7 @@ from tests.harness import free_port, omnigate_command, wait_until
 from tests.media import data_uri, plain_image, png, png_bomb
 from tests.ops.catalogue import CHART
 from tests.ops.test_helm_chart import render
+from tests.otlp import Receiver
 from tests.stores import fresh_pg_database, redis_prefix
 from tests.upstream import Script, ScriptedUpstream
 
@@ -213,13 +214,30 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def chart(tmp_path_factory, omni) -> Iterator[Fleet]:
-    """The chart rendered with two replicas, both pods started. The chain test, last, kills one."""
+def collector(bg) -> Iterator[Receiver]:
+    """The OTLP/HTTP collector the chart's ``tracing.otlpEndpoint`` points at."""
+    r = bg.run(Receiver().start())
+    yield r
+    bg.run(r.stop())
+
+
+@pytest.fixture(scope="module")
+def chart(tmp_path_factory, omni, collector) -> Iterator[Fleet]:
+    """The chart rendered with two replicas and tracing on, both pods started. The chain test, last, kills
+    one."""
     tmp_path = tmp_path_factory.mktemp("chart")
     # A small cap for the INT4 engine, set as a user would: the chart's engines, that entry changed.
     engines = yaml.safe_load((CHART / "values.yaml").read_text())["config"]["engines"]
     engines = [{**e, "max_in_flight": ENGINE_CAP} if e["name"] == "omni-int4" else e for e in engines]
-    objects = render({"autoscaling": {"enabled": False}, "replicaCount": 2, "config": {"engines": engines}})
+    tracing = {"otlpEndpoint": collector.url.removesuffix("/v1/traces")}
+    objects = render(
+        {
+            "autoscaling": {"enabled": False},
+            "replicaCount": 2,
+            "config": {"engines": engines},
+            "tracing": tracing,
+        }
+    )
     dep = objects[("Deployment", "omnigate")]
     assert dep["spec"]["replicas"] == 2
     (container,) = dep["spec"]["template"]["spec"]["containers"]
@@ -303,6 +321,41 @@ def _verify(shape: Shape, signing_key: str, expect: list[Path]) -> subprocess.Co
     for path in expect:
         args += ["--expect-file", str(path)]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_each_pod_exports_its_spans_and_joins_the_client_s_trace_to_the_engine(chart, omni, collector):
+    """The chart's tracing values, as its pods run them: each pod continues the client's trace, exports its
+    spans to the collector under the chart's service name and its own pod name, and hands the trace to
+    the engine in the attempt's ``traceparent``."""
+    for pod in chart.pods:
+        trace = secrets.token_hex(16)
+        for u in omni.values():
+            u.headers.clear()
+        body = {"model": PUBLIC_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        r = httpx.post(
+            pod.url + "/v1/chat/completions",
+            json=body,
+            headers={
+                "authorization": f"Bearer {chart.key}",
+                "traceparent": f"00-{trace}-{secrets.token_hex(8)}-01",
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        # the batch processor exports within its schedule delay (OTEL_BSP_SCHEDULE_DELAY, 5 s by default)
+        assert wait_until(
+            lambda t=trace: any(s.name.startswith("chat ") for s in collector.of_trace(t)),
+            timeout=20,
+            interval=0.2,
+        ), pod.name
+        spans = collector.of_trace(trace)
+        names = {s.name for s in spans}
+        assert {"admission", "audit commit"} <= names and any(n.startswith("chat ") for n in names), names
+        assert {s.resource.get("k8s.pod.name") for s in spans} == {pod.name}
+        assert {s.resource.get("service.name") for s in spans} == {"omnigate"}
+        attempt = next(s for s in spans if s.name.startswith("chat "))
+        sent = [h["traceparent"] for u in omni.values() for h in u.headers if "traceparent" in h]
+        assert sent == [f"00-{trace}-{attempt.span_id}-01"], sent
 
 
 def test_a_pin_on_one_pod_holds_on_the_other(chart, omni):
