@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from core.settings import Name
 
@@ -52,6 +52,52 @@ class PolicyChainConfig(_Strict):
     )
 
 
+ServedEndpoint = Literal["score", "rerank", "classify", "tei-rerank", "tei-predict"]
+
+
+class ServedModelSettings(_Strict):
+    """A guard model served by an engine (vLLM ``--runner pooling``, or TEI), called over HTTP, batched.
+
+    The address and the model come from here only: nothing of a request reaches the call but its text.
+    """
+
+    url: Annotated[str, Field(pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")] = Field(
+        description="the engine's base URL (http://host:port, without /v1): the endpoint's path is added"
+    )
+    model: str = Field(description="the model name the engine serves (vllm serve --served-model-name)")
+    endpoint: ServedEndpoint = Field(
+        default="score",
+        description="score (vLLM /score, one-label cross-encoder), rerank (vLLM /rerank), classify (vLLM "
+        "/classify), tei-rerank (TEI /rerank), tei-predict (TEI /predict)",
+    )
+    labels: list[str] | None = Field(
+        default=None,
+        description="classify: the model's labels in index order (its id2label); unset: named by index",
+    )
+    api_key: SecretStr | None = Field(default=None, description="sent as a bearer token, when set")
+    max_batch: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=32, description="inputs of concurrent requests sent in one engine call, at most"
+    )
+    max_wait_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = Field(
+        default=5.0, description="how long the first input of a batch waits for company"
+    )
+    timeout_s: Annotated[float, Field(gt=0.0, le=120.0)] = Field(
+        default=2.0,
+        description="the deadline of one judgement, batching wait included; past it the guard cannot judge "
+        "(the policy's on_error applies)",
+    )
+    max_inflight: Annotated[int, Field(ge=1, le=256)] = Field(
+        default=4, description="engine calls in flight at once (more batches wait for a slot)"
+    )
+    max_connections: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=8, description="the connection pool's size"
+    )
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = Field(
+        default=None,
+        description="vLLM: cut each input to this many tokens (-1: the model's length) instead of refusing it",
+    )
+
+
 class GroundingSettings(_Strict):
     """The grounding scorer (policy ``grounding``), built and loaded once at start-up when a policy uses it."""
 
@@ -82,6 +128,29 @@ class GroundingSettings(_Strict):
     premise_chunk_chars: Annotated[int, Field(ge=200, le=20000)] = Field(
         default=1200, description="the premise is cut into sentence-aligned chunks of this size"
     )
+    scorer: Literal["local", "served"] = Field(
+        default="local",
+        description="local: the model runs in the gateway (model, or the fallback); served: an engine "
+        "serves it (served)",
+    )
+    served: ServedModelSettings | None = Field(
+        default=None,
+        description="scorer served: the NLI model's engine (endpoint score, rerank or tei-rerank for a "
+        "one-label cross-encoder; classify for a model with an entailment label)",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="scorer served, endpoint classify: the model's tokenizer (a local folder or a name in "
+        "the model cache): vLLM classifies premise-claim pairs only as token ids",
+    )
+
+    @model_validator(mode="after")
+    def _served_named(self) -> GroundingSettings:
+        if self.scorer == "served" and self.served is None:
+            raise ValueError("grounding.served: scorer served needs the served model (url, model, endpoint)")
+        if self.scorer == "served" and self.served is not None and self.served.endpoint == "tei-predict":
+            raise ValueError("grounding.served.endpoint: tei-predict takes single texts, not premise-claim pairs")
+        return self
 
 
 class MediaSettings(_Strict):
