@@ -48,8 +48,21 @@ from policies.grounding.claims import (
     numbers_in,
     words_in,
 )
+from policies.grounding.judgement import ClaimLabel, ClaimScore, Judgement
 from policies.registry import Extra
 from policies.settings import GroundingSettings
+
+__all__ = [
+    "GUARDS",
+    "ClaimLabel",
+    "ClaimScore",
+    "CrossEncoderScorer",
+    "FallbackScorer",
+    "Judgement",
+    "Scorer",
+    "ScorerLoadError",
+    "build_scorer",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -74,32 +87,6 @@ def _sentence_transformers() -> Any:
     import sentence_transformers
 
     return sentence_transformers
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimScore:
-    claim: str
-    score: float
-    reason: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Judgement:
-    """A scored answer (or part of one): the minimum over its claims, and each claim's score."""
-
-    score: float
-    claims: tuple[ClaimScore, ...]
-
-    @classmethod
-    def of(cls, claims: Sequence[ClaimScore]) -> Judgement:
-        return cls(min((c.score for c in claims), default=1.0), tuple(claims))
-
-    @property
-    def weakest(self) -> ClaimScore | None:
-        return min(self.claims, key=lambda c: c.score) if self.claims else None
-
-    def merge(self, other: Judgement) -> Judgement:
-        return Judgement.of(self.claims + other.claims)
 
 
 @runtime_checkable
