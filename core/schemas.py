@@ -273,3 +273,44 @@ class ChatCompletionRequest(BaseModel):
             for p in m.parts():
                 found.add(PART_MODALITY[p.type])
         return found
+
+
+# -- the audio endpoints' requests (gateway/api/audio.py): each is served as the chat completion it stands for
+
+#: the longest text ``/v1/audio/speech`` reads aloud, in characters (OpenAI's own limit)
+MAX_SPEECH_INPUT = 4096
+#: what ``/v1/audio/speech`` can answer in (``aac`` through PyAV, the rest as chat's spoken answers are encoded)
+SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+
+
+class SpeechRequest(BaseModel):
+    """``POST /v1/audio/speech`` as OpenAI defines it: text to read aloud, in a voice and a format."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    input: Annotated[str, Field(min_length=1, max_length=MAX_SPEECH_INPUT)]
+    voice: Annotated[str, Field(min_length=1, max_length=64)]
+    #: OpenAI's default
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: Annotated[float, Field(ge=0.25, le=4.0)] = 1.0
+    #: how to read it (tone, pace); given to the model beside the text, never read aloud
+    instructions: Annotated[str, Field(max_length=MAX_SPEECH_INPUT)] | None = None
+    #: ``audio`` only: the whole file is the answer (``sse`` is refused with a 400 naming the field)
+    stream_format: Literal["audio", "sse"] | None = None
+
+
+class TranscriptionRequest(BaseModel):
+    """The form fields of ``POST /v1/audio/transcriptions`` but the file (OpenAI's names and bounds)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    #: the audio's language, ISO-639-1 (``en``) or a BCP 47 tag; a hint to the model
+    language: Annotated[str, Field(pattern=r"^[A-Za-z]{2,3}(-[A-Za-z0-9]{1,8}){0,2}$")] | None = None
+    #: words or a style the transcript should follow (names, spelling); a hint, screened like any text
+    prompt: Annotated[str, Field(max_length=MAX_SPEECH_INPUT)] | None = None
+    response_format: Literal["json", "text", "verbose_json", "srt", "vtt"] = "json"
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    #: only ``false``: the transcript is one answer
+    stream: bool | None = None

@@ -1,0 +1,333 @@
+"""``POST /v1/audio/transcriptions`` and ``POST /v1/audio/speech``: parse, call the pipeline, render.
+
+Both are plain ASGI routes like chat's (gateway/api/chat.py): authentication, the request's exit stack
+(``Pipeline.lifetime``) around the body read and the response, admission before the body. A
+transcription's ``multipart/form-data`` body is read a chunk at a time with one size cap (a
+``Content-Length`` over it is a 413 before any byte is read), its file spooled as a chat body's
+media is (gateway/api/audio_form.py); what the request holds, the spool file included, is given
+back however it ends. Each is then served as the chat completion it stands for
+(gateway/pipeline/audio.py) and the answer rendered in the endpoint's own shape
+(gateway/api/audio_render.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+from pathlib import PurePath
+from typing import Any, TypeVar
+
+import orjson
+import structlog
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from core.context import RequestContext
+from core.errors import (
+    ClientClosedRequest,
+    InvalidRequest,
+    OmnigateError,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnknownField,
+)
+from core.schemas import SpeechRequest, TranscriptionRequest
+from core.spooled import SpooledMedia
+from gateway.api.audio_form import FILE_FIELD, FormReader, Upload, boundary_of
+from gateway.api.audio_render import MEDIA_TYPES, encode_speech, transcript_body
+from gateway.api.auth import authenticate
+from gateway.api.chat import JSONAnswer, _unless_client_leaves
+from gateway.api.validation import validation_to_error
+from gateway.auth_failures import TooManyAuthFailures
+from gateway.fields import DROPPED_HEADER, dropped_header
+from gateway.pipeline.audio import input_seconds, serve_audio, speech_chat, spoken, transcription_chat
+from gateway.pipeline.complete import CompletionResult
+from gateway.render import response_headers
+from gateway.services import Services
+from gateway.tenants import KeyRefused
+
+log = structlog.get_logger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+TRANSCRIPTIONS = "/v1/audio/transcriptions"
+SPEECH = "/v1/audio/speech"
+#: the largest speech request body: its text and instructions at four UTF-8 bytes a character, and room
+MAX_SPEECH_BODY = 64 * 1024
+
+#: OpenAI form fields this gateway cannot honour, and why (a 400 naming the field, never ignored)
+UNSERVED_FIELDS = {
+    "timestamp_granularities": "word and segment timestamps are not available from these engines",
+    "timestamp_granularities[]": "word and segment timestamps are not available from these engines",
+    "include": "log probabilities of a transcript are not available from these engines",
+    "include[]": "log probabilities of a transcript are not available from these engines",
+    "chunking_strategy": "the audio is cut by the gateway's media limits, not by the client",
+    "known_speaker_names[]": "speaker labels are not available from these engines",
+    "known_speaker_references[]": "speaker labels are not available from these engines",
+}
+#: a file's extension (or media type's subtype) as ``input_audio.format`` names it
+_FORMATS = {
+    "wav": "wav",
+    "wave": "wav",
+    "x-wav": "wav",
+    "mp3": "mp3",
+    "mpeg": "mp3",
+    "mpga": "mp3",
+    "flac": "flac",
+    "x-flac": "flac",
+    "ogg": "ogg",
+    "oga": "ogg",
+    "opus": "opus",
+    "m4a": "m4a",
+    "mp4": "mp4",
+    "x-m4a": "m4a",
+    "aac": "aac",
+    "webm": "webm",
+}
+#: the first bytes of each container, for a file whose name and type say nothing
+_MAGIC = (
+    (b"RIFF", "wav"),
+    (b"fLaC", "flac"),
+    (b"OggS", "ogg"),
+    (b"ID3", "mp3"),
+    (b"\x1a\x45\xdf\xa3", "webm"),
+)
+
+
+class _AudioRoute:
+    """The prologue both routes share (a class: Starlette serves a class as ASGI)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive, send)
+        services: Services = request.app.state.services
+        ctx = RequestContext.new(
+            request.scope["state"]["request_id"],
+            client_request_id=request.scope["state"].get("client_request_id"),
+            requested_priority=request.headers.get(services.settings.traffic.priority_header),
+        )
+        with services.pipeline.traced(ctx, request.headers):
+            try:
+                await authenticate(request, ctx)
+            except (KeyRefused, TooManyAuthFailures):
+                raise  # counted and audited in aggregate (gateway/auth_failures.py), as for chat
+            except OmnigateError as exc:
+                await services.pipeline.refused(ctx, exc)
+                raise
+            async with services.pipeline.lifetime(ctx) as stack:
+                await services.pipeline.admit(ctx)  # before the body: a refused request costs no read
+                response = await self.respond(request, ctx, services, stack)
+                await response(scope, receive, send)
+
+    async def respond(
+        self, request: Request, ctx: RequestContext, services: Services, stack: contextlib.AsyncExitStack
+    ) -> Response:
+        raise NotImplementedError
+
+
+class Transcriptions(_AudioRoute):
+    async def respond(
+        self, request: Request, ctx: RequestContext, services: Services, stack: contextlib.AsyncExitStack
+    ) -> Response:
+        server = services.settings.server
+        budget = None
+        if services.media is not None:
+            budget = ctx.media_budget = services.media.request_budget()
+        reader = FormReader(boundary_of(request.headers.get("content-type")), budget)
+        stack.callback(reader.discard)  # the spool file goes with the request, however it ends
+        await _read(request, reader, server.max_body_bytes, server.body_timeout_s)
+        ctx.record.body_bytes = reader.size
+        upload = reader.result()
+        form = _parse(TranscriptionRequest, _form_fields(upload.fields), ctx, services)
+        if form.stream:
+            raise InvalidRequest(
+                "stream: a transcript is answered whole; send stream=false or leave it out", param="stream"
+            )
+        if form.response_format in ("srt", "vtt"):
+            raise InvalidRequest(
+                f"response_format {form.response_format} needs timestamps these engines do not give; "
+                "use json, text or verbose_json",
+                param="response_format",
+            )
+        audio = _audio_of(upload)
+        chat = transcription_chat(form, audio, _format_of(upload))
+        del audio
+        facts_in = {"input_bytes": upload.size, "input_sha256": upload.sha256}
+        upload.file = None  # the chat request holds the audio from here: the pipeline lets go of it
+
+        async def finish(result: CompletionResult) -> tuple[str, dict[str, Any]]:
+            text = result.completion.text.strip()
+            facts = {
+                **facts_in,
+                "input_seconds": input_seconds(ctx),
+                "response_format": form.response_format,
+                "output_chars": len(text),
+                "output_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            }
+            return text, facts
+
+        serving = serve_audio(services.pipeline, chat, ctx, "transcriptions", finish)
+        del chat
+        text = await _unless_client_leaves(request, serving)
+        body, media_type = transcript_body(text, form.response_format, input_seconds(ctx), form.language)
+        return _Answer(body, media_type, response_headers(ctx), server.stream_write_timeout_s)
+
+
+class Speech(_AudioRoute):
+    async def respond(
+        self, request: Request, ctx: RequestContext, services: Services, stack: contextlib.AsyncExitStack
+    ) -> Response:
+        server = services.settings.server
+        limit = min(MAX_SPEECH_BODY, server.max_body_bytes)
+        raw = await _read_json(request, limit, server.body_timeout_s)
+        ctx.record.body_bytes = len(raw)
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"request body is not valid JSON: {exc.msg}") from None
+        if not isinstance(doc, dict):
+            raise InvalidRequest("request body must be a JSON object")
+        speech = _parse(SpeechRequest, doc, ctx, services)
+        if speech.stream_format == "sse":
+            raise InvalidRequest(
+                "stream_format sse is not served: the answer is the audio file itself (stream_format audio)",
+                param="stream_format",
+            )
+        fmt, speed = speech.response_format, speech.speed
+
+        async def finish(result: CompletionResult) -> tuple[bytes, dict[str, Any]]:
+            spoken(result, ctx)
+            c = result.completion
+            data = await asyncio.to_thread(encode_speech, c.audio, c.sample_rate, c.channels, fmt, speed)
+            facts = {
+                "input_chars": len(speech.input),
+                "response_format": fmt,
+                "speed": speed,
+                "output_seconds": round(len(c.audio) / (2 * c.channels * c.sample_rate) / speed, 3),
+                "output_bytes": len(data),
+                "output_sha256": hashlib.sha256(data).hexdigest(),
+            }
+            return data, facts
+
+        serving = serve_audio(services.pipeline, speech_chat(speech), ctx, "speech", finish)
+        data = await _unless_client_leaves(request, serving)
+        return _Answer(data, MEDIA_TYPES[fmt], response_headers(ctx), server.stream_write_timeout_s)
+
+
+class _Answer(JSONAnswer):
+    """The endpoint's answer, written in pieces within the write deadline as chat's JSON answer is."""
+
+    def __init__(
+        self, content: bytes, media_type: str, headers: dict[str, str], write_timeout_s: float
+    ) -> None:
+        self.media_type = media_type
+        super().__init__(content, headers, write_timeout_s)
+
+
+routes = [
+    Route(TRANSCRIPTIONS, Transcriptions(), methods=["POST"], name="audio_transcriptions"),
+    Route(SPEECH, Speech(), methods=["POST"], name="audio_speech"),
+]
+
+
+# -- reading ------------------------------------------------------------------------------------------------
+async def _read(request: Request, reader: FormReader, limit: int, timeout_s: float) -> None:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+    try:
+        async with asyncio.timeout(timeout_s):  # a client trickling its upload holds a connection: bounded
+            async for chunk in request.stream():
+                if reader.size + len(chunk) > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                reader.feed(chunk)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise ClientClosedRequest("the client closed the connection before its request was read") from None
+
+
+async def _read_json(request: Request, limit: int, timeout_s: float) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                if len(body) + len(chunk) > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                body += chunk
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise ClientClosedRequest("the client closed the connection before its request was read") from None
+    return bytes(body)
+
+
+def _form_fields(fields: dict[str, str]) -> dict[str, Any]:
+    """The form's fields but the file, those this gateway cannot honour refused by name."""
+    for name, why in UNSERVED_FIELDS.items():
+        if name in fields:
+            raise InvalidRequest(f"{name}: {why}", param=name, code="unsupported_field")
+    return dict(fields)
+
+
+def _parse(model: type[M], doc: dict[str, Any], ctx: RequestContext, services: Services) -> M:
+    """``doc`` as ``model``; unknown fields refused, or dropped and announced (``requests.unknown_fields``)."""
+    tenant = ctx.identity.tenant_config
+    mode = (
+        tenant.unknown_fields if tenant is not None else None
+    ) or services.settings.requests.unknown_fields
+    unknown = sorted(k for k in doc if k not in model.model_fields)
+    if unknown and mode == "drop":
+        doc = {k: v for k, v in doc.items() if k in model.model_fields}
+        ctx.outputs.response_headers[DROPPED_HEADER] = dropped_header(unknown)
+        log.info("request_fields_dropped", fields=unknown)
+    elif unknown:
+        name = unknown[0][:64]
+        raise UnknownField(f"{name}: unknown field; this endpoint does not forward it", param=name)
+    try:
+        return model.model_validate(doc)
+    except ValidationError as exc:
+        raise validation_to_error(exc.errors()) from None
+
+
+def _audio_of(upload: Upload) -> str | SpooledMedia:
+    """The file as ``input_audio.data`` takes it: its spool file, or the base64 of its bytes."""
+    if upload.file is None:
+        raise InvalidRequest(f"{FILE_FIELD}: the audio file is required", param=FILE_FIELD)
+    if upload.size == 0:
+        raise InvalidRequest(f"{FILE_FIELD}: the audio file is empty", param=FILE_FIELD)
+    if isinstance(upload.file, SpooledMedia):
+        return upload.file
+    return base64.b64encode(upload.file).decode("ascii")
+
+
+def _format_of(upload: Upload) -> str:
+    """The format the upload declares: its name's extension, else its type, else its first bytes.
+
+    What it declares is checked against what the bytes are (media-limits): a ``.mp3`` holding WAV is a
+    400, as a chat part declaring one format and carrying another is.
+    """
+    ext = PurePath(upload.filename).suffix.lower().lstrip(".")
+    if ext in _FORMATS:
+        return _FORMATS[ext]
+    main, _, sub = upload.content_type.lower().partition("/")
+    if main == "audio" and sub in _FORMATS:
+        return _FORMATS[sub]
+    head = upload.head
+    for magic, fmt in _MAGIC:
+        if head.startswith(magic):
+            return fmt
+    if head[:1] == b"\xff" and len(head) > 1 and head[1] & 0xE0 == 0xE0:
+        return "mp3"  # an MPEG audio frame's sync word
+    if head[4:8] == b"ftyp":
+        return "m4a"
+    return "bin"  # declares nothing: what the bytes are is found by the media steps
+
+
+__all__ = ["SPEECH", "TRANSCRIPTIONS", "routes"]
