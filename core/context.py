@@ -135,6 +135,9 @@ class Record:
     finish_reason: str | None = None
     #: estimated GPU energy of the answer (engines/rollout/energy.py), None without power telemetry for its engine
     energy_joules: float | None = None
+    #: the realtime session this request is a turn of (its id, the turn's index, its input audio's digest
+    #: and duration), for the audit record; None: not a turn of a session (gateway/realtime)
+    realtime: dict[str, Any] | None = None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started

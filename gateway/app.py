@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.errors import InvalidRequest, OmnigateError
 from gateway import heap
-from gateway.api import admin, admin_audit, admin_routing, admin_state, admin_tenants, chat, ops
+from gateway.api import admin, admin_audit, admin_routing, admin_state, admin_tenants, chat, ops, realtime
 from gateway.api import audio as audio_routes
 from gateway.console import routes as console
 from gateway.middleware import BodyDeadlineMiddleware, RequestIdMiddleware
@@ -177,6 +177,7 @@ def create_app(
     app.state.config_path = config_path
     app.state.readiness = Readiness(services.pool)  # the server announces "ready" through it
     app.router.routes.extend(chat.routes)
+    app.router.routes.extend(realtime.routes)  # WS /v1/realtime (OpenAI's Realtime protocol)
     app.router.routes.extend(audio_routes.routes)  # POST /v1/audio/transcriptions, /v1/audio/speech
     app.include_router(ops.router)
     app.include_router(admin.router)

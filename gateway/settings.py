@@ -28,6 +28,7 @@ from engines.adapters.settings import EngineConfig, default_engines
 from engines.rollout.rules import RuleScope, active_rules, why_rule_cannot_act
 from engines.rollout.settings import RoutingSettings
 from gateway.auth_settings import AdminKey, AuthSettings, MetricsSettings
+from gateway.realtime_settings import RealtimeSettings
 from gateway.settings_sources import EnvOverYaml
 from gateway.traffic_settings import RateLimitSettings, RedisSettings, TrafficSettings
 from observability.settings import AuditSettings, LoggingSettings, TracingSettings
@@ -219,6 +220,7 @@ class Settings(BaseSettings):
     auth: AuthSettings = AuthSettings()
     metrics: MetricsSettings = MetricsSettings()
     media: MediaSettings = MediaSettings()
+    realtime: RealtimeSettings = RealtimeSettings()
     models: dict[Name, ModelSettings] = Field(
         default_factory=dict, description="per public model: its sampling defaults"
     )

@@ -508,6 +508,45 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        # /v1/realtime (gateway/realtime): a session's turns are chat requests too, counted above as well
+        self.realtime_sessions = Gauge(
+            "omnigate_realtime_sessions_open", "Realtime WebSocket sessions open", registry=r
+        )
+        self.realtime_turns = Counter(
+            "omnigate_realtime_turns_total",
+            "Realtime responses by how they ended (completed, cancelled, failed)",
+            ["status"],
+            registry=r,
+        )
+        self.realtime_first_audio = Histogram(
+            "omnigate_realtime_first_audio_seconds",
+            "From a realtime response's start (commit, VAD stop or response.create) to its first audio delta sent",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.realtime_barge_ins = Counter(
+            "omnigate_realtime_barge_ins_total",
+            "Realtime answers the caller's speech interrupted",
+            registry=r,
+        )
+        self.realtime_cancellations = Counter(
+            "omnigate_realtime_cancellations_total",
+            "Realtime responses cancelled, by reason (barge_in, client, closed)",
+            ["reason"],
+            registry=r,
+        )
+        self.realtime_barge_in_stop = Histogram(
+            "omnigate_realtime_barge_in_stop_seconds",
+            "From the caller's speech start to the interrupted answer's stop (engine request closed)",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.realtime_closed = Counter(
+            "omnigate_realtime_sessions_closed_total",
+            "Realtime sessions closed, by reason (client, limit, abuse, error, shutdown)",
+            ["reason"],
+            registry=r,
+        )
         self.engine_in_flight = Gauge(
             "omnigate_engine_in_flight", "Requests holding a slot on the engine", ["engine"], registry=r
         )

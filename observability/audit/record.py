@@ -240,6 +240,9 @@ def request_payload(snap: RequestSnapshot) -> dict[str, Any]:
         ),
         "body_bytes": ctx.record.body_bytes,
     }
+    if ctx.record.realtime is not None:
+        # a turn of a /v1/realtime session: which session, which turn, the committed audio it answered
+        payload["realtime"] = dict(ctx.record.realtime)
     req = snap.received
     if req is not None:
         # Who the client says its end user is, and the pairs it attached: for an auditor to find its
