@@ -115,6 +115,11 @@ class GroundingSettings(_Strict):
     similarity_floor: Annotated[float, Field(gt=0.0, lt=1.0)] = Field(
         default=0.35, description="fallback scorer: the cosine similarity that maps to the 0.8 threshold"
     )
+    subject_similarity: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
+        default=0.5,
+        description="how close a claim and an evidence sentence must be to be about the same subject: a fact "
+        "of the claim that differs from one such a sentence states is a contradiction (else unverifiable)",
+    )
     device: str = Field(default="cpu", description="torch device of the scorer model")
     batch_size: Annotated[int, Field(ge=1, le=1024)] = Field(
         default=32, description="claims of concurrent requests scored in one model call, at most"
@@ -149,7 +154,9 @@ class GroundingSettings(_Strict):
         if self.scorer == "served" and self.served is None:
             raise ValueError("grounding.served: scorer served needs the served model (url, model, endpoint)")
         if self.scorer == "served" and self.served is not None and self.served.endpoint == "tei-predict":
-            raise ValueError("grounding.served.endpoint: tei-predict takes single texts, not premise-claim pairs")
+            raise ValueError(
+                "grounding.served.endpoint: tei-predict takes single texts, not premise-claim pairs"
+            )
         return self
 
 

@@ -6,16 +6,22 @@ documents arrive), plus transcripts of input audio that a pre-policy put in
 :attr:`core.context.RequestContext.input_transcripts`. Earlier ``assistant``
 turns are not evidence: they may be the very thing that went wrong.
 
-An answer is split into sentences with sentencex (rule-based, abbreviation
-aware, and fast enough for the stream's hot path); a sentence is a *claim* when it
-has at least three content words (not English stop words) or names a number, a
-date or a proper name. "I hope this helps." is not a claim; "It opened in 1889."
-is. The fallback scorer's fact checks (numbers, dates, names) live here too.
+Text is split into sentences with sentencex (rule-based, abbreviation aware, and
+fast enough for the stream's hot path), in the language its script says (:func:`language_of`:
+Chinese, Japanese, Korean, else English rules). A sentence is a *claim* when it is not a
+question and has at least three words (a CJK character counts as half a word) or names a
+number, a date, a weekday or a proper name: "Sure." and "Why?" are not claims. A claim that
+says nothing the evidence bears on is judged *unverifiable*, not failed, so the test only has
+to keep out what states nothing at all. The premise's *evidence* is its sentences that state
+something (:func:`states`): not questions, and naming a fact or at least six words; a request
+whose premise has none (an open-domain question, "What is the capital of France?") has
+no evidence to judge an answer against. The fact checks (numbers, dates, weekdays, names)
+live here too; how they are compared is :mod:`policies.grounding.facts`.
 
-sentencex, dateparser and the stop words come with the ``guards`` extra, like the
-scorers that judge the claims: they are imported on first use, so this module (and
-the grounding plugin that imports it) loads without the extra, and the registry can
-refuse the policy with a message naming it (:mod:`policies.registry`).
+sentencex and dateparser come with the ``guards`` extra, like the scorers that judge the
+claims: they are imported on first use, so this module (and the grounding plugin that imports
+it) loads without the extra, and the registry can refuse the policy with a message naming it
+(:mod:`policies.registry`).
 """
 
 from __future__ import annotations
@@ -31,18 +37,41 @@ from core.schemas import ChatCompletionRequest
 PREMISE_ROLES = frozenset({"system", "developer", "user", "tool"})
 
 _WORD = re.compile(r"[A-Za-z][A-Za-z'\-]*")
-# A number as written: optional sign, digits with thousands separators, decimals, a percent sign.
-_NUMBER = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?%?")
+# Scripts written without spaces between words: Han, kana, Hangul (their characters are tokens).
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
+_CJK_CHAR = re.compile(f"[{_CJK}]")
+# A word of a spaced script: letters of any alphabet, not CJK and not digits.
+_ANY_WORD = re.compile(f"(?:(?![{_CJK}])[^\\W\\d_])+(?:['\\-](?:(?![{_CJK}])[^\\W\\d_])+)*")
+_KANA = re.compile("[\u3040-\u30ff]")
+_HANGUL = re.compile("[\uac00-\ud7af]")
+# A number as written: optional sign, digits with thousands separators, decimals, a percent sign. Not
+# glued to Latin letters ("Qwen3" is a name); CJK may touch it ("营收为1200万元").
+_NUMBER = re.compile(r"(?<![A-Za-z0-9_.])[-+]?\d[\d,]*(?:\.\d+)?%?")
+_QUESTION_END = re.compile(r"[?？]\W*$")
+# Weekdays as facts: English names and the Chinese 星期/周/礼拜 forms, as 1 (Monday) to 7 (Sunday).
+_WEEKDAYS_EN = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
+_WEEKDAY_EN = re.compile(r"\b(" + "|".join(_WEEKDAYS_EN) + r")\b", re.IGNORECASE)
+_WEEKDAY_ZH = re.compile("(?:星期|礼拜|周)([一二三四五六日天])")
+_ZH_DAY = {"一": 1, "二": 2, "三": 3, "四": 4, "五": 5, "六": 6, "日": 7, "天": 7}
 # Proper names: capitalised words (and runs of them, "New York"), inner capitals allowed ("McDonald").
 _CAPITALISED = re.compile(r"\b[A-Z][a-zA-Z'\-]*(?:\s+[A-Z][a-zA-Z'\-]*)*")
 
 
 @dataclass(frozen=True, slots=True)
 class Premise:
-    """The evidence an answer is judged against, and its pieces for the scorers."""
+    """The evidence an answer is judged against, and its pieces for the scorers.
+
+    ``text`` is all of the premise's text; ``sentences`` are its *evidence*: the sentences that state
+    something (:func:`states`), which the scorers judge claims against. Questions and instructions are
+    in ``text`` only.
+    """
 
     text: str
     sentences: tuple[str, ...]
+
+    @property
+    def has_evidence(self) -> bool:
+        return bool(self.sentences)
 
     def chunks(self, max_chars: int) -> list[str]:
         """Sentence-aligned windows of at most ``max_chars`` (a longer single sentence is its own chunk)."""
@@ -58,58 +87,92 @@ class Premise:
         return out
 
 
-def split_sentences(text: str) -> list[str]:
+def language_of(text: str) -> str:
+    """The language whose sentence rules fit ``text``, from its script: ja (kana), ko (Hangul), zh (Han), en.
+
+    sentencex needs a language; telling the script is enough for where sentences end (the
+    full stops of CJK, abbreviations of Latin scripts), and costs a few regex scans.
+    """
+    if _KANA.search(text):
+        return "ja"
+    if _HANGUL.search(text):
+        return "ko"
+    if _CJK_CHAR.search(text):
+        return "zh"
+    return "en"
+
+
+def split_sentences(text: str, language: str | None = None) -> list[str]:
     """Sentences with their trailing whitespace kept, so ``"".join(result) == text``."""
     if not text:
         return []
     from sentencex import segment  # the guards extra (module docstring)
 
-    return list(segment("en", text))
+    return list(segment(language or language_of(text), text))
 
 
 def premise_of(
-    request: ChatCompletionRequest, transcripts: Iterable[str] = (), exclude: Iterable[str] = ()
+    request: ChatCompletionRequest,
+    transcripts: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    *,
+    roles: Iterable[str] = PREMISE_ROLES,
+    evidence: Iterable[str] = (),
 ) -> Premise:
-    """The premise of ``request``; texts in ``exclude`` (the guard's own retry instruction) are left out."""
+    """The premise of ``request``: the text of its messages of ``roles``, then ``transcripts`` (of its input
+    audio), then ``evidence``: further evidence texts a pre-policy found in the request (what its images
+    or video frames show, once a policy describes them). Texts in ``exclude`` (the guard's own retry
+    instruction) are left out."""
     skip = {e.strip() for e in exclude if e}
+    wanted = set(roles)
     parts: list[str] = []
     for m in request.messages:
-        if m.role not in PREMISE_ROLES:
+        if m.role not in wanted:
             continue
         t = m.text().strip()
         if t and t not in skip:
             parts.append(t)
     parts.extend(t.strip() for t in transcripts if t and t.strip())
+    parts.extend(t.strip() for t in evidence if t and t.strip())
     text = "\n".join(parts)
     sentences: list[str] = []
     for p in parts:
         # Split each message on its own so a sentence never spans two messages.
-        sentences.extend(s if s.endswith((" ", "\n")) else s + " " for s in split_sentences(p))
+        sentences.extend(s if s.endswith((" ", "\n")) else s + " " for s in split_sentences(p) if states(s))
     return Premise(text=text, sentences=tuple(sentences))
 
 
-@lru_cache(maxsize=1)
-def _stop_words() -> frozenset[str]:
-    """English stop words: sentence-transformers' list, from the library the grounding scorers load.
-
-    It holds scikit-learn's 318 words and NLTK's pieces of contractions ("didn", "ll", "ve"), "did",
-    "does", "doing", "having", "just", "theirs" and punctuation (which no word here contains).
-    """
-    from sentence_transformers.sentence_transformer.modules.tokenizer import ENGLISH_STOP_WORDS
-
-    return frozenset(ENGLISH_STOP_WORDS)
+def word_count(sentence: str) -> float:
+    """Words of spaced scripts, plus half a word for each CJK character (a Chinese word is one to two)."""
+    return len(_ANY_WORD.findall(sentence)) + len(_CJK_CHAR.findall(sentence)) / 2
 
 
-def _content_words(sentence: str) -> list[str]:
-    stop = _stop_words()
-    return [w for w in _WORD.findall(sentence.lower()) if w not in stop and len(w) > 1]
+def is_question(sentence: str) -> bool:
+    return bool(_QUESTION_END.search(sentence.strip()))
+
+
+def has_fact(sentence: str) -> bool:
+    return bool(numbers_in(sentence) or weekdays_in(sentence) or names_in(sentence))
 
 
 def is_claim(sentence: str) -> bool:
+    """Whether an answer's sentence states something: not a question, three words or a fact."""
     s = sentence.strip()
-    if not s:
+    if not s or is_question(s):
         return False
-    return len(_content_words(s)) >= 3 or bool(numbers_in(s)) or bool(names_in(s))
+    return word_count(s) >= 3 or has_fact(s)
+
+
+def states(sentence: str) -> bool:
+    """Whether a premise sentence is evidence: not a question, and a fact or six words.
+
+    "Tell me about it." and "You are a helpful assistant." are requests and roles, not evidence;
+    "The meeting is on Tuesday." and a document's sentences are.
+    """
+    s = sentence.strip()
+    if not s or is_question(s):
+        return False
+    return word_count(s) >= 6 or has_fact(s)
 
 
 def claims_of(sentences: Iterable[str]) -> list[str]:
@@ -142,7 +205,6 @@ def names_in(text: str) -> set[str]:
     package, capitalisation inside a sentence is the signal used.
     """
     found: set[str] = set()
-    stop = _stop_words()
     for sent in split_sentences(text) or [text]:
         stripped = sent.lstrip(" \t\n\"'(“‘")
         offset = len(sent) - len(stripped)
@@ -155,9 +217,32 @@ def names_in(text: str) -> set[str]:
                 w = w.strip("'-").lower()
                 if w.endswith("'s"):
                     w = w[:-2]
-                if w and w not in stop:
+                if len(w) > 1:  # "I" is no name
                     found.add(w)
     return found
+
+
+def weekdays_in(text: str) -> set[int]:
+    """Weekdays named in ``text`` (English names, Chinese 星期二 / 周二 / 礼拜二), 1 (Monday) to 7."""
+    days = {_WEEKDAYS_EN.index(m.group(1).lower()) + 1 for m in _WEEKDAY_EN.finditer(text)}
+    days.update(_ZH_DAY[m.group(1)] for m in _WEEKDAY_ZH.finditer(text))
+    return days
+
+
+def without_weekdays(text: str) -> str:
+    return _WEEKDAY_ZH.sub(" ", _WEEKDAY_EN.sub(" ", text))
+
+
+def tokens_in(text: str) -> set[str]:
+    """Tokens for telling what a sentence is about, in any script: words of three letters or more
+    (lowercased; shorter ones are mostly particles), and for CJK the character pairs (bigrams) of
+    each run, since those scripts put no spaces between words."""
+    out = {w.lower() for w in _ANY_WORD.findall(text) if len(w) >= 3}
+    for run in re.findall(f"[{_CJK}]+", text):
+        if len(run) == 1:
+            out.add(run)
+        out.update(run[i : i + 2] for i in range(len(run) - 1))
+    return out
 
 
 def words_in(text: str) -> set[str]:

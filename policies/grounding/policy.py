@@ -1,10 +1,13 @@
-"""Built-in post-policy ``grounding``: is the answer supported by what the request says?
+"""Built-in post-policy ``grounding``: does the answer contradict what the request says?
 
-A scorer (:mod:`policies.grounding.scorer`) judges the answer's claim sentences
-against the request's premise (:mod:`policies.grounding.claims`). At or above
-``threshold`` the answer is served; below, the pipeline retries with the
-configured adjustment while its budget (``policies.max_retries``) lasts; then,
-per ``on_exhausted``, the best-scoring answer is served flagged
+A scorer (:mod:`policies.grounding.scorer`) labels the answer's claim sentences
+supported, contradicted or unverifiable against the request's evidence
+(:mod:`policies.grounding.claims`); the answer's score is the minimum over the
+claims it could check (unverifiable ones do not count). At or above ``threshold``
+the answer is served; below (a contradiction, or a fact about the evidence's own
+subject that differs from it), the pipeline retries with the configured
+adjustment while its budget (``policies.max_retries``) lasts; then, per
+``on_exhausted``, the best-scoring answer is served flagged
 (``x-omnigate-grounding: low``) or the request is refused (422 ``grounding_failed``).
 
 For streams the policy is a streaming post-check; its mode is chosen per tenant,
@@ -23,10 +26,13 @@ then per public model, then ``mode``:
     everything is released at once; the verdict is recorded and sent as the
     stream's final event. It never claims to have blocked anything.
 
-A request whose messages of the ``evidence_roles`` carry no text has nothing to
-judge an answer against (an open-domain question, with only the question as its
-premise): the guard abstains, and the answer is served unjudged with the verdict
-``skipped`` and the reason ``no_evidence``.
+A request whose messages of the ``evidence_roles`` state nothing (no sentence
+that is not a question and names a fact or has six words: an open-domain
+question) has nothing to judge an answer against: the guard abstains, and the
+answer is served unjudged, with ``x-omnigate-grounding: no-evidence``, the
+verdict ``skipped`` and the reason ``no_evidence``, and a receipt that says it
+did not judge the answer. An answer with evidence but no claim it bears on is
+served with the verdict ``unverifiable``, never ``pass``.
 
 Its length (over 500 lines): the policy and its stream checks (hold, window, passthrough) share the
 premise, the speech gate, the verdict rules, the retry adjustment and the receipt code; a check is only
@@ -68,6 +74,8 @@ DEFAULT_INSTRUCTION = (
     "Do not add names, numbers or dates that are not stated there; if the answer is not there, say so."
 )
 HEADER = "x-omnigate-grounding"
+#: the header's value when the request carried no evidence (the answer was not judged)
+NO_EVIDENCE = "no-evidence"
 EvidenceRole = Literal["system", "developer", "user", "tool"]
 _PREMISE_ROLES: tuple[EvidenceRole, ...] = ("system", "developer", "user", "tool")  # claims.PREMISE_ROLES
 
@@ -105,7 +113,8 @@ class GroundingConfig(PolicyConfig):
     evidence_roles: Annotated[list[EvidenceRole], Field(min_length=1)] = Field(
         default_factory=lambda: list(_PREMISE_ROLES),
         description=(
-            "the roles whose text is evidence: a request with none is served unjudged (skipped, no_evidence); "
+            "the roles whose text is evidence: a request whose messages of these roles state nothing is served "
+            "unjudged (skipped, no_evidence; x-omnigate-grounding: no-evidence); "
             "[tool]: judge only answers to retrieved documents"
         ),
     )
@@ -203,8 +212,13 @@ class _Check:
         evidence = [(i, m.text()) for i, m in enumerate(self.request.messages) if m.role in roles]
         scan.messages = [i for i, t in evidence if t.strip()]
         scan.chars = sum(len(t) for _, t in evidence)
-        scan.parts = [{"part": "answer", "kind": "text", "claims": len(j.claims), "score": round(j.score, 4)}]
+        counts = j.counts()
+        scan.parts = [
+            {"part": "answer", "kind": "text", "claims": len(j.claims), "score": round(j.score, 4), **counts}
+        ]
         weakest = j.weakest
+        if verdict == "pass" and not j.checked:
+            verdict = "unverifiable"  # evidence, but nothing of the answer it bears on: not a pass
         return {
             "grounding": {
                 "mode": self.mode,
@@ -214,13 +228,17 @@ class _Check:
                 "threshold": self.cfg.threshold,
                 "attempt": self.attempt,
                 "claims": len(j.claims),
+                **counts,
                 "weakest": weakest.reason if weakest is not None and j.score < self.cfg.threshold else None,
             }
         }
 
     def _judged(self, j: Judgement) -> bool:
         ok = j.score >= self.cfg.threshold
-        self.policy.observe(self.mode, j.score, "pass" if ok else "fail")
+        if j.checked:
+            self.policy.observe(self.mode, j.score, "pass" if ok else "fail")
+        elif j.claims:
+            self.policy.metrics.grounding_verdicts.labels(self.mode, "unverifiable").inc()
         return ok
 
     def _verdict(self, j: Judgement) -> Verdict:
@@ -364,7 +382,7 @@ class WindowCheck(_Check):
             raise Halt(
                 Reject(
                     GroundingFailed(
-                        f"the rest of the answer is not supported by the conversation (grounding score "
+                        f"the rest of the answer contradicts the evidence the request carries (grounding score "
                         f"{j.score:.2f} < {self.cfg.threshold}); the stream was ended",
                     )
                 )
@@ -409,18 +427,24 @@ class WindowCheck(_Check):
 
 
 class AbstainCheck:
-    """No evidence in the request: everything is released as it comes, and nothing is judged."""
+    """No evidence in the request: everything is released as it comes, and nothing is judged.
+
+    The header is set when the check opens, before the response starts (a verdict's headers come too
+    late for a stream whose first chunk went out as it came).
+    """
 
     def __init__(self, policy: Grounding, request: ChatCompletionRequest, ctx: RequestContext) -> None:
         self.policy = policy
+        self.ctx = ctx
         self.mode = policy.stream_mode(request, ctx)
         self.attempt = ctx.record.retries + 1
+        ctx.outputs.response_headers[HEADER] = NO_EVIDENCE
 
     async def feed(self, delta: Delta) -> list[Delta]:
         return [delta]
 
     async def finish(self) -> Verdict:
-        return self.policy.skipped(self.mode, self.attempt, "no_evidence")
+        return self.policy.no_evidence(self.mode, self.attempt, self.ctx)
 
     def release(self) -> list[Delta]:
         return []
@@ -490,7 +514,7 @@ class Grounding(PolicyBase):
     ) -> Verdict:
         attempt = ctx.record.retries + 1
         if not self.has_evidence(request, ctx):
-            return self.skipped("hold", attempt, "no_evidence")
+            return self.no_evidence("hold", attempt, ctx)
         check = HoldCheck(self, request, ctx)  # a whole answer is judged as a held one
         text = completion.text or completion.transcript
         if completion.tool_calls and not text.strip():
@@ -500,29 +524,43 @@ class Grounding(PolicyBase):
     def tool_turn(self, mode: str, attempt: int) -> Accept:
         return self.skipped(mode, attempt, "tool_calls")
 
-    def skipped(self, mode: str, attempt: int, reason: str) -> Accept:
+    def skipped(self, mode: str, attempt: int, reason: str, headers: dict[str, str] | None = None) -> Accept:
         self.metrics.grounding_verdicts.labels(mode, "skipped").inc()
         return Accept(
-            notes={"grounding": {"mode": mode, "verdict": "skipped", "reason": reason, "attempt": attempt}}
+            headers=headers or {},
+            notes={"grounding": {"mode": mode, "verdict": "skipped", "reason": reason, "attempt": attempt}},
         )
 
+    def no_evidence(self, mode: str, attempt: int, ctx: RequestContext) -> Accept:
+        """Served unjudged: the header, the notes and the receipt say there was no evidence, never "passed"."""
+        scan = ctx.outputs.scan(self.name)
+        scan.model, scan.threshold = self.scorer_kind, self.config.threshold
+        if not any(m.get("why") == "no_evidence" for m in scan.missed):
+            scan.missed.append({"part": "answer", "why": "no_evidence"})
+        return self.skipped(mode, attempt, "no_evidence", {HEADER: NO_EVIDENCE})
+
     def has_evidence(self, request: ChatCompletionRequest, ctx: RequestContext) -> bool:
-        """Whether any message of ``evidence_roles`` carries text (input speech's transcripts count as the user's).
+        """Whether the messages of ``evidence_roles`` (and input speech's transcripts, as the user's) state
+        anything: a sentence that is not a question and names a fact or has six words.
 
         Without evidence the premise is at most the question itself, and an answer that says anything the
         question does not would be judged unsupported: there is nothing to judge it against.
         """
-        roles = set(self.config.evidence_roles)
-        own = (self.config.retry_instruction or "").strip()
-        for m in request.messages:
-            if m.role in roles and (t := m.text().strip()) and t != own:
-                return True
-        return "user" in roles and any(t.strip() for t in ctx.outputs.input_transcripts)
+        return self.premise(request, ctx).has_evidence
 
     # -- pieces the checks share ---------------------------------------------
     def premise(self, request: ChatCompletionRequest, ctx: RequestContext) -> Premise:
+        """The evidence: messages of ``evidence_roles``, input speech's transcripts (as the user's).
+
+        Further evidence texts (what a request's images or video frames show) enter through
+        :func:`policies.grounding.claims.premise_of`'s ``evidence``, once a policy produces them.
+        """
+        roles = self.config.evidence_roles
         return premise_of(
-            request, ctx.outputs.input_transcripts, exclude=[self.config.retry_instruction or ""]
+            request,
+            ctx.outputs.input_transcripts if "user" in roles else (),
+            exclude=[self.config.retry_instruction or ""],
+            roles=roles,
         )
 
     def observe(self, mode: str, score: float, verdict: str) -> None:
@@ -533,7 +571,7 @@ class Grounding(PolicyBase):
         weakest = j.weakest
         why = f": {weakest.reason}" if weakest is not None and weakest.reason else ""
         return GroundingFailed(
-            f"the answer is not supported by the conversation (grounding score {j.score:.2f} < "
+            f"the answer contradicts the evidence the request carries (grounding score {j.score:.2f} < "
             f"{self.config.threshold}){why}"
         )
 

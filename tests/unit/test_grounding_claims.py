@@ -12,10 +12,13 @@ from policies.grounding.claims import (
     date_supported,
     dates_in,
     is_claim,
+    language_of,
     names_in,
     numbers_in,
     premise_of,
     split_sentences,
+    states,
+    weekdays_in,
 )
 from policies.grounding.policy import GroundingConfig, SpeechGate
 from policies.registry import PolicyConfigError, available_plugins, build_chain
@@ -64,12 +67,47 @@ def test_sentences_keep_their_text():
     assert len(parts) == 3
 
 
-def test_claims_need_content_or_facts():
-    assert not is_claim("I hope this helps!")
+def test_claims_need_words_or_facts_and_are_no_questions():
     assert not is_claim("Sure.")
+    assert not is_claim("Shall I tell you more about the tower?")
+    assert not is_claim("好的。")
     assert is_claim("It opened in 1889.")
     assert is_claim("The tower was painted brown again recently.")
+    assert is_claim("巴黎是法国的首都。")
     assert claims_of(["Sure. ", "It is 330 metres tall."]) == ["It is 330 metres tall."]
+
+
+def test_evidence_is_what_states_something():
+    assert not states("What is the capital of France?")
+    assert not states("Tell me about it.")
+    assert not states("You are a helpful assistant.")
+    assert states("The meeting is on Tuesday.")
+    assert states("公司2024年营收为1200万元。")
+    assert states("会议定于星期二下午三点在北京举行。")
+    assert not _req_premise("What is the capital of France? Tell me about it.").has_evidence
+    assert not _req_premise("法国的首都是哪里？").has_evidence
+    assert _req_premise("Doc: the meeting is on Tuesday. When is it?").sentences == (
+        "Doc: the meeting is on Tuesday. ",
+    )
+
+
+def _req_premise(user: str):
+    return premise_of(_req([{"role": "user", "content": user}]))
+
+
+def test_sentences_split_by_the_script_s_language():
+    assert language_of("会议定于星期二。") == "zh" and language_of("It is.") == "en"
+    assert language_of("会議は火曜日です。") == "ja"
+    text = "会议定于星期二下午三点举行。公司营收为1200万元。你知道吗？好的"
+    parts = split_sentences(text)
+    assert "".join(parts) == text
+    assert parts == ["会议定于星期二下午三点举行。", "公司营收为1200万元。", "你知道吗？", "好的"]
+
+
+def test_chinese_facts():
+    assert numbers_in("公司2024年营收为1200万元。") == {"2024", "1200"}
+    assert weekdays_in("会议定于星期二，或周五，或礼拜天。") == {2, 5, 7}
+    assert weekdays_in("The meeting moved from Tuesday to friday.") == {2, 5}
 
 
 def test_numbers_are_normalised():
@@ -77,7 +115,7 @@ def test_numbers_are_normalised():
     assert numbers_in("Qwen3 and GPT4 are names") == set()
 
 
-def test_names_skip_sentence_starts_and_stop_words():
+def test_names_skip_sentence_starts():
     assert names_in("The tower stands in Paris. Completed in 1889, it was built by Gustave Eiffel.") == {
         "paris",
         "gustave",

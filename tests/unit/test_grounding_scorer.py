@@ -124,8 +124,26 @@ def test_cross_encoder_contradiction_scores_low_and_min_aggregates(tmp_path):
     path = tiny_cross_encoder(tmp_path / "contradicts", (4.0, -4.0, -4.0))
     scorer = CrossEncoderScorer(GroundingSettings(model=str(path)))
     scorer.load()
+    assert scorer.describe()["contradiction_label"] == "contradiction"
     j = _judge(scorer, "It is 330 metres tall.")
     assert j.score < 0.01
+    assert [c.label for c in j.claims] == ["contradicted"]
+
+
+def test_cross_encoder_neutral_is_unverifiable_unless_a_fact_conflicts(tmp_path):
+    path = tiny_cross_encoder(tmp_path / "neutral", (-4.0, -4.0, 4.0))
+    scorer = CrossEncoderScorer(GroundingSettings(model=str(path)))
+    scorer.load()
+    j = _judge(scorer, "It is 330 metres tall. It was completed in 1925.")
+    neutral, conflicting = j.claims
+    # Neither entailed nor contradicted: not counted.
+    assert neutral.label == "unverifiable"
+    # Neutral to the model, but it gives the completion a year the evidence states otherwise.
+    assert conflicting.label == "contradicted"
+    assert "1925" in (conflicting.reason or "") and "1889" in (conflicting.reason or "")
+    assert j.score == conflicting.score < 0.8
+    only_neutral = _judge(scorer, "It is 330 metres tall.")
+    assert only_neutral.score == 1.0 and only_neutral.checked == 0
 
 
 def test_cross_encoder_entailment_label_by_name_and_index(tmp_path):
@@ -138,7 +156,9 @@ def test_cross_encoder_entailment_label_by_name_and_index(tmp_path):
     assert _judge(by_name, "It is 330 metres tall.").score > 0.99
     by_index = CrossEncoderScorer(GroundingSettings(model=str(path), entailment_label=1))
     by_index.load()
-    assert _judge(by_index, "It is 330 metres tall.").score < 0.01
+    (claim,) = _judge(by_index, "It is 330 metres tall.").claims
+    # Not entailed, and a two-label model cannot say contradicted: unverifiable, its low score kept.
+    assert claim.score < 0.01 and claim.label == "unverifiable"
     with pytest.raises(ScorerLoadError, match="not one of the model's 2 labels"):
         CrossEncoderScorer(GroundingSettings(model=str(path), entailment_label=5)).load()
 
@@ -213,26 +233,79 @@ def test_fallback_accepts_a_supported_answer(fallback):
         ("The Eiffel Tower was completed in 1925.", "number 1925"),
         ("The Eiffel Tower is 300 metres tall.", "number 300"),
         ("The Eiffel Tower was completed on 31 May 1889.", "date 1889-5-31"),
-        ("The Eiffel Tower in Paris was designed by Frank Lloyd Wright.", "name 'frank'"),
+        ("The Eiffel Tower in Paris was built by the company of Frank Lloyd Wright.", "name 'frank'"),
     ],
 )
-def test_fallback_refuses_facts_missing_from_the_premise(fallback, answer, reason):
+def test_fallback_contradicts_facts_that_conflict_with_the_evidence(fallback, answer, reason):
     j = _judge(fallback, answer)
     assert j.score == 0.0
-    assert j.weakest is not None and reason in (j.weakest.reason or "")
+    assert j.weakest is not None and j.weakest.label == "contradicted"
+    assert reason in (j.weakest.reason or "") and "the evidence says" in (j.weakest.reason or "")
 
 
-def test_fallback_similarity_floor_catches_unrelated_claims(fallback):
-    j = _judge(fallback, "Bananas are an excellent source of potassium for athletes.")
-    assert j.score < 0.8
-    assert "similarity" in (j.weakest.reason or "")
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "Paris is the capital of France.",  # a name the evidence never mentions, about something else
+        "The Louvre opened in 1793 and is the most visited museum in the world.",
+        "Bananas are an excellent source of potassium for athletes.",  # no fact, nothing similar
+    ],
+)
+def test_fallback_a_claim_the_evidence_does_not_bear_on_is_unverifiable_not_failed(fallback, answer):
+    j = _judge(fallback, answer)
+    assert [c.label for c in j.claims] == ["unverifiable"]
+    assert j.score == 1.0 and j.checked == 0 and j.weakest is None
 
 
-def test_fallback_minimum_over_claims_and_no_claims_pass(fallback):
+def test_fallback_minimum_over_checked_claims_and_no_claims_pass(fallback):
     mixed = _judge(fallback, "The Eiffel Tower is 330 metres tall. It was completed in 1925.")
-    assert [c.score >= 0.8 for c in mixed.claims] == [True, False]
-    assert mixed.score == min(c.score for c in mixed.claims)
-    assert _judge(fallback, "I hope this helps!").score == 1.0
+    assert [c.label for c in mixed.claims] == ["supported", "contradicted"]
+    assert mixed.score == min(c.score for c in mixed.claims) == 0.0
+    assert _judge(fallback, "Sure.").score == 1.0
+    with_unverifiable = _judge(
+        fallback, "The Eiffel Tower is 330 metres tall. Paris is the capital of France."
+    )
+    assert [c.label for c in with_unverifiable.claims] == ["supported", "unverifiable"]
+    assert with_unverifiable.score == with_unverifiable.claims[0].score >= 0.8
+    assert with_unverifiable.counts() == {"supported": 1, "contradicted": 0, "unverifiable": 1}
+
+
+def _premise(doc: str, question: str) -> object:
+    return premise_of(
+        ChatCompletionRequest.model_validate(
+            {
+                "model": "m",
+                "messages": [{"role": "system", "content": doc}, {"role": "user", "content": question}],
+            }
+        )
+    )
+
+
+MEETING = "The board meeting is on Tuesday at 3 pm in Room 4. Revenue in 2025 was 12 million euros."
+MEETING_ZH = "董事会会议定于星期二下午三点在北京举行。公司2024年营收为1200万元。"
+
+
+@pytest.mark.parametrize(
+    ("doc", "answer", "labels"),
+    [
+        (
+            MEETING,
+            "The meeting is on Tuesday. Revenue in 2025 was 12 million euros.",
+            ["supported", "supported"],
+        ),
+        (MEETING, "The meeting is on Friday.", ["contradicted"]),
+        (MEETING, "Revenue in 2025 was 15 million euros.", ["contradicted"]),
+        (MEETING, "Paris is the capital of France.", ["unverifiable"]),
+        (MEETING_ZH, "会议在星期二举行。公司2024年营收为1200万元。", ["supported", "supported"]),
+        (MEETING_ZH, "会议在星期五举行。", ["contradicted"]),
+        (MEETING_ZH, "公司2024年营收为1500万元。", ["contradicted"]),
+        (MEETING_ZH, "巴黎是法国的首都。", ["unverifiable"]),
+    ],
+)
+def test_fallback_three_way_labels_in_english_and_chinese(fallback, doc, answer, labels):
+    j = fallback.judge_sync(_premise(doc, "?"), claims_of(split_sentences(answer)))
+    assert [c.label for c in j.claims] == labels, j.claims
+    assert (j.score >= 0.8) == ("contradicted" not in labels)
 
 
 def test_fallback_score_mapping_is_on_the_threshold_scale(fallback):
