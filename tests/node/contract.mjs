@@ -2,7 +2,8 @@
 // Usage: node contract.mjs '{"base_url": ..., "mode": "create"|"stream"|"helper", "request": {...}}'
 // mode "stream" iterates the raw chunks; "helper" lets the SDK reassemble the stream
 // (chat.completions.stream(...).finalChatCompletion()); "converse" asks job.turns one after the other,
-// appending each answer's message as returned. An API error is reported, not thrown.
+// appending each answer's message as returned; "realtime" talks over /v1/realtime (OpenAIRealtimeWS).
+// An API error is reported, not thrown.
 import { readFileSync } from "node:fs";
 import OpenAI from "openai";
 
@@ -32,6 +33,45 @@ async function run() {
       completions.push(await client.chat.completions.create({ ...job.request, messages }));
     }
     return { completions };
+  }
+  if (job.mode === "realtime") {
+    // A spoken conversation over the Realtime WebSocket (OpenAIRealtimeWS, on the ws package): each of
+    // job.request.turns is base64 PCM16 at 24 kHz, appended, committed and answered before the next.
+    const { OpenAIRealtimeWS } = await import("openai/realtime/ws");
+    const rt = new OpenAIRealtimeWS({ model: job.request.model }, client);
+    const events = [];
+    let cursor = 0;
+    let waiters = [];
+    const next = (type) =>
+      new Promise((resolve) => {
+        const check = () => {
+          while (cursor < events.length) {
+            const e = events[cursor++];
+            if (e.type === type) {
+              resolve(e);
+              return true;
+            }
+          }
+          return false;
+        };
+        if (!check()) waiters.push(check);
+      });
+    rt.on("event", (e) => {
+      events.push(e);
+      waiters = waiters.filter((w) => !w());
+    });
+    rt.on("error", (err) => events.push({ type: "sdk_error", message: String(err?.message ?? err) }));
+    await next("session.created");
+    rt.send({ type: "session.update", session: { type: "realtime", output_modalities: ["audio"], audio: { input: { turn_detection: null } } } });
+    await next("session.updated");
+    for (const pcm of job.request.turns) {
+      rt.send({ type: "input_audio_buffer.append", audio: pcm });
+      rt.send({ type: "input_audio_buffer.commit" });
+      rt.send({ type: "response.create" });
+      await next("response.done");
+    }
+    rt.close();
+    return { events };
   }
   if (job.mode === "helper") {
     const runner = client.chat.completions.stream({ ...job.request, stream: true });
