@@ -7,7 +7,6 @@ import json
 import os
 import re
 import secrets
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from urllib.parse import urlparse
@@ -129,8 +128,8 @@ def test_gpu_engines_carry_the_serving_flags():
     expected_tp = {"omni-int4": 1, "omni-bf16": 2}
     for name, engine in engines.items():
         svc = config["services"][name]
-        args = _engine_argv(svc)[2:]
-        assert _engine_argv(svc)[:2] == ["vllm", "serve"]
+        assert svc["entrypoint"] == ["vllm", "serve"]
+        args = svc["command"]
         assert "--omni" in args
         assert "--log-stats" in args  # vLLM-Omni's /metrics (queue, KV cache, per-stage TTFT) needs it
         assert "--enable-log-requests" in args  # its log names each request by the gateway's request id
@@ -169,43 +168,18 @@ def test_gpu_engines_carry_the_serving_flags():
     assert targets == {f"{h}:{urlparse(e['base_url']).port}" for h, e in engines.items()}
 
 
-def _engine_argv(svc: dict, tmp: Path | None = None) -> list[str]:
-    """The argv the engine service's container runs: its rendered entrypoint and command, run by the shell
-    with the service's environment and a ``vllm`` on PATH that prints the arguments it was given."""
-    with tempfile.TemporaryDirectory() as d:
-        fake = Path(d) / "vllm"
-        fake.write_text(
-            "#!/bin/sh\nexec python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n"
-        )
-        fake.chmod(0o755)
-        # `compose config` keeps `$$` as written; the container gets a single `$`
-        entry = [a.replace("$$", "$") for a in svc["entrypoint"]]
-        assert entry[0] == "/bin/sh"
-        env = {**{k: str(v) for k, v in (svc.get("environment") or {}).items()}, "PATH": f"{d}:/usr/bin:/bin"}
-        result = run([*entry, *(a.replace("$$", "$") for a in svc["command"])], env=env)
-    assert result.returncode == 0, result.stderr
-    return ["vllm", *json.loads(result.stdout)]
-
-
-@pytest.mark.parametrize("collector", ["", "http://otel-collector:4318/"])
-def test_engines_export_their_spans_to_the_gateway_s_collector_when_it_is_set(collector):
-    """One OTEL_EXPORTER_OTLP_ENDPOINT: the gateway's traces and, through vLLM's --otlp-traces-endpoint,
-    the engines' own spans go to the same collector; unset, neither exports and the engines get no flag."""
+@pytest.mark.parametrize("collector", ["", "http://otel-collector:4318"])
+def test_the_gateway_traces_to_the_collector_and_the_omni_engines_are_not_given_the_flag(collector):
+    """One OTEL_EXPORTER_OTLP_ENDPOINT turns the gateway's traces on. The vLLM-Omni engines never get
+    --otlp-traces-endpoint, set or not: vLLM-Omni 0.30 refuses to start with it for Qwen3-Omni's
+    pipeline (tests/realomni/test_traces.py holds that fact against the real server)."""
     config = compose_config("gpu", OTEL_EXPORTER_OTLP_ENDPOINT=collector)
-    gateway = config["services"]["gateway"]["environment"]
-    assert gateway["OTEL_EXPORTER_OTLP_ENDPOINT"] == collector
+    assert config["services"]["gateway"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == collector
     for name in ("omni-int4", "omni-bf16"):
-        args = _engine_argv(config["services"][name])
-        flags = [a for a in args if a.startswith("--otlp-traces-endpoint")]
-        if collector:
-            assert flags == ["--otlp-traces-endpoint=http://otel-collector:4318/v1/traces"], args
-            assert (
-                config["services"][name]["environment"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"]
-                == "http/protobuf"
-            )
-        else:
-            assert flags == [], args
-        assert args[2].startswith("/models/") and "--omni" in args  # the command still reaches vllm whole
+        svc = config["services"][name]
+        argv = [*svc["entrypoint"], *svc["command"]]
+        assert not [a for a in argv if "otlp" in a], argv
+        assert not [k for k in svc.get("environment") or {} if k.startswith("OTEL_")]
 
 
 def test_gpu_reservations_do_not_overlap():

@@ -165,7 +165,11 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def server_command(prepared: Prepared, port: int, served_name: str = "qwen3-omni") -> list[str]:
+def server_command(
+    prepared: Prepared, port: int, served_name: str = "qwen3-omni", otlp_traces_endpoint: str | None = None
+) -> list[str]:
+    # With an OTLP/HTTP endpoint, vLLM-Omni exports its own spans there (vLLM's --otlp-traces-endpoint).
+    traces = ["--otlp-traces-endpoint", otlp_traces_endpoint] if otlp_traces_endpoint else []
     return [
         str(prepared.vllm_omni),
         "serve",
@@ -180,6 +184,7 @@ def server_command(prepared: Prepared, port: int, served_name: str = "qwen3-omni
         "127.0.0.1",
         "--port",
         str(port),
+        *traces,
     ]
 
 

@@ -25,8 +25,9 @@ class OmniServer(VllmServer):
 
     served_name = "qwen3-omni"
 
-    def __init__(self, prepared: Prepared) -> None:
+    def __init__(self, prepared: Prepared, otlp_traces_endpoint: str | None = None) -> None:
         self.prepared = prepared  # type: ignore[assignment]
+        self.otlp_traces_endpoint = otlp_traces_endpoint
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = Path(tempfile.mkdtemp(prefix="realomni-")) / "vllm-omni.log"
@@ -36,7 +37,8 @@ class OmniServer(VllmServer):
         # A process group of its own: the API server starts one engine process per stage, and a stop must
         # reach every one of them.
         self.proc = subprocess.Popen(
-            server_command(self.prepared, self.port, self.served_name), env=server_env(), stdout=out,
+            server_command(self.prepared, self.port, self.served_name, self.otlp_traces_endpoint),
+            env={**server_env(), "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "100"}, stdout=out,
             stderr=subprocess.STDOUT, cwd=self.log.parent, start_new_session=True,
         )  # fmt: skip
         out.close()
