@@ -375,3 +375,25 @@ def test_engine_refusal_fails_the_response_not_the_session(server, ups, key):
         c.send({"type": "response.create"})
         assert c.until("response.done")[-1]["response"]["status"] == "completed"
     time.sleep(0)
+
+
+@pytest.mark.parametrize("engine_rate", [16000, 48000])
+def test_the_answer_is_resampled_to_the_session_rate(server, ups, key, engine_rate):
+    # Talkers speak at 16, 24, 44.1 or 48 kHz (WIRE.md); the session's audio is 24 kHz PCM16 whatever the engine's.
+    ups.omni_a.default = Script(flavour="omni", text=FIRST, sample_rate=engine_rate, audio_chunks=5)
+    with Client(server.url, key.key) as c:
+        c.until("session.created")
+        c.send(
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Hi"}],
+                },
+            }
+        )
+        c.send({"type": "response.create"})
+        audio, _, done = answer(c.until("response.done"))
+    assert done["response"]["status"] == "completed"
+    assert len(audio) / (2 * RATE) == pytest.approx(5 * 0.2, abs=0.01)  # five 0.2 s pieces, at 24 kHz
