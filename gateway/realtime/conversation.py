@@ -3,11 +3,14 @@ turns are answered from (bounded: the oldest leave the context past ``realtime.m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import base64
+import binascii
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from gateway.realtime import events as ev
-from gateway.realtime.vad import VadParams
+from gateway.realtime.vad import VadParams, shared_model
+from gateway.realtime_settings import VadDefaults
 
 
 @dataclass(slots=True)
@@ -50,6 +53,40 @@ class SessionConfig:
             "tools": [],
             "tool_choice": "auto",
         }
+
+    def update(self, s: ev.SessionConfig, defaults: VadDefaults) -> bool:
+        """Apply a ``session.update`` whole or not at all (what it leaves out stays); True when turn detection
+        changed."""
+        cfg = replace(self)  # a refused value leaves the session as it was
+        detection = False
+        if s.model is not None:
+            cfg.model = s.model  # the tenant's access to it is checked on every turn, as for chat
+        if "instructions" in s.model_fields_set:
+            cfg.instructions = s.instructions
+        if s.output_modalities:
+            if len(set(s.output_modalities)) != 1:
+                raise ev.bad(
+                    "output_modalities is ['audio'] or ['text']",
+                    "invalid_value",
+                    "session.output_modalities",
+                )
+            cfg.modalities = list(s.output_modalities)
+        if s.max_output_tokens is not None:
+            cfg.max_output_tokens = None if s.max_output_tokens == "inf" else s.max_output_tokens
+        audio = s.audio
+        if audio is not None and audio.input is not None:
+            if audio.input.format is not None:
+                cfg.in_rate = _rate(audio.input.format.rate, "session.audio.input.format.rate")
+            if "turn_detection" in audio.input.model_fields_set:
+                cfg.vad, detection = _detection(audio.input.turn_detection, defaults, cfg), True
+        if audio is not None and audio.output is not None:
+            if audio.output.format is not None:
+                cfg.out_rate = _rate(audio.output.format.rate, "session.audio.output.format.rate")
+            if audio.output.voice is not None:
+                cfg.voice = audio.output.voice
+        for f in fields(self):
+            setattr(self, f.name, getattr(cfg, f.name))
+        return detection
 
 
 @dataclass(slots=True)
@@ -110,3 +147,71 @@ class Conversation:
         del self.items[: max(0, len(self.items) - self.limit)]  # the oldest leave the context
         at = self.items.index(item) if item in self.items else 0
         return self.items[at - 1].id if at > 0 else None
+
+    def item_from(self, it: ev.Item) -> Item:
+        """A client's ``conversation.item.create`` item (its input audio PCM16 at the session's rate)."""
+        if it.id is not None and self.find(it.id) is not None:
+            raise ev.bad(f"an item {it.id!r} exists already", "invalid_value", "item.id")
+        item = Item(it.id or ev.new_id("item"), it.role)
+        for part in it.content:
+            if part.type == "input_audio" and part.audio:
+                if it.role != "user":
+                    raise ev.bad("only user items carry input audio", "invalid_value", "item.content")
+                try:
+                    item.audio += base64.b64decode(part.audio, validate=True)
+                except (binascii.Error, ValueError):
+                    raise ev.bad("audio is not valid base64", "invalid_value", "item.content.audio") from None
+            else:
+                item.text += part.text or part.transcript or ""
+        return item
+
+    def truncate(self, item_id: str, audio_end_ms: int) -> Item:
+        """Cut an assistant item where its audio stopped being played: what was not heard leaves the context,
+        its transcript cut at the same share (at a word's end)."""
+        item = self.find(item_id)
+        if item is None or item.role != "assistant":
+            raise ev.bad(f"no assistant item {item_id!r} in the conversation", "item_not_found", "item_id")
+        if audio_end_ms > item.audio_ms:
+            raise ev.bad(
+                f"audio_end_ms {audio_end_ms} is past the item's audio ({item.audio_ms} ms)",
+                "invalid_value",
+                "audio_end_ms",
+            )
+        keep = int(len(item.text) * audio_end_ms / item.audio_ms) if item.audio_ms else 0
+        cut = item.text[:keep]
+        if keep < len(item.text) and " " in cut:
+            cut = cut[: cut.rfind(" ")]
+        item.text, item.audio_ms, item.status = cut, audio_end_ms, "incomplete"
+        return item
+
+
+def _detection(td: ev.ServerVad | None, d: VadDefaults, cfg: SessionConfig) -> VadParams | None:
+    """Server VAD's parameters (None: manual commit); refused by name where the model is not installed."""
+    if td is None:
+        return None
+    try:
+        shared_model()  # present, loadable: refused here rather than at the first append
+    except (FileNotFoundError, ImportError) as exc:
+        raise ev.bad(
+            f"server_vad is not available on this gateway ({exc}); commit turns yourself "
+            "(turn_detection: null)",
+            "server_vad_unavailable",
+            "session.audio.input.turn_detection",
+        ) from None
+    params = VadParams(
+        td.threshold if td.threshold is not None else d.threshold,
+        td.prefix_padding_ms if td.prefix_padding_ms is not None else d.prefix_padding_ms,
+        td.silence_duration_ms if td.silence_duration_ms is not None else d.silence_duration_ms,
+    )
+    cfg.create_response, cfg.interrupt_response = td.create_response, td.interrupt_response
+    return params
+
+
+def _rate(rate: int, param: str) -> int:
+    if rate not in ev.RATES:
+        raise ev.bad(
+            f"audio/pcm at {rate} Hz is not served; use one of {list(ev.RATES)}",
+            "invalid_value",
+            param,
+        )
+    return rate

@@ -25,7 +25,7 @@ from gateway.realtime import events as ev
 from gateway.realtime import turn as turns
 from gateway.realtime.audio import seconds
 from gateway.realtime.conversation import Conversation, Item, SessionConfig
-from gateway.realtime.vad import VadParams, VoiceActivity, shared_model
+from gateway.realtime.vad import VoiceActivity, shared_model
 from gateway.realtime_settings import RealtimeSettings
 from observability.metrics import Metrics
 
@@ -157,7 +157,8 @@ class RealtimeSession:
                 raise ev.bad("there is no response in progress to cancel", "response_cancel_not_active")
             await self.cancel("client", None)
         elif isinstance(e, ev.SessionUpdate):
-            self._update(e.session)
+            if self.cfg.update(e.session, self.settings.vad):
+                self._vad = VoiceActivity(shared_model(), self.cfg.vad) if self.cfg.vad is not None else None
             await self.emit({"type": "session.updated", "session": self.cfg.wire(self.id)})
         elif isinstance(e, ev.ItemCreate):
             await self._create_item(e)
@@ -169,60 +170,6 @@ class RealtimeSession:
             await self.emit({"type": "conversation.item.deleted", "item_id": e.item_id})
         elif isinstance(e, ev.ItemTruncate):
             await self._truncate(e)
-
-    def _update(self, s: ev.SessionConfig) -> None:
-        cfg = self.cfg
-        if s.model is not None:
-            cfg.model = s.model  # the tenant's access to it is checked on every turn, as for chat
-        if "instructions" in s.model_fields_set:
-            cfg.instructions = s.instructions
-        if s.output_modalities:
-            if len(set(s.output_modalities)) != 1:
-                raise ev.bad(
-                    "output_modalities is ['audio'] or ['text']",
-                    "invalid_value",
-                    "session.output_modalities",
-                )
-            cfg.modalities = list(s.output_modalities)
-        if s.max_output_tokens is not None:
-            cfg.max_output_tokens = None if s.max_output_tokens == "inf" else s.max_output_tokens
-        audio = s.audio
-        if audio is not None and audio.input is not None:
-            if audio.input.format is not None:
-                cfg.in_rate = _rate(audio.input.format.rate, "session.audio.input.format.rate")
-            if "turn_detection" in audio.input.model_fields_set:
-                self._detection(audio.input.turn_detection)
-        if audio is not None and audio.output is not None:
-            if audio.output.format is not None:
-                cfg.out_rate = _rate(audio.output.format.rate, "session.audio.output.format.rate")
-            if audio.output.voice is not None:
-                cfg.voice = audio.output.voice
-
-    def _detection(self, td: ev.ServerVad | None) -> None:
-        if td is None:
-            self.cfg.vad, self._vad = None, None
-            return
-        try:
-            model = shared_model()
-        except (FileNotFoundError, ImportError) as exc:
-            raise ev.bad(
-                f"server_vad is not available on this gateway ({exc}); commit turns yourself "
-                "(turn_detection: null)",
-                "server_vad_unavailable",
-                "session.audio.input.turn_detection",
-            ) from None
-        d = self.settings.vad
-        params = VadParams(
-            td.threshold if td.threshold is not None else d.threshold,
-            td.prefix_padding_ms if td.prefix_padding_ms is not None else d.prefix_padding_ms,
-            td.silence_duration_ms if td.silence_duration_ms is not None else d.silence_duration_ms,
-        )
-        self.cfg.vad, self.cfg.create_response, self.cfg.interrupt_response = (
-            params,
-            td.create_response,
-            td.interrupt_response,
-        )
-        self._vad = VoiceActivity(model, params)
 
     async def _append(self, b64: str) -> None:
         try:
@@ -302,47 +249,18 @@ class RealtimeSession:
         await self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item.wire()})
 
     async def _create_item(self, e: ev.ItemCreate) -> None:
-        it = e.item
-        if it.id is not None and self.conversation.find(it.id) is not None:
-            raise ev.bad(f"an item {it.id!r} exists already", "invalid_value", "item.id")
-        item = Item(it.id or ev.new_id("item"), it.role)
-        for part in it.content:
-            if part.type == "input_audio" and part.audio:
-                if it.role != "user":
-                    raise ev.bad("only user items carry input audio", "invalid_value", "item.content")
-                try:
-                    item.audio += base64.b64decode(part.audio, validate=True)
-                except (binascii.Error, ValueError):
-                    raise ev.bad("audio is not valid base64", "invalid_value", "item.content.audio") from None
-            else:
-                item.text += part.text or part.transcript or ""
+        item = self.conversation.item_from(e.item)
         took = seconds(len(item.audio), self.cfg.in_rate)
         if took > self.settings.max_turn_audio_s or self.audio_in_s + took > self.settings.max_audio_s:
             raise ev.bad(
-                "the item's audio is over the session's limits",
-                "input_audio_too_long",
-                "item.content",
+                "the item's audio is over the session's limits", "input_audio_too_long", "item.content"
             )
         self.audio_in_s += took
         previous = self.conversation.add(item, e.previous_item_id)
         await self._added(item, previous)
 
     async def _truncate(self, e: ev.ItemTruncate) -> None:
-        item = self.conversation.find(e.item_id)
-        if item is None or item.role != "assistant":
-            raise ev.bad(f"no assistant item {e.item_id!r} in the conversation", "item_not_found", "item_id")
-        if e.audio_end_ms > item.audio_ms:
-            raise ev.bad(
-                f"audio_end_ms {e.audio_end_ms} is past the item's audio ({item.audio_ms} ms)",
-                "invalid_value",
-                "audio_end_ms",
-            )
-        # What was not heard leaves the context: the transcript is cut where the audio was (at a word's end).
-        keep = int(len(item.text) * e.audio_end_ms / item.audio_ms) if item.audio_ms else 0
-        cut = item.text[:keep]
-        if keep < len(item.text) and " " in cut:
-            cut = cut[: cut.rfind(" ")]
-        item.text, item.audio_ms, item.status = cut, e.audio_end_ms, "incomplete"
+        item = self.conversation.truncate(e.item_id, e.audio_end_ms)
         await self.emit(
             {
                 "type": "conversation.item.truncated",
@@ -460,13 +378,3 @@ class RealtimeSession:
         else:
             turn.done = True
             self.metrics.realtime_turns.labels("cancelled").inc()
-
-
-def _rate(rate: int, param: str) -> int:
-    if rate not in ev.RATES:
-        raise ev.bad(
-            f"audio/pcm at {rate} Hz is not served; use one of {list(ev.RATES)}",
-            "invalid_value",
-            param,
-        )
-    return rate

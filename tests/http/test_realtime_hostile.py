@@ -96,6 +96,20 @@ def test_invalid_values_are_named(server, ups, key):
             }
         )
         assert c.until("error")[-1]["error"]["param"] == "session.audio.input.format.rate"
+        # A refused update changes nothing of what it carried beside the bad value.
+        c.send(
+            {
+                "type": "session.update",
+                "session": {
+                    "instructions": "Be terse.",
+                    "audio": {"output": {"voice": "Ethan", "format": {"type": "audio/pcm", "rate": 12345}}},
+                },
+            }
+        )
+        assert c.until("error")[-1]["error"]["param"] == "session.audio.output.format.rate"
+        c.send({"type": "session.update", "session": {}})
+        now = c.until("session.updated")[-1]["session"]
+        assert now["audio"]["output"]["voice"] is None and now["instructions"] == ""
         c.send({"type": "conversation.item.truncate", "item_id": "nope", "audio_end_ms": 10})
         assert c.until("error")[-1]["error"]["code"] == "item_not_found"
 
