@@ -35,6 +35,7 @@ from gateway.admission import AdmissionGate
 from gateway.answer_audio import AnswerAudio
 from gateway.auth_failures import AuthFailures
 from gateway.chains import Chains, ChainSet
+from gateway.engine_chat import PoolChat
 from gateway.directory.live import LiveDirectory
 from gateway.metrics_server import MetricsServer
 from gateway.pipeline import Pipeline
@@ -250,6 +251,7 @@ class Services:
                 EngineFacts(e.name, tuple(e.config.serves), e.config.role, e.capabilities)
                 for e in self.pool.engines.values()
             ),
+            engine_chat=PoolChat(self.pool),
         )
 
     def describe_scorer(self) -> dict[str, Any] | None:
@@ -516,6 +518,10 @@ def build_scorer_if_used(settings: Settings, metrics: Metrics, used: set[str]) -
     """The grounding scorer when a configured policy uses it (not loaded yet), else None."""
     if "scorer" not in used:
         return None
+    if settings.grounding.scorer == "served":  # the NLI model an engine serves (grounding.served)
+        from policies.grounding.served import ServedScorer
+
+        return ServedScorer(settings.grounding, metrics)
     from policies.grounding.scorer import build_scorer
 
     return build_scorer(settings.grounding, metrics)
