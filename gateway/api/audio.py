@@ -16,6 +16,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+from collections.abc import Iterator
 from pathlib import PurePath
 from typing import Any, TypeVar
 
@@ -171,7 +172,8 @@ class Transcriptions(_AudioRoute):
 
         serving = serve_audio(services.pipeline, chat, ctx, "transcriptions", finish)
         del chat
-        text = await _unless_client_leaves(request, serving)
+        with _named_as(_AUDIO_PART, FILE_FIELD):
+            text = await _unless_client_leaves(request, serving)
         body, media_type = transcript_body(text, form.response_format, input_seconds(ctx), form.language)
         return _Answer(body, media_type, response_headers(ctx), server.stream_write_timeout_s)
 
@@ -213,7 +215,8 @@ class Speech(_AudioRoute):
             return data, facts
 
         serving = serve_audio(services.pipeline, speech_chat(speech), ctx, "speech", finish)
-        data = await _unless_client_leaves(request, serving)
+        with _named_as(_TEXT_MESSAGE, "input"):
+            data = await _unless_client_leaves(request, serving)
         return _Answer(data, MEDIA_TYPES[fmt], response_headers(ctx), server.stream_write_timeout_s)
 
 
@@ -231,6 +234,23 @@ routes = [
     Route(TRANSCRIPTIONS, Transcriptions(), methods=["POST"], name="audio_transcriptions"),
     Route(SPEECH, Speech(), methods=["POST"], name="audio_speech"),
 ]
+
+
+#: where the chat request a transcription is served as carries the audio, and a speech request the text
+_AUDIO_PART = "messages.0.content.0"
+_TEXT_MESSAGE = "messages.1"
+
+
+@contextlib.contextmanager
+def _named_as(part: str, field: str) -> Iterator[None]:
+    """An error naming the chat request's ``part`` names the endpoint's ``field`` instead (the client's)."""
+    try:
+        yield
+    except OmnigateError as exc:
+        if exc.param is not None and exc.param.startswith(part):
+            exc.message = exc.message.replace(exc.param, field)
+            exc.param = field
+        raise
 
 
 # -- reading ------------------------------------------------------------------------------------------------

@@ -143,7 +143,9 @@ def test_speech_is_the_engines_audio_as_a_wav_file(client, ups, gateway):
 @pytest.mark.parametrize("fmt", ["mp3", "opus", "flac", "aac"])
 def test_speech_in_every_openai_format(client, ups, fmt):
     ups.omni_a.default = Script(flavour="omni", text="Hello.", audio_chunks=5, sample_rate=24000)
-    data = client.audio.speech.create(model=OMNI_MODEL, input="Hello.", voice="Ethan", response_format=fmt).read()
+    data = client.audio.speech.create(
+        model=OMNI_MODEL, input="Hello.", voice="Ethan", response_format=fmt
+    ).read()
     import av
 
     with av.open(io.BytesIO(data)) as container:
@@ -153,7 +155,9 @@ def test_speech_in_every_openai_format(client, ups, fmt):
 
 def test_pcm_is_raw_24khz_samples_whatever_the_engines_rate(client, ups):
     ups.omni_a.default = Script(flavour="omni", text="Hello.", audio_chunks=5, sample_rate=16000)
-    data = client.audio.speech.create(model=OMNI_MODEL, input="Hello.", voice="Ethan", response_format="pcm").read()
+    data = client.audio.speech.create(
+        model=OMNI_MODEL, input="Hello.", voice="Ethan", response_format="pcm"
+    ).read()
     assert len(data) // 2 == pytest.approx(24000, rel=0.02)
 
 
