@@ -36,6 +36,7 @@ from gateway.answer_audio import AnswerAudio
 from gateway.auth_failures import AuthFailures
 from gateway.chains import Chains, ChainSet
 from gateway.directory.live import LiveDirectory
+from gateway.engine_chat import PoolChat
 from gateway.metrics_server import MetricsServer
 from gateway.pipeline import Pipeline
 from gateway.ratelimit import RateLimiter
@@ -250,6 +251,7 @@ class Services:
                 EngineFacts(e.name, tuple(e.config.serves), e.config.role, e.capabilities)
                 for e in self.pool.engines.values()
             ),
+            engine_chat=PoolChat(self.pool),
         )
 
     def describe_scorer(self) -> dict[str, Any] | None:

@@ -165,9 +165,22 @@ class Deps:
     settings: ChainSettings
     metrics: Metrics
     resources: Mapping[str, object] = field(default_factory=dict)
+    #: the gateway's own call to the engines it routes to (:class:`EngineChat`), for a guard that asks
+    #: an engine a question (the grounding guard's image check); None outside a gateway
+    engine_chat: EngineChat | None = None
     #: what each engine serves and takes, as its adapter declares it (core/capabilities.py): the media
     #: steps read the engines' modalities, video form, audio rate and context here, not in the settings
     engines: tuple[EngineFacts, ...] = ()
+
+
+@runtime_checkable
+class EngineChat(Protocol):
+    """One whole chat completion from an engine that serves ``request.model``, chosen, capped and failed
+    over as the gateway routes clients' requests, within ``timeout_s``. A guard's question to an engine:
+    it takes no client's admission slot and writes no audit record of its own. Raises
+    :class:`core.errors.GuardUnavailable` when no engine answers in time."""
+
+    async def __call__(self, request: ChatCompletionRequest, *, timeout_s: float) -> Completion: ...
 
 
 @runtime_checkable
