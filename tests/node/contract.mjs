@@ -3,9 +3,10 @@
 // mode "stream" iterates the raw chunks; "helper" lets the SDK reassemble the stream
 // (chat.completions.stream(...).finalChatCompletion()); "converse" asks job.turns one after the other,
 // appending each answer's message as returned; "realtime" talks over /v1/realtime (OpenAIRealtimeWS).
+// "transcribe" and "speech" call client.audio.transcriptions.create and client.audio.speech.create.
 // An API error is reported, not thrown.
 import { readFileSync } from "node:fs";
-import OpenAI from "openai";
+import OpenAI, { toFile } from "openai";
 
 const job = JSON.parse(process.argv[2]);
 // A request too large for one command-line argument (media) comes in a file.
@@ -72,6 +73,18 @@ async function run() {
     }
     rt.close();
     return { events };
+  }
+  if (job.mode === "transcribe") {
+    // client.audio.transcriptions.create with the file as the SDK's users hand it over (toFile of bytes).
+    const { file_b64, filename, ...fields } = job.request;
+    const file = await toFile(Buffer.from(file_b64, "base64"), filename);
+    return { transcription: await client.audio.transcriptions.create({ ...fields, file }) };
+  }
+  if (job.mode === "speech") {
+    // client.audio.speech.create: the answer is the audio file itself, read whole.
+    const response = await client.audio.speech.create(job.request);
+    const audio = Buffer.from(await response.arrayBuffer());
+    return { content_type: response.headers.get("content-type"), audio_b64: audio.toString("base64") };
   }
   if (job.mode === "helper") {
     const runner = client.chat.completions.stream({ ...job.request, stream: true });
