@@ -543,7 +543,7 @@ class Metrics:
         )
         self.realtime_closed = Counter(
             "omnigate_realtime_sessions_closed_total",
-            "Realtime sessions closed, by reason (client, limit, abuse, error, shutdown)",
+            "Realtime sessions closed, by reason (client, limit, abuse, stalled, shutdown)",
             ["reason"],
             registry=r,
         )

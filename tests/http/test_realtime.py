@@ -4,7 +4,13 @@ cancellation (the engine sees its request closed), the session's one admission s
 from __future__ import annotations
 
 import base64
+import os
+import re
+import subprocess
+import sys
 import time
+import wave
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -397,3 +403,29 @@ def test_the_answer_is_resampled_to_the_session_rate(server, ups, key, engine_ra
         audio, _, done = answer(c.until("response.done"))
     assert done["response"]["status"] == "completed"
     assert len(audio) / (2 * RATE) == pytest.approx(5 * 0.2, abs=0.01)  # five 0.2 s pieces, at 24 kHz
+
+
+def test_the_docs_client_example_runs_as_written(server, ups, key, tmp_path):
+    """docs/realtime.md's Python client, run as a user runs it: the SDK configured from the environment."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "realtime.md").read_text()
+    (tmp_path / "talk.py").write_text(re.search(r"```python\n(.*?)```", page, re.DOTALL).group(1))
+    with wave.open(str(tmp_path / "question.wav"), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(RATE)
+        w.writeframes(tone(0.5))
+    ups.omni_a.default = Script(flavour="omni", text=FIRST)
+    env = {**os.environ, "OPENAI_BASE_URL": server.url + "/v1", "OPENAI_API_KEY": key.key}
+    done = subprocess.run(
+        [sys.executable, "talk.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == FIRST
+    with wave.open(str(tmp_path / "answer.wav")) as w:
+        assert w.getframerate() == RATE and w.getnframes() > RATE // 2
