@@ -206,3 +206,35 @@ def test_bad_speech_requests_are_400s_naming_the_field(client, ups, kw, param):
         client.audio.speech.create(**body)
     assert err.value.body["param"] == param, err.value.body
     assert ups.omni_a.request_count == 0
+
+
+def test_the_docs_python_examples_run_as_written(gateway, ups, tmp_path):
+    """docs/audio.md's Python examples, run as a user runs them: the SDK configured from the environment."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "audio.md").read_text()
+    transcribe, speak = re.findall(r"```python\n(.*?)```", page, re.DOTALL)
+    (tmp_path / "question.wav").write_bytes(wav(tone(1.0), 16000))
+    env = {**os.environ, "OPENAI_BASE_URL": gateway.url + "/v1", "OPENAI_API_KEY": "unused"}
+    ups.omni_a.default = Script(flavour="omni", text=SAID, audio_chunks=3)
+    out = {}
+    for name, code in (("transcribe.py", transcribe), ("speak.py", speak)):
+        (tmp_path / name).write_text(code)
+        done = subprocess.run(
+            [sys.executable, name],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        out[name] = done.stdout
+    assert out == {"transcribe.py": SAID + "\n", "speak.py": ""}
+    samples, rate = sf.read(tmp_path / "answer.wav", dtype="int16")
+    assert rate == 24000 and len(samples) == 3 * int(24000 * 0.2)
