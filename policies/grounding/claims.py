@@ -47,6 +47,8 @@ _HANGUL = re.compile("[\uac00-\ud7af]")
 # A number as written: optional sign, digits with thousands separators, decimals, a percent sign. Not
 # glued to Latin letters ("Qwen3" is a name); CJK may touch it ("营收为1200万元").
 _NUMBER = re.compile(r"(?<![A-Za-z0-9_.])[-+]?\d[\d,]*(?:\.\d+)?%?")
+# What a number counts: the next word, or up to two CJK characters ("万元", "米").
+_UNIT = re.compile(f"\\s*((?:(?![{_CJK}])[^\\W\\d_])+|[{_CJK}]{{1,2}})")
 _QUESTION_END = re.compile(r"[?？]\W*$")
 # Weekdays as facts: English names and the Chinese 星期/周/礼拜 forms, as 1 (Monday) to 7 (Sunday).
 _WEEKDAYS_EN = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
@@ -196,6 +198,16 @@ def _norm_number(raw: str) -> str:
 def numbers_in(text: str) -> set[str]:
     """Numbers written with digits, normalised ("1,000" == "1000", "3.50" == "3.5")."""
     return {_norm_number(m.group(0).rstrip(",")) for m in _NUMBER.finditer(text)}
+
+
+def measures_in(text: str) -> dict[str, str]:
+    """Each number with what it counts: the word (or the CJK characters) right after it, lowercased
+    ("12 million euros" → {"12": "million"}, "1200万元" → {"1200": "万元"}); "" where nothing follows."""
+    out: dict[str, str] = {}
+    for m in _NUMBER.finditer(text):
+        unit = _UNIT.match(text, m.end())
+        out[_norm_number(m.group(0).rstrip(","))] = unit.group(1).lower() if unit else ""
+    return out
 
 
 def names_in(text: str) -> set[str]:

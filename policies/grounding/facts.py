@@ -18,6 +18,7 @@ from policies.grounding.claims import (
     DateKey,
     date_supported,
     dates_in,
+    measures_in,
     names_in,
     numbers_in,
     tokens_in,
@@ -122,18 +123,26 @@ def conflict(
     if not gone.kinds:
         return None
     best: tuple[float, str] | None = None
+    units = {u: n for n, u in measures_in(claim).items() if u and n not in ef.numbers}
     for sentence in evidence:
         sf = facts_of(sentence.strip())
+        share: float | None = None
         for kind in sorted(gone.kinds):
             others = _states_other(sf, cf, kind)
             if not others:
                 continue
-            share = about(claim, sentence)
+            share = about(claim, sentence) if share is None else share
             if share >= floor and (best is None or share > best[0]):
-                best = (
-                    share,
-                    f"{gone.reason}: the evidence says {', '.join(others[:3])} about the same subject",
-                )
+                said = ", ".join(others[:3])
+                best = (share, f"{gone.reason}: the evidence says {said} about the same subject")
+        # A number of the same measure ("31 degrees" against "18 degrees") in a sentence that shares a
+        # name with the claim ("Paris") or its subject: the claim may go on about other things as well.
+        same = [(u, n) for n, u in measures_in(sentence).items() if u in units and n not in cf.numbers]
+        if same and best is None:
+            share = about(claim, sentence) if share is None else share
+            if cf.names & words_in(sentence) or share >= floor:
+                unit, stated = same[0]
+                best = (share, f"number {units[unit]} {unit} is not in the evidence: it says {stated} {unit}")
     return best[1] if best is not None else None
 
 

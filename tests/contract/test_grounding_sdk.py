@@ -34,6 +34,7 @@ CONTEXT = (
 QUESTION = "When was the Eiffel Tower completed and how tall is it?"
 WRONG = "The Eiffel Tower was completed in 1925. It is 330 metres tall."
 RIGHT = "The Eiffel Tower was completed on 31 March 1889. It is 330 metres tall."
+WRONG_TWICE = "The Eiffel Tower was completed in 1925. It is 400 metres tall."
 VAGUE = "Many visitors climb tall iron structures like this one every single year."
 
 
@@ -199,7 +200,7 @@ def test_window_mode_terminates_with_an_error_frame_after_a_release(serve, upstr
                 text += choice.delta.content or ""
     assert text == "It is 330 metres tall. "
     assert "1925" not in text
-    assert "not supported" in str(err.value)
+    assert "contradicts the evidence" in str(err.value)
     assert upstreams.vllm.request_count == 1  # no retry once something was released
     assert _metric(server, "omnigate_grounding_verdicts_total", mode="window", verdict="terminated") == 1
 
@@ -224,18 +225,35 @@ def test_passthrough_mode_releases_at_once_and_reports_the_verdict_last(serve, u
 
 def test_exhausted_retries_serve_the_best_scoring_answer_flagged(serve, upstreams):
     _server, client = serve("hold", "flag", 1)
-    # The first answer has no wrong fact but is vague (low similarity); the second names a wrong year.
-    upstreams.vllm.enqueue(Script(flavour="vllm", text=VAGUE), Script(flavour="vllm", text=WRONG))
+    # Both contradict the document (the fallback scores a contradiction 0): of equal scores the later
+    # attempt is served (the choice among different scores: tests/unit/test_rounds.py).
+    upstreams.vllm.enqueue(Script(flavour="vllm", text=WRONG), Script(flavour="vllm", text=WRONG_TWICE))
     raw = client.chat.completions.with_raw_response.create(
         model=TEXT_MODEL, messages=_messages(), stream=True
     )
     got = _collect(raw.parse())
     assert raw.headers["x-omnigate-grounding"] == "low"
     assert "retries-exhausted" in raw.headers["x-omnigate-degraded"]
-    assert got["text"] == VAGUE
+    assert got["text"] == WRONG_TWICE
     assert got["notes"]["grounding"]["verdict"] == "low"
-    assert got["notes"]["grounding"]["attempt"] == 1
+    assert got["notes"]["grounding"]["attempt"] == 2
+    assert got["notes"]["grounding"]["contradicted"] == 2
     assert upstreams.vllm.request_count == 2
+
+
+def test_a_vague_answer_is_unverifiable_and_served_without_a_retry(serve, upstreams):
+    server, client = serve("hold")
+    # No fact, nothing the document says: the document neither supports nor contradicts it.
+    upstreams.vllm.enqueue(Script(flavour="vllm", text=VAGUE), Script(flavour="vllm", text=WRONG))
+    raw = client.chat.completions.with_raw_response.create(
+        model=TEXT_MODEL, messages=_messages(), stream=True
+    )
+    got = _collect(raw.parse())
+    assert got["text"] == VAGUE
+    assert "x-omnigate-grounding" not in raw.headers
+    assert got["notes"]["grounding"]["verdict"] == "unverifiable"  # not "pass": nothing was checked
+    assert got["notes"]["grounding"]["unverifiable"] == 1
+    assert upstreams.vllm.request_count == 1
 
 
 def test_exhausted_retries_refuse_when_configured(serve, upstreams):

@@ -360,3 +360,28 @@ async def test_a_scorer_that_cannot_load_fails_the_gateway_start(tmp_path):
     with pytest.raises(ScorerLoadError, match=re.escape("grounding.model")):
         await services.start()
     await services.aclose()
+
+
+@pytest.mark.parametrize(
+    ("doc", "answer", "label"),
+    [
+        # The measure decides: a claim that goes on about other things still conflicts on it.
+        (
+            "Paris: 18 degrees, light rain.",
+            "It is 31 degrees in Paris and Gustave Eiffel built the Louvre.",
+            "contradicted",
+        ),
+        ("Paris: 18 degrees, light rain.", "It is 18 degrees in Paris.", "supported"),
+        # The same measure of another subject is no conflict.
+        (
+            "The Eiffel Tower is 330 metres tall.",
+            "The Seine river is 777 metres wide near the city centre.",
+            "unverifiable",
+        ),
+    ],
+)
+def test_fallback_numbers_of_the_same_measure_conflict_only_about_the_same_subject(
+    fallback, doc, answer, label
+):
+    j = fallback.judge_sync(_premise(doc, "?"), claims_of(split_sentences(answer)))
+    assert [c.label for c in j.claims] == [label], j.claims

@@ -1,0 +1,248 @@
+"""Grounding judges what the request's own evidence bears on: the example config's chain, the openai SDK.
+
+The gateway runs the policy chain of ops/config/omnigate.yaml as written (its grounding guard in
+``window`` mode, the fallback scorer, two retries) in front of the scripted vLLM-Omni engines. An
+open-domain question has no evidence: one engine call, no retry, no flag, and the header, the notes and
+the audit record say "no evidence". A document in the system or user message is evidence: a consistent
+answer passes, an answer that contradicts it (another weekday, another revenue) is retried and then
+flagged (or refused, with ``on_exhausted: refuse``), streamed and not, in English and in Chinese.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from policies.grounding.policy import DEFAULT_INSTRUCTION
+from policies.settings import PolicyChainConfig
+from tests.conftest import OMNI_MODEL, gateway_settings
+from tests.harness import GatewayServer, audit_payload
+from tests.upstream import Script
+
+pytestmark = pytest.mark.timeout(180)
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "ops" / "config" / "omnigate.yaml"
+ADMIN_KEY = secrets.token_hex(32)
+
+OPEN_QUESTION = "What is the capital of France?"
+OPEN_ANSWER = "Paris is the capital of France."
+DOC = (
+    "Minutes of the planning call. The board meeting is on Tuesday at 3 pm in Room 4. "
+    "Revenue in 2025 was 12 million euros."
+)
+QUESTION = "When is the board meeting, and what was the revenue in 2025?"
+CONSISTENT = "The board meeting is on Tuesday at 3 pm. Revenue in 2025 was 12 million euros."
+WRONG_DAY = "The board meeting is on Friday at 3 pm. Revenue in 2025 was 12 million euros."
+# The contradiction first: in window mode a sentence that passed is released, and what follows it can
+# then only end the stream (test_window_mode_ends_the_stream_at_a_contradiction_after_a_release).
+WRONG_REVENUE = "Revenue in 2025 was 15 million euros. The board meeting is on Tuesday at 3 pm."
+DOC_ZH = "董事会会议定于星期二下午三点在北京举行。公司2024年营收为1200万元。"
+QUESTION_ZH = "会议在哪天举行？"
+CONSISTENT_ZH = "会议在星期二下午三点举行。"
+WRONG_ZH = "会议在星期五下午三点举行。"
+OPEN_QUESTION_ZH = "法国的首都是哪里？"
+OPEN_ANSWER_ZH = "巴黎是法国的首都。"
+
+
+def _template_chain(**grounding: Any) -> PolicyChainConfig:
+    chain = yaml.safe_load(TEMPLATE.read_text())["policies"]
+    (post,) = [p for p in chain["post"] if p["name"] == "grounding"]
+    post["config"] = {**post.get("config", {}), **grounding}
+    return PolicyChainConfig.model_validate(chain)
+
+
+@pytest.fixture(scope="module")
+def servers(bg, upstreams):
+    made: dict[str, GatewayServer] = {}
+
+    def get(on_exhausted: str = "flag") -> GatewayServer:
+        if on_exhausted not in made:
+            chain = (
+                _template_chain() if on_exhausted == "flag" else _template_chain(on_exhausted=on_exhausted)
+            )
+            settings = gateway_settings(
+                upstreams, chain, admin={"api_key": ADMIN_KEY}, auth={"required": False}
+            )
+            made[on_exhausted] = GatewayServer(bg, settings, CollectorRegistry()).start()
+        return made[on_exhausted]
+
+    yield get
+    for s in made.values():
+        s.stop()
+
+
+@pytest.fixture
+def serve(servers, upstreams):
+    def get(on_exhausted: str = "flag") -> tuple[GatewayServer, openai.OpenAI]:
+        upstreams.reset()
+        server = servers(on_exhausted)
+        server.bg.run(server.services.pool.probe_now())
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        return server, client
+
+    return get
+
+
+def _ask(client: openai.OpenAI, messages: list[dict], stream: bool) -> tuple[Any, str, dict | None]:
+    """The raw response, the answer's text and the ``omnigate`` notes, streamed or not."""
+    raw = client.chat.completions.with_raw_response.create(model=OMNI_MODEL, messages=messages, stream=stream)
+    parsed = raw.parse()
+    if not stream:
+        return raw, parsed.choices[0].message.content or "", (parsed.model_extra or {}).get("omnigate")
+    text, notes = "", None
+    for chunk in parsed:
+        notes = (chunk.model_extra or {}).get("omnigate") or notes
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+    return raw, text, notes
+
+
+def _with_doc(doc: str, question: str, where: str) -> list[dict]:
+    if where == "system":
+        return [{"role": "system", "content": doc}, {"role": "user", "content": question}]
+    return [{"role": "user", "content": f"{doc}\n\n{question}"}]
+
+
+STREAMS = pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+
+
+@STREAMS
+@pytest.mark.parametrize(
+    ("question", "answer"),
+    [(OPEN_QUESTION, OPEN_ANSWER), (OPEN_QUESTION_ZH, OPEN_ANSWER_ZH)],
+    ids=["en", "zh"],
+)
+def test_an_open_domain_question_is_served_once_unflagged_and_recorded_as_no_evidence(
+    serve, upstreams, stream, question, answer
+):
+    server, client = serve()
+    upstreams.omni_a.default = Script(flavour="omni", text=answer, chunk_words=2)
+    raw, text, notes = _ask(client, [{"role": "user", "content": question}], stream)
+    assert text == answer
+    assert upstreams.omni_a.request_count == 1  # no retry
+    assert raw.headers["x-omnigate-grounding"] == "no-evidence"  # not "low", and not silently passed
+    assert "x-omnigate-degraded" not in raw.headers
+    assert notes is not None and notes["grounding"]["verdict"] == "skipped"
+    assert notes["grounding"]["reason"] == "no_evidence"
+    payload = audit_payload(server.url, ADMIN_KEY, raw.headers["x-request-id"])
+    assert payload["notes"]["grounding"]["reason"] == "no_evidence"
+    (receipt,) = [p for p in payload["policies"] if p["name"] == "grounding"]
+    # Not judged, and its receipt says so: the answer was not looked at for want of evidence.
+    assert receipt["complete"] is False
+    assert {"part": "answer", "why": "no_evidence"} in receipt["saw"]["missed"], receipt
+
+
+@STREAMS
+@pytest.mark.parametrize("where", ["system", "user"])
+def test_a_consistent_answer_to_a_document_passes(serve, upstreams, stream, where):
+    _server, client = serve()
+    upstreams.omni_a.default = Script(flavour="omni", text=CONSISTENT, chunk_words=2)
+    raw, text, notes = _ask(client, _with_doc(DOC, QUESTION, where), stream)
+    assert text == CONSISTENT
+    assert upstreams.omni_a.request_count == 1
+    assert "x-omnigate-grounding" not in raw.headers
+    assert notes is not None and notes["grounding"]["verdict"] == "pass"
+    assert notes["grounding"]["supported"] == 2 and notes["grounding"]["contradicted"] == 0
+
+
+@STREAMS
+@pytest.mark.parametrize("wrong", [WRONG_DAY, WRONG_REVENUE], ids=["weekday", "revenue"])
+def test_a_contradiction_of_the_document_is_retried_then_flagged(serve, upstreams, stream, wrong):
+    server, client = serve()
+    upstreams.omni_a.enqueue(Script(flavour="omni", text=wrong, chunk_words=2))
+    upstreams.omni_a.default = Script(flavour="omni", text=CONSISTENT, chunk_words=2)
+    raw, text, notes = _ask(client, _with_doc(DOC, QUESTION, "system"), stream)
+    # Caught before anything was sent; the retry is told to keep to the document, and it does.
+    assert text == CONSISTENT
+    assert upstreams.omni_a.request_count == 2
+    assert upstreams.omni_a.requests[1]["messages"][0] == {"role": "system", "content": DEFAULT_INSTRUCTION}
+    assert "x-omnigate-grounding" not in raw.headers
+    assert (
+        notes is not None and notes["grounding"]["verdict"] == "pass" and notes["grounding"]["attempt"] == 2
+    )
+    payload = audit_payload(server.url, ADMIN_KEY, raw.headers["x-request-id"])
+    assert payload["retries"] == 1
+
+    # Contradicted every time: the example config flags the last attempt after its two retries.
+    upstreams.reset()
+    upstreams.omni_a.default = Script(flavour="omni", text=wrong, chunk_words=2)
+    raw, text, notes = _ask(client, _with_doc(DOC, QUESTION, "user"), stream)
+    assert text == wrong
+    assert upstreams.omni_a.request_count == 3
+    assert raw.headers["x-omnigate-grounding"] == "low"
+    assert "retries-exhausted" in raw.headers["x-omnigate-degraded"]
+    assert notes is not None and notes["grounding"]["verdict"] == "low"
+    assert notes["grounding"]["contradicted"] == 1
+    assert "the evidence says" in notes["grounding"]["weakest"]
+
+
+@STREAMS
+def test_a_contradiction_is_refused_when_the_config_says_refuse(serve, upstreams, stream):
+    _server, client = serve("refuse")
+    upstreams.omni_a.default = Script(flavour="omni", text=WRONG_DAY, chunk_words=2)
+    with pytest.raises(openai.UnprocessableEntityError) as err:
+        _ask(client, _with_doc(DOC, QUESTION, "system"), stream)
+    assert err.value.body["code"] == "grounding_failed"
+    assert "Friday" in err.value.body["message"] or "friday" in err.value.body["message"]
+    assert "Tuesday" in err.value.body["message"]
+    assert upstreams.omni_a.request_count == 3
+
+
+@STREAMS
+def test_a_chinese_document_is_evidence_in_chinese(serve, upstreams, stream):
+    _server, client = serve()
+    upstreams.omni_a.default = Script(flavour="omni", text=CONSISTENT_ZH, chunk_words=1)
+    raw, text, notes = _ask(client, _with_doc(DOC_ZH, QUESTION_ZH, "system"), stream)
+    assert text == CONSISTENT_ZH and upstreams.omni_a.request_count == 1
+    assert notes is not None and notes["grounding"]["verdict"] == "pass"
+
+    upstreams.reset()
+    upstreams.omni_a.enqueue(Script(flavour="omni", text=WRONG_ZH, chunk_words=1))
+    upstreams.omni_a.default = Script(flavour="omni", text=CONSISTENT_ZH, chunk_words=1)
+    raw, text, notes = _ask(client, _with_doc(DOC_ZH, QUESTION_ZH, "user"), stream)
+    assert text == CONSISTENT_ZH
+    assert upstreams.omni_a.request_count == 2  # the contradiction was caught and retried
+    assert "x-omnigate-grounding" not in raw.headers
+
+    upstreams.reset()
+    upstreams.omni_a.default = Script(flavour="omni", text=WRONG_ZH, chunk_words=1)
+    raw, text, notes = _ask(client, _with_doc(DOC_ZH, QUESTION_ZH, "system"), stream)
+    assert raw.headers["x-omnigate-grounding"] == "low"
+    assert notes is not None and notes["grounding"]["contradicted"] == 1
+
+
+@STREAMS
+def test_a_claim_the_document_does_not_bear_on_is_unverifiable_not_failed(serve, upstreams, stream):
+    _server, client = serve()
+    answer = "The board meeting is on Tuesday at 3 pm. Paris is the capital of France."
+    upstreams.omni_a.default = Script(flavour="omni", text=answer, chunk_words=2)
+    raw, text, notes = _ask(client, _with_doc(DOC, QUESTION, "system"), stream)
+    assert text == answer and upstreams.omni_a.request_count == 1
+    assert "x-omnigate-grounding" not in raw.headers
+    assert notes is not None
+    assert (notes["grounding"]["supported"], notes["grounding"]["unverifiable"]) == (1, 1)
+
+
+def test_window_mode_ends_the_stream_at_a_contradiction_after_a_release(serve, upstreams):
+    _server, client = serve()
+    late = "The board meeting is on Tuesday at 3 pm. Revenue in 2025 was 15 million euros."
+    upstreams.omni_a.default = Script(flavour="omni", text=late, chunk_words=2)
+    text = ""
+    with pytest.raises(openai.APIError) as err:
+        stream = client.chat.completions.create(
+            model=OMNI_MODEL, messages=_with_doc(DOC, QUESTION, "system"), stream=True
+        )
+        for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+    # The first sentence passed and went out; the contradiction never did.
+    assert text == "The board meeting is on Tuesday at 3 pm. "
+    assert "15" not in text
+    assert "contradicts the evidence" in str(err.value)
+    assert upstreams.omni_a.request_count == 1
