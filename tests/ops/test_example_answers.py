@@ -4,9 +4,10 @@ ops/config/omnigate.yaml (the production template: its secrets made as it says, 
 vLLM-Omni and OpenAI-compatible servers, its files under the test's folder) and the Helm chart's rendered
 config (one pod, as tests/ops/test_deployment_shape.py starts them) run as ``omnigate serve`` processes.
 An open-domain question, a question about a picture and a speech request, streamed and not, are served
-200, with no ``x-omnigate-grounding: low`` and no error frame: a request that carries no documents gives the
-grounding guard nothing to judge against, so the guard abstains. A request that does carry a document
-(a ``tool`` message) is still judged, and an answer the document does not support is flagged.
+200, with no ``x-omnigate-grounding: low`` and no error frame: a request that carries no evidence gives the
+grounding guard nothing to judge against, so the guard abstains and says so (``x-omnigate-grounding:
+no-evidence`` where the config runs it). A request that does carry a document (a ``tool`` message) is
+still judged: an answer about something else is served, one that contradicts the document is flagged.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def _assert_answered(
 ) -> None:
     r, text, frames = _served(url, key, _body(kind, stream, model))
     assert r.status_code == 200, (kind, stream, r.status_code, r.text[-2000:])
-    assert r.headers.get("x-omnigate-grounding") is None, (kind, stream, dict(r.headers))
+    # Unjudged for want of evidence where the config has the guard, never flagged low.
+    assert r.headers.get("x-omnigate-grounding") in (None, "no-evidence"), (kind, stream, dict(r.headers))
     assert not [f for f in frames if "error" in f], (kind, stream, frames[-3:])
     assert text.strip() == text_is if text_is is not None else text.strip(), (kind, stream, text)
 
@@ -190,8 +192,9 @@ def test_my_vllm_config_answers_an_open_domain_question_without_an_error_or_a_fl
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_the_template_still_flags_an_answer_its_document_does_not_support(template, stream):
-    """Evidence in the request (a retrieved document in a tool message): the guard judges, and flags."""
+def test_the_template_still_flags_an_answer_that_contradicts_its_document(template, stream):
+    """Evidence in the request (a retrieved document in a tool message): the guard judges; an answer about
+    something else is unverifiable there and served, one that names another venue is flagged."""
     body = {
         "model": PUBLIC_MODEL,
         "stream": stream,
@@ -213,6 +216,17 @@ def test_the_template_still_flags_an_answer_its_document_does_not_support(templa
         ],
     }
     r, _, frames = _served(template.url, template.key, body)
+    assert r.status_code == 200, r.text[-2000:]
+    assert r.headers.get("x-omnigate-grounding") is None, (dict(r.headers), frames[-2:])  # unverifiable
+    wrong = "The report names Paris as the venue of the 2031 meeting of the board."
+    kept = {name: up.default for name, up in template.upstreams.items()}
+    try:
+        for up in template.upstreams.values():
+            up.default = Script(flavour=up.default.flavour, text=wrong, chunk_words=3)
+        r, _, frames = _served(template.url, template.key, body)
+    finally:
+        for name, up in template.upstreams.items():
+            up.default = kept[name]
     assert r.status_code == 200, r.text[-2000:]
     assert r.headers.get("x-omnigate-grounding") == "low", (dict(r.headers), frames[-2:])
 
