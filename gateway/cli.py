@@ -104,7 +104,11 @@ def check_config(path: str) -> int:
         which = (
             f"cross-encoder {g.model}" if g.model else "fallback (numbers, dates, names + all-MiniLM-L6-v2)"
         )
-        print(f"grounding scorer: {which} on {g.device}")
+        if g.scorer == "served" and g.served is not None:  # an engine runs the model, not this process
+            which, where = f"served {g.served.model} ({g.served.endpoint})", g.served.url
+        else:
+            where = g.device
+        print(f"grounding scorer: {which} on {where}")
     t = settings.traffic
     if not t.enabled:
         print("traffic: admission off")

@@ -103,3 +103,23 @@ def direct(vllm) -> openai.OpenAI:
     """The openai SDK straight to vLLM: what the gateway's answers are compared with."""
     with openai.OpenAI(base_url=vllm.base_url, api_key="unused", max_retries=0, timeout=180) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def cross_encoder_engine() -> VllmServer:
+    """vLLM serving a tiny one-label cross-encoder (``--runner pooling``: /score, /rerank), once a session."""
+    from tests.realvllm.guard_models import PoolingServer, cross_encoder
+
+    server = PoolingServer(prepare(), cross_encoder(), "guard-nli").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def classifier_engine() -> VllmServer:
+    """vLLM serving a tiny three-label classifier (``--runner pooling``: /classify), once a session."""
+    from tests.realvllm.guard_models import PoolingServer, classifier
+
+    server = PoolingServer(prepare(), classifier(), "guard-classifier").start()
+    yield server
+    server.stop()
