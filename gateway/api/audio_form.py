@@ -124,7 +124,9 @@ class FormReader:
             raise InvalidRequest("the multipart body ended before its closing boundary", param="file")
         file: bytes | spooled.SpooledMedia | None = None
         if self._media is not None:
-            file = self._media
+            # Handed over: the spool file lives as long as the request's part does (core/spooled.py), as a
+            # chat body's does, and goes when the media steps have replaced the part.
+            file, self._media = self._media, None
         elif self._file_seen:
             file = bytes(self._memory)
             self._memory.clear()
@@ -139,7 +141,7 @@ class FormReader:
         )
 
     def discard(self) -> None:
-        """Let go of the file: a spool file being written or written is removed now."""
+        """Let go of the file of a body not read to its end: a spool file being written is removed now."""
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.discard()
