@@ -46,7 +46,14 @@ from gateway.api.chat import JSONAnswer, _unless_client_leaves
 from gateway.api.validation import validation_to_error
 from gateway.auth_failures import TooManyAuthFailures
 from gateway.fields import DROPPED_HEADER, dropped_header
-from gateway.pipeline.audio import input_seconds, serve_audio, speech_chat, spoken, transcription_chat
+from gateway.pipeline.audio import (
+    Endpoint,
+    input_seconds,
+    serve_audio,
+    speech_chat,
+    spoken,
+    transcription_chat,
+)
 from gateway.pipeline.complete import CompletionResult
 from gateway.render import response_headers
 from gateway.services import Services
@@ -102,6 +109,9 @@ _MAGIC = (
 class _AudioRoute:
     """The prologue both routes share (a class: Starlette serves a class as ASGI)."""
 
+    #: what the audit record's ``notes.audio.endpoint`` says, whatever ended the request
+    endpoint: Endpoint
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
         services: Services = request.app.state.services
@@ -110,6 +120,8 @@ class _AudioRoute:
             client_request_id=request.scope["state"].get("client_request_id"),
             requested_priority=request.headers.get(services.settings.traffic.priority_header),
         )
+        # Every record of the endpoint says which it is, a request refused before it was served included.
+        ctx.outputs.notes["audio"] = {"endpoint": self.endpoint}
         with services.pipeline.traced(ctx, request.headers):
             try:
                 await authenticate(request, ctx)
@@ -130,6 +142,8 @@ class _AudioRoute:
 
 
 class Transcriptions(_AudioRoute):
+    endpoint = "transcriptions"
+
     async def respond(
         self, request: Request, ctx: RequestContext, services: Services, stack: contextlib.AsyncExitStack
     ) -> Response:
@@ -179,6 +193,8 @@ class Transcriptions(_AudioRoute):
 
 
 class Speech(_AudioRoute):
+    endpoint = "speech"
+
     async def respond(
         self, request: Request, ctx: RequestContext, services: Services, stack: contextlib.AsyncExitStack
     ) -> Response:

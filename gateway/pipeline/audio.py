@@ -116,7 +116,7 @@ async def serve_audio(
 ) -> T:
     """Serve ``request`` as :meth:`Pipeline.complete` does; ``finish`` makes the endpoint's answer and the
     facts the audit record keeps of it (``notes.audio``) before the request is settled."""
-    ctx.outputs.notes["audio"] = {"endpoint": endpoint}
+    ctx.outputs.notes.setdefault("audio", {})["endpoint"] = endpoint
     p._begin(ctx, request)  # the pipeline's own steps, run by its entry points
     async with p.accounting.settling(ctx):  # every way out accounted for once, as in Pipeline.complete
         prepared = p._prepare(request, ctx)

@@ -269,7 +269,11 @@ def test_a_malformed_form_is_a_400(gw, up):
 
 def test_unknown_and_unserved_fields_are_400s_naming_them(gw, up):
     data = wav(tone(1.0), 16000)
-    assert _error(_transcribe(gw, data, colour="blue"), 400)["code"] == "unknown_field"
+    refused = _transcribe(gw, data, colour="blue")
+    assert _error(refused, 400)["code"] == "unknown_field"
+    # Refused before it was served, and still on record as the endpoint's.
+    record = audit_payload(gw.url, ADMIN, refused.headers["x-request-id"])
+    assert record["notes"]["audio"] == {"endpoint": "transcriptions"} and record["status"] == 400
     err = _error(_transcribe(gw, data, **{"timestamp_granularities[]": "word"}), 400)
     assert (err["code"], err["param"]) == ("unsupported_field", "timestamp_granularities[]")
     assert _error(_transcribe(gw, data, stream="true"), 400)["param"] == "stream"
