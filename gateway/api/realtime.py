@@ -22,7 +22,7 @@ import structlog
 from starlette.responses import JSONResponse
 from starlette.routing import WebSocketRoute
 from starlette.types import Receive, Scope, Send
-from starlette.websockets import WebSocket, WebSocketState
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from core.context import RequestContext
 from core.errors import InvalidRequest, ModelNotFound, OmnigateError, RateLimited
@@ -55,8 +55,9 @@ class Outbox:
         try:
             async with self._lock, asyncio.timeout(self.timeout_s):
                 await self.websocket.send_text(data)
-        except (TimeoutError, OSError, RuntimeError) as exc:
-            # RuntimeError: Starlette's word for a send after the close; OSError: the transport's.
+        except (TimeoutError, OSError, RuntimeError, WebSocketDisconnect) as exc:
+            # WebSocketDisconnect and RuntimeError: Starlette's words for a send after the client left or
+            # after the close; OSError: the transport's.
             self.gone = True
             if asyncio.current_task() is not self.reader:
                 self.reader.cancel()
@@ -101,13 +102,16 @@ class RealtimeEndpoint:
                 await _deny(websocket, exc)
             return
         self.open[who] = self.open.get(who, 0) + 1
+        services.metrics.realtime_sessions.inc()
         try:
             with ctx.holds:
                 await self._serve(websocket, services, ctx, session_id, model, subprotocol)
         finally:
+            # Last, after the slot went back and the close was audited: a session counted open holds nothing.
             self.open[who] -= 1
             if not self.open[who]:
                 del self.open[who]
+            services.metrics.realtime_sessions.dec()
 
     async def _serve(
         self,
@@ -122,7 +126,10 @@ class RealtimeEndpoint:
         metrics = services.metrics
         reader = asyncio.current_task()
         assert reader is not None
-        await websocket.accept(subprotocol=subprotocol)
+        try:
+            await websocket.accept(subprotocol=subprotocol)
+        except (OSError, RuntimeError, WebSocketDisconnect):
+            return  # gone during the handshake: nothing was opened
         outbox = Outbox(websocket, services.settings.server.stream_write_timeout_s, reader)
         session = RealtimeSession(
             pipeline=services.pipeline,
@@ -133,7 +140,6 @@ class RealtimeEndpoint:
             model=model,
             send=outbox.send,
         )
-        metrics.realtime_sessions.inc()
         started = time.monotonic()
         await _audit(services, ctx, session_id, {"event": "open", "model": model})
         code, reason = 1000, "client"
@@ -165,7 +171,6 @@ class RealtimeEndpoint:
         finally:
             # A response in progress is cancelled, and its engine request closed, before the slot goes back.
             await session.aclose()
-            metrics.realtime_sessions.dec()
             metrics.realtime_closed.labels(reason).inc()
             if websocket.application_state == WebSocketState.CONNECTED and not outbox.gone:
                 with contextlib.suppress(Exception):

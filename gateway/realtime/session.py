@@ -10,7 +10,6 @@ gateway (audio faster than real time, the session's budget), end it with close c
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import time
@@ -22,9 +21,10 @@ from pydantic import ValidationError
 
 from core.context import RequestContext
 from gateway.realtime import events as ev
-from gateway.realtime import turn as turns
 from gateway.realtime.audio import seconds
 from gateway.realtime.conversation import Conversation, Item, SessionConfig
+from gateway.realtime.responses import Responses
+from gateway.realtime.turn import Emit
 from gateway.realtime.vad import VoiceActivity, shared_model
 from gateway.realtime_settings import RealtimeSettings
 from observability.metrics import Metrics
@@ -55,23 +55,19 @@ class RealtimeSession:
         ctx: RequestContext,
         session_id: str,
         model: str,
-        send: turns.Emit,
+        send: Emit,
     ) -> None:
         self.pipeline, self.metrics, self.settings = pipeline, metrics, settings
         self.ctx, self.id, self._send = ctx, session_id, send
         self.cfg = SessionConfig(model=model)
         self.conversation = Conversation(settings.max_items)
         self.buffer = bytearray()
-        self.turns = 0
         self.errors = 0
         self.audio_in_s = 0.0  # all input audio appended this session
-        self.audio_out_s = 0.0
-        self.started = time.monotonic()
+        self.responses = Responses(pipeline, metrics, settings, ctx, session_id, self.emit, self.conversation)
         self._first_append: float | None = None
         self._vad: VoiceActivity | None = None
         self._speech_item: str | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._turn: turns.Turn | None = None
         self.closed_reason: str | None = None
 
     # -- the transport's calls ------------------------------------------------------------------
@@ -135,7 +131,7 @@ class RealtimeSession:
 
     async def aclose(self) -> None:
         """Stop a response in progress (its engine request is closed): the session ends, however it ended."""
-        await self.cancel("closed", None, notify=False)
+        await self.responses.cancel("closed", None, notify=False)
 
     async def emit(self, event: dict[str, Any]) -> None:
         event.setdefault("event_id", ev.new_id("event"))
@@ -151,11 +147,12 @@ class RealtimeSession:
             self.buffer.clear()
             await self.emit({"type": "input_audio_buffer.cleared"})
         elif isinstance(e, ev.ResponseCreate):
-            await self._respond(e.response)
+            await self.responses.start(self.cfg, e.response)
         elif isinstance(e, ev.ResponseCancel):
-            if self._turn is None or self._turn.done or (e.response_id and e.response_id != self._turn.id):
+            active = self.responses.active
+            if active is None or (e.response_id and e.response_id != active.id):
                 raise ev.bad("there is no response in progress to cancel", "response_cancel_not_active")
-            await self.cancel("client", None)
+            await self.responses.cancel("client", None)
         elif isinstance(e, ev.SessionUpdate):
             if self.cfg.update(e.session, self.settings.vad):
                 self._vad = VoiceActivity(shared_model(), self.cfg.vad) if self.cfg.vad is not None else None
@@ -218,9 +215,9 @@ class RealtimeSession:
                     "item_id": self._speech_item,
                 }
             )
-            if self.cfg.interrupt_response and self._turn is not None and not self._turn.done:
+            if self.cfg.interrupt_response and self.responses.active is not None:
                 self.metrics.realtime_barge_ins.inc()
-                await self.cancel("barge_in", heard)
+                await self.responses.cancel("barge_in", heard)
             return
         item_id = self._speech_item or ev.new_id("item")
         self._speech_item = None
@@ -228,8 +225,8 @@ class RealtimeSession:
             {"type": "input_audio_buffer.speech_stopped", "audio_end_ms": at_ms, "item_id": item_id}
         )
         await self._commit(item_id)
-        if self.cfg.create_response and (self._turn is None or self._turn.done):
-            await self._respond(None)
+        if self.cfg.create_response and self.responses.active is None:
+            await self.responses.start(self.cfg, None)
 
     async def _commit(self, item_id: str | None = None) -> None:
         if not self.buffer:
@@ -270,111 +267,10 @@ class RealtimeSession:
             }
         )
 
-    # -- responses ----------------------------------------------------------------------------------
-    async def _respond(self, params: ev.ResponseParams | None) -> None:
-        if self._turn is not None and not self._turn.done:
-            raise ev.bad("a response is already in progress", "conversation_already_has_active_response")
-        if self.turns >= self.settings.max_turns:
-            raise ev.bad(
-                f"the session's budget of {self.settings.max_turns} responses is spent",
-                "session_turn_limit",
-                fatal=True,
-            )
-        modalities: list[str] = list(
-            params.output_modalities if params and params.output_modalities else self.cfg.modalities
-        )
-        limit = (
-            params.max_output_tokens
-            if params and params.max_output_tokens is not None
-            else self.cfg.max_output_tokens
-        )
-        try:
-            chat = turns.chat_request(
-                self.cfg,
-                self.conversation,
-                modalities,
-                params.instructions if params else None,
-                None if limit == "inf" else limit,
-            )
-        except ValidationError as exc:
-            raise ev.bad(
-                f"the conversation cannot be answered: {exc.errors()[0]['msg']}", "conversation_empty"
-            ) from None
-        self.turns += 1
-        turn = turns.Turn(self.turns, modalities, self.cfg.out_rate)
-        last_user = next((i for i in reversed(self.conversation.items) if i.role == "user"), None)
-        ctx = turns.turn_context(
-            self.ctx, turn, self.id, last_user.audio if last_user else b"", self.cfg.in_rate
-        )
-        self._turn = turn
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(turn, ctx, chat), name=f"realtime-{self.id}"
-        )
+    @property
+    def turns(self) -> int:
+        return self.responses.turns
 
-    async def _run(self, turn: turns.Turn, ctx: RequestContext, chat: Any) -> None:
-        remaining = self.settings.max_session_s - (time.monotonic() - self.started)
-        limits = {
-            "name": "requests",
-            "limit": self.settings.max_turns,
-            "remaining": self.settings.max_turns - self.turns,
-            "reset_seconds": round(max(0.0, remaining), 3),
-        }
-        try:
-            await self.emit({"type": "rate_limits.updated", "rate_limits": [limits]})
-            for event in turn.opening():
-                await self.emit(event)
-            try:
-                status = await turns.run(self.pipeline, ctx, chat, turn, self.emit)
-            except ev.ClientGone:
-                raise
-            except Exception as exc:  # the session outlives a failed turn: it ends as failed, logged
-                log.error("realtime_turn_failed", session_id=self.id, turn=turn.index, exc_info=exc)
-                turn.error = {
-                    "type": "server_error",
-                    "code": "internal_error",
-                    "message": "the response failed",
-                }
-                status = "failed"
-            await self._finish(turn, status)
-        except ev.ClientGone:
-            # Nobody is left to tell; the transport ends the session (its reader was woken by the outbox).
-            if not turn.done:
-                turn.done = True
-                self.metrics.realtime_turns.labels("cancelled").inc()
-
-    async def _finish(self, turn: turns.Turn, status: turns.Status) -> None:
-        if turn.done:
-            return
-        closing = turn.closing(status)  # marks it done before any await
-        self.metrics.realtime_turns.labels(status).inc()
-        if turn.first_audio_s is not None:
-            self.metrics.realtime_first_audio.observe(turn.first_audio_s)
-        self.audio_out_s += turn.audio_ms / 1000
-        if turn.text or turn.audio_bytes:
-            item = Item(
-                turn.item_id,
-                "assistant",
-                text=turn.text,
-                audio_ms=turn.audio_ms,
-                status="completed" if status == "completed" else "incomplete",
-            )
-            self.conversation.add(item)
-        for event in closing:
-            await self.emit(event)
-
-    async def cancel(self, reason: str, heard: float | None, notify: bool = True) -> None:
-        """Stop the response in progress: its task is cancelled, and so its engine request closed, before this
-        returns; then ``response.done`` says ``cancelled``."""
-        task, turn = self._task, self._turn
-        if task is None or turn is None or turn.done:
-            return
-        task.cancel()
-        await asyncio.wait([task])
-        if heard is not None:
-            self.metrics.realtime_barge_in_stop.observe(time.perf_counter() - heard)
-        self.metrics.realtime_cancellations.labels(reason).inc()
-        if notify:
-            await self._finish(turn, "cancelled")
-        else:
-            turn.done = True
-            self.metrics.realtime_turns.labels("cancelled").inc()
+    @property
+    def audio_out_s(self) -> float:
+        return self.responses.audio_out_s

@@ -52,6 +52,8 @@ def server(bg, upstreams, key, tmp_path_factory):
 def ups(server, upstreams):
     upstreams.reset()
     server.bg.run(server.services.pool.probe_now())
+    # The previous test's sessions are over on the server's side too (a client's close returns first).
+    assert wait_until(lambda: server.services.metrics.realtime_sessions._value.get() == 0, timeout=10)
     return upstreams
 
 

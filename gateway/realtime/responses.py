@@ -1,0 +1,160 @@
+"""A realtime session's responses: one at a time, each a task of its own (so that speech or
+``response.cancel`` can stop it mid-answer), counted against the session's budget of turns.
+
+Starting one builds the turn's chat request and request context (gateway/realtime/turn.py); its task
+renders the stream as response events; cancelling it closes the engine request before ``response.done``
+(``cancelled``) goes out, and the interrupted answer stays in the conversation as far as it went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from pydantic import ValidationError
+
+from core.context import RequestContext
+from gateway.realtime import events as ev
+from gateway.realtime import turn as turns
+from gateway.realtime.conversation import Conversation, Item, SessionConfig
+from gateway.realtime_settings import RealtimeSettings
+from observability.metrics import Metrics
+
+if TYPE_CHECKING:
+    from gateway.pipeline import Pipeline
+
+log = structlog.get_logger("omnigate.realtime")
+
+
+class Responses:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        metrics: Metrics,
+        settings: RealtimeSettings,
+        ctx: RequestContext,
+        session_id: str,
+        emit: turns.Emit,
+        conversation: Conversation,
+    ) -> None:
+        self.pipeline, self.metrics, self.settings = pipeline, metrics, settings
+        self.ctx, self.id, self.emit, self.conversation = ctx, session_id, emit, conversation
+        self.turns = 0
+        self.audio_out_s = 0.0
+        self.started = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+        self._turn: turns.Turn | None = None
+
+    @property
+    def active(self) -> turns.Turn | None:
+        """The response in progress, or None."""
+        return self._turn if self._turn is not None and not self._turn.done else None
+
+    async def start(self, cfg: SessionConfig, params: ev.ResponseParams | None) -> None:
+        """Start a response to the conversation so far (refused while one is in progress)."""
+        if self._turn is not None and not self._turn.done:
+            raise ev.bad("a response is already in progress", "conversation_already_has_active_response")
+        if self.turns >= self.settings.max_turns:
+            raise ev.bad(
+                f"the session's budget of {self.settings.max_turns} responses is spent",
+                "session_turn_limit",
+                fatal=True,
+            )
+        modalities: list[str] = list(
+            params.output_modalities if params and params.output_modalities else cfg.modalities
+        )
+        limit = (
+            params.max_output_tokens
+            if params and params.max_output_tokens is not None
+            else cfg.max_output_tokens
+        )
+        try:
+            chat = turns.chat_request(
+                cfg,
+                self.conversation,
+                modalities,
+                params.instructions if params else None,
+                None if limit == "inf" else limit,
+            )
+        except ValidationError as exc:
+            raise ev.bad(
+                f"the conversation cannot be answered: {exc.errors()[0]['msg']}", "conversation_empty"
+            ) from None
+        self.turns += 1
+        turn = turns.Turn(self.turns, modalities, cfg.out_rate)
+        last_user = next((i for i in reversed(self.conversation.items) if i.role == "user"), None)
+        ctx = turns.turn_context(self.ctx, turn, self.id, last_user.audio if last_user else b"", cfg.in_rate)
+        self._turn = turn
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(turn, ctx, chat), name=f"realtime-{self.id}"
+        )
+
+    async def _run(self, turn: turns.Turn, ctx: RequestContext, chat: Any) -> None:
+        remaining = self.settings.max_session_s - (time.monotonic() - self.started)
+        limits = {
+            "name": "requests",
+            "limit": self.settings.max_turns,
+            "remaining": self.settings.max_turns - self.turns,
+            "reset_seconds": round(max(0.0, remaining), 3),
+        }
+        try:
+            await self.emit({"type": "rate_limits.updated", "rate_limits": [limits]})
+            for event in turn.opening():
+                await self.emit(event)
+            try:
+                status = await turns.run(self.pipeline, ctx, chat, turn, self.emit)
+            except ev.ClientGone:
+                raise
+            except Exception as exc:  # the session outlives a failed turn: it ends as failed, logged
+                log.error("realtime_turn_failed", session_id=self.id, turn=turn.index, exc_info=exc)
+                turn.error = {
+                    "type": "server_error",
+                    "code": "internal_error",
+                    "message": "the response failed",
+                }
+                status = "failed"
+            await self._finish(turn, status)
+        except ev.ClientGone:
+            # Nobody is left to tell; the transport ends the session (its reader was woken by the outbox).
+            if not turn.done:
+                turn.done = True
+                self.metrics.realtime_turns.labels("cancelled").inc()
+
+    async def _finish(self, turn: turns.Turn, status: turns.Status) -> None:
+        if turn.done:
+            return
+        closing = turn.closing(status)  # marks it done before any await
+        self.metrics.realtime_turns.labels(status).inc()
+        if turn.first_audio_s is not None:
+            self.metrics.realtime_first_audio.observe(turn.first_audio_s)
+        self.audio_out_s += turn.audio_ms / 1000
+        if turn.text or turn.audio_bytes:
+            item = Item(
+                turn.item_id,
+                "assistant",
+                text=turn.text,
+                audio_ms=turn.audio_ms,
+                status="completed" if status == "completed" else "incomplete",
+            )
+            self.conversation.add(item)
+        for event in closing:
+            await self.emit(event)
+
+    async def cancel(self, reason: str, heard: float | None, notify: bool = True) -> None:
+        """Stop the response in progress: its task is cancelled, and so its engine request closed, before this
+        returns; then ``response.done`` says ``cancelled``."""
+        task, turn = self._task, self._turn
+        if task is None or turn is None or turn.done:
+            return
+        task.cancel()
+        await asyncio.wait([task])
+        if heard is not None:
+            self.metrics.realtime_barge_in_stop.observe(time.perf_counter() - heard)
+        self.metrics.realtime_cancellations.labels(reason).inc()
+        if notify:
+            await self._finish(turn, "cancelled")
+        else:
+            turn.done = True
+            self.metrics.realtime_turns.labels("cancelled").inc()
