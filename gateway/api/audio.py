@@ -7,22 +7,19 @@ transcription's ``multipart/form-data`` body is read a chunk at a time with one 
 media is (gateway/api/audio_form.py); what the request holds, the spool file included, is given
 back however it ends. Each is then served as the chat completion it stands for
 (gateway/pipeline/audio.py) and the answer rendered in the endpoint's own shape
-(gateway/api/audio_render.py).
+(gateway/api/audio_render.py). What is read of the fields and the upload is gateway/api/audio_fields.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hashlib
-from collections.abc import Iterator
-from pathlib import PurePath
 from typing import Any, TypeVar
 
 import orjson
 import structlog
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -35,17 +32,22 @@ from core.errors import (
     OmnigateError,
     PayloadTooLarge,
     RequestTimeout,
-    UnknownField,
 )
 from core.schemas import SpeechRequest, TranscriptionRequest
-from core.spooled import SpooledMedia
-from gateway.api.audio_form import FILE_FIELD, FormReader, Upload, boundary_of
+from gateway.api.audio_fields import (
+    AUDIO_PART,
+    TEXT_MESSAGE,
+    audio_of,
+    form_fields,
+    format_of,
+    named_as,
+    parse,
+)
+from gateway.api.audio_form import FILE_FIELD, FormReader, boundary_of
 from gateway.api.audio_render import MEDIA_TYPES, encode_speech, transcript_body
 from gateway.api.auth import authenticate
 from gateway.api.chat import JSONAnswer, _unless_client_leaves
-from gateway.api.validation import validation_to_error
 from gateway.auth_failures import TooManyAuthFailures
-from gateway.fields import DROPPED_HEADER, dropped_header
 from gateway.pipeline.audio import (
     Endpoint,
     input_seconds,
@@ -66,44 +68,6 @@ TRANSCRIPTIONS = "/v1/audio/transcriptions"
 SPEECH = "/v1/audio/speech"
 #: the largest speech request body: its text and instructions at four UTF-8 bytes a character, and room
 MAX_SPEECH_BODY = 64 * 1024
-
-#: OpenAI form fields this gateway cannot honour, and why (a 400 naming the field, never ignored)
-UNSERVED_FIELDS = {
-    "timestamp_granularities": "word and segment timestamps are not available from these engines",
-    "timestamp_granularities[]": "word and segment timestamps are not available from these engines",
-    "include": "log probabilities of a transcript are not available from these engines",
-    "include[]": "log probabilities of a transcript are not available from these engines",
-    "chunking_strategy": "the audio is cut by the gateway's media limits, not by the client",
-    "known_speaker_names[]": "speaker labels are not available from these engines",
-    "known_speaker_references[]": "speaker labels are not available from these engines",
-}
-#: a file's extension (or media type's subtype) as ``input_audio.format`` names it
-_FORMATS = {
-    "wav": "wav",
-    "wave": "wav",
-    "x-wav": "wav",
-    "mp3": "mp3",
-    "mpeg": "mp3",
-    "mpga": "mp3",
-    "flac": "flac",
-    "x-flac": "flac",
-    "ogg": "ogg",
-    "oga": "ogg",
-    "opus": "opus",
-    "m4a": "m4a",
-    "mp4": "mp4",
-    "x-m4a": "m4a",
-    "aac": "aac",
-    "webm": "webm",
-}
-#: the first bytes of each container, for a file whose name and type say nothing
-_MAGIC = (
-    (b"RIFF", "wav"),
-    (b"fLaC", "flac"),
-    (b"OggS", "ogg"),
-    (b"ID3", "mp3"),
-    (b"\x1a\x45\xdf\xa3", "webm"),
-)
 
 
 class _AudioRoute:
@@ -156,7 +120,7 @@ class Transcriptions(_AudioRoute):
         await _read(request, reader, server.max_body_bytes, server.body_timeout_s)
         ctx.record.body_bytes = reader.size
         upload = reader.result()
-        form = _parse(TranscriptionRequest, _form_fields(upload.fields), ctx, services)
+        form = parse(TranscriptionRequest, form_fields(upload.fields), ctx, services)
         if form.stream:
             raise InvalidRequest(
                 "stream: a transcript is answered whole; send stream=false or leave it out", param="stream"
@@ -167,8 +131,8 @@ class Transcriptions(_AudioRoute):
                 "use json, text or verbose_json",
                 param="response_format",
             )
-        audio = _audio_of(upload)
-        chat = transcription_chat(form, audio, _format_of(upload))
+        audio = audio_of(upload)
+        chat = transcription_chat(form, audio, format_of(upload))
         del audio
         facts_in = {"input_bytes": upload.size, "input_sha256": upload.sha256}
         upload.file = None  # the chat request holds the audio from here: the pipeline lets go of it
@@ -186,7 +150,7 @@ class Transcriptions(_AudioRoute):
 
         serving = serve_audio(services.pipeline, chat, ctx, "transcriptions", finish)
         del chat
-        with _named_as(_AUDIO_PART, FILE_FIELD):
+        with named_as(AUDIO_PART, FILE_FIELD):
             text = await _unless_client_leaves(request, serving)
         body, media_type = transcript_body(text, form.response_format, input_seconds(ctx), form.language)
         return _Answer(body, media_type, response_headers(ctx), server.stream_write_timeout_s)
@@ -208,7 +172,7 @@ class Speech(_AudioRoute):
             raise InvalidRequest(f"request body is not valid JSON: {exc.msg}") from None
         if not isinstance(doc, dict):
             raise InvalidRequest("request body must be a JSON object")
-        speech = _parse(SpeechRequest, doc, ctx, services)
+        speech = parse(SpeechRequest, doc, ctx, services)
         if speech.stream_format == "sse":
             raise InvalidRequest(
                 "stream_format sse is not served: the answer is the audio file itself (stream_format audio)",
@@ -231,7 +195,7 @@ class Speech(_AudioRoute):
             return data, facts
 
         serving = serve_audio(services.pipeline, speech_chat(speech), ctx, "speech", finish)
-        with _named_as(_TEXT_MESSAGE, "input"):
+        with named_as(TEXT_MESSAGE, "input"):
             data = await _unless_client_leaves(request, serving)
         return _Answer(data, MEDIA_TYPES[fmt], response_headers(ctx), server.stream_write_timeout_s)
 
@@ -250,23 +214,6 @@ routes = [
     Route(TRANSCRIPTIONS, Transcriptions(), methods=["POST"], name="audio_transcriptions"),
     Route(SPEECH, Speech(), methods=["POST"], name="audio_speech"),
 ]
-
-
-#: where the chat request a transcription is served as carries the audio, and a speech request the text
-_AUDIO_PART = "messages.0.content.0"
-_TEXT_MESSAGE = "messages.1"
-
-
-@contextlib.contextmanager
-def _named_as(part: str, field: str) -> Iterator[None]:
-    """An error naming the chat request's ``part`` names the endpoint's ``field`` instead (the client's)."""
-    try:
-        yield
-    except OmnigateError as exc:
-        if exc.param is not None and exc.param.startswith(part):
-            exc.message = exc.message.replace(exc.param, field)
-            exc.param = field
-        raise
 
 
 # -- reading ------------------------------------------------------------------------------------------------
@@ -302,68 +249,6 @@ async def _read_json(request: Request, limit: int, timeout_s: float) -> bytes:
     except ClientDisconnect:
         raise ClientClosedRequest("the client closed the connection before its request was read") from None
     return bytes(body)
-
-
-def _form_fields(fields: dict[str, str]) -> dict[str, Any]:
-    """The form's fields but the file, those this gateway cannot honour refused by name."""
-    for name, why in UNSERVED_FIELDS.items():
-        if name in fields:
-            raise InvalidRequest(f"{name}: {why}", param=name, code="unsupported_field")
-    return dict(fields)
-
-
-def _parse(model: type[M], doc: dict[str, Any], ctx: RequestContext, services: Services) -> M:
-    """``doc`` as ``model``; unknown fields refused, or dropped and announced (``requests.unknown_fields``)."""
-    tenant = ctx.identity.tenant_config
-    mode = (
-        tenant.unknown_fields if tenant is not None else None
-    ) or services.settings.requests.unknown_fields
-    unknown = sorted(k for k in doc if k not in model.model_fields)
-    if unknown and mode == "drop":
-        doc = {k: v for k, v in doc.items() if k in model.model_fields}
-        ctx.outputs.response_headers[DROPPED_HEADER] = dropped_header(unknown)
-        log.info("request_fields_dropped", fields=unknown)
-    elif unknown:
-        name = unknown[0][:64]
-        raise UnknownField(f"{name}: unknown field; this endpoint does not forward it", param=name)
-    try:
-        return model.model_validate(doc)
-    except ValidationError as exc:
-        raise validation_to_error(exc.errors()) from None
-
-
-def _audio_of(upload: Upload) -> str | SpooledMedia:
-    """The file as ``input_audio.data`` takes it: its spool file, or the base64 of its bytes."""
-    if upload.file is None:
-        raise InvalidRequest(f"{FILE_FIELD}: the audio file is required", param=FILE_FIELD)
-    if upload.size == 0:
-        raise InvalidRequest(f"{FILE_FIELD}: the audio file is empty", param=FILE_FIELD)
-    if isinstance(upload.file, SpooledMedia):
-        return upload.file
-    return base64.b64encode(upload.file).decode("ascii")
-
-
-def _format_of(upload: Upload) -> str:
-    """The format the upload declares: its name's extension, else its type, else its first bytes.
-
-    What it declares is checked against what the bytes are (media-limits): a ``.mp3`` holding WAV is a
-    400, as a chat part declaring one format and carrying another is.
-    """
-    ext = PurePath(upload.filename).suffix.lower().lstrip(".")
-    if ext in _FORMATS:
-        return _FORMATS[ext]
-    main, _, sub = upload.content_type.lower().partition("/")
-    if main == "audio" and sub in _FORMATS:
-        return _FORMATS[sub]
-    head = upload.head
-    for magic, fmt in _MAGIC:
-        if head.startswith(magic):
-            return fmt
-    if head[:1] == b"\xff" and len(head) > 1 and head[1] & 0xE0 == 0xE0:
-        return "mp3"  # an MPEG audio frame's sync word
-    if head[4:8] == b"ftyp":
-        return "m4a"
-    return "bin"  # declares nothing: what the bytes are is found by the media steps
 
 
 __all__ = ["SPEECH", "TRANSCRIPTIONS", "routes"]

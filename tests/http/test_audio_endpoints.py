@@ -340,20 +340,23 @@ def test_a_transcription_prompt_is_screened_as_text(gw, up):
 
 
 @pytest.mark.parametrize(
-    "fault, status",
+    "fault, statuses",
     [
-        ("reset_mid_stream", 503),  # the connection gone mid-answer: the engine is unavailable
-        ("hang_mid_stream", 504),  # the engine's read deadline
-        ("500_before_headers", 502),
-        ("malformed_json", 502),
+        ("reset_mid_stream", {503}),  # the connection gone mid-answer: the engine is unavailable
+        # the engine's deadline (504), or, once its timeouts have ejected both engines, none to try (503)
+        ("hang_mid_stream", {504, 503}),
+        ("500_before_headers", {502}),
+        ("malformed_json", {502}),
     ],
 )
-def test_an_engine_that_fails_mid_answer_is_an_openai_5xx_on_time(gw, up, fault, status):
+def test_an_engine_that_fails_mid_answer_is_an_openai_5xx_on_time(gw, up, fault, statuses):
     for u in (up.omni_a, up.omni_b):
         u.default = Script(flavour="omni", text="Hello.", audio_chunks=3, fault=fault)
     for call in (lambda: _speak(gw), lambda: _transcribe(gw, wav(tone(1.0), 16000))):
         started = time.monotonic()
-        err = _error(call(), status)
+        r = call()
+        assert r.status_code in statuses, r.text
+        err = _error(r, r.status_code)
         assert err["type"] == "api_error" and time.monotonic() - started < 30
 
 

@@ -10,7 +10,7 @@ from core.context import DEGRADED_TEXT_ONLY, RequestContext
 from core.errors import EngineProtocolError, Overloaded
 from core.events import Completion
 from core.schemas import SpeechRequest, TranscriptionRequest
-from gateway.api.audio import _format_of
+from gateway.api.audio_fields import format_of
 from gateway.api.audio_form import Upload
 from gateway.pipeline.audio import speech_chat, spoken, transcription_chat
 from gateway.pipeline.complete import CompletionResult
@@ -78,4 +78,4 @@ def _upload(filename: str = "", content_type: str = "", head: bytes = b"") -> Up
     ],
 )
 def test_the_format_an_upload_declares(upload, fmt):
-    assert _format_of(upload) == fmt
+    assert format_of(upload) == fmt
