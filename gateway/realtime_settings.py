@@ -36,6 +36,11 @@ class RealtimeSettings(BaseModel):
     max_session_s: Annotated[float, Field(gt=0)] = Field(
         1800.0, description="a session's longest life; it is closed (1008) when it is over"
     )
+    idle_s: Annotated[float, Field(gt=0)] = Field(
+        300.0,
+        description="a session that sends nothing for this long while no answer is playing gets an error and "
+        "is closed (1008): an idle client does not keep its admission slot",
+    )
     max_turns: Annotated[int, Field(ge=1)] = Field(200, description="responses one session may create")
     max_audio_s: Annotated[float, Field(gt=0)] = Field(
         900.0, description="seconds of input audio one session may send in all"

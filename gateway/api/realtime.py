@@ -147,7 +147,17 @@ class RealtimeEndpoint:
             async with asyncio.timeout(settings.max_session_s):
                 await session.open()
                 while True:
-                    message = await websocket.receive()
+                    try:
+                        async with asyncio.timeout(settings.idle_s):
+                            message = await websocket.receive()
+                    except TimeoutError:
+                        if session.responses.active is not None:
+                            continue  # listening to an answer is not idling
+                        idle = RealtimeError(
+                            f"nothing was sent for {settings.idle_s:g} s", code="session_idle", fatal=True
+                        )
+                        await session.refuse(idle, None)  # raises Close
+                        continue
                     if message["type"] == "websocket.disconnect":
                         break
                     await session.frame(message.get("text"), message.get("bytes"))

@@ -4,7 +4,9 @@ sessions are capped, and a flooding session does not stall another's answer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -42,6 +44,7 @@ def server(bg, upstreams, key, tmp_path_factory):
             "max_errors": 4,
             "max_sessions_per_key": 2,
             "max_session_s": 6.0,
+            "idle_s": 2.5,
         },
     )
     s = GatewayServer(bg, settings, CollectorRegistry()).start()
@@ -200,10 +203,27 @@ def test_a_flooding_session_does_not_stall_another_ones_answer(server, ups, key)
 def test_the_session_ends_at_its_maximum_duration(server, ups, key):
     c = Client(server.url, key.key)
     c.until("session.created")
-    err = c.until("error", timeout=10)[-1]
-    assert err["error"]["code"] == "session_expired"
+    with pytest.raises(ConnectionClosed) as closed:
+        for _ in range(15):  # busy, never idle: the session's life is what ends it
+            c.send({"type": "input_audio_buffer.clear"})
+            c.until("input_audio_buffer.cleared")
+            time.sleep(0.9)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+    with contextlib.suppress(ConnectionClosed, TimeoutError):  # what came before the close, if unread
+        while True:
+            c.seen.append(json.loads(c.ws.recv(timeout=1)))
+    errors = [e for e in c.seen if e["type"] == "error"]
+    assert [e["error"]["code"] for e in errors] == ["session_expired"]
+    c.close()
+
+
+def test_an_idle_session_is_closed_and_gives_its_slot_back(server, ups, key):
+    c = Client(server.url, key.key)
+    c.until("session.created")
+    assert c.until("error", timeout=10)[-1]["error"]["code"] == "session_idle"
     assert _closed_with(c) == 1008
     c.close()
+    assert wait_until(lambda: _in_flight(server) == 0, timeout=5)
 
 
 def test_server_vad_without_the_model_is_refused_by_name(server, ups, key, monkeypatch):
