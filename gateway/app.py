@@ -23,6 +23,7 @@ from core.errors import InvalidRequest, OmnigateError
 from gateway import heap
 from gateway.api import admin, admin_audit, admin_routing, admin_state, admin_tenants, chat, ops, realtime
 from gateway.api import audio as audio_routes
+from gateway.api import audio_openapi as audio_docs
 from gateway.console import routes as console
 from gateway.middleware import BodyDeadlineMiddleware, RequestIdMiddleware
 from gateway.readiness import Readiness, ReadinessGate
@@ -197,6 +198,8 @@ def create_app(
             schema = base_openapi()  # FastAPI keeps it as app.openapi_schema
             schema["paths"] = {**chat.OPENAPI_PATHS, **schema.get("paths", {})}
             schema.setdefault("components", {}).setdefault("schemas", {}).update(chat.OPENAPI_COMPONENTS)
+            schema["paths"].update(audio_docs.OPENAPI_PATHS)
+            schema["components"]["schemas"].update(audio_docs.OPENAPI_COMPONENTS)
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]

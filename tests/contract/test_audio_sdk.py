@@ -238,3 +238,16 @@ def test_the_docs_python_examples_run_as_written(gateway, ups, tmp_path):
     assert out == {"transcribe.py": SAID + "\n", "speak.py": ""}
     samples, rate = sf.read(tmp_path / "answer.wav", dtype="int16")
     assert rate == 24000 and len(samples) == 3 * int(24000 * 0.2)
+
+
+def test_the_openapi_document_declares_both_operations(gateway):
+    import httpx
+
+    doc = httpx.get(gateway.url + "/openapi.json").json()
+    speech = doc["paths"]["/v1/audio/speech"]["post"]
+    form = doc["paths"]["/v1/audio/transcriptions"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    assert speech["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/SpeechRequest")
+    schemas = doc["components"]["schemas"]
+    assert form["schema"]["$ref"].endswith("/TranscriptionForm")
+    assert schemas["TranscriptionForm"]["required"][:2] == ["file", "model"]
+    assert schemas["SpeechRequest"]["properties"]["input"]["maxLength"] == 4096
