@@ -222,6 +222,9 @@ def test_barge_in_cancels_the_answer_and_closes_the_engine_request(server, ups, 
         truncated = c.until("conversation.item.truncated")[-1]
         assert truncated["audio_end_ms"] == played_ms
     assert metrics.realtime_barge_ins._value.get() == before + 1
+    # the time from the caller's speech start to the answer's stop, measured
+    stops = [m for m in metrics.realtime_barge_in_stop.collect()[0].samples if m.name.endswith("_count")]
+    assert stops[0].value >= 1
     assert metrics.realtime_cancellations.labels("barge_in")._value.get() >= 1
     assert wait_until(lambda: _in_flight(server) == 0, timeout=5)
 
@@ -431,3 +434,34 @@ def test_the_docs_client_example_runs_as_written(server, ups, key, tmp_path):
     assert done.stdout.strip() == FIRST
     with wave.open(str(tmp_path / "answer.wav")) as w:
         assert w.getframerate() == RATE and w.getnframes() > RATE // 2
+
+
+def _text_item(text: str, item_id: str, **kw) -> dict:
+    item = {
+        "type": "message",
+        "id": item_id,
+        "role": "user",
+        "content": [{"type": "input_text", "text": text}],
+    }
+    return {"type": "conversation.item.create", "item": item, **kw}
+
+
+def test_items_created_deleted_and_placed_shape_the_next_turn(server, ups, key):
+    ups.omni_a.default = Script(flavour="omni", text=FIRST)
+    with Client(server.url, key.key) as c:
+        c.until("session.created")
+        c.send(_text_item("second", "item_b"))
+        assert c.until("conversation.item.done")[-1]["item"]["id"] == "item_b"
+        c.send(_text_item("dropped", "item_c"))
+        c.until("conversation.item.done")
+        c.send({"type": "conversation.item.delete", "item_id": "item_c"})
+        assert c.until("conversation.item.deleted")[-1]["item_id"] == "item_c"
+        c.send(_text_item("first", "item_a", previous_item_id="root"))
+        added = c.until("conversation.item.added")[-1]
+        assert added["previous_item_id"] is None
+        c.send({"type": "conversation.item.delete", "item_id": "item_c"})
+        assert c.until("error")[-1]["error"]["code"] == "item_not_found"
+        c.send({"type": "response.create"})
+        assert c.until("response.done")[-1]["response"]["status"] == "completed"
+    texts = [m["content"][0]["text"] for m in ups.omni_a.requests[-1]["messages"]]
+    assert texts == ["first", "second"]
