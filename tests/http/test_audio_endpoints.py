@@ -401,3 +401,34 @@ def test_a_tenants_rate_limit_counts_audio_calls_as_requests(gw, up):
     assert _speak(gw, headers=slow).status_code == 200
     err = _error(_transcribe(gw, wav(tone(1.0), 16000), headers=slow), 429)
     assert err["type"] == "rate_limit_error"
+
+
+def test_speech_above_the_soft_limit_is_a_503_to_retry_not_a_text_answer(bg, upstreams, tmp_path):
+    """load-shedding serves chat's speech as text above the soft limit; a speech call has no text answer to
+    give, so it is refused with 503 and Retry-After (and the engine's text-only answer is not passed off)."""
+    import concurrent.futures
+
+    upstreams.reset()
+    settings = gateway_settings(
+        upstreams,
+        PolicyChainConfig(pre=[PolicySpec(name="load-shedding"), PolicySpec(name="request-limits")]),
+        audit={"sqlite_path": str(tmp_path / "audit.db")},
+        traffic={"soft_limit": 1, "hard_limit": 8},
+    )
+    server = GatewayServer(bg, settings, CollectorRegistry()).start()
+    try:
+        for u in (upstreams.omni_a, upstreams.omni_b):
+            u.default = Script(flavour="omni", text="Hello.", audio_chunks=2, first_byte_delay_s=0.8)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(_speak, server, {"x": "y"})
+            assert eventually_sync(lambda: server.bg.call(lambda: server.services.admission.store.count) == 1)
+            shed = _speak(server, {"x": "y"})
+            assert first.result().status_code == 200
+        err = _error(shed, 503)
+        assert err["code"] == "overloaded" and shed.headers["retry-after"] == "1"
+        assert (
+            "x-omnigate-degraded" not in shed.headers
+            or "load-text-only" in shed.headers["x-omnigate-degraded"]
+        )
+    finally:
+        server.stop()
