@@ -304,8 +304,8 @@ class Metrics:
         )
         self.grounding_verdicts = Counter(
             "omnigate_grounding_verdicts_total",
-            "Grounding verdicts per attempt: pass, fail, skipped (a turn that only calls tools, or "
-            "a request with no evidence to judge against); "
+            "Grounding verdicts per attempt: pass, fail, unverifiable (no claim the evidence bears on), "
+            "skipped (a turn that only calls tools, or a request with no evidence to judge against); "
             "and per request: served_low, refused, terminated",
             ["mode", "verdict"],
             registry=r,

@@ -86,6 +86,14 @@ def _gpu_models(doc: dict) -> None:
     assert doc["gpu"] is not None or "cuda" in doc["not_measured"]
 
 
+def _served_guards(doc: dict) -> None:
+    rows = doc["throughput"]
+    assert rows and all(r["pairs"] > 0 for r in rows)
+    # answers judged at once through the batcher share engine calls
+    assert all(r["engine_calls"] < r["answers"] for r in rows if r["batched"] and r["concurrent_answers"] > 1)
+    assert all(r["requests"] > 0 and r["errors"] == 0 for r in doc["ttfb"]["rows"])
+
+
 def _grounding(doc: dict) -> None:
     assert doc["scorer_latency"]["rows"]
     assert [r["mode"] for r in doc["ttfb"]["rows"]] == ["no guard", "passthrough", "window", "hold"]
@@ -189,6 +197,8 @@ SMOKE: dict[str, tuple[Callable[[dict], None], int]] = {
     "front_door": (_front_door, 60),
     "gpu_models": (_gpu_models, 90),
     "grounding": (_grounding, 90),
+    # boots the real vLLM (tests/realvllm) with a tiny pooling model: about 40 s of it
+    "served_guards": (_served_guards, 170),
     "hostile_media": (_hostile_media, 90),
     "incidents": (_incidents, 120),
     "install_size": (_install_size, 120),
