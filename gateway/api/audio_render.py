@@ -5,7 +5,7 @@ formats: ``wav``, ``flac``, ``mp3`` and ``opus`` as chat's spoken answers are en
 libsndfile), ``aac`` (ADTS) through PyAV, ``pcm`` as OpenAI defines it: raw 16-bit little-endian
 samples at 24 kHz, mono (resampled when the engine speaks at another rate). ``speed`` other than 1 is
 FFmpeg's ``atempo`` filter (the pitch kept). All of it is CPU work on a whole answer: the route runs it
-on a thread.
+on a thread. numpy and the codecs load with the first answer that needs them: a text gateway never does.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import fractions
 import io
 from typing import Any
-
-import numpy as np
 
 from core import audio as audio_codec
 
@@ -36,6 +34,8 @@ _TEMPO_STEP = 2.0
 def encode_speech(pcm: bytes, rate: int, channels: int, fmt: str, speed: float = 1.0) -> bytes:
     """The spoken answer ``pcm`` (16-bit at ``rate``) as a ``fmt`` file, read at ``speed``."""
     if channels != 1:  # the speech formats are mono: the channels mixed down
+        import numpy as np  # numpy and the codecs load with the first answer that needs them
+
         frames = np.frombuffer(pcm, dtype="<i2").reshape(-1, channels).astype(np.int32)
         pcm, channels = frames.mean(axis=1).astype("<i2").tobytes(), 1
     if speed != 1.0:
@@ -65,6 +65,7 @@ def _tempo_chain(speed: float) -> list[tuple[str, str]]:
 
 def _frame(pcm: bytes, rate: int) -> Any:
     import av  # the codecs load with the first speech answer that needs them
+    import numpy as np
 
     samples = np.frombuffer(pcm, dtype="<i2").reshape(1, -1)
     frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
