@@ -428,3 +428,34 @@ def test_speech_above_the_soft_limit_is_a_503_to_retry_not_a_text_answer(bg, ups
         assert err["code"] == "overloaded" and shed.headers["retry-after"] == "1"
     finally:
         server.stop()
+
+
+def test_an_upload_that_trickles_past_the_body_deadline_is_408_and_holds_nothing(bg, upstreams, tmp_path):
+    upstreams.reset()
+    settings = gateway_settings(
+        upstreams,
+        audit={"sqlite_path": str(tmp_path / "audit.db")},
+        server={"body_timeout_s": 1.0},
+    )
+    server = GatewayServer(bg, settings, CollectorRegistry()).start()
+    try:
+        before = _spool_files()
+        head = (
+            b"POST /v1/audio/transcriptions HTTP/1.1\r\nhost: gw\r\n"
+            b"content-type: multipart/form-data; boundary=b0undary\r\ncontent-length: 4000000\r\n\r\n"
+        )
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(head + _file_opening() + b"RIFF" + b"\1" * (SPOOL_OVER))
+            reply = b""
+            while b"request_timeout" not in reply and (more := sock.recv(65536)):
+                reply += more
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert time.monotonic() - started < 5
+        assert eventually_sync(lambda: _held(server) == (0, {}) and _spool_files() == before)
+    finally:
+        server.stop()
+
+
+#: bytes past the spool threshold (gateway/api/body.py's SPOOL_MIN)
+SPOOL_OVER = 300 * 1024
