@@ -187,13 +187,19 @@ class _Check:
 
     mode: StreamMode = "hold"
 
-    def __init__(self, policy: Grounding, request: ChatCompletionRequest, ctx: RequestContext) -> None:
+    def __init__(
+        self,
+        policy: Grounding,
+        request: ChatCompletionRequest,
+        ctx: RequestContext,
+        premise: Premise | None = None,
+    ) -> None:
         self.policy = policy
         self.cfg = policy.config
         self.ctx = ctx
         self.request = request
         self.attempt = ctx.record.retries + 1
-        self.premise = policy.premise(request, ctx)
+        self.premise = premise if premise is not None else policy.premise(request, ctx)
         self._text: list[str] = []  # the answer so far (joined once, at the end)
         self._calls = False  # the answer calls tools
 
@@ -505,17 +511,19 @@ class Grounding(PolicyBase):
         return cfg.modes_by_model.get(request.model, cfg.mode)
 
     def open_check(self, request: ChatCompletionRequest, ctx: RequestContext) -> StreamCheck:
-        if not self.has_evidence(request, ctx):
+        premise = self.premise(request, ctx)
+        if not premise.has_evidence:
             return AbstainCheck(self, request, ctx)
-        return _CHECKS[self.stream_mode(request, ctx)](self, request, ctx)
+        return _CHECKS[self.stream_mode(request, ctx)](self, request, ctx, premise)
 
     async def post(
         self, request: ChatCompletionRequest, completion: Completion, ctx: RequestContext
     ) -> Verdict:
         attempt = ctx.record.retries + 1
-        if not self.has_evidence(request, ctx):
+        premise = self.premise(request, ctx)
+        if not premise.has_evidence:
             return self.no_evidence("hold", attempt, ctx)
-        check = HoldCheck(self, request, ctx)  # a whole answer is judged as a held one
+        check = HoldCheck(self, request, ctx, premise)  # a whole answer is judged as a held one
         text = completion.text or completion.transcript
         if completion.tool_calls and not text.strip():
             return self.tool_turn("hold", attempt)

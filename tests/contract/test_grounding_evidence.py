@@ -141,7 +141,7 @@ def test_an_open_domain_question_is_served_once_unflagged_and_recorded_as_no_evi
 @STREAMS
 @pytest.mark.parametrize("where", ["system", "user"])
 def test_a_consistent_answer_to_a_document_passes(serve, upstreams, stream, where):
-    _server, client = serve()
+    server, client = serve()
     upstreams.omni_a.default = Script(flavour="omni", text=CONSISTENT, chunk_words=2)
     raw, text, notes = _ask(client, _with_doc(DOC, QUESTION, where), stream)
     assert text == CONSISTENT
@@ -149,6 +149,11 @@ def test_a_consistent_answer_to_a_document_passes(serve, upstreams, stream, wher
     assert "x-omnigate-grounding" not in raw.headers
     assert notes is not None and notes["grounding"]["verdict"] == "pass"
     assert notes["grounding"]["supported"] == 2 and notes["grounding"]["contradicted"] == 0
+    payload = audit_payload(server.url, ADMIN_KEY, raw.headers["x-request-id"])
+    (receipt,) = [p for p in payload["policies"] if p["name"] == "grounding"]
+    (part,) = receipt["saw"]["parts"]
+    assert (part["supported"], part["contradicted"], part["unverifiable"]) == (2, 0, 0)
+    assert receipt["complete"] is True
 
 
 @STREAMS
