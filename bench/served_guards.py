@@ -61,15 +61,18 @@ def _minilm_cross_encoder() -> Path:
     return folder
 
 
+def _served(url: str, batched: bool, inflight: int) -> dict:
+    """``grounding.served``: batched (one call per 5 ms window) or one call per answer."""
+    served = {"url": url, "model": "guard-nli", "endpoint": "score", "timeout_s": 60}
+    if batched:
+        return served | {"max_batch": 64, "max_wait_ms": 5, "max_inflight": 2}
+    return served | {"max_batch": 1, "max_wait_ms": 0, "max_inflight": inflight}
+
+
 def _settings(url: str, batched: bool, inflight: int):  # -> GroundingSettings
     from policies.settings import GroundingSettings
 
-    served = {"url": url, "model": "guard-nli", "endpoint": "score", "timeout_s": 60}
-    if batched:
-        served |= {"max_batch": 64, "max_wait_ms": 5, "max_inflight": 2}
-    else:
-        served |= {"max_batch": 1, "max_wait_ms": 0, "max_inflight": inflight}
-    return GroundingSettings(scorer="served", served=served)
+    return GroundingSettings(scorer="served", served=_served(url, batched, inflight))
 
 
 async def _throughput(url: str, concurrency: int, rounds: int, batched: bool) -> dict:
@@ -126,10 +129,7 @@ def _config(up_port: int, guard_url: str | None) -> dict:
                 },
             }
         ]
-        out["grounding"] = {
-            "scorer": "served",
-            "served": _settings(guard_url, True, 2).served.model_dump(mode="json"),
-        }  # type: ignore[union-attr]
+        out["grounding"] = {"scorer": "served", "served": _served(guard_url, True, 2)}
     return {
         "engines": [
             {
