@@ -459,3 +459,31 @@ def test_an_upload_that_trickles_past_the_body_deadline_is_408_and_holds_nothing
 
 #: bytes past the spool threshold (gateway/api/body.py's SPOOL_MIN)
 SPOOL_OVER = 300 * 1024
+
+
+def test_unknown_fields_dropped_when_configured_and_the_media_budget_refuses_mid_upload(
+    bg, upstreams, tmp_path
+):
+    upstreams.reset()
+    for u in (upstreams.omni_a, upstreams.omni_b):
+        u.default = Script(flavour="omni", text="Hello there.", audio_chunks=2)
+    settings = gateway_settings(
+        upstreams,
+        audit={"sqlite_path": str(tmp_path / "audit.db")},
+        requests={"unknown_fields": "drop"},
+        media={"max_request_bytes": 512 * 1024},
+    )
+    server = GatewayServer(bg, settings, CollectorRegistry()).start()
+    try:
+        r = _speak(server, {"x": "y"}, colour="blue", mood="calm")
+        assert r.status_code == 200, r.text
+        assert r.headers["x-omnigate-dropped-fields"] == "colour,mood"
+        r = _transcribe(server, wav(tone(1.0), 16000), headers={"x": "y"}, colour="blue")
+        assert r.status_code == 200 and r.headers["x-omnigate-dropped-fields"] == "colour"
+        before = _spool_files()
+        # 2.6 MB of audio against a 512 KiB media budget: refused while it arrives, nothing left behind.
+        err = _error(_transcribe(server, wav(tone(30.0, 44100), 44100), headers={"x": "y"}), 413)
+        assert err["code"] == "media_too_large", err
+        assert eventually_sync(lambda: _held(server) == (0, {}) and _spool_files() == before)
+    finally:
+        server.stop()
