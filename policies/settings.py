@@ -157,6 +157,9 @@ class GroundingSettings(_Strict):
             raise ValueError(
                 "grounding.served.endpoint: tei-predict takes single texts, not premise-claim pairs"
             )
+        served_classify = self.served is not None and self.served.endpoint == "classify"
+        if self.scorer == "served" and served_classify and not self.tokenizer:
+            raise ValueError("grounding.tokenizer: endpoint classify sends pairs as the model's token ids")
         return self
 
 

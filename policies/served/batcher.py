@@ -150,11 +150,14 @@ class MicroBatcher(Generic[T, R]):
                     )
             except Exception as exc:  # every waiting caller learns it; the policy's on_error decides
                 self.stats.failures += 1
-                error = exc if isinstance(exc, GuardUnavailable) else GuardUnavailable(str(exc))
-                if error is not exc:
-                    error.__cause__ = exc
+                message = (
+                    exc.message if isinstance(exc, GuardUnavailable) else f"the {self._name} model failed"
+                )
                 for j in live:
                     if not j.future.done():
+                        # One error per caller: each raises it in its own task, with its own traceback.
+                        error = GuardUnavailable(message)
+                        error.__cause__ = exc
                         j.future.set_exception(error)
                 return
         i = 0

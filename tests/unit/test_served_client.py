@@ -169,3 +169,21 @@ async def test_a_refused_connection_is_a_guard_that_cannot_judge() -> None:
             await m.score([("a", "b")])
     finally:
         await m.aclose()
+
+
+@pytest.mark.parametrize(
+    ("served", "extra", "field"),
+    [
+        (None, {}, "grounding.served"),
+        ({"endpoint": "tei-predict"}, {}, "grounding.served.endpoint"),
+        ({"endpoint": "classify", "labels": ["entailment", "neutral"]}, {}, "grounding.tokenizer"),
+    ],
+)
+def test_a_served_grounding_scorer_names_what_its_config_lacks(served: Any, extra: dict, field: str) -> None:
+    from pydantic import ValidationError
+
+    from policies.settings import GroundingSettings
+
+    block = None if served is None else {"url": "http://nli:8000", "model": "nli", **served}
+    with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
+        GroundingSettings(scorer="served", served=block, **extra)
