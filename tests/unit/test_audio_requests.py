@@ -79,3 +79,26 @@ def _upload(filename: str = "", content_type: str = "", head: bytes = b"") -> Up
 )
 def test_the_format_an_upload_declares(upload, fmt):
     assert format_of(upload) == fmt
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 22050, 24000, 32000, 44100, 48000])
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_speech_is_encoded_in_every_format_at_every_talker_rate(rate, fmt):
+    """Talkers speak at 16, 24, 44.1 or 48 kHz (and others): every format is served from each (Opus itself
+    takes only 8, 12, 16, 24 and 48 kHz: the gateway resamples to it)."""
+    import io
+
+    import av
+    import numpy as np
+
+    from gateway.api.audio_render import PCM_RATE, encode_speech
+
+    pcm = (np.sin(np.arange(rate) * 2 * np.pi * 440 / rate) * 8000).astype("<i2").tobytes()  # one second
+    data = encode_speech(pcm, rate, 1, fmt)
+    if fmt == "pcm":
+        assert len(data) == 2 * PCM_RATE
+        return
+    with av.open(io.BytesIO(data)) as container:
+        seconds = sum(f.samples / f.sample_rate for f in container.decode(audio=0))
+    # AAC adds its encoder's priming and padding: up to two frames of 1,024 samples.
+    assert seconds == pytest.approx(1.0, abs=2048 / rate + 0.01 if fmt == "aac" else 0.1)
