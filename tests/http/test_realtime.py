@@ -41,7 +41,10 @@ def server(bg, upstreams, key, tmp_path_factory):
         tenants=[{"name": "voice", "models": [OMNI_MODEL]}],
         api_keys=[{"id": key.id, "tenant": "voice", "sha256": key.sha256}],
         audit={"sqlite_path": str(db)},
+        server={"stream_write_timeout_s": 1.0},  # a client that stops reading is cut after a second
     )
+    # The scripted engine makes minutes of speech for the stalled-reader test before its first byte.
+    settings.engines[0] = settings.engines[0].model_copy(update={"first_byte_timeout_s": 30.0})
     s = GatewayServer(bg, settings, CollectorRegistry()).start()
     s.db = db
     yield s
@@ -465,3 +468,30 @@ def test_items_created_deleted_and_placed_shape_the_next_turn(server, ups, key):
         assert c.until("response.done")[-1]["response"]["status"] == "completed"
     texts = [m["content"][0]["text"] for m in ups.omni_a.requests[-1]["messages"]]
     assert texts == ["first", "second"]
+
+
+def test_a_client_that_stops_reading_is_cut_and_its_engine_request_closed(server, ups, key):
+    # Minutes of speech at ten seconds a second: megabytes of events, more than the sockets' buffers hold.
+    ups.omni_a.default = Script(
+        flavour="omni", text="Long.", audio_chunks=300, audio_seconds_per_chunk=1.0, chunk_delay_s=0.1
+    )
+    metrics = server.services.metrics
+    c = Client(server.url, key.key, max_queue=1)  # its reader stops taking frames once one waits
+    try:
+        c.until("session.created")
+        c.send(
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Go"}],
+                },
+            }
+        )
+        c.send({"type": "response.create"})
+        assert wait_until(lambda: ups.omni_a.aborts == 1, timeout=40)  # the engine request was closed
+        assert wait_until(lambda: metrics.realtime_closed.labels("stalled")._value.get() >= 1, timeout=10)
+        assert wait_until(lambda: _in_flight(server) == 0, timeout=10)
+    finally:
+        c.ws.socket.close()
