@@ -1,6 +1,6 @@
 """One ``/v1/realtime`` session: its configuration, its input audio buffer, its conversation, and the client
-events that change them; a response runs as a task of its own (gateway/realtime/turn.py) so that speech or
-``response.cancel`` can stop it mid-answer.
+events that change them. Its responses run one at a time, each a task of its own
+(gateway/realtime/responses.py), so that speech or ``response.cancel`` can stop one mid-answer.
 
 Everything here is per session and bounded: the buffer by a turn's length, the conversation by
 ``realtime.max_items``, the audio by the session's total and by real time plus a burst. A client mistake is
@@ -16,7 +16,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
-import structlog
 from pydantic import ValidationError
 
 from core.context import RequestContext
@@ -31,8 +30,6 @@ from observability.metrics import Metrics
 
 if TYPE_CHECKING:
     from gateway.pipeline import Pipeline
-
-log = structlog.get_logger("omnigate.realtime")
 
 
 class Close(Exception):
@@ -57,7 +54,7 @@ class RealtimeSession:
         model: str,
         send: Emit,
     ) -> None:
-        self.pipeline, self.metrics, self.settings = pipeline, metrics, settings
+        self.metrics, self.settings = metrics, settings
         self.ctx, self.id, self._send = ctx, session_id, send
         self.cfg = SessionConfig(model=model)
         self.conversation = Conversation(settings.max_items)
@@ -68,7 +65,6 @@ class RealtimeSession:
         self._first_append: float | None = None
         self._vad: VoiceActivity | None = None
         self._speech_item: str | None = None
-        self.closed_reason: str | None = None
 
     # -- the transport's calls ------------------------------------------------------------------
     async def open(self) -> None:
