@@ -246,10 +246,11 @@ def without_weekdays(text: str) -> str:
 
 
 def tokens_in(text: str) -> set[str]:
-    """Tokens for telling what a sentence is about, in any script: words of three letters or more
-    (lowercased; shorter ones are mostly particles), and for CJK the character pairs (bigrams) of
-    each run, since those scripts put no spaces between words."""
-    out = {w.lower() for w in _ANY_WORD.findall(text) if len(w) >= 3}
+    """Tokens for telling what a sentence is about, in any script: words of four letters or more
+    (lowercased; shorter ones are mostly articles, particles and auxiliaries: "the", "was", "and"),
+    and for CJK the character pairs (bigrams) of each run, since those scripts put no spaces between
+    words."""
+    out = {w.lower() for w in _ANY_WORD.findall(text) if len(w) >= 4}
     for run in re.findall(f"[{_CJK}]+", text):
         if len(run) == 1:
             out.add(run)

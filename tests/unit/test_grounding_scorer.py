@@ -385,3 +385,12 @@ def test_fallback_numbers_of_the_same_measure_conflict_only_about_the_same_subje
 ):
     j = fallback.judge_sync(_premise(doc, "?"), claims_of(split_sentences(answer)))
     assert [c.label for c in j.claims] == [label], j.claims
+
+
+def test_fallback_a_date_in_a_system_prompt_is_no_evidence_against_history(fallback):
+    # The system prompt states a date; an answer about another subject with another year is not about it.
+    doc = "You are a helpful assistant. The current date is 5 December 2026."
+    j = fallback.judge_sync(
+        _premise(doc, "?"), claims_of(split_sentences("The French Revolution began in 1789."))
+    )
+    assert [c.label for c in j.claims] == ["unverifiable"], j.claims
