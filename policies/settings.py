@@ -52,7 +52,7 @@ class PolicyChainConfig(_Strict):
     )
 
 
-ServedEndpoint = Literal["score", "rerank", "classify", "tei-rerank", "tei-predict"]
+ServedEndpoint = Literal["score", "rerank", "classify", "tei-rerank", "tei-predict", "transcriptions"]
 
 
 class ServedModelSettings(_Strict):
@@ -68,7 +68,8 @@ class ServedModelSettings(_Strict):
     endpoint: ServedEndpoint = Field(
         default="score",
         description="score (vLLM /score, one-label cross-encoder), rerank (vLLM /rerank), classify (vLLM "
-        "/classify), tei-rerank (TEI /rerank), tei-predict (TEI /predict)",
+        "/classify), tei-rerank (TEI /rerank), tei-predict (TEI /predict), transcriptions (speech-to-text: "
+        "/v1/audio/transcriptions, one call per file)",
     )
     labels: list[str] | None = Field(
         default=None,
@@ -153,9 +154,13 @@ class GroundingSettings(_Strict):
     def _served_named(self) -> GroundingSettings:
         if self.scorer == "served" and self.served is None:
             raise ValueError("grounding.served: scorer served needs the served model (url, model, endpoint)")
-        if self.scorer == "served" and self.served is not None and self.served.endpoint == "tei-predict":
+        if (
+            self.scorer == "served"
+            and self.served is not None
+            and self.served.endpoint in ("tei-predict", "transcriptions")
+        ):
             raise ValueError(
-                "grounding.served.endpoint: tei-predict takes single texts, not premise-claim pairs"
+                f"grounding.served.endpoint: {self.served.endpoint} does not score premise-claim pairs"
             )
         served_classify = self.served is not None and self.served.endpoint == "classify"
         if self.scorer == "served" and served_classify and not self.tokenizer:

@@ -5,9 +5,12 @@
     │     endpoint score        vLLM  POST /score  {"model", "text_1": [...], "text_2": [...]}
     │     endpoint rerank       vLLM  POST /rerank {"model", "query", "documents"} (one call per query)
     │     endpoint tei-rerank   TEI   POST /rerank {"query", "texts"}              (one call per query)
-    └── classify(texts)   -> the class probabilities of each text (or pair, as token ids)
-          endpoint classify     vLLM  POST /classify {"model", "input": [...]}
-          endpoint tei-predict  TEI   POST /predict  {"inputs": [...]} (labels named by the answer)
+    ├── classify(texts)   -> the class probabilities of each text (or pair, as token ids)
+    │     endpoint classify     vLLM  POST /classify {"model", "input": [...]}
+    │     endpoint tei-predict  TEI   POST /predict  {"inputs": [...]} (labels named by the answer)
+    └── transcribe(audio) -> the words of one audio file (not batched: one call per file)
+          endpoint transcriptions  vLLM (or any OpenAI-compatible server) POST /v1/audio/transcriptions,
+                                   multipart: file, model, response_format json
 
 Concurrent callers share calls (:class:`policies.served.batcher.MicroBatcher`): one engine call per batch
 window. The base URL, the model and the key come from the config, never from a request; the pool of
@@ -87,6 +90,34 @@ class ServedModel:
     async def classify(self, inputs: Sequence[ClassifyInput]) -> list[dict[str, float]]:
         """The probability of each label, by label name, for each input."""
         return await self.inputs.submit(list(inputs))
+
+    async def transcribe(
+        self, audio: bytes, *, filename: str = "audio.wav", language: str | None = None
+    ) -> str:
+        """The transcript of one audio file, within ``timeout_s`` (a speech-to-text model the engine serves)."""
+        data = {"model": self.settings.model, "response_format": "json"}
+        if language is not None:
+            data["language"] = language
+        try:
+            async with asyncio.timeout(self.settings.timeout_s):
+                r = await self._http.post(
+                    "/v1/audio/transcriptions",
+                    data=data,
+                    files={"file": (filename, audio, "application/octet-stream")},
+                )
+        except TimeoutError as exc:
+            raise GuardUnavailable(
+                f"the {self.name} model {self.settings.model!r} did not answer within {self.settings.timeout_s:g} s"
+            ) from exc
+        except httpx.HTTPError as exc:
+            log.warning("served_guard_unreachable", guard=self.name, url=self.settings.url, error=repr(exc))
+            raise GuardUnavailable(f"the {self.name} model {self.settings.model!r} is unreachable") from exc
+        if r.status_code != 200:
+            raise self._malformed(f"HTTP {r.status_code}")
+        try:
+            return str(r.json()["text"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise self._malformed("a transcription of the wrong shape", exc) from exc
 
     async def aclose(self) -> None:
         await self.pairs.aclose()

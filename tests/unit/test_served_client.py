@@ -176,6 +176,7 @@ async def test_a_refused_connection_is_a_guard_that_cannot_judge() -> None:
     [
         (None, {}, "grounding.served"),
         ({"endpoint": "tei-predict"}, {}, "grounding.served.endpoint"),
+        ({"endpoint": "transcriptions"}, {}, "grounding.served.endpoint"),
         ({"endpoint": "classify", "labels": ["entailment", "neutral"]}, {}, "grounding.tokenizer"),
     ],
 )
@@ -187,3 +188,54 @@ def test_a_served_grounding_scorer_names_what_its_config_lacks(served: Any, extr
     block = None if served is None else {"url": "http://nli:8000", "model": "nli", **served}
     with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
         GroundingSettings(scorer="served", served=block, **extra)
+
+
+async def test_transcribe_posts_the_file_and_reads_the_text(engine: Engine) -> None:
+    got: dict[str, Any] = {}
+
+    async def transcriptions(request: web.Request) -> web.Response:
+        form = await request.post()
+        upload = form["file"]
+        upload_bytes = upload.file.read() if isinstance(upload, web.FileField) else b""
+        got.update(model=form["model"], language=form.get("language"), bytes=upload_bytes)
+        return web.json_response({"text": "hello there"})
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/transcriptions", transcriptions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    m = ServedModel(
+        ServedModelSettings(url=f"http://127.0.0.1:{port}", model="whisper", endpoint="transcriptions"),
+        name="stt",
+    )
+    try:
+        assert await m.transcribe(b"RIFF....WAVE", language="en") == "hello there"
+    finally:
+        await m.aclose()
+        await runner.cleanup()
+    assert got == {"model": "whisper", "language": "en", "bytes": b"RIFF....WAVE"}
+
+
+async def test_a_transcription_past_its_deadline_is_a_guard_that_cannot_judge() -> None:
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(5)
+        return web.json_response({"text": "late"})
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/transcriptions", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    settings = ServedModelSettings(
+        url=f"http://127.0.0.1:{port}", model="w", endpoint="transcriptions", timeout_s=0.3
+    )
+    m = ServedModel(settings, name="stt")
+    try:
+        with pytest.raises(GuardUnavailable, match="did not answer within"):
+            await m.transcribe(b"x")
+    finally:
+        await m.aclose()
+        await runner.cleanup()
