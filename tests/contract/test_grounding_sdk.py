@@ -242,7 +242,7 @@ def test_exhausted_retries_serve_the_best_scoring_answer_flagged(serve, upstream
 
 
 def test_a_vague_answer_is_unverifiable_and_served_without_a_retry(serve, upstreams):
-    server, client = serve("hold")
+    _server, client = serve("hold")
     # No fact, nothing the document says: the document neither supports nor contradicts it.
     upstreams.vllm.enqueue(Script(flavour="vllm", text=VAGUE), Script(flavour="vllm", text=WRONG))
     raw = client.chat.completions.with_raw_response.create(
