@@ -113,7 +113,7 @@ AUTH = {"authorization": f"Bearer {KEY.key}"}
 
 
 def _transcribe(
-    gw, data: bytes, name: str = "clip.wav", headers: dict | None = None, **fields
+    gw, data: bytes, name: str = "clip.wav", headers: dict | None = None, timeout: float = 60, **fields
 ) -> httpx.Response:
     form = {"model": OMNI_MODEL, **fields}
     return httpx.post(
@@ -121,13 +121,13 @@ def _transcribe(
         data=form,
         files={"file": (name, data)},
         headers=headers or AUTH,
-        timeout=60,
+        timeout=timeout,
     )
 
 
-def _speak(gw, headers: dict | None = None, **body) -> httpx.Response:
+def _speak(gw, headers: dict | None = None, timeout: float = 60, **body) -> httpx.Response:
     doc = {"model": OMNI_MODEL, "input": "Hello there.", "voice": "Ethan", "response_format": "wav", **body}
-    return httpx.post(gw.url + "/v1/audio/speech", json=doc, headers=headers or AUTH, timeout=60)
+    return httpx.post(gw.url + "/v1/audio/speech", json=doc, headers=headers or AUTH, timeout=timeout)
 
 
 def _error(r: httpx.Response, status: int) -> dict:
@@ -487,3 +487,28 @@ def test_unknown_fields_dropped_when_configured_and_the_media_budget_refuses_mid
         assert eventually_sync(lambda: _held(server) == (0, {}) and _spool_files() == before)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("endpoint", ["speech", "transcriptions"])
+def test_a_client_gone_while_the_engine_answers_aborts_it_and_holds_nothing(gw, up, endpoint):
+    for u in (up.omni_a, up.omni_b):
+        u.default = Script(flavour="omni", text="Slow.", audio_chunks=2, chunk_delay_s=10.0)
+    aborts, asked = up.omni_a.aborts, up.omni_a.request_count
+    if endpoint == "speech":
+        doc = {"model": OMNI_MODEL, "input": "Hello.", "voice": "Ethan", "response_format": "wav"}
+        request = httpx.Request("POST", gw.url + "/v1/audio/speech", json=doc, headers=AUTH)
+    else:
+        files = {"file": ("a.wav", wav(tone(1.0), 16000))}
+        request = httpx.Request(
+            "POST", gw.url + "/v1/audio/transcriptions", data={"model": OMNI_MODEL}, files=files, headers=AUTH
+        )
+    body = request.read()
+    head = f"POST {request.url.path} HTTP/1.1\r\nhost: gw\r\n" + "".join(
+        f"{k}: {v}\r\n" for k, v in request.headers.items() if k.lower() != "host"
+    )
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+        sock.sendall(head.encode() + b"\r\n" + body)
+        # The client goes once the engine has the request (the guards have heard and read it by then).
+        assert eventually_sync(lambda: up.omni_a.request_count == asked + 1, timeout=60)
+    assert eventually_sync(lambda: up.omni_a.aborts == aborts + 1)  # the engine saw the request go
+    assert eventually_sync(lambda: _held(gw) == (0, {}))
