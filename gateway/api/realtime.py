@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from core.context import RequestContext
-from core.errors import InvalidRequest, ModelNotFound, OmnigateError, RateLimited
+from core.errors import InvalidRequest, ModelNotFound, OmnigateError, Overloaded, RateLimited
 from gateway.auth_failures import TooManyAuthFailures
 from gateway.realtime.events import ClientGone, RealtimeError
 from gateway.realtime.session import Close, RealtimeSession
@@ -86,6 +86,12 @@ class RealtimeEndpoint:
         try:
             if not settings.enabled:
                 raise OmnigateError("not found", status=404, code="not_found")
+            if not websocket.app.state.readiness.open:  # as the readiness gate answers /v1/* over HTTP
+                raise Overloaded(
+                    "the gateway is starting: no engine has answered its health probe yet; retry shortly",
+                    code="gateway_starting",
+                    retry_after=1.0,
+                )
             await _authenticate(websocket, services, offered, ctx)
             model = _model(websocket, services, ctx)
             who = ctx.identity.key_id or (websocket.client.host if websocket.client else "unknown")

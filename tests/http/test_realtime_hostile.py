@@ -263,3 +263,29 @@ def test_above_the_soft_limit_answers_are_text_only(server, ups, key):
         server.bg.call(lambda: gate._limits.__setitem__("standard", soft))
     assert not any(e["type"] == "response.output_audio.delta" for e in events)
     assert ups.omni_a.requests[-1]["modalities"] == ["text"]
+
+
+def test_a_gateway_not_ready_refuses_the_handshake_as_it_refuses_chat(bg):
+    from engines.adapters.settings import EngineConfig
+    from gateway.settings import Settings
+    from tests.tcpproxy import TCPProxy
+
+    # An engine that takes connections and never answers: its first health probe is still out.
+    silent = bg.run(TCPProxy("127.0.0.1", 9).start("blackhole"))
+    dead = EngineConfig(
+        name="silent",
+        kind="vllm-omni",
+        base_url=f"http://127.0.0.1:{silent.port}/v1",
+        model="m",
+        serves=[OMNI_MODEL],
+    )
+    s = GatewayServer(bg, Settings(engines=[dead], logging={"level": "warning"}), CollectorRegistry())
+    s.start(wait_ready=False)
+    try:
+        with pytest.raises(InvalidStatus) as refused:
+            Client(s.url, None)
+        assert refused.value.response.status_code == 503
+        assert json.loads(refused.value.response.body)["error"]["code"] == "gateway_starting"
+    finally:
+        s.stop()
+        bg.run(silent.stop())
