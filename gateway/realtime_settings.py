@@ -60,6 +60,11 @@ class RealtimeSettings(BaseModel):
         16,
         description="client errors (malformed, unknown or refused events) before the session is closed (1008)",
     )
+    max_context_audio_s: Annotated[float, Field(gt=0)] = Field(
+        120.0,
+        description="seconds of the newest user audio each turn sends the engine (the conversation's context); "
+        "an older turn's audio leaves it, the answer to it stays",
+    )
     max_items: Annotated[int, Field(ge=2)] = Field(
         64, description="conversation items kept; the oldest are dropped from the context beyond it"
     )

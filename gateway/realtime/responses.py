@@ -77,6 +77,7 @@ class Responses:
                 modalities,
                 params.instructions if params else None,
                 None if limit == "inf" else limit,
+                self.settings.max_context_audio_s,
             )
         except ValidationError as exc:
             raise ev.bad(

@@ -165,13 +165,24 @@ def chat_request(
     modalities: list[str],
     instructions: str | None,
     max_tokens: int | None,
+    context_audio_s: float = float("inf"),
 ) -> ChatCompletionRequest:
-    """The conversation so far as one streamed chat completion request."""
+    """The conversation so far as one streamed chat completion request. Its user audio is the newest turns'
+    up to ``context_audio_s`` seconds: an older turn's audio leaves the context (the answer to it stays)."""
     messages: list[dict[str, Any]] = []
     system = instructions if instructions is not None else cfg.instructions
     if system:
         messages.append({"role": "system", "content": system})
-    for item in conversation.items:
+    heard: set[int] = set()  # the items whose audio is sent, newest first within the budget
+    budget = context_audio_s
+    for at in range(len(conversation.items) - 1, -1, -1):
+        took = seconds(len(conversation.items[at].audio), cfg.in_rate)
+        if took and (took <= budget or not heard):  # the newest turn's audio is always heard
+            heard.add(at)
+            budget -= took
+        elif took:
+            break
+    for at, item in enumerate(conversation.items):
         if item.role == "assistant":
             if item.text:
                 messages.append({"role": "assistant", "content": item.text})
@@ -180,7 +191,7 @@ def chat_request(
             messages.append({"role": "system", "content": item.text})
             continue
         parts: list[dict[str, Any]] = []
-        if item.audio:
+        if item.audio and at in heard:
             parts.append(
                 {
                     "type": "input_audio",

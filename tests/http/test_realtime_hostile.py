@@ -45,6 +45,7 @@ def server(bg, upstreams, key, tmp_path_factory):
             "max_sessions_per_key": 2,
             "max_session_s": 6.0,
             "idle_s": 2.5,
+            "max_context_audio_s": 1.0,
         },
     )
     s = GatewayServer(bg, settings, CollectorRegistry()).start()
@@ -289,3 +290,25 @@ def test_a_gateway_not_ready_refuses_the_handshake_as_it_refuses_chat(bg):
     finally:
         s.stop()
         bg.run(silent.stop())
+
+
+def test_the_context_carries_only_the_newest_audio_within_its_budget(server, ups, key):
+    with Client(server.url, key.key) as c:
+        c.until("session.created")
+        c.send({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+        c.until("session.updated")
+        for hz in (440.0, 660.0):
+            c.append(tone(0.8, hz=hz), piece_s=0.2, pace_s=0.19)
+            c.send({"type": "input_audio_buffer.commit"})
+            c.send({"type": "response.create"})
+            assert c.until("response.done")[-1]["response"]["status"] == "completed"
+    messages = ups.omni_a.requests[-1]["messages"]
+    audio = [
+        p
+        for m in messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == "input_audio"
+    ]
+    assert len(audio) == 1  # 0.8 s of the 1 s budget: the first turn's audio left the context
+    assert [m["role"] for m in messages] == ["assistant", "user"]  # the answer to it stayed
