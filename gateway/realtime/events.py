@@ -10,7 +10,7 @@ is refused by name.
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -152,11 +152,9 @@ ClientEvent = Annotated[
 ]
 CLIENT_EVENT: TypeAdapter[ClientEvent] = TypeAdapter(ClientEvent)
 #: the ``type`` of every event modelled here
-KNOWN = frozenset(
-    m.model_fields["type"].annotation.__args__[0]  # type: ignore[union-attr]
-    for m in (SessionUpdate, BufferAppend, BufferCommit, BufferClear, ItemCreate, ItemDelete, ItemTruncate,
-              ResponseCreate, ResponseCancel)
-)  # fmt: skip
+KNOWN: frozenset[str] = frozenset(
+    get_args(m.model_fields["type"].annotation)[0] for m in get_args(get_args(ClientEvent)[0])
+)
 
 
 def new_id(prefix: str) -> str:
