@@ -78,8 +78,14 @@ def _in_flight(server) -> int:
     return server.bg.run(server.services.pipeline.admission.store.in_flight())
 
 
+def _first_audio_count(server) -> float:
+    samples = server.services.metrics.first_audio.collect()[0].samples
+    return sum(x.value for x in samples if x.name.endswith("_count") and x.labels["engine"] == "omni-int4")
+
+
 def test_two_spoken_turns_manual_commit(server, ups, key):
     ups.omni_a.enqueue(Script(flavour="omni", text=FIRST), Script(flavour="omni", text=SECOND))
+    first_audio_before = _first_audio_count(server)
     with Client(server.url, key.key) as c:
         created = c.until("session.created")[-1]
         assert created["session"]["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
@@ -140,6 +146,10 @@ def test_two_spoken_turns_manual_commit(server, ups, key):
     assert opened["event"] == "open" and closed["event"] == "close" and closed["turns"] == 2
     assert closed["usage"]["audio_in_seconds"] == pytest.approx(1.3, abs=0.01)
     assert _in_flight(server) == 0
+    # Each turn is a chat request: the first-audio histogram (and its P99 300 ms alert) counts it too.
+    assert _first_audio_count(server) == first_audio_before + 2
+    turn_first_audio = server.services.metrics.realtime_first_audio.collect()[0].samples
+    assert next(x.value for x in turn_first_audio if x.name.endswith("_count")) >= 2
 
 
 def test_server_vad_hears_a_spoken_turn_and_answers(server, ups, key, tmp_path):
