@@ -24,7 +24,7 @@ _SCALARS = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(-(2**40), 2**40),
-    st.floats(allow_nan=False),
+    st.floats(allow_nan=False, allow_infinity=False),
     st.text(max_size=40),
     st.sampled_from(
         [OMNI_MODEL, "Ethan", "wav", "mp3", "pcm", "aac", "sse", "json", "text", "srt", "1.0", "en"]
