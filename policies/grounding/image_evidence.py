@@ -21,7 +21,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,9 +31,11 @@ from core.request_parts import ImagePart
 from core.schemas import ChatCompletionRequest
 from core.spooled import SpooledMedia
 from policies.base import EngineChat
+from policies.grounding.claims import Premise
+from policies.grounding.judgement import LABELS, ClaimLabel, ClaimScore, Judgement
+from policies.grounding.scorer import Scorer
 
-Label = Literal["supported", "contradicted", "unverifiable"]
-LABELS: tuple[Label, ...] = ("supported", "contradicted", "unverifiable")
+Label = ClaimLabel
 
 INSTRUCTION = (
     "You check statements against the images you are given, and nothing else. For each numbered "
@@ -47,15 +49,19 @@ class ImageEvidenceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = True
-    #: the public model asked (routed as clients' requests are); None: the model the request named
-    model: str | None = None
-    #: most images sent with one check (the first ones of the request; a receipt says how many of how many)
-    max_images: int = Field(default=8, ge=1, le=64)
-    #: most claims checked in one call (the weakest first)
-    max_claims: int = Field(default=16, ge=1, le=64)
-    timeout_s: float = Field(default=20.0, gt=0)
-    cache_size: int = Field(default=4096, ge=0)
+    enabled: bool = Field(default=True, description="check claims against the request's images")
+    model: str | None = Field(
+        default=None,
+        description="the public model asked (routed as clients' requests are); null: the model the request named",
+    )
+    max_images: int = Field(
+        default=8, ge=1, le=64, description="most images sent with one check (the request's first ones)"
+    )
+    max_claims: int = Field(default=16, ge=1, le=64, description="most claims checked in one call")
+    timeout_s: float = Field(
+        default=20.0, gt=0, description="the check's deadline; past it the guard could not judge (on_error)"
+    )
+    cache_size: int = Field(default=4096, ge=0, description="verdicts kept per (images, claim); 0: none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,3 +200,37 @@ class ImageEvidence:
             of_images=len(every),
             asked=len(open_),
         )
+
+
+def _seen_claim(claim: ClaimScore, label: Label | None) -> ClaimScore:
+    if label == "supported":
+        return ClaimScore(claim.claim, 1.0, "the request's images show it", "supported")
+    if label == "contradicted":
+        return ClaimScore(claim.claim, 0.0, "the request's images show otherwise", "contradicted")
+    return claim
+
+
+async def judge(
+    scorer: Scorer,
+    images: ImageEvidence | None,
+    request: ChatCompletionRequest,
+    premise: Premise,
+    claims: Sequence[str],
+) -> tuple[Judgement, Seen | None]:
+    """The answer's claims judged against the request's text (``scorer``, when the text states anything),
+    then those still unverifiable against its images (``images``, when it has any)."""
+    if premise.has_evidence:
+        j = await scorer.judge(premise, claims)
+    else:
+        j = Judgement.of(
+            [ClaimScore(c, 0.0, "the request's text states nothing", "unverifiable") for c in claims]
+        )
+    if images is None:
+        return j, None
+    open_ = [c.claim for c in j.claims if c.label == "unverifiable"]
+    seen = await images.check(request, open_)
+    if seen is None:
+        return j, None
+    by_claim = dict(zip(open_, seen.labels, strict=False))  # claims past max_claims keep their label
+    relabelled = [_seen_claim(c, by_claim.get(c.claim)) if c.label == "unverifiable" else c for c in j.claims]
+    return Judgement.of(relabelled), seen

@@ -66,6 +66,7 @@ from policies.base import (
     Verdict,
 )
 from policies.grounding.claims import Premise, claims_of, premise_of, split_sentences
+from policies.grounding.image_evidence import ImageEvidence, ImageEvidenceConfig, Seen, images_of, judge
 from policies.grounding.scorer import GUARDS, Judgement, Scorer
 from policies.registry import Extra
 
@@ -109,6 +110,13 @@ class GroundingConfig(PolicyConfig):
     )
     speech_chars_per_second: Annotated[float, Field(gt=0.0, le=200.0)] = Field(
         default=30.0, description="window mode: the speaking-rate bound for releasing audio"
+    )
+    images: ImageEvidenceConfig = Field(
+        default_factory=ImageEvidenceConfig,
+        description=(
+            "claims the text leaves unverifiable, checked against the request's images by an engine "
+            "(policies/grounding/image_evidence.py)"
+        ),
     )
     evidence_roles: Annotated[list[EvidenceRole], Field(min_length=1)] = Field(
         default_factory=lambda: list(_PREMISE_ROLES),
@@ -202,6 +210,7 @@ class _Check:
         self.premise = premise if premise is not None else policy.premise(request, ctx)
         self._text: list[str] = []  # the answer so far (joined once, at the end)
         self._calls = False  # the answer calls tools
+        self._seen: list[Seen] = []  # what the image checks of this attempt looked at
 
     def _tool_turn(self) -> Verdict | None:
         """A turn that only calls tools states nothing to ground: served unscored (its arguments are no claims)."""
@@ -222,6 +231,22 @@ class _Check:
         scan.parts = [
             {"part": "answer", "kind": "text", "claims": len(j.claims), "score": round(j.score, 4), **counts}
         ]
+        if self._seen:
+            images = self.cfg.images
+            shown, of = max(x.images for x in self._seen), max(x.of_images for x in self._seen)
+            scan.parts.append(
+                {
+                    "part": "images",
+                    "kind": "image",
+                    "images": shown,
+                    "of": of,
+                    "claims_checked": sum(len(x.labels) for x in self._seen),
+                    "asked_engine": sum(x.asked for x in self._seen),
+                    "model": images.model or self.request.model,
+                }
+            )
+            if shown < of:
+                scan.missed.append({"part": "images", "why": f"only the first {shown} of {of} were shown"})
         weakest = j.weakest
         if verdict == "pass" and not j.checked:
             verdict = "unverifiable"  # evidence, but nothing of the answer it bears on: not a pass
@@ -257,7 +282,11 @@ class _Check:
             self.policy.metrics.holdback_wait.labels(self.mode).observe(time.perf_counter() - since)
 
     async def judge_text(self, text: str) -> Judgement:
-        return await self.policy.scorer.judge(self.premise, claims_of(split_sentences(text)))
+        claims = claims_of(split_sentences(text))
+        j, seen = await judge(self.policy.scorer, self.policy.images, self.request, self.premise, claims)
+        if seen is not None:
+            self._seen.append(seen)
+        return j
 
 
 class HoldCheck(_Check):
@@ -476,6 +505,8 @@ class Grounding(PolicyBase):
         self.config = config
         self._scorer: Scorer | None = None
         self._metrics: Metrics | None = None
+        #: the image check (None: off, or no engine to ask outside a gateway)
+        self.images: ImageEvidence | None = None
 
     async def start(self, deps: Deps) -> None:
         """Take the gateway's scorer (built and loaded by the gateway because this policy ``uses`` it).
@@ -487,6 +518,8 @@ class Grounding(PolicyBase):
             raise RuntimeError("the grounding policy needs the grounding scorer")
         self._scorer = scorer
         self._metrics = deps.metrics
+        if self.config.images.enabled and deps.engine_chat is not None:
+            self.images = ImageEvidence(self.config.images, deps.engine_chat)
 
     @property
     def scorer(self) -> Scorer:
@@ -512,7 +545,7 @@ class Grounding(PolicyBase):
 
     def open_check(self, request: ChatCompletionRequest, ctx: RequestContext) -> StreamCheck:
         premise = self.premise(request, ctx)
-        if not premise.has_evidence:
+        if not self.judges(request, premise):
             return AbstainCheck(self, request, ctx)
         return _CHECKS[self.stream_mode(request, ctx)](self, request, ctx, premise)
 
@@ -521,7 +554,7 @@ class Grounding(PolicyBase):
     ) -> Verdict:
         attempt = ctx.record.retries + 1
         premise = self.premise(request, ctx)
-        if not premise.has_evidence:
+        if not self.judges(request, premise):
             return self.no_evidence("hold", attempt, ctx)
         check = HoldCheck(self, request, ctx, premise)  # a whole answer is judged as a held one
         text = completion.text or completion.transcript
@@ -546,6 +579,11 @@ class Grounding(PolicyBase):
         if not any(m.get("why") == "no_evidence" for m in scan.missed):
             scan.missed.append({"part": "answer", "why": "no_evidence"})
         return self.skipped(mode, attempt, "no_evidence", {HEADER: NO_EVIDENCE})
+
+    def judges(self, request: ChatCompletionRequest, premise: Premise) -> bool:
+        """Whether there is evidence to judge an answer against: text that states something, or images
+        the image check can look at."""
+        return premise.has_evidence or (self.images is not None and bool(images_of(request)))
 
     def has_evidence(self, request: ChatCompletionRequest, ctx: RequestContext) -> bool:
         """Whether the messages of ``evidence_roles`` (and input speech's transcripts, as the user's) state

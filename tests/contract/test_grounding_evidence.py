@@ -10,25 +10,19 @@ flagged (or refused, with ``on_exhausted: refuse``), streamed and not, in Englis
 
 from __future__ import annotations
 
-import secrets
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-import yaml
-from prometheus_client import CollectorRegistry
 
 from policies.grounding.policy import DEFAULT_INSTRUCTION
-from policies.settings import PolicyChainConfig
-from tests.conftest import OMNI_MODEL, gateway_settings
-from tests.harness import GatewayServer, audit_payload
+from tests.conftest import OMNI_MODEL
+from tests.contract.conftest import EXAMPLE_ADMIN_KEY
+from tests.harness import audit_payload
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(180)
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "ops" / "config" / "omnigate.yaml"
-ADMIN_KEY = secrets.token_hex(32)
 
 OPEN_QUESTION = "What is the capital of France?"
 OPEN_ANSWER = "Paris is the capital of France."
@@ -48,45 +42,6 @@ CONSISTENT_ZH = "会议在星期二下午三点举行。"
 WRONG_ZH = "会议在星期五下午三点举行。"
 OPEN_QUESTION_ZH = "法国的首都是哪里？"
 OPEN_ANSWER_ZH = "巴黎是法国的首都。"
-
-
-def _template_chain(**grounding: Any) -> PolicyChainConfig:
-    chain = yaml.safe_load(TEMPLATE.read_text())["policies"]
-    (post,) = [p for p in chain["post"] if p["name"] == "grounding"]
-    post["config"] = {**post.get("config", {}), **grounding}
-    return PolicyChainConfig.model_validate(chain)
-
-
-@pytest.fixture(scope="module")
-def servers(bg, upstreams):
-    made: dict[str, GatewayServer] = {}
-
-    def get(on_exhausted: str = "flag") -> GatewayServer:
-        if on_exhausted not in made:
-            chain = (
-                _template_chain() if on_exhausted == "flag" else _template_chain(on_exhausted=on_exhausted)
-            )
-            settings = gateway_settings(
-                upstreams, chain, admin={"api_key": ADMIN_KEY}, auth={"required": False}
-            )
-            made[on_exhausted] = GatewayServer(bg, settings, CollectorRegistry()).start()
-        return made[on_exhausted]
-
-    yield get
-    for s in made.values():
-        s.stop()
-
-
-@pytest.fixture
-def serve(servers, upstreams):
-    def get(on_exhausted: str = "flag") -> tuple[GatewayServer, openai.OpenAI]:
-        upstreams.reset()
-        server = servers(on_exhausted)
-        server.bg.run(server.services.pool.probe_now())
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        return server, client
-
-    return get
 
 
 def _ask(client: openai.OpenAI, messages: list[dict], stream: bool) -> tuple[Any, str, dict | None]:
@@ -119,9 +74,9 @@ STREAMS = pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"
     ids=["en", "zh"],
 )
 def test_an_open_domain_question_is_served_once_unflagged_and_recorded_as_no_evidence(
-    serve, upstreams, stream, question, answer
+    example_chain_gateway, upstreams, stream, question, answer
 ):
-    server, client = serve()
+    server, client = example_chain_gateway()
     upstreams.omni_a.default = Script(flavour="omni", text=answer, chunk_words=2)
     raw, text, notes = _ask(client, [{"role": "user", "content": question}], stream)
     assert text == answer
@@ -130,7 +85,7 @@ def test_an_open_domain_question_is_served_once_unflagged_and_recorded_as_no_evi
     assert "x-omnigate-degraded" not in raw.headers
     assert notes is not None and notes["grounding"]["verdict"] == "skipped"
     assert notes["grounding"]["reason"] == "no_evidence"
-    payload = audit_payload(server.url, ADMIN_KEY, raw.headers["x-request-id"])
+    payload = audit_payload(server.url, EXAMPLE_ADMIN_KEY, raw.headers["x-request-id"])
     assert payload["notes"]["grounding"]["reason"] == "no_evidence"
     (receipt,) = [p for p in payload["policies"] if p["name"] == "grounding"]
     # Not judged, and its receipt says so: the answer was not looked at for want of evidence.
@@ -140,8 +95,8 @@ def test_an_open_domain_question_is_served_once_unflagged_and_recorded_as_no_evi
 
 @STREAMS
 @pytest.mark.parametrize("where", ["system", "user"])
-def test_a_consistent_answer_to_a_document_passes(serve, upstreams, stream, where):
-    server, client = serve()
+def test_a_consistent_answer_to_a_document_passes(example_chain_gateway, upstreams, stream, where):
+    server, client = example_chain_gateway()
     upstreams.omni_a.default = Script(flavour="omni", text=CONSISTENT, chunk_words=2)
     raw, text, notes = _ask(client, _with_doc(DOC, QUESTION, where), stream)
     assert text == CONSISTENT
@@ -149,7 +104,7 @@ def test_a_consistent_answer_to_a_document_passes(serve, upstreams, stream, wher
     assert "x-omnigate-grounding" not in raw.headers
     assert notes is not None and notes["grounding"]["verdict"] == "pass"
     assert notes["grounding"]["supported"] == 2 and notes["grounding"]["contradicted"] == 0
-    payload = audit_payload(server.url, ADMIN_KEY, raw.headers["x-request-id"])
+    payload = audit_payload(server.url, EXAMPLE_ADMIN_KEY, raw.headers["x-request-id"])
     (receipt,) = [p for p in payload["policies"] if p["name"] == "grounding"]
     (part,) = receipt["saw"]["parts"]
     assert (part["supported"], part["contradicted"], part["unverifiable"]) == (2, 0, 0)
@@ -158,8 +113,10 @@ def test_a_consistent_answer_to_a_document_passes(serve, upstreams, stream, wher
 
 @STREAMS
 @pytest.mark.parametrize("wrong", [WRONG_DAY, WRONG_REVENUE], ids=["weekday", "revenue"])
-def test_a_contradiction_of_the_document_is_retried_then_flagged(serve, upstreams, stream, wrong):
-    server, client = serve()
+def test_a_contradiction_of_the_document_is_retried_then_flagged(
+    example_chain_gateway, upstreams, stream, wrong
+):
+    server, client = example_chain_gateway()
     upstreams.omni_a.enqueue(Script(flavour="omni", text=wrong, chunk_words=2))
     upstreams.omni_a.default = Script(flavour="omni", text=CONSISTENT, chunk_words=2)
     raw, text, notes = _ask(client, _with_doc(DOC, QUESTION, "system"), stream)
@@ -171,7 +128,7 @@ def test_a_contradiction_of_the_document_is_retried_then_flagged(serve, upstream
     assert (
         notes is not None and notes["grounding"]["verdict"] == "pass" and notes["grounding"]["attempt"] == 2
     )
-    payload = audit_payload(server.url, ADMIN_KEY, raw.headers["x-request-id"])
+    payload = audit_payload(server.url, EXAMPLE_ADMIN_KEY, raw.headers["x-request-id"])
     assert payload["retries"] == 1
 
     # Contradicted every time: the example config flags the last attempt after its two retries.
@@ -188,8 +145,8 @@ def test_a_contradiction_of_the_document_is_retried_then_flagged(serve, upstream
 
 
 @STREAMS
-def test_a_contradiction_is_refused_when_the_config_says_refuse(serve, upstreams, stream):
-    _server, client = serve("refuse")
+def test_a_contradiction_is_refused_when_the_config_says_refuse(example_chain_gateway, upstreams, stream):
+    _server, client = example_chain_gateway("refuse")
     upstreams.omni_a.default = Script(flavour="omni", text=WRONG_DAY, chunk_words=2)
     with pytest.raises(openai.UnprocessableEntityError) as err:
         _ask(client, _with_doc(DOC, QUESTION, "system"), stream)
@@ -200,8 +157,8 @@ def test_a_contradiction_is_refused_when_the_config_says_refuse(serve, upstreams
 
 
 @STREAMS
-def test_a_chinese_document_is_evidence_in_chinese(serve, upstreams, stream):
-    _server, client = serve()
+def test_a_chinese_document_is_evidence_in_chinese(example_chain_gateway, upstreams, stream):
+    _server, client = example_chain_gateway()
     upstreams.omni_a.default = Script(flavour="omni", text=CONSISTENT_ZH, chunk_words=1)
     raw, text, notes = _ask(client, _with_doc(DOC_ZH, QUESTION_ZH, "system"), stream)
     assert text == CONSISTENT_ZH and upstreams.omni_a.request_count == 1
@@ -223,8 +180,10 @@ def test_a_chinese_document_is_evidence_in_chinese(serve, upstreams, stream):
 
 
 @STREAMS
-def test_a_claim_the_document_does_not_bear_on_is_unverifiable_not_failed(serve, upstreams, stream):
-    _server, client = serve()
+def test_a_claim_the_document_does_not_bear_on_is_unverifiable_not_failed(
+    example_chain_gateway, upstreams, stream
+):
+    _server, client = example_chain_gateway()
     answer = "The board meeting is on Tuesday at 3 pm. Paris is the capital of France."
     upstreams.omni_a.default = Script(flavour="omni", text=answer, chunk_words=2)
     raw, text, notes = _ask(client, _with_doc(DOC, QUESTION, "system"), stream)
@@ -234,8 +193,8 @@ def test_a_claim_the_document_does_not_bear_on_is_unverifiable_not_failed(serve,
     assert (notes["grounding"]["supported"], notes["grounding"]["unverifiable"]) == (1, 1)
 
 
-def test_window_mode_ends_the_stream_at_a_contradiction_after_a_release(serve, upstreams):
-    _server, client = serve()
+def test_window_mode_ends_the_stream_at_a_contradiction_after_a_release(example_chain_gateway, upstreams):
+    _server, client = example_chain_gateway()
     late = "The board meeting is on Tuesday at 3 pm. Revenue in 2025 was 15 million euros."
     upstreams.omni_a.default = Script(flavour="omni", text=late, chunk_words=2)
     text = ""
