@@ -10,6 +10,7 @@ flagged (or refused, with ``on_exhausted: refuse``), streamed and not, in Englis
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import openai
@@ -19,6 +20,7 @@ from policies.grounding.policy import DEFAULT_INSTRUCTION
 from tests.conftest import OMNI_MODEL
 from tests.contract.conftest import EXAMPLE_ADMIN_KEY
 from tests.harness import audit_payload
+from tests.media import speech
 from tests.upstream import Script
 
 pytestmark = pytest.mark.timeout(180)
@@ -210,3 +212,19 @@ def test_window_mode_ends_the_stream_at_a_contradiction_after_a_release(example_
     assert "15" not in text
     assert "contradicts the evidence" in str(err.value)
     assert upstreams.omni_a.request_count == 1
+
+
+@STREAMS
+def test_a_spoken_question_is_served_once_unflagged(example_chain_gateway, upstreams, stream):
+    """A question asked aloud carries no text that states anything (the example chain transcribes no
+    speech): served once, unflagged, recorded as no evidence; neither retried nor cut."""
+    _server, client = example_chain_gateway()
+    upstreams.omni_a.default = Script(flavour="omni", text=OPEN_ANSWER, chunk_words=2)
+    spoken = base64.b64encode(speech("what is the capital of france")).decode()
+    part = {"type": "input_audio", "input_audio": {"data": spoken, "format": "wav"}}
+    raw, text, notes = _ask(client, [{"role": "user", "content": [part]}], stream)
+    assert text == OPEN_ANSWER
+    assert upstreams.omni_a.request_count == 1
+    assert raw.headers["x-omnigate-grounding"] == "no-evidence"
+    assert "x-omnigate-degraded" not in raw.headers
+    assert notes is not None and notes["grounding"]["reason"] == "no_evidence"
