@@ -94,8 +94,9 @@ class Item:
     id: str
     role: str
     text: str = ""
-    #: user audio: PCM16 at the session's input rate
+    #: user audio: PCM16 at ``rate`` (the session's input rate when it was committed)
     audio: bytes = b""
+    rate: int = 24000
     #: assistant audio sent, in ms (what a truncation cuts)
     audio_ms: int = 0
     status: str = "completed"
@@ -148,11 +149,11 @@ class Conversation:
         at = self.items.index(item) if item in self.items else 0
         return self.items[at - 1].id if at > 0 else None
 
-    def item_from(self, it: ev.Item) -> Item:
+    def item_from(self, it: ev.Item, rate: int) -> Item:
         """A client's ``conversation.item.create`` item (its input audio PCM16 at the session's rate)."""
         if it.id is not None and self.find(it.id) is not None:
             raise ev.bad(f"an item {it.id!r} exists already", "invalid_value", "item.id")
-        item = Item(it.id or ev.new_id("item"), it.role)
+        item = Item(it.id or ev.new_id("item"), it.role, rate=rate)
         for part in it.content:
             if part.type == "input_audio" and part.audio:
                 if it.role != "user":
@@ -164,6 +165,19 @@ class Conversation:
             else:
                 item.text += part.text or part.transcript or ""
         return item
+
+    def forget_audio(self, keep_s: float) -> None:
+        """Let go of user audio older than the newest ``keep_s`` seconds: no turn sends it again (the context
+        carries the newest audio only), so a long session holds no more than that of it."""
+        kept = False
+        for at, item in reversed(list(enumerate(self.items))):
+            took = len(item.audio) / (2 * item.rate)
+            if took and (took <= keep_s or not kept):  # the newest turn's audio is always kept
+                keep_s, kept = keep_s - took, True
+            elif took:
+                for old in self.items[: at + 1]:
+                    old.audio = b""
+                return
 
     def truncate(self, item_id: str, audio_end_ms: int) -> Item:
         """Cut an assistant item where its audio stopped being played: what was not heard leaves the context,

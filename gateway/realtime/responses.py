@@ -86,7 +86,8 @@ class Responses:
         self.turns += 1
         turn = turns.Turn(self.turns, modalities, cfg.out_rate)
         last_user = next((i for i in reversed(self.conversation.items) if i.role == "user"), None)
-        ctx = turns.turn_context(self.ctx, turn, self.id, last_user.audio if last_user else b"", cfg.in_rate)
+        audio_in, rate = (last_user.audio, last_user.rate) if last_user is not None else (b"", cfg.in_rate)
+        ctx = turns.turn_context(self.ctx, turn, self.id, audio_in, rate)
         self._turn = turn
         self._task = asyncio.get_running_loop().create_task(
             self._run(turn, ctx, chat), name=f"realtime-{self.id}"

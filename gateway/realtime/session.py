@@ -150,6 +150,13 @@ class RealtimeSession:
                 raise ev.bad("there is no response in progress to cancel", "response_cancel_not_active")
             await self.responses.cancel("client", None)
         elif isinstance(e, ev.SessionUpdate):
+            fmt = e.session.audio.input.format if e.session.audio and e.session.audio.input else None
+            if fmt is not None and fmt.rate != self.cfg.in_rate and self.buffer:
+                raise ev.bad(
+                    "commit or clear the input audio buffer before changing its rate",
+                    "invalid_value",
+                    "session.audio.input.format.rate",
+                )
             if self.cfg.update(e.session, self.settings.vad):
                 self._vad = VoiceActivity(shared_model(), self.cfg.vad) if self.cfg.vad is not None else None
             await self.emit({"type": "session.updated", "session": self.cfg.wire(self.id)})
@@ -227,9 +234,10 @@ class RealtimeSession:
     async def _commit(self, item_id: str | None = None) -> None:
         if not self.buffer:
             raise ev.bad("the input audio buffer is empty", "input_audio_buffer_commit_empty")
-        item = Item(item_id or ev.new_id("item"), "user", audio=bytes(self.buffer))
+        item = Item(item_id or ev.new_id("item"), "user", audio=bytes(self.buffer), rate=self.cfg.in_rate)
         self.buffer.clear()
         previous = self.conversation.add(item)
+        self.conversation.forget_audio(self.settings.max_context_audio_s)
         await self.emit(
             {"type": "input_audio_buffer.committed", "item_id": item.id, "previous_item_id": previous}
         )
@@ -242,7 +250,7 @@ class RealtimeSession:
         await self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item.wire()})
 
     async def _create_item(self, e: ev.ItemCreate) -> None:
-        item = self.conversation.item_from(e.item)
+        item = self.conversation.item_from(e.item, self.cfg.in_rate)
         took = seconds(len(item.audio), self.cfg.in_rate)
         if took > self.settings.max_turn_audio_s or self.audio_in_s + took > self.settings.max_audio_s:
             raise ev.bad(
@@ -250,6 +258,7 @@ class RealtimeSession:
             )
         self.audio_in_s += took
         previous = self.conversation.add(item, e.previous_item_id)
+        self.conversation.forget_audio(self.settings.max_context_audio_s)
         await self._added(item, previous)
 
     async def _truncate(self, e: ev.ItemTruncate) -> None:

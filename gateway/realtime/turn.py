@@ -176,7 +176,7 @@ def chat_request(
     heard: set[int] = set()  # the items whose audio is sent, newest first within the budget
     budget = context_audio_s
     for at in range(len(conversation.items) - 1, -1, -1):
-        took = seconds(len(conversation.items[at].audio), cfg.in_rate)
+        took = seconds(len(conversation.items[at].audio), conversation.items[at].rate)
         if took and (took <= budget or not heard):  # the newest turn's audio is always heard
             heard.add(at)
             budget -= took
@@ -195,7 +195,7 @@ def chat_request(
             parts.append(
                 {
                     "type": "input_audio",
-                    "input_audio": {"data": wav_b64(item.audio, cfg.in_rate), "format": "wav"},
+                    "input_audio": {"data": wav_b64(item.audio, item.rate), "format": "wav"},
                 }
             )
         if item.text:

@@ -312,3 +312,20 @@ def test_the_context_carries_only_the_newest_audio_within_its_budget(server, ups
     ]
     assert len(audio) == 1  # 0.8 s of the 1 s budget: the first turn's audio left the context
     assert [m["role"] for m in messages] == ["assistant", "user"]  # the answer to it stayed
+
+
+def test_the_input_rate_changes_only_with_an_empty_buffer(server, ups, key):
+    with Client(server.url, key.key) as c:
+        c.until("session.created")
+        # audio of the old rate waits in the buffer: the rate may not change under it
+        c.send({"type": "input_audio_buffer.append", "audio": b64(tone(0.2))})
+        update = {
+            "type": "session.update",
+            "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+        }
+        c.send(update)
+        assert c.until("error")[-1]["error"]["param"] == "session.audio.input.format.rate"
+        c.send({"type": "input_audio_buffer.clear"})
+        c.until("input_audio_buffer.cleared")
+        c.send(update)
+        assert c.until("session.updated")[-1]["session"]["audio"]["input"]["format"]["rate"] == 16000
