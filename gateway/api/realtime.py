@@ -82,7 +82,7 @@ class RealtimeEndpoint:
             p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",") if p.strip()
         ]
         subprotocol = "realtime" if "realtime" in offered else None
-        who = ""
+        who, reserved, admitted = "", False, False
         try:
             if not settings.enabled:
                 raise OmnigateError("not found", status=404, code="not_found")
@@ -100,24 +100,34 @@ class RealtimeEndpoint:
                     f"too many realtime sessions open for this key (at most {settings.max_sessions_per_key})",
                     retry_after=services.settings.traffic.retry_after_s,
                 )
+            # Counted before the admission's await: two handshakes at once cannot both take the last place.
+            self.open[who], reserved = self.open.get(who, 0) + 1, True
             await services.pipeline.admit(ctx)  # the session's one slot, on ctx.holds until it ends
+            admitted = True
         except OmnigateError as exc:
             with ctx.holds:
                 if not isinstance(exc, (KeyRefused, TooManyAuthFailures)):
                     await services.pipeline.refused(ctx, exc)
                 await _deny(websocket, exc)
             return
-        self.open[who] = self.open.get(who, 0) + 1
+        finally:
+            if not admitted:  # refused, or cancelled in the admission's await: the place and the slot go back
+                if reserved:
+                    self._release(who)
+                ctx.holds.close()
         services.metrics.realtime_sessions.inc()
         try:
             with ctx.holds:
                 await self._serve(websocket, services, ctx, session_id, model, subprotocol)
         finally:
             # Last, after the slot went back and the close was audited: a session counted open holds nothing.
-            self.open[who] -= 1
-            if not self.open[who]:
-                del self.open[who]
+            self._release(who)
             services.metrics.realtime_sessions.dec()
+
+    def _release(self, who: str) -> None:
+        self.open[who] -= 1
+        if not self.open[who]:
+            del self.open[who]
 
     async def _serve(
         self,
@@ -254,12 +264,13 @@ async def _deny(websocket: WebSocket, exc: OmnigateError) -> None:
     headers = exc.headers()
     if exc.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    if "websocket.http.response" in websocket.scope.get("extensions", {}):
-        await websocket.send_denial_response(
-            JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
-        )
-    else:
-        await websocket.close(1008, exc.message[:120])
+    with contextlib.suppress(OSError, RuntimeError, WebSocketDisconnect):  # the client may be gone already
+        if "websocket.http.response" in websocket.scope.get("extensions", {}):
+            await websocket.send_denial_response(
+                JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+            )
+        else:
+            await websocket.close(1008, exc.message[:120])
 
 
 async def _audit(services: Services, ctx: RequestContext, session_id: str, payload: dict[str, Any]) -> None:
