@@ -101,7 +101,8 @@ class Item:
     audio_ms: int = 0
     status: str = "completed"
 
-    def wire(self) -> dict[str, Any]:
+    def wire(self, with_audio: bool = False) -> dict[str, Any]:
+        """The item as the events show it; ``with_audio``: a user item's audio too, base64 PCM16 (retrieve)."""
         content: list[dict[str, Any]] = []
         if self.role == "assistant":
             content.append(
@@ -113,7 +114,10 @@ class Item:
             content.append({"type": "input_text", "text": self.text})
         else:
             if self.audio:
-                content.append({"type": "input_audio", "transcript": None})
+                part: dict[str, Any] = {"type": "input_audio", "transcript": None}
+                if with_audio:
+                    part["audio"] = base64.b64encode(self.audio).decode("ascii")
+                content.append(part)
             if self.text:
                 content.append({"type": "input_text", "text": self.text})
         return {

@@ -121,6 +121,11 @@ class ItemDelete(_Client):
     item_id: str
 
 
+class ItemRetrieve(_Client):
+    type: Literal["conversation.item.retrieve"]
+    item_id: str
+
+
 class ItemTruncate(_Client):
     type: Literal["conversation.item.truncate"]
     item_id: str
@@ -145,6 +150,7 @@ ClientEvent = Annotated[
     | BufferClear
     | ItemCreate
     | ItemDelete
+    | ItemRetrieve
     | ItemTruncate
     | ResponseCreate
     | ResponseCancel,

@@ -168,6 +168,11 @@ class RealtimeSession:
                 raise ev.bad(f"no item {e.item_id!r} in the conversation", "item_not_found", "item_id")
             self.conversation.items.remove(item)
             await self.emit({"type": "conversation.item.deleted", "item_id": e.item_id})
+        elif isinstance(e, ev.ItemRetrieve):
+            found = self.conversation.find(e.item_id)
+            if found is None:
+                raise ev.bad(f"no item {e.item_id!r} in the conversation", "item_not_found", "item_id")
+            await self.emit({"type": "conversation.item.retrieved", "item": found.wire(with_audio=True)})
         elif isinstance(e, ev.ItemTruncate):
             await self._truncate(e)
 

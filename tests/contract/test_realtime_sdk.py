@@ -90,6 +90,9 @@ def test_a_spoken_two_turn_conversation_through_the_python_sdk(server, ups, key,
             await conn.input_audio_buffer.commit()
             await conn.response.create()
             first = await _until(conn, "response.done", seen)
+            committed = next(e for e in seen if e.type == "input_audio_buffer.committed")
+            await conn.conversation.item.retrieve(item_id=committed.item_id)
+            await _until(conn, "conversation.item.retrieved", seen)
             # The second turn: the caller speaks, server VAD hears the turn end and answers by itself.
             await conn.session.update(
                 session={"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}

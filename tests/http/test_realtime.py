@@ -505,3 +505,16 @@ def test_a_client_that_stops_reading_is_cut_and_its_engine_request_closed(server
         assert wait_until(lambda: _in_flight(server) == 0, timeout=10)
     finally:
         c.ws.socket.close()
+
+
+def test_a_committed_turn_is_retrieved_with_its_audio(server, ups, key):
+    with Client(server.url, key.key) as c:
+        c.until("session.created")
+        _manual(c)
+        c.append(tone(0.3))
+        c.send({"type": "input_audio_buffer.commit"})
+        item_id = c.until("input_audio_buffer.committed")[-1]["item_id"]
+        c.send({"type": "conversation.item.retrieve", "item_id": item_id})
+        item = c.until("conversation.item.retrieved")[-1]["item"]
+    assert item["id"] == item_id and item["role"] == "user"
+    assert base64.b64decode(item["content"][0]["audio"]) == tone(0.3)
