@@ -139,6 +139,8 @@ def test_two_spoken_turns_manual_commit(server, ups, key):
     ]
     assert [t["realtime"]["turn"] for t in turns] == [1, 2]
     assert turns[0]["realtime"]["audio_in"]["seconds"] == pytest.approx(0.8, abs=0.01)
+    # the answer's audio and transcript by digest, as for any spoken chat answer (its PCM as the engine spoke it)
+    assert turns[0]["output"]["audio_bytes"] > 0 and len(turns[0]["output"]["transcript_sha256"]) == 64
     assert turns[0]["outcome"] in ("served", "degraded") and turns[0]["usage"]["audio_seconds"] > 0
     opened, closed = (
         r["payload"] for r in audit_rows(server.db, "realtime_session") if r["request_id"] == session_id
