@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+from typing import Any
 
 from core.errors import EngineProtocolError
 
@@ -14,6 +15,9 @@ _STREAMING_SIZE = 0xFFFFFFFF
 STREAMABLE_FORMATS = frozenset({"wav", "pcm16", "pcm"})
 #: what :func:`encode` can produce (libsndfile has no AAC encoder)
 ENCODABLE_FORMATS = frozenset({"wav", "pcm16", "pcm", "flac", "mp3", "opus"})
+#: the rates Opus codes at, and the one other rates are resampled to for it
+OPUS_RATES = frozenset({8000, 12000, 16000, 24000, 48000})
+OPUS_RATE = 48000
 
 
 def wav_header(sample_rate: int, channels: int = 1, data_bytes: int | None = None) -> bytes:
@@ -68,6 +72,24 @@ def _decode_other(blob: bytes) -> tuple[bytes, int, int]:
     return data.tobytes(), rate, data.shape[1]
 
 
+def _resampled(samples: Any, rate: int, to: int) -> Any:
+    """``samples`` (int16, frames × channels) at ``to`` Hz, through FFmpeg's resampler (PyAV)."""
+    import av
+    import numpy as np
+
+    channels = samples.shape[1]
+    layout = "mono" if channels == 1 else "stereo" if channels == 2 else f"{channels}c"
+    frame = av.AudioFrame.from_ndarray(
+        np.ascontiguousarray(samples.reshape(1, -1)), format="s16", layout=layout
+    )
+    frame.sample_rate = rate
+    resampler = av.AudioResampler(format="s16", layout=layout, rate=to)
+    pieces = [f.to_ndarray() for f in (*resampler.resample(frame), *resampler.resample(None))]
+    if not pieces:
+        return np.zeros((0, channels), dtype=np.int16)
+    return np.concatenate(pieces, axis=1).reshape(-1, channels)
+
+
 def encode(pcm: bytes, sample_rate: int, channels: int, fmt: str) -> bytes:
     """Encode a whole PCM16 buffer as the client asked (non-streaming responses)."""
     if fmt in ("pcm16", "pcm"):
@@ -84,6 +106,8 @@ def encode(pcm: bytes, sample_rate: int, channels: int, fmt: str) -> bytes:
     elif fmt == "mp3":
         sf.write(out, samples, sample_rate, format="MP3")
     elif fmt == "opus":
+        if sample_rate not in OPUS_RATES:  # Opus codes at its own rates only (libsndfile refuses others)
+            samples, sample_rate = _resampled(samples, sample_rate, OPUS_RATE), OPUS_RATE
         sf.write(out, samples, sample_rate, format="OGG", subtype="OPUS")
     else:  # aac has no encoder in libsndfile; gateway.speech refuses it before any engine work
         raise ValueError(f"cannot encode audio as {fmt}")

@@ -27,9 +27,6 @@ MEDIA_TYPES = {
 }
 #: OpenAI's raw ``pcm``: 24 kHz, 16-bit, mono
 PCM_RATE = 24000
-#: the rates Opus codes at, and the one other rates are resampled to for it
-OPUS_RATES = frozenset({8000, 12000, 16000, 24000, 48000})
-OPUS_RATE = 48000
 #: the factor one ``atempo`` filter takes at most (and 1 / it at least), in every FFmpeg build
 _TEMPO_STEP = 2.0
 
@@ -49,11 +46,7 @@ def encode_speech(pcm: bytes, rate: int, channels: int, fmt: str, speed: float =
         return pcm
     if fmt == "aac":
         return _aac(pcm, rate)
-    if fmt == "opus" and rate not in OPUS_RATES:
-        # Opus codes only its own rates (libsndfile refuses the rest): 44.1 and 22.05 kHz talkers go to 48.
-        pcm = _filtered(pcm, rate, [("aresample", str(OPUS_RATE))], out_rate=OPUS_RATE)
-        rate = OPUS_RATE
-    return audio_codec.encode(pcm, rate, 1, fmt)
+    return audio_codec.encode(pcm, rate, 1, fmt)  # opus at a rate it does not code: resampled to 48 kHz
 
 
 def _tempo_chain(speed: float) -> list[tuple[str, str]]:

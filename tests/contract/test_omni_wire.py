@@ -288,6 +288,16 @@ def test_every_accepted_non_streamed_format_is_served(client, ups, fmt):
         assert rate in (24000, 48000) and len(data) >= 0.5 * rate  # opus resamples to 48 kHz
 
 
+@pytest.mark.parametrize("rate", [22050, 44100])
+def test_opus_from_a_talker_at_a_rate_opus_does_not_code(client, ups, rate):
+    """A talker at 22.05 or 44.1 kHz asked for opus: served at 48 kHz, not a 500."""
+    ups.omni_a.default = Script(flavour="omni", text="Hi.", audio_chunks=3, sample_rate=rate)
+    resp = client.chat.completions.create(model=OMNI_MODEL, messages=_user(), modalities=["text", "audio"],
+                                          audio={"voice": "Ethan", "format": "opus"})  # fmt: skip
+    data, got = sf.read(io.BytesIO(base64.b64decode(resp.choices[0].message.audio.data)), dtype="int16")
+    assert got == 48000 and abs(len(data) / 48000 - 0.6) < 0.03
+
+
 # -- speech is metered in seconds -----------------------------------------------------------------------------
 
 

@@ -45,6 +45,19 @@ def test_streaming_header_reads_back_with_libsndfile():
     assert rate == 24000 and len(data) == 2400
 
 
+@pytest.mark.parametrize("rate", [22050, 32000, 44100])
+@pytest.mark.parametrize("channels", [1, 2])
+def test_opus_from_a_rate_opus_does_not_code_is_resampled_to_48k(rate, channels):
+    """Opus codes at 8, 12, 16, 24 and 48 kHz only: a talker at 22.05, 32 or 44.1 kHz asked for opus is
+    resampled to 48 kHz, its length kept, rather than failing the answer."""
+    mono = np.frombuffer(_tone(rate), dtype="<i2")
+    pcm = np.repeat(mono, channels).tobytes()
+    out = encode(pcm, rate, channels, "opus")
+    data, got = sf.read(io.BytesIO(out), dtype="int16", always_2d=True)
+    assert got == 48000 and data.shape[1] == channels
+    assert abs(len(data) / 48000 - len(mono) / rate) < 0.03
+
+
 @pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus"])
 def test_encode_formats_round_trip(fmt):
     out = encode(_tone(24000), 24000, 1, fmt)
