@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
-from core.context import Identity, LoadSnapshot, RequestContext
+from core.context import DEGRADED_TEXT_ONLY, Identity, LoadSnapshot, RequestContext
 from core.errors import OmnigateError
 from core.schemas import ChatCompletionRequest
 from gateway.realtime.audio import Resampler, digest, seconds, wav_b64
@@ -60,6 +60,8 @@ class Turn:
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     done: bool = False
+    #: its content part was announced (once the pipeline said what the answer will be: speech, or text only)
+    part_open: bool = False
     #: the chat request's id (its audit record's request_id)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -86,7 +88,7 @@ class Turn:
             "type": "message",
             "role": "assistant",
             "status": status,
-            "content": [part],
+            "content": [part] if self.part_open else [],
         }
 
     def response(self, status: str, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -106,8 +108,16 @@ class Turn:
             body["status_details"] = {"type": "failed", "error": self.error}
         return body
 
-    def opening(self) -> list[dict[str, Any]]:
+    def part_added(self, text_only: bool) -> dict[str, Any]:
+        """The answer's content part, once the pipeline has decided what it is (``text_only``: shed to text
+        above the soft limit, though the session asked for speech)."""
+        if text_only:
+            self.modalities = ["text"]
+        self.part_open = True
         part = {"type": "audio", "transcript": ""} if self.audio else {"type": "text", "text": ""}
+        return {"type": "response.content_part.added", **self._ids(), "part": part}
+
+    def opening(self) -> list[dict[str, Any]]:
         return [
             {"type": "response.created", "response": self.response("in_progress")},
             {
@@ -117,7 +127,6 @@ class Turn:
                 "item": self.item("in_progress"),
             },
             {"type": "conversation.item.added", "previous_item_id": None, "item": self.item("in_progress")},
-            {"type": "response.content_part.added", **self._ids(), "part": part},
         ]
 
     def text_delta(self, text: str) -> dict[str, Any]:
@@ -136,22 +145,33 @@ class Turn:
         }
 
     def closing(self, status: Status) -> list[dict[str, Any]]:
-        """The events that end the response (sent for a cancelled or failed one too, as OpenAI does)."""
+        """The events that end the response (sent for a cancelled or failed one too, as OpenAI does); one that
+        ended before its answer began has no content part to close."""
         self.done = True
-        item_status = "completed" if status == "completed" else "incomplete"
         events: list[dict[str, Any]] = []
-        if self.audio:
+        if self.part_open and self.audio:
             events.append({"type": "response.output_audio.done", **self._ids()})
             events.append(
                 {"type": "response.output_audio_transcript.done", **self._ids(), "transcript": self.text}
             )
-            part = {"type": "audio", "transcript": self.text}
-        else:
+            events.append(
+                {
+                    "type": "response.content_part.done",
+                    **self._ids(),
+                    "part": {"type": "audio", "transcript": self.text},
+                }
+            )
+        elif self.part_open:
             events.append({"type": "response.output_text.done", **self._ids(), "text": self.text})
-            part = {"type": "text", "text": self.text}
-        item = self.item(item_status)
+            events.append(
+                {
+                    "type": "response.content_part.done",
+                    **self._ids(),
+                    "part": {"type": "text", "text": self.text},
+                }
+            )
+        item = self.item("completed" if status == "completed" else "incomplete")
         events += [
-            {"type": "response.content_part.done", **self._ids(), "part": part},
             {"type": "response.output_item.done", "response_id": self.id, "output_index": 0, "item": item},
             {"type": "conversation.item.done", "previous_item_id": None, "item": item},
             {"type": "response.done", "response": self.response(status, [item])},
@@ -252,6 +272,7 @@ async def run(
             return "failed"
         stack.push_async_callback(stream.aclose)
         del chat
+        await emit(turn.part_added(turn.audio and DEGRADED_TEXT_ONLY in ctx.outputs.degraded))
         try:
             async for batch in stream.batches():
                 for d in batch:

@@ -264,6 +264,10 @@ def test_above_the_soft_limit_answers_are_text_only(server, ups, key):
         server.bg.call(lambda: gate._limits.__setitem__("standard", soft))
     assert not any(e["type"] == "response.output_audio.delta" for e in events)
     assert ups.omni_a.requests[-1]["modalities"] == ["text"]
+    # The response says what it became: text, its words as output_text (not a transcript of no audio).
+    done = events[-1]["response"]
+    assert done["output_modalities"] == ["text"] and done["output"][0]["content"][0]["type"] == "output_text"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
 
 
 def test_a_gateway_not_ready_refuses_the_handshake_as_it_refuses_chat(bg):
