@@ -29,7 +29,8 @@ once, at the boundary that meets them (engine adapters, the media fetcher), with
     ├── RateLimited                     429 rate_limit_error       rate_limit_exceeded
     │   └── TooManyAuthFailures         429 rate_limit_error       too_many_authentication_failures  [gateway.auth_failures]
     ├── ClientClosedRequest             499 invalid_request_error  client_closed_request
-    │   └── ClientStalled               499 invalid_request_error  client_stalled
+    │   ├── ClientStalled               499 invalid_request_error  client_stalled
+    │   └── ClientGone                  499 invalid_request_error  client_closed_request  [gateway.realtime.events]
     ├── Overloaded                      503 overloaded_error       overloaded
     │   ├── EngineBusy                  503 overloaded_error       engine_busy
     │   └── AuditUnavailable            503 overloaded_error       audit_unavailable

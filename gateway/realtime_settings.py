@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -69,3 +70,14 @@ class RealtimeSettings(BaseModel):
         64, description="conversation items kept; the oldest are dropped from the context beyond it"
     )
     vad: VadDefaults = VadDefaults()
+
+
+@dataclass(slots=True)
+class VadParams:
+    """Server VAD's parameters for one session, as its ``session.update`` set them over the defaults
+    (gateway/realtime/vad.py runs them; it loads numpy and onnxruntime, so it is imported when a session
+    first turns server VAD on, not with the app)."""
+
+    threshold: float
+    prefix_padding_ms: int
+    silence_duration_ms: int

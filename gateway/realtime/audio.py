@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-
-import numpy as np
+from typing import Any
 
 from core.audio import wav_header
 
@@ -27,30 +26,44 @@ def digest(pcm: bytes) -> str:
 class Resampler:
     """An answer's PCM16 at the engine's rate (and channels) to mono at the session's, piece by piece.
 
-    Linear interpolation over a running position, so consecutive pieces join without a seam; one resampler
-    per answer (its state is that answer's)."""
+    FFmpeg's resampler (PyAV's ``AudioResampler``) keeps its filter state between pieces, so consecutive
+    pieces join without a seam; :meth:`flush` gives what its filter still holds at the answer's end. One
+    resampler per answer (its state is that answer's); PyAV and numpy load with the first answer that
+    needs them."""
 
     def __init__(self, out_rate: int) -> None:
         self.out_rate = out_rate
-        self._pos = 0.0  # where the next output sample falls, in input samples from the held one
-        self._last: np.ndarray | None = None  # the previous piece's last sample, interpolated against
+        self._resampler: Any = None
+        self._input: tuple[int, int] | None = None  # the (rate, channels) the resampler was made for
 
     def __call__(self, pcm: bytes, rate: int, channels: int = 1) -> bytes:
-        x = np.frombuffer(pcm[: len(pcm) - len(pcm) % (2 * channels)], dtype="<i2")
-        if channels > 1:
-            x = x.reshape(-1, channels).mean(axis=1).astype(np.int16)
-        if rate == self.out_rate or not rate:
-            return x.astype("<i2").tobytes()
-        src = x.astype(np.float64)
-        if self._last is not None:
-            src = np.concatenate([self._last, src])
-        if src.size < 2:
-            self._last = src
+        pcm = pcm[: len(pcm) - len(pcm) % (2 * channels)]
+        if not pcm or not rate:
             return b""
-        step = rate / self.out_rate
-        at = np.arange(self._pos, src.size - 1, step)
-        out = np.interp(at, np.arange(src.size), src)
-        self._pos = (at[-1] + step) - (src.size - 1) if at.size else self._pos - (src.size - 1)
-        self._last = src[-1:]
-        pcm_out: bytes = np.clip(np.rint(out), -32768, 32767).astype("<i2").tobytes()
-        return pcm_out
+        if rate == self.out_rate and channels == 1 and self._resampler is None:
+            return pcm
+        import av
+        import numpy as np
+
+        layout = _LAYOUTS.get(channels, f"{channels}c")
+        if self._input != (rate, channels):
+            out = self.flush()  # a change of rate mid-answer: what the old filter held first
+            self._resampler = av.AudioResampler(format="s16", layout="mono", rate=self.out_rate)
+            self._input = (rate, channels)
+        else:
+            out = b""
+        frame = av.AudioFrame.from_ndarray(
+            np.frombuffer(pcm, dtype="<i2").reshape(1, -1), format="s16", layout=layout
+        )
+        frame.sample_rate = rate
+        return out + b"".join(f.to_ndarray().tobytes() for f in self._resampler.resample(frame))
+
+    def flush(self) -> bytes:
+        """What the resampler still holds of the answer (at its end)."""
+        if self._resampler is None:
+            return b""
+        resampler, self._resampler, self._input = self._resampler, None, None
+        return b"".join(f.to_ndarray().tobytes() for f in resampler.resample(None))
+
+
+_LAYOUTS = {1: "mono", 2: "stereo"}

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from gateway.realtime import events as ev
-from gateway.realtime.vad import VadParams, shared_model
-from gateway.realtime_settings import VadDefaults
+from gateway.realtime_settings import VadDefaults, VadParams
 
 
 @dataclass(slots=True)
@@ -208,6 +207,8 @@ def _detection(td: ev.ServerVad | None, d: VadDefaults, cfg: SessionConfig) -> V
     if td is None:
         return None
     try:
+        from gateway.realtime.vad import shared_model
+
         shared_model()  # present, loadable: refused here rather than at the first append
     except (FileNotFoundError, ImportError) as exc:
         raise ev.bad(

@@ -24,12 +24,12 @@ from gateway.realtime.audio import seconds
 from gateway.realtime.conversation import Conversation, Item, SessionConfig
 from gateway.realtime.responses import Responses
 from gateway.realtime.turn import Emit
-from gateway.realtime.vad import VoiceActivity, shared_model
 from gateway.realtime_settings import RealtimeSettings
 from observability.metrics import Metrics
 
 if TYPE_CHECKING:
     from gateway.pipeline import Pipeline
+    from gateway.realtime.vad import VoiceActivity
 
 
 class Close(Exception):
@@ -158,7 +158,7 @@ class RealtimeSession:
                     "session.audio.input.format.rate",
                 )
             if self.cfg.update(e.session, self.settings.vad):
-                self._vad = VoiceActivity(shared_model(), self.cfg.vad) if self.cfg.vad is not None else None
+                self._vad = _voice_activity(self.cfg)
             await self.emit({"type": "session.updated", "session": self.cfg.wire(self.id)})
         elif isinstance(e, ev.ItemCreate):
             await self._create_item(e)
@@ -284,3 +284,12 @@ class RealtimeSession:
     @property
     def audio_out_s(self) -> float:
         return self.responses.audio_out_s
+
+
+def _voice_activity(cfg: SessionConfig) -> VoiceActivity | None:
+    """The session's speech detector, when it asked for server VAD (numpy and onnxruntime load with it)."""
+    if cfg.vad is None:
+        return None
+    from gateway.realtime.vad import VoiceActivity, shared_model
+
+    return VoiceActivity(shared_model(), cfg.vad)

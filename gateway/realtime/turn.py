@@ -286,6 +286,9 @@ async def run(
                             await emit(turn.audio_delta(pcm))
                     if d.usage is not None:
                         turn.usage = _usage(d.usage.prompt_tokens, d.usage.completion_tokens)
+            tail = resample.flush()
+            if tail:
+                await emit(turn.audio_delta(tail))
         except ClientGone:
             raise  # nobody to tell: the transport ends the session
         except OmnigateError as exc:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from gateway.realtime_settings import VadParams
 
 #: Silero runs on 16 kHz windows of 512 samples (32 ms), each with the 64 samples before it
 _RATE, _WINDOW, _CONTEXT = 16000, 512, 64
@@ -70,13 +71,6 @@ def to_16k(pcm: bytes, rate: int) -> np.ndarray:
 
 
 Event = tuple[Literal["started", "stopped"], int]
-
-
-@dataclass(slots=True)
-class VadParams:
-    threshold: float
-    prefix_padding_ms: int
-    silence_duration_ms: int
 
 
 class VoiceActivity:
