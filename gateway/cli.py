@@ -327,7 +327,13 @@ def _serve_one(
         ),
         timeout_keep_alive=settings.server.keepalive_timeout_s,
         h11_max_incomplete_event_size=settings.server.max_header_bytes,
-        ws="none",  # no WebSocket routes: do not load a WebSocket implementation
+        # /v1/realtime's WebSockets (websockets' sans-I/O protocol); with it off, no implementation is loaded.
+        # A frame over twice the session's bound closes the connection (1009) before it is read whole; a
+        # smaller oversized one gets the session's own error event.
+        ws="websockets-sansio" if settings.realtime.enabled else "none",
+        ws_max_size=2 * settings.realtime.max_frame_bytes,
+        ws_ping_interval=20.0,
+        ws_ping_timeout=20.0,
     )
     server = _DrainingServer.build(config, app.state.services, app.state.readiness, on_listening)
     server.run(sockets=None if sock is None else [sock])

@@ -344,3 +344,30 @@ def test_a_gateway_that_is_down_gets_an_openai_shaped_503(tmp_path):
         "param": None,
         "code": "gateway_unavailable",
     }
+
+
+def test_a_realtime_session_passes_the_proxy(proxy, ups):
+    """/v1/realtime's WebSocket upgrade reaches the gateway through the proxy (its default location drops
+    the Connection header), and a spoken turn is answered."""
+    from tests.conftest import OMNI_MODEL
+    from tests.http.realtime_helpers import Client, tone
+
+    ups.omni_a.default = Script(flavour="omni", text="Hello.", audio_chunks=2)
+    c = Client(proxy.url, None, model=OMNI_MODEL)
+    try:
+        c.until("session.created")
+        c.send(
+            {
+                "type": "session.update",
+                "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}},
+            }
+        )
+        c.until("session.updated")
+        c.append(tone(0.5))
+        c.send({"type": "input_audio_buffer.commit"})
+        c.send({"type": "response.create"})
+        events = c.until("response.done", timeout=HANG_GUARD_S)
+    finally:
+        c.close()
+    assert events[-1]["response"]["status"] == "completed"
+    assert any(e["type"] == "response.output_audio.delta" for e in events)
