@@ -51,10 +51,12 @@ def test_a_spoken_two_turn_conversation_and_a_cancel(omni_gateway):
                 await conn.input_audio_buffer.commit()
                 await conn.response.create(response={"max_output_tokens": 16})
                 answers.append(await _until(conn, "response.done", seen))
-            # A third answer, cancelled at its first audio: the engine request is closed, and the engine
+            # A third answer, cancelled while the engine works on it (its three stages take seconds on the
+            # CPU, and their audio comes whole at the end): the engine request is closed, and the engine
             # answers the next turn.
             await conn.response.create()
-            await _until(conn, "response.output_audio.delta", seen)
+            await _until(conn, "response.created", seen)
+            await asyncio.sleep(0.2)
             await conn.response.cancel()
             cancelled = await _until(conn, "response.done", seen)
             await conn.response.create(response={"max_output_tokens": 8})
