@@ -9,6 +9,7 @@ run here fails ``test_every_bench_module_has_a_smoke_run``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -179,6 +180,12 @@ def _whisper_weights(doc: dict) -> None:
     assert doc.get("check") or "check against faster-whisper" in doc["not_measured"]
 
 
+def _realtime(doc: dict) -> None:
+    assert doc["latency"]["turns"] > 0 and math.isfinite(doc["latency"]["added_ms"]["p50"])
+    (level,) = doc["levels"]
+    assert level["turns"] > 0 and level["cpu_s_per_session_minute"] > 0
+
+
 def _workers(doc: dict) -> None:
     for target in doc["targets"].values():
         assert all(lv["requests"] > 0 and lv["errors"] == 0 for lv in target["levels"].values()), target
@@ -210,6 +217,7 @@ SMOKE: dict[str, tuple[Callable[[dict], None], int]] = {
     "overhead": (_levels_served, 60),
     "pool_overhead": (_pool_overhead, 60),
     "profile": (_profile, 60),
+    "realtime": (_realtime, 60),
     "relay": (_relay, 60),
     "request_line": (_request_line, 60),
     "shedding": (_shedding, 90),
