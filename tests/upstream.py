@@ -92,6 +92,9 @@ class Script:
     # of `tool_chunk_chars`, finish_reason "tool_calls"), reasoning text sent before the answer under
     # `reasoning_key` (vLLM has used "reasoning_content" and "reasoning"), and logprobs on every text
     # piece whenever the request asks for them, as vLLM sends them.
+    # An engine without structured output: its text is sent as scripted whatever the request's
+    # response_format (by default the scripted engine keeps to a json_schema, as vLLM does).
+    ignore_response_format: bool = False
     tool_calls: list[dict] | None = None
     tool_chunk_chars: int = 8
     reasoning: str | None = None
@@ -543,6 +546,7 @@ class ScriptedUpstream:
             self.headers.append({k.lower(): v for k, v in request.headers.items()})
             self.voices.append(voice)
         script = self._queue.pop(0) if self._queue else self.default
+        script = _constrained(script, body.get("response_format"))
 
         fault = script.fault
         if fault == "reset_before_first_byte":
@@ -1146,6 +1150,41 @@ class ScriptedUpstream:
 
     async def _stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats())
+
+
+# --- structured output --------------------------------------------------------------------------------------
+
+
+def _instance(schema: dict[str, Any]) -> Any:
+    """The smallest value ``schema`` accepts (the subset of JSON Schema the gateway's own requests use)."""
+    if "enum" in schema:
+        return schema["enum"][0]
+    kind = schema.get("type")
+    if kind == "object":
+        props = schema.get("properties", {})
+        return {k: _instance(props[k]) for k in schema.get("required", list(props))}
+    if kind == "array":
+        return [_instance(schema.get("items", {})) for _ in range(schema.get("minItems", 0))]
+    return {"string": "", "integer": 0, "number": 0, "boolean": False, "null": None}.get(kind)
+
+
+def _constrained(script: Script, response_format: Any) -> Script:
+    """What vLLM's structured output guarantees: an answer that matches the request's JSON schema. A script
+    whose text already does is sent as it is; another is replaced by the smallest matching value."""
+    if script.ignore_response_format or not isinstance(response_format, dict):
+        return script
+    if response_format.get("type") != "json_schema":
+        return script
+    schema = (response_format.get("json_schema") or {}).get("schema")
+    if not isinstance(schema, dict):
+        return script
+    import jsonschema
+
+    try:
+        jsonschema.validate(orjson.loads(script.text), schema)
+        return script
+    except (orjson.JSONDecodeError, jsonschema.ValidationError):
+        return dataclasses.replace(script, text=orjson.dumps(_instance(schema)).decode(), chunk_words=10**6)
 
 
 # --- CLI --------------------------------------------------------------------------------------------------

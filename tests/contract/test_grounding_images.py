@@ -108,7 +108,8 @@ def test_the_same_claim_about_the_same_picture_is_asked_once(example_chain_gatew
 def test_an_engine_that_cannot_say_fails_closed(example_chain_gateway, upstreams, reply):
     _server, client = example_chain_gateway()
     upstreams.omni_a.enqueue(_answer(WRONG))
-    upstreams.omni_a.enqueue(Script(flavour="omni", text=reply))
+    # an engine without structured output, whose answer is not the verdicts asked for
+    upstreams.omni_a.enqueue(Script(flavour="omni", text=reply, ignore_response_format=True))
     with pytest.raises(openai.InternalServerError) as err:
         _ask(client, _picture(), False)
     assert err.value.status_code == 503 and err.value.body["code"] == "guard_unavailable"

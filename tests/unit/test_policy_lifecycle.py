@@ -101,10 +101,34 @@ def test_the_registry_refuses_a_plugin_whose_lifecycle_is_missing_or_mistyped(na
     assert why in str(err.value)
 
 
+#: the config a built-in cannot be built without (what its model is and what it blocks): no default would
+#: be a promise kept
+_REQUIRED: dict[str, dict] = {
+    name: {
+        "served": {
+            "url": "http://guard:8000",
+            "model": "guard",
+            "endpoint": "classify",
+            "labels": ["ok", "bad"],
+        },
+        "categories": {"harm": {"labels": ["bad"], "threshold": 0.5}},
+    }
+    for name in ("text-screen", "text-screen-answers")
+}
+
+
 def test_every_built_in_policy_implements_the_lifecycle():
     for name, cls in available_plugins().items():
-        build_chain(PolicyChainConfig(**{cls.stage: [PolicySpec(name=name)]}), available_plugins())
+        spec = PolicySpec(name=name, config=_REQUIRED.get(name, {}))
+        build_chain(PolicyChainConfig(**{cls.stage: [spec]}), available_plugins())
         assert isinstance(cls.__new__(cls), Policy), name
+
+
+def test_the_built_ins_that_need_a_model_refuse_to_build_without_one():
+    for name in _REQUIRED:
+        cls = available_plugins()[name]
+        with pytest.raises(PolicyConfigError, match="served"):
+            build_chain(PolicyChainConfig(**{cls.stage: [PolicySpec(name=name)]}), available_plugins())
 
 
 def _settings(pre: list[dict], **sets: list[dict]) -> Settings:
