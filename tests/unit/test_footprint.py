@@ -25,7 +25,7 @@ HEAVY = ("numpy", "soundfile", "redis", "limits", "PIL", "av", "onnxruntime", "t
 
 _SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, time
     from starlette.testclient import TestClient
     from gateway.app import create_app
     from gateway.settings import Settings
@@ -39,6 +39,10 @@ _SCRIPT = textwrap.dedent(
         "logging": {"level": "warning"},
     })
     with TestClient(create_app(settings)) as client:
+        # as a client (or a load balancer) does: wait for the engines' first probe (/readyz), then ask
+        deadline = time.monotonic() + 30
+        while client.get("/readyz").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.02)
         body = {"model": "text-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             text = "".join(resp.iter_text())
