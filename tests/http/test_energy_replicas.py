@@ -64,10 +64,13 @@ def test_the_followers_answers_carry_the_energy_the_leader_measured(bg, fresh, d
             usage
         )
         # The figure the follower charges is the one the leader computed and exports.
-        tpj = leader.registry.get_sample_value(
-            "omnigate_engine_tokens_per_joule", {"engine": "omni-int4", "variant": "int4"}
-        )
-        assert tpj is not None and tpj > 0
+        def exported() -> float | None:
+            return leader.registry.get_sample_value(
+                "omnigate_engine_tokens_per_joule", {"engine": "omni-int4", "variant": "int4"}
+            )
+
+        # the leader's gauges are set by its own loop, which may run after the follower read the figure
+        assert wait_until(lambda: (exported() or 0) > 0, timeout=10)
         # The energy is integrated once, by the leader.
         assert (
             follower.registry.get_sample_value(
