@@ -63,6 +63,7 @@ def test_the_followers_answers_carry_the_energy_the_leader_measured(bg, fresh, d
         assert any(usage["energy_joules"] == pytest.approx(tokens * f, abs=1e-3) for f in (before, after)), (
             usage
         )
+
         # The figure the follower charges is the one the leader computed and exports.
         def exported() -> float | None:
             return leader.registry.get_sample_value(
