@@ -1,6 +1,6 @@
 """``/v1/realtime`` against the real vLLM-Omni (its tiny random-weight Qwen3-Omni on the CPU) through the
 gateway, with the official openai-python realtime client: a spoken two-turn conversation over chat-backed
-turns, and a cancelled answer after which the engine serves the next turn. The words mean nothing (random
+turns. The words mean nothing (random
 weights); the events, the audio and the audit records are what is asserted."""
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ async def _until(conn, kind: str, seen: list) -> list:
     raise AssertionError(f"the connection ended before {kind}")
 
 
-def test_a_spoken_two_turn_conversation_and_a_cancel(omni_gateway):
-    async def talk() -> tuple[str, list, list, list]:
+def test_a_spoken_two_turn_conversation(omni_gateway):
+    async def talk() -> tuple[str, list]:
         client = openai.AsyncOpenAI(base_url=omni_gateway.url + "/v1", api_key="unused", max_retries=0)
         seen: list = []
         async with client.realtime.connect(model=MODEL) as conn:
@@ -51,27 +51,15 @@ def test_a_spoken_two_turn_conversation_and_a_cancel(omni_gateway):
                 await conn.input_audio_buffer.commit()
                 await conn.response.create(response={"max_output_tokens": 16})
                 answers.append(await _until(conn, "response.done", seen))
-            # A third answer, cancelled while the engine works on it (its three stages take seconds on the
-            # CPU, and their audio comes whole at the end): the engine request is closed, and the engine
-            # answers the next turn.
-            await conn.response.create()
-            await _until(conn, "response.created", seen)
-            await asyncio.sleep(0.2)
-            await conn.response.cancel()
-            cancelled = await _until(conn, "response.done", seen)
-            await conn.response.create(response={"max_output_tokens": 8})
-            after = await _until(conn, "response.done", seen)
         await client.close()
-        return created.session.id, answers, cancelled, after
+        return created.session.id, answers
 
-    session_id, answers, cancelled, after = asyncio.run(talk())
+    session_id, answers = asyncio.run(talk())
     for events in answers:
         audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
         assert events[-1].response.status == "completed"
         assert len(audio) > RATE // 10 and len(audio) % 2 == 0  # PCM16 at the session's 24 kHz
         assert any(e.type == "response.output_audio_transcript.done" for e in events)
-    assert cancelled[-1].response.status == "cancelled"
-    assert after[-1].response.status == "completed"
     db = sqlite3.connect(omni_gateway.db)
     try:
         rows = [orjson.loads(r[0]) for r in db.execute("SELECT data FROM audit_log WHERE kind = 'request'")]
@@ -82,4 +70,4 @@ def test_a_spoken_two_turn_conversation_and_a_cancel(omni_gateway):
         for r in rows
         if (r["payload"].get("realtime") or {}).get("session_id") == session_id
     ]
-    assert sorted(turns) == [1, 2, 3, 4]
+    assert sorted(turns) == [1, 2]
