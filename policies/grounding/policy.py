@@ -36,8 +36,9 @@ served with the verdict ``unverifiable``, never ``pass``.
 
 Its length (over 500 lines): the policy and its stream checks (hold, window, passthrough) share the
 premise, the speech gate, the verdict rules, the retry adjustment and the receipt code; a check is only
-read beside the others. It splits when the evidence kinds of the guard-services issue (images, audio)
-arrive.
+read beside the others. What is not that shared core lives beside it: the judgement (judgement.py), facts
+(facts.py), claims (claims.py) and the image check (image_evidence.py); the stream checks are the next
+piece to move out.
 """
 
 from __future__ import annotations
