@@ -36,6 +36,11 @@ class TenantConfig(_Strict):
     tokens_per_minute: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="token budget per fixed minute, charged with real usage; unset: none"
     )
+    audio_seconds_per_minute: Annotated[int, Field(ge=1)] | None = Field(
+        default=None,
+        description="seconds of audio per fixed minute (the request's input audio as media-limits measured it, "
+        "and the speech of the answer), charged after each request; unset: none",
+    )
     max_concurrency: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="the tenant's requests in flight at once (429 above it); unset: unlimited"
     )

@@ -1,15 +1,17 @@
-"""Per-tenant request and token rate limits (the ``limits`` library), shared by every replica through
-the replica's Redis pool when ``redis.url`` is set, counted in-process otherwise.
+"""Per-tenant request, token and audio rate limits (the ``limits`` library), shared by every replica
+through the replica's Redis pool when ``redis.url`` is set, counted in-process otherwise.
 
 Requests per minute use a moving window: each request takes one slot atomically
-before it is served. Tokens per minute are only known afterwards, so the budget is
-checked before (a tenant with nothing left is refused) and the usage is charged
-after the response, to a fixed one-minute window that counts every token even
-past the limit (an overdraft then blocks the tenant until the window resets).
+before it is served. Tokens and audio seconds per minute are only known afterwards, so
+each budget is checked before (a tenant with nothing left is refused) and the usage is
+charged after the response, to a fixed one-minute window that counts everything even
+past the limit (an overdraft then blocks the tenant until the window resets). Audio is
+counted in milliseconds, so that the short turns of a voice session add up.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _WARN_EVERY_S = 30.0
+#: audio is counted in milliseconds against a limit set in seconds
+_MS = 1000
 
 
 class RateLimiter:
@@ -74,8 +78,9 @@ class RateLimiter:
         """Nothing of its own to close: the Redis pool is the services'."""
 
     async def admit(self, tenant: TenantConfig) -> None:
-        """Take one request slot and check the token budget; raise :class:`RateLimited` when spent."""
-        if not (tenant.requests_per_minute or tenant.tokens_per_minute):
+        """Take one request slot and check the token and audio budgets; raise :class:`RateLimited` when
+        one is spent."""
+        if not (tenant.requests_per_minute or tenant.tokens_per_minute or tenant.audio_seconds_per_minute):
             return
         if self._requests is None or self._tokens is None:
             self._connect()
@@ -103,11 +108,25 @@ class RateLimiter:
                         f"Please try again in {_wait(stats.reset_time):.0f}s.",
                         retry_after=_wait(stats.reset_time),
                     )
+            if tenant.audio_seconds_per_minute:
+                item = RateLimitItemPerMinute(tenant.audio_seconds_per_minute * _MS)
+                if not await self._tokens.test(item, "audio", tenant.name):
+                    stats = await self._tokens.get_window_stats(item, "audio", tenant.name)
+                    self.metrics.rate_limited.labels("audio").inc()
+                    raise RateLimited(
+                        "Rate limit reached for audio seconds per minute: limit "
+                        f"{tenant.audio_seconds_per_minute}. "
+                        f"Please try again in {_wait(stats.reset_time):.0f}s.",
+                        retry_after=_wait(stats.reset_time),
+                    )
         except self._errors as exc:
             self._unreachable(exc)
 
-    async def charge(self, tenant: TenantConfig, tokens: int) -> None:
-        if not tenant.tokens_per_minute or tokens <= 0:
+    async def charge(self, tenant: TenantConfig, tokens: int, *, audio_s: float = 0.0) -> None:
+        """Charge what a request used to the budgets its tenant has: its tokens, its seconds of audio."""
+        tokens = tokens if tenant.tokens_per_minute else 0
+        audio_ms = math.ceil(audio_s * _MS) if tenant.audio_seconds_per_minute else 0
+        if tokens <= 0 and audio_ms <= 0:
             return
         if self._tokens is None:
             self._connect()
@@ -115,9 +134,17 @@ class RateLimiter:
         from limits import RateLimitItemPerMinute
 
         try:
-            await self._tokens.hit(
-                RateLimitItemPerMinute(tenant.tokens_per_minute), "tokens", tenant.name, cost=tokens
-            )
+            if tenant.tokens_per_minute and tokens > 0:
+                await self._tokens.hit(
+                    RateLimitItemPerMinute(tenant.tokens_per_minute), "tokens", tenant.name, cost=tokens
+                )
+            if tenant.audio_seconds_per_minute and audio_ms > 0:
+                await self._tokens.hit(
+                    RateLimitItemPerMinute(tenant.audio_seconds_per_minute * _MS),
+                    "audio",
+                    tenant.name,
+                    cost=audio_ms,
+                )
         except self._errors as exc:
             self._unreachable(exc)
 

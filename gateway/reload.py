@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from gateway import heap, secret_check
 from gateway.chains import ChainSet
 from gateway.services import Services, build_scorer_if_used
-from gateway.settings import Settings, load_settings
+from gateway.settings import Settings, load_settings, unmeasured_audio
 from policies.registry import PolicyConfigError
 
 log = structlog.get_logger(__name__)
@@ -97,6 +97,8 @@ async def _open_chains(services: Services, settings: Settings) -> ChainSet:
                     f"policy_sets: tenant {t.name!r} (admin) uses the policy set {t.policy_set!r}, "
                     "which the new file no longer defines"
                 )
+            if (why := unmeasured_audio(settings, t)) is not None:
+                raise PolicyConfigError(f"tenant {t.name!r} (admin) audio_seconds_per_minute: {why}")
     scorer = None
     if services.scorer is None:
         scorer = build_scorer_if_used(settings, services.metrics, chains.uses())

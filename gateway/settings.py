@@ -301,6 +301,39 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _audio_limits_measured(self) -> Settings:
+        """A tenant's audio seconds count the input audio media-limits measures: its chain must not be able
+        to pass audio on unmeasured (media-limits failing open), or the limit would be a promise not kept."""
+        for i, t in enumerate(self.tenants):
+            if (why := unmeasured_audio(self, t)) is not None:
+                raise ValueError(f"tenants[{i}].audio_seconds_per_minute: {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _passthrough_keeps_the_guards(self) -> Settings:
+        """A passthrough engine's realtime answers never pass the output guards (stream and post policies):
+        a chain that promises them to a model on such an engine would refuse every session, so it is refused
+        here, where the operator sees it, not at each caller's upgrade."""
+        for e in self.engines:
+            if e.realtime != "passthrough":
+                continue
+            chains: dict[str, PolicyChainConfig | None] = {}
+            if not self.tenants or any(t.policy_set is None for t in self.tenants):
+                chains["policies"] = self.policies
+            for t in self.tenants:
+                if t.policy_set is not None and (t.models is None or set(t.models) & set(e.serves)):
+                    chains[f"policy_sets.{t.policy_set}"] = self.policy_sets.get(t.policy_set)
+            for where, chain in chains.items():
+                guards = [p.name for p in (*chain.stream, *chain.post)] if chain is not None else []
+                if guards:
+                    raise ValueError(
+                        f"engines.{e.name}.realtime: passthrough relays the engine's own answers, which never "
+                        f"pass the output guards of {where} ({', '.join(guards)}) that serve its models; "
+                        "configure the engine realtime: chat, or a chain without stream or post policies"
+                    )
+        return self
+
+    @model_validator(mode="after")
     def _models_are_served(self) -> Settings:
         served = {m for e in self.engines for m in e.serves}
         for name in self.models:
@@ -374,3 +407,23 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
         return Settings(**overrides)
     finally:
         _yaml_file.reset(token)
+
+
+def unmeasured_audio(settings: Settings, tenant: TenantConfig) -> str | None:
+    """Why ``tenant``'s audio seconds per minute would not hold under ``settings`` (None when it would): its
+    chain runs media-limits in shadow mode or failing open, so input audio it could not measure would be
+    served uncounted. The config's tenants are checked when it loads; the admin API's, when one is written
+    and when a reload would change their chain."""
+    if not tenant.audio_seconds_per_minute:
+        return None
+    chain = settings.policies if tenant.policy_set is None else settings.policy_sets.get(tenant.policy_set)
+    where = "policies" if tenant.policy_set is None else f"the policy set {tenant.policy_set!r}"
+    for spec in chain.pre if chain is not None else []:
+        if spec.name == "media-limits" and (spec.on_error == "fail_open" or spec.shadow):
+            return (
+                f"the tenant's chain ({where}) runs media-limits "
+                f"{'in shadow mode' if spec.shadow else 'with on_error: fail_open'}, so input audio "
+                "it could not measure would be served uncounted; make it act and fail closed, or "
+                "give the tenant a policy set that does"
+            )
+    return None

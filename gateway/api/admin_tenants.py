@@ -23,6 +23,7 @@ from gateway.api.admin import credential_of, require_admin, services_of
 from gateway.directory.live import LiveDirectory
 from gateway.reload import reload_config
 from gateway.services import Services
+from gateway.settings import unmeasured_audio
 from gateway.tenants import KeyEntry, mint_key
 from observability.audit import AuditLog
 from observability.audit.chain import Signer
@@ -71,6 +72,8 @@ def _check_tenant(services: Services, tenant: TenantConfig) -> None:
             f"no request class named {tenant.priority!r} (traffic.priorities: {', '.join(classes)})",
             param="priority",
         )
+    if (why := unmeasured_audio(services.settings, tenant)) is not None:
+        raise ConfigInvalid(why, param="audio_seconds_per_minute")
 
 
 @router.get("/tenants")

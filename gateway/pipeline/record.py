@@ -1,6 +1,6 @@
 """The one record a finished request leaves: :class:`Finished`, made once and frozen, and the subscribers
 it is published to (its engine's outcome window and circuit, the metrics, the access log, the tenant's
-token charge, the audit trail).
+token and audio charge, the audit trail).
 
 A subscriber reads the record and nothing else of the request; none of them holds anything the request
 must give back (its holdings are released by its exit stack, gateway/pipeline/accounting.py).
@@ -78,6 +78,8 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     audio_seconds: float
+    #: the seconds of the request's input audio parts, as the media steps measured them
+    audio_in_seconds: float
     #: what the audit trail encodes (off the request path), None when there is no audit trail
     audit: RequestSnapshot | None
     #: the request's trace when it is sampled: the latency histograms' exemplars link to it
@@ -117,6 +119,7 @@ class Finished:
             prompt_tokens=r.prompt_tokens,
             completion_tokens=r.completion_tokens,
             audio_seconds=r.audio_seconds,
+            audio_in_seconds=sum(m.duration_s or 0.0 for m in ctx.outputs.media if m.kind == "audio"),
             audit=RequestSnapshot(ctx, r.received, r.output, r.completion, duration * 1000)
             if audited
             else None,
@@ -248,14 +251,20 @@ def access_log(f: Finished) -> None:
 
 
 def tenant_charge(limiter: RateLimiter) -> Subscriber:
-    """The tokens the request used, charged to its tenant's per-minute budget (in the background)."""
+    """What the request used, charged to its tenant's per-minute budgets (in the background): its tokens,
+    and its seconds of audio (the input audio an engine was sent, the speech of the answer)."""
     background: set[asyncio.Task[None]] = set()
 
     def charge(f: Finished) -> None:
         tenant = f.tenant_config
-        used = f.prompt_tokens + f.completion_tokens
-        if tenant is not None and tenant.tokens_per_minute and used:
-            task = asyncio.get_running_loop().create_task(limiter.charge(tenant, used))
+        if tenant is None:
+            return
+        used = f.prompt_tokens + f.completion_tokens if tenant.tokens_per_minute else 0
+        # Input audio measured for a request refused before any engine (a guard, a budget) was not used.
+        heard = f.audio_in_seconds if f.engine is not None else 0.0
+        audio = heard + f.audio_seconds if tenant.audio_seconds_per_minute else 0.0
+        if used or audio:
+            task = asyncio.get_running_loop().create_task(limiter.charge(tenant, used, audio_s=audio))
             background.add(task)
             task.add_done_callback(background.discard)
 

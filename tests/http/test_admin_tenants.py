@@ -161,3 +161,50 @@ def test_reload_validates_first_and_keeps_the_old_config(setup):
     metrics = httpx.get(server.url + "/metrics").text
     assert 'omnigate_config_reloads_total{result="failed"} 3.0' in metrics
     assert 'omnigate_config_reloads_total{result="ok"} 1.0' in metrics
+
+
+def test_an_admin_tenants_audio_limit_is_refused_where_its_chain_could_pass_audio_uncounted(setup):
+    # The config's tenants are checked as the file loads; a tenant written through the admin API, and a
+    # reload that changes the chain of one already written, must meet the same rule.
+    server, path, doc, _ = setup
+    measured = {"pre": [{"name": "media-limits"}]}
+    open_ = {"pre": [{"name": "media-limits", "on_error": "fail_open"}]}
+    first = {**doc, "policy_sets": {"measured": measured, "open": open_}}
+    path.write_text(yaml.safe_dump(first))
+    assert _admin(server, "POST", "/config/reload").status_code == 200
+
+    refused = _admin(
+        server,
+        "POST",
+        "/tenants",
+        json={"name": "talker", "policy_set": "open", "audio_seconds_per_minute": 60},
+    )
+    assert refused.status_code == 422, refused.text
+    err = refused.json()["error"]
+    assert err["param"] == "audio_seconds_per_minute" and "uncounted" in err["message"]
+    assert "talker" not in [t["name"] for t in _admin(server, "GET", "/tenants").json()["tenants"]]
+    # Without the limit the chain is the tenant's choice; with it, a measuring chain.
+    assert _admin(server, "POST", "/tenants", json={"name": "quiet", "policy_set": "open"}).status_code == 201
+    made = _admin(
+        server,
+        "POST",
+        "/tenants",
+        json={"name": "talker", "policy_set": "measured", "audio_seconds_per_minute": 60},
+    )
+    assert made.status_code == 201, made.text
+    moved = _admin(
+        server,
+        "PUT",
+        "/tenants/talker",
+        json={"name": "talker", "policy_set": "open", "audio_seconds_per_minute": 60},
+    )
+    assert moved.status_code == 422 and moved.json()["error"]["param"] == "audio_seconds_per_minute"
+
+    # A reload that turns the written tenant's chain open is refused, and the old config stays.
+    path.write_text(yaml.safe_dump({**doc, "policy_sets": {"measured": open_, "open": open_}}))
+    refused = _admin(server, "POST", "/config/reload")
+    assert refused.status_code == 422
+    err = refused.json()["error"]
+    assert err["code"] == "invalid_config"
+    assert "'talker'" in err["message"] and "audio_seconds_per_minute" in err["message"]
+    assert not any(s.on_error == "fail_open" for s in server.services.settings.policy_sets["measured"].pre)

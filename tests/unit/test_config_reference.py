@@ -114,6 +114,6 @@ def test_defaults_and_types_are_the_models() -> None:
     assert _row(page, "engines[].name")[3] == "required"
     assert _row(page, "admin.api_key")[2:4] == ["secret", "unset"]
     kinds = _row(page, "engines[].kind")[2]
-    assert kinds == r"vllm-omni \| vllm \| litellm \| local"
+    assert kinds == r"vllm-omni \| vllm \| litellm \| local \| stt"
     rows = {r.key: r for r in walk(Settings)}
     assert rows["engines"].default == "1 entry, see below"
