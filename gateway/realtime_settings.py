@@ -32,7 +32,9 @@ class RealtimeSettings(BaseModel):
 
     enabled: bool = Field(True, description="serve /v1/realtime (off: the route answers 404)")
     max_sessions_per_key: Annotated[int, Field(ge=1)] = Field(
-        4, description="sessions one API key (or, without auth, one client address) may hold open at once"
+        4,
+        description="sessions one API key (or, without auth, one client address) may hold open at once: "
+        "across every replica when redis.url is set (gateway/realtime/places.py), per process otherwise",
     )
     max_session_s: Annotated[float, Field(gt=0)] = Field(
         1800.0, description="a session's longest life; it is closed (1008) when it is over"

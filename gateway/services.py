@@ -40,6 +40,7 @@ from gateway.engine_chat import PoolChat
 from gateway.metrics_server import MetricsServer
 from gateway.pipeline import Pipeline
 from gateway.ratelimit import RateLimiter
+from gateway.realtime.places import LocalPlaces, Places, SharedPlaces
 from gateway.redis_client import SharedRedis
 from gateway.settings import Settings
 from gateway.sse import OpenStreams
@@ -101,6 +102,8 @@ class Services:
     media: MediaRuntime | None = None
     #: OpenTelemetry traces (observability/tracing.py); None when tracing is off: requests carry no trace
     tracing: Tracing | None = None
+    #: the places of each key's realtime sessions: in this process, or in Redis for every replica
+    realtime_places: Places = field(default_factory=LocalPlaces)
 
     @classmethod
     def build(
@@ -220,6 +223,10 @@ class Services:
             metrics_server=MetricsServer(settings, metrics) if settings.metrics.port is not None else None,
             tracing=pipeline.tracing,
         )
+        if redis.configured:
+            services.realtime_places = SharedPlaces(
+                settings.traffic, redis, metrics, admission.replica_id if admission is not None else None
+            )
         # Built here, used by what start starts: closed after all of it, the Redis pool last.
         services._on_close("redis", redis.aclose)
         tracing = services.tracing
@@ -343,6 +350,8 @@ class Services:
             await self.admission.start()
             # A close that fails (Redis gone at shutdown) is logged: the leases expire by themselves.
             self._on_close("admission", self.admission.aclose)
+        await self.realtime_places.start()
+        self._on_close("realtime_places", self.realtime_places.aclose)
         if self.metrics_server is not None:
             self.metrics_server.start()
             self._on_close("metrics_server", _as_async(self.metrics_server.stop))

@@ -27,7 +27,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from core.context import RequestContext
 from core.errors import InvalidRequest, ModelNotFound, OmnigateError, Overloaded, RateLimited
 from gateway.auth_failures import TooManyAuthFailures
+from gateway.realtime import passthrough
 from gateway.realtime.events import ClientGone, RealtimeError
+from gateway.realtime.places import Place
 from gateway.realtime.session import Close, RealtimeSession
 from gateway.services import Services
 from gateway.tenants import KeyRefused
@@ -65,10 +67,8 @@ class Outbox:
 
 
 class RealtimeEndpoint:
-    """The route's ASGI app; it keeps the count of open sessions per key (the per-key cap)."""
-
-    def __init__(self) -> None:
-        self.open: dict[str, int] = {}
+    """The route's ASGI app. The places of each key's sessions (the per-key cap) are the services'
+    (gateway/realtime/places.py): in this process, or in Redis for every replica."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         websocket = WebSocket(scope, receive, send)
@@ -82,7 +82,8 @@ class RealtimeEndpoint:
             p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",") if p.strip()
         ]
         subprotocol = "realtime" if "realtime" in offered else None
-        who, reserved, admitted = "", False, False
+        place: Place | None = None
+        admitted = False
         try:
             if not settings.enabled:
                 raise OmnigateError("not found", status=404, code="not_found")
@@ -94,14 +95,17 @@ class RealtimeEndpoint:
                 )
             await _authenticate(websocket, services, offered, ctx)
             model = _model(websocket, services, ctx)
+            chain = services.pipeline.chain_for(ctx).describe()
+            passthrough.check_guards(passthrough.engine_for(services.settings.engines, model), chain)
             who = ctx.identity.key_id or (websocket.client.host if websocket.client else "unknown")
-            if self.open.get(who, 0) >= settings.max_sessions_per_key:
+            # Taken before the admission, atomically (in Redis when shared): two handshakes at once, on
+            # one replica or on two, cannot both take the last place.
+            place = await services.realtime_places.take(who, settings.max_sessions_per_key)
+            if place is None:
                 raise RateLimited(
                     f"too many realtime sessions open for this key (at most {settings.max_sessions_per_key})",
                     retry_after=services.settings.traffic.retry_after_s,
                 )
-            # Counted before the admission's await: two handshakes at once cannot both take the last place.
-            self.open[who], reserved = self.open.get(who, 0) + 1, True
             await services.pipeline.admit(ctx)  # the session's one slot, on ctx.holds until it ends
             admitted = True
         except OmnigateError as exc:
@@ -112,8 +116,8 @@ class RealtimeEndpoint:
             return
         finally:
             if not admitted:  # refused, or cancelled in the admission's await: the place and the slot go back
-                if reserved:
-                    self._release(who)
+                if place is not None:
+                    place.release()
                 ctx.holds.close()
         services.metrics.realtime_sessions.inc()
         try:
@@ -121,13 +125,9 @@ class RealtimeEndpoint:
                 await self._serve(websocket, services, ctx, session_id, model, subprotocol)
         finally:
             # Last, after the slot went back and the close was audited: a session counted open holds nothing.
-            self._release(who)
+            if place is not None:
+                place.release()
             services.metrics.realtime_sessions.dec()
-
-    def _release(self, who: str) -> None:
-        self.open[who] -= 1
-        if not self.open[who]:
-            del self.open[who]
 
     async def _serve(
         self,
@@ -147,6 +147,14 @@ class RealtimeEndpoint:
         except (OSError, RuntimeError, WebSocketDisconnect):
             return  # gone during the handshake: nothing was opened
         outbox = Outbox(websocket, services.settings.server.stream_write_timeout_s, reader)
+        engine = contextlib.AsyncExitStack()  # a passthrough engine's own realtime socket, closed in finally
+        relay = passthrough.relay_for(
+            services.settings.engines,
+            model,
+            engine,
+            lambda rid, payload: _audit(services, ctx, rid, payload),
+            lambda: websocket.close(1011),
+        )
         session = RealtimeSession(
             pipeline=services.pipeline,
             metrics=metrics,
@@ -155,6 +163,7 @@ class RealtimeEndpoint:
             session_id=session_id,
             model=model,
             send=outbox.send,
+            relay=relay,
         )
         started = time.monotonic()
         await _audit(services, ctx, session_id, {"event": "open", "model": model})
@@ -197,6 +206,7 @@ class RealtimeEndpoint:
         finally:
             # A response in progress is cancelled, and its engine request closed, before the slot goes back.
             await session.aclose()
+            await engine.aclose()
             metrics.realtime_closed.labels(reason).inc()
             if websocket.application_state == WebSocketState.CONNECTED and not outbox.gone:
                 with contextlib.suppress(Exception):

@@ -16,6 +16,7 @@ import structlog
 from pydantic import ValidationError
 
 from core.context import RequestContext
+from core.errors import RateLimited
 from gateway.realtime import events as ev
 from gateway.realtime import turn as turns
 from gateway.realtime.conversation import Conversation, Item, SessionConfig
@@ -24,6 +25,7 @@ from observability.metrics import Metrics
 
 if TYPE_CHECKING:
     from gateway.pipeline import Pipeline
+    from gateway.realtime.passthrough import Relay
 
 log = structlog.get_logger("omnigate.realtime")
 
@@ -38,7 +40,9 @@ class Responses:
         session_id: str,
         emit: turns.Emit,
         conversation: Conversation,
+        relay: Relay | None = None,
     ) -> None:
+        self.relay = relay  # passthrough: the engine's own realtime socket; None: the pipeline
         self.pipeline, self.metrics, self.settings = pipeline, metrics, settings
         self.ctx, self.id, self.emit, self.conversation = ctx, session_id, emit, conversation
         self.turns = 0
@@ -90,10 +94,12 @@ class Responses:
         ctx = turns.turn_context(self.ctx, turn, self.id, audio_in, rate)
         self._turn = turn
         self._task = asyncio.get_running_loop().create_task(
-            self._run(turn, ctx, chat), name=f"realtime-{self.id}"
+            self._run(turn, ctx, chat, audio_in, rate), name=f"realtime-{self.id}"
         )
 
-    async def _run(self, turn: turns.Turn, ctx: RequestContext, chat: Any) -> None:
+    async def _run(
+        self, turn: turns.Turn, ctx: RequestContext, chat: Any, audio_in: bytes, rate: int
+    ) -> None:
         remaining = self.settings.max_session_s - (time.monotonic() - self.started)
         limits = {
             "name": "requests",
@@ -106,7 +112,10 @@ class Responses:
             for event in turn.opening():
                 await self.emit(event)
             try:
-                status = await turns.run(self.pipeline, ctx, chat, turn, self.emit)
+                if self.relay is not None:
+                    status = await self.relay.run(ctx, turn, audio_in, rate, self.emit)
+                else:
+                    status = await turns.run(self.pipeline, ctx, chat, turn, self.emit)
             except ev.ClientGone:
                 raise
             except Exception as exc:  # the session outlives a failed turn: it ends as failed, logged
@@ -117,7 +126,16 @@ class Responses:
                     "message": "the response failed",
                 }
                 status = "failed"
+            if turn.error is not None and turn.error["code"] == RateLimited.code:
+                # The tenant's quota, not the client's event: said as an error event too (a client backs off
+                # on it), not counted against the session's budget of errors, and the session goes on.
+                refused = ev.RealtimeError(
+                    turn.error["message"], code=RateLimited.code, type_=RateLimited.type
+                )
+                await self.emit(refused.event(None))
             await self._finish(turn, status)
+            if self.relay is not None and self.relay.broken:
+                await self.relay.end_session()  # its engine is gone or silent: told, the session closes
         except ev.ClientGone:
             # Nobody is left to tell; the transport ends the session (its reader was woken by the outbox).
             if not turn.done:

@@ -29,6 +29,7 @@ from observability.metrics import Metrics
 
 if TYPE_CHECKING:
     from gateway.pipeline import Pipeline
+    from gateway.realtime.passthrough import Relay
     from gateway.realtime.vad import VoiceActivity
 
 
@@ -53,6 +54,7 @@ class RealtimeSession:
         session_id: str,
         model: str,
         send: Emit,
+        relay: Relay | None = None,
     ) -> None:
         self.metrics, self.settings = metrics, settings
         self.ctx, self.id, self._send = ctx, session_id, send
@@ -61,7 +63,9 @@ class RealtimeSession:
         self.buffer = bytearray()
         self.errors = 0
         self.audio_in_s = 0.0  # all input audio appended this session
-        self.responses = Responses(pipeline, metrics, settings, ctx, session_id, self.emit, self.conversation)
+        self.responses = Responses(
+            pipeline, metrics, settings, ctx, session_id, self.emit, self.conversation, relay
+        )
         self._first_append: float | None = None
         self._vad: VoiceActivity | None = None
         self._speech_item: str | None = None

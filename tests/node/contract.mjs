@@ -68,7 +68,9 @@ async function run() {
     for (const pcm of job.request.turns) {
       rt.send({ type: "input_audio_buffer.append", audio: pcm });
       rt.send({ type: "input_audio_buffer.commit" });
-      rt.send({ type: "response.create" });
+      rt.send(job.request.max_output_tokens
+        ? { type: "response.create", response: { max_output_tokens: job.request.max_output_tokens } }
+        : { type: "response.create" });
       await next("response.done");
     }
     rt.close();

@@ -1,0 +1,163 @@
+"""``/v1/realtime`` against the real vLLM-Omni (its tiny random-weight Qwen3-Omni on the CPU) through the
+gateway, with the official realtime clients: a spoken two-turn conversation over chat-backed turns with
+openai-python and with openai-node, and a barge-in (server VAD hears the caller speak over the answer) that
+aborts the engine's request. The words mean nothing (random weights); the events, the audio, the engine's abort and the audit
+records are what is asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import openai
+import pytest
+
+from tests.http.realtime_helpers import RATE, audit_rows, silence, speech, tone
+from tests.realomni.conftest import MODEL
+
+pytestmark = [pytest.mark.realomni, pytest.mark.timeout(1800)]
+
+
+async def _until(conn, kind: str, seen: list) -> list:
+    got = []
+    async with asyncio.timeout(600):
+        async for event in conn:
+            seen.append(event)
+            got.append(event)
+            assert event.type != "error", event
+            if event.type == "response.done" and kind == "response.done":
+                # a failed turn says why (status_details), which the assertion on its status shows
+                assert event.response.status in ("completed", "cancelled"), event.response.status_details
+            if event.type == kind:
+                return got
+    raise AssertionError(f"the connection ended before {kind}")
+
+
+def _audited_turns(db, session_id: str) -> list[int]:
+    """The turn indexes of the session's request records in the audit trail, in order."""
+    return sorted(
+        r["payload"]["realtime"]["turn"]
+        for r in audit_rows(db, "request")
+        if (r["payload"].get("realtime") or {}).get("session_id") == session_id
+    )
+
+
+def test_a_spoken_two_turn_conversation(omni_gateway):
+    async def talk() -> tuple[str, list]:
+        client = openai.AsyncOpenAI(base_url=omni_gateway.url + "/v1", api_key="unused", max_retries=0)
+        seen: list = []
+        async with client.realtime.connect(model=MODEL) as conn:
+            created = (await _until(conn, "session.created", seen))[-1]
+            await conn.session.update(
+                session={
+                    "type": "realtime",
+                    "output_modalities": ["audio"],
+                    "audio": {"input": {"turn_detection": None}, "output": {"voice": "Ethan"}},
+                }
+            )
+            await _until(conn, "session.updated", seen)
+            answers = []
+            for hz in (440.0, 660.0):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(tone(0.8, hz=hz)).decode())
+                await conn.input_audio_buffer.commit()
+                await conn.response.create(response={"max_output_tokens": 16})
+                answers.append(await _until(conn, "response.done", seen))
+        await client.close()
+        return created.session.id, answers
+
+    session_id, answers = asyncio.run(talk())
+    for events in answers:
+        audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+        assert events[-1].response.status == "completed"
+        assert len(audio) > RATE // 10 and len(audio) % 2 == 0  # PCM16 at the session's 24 kHz
+        assert any(e.type == "response.output_audio_transcript.done" for e in events)
+    assert _audited_turns(omni_gateway.db, session_id) == [1, 2]
+
+
+def test_a_barge_in_aborts_the_engines_request(omni_gateway, omni, tmp_path):
+    """Server VAD on: the caller speaks, the answer begins, the caller speaks again over it. The answer is
+    cancelled and the engine's request aborted (vLLM-Omni logs the abort of the gateway's request)."""
+    said = speech(tmp_path, "Please tell me a long story about the sea and the ships on it.")
+    piece = RATE // 10 * 2  # 100 ms of PCM16
+
+    async def talk() -> list:
+        client = openai.AsyncOpenAI(base_url=omni_gateway.url + "/v1", api_key="unused", max_retries=0)
+        seen: list = []
+
+        async def speak(pcm: bytes) -> None:
+            for at in range(0, len(pcm), piece):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[at : at + piece]).decode())
+                await asyncio.sleep(0.1)
+
+        async with client.realtime.connect(model=MODEL) as conn:
+            await _until(conn, "session.created", seen)
+            await conn.session.update(
+                session={
+                    "type": "realtime",
+                    "output_modalities": ["audio"],
+                    # long enough that the thinker is still writing when the caller is heard (about 7 ms a token
+                    # here): with 64 tokens the whole answer could end before the barge-in reached the engine
+                    "max_output_tokens": 1024,
+                    "audio": {
+                        "input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 400}},
+                        "output": {"voice": "Ethan"},
+                    },
+                }
+            )
+            await _until(conn, "session.updated", seen)
+            await speak(said + silence(1.0))
+            # The tiny model's speech comes whole at its answer's end, too late to speak over: the caller
+            # speaks as soon as the answer has begun, while the engine is still working on it.
+            await _until(conn, "response.created", seen)
+            talking = asyncio.create_task(speak(said + silence(1.0)))
+            try:
+                done = (await _until(conn, "response.done", seen))[-1]
+            finally:
+                talking.cancel()
+        await client.close()
+        assert done.response.status == "cancelled", done.response.status_details
+        return seen
+
+    before = omni.log.stat().st_size
+    seen = asyncio.run(talk())
+    assert any(e.type == "input_audio_buffer.speech_started" for e in seen)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "abort" not in _log_since(omni, before):
+        time.sleep(0.5)
+    assert "abort" in _log_since(omni, before), omni.tail()
+
+
+def _log_since(omni, offset: int) -> str:
+    with omni.log.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace").lower()
+
+
+def test_a_spoken_two_turn_conversation_through_openai_node(omni_gateway, tmp_path, monkeypatch):
+    """openai-node's realtime client (``OpenAIRealtimeWS``), unmodified, behind a TLS terminator as the
+    scripted-engine test has it (the SDK opens ``wss://`` only), in two spoken turns with the real engine."""
+    from tests.node import sdk
+    from tests.node.test_openai_node_realtime import _certificate, _tls_terminator
+
+    cert, key = _certificate(tmp_path)
+    monkeypatch.setenv("NODE_EXTRA_CA_CERTS", str(cert))
+    tls = omni_gateway.bg.run(_tls_terminator(omni_gateway.port, cert, key))
+    url = f"https://127.0.0.1:{tls.sockets[0].getsockname()[1]}/v1"
+    turns = [base64.b64encode(tone(0.8, hz=hz)).decode() for hz in (440.0, 660.0)]
+    try:
+        got = sdk.call(
+            url, "realtime", {"model": MODEL, "turns": turns, "max_output_tokens": 16}, timeout=1200
+        )
+    finally:
+        tls.close()
+    events = got["events"]
+    assert not [e for e in events if e["type"] in ("error", "sdk_error")], events
+    done = [e for e in events if e["type"] == "response.done"]
+    assert [d["response"]["status"] for d in done] == ["completed", "completed"], done
+    audio = b"".join(
+        base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"
+    )
+    assert len(audio) > 2 * (RATE // 10) and len(audio) % 2 == 0  # PCM16 at the session's 24 kHz
+    (created,) = [e for e in events if e["type"] == "session.created"]
+    assert _audited_turns(omni_gateway.db, created["session"]["id"]) == [1, 2]
