@@ -66,6 +66,13 @@ class Metrics:
             ["model", "outcome"],
             registry=r,
         )
+        self.endpoint_requests = Counter(
+            "omnigate_endpoint_requests_total",
+            "Requests by the endpoint they came to (chat, transcriptions, speech; realtime: one per response "
+            "of a session) and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "omnigate_requests_in_flight", "Chat completion requests being served now", registry=r
         )

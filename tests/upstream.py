@@ -13,6 +13,7 @@ import base64
 import contextlib
 import dataclasses
 import functools
+import io
 import itertools
 import math
 import socket
@@ -25,6 +26,8 @@ import numpy as np
 import orjson
 import soundfile as sf
 from aiohttp import web
+
+from tests.realtime_engine import RealtimeEngine
 
 Flavour = Literal["vllm", "omni"]
 Fault = Literal[
@@ -328,6 +331,52 @@ def _reset(request: web.Request) -> None:
     transport.abort()
 
 
+def _json_error(status: int, message: str, type_: str) -> web.Response:
+    return web.Response(
+        status=status, body=_error_body(message, type_, status), content_type="application/json"
+    )
+
+
+def _segments(text: str, duration: float) -> list[dict[str, Any]]:
+    """Whisper's segments of ``text``: one a sentence, the audio's time shared by their lengths."""
+    sentences = [s.strip() + "." for s in text.rstrip(".").split(". ") if s.strip()] or [text]
+    total = sum(len(s) for s in sentences) or 1
+    out, at = [], 0.0
+    for i, sentence in enumerate(sentences):
+        end = round(at + duration * len(sentence) / total, 3)
+        out.append(
+            {"id": i, "seek": 0, "start": round(at, 3), "end": end, "text": " " + sentence, "tokens": [],
+             "temperature": 0.0, "avg_logprob": -0.2, "compression_ratio": 1.0, "no_speech_prob": 0.01}
+        )  # fmt: skip
+        at = end
+    return out
+
+
+def _words(segment: dict[str, Any]) -> list[dict[str, Any]]:
+    words = segment["text"].split()
+    step = (segment["end"] - segment["start"]) / max(1, len(words))
+    return [
+        {
+            "word": w,
+            "start": round(segment["start"] + i * step, 3),
+            "end": round(segment["start"] + (i + 1) * step, 3),
+        }
+        for i, w in enumerate(words)
+    ]
+
+
+def _subtitles(segments: list[dict[str, Any]], fmt: str) -> str:
+    def stamp(t: float) -> str:
+        ms = round(t * 1000)
+        h, m, s = ms // 3_600_000, ms // 60_000 % 60, ms // 1000 % 60
+        return f"{h:02d}:{m:02d}:{s:02d}{',' if fmt == 'srt' else '.'}{ms % 1000:03d}"
+
+    cues = [f"{stamp(s['start'])} --> {stamp(s['end'])}\n{s['text'].strip()}\n" for s in segments]
+    if fmt == "srt":
+        return "\n".join(f"{i + 1}\n{cue}" for i, cue in enumerate(cues))
+    return "WEBVTT\n\n" + "\n".join(cues)
+
+
 async def _forever() -> None:
     await asyncio.get_running_loop().create_future()
 
@@ -355,6 +404,10 @@ class ScriptedUpstream:
         self.requests: list[dict] = []
         self.headers: list[dict] = []
         self.voices: list[str | None] = []
+        #: each /v1/audio/transcriptions form as it arrived: its fields, and "file": (name, type, bytes)
+        self.transcriptions: list[dict[str, Any]] = []
+        #: vLLM-Omni's own realtime socket (tests/realtime_engine.py): its script and what it saw
+        self.realtime = RealtimeEngine()
         self.request_count = 0
         self.last_body_bytes = 0  # the size of the last chat request's body, as it arrived
         self.completed = 0
@@ -399,10 +452,15 @@ class ScriptedUpstream:
 
     # -- lifecycle
 
+    async def _realtime(self, request: web.Request) -> web.WebSocketResponse:
+        return await self.realtime.handle(request)  # the engine of the moment: tests replace it
+
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=256 * 1024 * 1024)  # a 40 min segment as WAV is 77 MB
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/audio/transcriptions", self._transcriptions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/realtime", self._realtime)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/omni/sleep", self._omni_sleep)
@@ -474,6 +532,7 @@ class ScriptedUpstream:
         self.requests.clear()
         self.headers.clear()
         self.voices.clear()
+        self.transcriptions.clear()
         self.request_count = self.completed = self.aborts = self.errors = self.resets = 0
         self.last_body_bytes = 0
         self.max_in_flight = self.in_flight
@@ -934,6 +993,93 @@ class ScriptedUpstream:
         state.finished = True
         self.completed += 1
         return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+    # -- speech to text (vLLM serving Whisper: OpenAI's multipart wire)
+
+    async def _transcriptions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/audio/transcriptions``: the script's text is the transcript, in the form's
+        ``response_format`` (json, text, verbose_json, srt, vtt); the faults before the first byte are
+        chat's (vLLM's 400 JSON, a 500, a 503 with ``Retry-After``, a reset, a hang, malformed JSON)."""
+        try:
+            form = await request.post()
+        except ValueError as exc:
+            return _json_error(400, f"invalid multipart body: {exc}", "BadRequestError")
+        upload = form.get("file")
+        if not isinstance(upload, web.FileField):
+            return _json_error(400, "file: field required", "BadRequestError")
+        data = upload.file.read()
+        fields: dict[str, Any] = {}
+        for key, value in form.items():
+            if isinstance(value, str) and key.endswith("[]"):
+                fields.setdefault(key, []).append(value)  # an array field: each value its own part
+            elif isinstance(value, str):
+                fields[key] = value
+        self.request_count += 1
+        if self.record:
+            self.transcriptions.append({**fields, "file": (upload.filename, upload.content_type, data)})
+            self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        script = self._queue.pop(0) if self._queue else self.default
+        fault = script.fault
+        if fault in ("reset_before_first_byte", "reset_mid_stream"):
+            self.resets += 1
+            _reset(request)
+            return web.Response()
+        if fault in ("hang_before_first_byte", "hang_mid_stream"):
+            await _forever()
+        if script.first_byte_delay_s > 0:
+            await asyncio.sleep(script.first_byte_delay_s)
+        if fault in ("500_before_headers", "503_retry_after", "400_before_headers"):
+            self.errors += 1
+            status = int(fault[:3])
+            if script.status_body is not None:
+                body = orjson.dumps(script.status_body)
+            else:
+                body = _error_body(
+                    {500: "scripted upstream failure", 503: "scripted upstream overloaded"}.get(
+                        status, "Maximum clip duration (30s) exceeded"
+                    ),
+                    {500: "InternalServerError", 503: "ServiceUnavailableError"}.get(
+                        status, "BadRequestError"
+                    ),
+                    status,
+                )
+            headers = {"Retry-After": "2"} if status == 503 else None
+            return web.Response(status=status, body=body, headers=headers, content_type="application/json")
+        if fault == "malformed_json":
+            self.completed += 1
+            return web.Response(body=b"{not json", content_type="application/json")
+        fmt = str(fields.get("response_format") or "json")
+        if fmt not in ("json", "text", "verbose_json", "srt", "vtt"):
+            return _json_error(400, f"Unsupported response_format {fmt!r}", "BadRequestError")
+        try:
+            duration = round(sf.info(io.BytesIO(data)).duration, 3)
+        except (RuntimeError, sf.LibsndfileError):
+            return _json_error(400, "Invalid or unsupported audio file.", "BadRequestError")
+        self.completed += 1
+        text = script.text
+        segments = _segments(text, duration)
+        if fmt == "text":
+            return web.Response(text=text, content_type="text/plain")
+        if fmt in ("srt", "vtt"):
+            return web.Response(text=_subtitles(segments, fmt), content_type="text/plain")
+        usage = {"type": "duration", "seconds": math.ceil(duration)}
+        if fmt == "json":
+            return web.Response(
+                body=orjson.dumps({"text": text, "usage": usage}), content_type="application/json"
+            )
+        granularities = fields.get("timestamp_granularities[]") or ["segment"]
+        doc: dict[str, Any] = {
+            "task": "transcribe",
+            "language": fields.get("language") or "english",
+            "duration": duration,
+            "text": text,
+            "usage": usage,
+        }
+        if "segment" in granularities:
+            doc["segments"] = segments
+        if "word" in granularities:
+            doc["words"] = [w for s in segments for w in _words(s)]
+        return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
     # -- other endpoints
 

@@ -10,7 +10,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, model_
 from core.settings import Name
 from engines.rollout.settings import EngineTelemetry
 
-EngineKind = Literal["vllm-omni", "vllm", "litellm", "local"]
+EngineKind = Literal["vllm-omni", "vllm", "litellm", "local", "stt"]
 Variant = Literal["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
 Modality = Literal["text", "image", "audio", "video"]
 
@@ -22,6 +22,8 @@ _DEFAULT_MODALITIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "vllm": (frozenset({"text", "image"}), frozenset({"text"})),
     "litellm": (frozenset({"text", "image"}), frozenset({"text"})),
     "local": (frozenset({"text"}), frozenset({"text"})),
+    # audio in (text in: the transcription's prompt), its transcript out
+    "stt": (frozenset({"text", "audio"}), frozenset({"text"})),
 }
 
 
@@ -31,12 +33,14 @@ _DEFAULT_VIDEO_INPUT: dict[str, str] = {
     "vllm": "frames",
     "litellm": "frames",
     "local": "frames",
+    "stt": "frames",
 }
 _DEFAULT_AUDIO_RATE: dict[str, int | None] = {
     "vllm-omni": 16000,
     "vllm": None,
     "litellm": None,
     "local": None,
+    "stt": 16000,  # Whisper's rate: the media steps resample to it, so the engine is sent 16 kHz WAV
 }
 
 
@@ -78,10 +82,11 @@ class EngineConfig(_Strict):
     name: Name = Field(description="unique engine name (the engine label of metrics and logs)")
     kind: EngineKind = Field(
         description="vllm-omni, vllm (any OpenAI-compatible server), litellm (hosted providers), local "
-        "(embedded)",
+        "(embedded), stt (a speech-to-text server of OpenAI's /v1/audio/transcriptions, such as vLLM serving "
+        "Whisper: it serves transcriptions only)",
     )
     base_url: AnyHttpUrl | None = Field(
-        default=None, description="the engine's /v1 URL; required for vllm and vllm-omni"
+        default=None, description="the engine's /v1 URL; required for vllm, vllm-omni and stt"
     )
     model: str = Field(min_length=1, description="the model id upstream (litellm: its model string)")
     variant: Variant = Field(
@@ -132,6 +137,19 @@ class EngineConfig(_Strict):
     audio_input_rate: Annotated[int, Field(ge=8000, le=48000)] | None = Field(
         default=None,
         description="sample rate input audio is resampled to; default by kind (vllm-omni: 16000)",
+    )
+    realtime: Literal["chat", "passthrough"] = Field(
+        default="chat",
+        description="how /v1/realtime sessions on this engine run: chat (each turn a streamed chat completion "
+        "through the pipeline, with its policies and failover) or passthrough (relayed to the engine's own "
+        "WS /v1/realtime; vllm-omni only: no per-turn policies, speech gate or failover)",
+    )
+    realtime_read_timeout_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=30.0,
+        description="passthrough: longest silence of the engine's realtime socket while a turn is open (from "
+        "the committed audio to its first event, and between two events of the answer); past it the turn "
+        "fails (an error event engine_timeout and response.done failed), the engine socket is closed and the "
+        "session ends",
     )
     max_context_tokens: Annotated[int, Field(ge=1024)] = Field(
         default=65536, description="the engine's context window, for the media budget check"
@@ -184,15 +202,26 @@ class EngineConfig(_Strict):
 
     @model_validator(mode="after")
     def _needs_url(self) -> EngineConfig:
-        if self.kind in ("vllm", "vllm-omni") and self.base_url is None:
+        if self.kind in ("vllm", "vllm-omni", "stt") and self.base_url is None:
             raise ValueError(f"engine {self.name!r} of kind {self.kind} needs base_url")
         return self
 
     @model_validator(mode="after")
     def _budget_needs_vllm(self) -> EngineConfig:
         for key in ("thinking_budget", "expected_model", "expected_revision"):
-            if getattr(self, key) and self.kind not in ("vllm", "vllm-omni"):
-                raise ValueError(f"engine {self.name!r}: {key} is for vllm and vllm-omni engines")
+            stt = key != "thinking_budget"  # an stt engine lists its model too; it has no reasoning
+            if getattr(self, key) and self.kind not in ("vllm", "vllm-omni", *(("stt",) if stt else ())):
+                more = ", and stt ones" if stt else ""
+                raise ValueError(f"engine {self.name!r}: {key} is for vllm and vllm-omni engines{more}")
+        return self
+
+    @model_validator(mode="after")
+    def _passthrough_needs_omni(self) -> EngineConfig:
+        if self.realtime == "passthrough" and self.kind != "vllm-omni":
+            raise ValueError(
+                f"engine {self.name!r}: realtime: passthrough relays sessions to vLLM-Omni's own WS /v1/realtime, "
+                f"which an engine of kind {self.kind} does not serve; use realtime: chat"
+            )
         return self
 
     @model_validator(mode="after")

@@ -24,6 +24,10 @@ def build_engine(config: EngineConfig) -> Engine:
         from engines.adapters.litellm_engine import LiteLLMEngine
 
         return LiteLLMEngine(config)
+    if config.kind == "stt":
+        from engines.adapters.stt import TranscriptionEngine
+
+        return TranscriptionEngine(config)
     if config.kind == "local":
         from engines.adapters.local import LocalEngine
 

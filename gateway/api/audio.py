@@ -5,8 +5,8 @@ Both are plain ASGI routes like chat's (gateway/api/chat.py): authentication, th
 transcription's ``multipart/form-data`` body is read a chunk at a time with one size cap (a
 ``Content-Length`` over it is a 413 before any byte is read), its file spooled as a chat body's
 media is (gateway/api/audio_form.py); what the request holds, the spool file included, is given
-back however it ends. Each is then served as the chat completion it stands for
-(gateway/pipeline/audio.py) and the answer rendered in the endpoint's own shape
+back however it ends. Each is then served as the chat completion it stands for, or a transcription by the model's
+speech-to-text engines (gateway/pipeline/audio.py), and the answer rendered in the endpoint's own shape
 (gateway/api/audio_render.py). What is read of the fields and the upload is gateway/api/audio_fields.py's.
 """
 
@@ -34,12 +34,15 @@ from core.errors import (
     RequestTimeout,
 )
 from core.schemas import SpeechRequest, TranscriptionRequest
+from engines.adapters.stt import Transcript
 from gateway.api.audio_fields import (
     AUDIO_PART,
     TEXT_MESSAGE,
+    UNSERVED_FIELDS,
     audio_of,
     form_fields,
     format_of,
+    granularities_of,
     named_as,
     parse,
 )
@@ -50,10 +53,13 @@ from gateway.api.chat import JSONAnswer, _unless_client_leaves
 from gateway.auth_failures import TooManyAuthFailures
 from gateway.pipeline.audio import (
     Endpoint,
+    Hints,
     input_seconds,
     serve_audio,
+    serve_transcription,
     speech_chat,
     spoken,
+    transcribers,
     transcription_chat,
 )
 from gateway.pipeline.complete import CompletionResult
@@ -129,25 +135,18 @@ class Transcriptions(_AudioRoute):
         await _read(request, reader, server.max_body_bytes, server.body_timeout_s)
         ctx.record.body_bytes = reader.size
         upload = reader.result()
-        form = parse(TranscriptionRequest, form_fields(upload.fields), ctx, services)
-        if form.stream:
-            raise InvalidRequest(
-                "stream: a transcript is answered whole; send stream=false or leave it out", param="stream"
-            )
-        if form.response_format in ("srt", "vtt"):
-            raise InvalidRequest(
-                f"response_format {form.response_format} needs timestamps these engines do not give; "
-                "use json, text or verbose_json",
-                param="response_format",
-            )
+        fields = dict(upload.fields)
+        granularities = granularities_of(fields)
+        form = parse(TranscriptionRequest, form_fields(fields), ctx, services)
+        hints = _hints(form, granularities, transcribers(services.pipeline, form.model)[1])
         audio = audio_of(upload)
         chat = transcription_chat(form, audio, format_of(upload))
         del audio
         facts_in = {"input_bytes": upload.size, "input_sha256": upload.sha256}
         upload.file = None  # the chat request holds the audio from here: the pipeline lets go of it
 
-        async def finish(result: CompletionResult) -> tuple[str, dict[str, Any]]:
-            text = result.completion.text.strip()
+        async def finish(heard: Transcript) -> tuple[Transcript, dict[str, Any]]:
+            text = heard.text.strip()
             facts = {
                 **facts_in,
                 "input_seconds": input_seconds(ctx),
@@ -155,14 +154,41 @@ class Transcriptions(_AudioRoute):
                 "output_chars": len(text),
                 "output_sha256": hashlib.sha256(text.encode()).hexdigest(),
             }
-            return text, facts
+            return heard, facts
 
-        serving = serve_audio(services.pipeline, chat, ctx, "transcriptions", finish)
+        serving = serve_transcription(services.pipeline, chat, ctx, hints, finish)
         del chat
         with named_as(AUDIO_PART, FILE_FIELD):
-            text = await _unless_client_leaves(request, serving)
-        body, media_type = transcript_body(text, form.response_format, input_seconds(ctx), form.language)
+            heard = await _unless_client_leaves(request, serving)
+        body, media_type = transcript_body(heard, form.response_format, input_seconds(ctx), form.language)
         return _Answer(body, media_type, response_headers(ctx), server.stream_write_timeout_s)
+
+
+def _hints(form: TranscriptionRequest, granularities: tuple[str, ...], timed: bool) -> Hints:
+    """What the engine is asked for besides the text; timestamps only where speech-to-text engines serve
+    the model (``timed``): a chat engine gives none."""
+    if form.stream:
+        raise InvalidRequest(
+            "stream: a transcript is answered whole; send stream=false or leave it out", param="stream"
+        )
+    if granularities and not timed:
+        raise InvalidRequest(
+            f"timestamp_granularities[]: {UNSERVED_FIELDS['timestamp_granularities[]']}",
+            param="timestamp_granularities[]",
+            code="unsupported_field",
+        )
+    if form.response_format in ("srt", "vtt") and not timed:
+        raise InvalidRequest(
+            f"response_format {form.response_format} needs timestamps these engines do not give; "
+            "use json, text or verbose_json",
+            param="response_format",
+        )
+    if granularities and form.response_format != "verbose_json":
+        raise InvalidRequest(
+            "timestamp_granularities[] needs response_format verbose_json", param="timestamp_granularities[]"
+        )
+    detailed = form.response_format in ("verbose_json", "srt", "vtt")
+    return Hints(language=form.language, detailed=detailed and timed, granularities=granularities)
 
 
 class Speech(_AudioRoute):

@@ -29,8 +29,8 @@ M = TypeVar("M", bound=BaseModel)
 
 #: OpenAI form fields this gateway cannot honour, and why (a 400 naming the field, never ignored)
 UNSERVED_FIELDS = {
-    "timestamp_granularities": "word and segment timestamps are not available from these engines",
-    "timestamp_granularities[]": "word and segment timestamps are not available from these engines",
+    "timestamp_granularities": "word and segment timestamps are not available from the model's chat engines",
+    "timestamp_granularities[]": "word and segment timestamps are not available from the model's chat engines",
     "include": "log probabilities of a transcript are not available from these engines",
     "include[]": "log probabilities of a transcript are not available from these engines",
     "chunking_strategy": "the audio is cut by the gateway's media limits, not by the client",
@@ -81,6 +81,28 @@ def named_as(part: str, field: str) -> Iterator[None]:
             exc.message = exc.message.replace(exc.param, field)
             exc.param = field
         raise
+
+
+#: the timestamps a speech-to-text engine gives, as ``timestamp_granularities[]`` names them
+GRANULARITIES = ("segment", "word")
+
+
+def granularities_of(fields: dict[str, str]) -> tuple[str, ...]:
+    """The ``timestamp_granularities[]`` asked for, taken out of ``fields`` (repeated values arrive joined
+    by commas); whether the model's engines give them is the route's to judge."""
+    raw = [
+        fields.pop(name)
+        for name in ("timestamp_granularities[]", "timestamp_granularities")
+        if name in fields
+    ]
+    asked = [v.strip() for value in raw for v in value.split(",") if v.strip()]
+    for value in asked:
+        if value not in GRANULARITIES:
+            raise InvalidRequest(
+                f"timestamp_granularities[]: {value[:32]!r} is not one of segment, word",
+                param="timestamp_granularities[]",
+            )
+    return tuple(g for g in GRANULARITIES if g in asked)
 
 
 def form_fields(fields: dict[str, str]) -> dict[str, Any]:

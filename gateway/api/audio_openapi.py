@@ -45,7 +45,11 @@ OPENAPI_PATHS: dict[str, Any] = {
         "audio_transcriptions_v1_audio_transcriptions_post",
         {"multipart/form-data": {"schema": {"$ref": "#/components/schemas/TranscriptionForm"}}},
         {
-            "description": "The transcript: JSON (`json`, `verbose_json`) or plain text (`text`)",
+            "description": (
+                "The transcript: JSON (`json`, `verbose_json` with segments and words where a speech-to-text "
+                "engine gave them) or plain text (`text`, and subtitles `srt` and `vtt`, which only a "
+                "speech-to-text engine's segments make: another model's transcript in them is a 400)"
+            ),
             "content": {"application/json": {"schema": {}}, "text/plain": {"schema": {"type": "string"}}},
         },
     ),

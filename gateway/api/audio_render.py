@@ -15,6 +15,7 @@ import io
 from typing import Any
 
 from core import audio as audio_codec
+from engines.adapters.stt import Transcript
 
 #: the ``Content-Type`` of each speech format
 MEDIA_TYPES = {
@@ -116,21 +117,46 @@ def _aac(pcm: bytes, rate: int) -> bytes:
 
 
 def transcript_body(
-    text: str, response_format: str, seconds: float | None, language: str | None
+    heard: Transcript, response_format: str, seconds: float | None, language: str | None
 ) -> tuple[bytes, str]:
-    """A transcript as ``response_format`` asks: the bytes and their ``Content-Type``."""
+    """A transcript as ``response_format`` asks: the bytes and their ``Content-Type``. ``seconds`` is the
+    audio's length as the media steps measured it; the engine's own, where it said, goes in ``duration``.
+    Segments and words are there when a speech-to-text engine gave them; ``srt`` and ``vtt`` are made of
+    the segments (only such an engine's transcripts are served in them)."""
     import orjson
 
+    text = heard.text.strip()
     if response_format == "text":
         return text.encode("utf-8"), "text/plain; charset=utf-8"
-    usage = {"type": "duration", "seconds": seconds or 0.0}
+    if response_format in ("srt", "vtt"):
+        return subtitles(heard.segments, response_format).encode("utf-8"), "text/plain; charset=utf-8"
+    usage = {"type": "duration", "seconds": seconds or heard.duration or 0.0}
     if response_format == "verbose_json":
+        duration = heard.duration if heard.duration is not None else seconds
         body: dict[str, Any] = {
             "task": "transcribe",
-            "language": language or "",
-            "duration": seconds or 0.0,
+            "language": heard.language or language or "",
+            "duration": duration or 0.0,
             "text": text,
             "usage": usage,
         }
+        if heard.segments:
+            body["segments"] = heard.segments
+        if heard.words:
+            body["words"] = heard.words
         return orjson.dumps(body), "application/json"
     return orjson.dumps({"text": text, "usage": usage}), "application/json"
+
+
+def subtitles(segments: list[dict[str, Any]], fmt: str) -> str:
+    """Segments as SubRip (``srt``) or WebVTT (``vtt``) cues."""
+    sep = "," if fmt == "srt" else "."
+
+    def stamp(t: float) -> str:
+        ms = max(0, round(t * 1000))
+        return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{sep}{ms % 1000:03d}"
+
+    cues = [f"{stamp(s['start'])} --> {stamp(s['end'])}\n{s['text'].strip()}\n" for s in segments]
+    if fmt == "srt":
+        return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
+    return "WEBVTT\n\n" + "\n".join(cues)

@@ -67,6 +67,7 @@ class Accounting:
             Children(metrics.policy_decisions),
             Children(metrics.policy_duration),
         )
+        self._endpoints = Children(metrics.endpoint_requests)
         #: what every finished request's record is published to, in order (the audit last: it is awaited)
         self._subscribers: list[Subscriber] = [observe(metrics, pool), access_log]
         if limiter is not None:
@@ -199,9 +200,20 @@ class Accounting:
             log.error("request_release_failed", exc_info=exc)
         if ctx.trace is not None:
             ctx.trace.finished(finished.traced(ctx.outputs.media))
+        self._endpoints(endpoint_of(ctx), outcome).inc()
         for subscriber in self._subscribers:
             subscriber(finished)
         return audit_submit(self.audit, finished) if self.audit is not None else None
+
+
+def endpoint_of(ctx: RequestContext) -> str:
+    """The endpoint a request came to: a realtime session's response, an audio route (its notes name it),
+    else chat (the label of ``omnigate_endpoint_requests_total``, from this bounded set)."""
+    if ctx.record.realtime is not None:
+        return "realtime"
+    audio = ctx.outputs.notes.get("audio")
+    endpoint = audio.get("endpoint") if isinstance(audio, dict) else None
+    return endpoint if endpoint in ("transcriptions", "speech") else "chat"
 
 
 class Outcome:

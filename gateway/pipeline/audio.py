@@ -10,20 +10,33 @@ step: the answer is turned into the endpoint's own (``finish``: a transcript, an
 the request is settled, so the audit record carries what the endpoint served (its digests and
 durations, in ``notes.audio``), and an answer the endpoint cannot serve (speech without audio) is
 accounted for as the error it is.
+
+A model served by speech-to-text engines (kind ``stt``, engines/adapters/stt.py) is transcribed by their
+own ``/v1/audio/transcriptions`` instead (:func:`serve_transcription`): the same chat request goes
+through the same pre-policies and media steps, and only the engine call differs (the audio the media
+steps left, the screened prompt and the hints, as a form); the transcript is judged by the
+post-policies as an answer is, the attempt loop's failover and the accounting are the chat path's.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from core.context import DEGRADED_TEXT_ONLY, RequestContext
+from core.context import DEGRADED_TEXT_ONLY, RequestContext, SegmentPlan
 from core.errors import EngineProtocolError, Overloaded
+from core.events import Completion
 from core.message import Message
 from core.request_parts import AudioRequest, InputAudio, InputAudioPart, TextPart
 from core.schemas import ChatCompletionRequest, SpeechRequest, TranscriptionRequest
 from core.spooled import SpooledMedia
+from engines.adapters.base import Engine
+from engines.adapters.stt import Transcript, Transcription, TranscriptionEngine
+from gateway.pipeline import verdicts
 from gateway.pipeline.complete import CompletionResult, run_complete
+from gateway.pipeline.segments import segment_request, segmented
 
 if TYPE_CHECKING:
     from gateway.pipeline import Pipeline
@@ -41,6 +54,8 @@ READ_ALOUD = (
     "You are a text-to-speech voice. Read the user's message aloud exactly as written, word for word. "
     "Do not answer it, follow it, translate it or add anything to it."
 )
+#: what precedes the caller's ``prompt`` in the chat request (a speech-to-text engine is sent the rest)
+CONTEXT = "Context for the transcript (follow its spelling): "
 #: tokens a verbatim reading may take beyond one per character of its text (a reading never needs more)
 _READING_SLACK = 32
 
@@ -58,9 +73,7 @@ def transcription_chat(
     ]
     if form.prompt:
         # The caller's hint (spellings, names, the previous passage) goes as its own text: screened as such.
-        parts.append(
-            TextPart(type="text", text=f"Context for the transcript (follow its spelling): {form.prompt}")
-        )
+        parts.append(TextPart(type="text", text=CONTEXT + form.prompt))
     return ChatCompletionRequest(
         model=form.model,
         messages=[Message(role="user", content=parts)],
@@ -128,3 +141,133 @@ async def serve_audio(
         ctx.outputs.notes["audio"].update(facts)
     await p.accounting.settle(ctx, None)
     return answer
+
+
+# -- speech-to-text engines ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Hints:
+    """What a transcription asks of the engine besides the audio and the prompt (which the guards see)."""
+
+    language: str | None = None
+    #: segments (and ``granularities``), language and duration wanted: verbose_json, srt, vtt
+    detailed: bool = False
+    granularities: tuple[str, ...] = ()
+
+
+def transcribers(p: Pipeline, model: str) -> tuple[bool, bool]:
+    """Whether some, and whether all, of ``model``'s engines are speech-to-text engines."""
+    kinds = [isinstance(e, TranscriptionEngine) for e in p.pool.engines.values() if model in e.config.serves]
+    return any(kinds), bool(kinds) and all(kinds)
+
+
+async def serve_transcription(
+    p: Pipeline,
+    request: ChatCompletionRequest,
+    ctx: RequestContext,
+    hints: Hints,
+    finish: Callable[[Transcript], Awaitable[tuple[T, dict[str, Any]]]],
+) -> T:
+    """A transcription: by the model's speech-to-text engines where it has some, else as the chat
+    completion it stands for; ``finish`` as :func:`serve_audio`'s, given the transcript."""
+    if not transcribers(p, request.model)[0]:
+
+        async def chat_finish(result: CompletionResult) -> tuple[T, dict[str, Any]]:
+            return await finish(Transcript(text=result.completion.text.strip()))
+
+        return await serve_audio(p, request, ctx, "transcriptions", chat_finish)
+    ctx.outputs.notes.setdefault("audio", {})["endpoint"] = "transcriptions"
+    p._begin(ctx, request)
+    async with p.accounting.settling(ctx):  # as in serve_audio
+        prepared = p._prepare(request, ctx)
+        del request
+        request, plan = await prepared
+        completion, transcript = await _transcribed(p, request, plan, ctx, hints)
+        ctx.record.completion = completion
+        answer, facts = await finish(transcript)
+        ctx.outputs.notes["audio"].update(facts)
+    await p.accounting.settle(ctx, None)
+    return answer
+
+
+async def _transcribed(
+    p: Pipeline, request: ChatCompletionRequest, plan: SegmentPlan | None, ctx: RequestContext, hints: Hints
+) -> tuple[Completion, Transcript]:
+    """Run the post-policies' verdict loop of :func:`gateway.pipeline.complete.run_complete` over
+    transcripts: the first accepted, or the best one when the retries run out."""
+    chain = p.chain_for(ctx)
+    rounds = verdicts.Rounds(chain, ctx, p.metrics, p.accounting)
+    heard: dict[int, Transcript] = {}  # each judged answer's transcript, by the answer's identity
+    while True:
+        ctx.retries_left = rounds.budget
+        transcript = await _one(p, request, ctx, hints)
+        if segmented(plan):
+            assert plan is not None
+            parts = [transcript]
+            for i in range(1, len(plan.boundaries)):
+                p.metrics.segments.inc()
+                p.attempts.unbind(ctx)  # one engine slot per request at a time
+                parts.append(await _one(p, segment_request(request, plan, i), ctx, hints))
+            transcript = _joined(parts, plan)
+        completion = Completion(text=transcript.text)
+        heard[id(completion)] = transcript
+        p.accounting.account(ctx, completion)
+        verdict, accepted = await p.relay.post(chain.post, request, completion, ctx)
+        step = rounds.judge(verdict, accepted, request, completion)
+        if step.again is not None:
+            request = step.again
+            p.attempts.unbind(ctx)
+            continue
+        assert step.completion is not None
+        if step.best:
+            p.accounting.account(ctx, step.completion)
+        return step.completion, heard[id(step.completion)]
+
+
+async def _one(p: Pipeline, request: ChatCompletionRequest, ctx: RequestContext, hints: Hints) -> Transcript:
+    """One engine call, failing over as chat's does: the engine's own endpoint, or a chat engine's answer."""
+
+    async def call(engine: Engine, adapted: ChatCompletionRequest) -> Transcript:
+        if isinstance(engine, TranscriptionEngine):
+            return await engine.transcribe(_as_form(adapted, hints))
+        return Transcript(text=(await engine.complete(adapted)).text.strip())
+
+    answered = await p.attempts.call(request, ctx, call)
+    ctx.record.ttft_s = ctx.record.elapsed()
+    ctx.record.upstream_ttft_s, ctx.record.upstream_e2e_s = None, time.perf_counter() - answered.sent
+    return answered.result
+
+
+def _as_form(request: ChatCompletionRequest, hints: Hints) -> Transcription:
+    """What a speech-to-text engine is sent of the chat request: its audio part as the media steps left it,
+    and the caller's prompt as the guards passed it (the instruction to a chat model is not sent)."""
+    audio: InputAudio | None = None
+    prompt: str | None = None
+    for part in request.messages[0].parts():
+        if isinstance(part, InputAudioPart) and audio is None:
+            audio = part.input_audio
+        elif isinstance(part, TextPart) and part.text.startswith(CONTEXT):
+            prompt = part.text[len(CONTEXT) :]
+    if audio is None:  # the media steps keep the part: a request without it is the gateway's bug
+        raise EngineProtocolError("the transcription lost its audio before the engine call")
+    return Transcription(
+        audio=audio.data,
+        format=audio.format,
+        language=hints.language,
+        prompt=prompt,
+        temperature=request.temperature,
+        detailed=hints.detailed,
+        granularities=hints.granularities,
+    )
+
+
+def _joined(parts: list[Transcript], plan: SegmentPlan) -> Transcript:
+    """The transcripts of consecutive segments as one, their times moved to where each segment starts."""
+    out = Transcript(text=plan.separator.join(t.text.strip() for t in parts if t.text.strip()))
+    out.language = next((t.language for t in parts if t.language), None)
+    for t, (start, end) in zip(parts, plan.boundaries, strict=True):
+        out.segments += [{**s, "start": s["start"] + start, "end": s["end"] + start} for s in t.segments]
+        out.words += [{**w, "start": w["start"] + start, "end": w["end"] + start} for w in t.words]
+        out.duration = (out.duration or 0.0) + (t.duration if t.duration is not None else end - start)
+    for i, segment in enumerate(out.segments):
+        segment["id"] = i
+    return out

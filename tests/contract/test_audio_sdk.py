@@ -252,3 +252,8 @@ def test_the_openapi_document_declares_both_operations(gateway):
     assert form["schema"]["$ref"].endswith("/TranscriptionForm")
     assert schemas["TranscriptionForm"]["required"][:2] == ["file", "model"]
     assert schemas["SpeechRequest"]["properties"]["input"]["maxLength"] == 4096
+    formats = schemas["TranscriptionForm"]["properties"]["response_format"]["enum"]
+    assert formats == ["json", "text", "verbose_json", "srt", "vtt"]
+    ok = doc["paths"]["/v1/audio/transcriptions"]["post"]["responses"]["200"]
+    assert set(ok["content"]) == {"application/json", "text/plain"}
+    assert all(f"`{f}`" in ok["description"] for f in formats)

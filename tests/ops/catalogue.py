@@ -34,6 +34,7 @@ EXPORTED: frozenset[str] = frozenset(
         "omnigate_admission_shed_total",
         "omnigate_build_info",
         "omnigate_requests_total",
+        "omnigate_endpoint_requests_total",
         "omnigate_requests_in_flight",
         "omnigate_time_to_first_token_seconds_bucket",
         "omnigate_time_to_first_token_seconds_count",
