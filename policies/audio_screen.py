@@ -7,28 +7,37 @@ matched against the configured patterns; a match refuses the request with a 400
 before ``media-limits`` so it hears whole files, not only the first segment of
 a long one. Transcription costs CPU in proportion to the audio's length, which
 is why the screen is not in the default chain.
+
+With ``served`` (endpoint ``transcriptions``), an engine transcribes instead: each
+part, decoded and bounded as above, goes to its ``/v1/audio/transcriptions`` as a
+16 kHz mono PCM16 WAV, a request's parts concurrently (at most ``served.max_inflight``
+at once), each within ``served.timeout_s``; a model that cannot answer is a guard
+that cannot judge (the policy's ``on_error``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import re
+import wave
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from core.context import RequestContext, Screening
 from core.errors import ContentPolicyViolation, GuardUnavailable
 from core.schemas import ChatCompletionRequest
 from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.models import SPEECH_TO_TEXT, SpeechToText
-from policies.media.parts import media_parts, payload_arg
+from policies.media.parts import MediaRef, media_parts, payload_arg
 from policies.media.process import screen_pcm
 from policies.media.sandbox import MediaRuntime, runtime_of
 from policies.registry import Extra
-from policies.settings import MediaSettings
+from policies.served.client import ServedModel
+from policies.settings import MediaSettings, ServedModelSettings
 
 
 class AudioScreenConfig(PolicyConfig):
@@ -42,6 +51,11 @@ class AudioScreenConfig(PolicyConfig):
     threads: Annotated[int, Field(ge=1, le=16)] = Field(
         default=1, description="CPU threads of the whisper model"
     )
+    served: ServedModelSettings | None = Field(
+        default=None,
+        description="a speech-to-text model an engine serves (endpoint transcriptions, e.g. vllm serve "
+        "openai/whisper-large-v3-turbo) transcribes each part instead of whisper in the gateway",
+    )
 
     @field_validator("patterns")
     @classmethod
@@ -52,6 +66,14 @@ class AudioScreenConfig(PolicyConfig):
             except re.error as exc:
                 raise ValueError(f"pattern {p!r} does not compile: {exc}") from None
         return v
+
+    @model_validator(mode="after")
+    def _served_transcribes(self) -> AudioScreenConfig:
+        if self.served is not None and self.served.endpoint != "transcriptions":
+            raise ValueError(
+                f"served.endpoint: the audio screen transcribes speech: transcriptions, not {self.served.endpoint}"
+            )
+        return self
 
 
 class AudioScreen(PolicyBase):
@@ -68,53 +90,90 @@ class AudioScreen(PolicyBase):
         self._stt: SpeechToText | None = None
         self._metrics: Any = None
         self._runtime: MediaRuntime | None = None
+        self._served: ServedModel | None = None
 
     async def start(self, deps: Deps) -> None:
         self._metrics = deps.metrics
         self._runtime = runtime_of(deps)
+        if self.config.served is not None:
+            self._served = ServedModel(self.config.served, name=self.name)
+            return
         loop = asyncio.get_running_loop()
         self._stt = await loop.run_in_executor(self._pool, SpeechToText, self.config.threads)
 
     async def aclose(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)  # the thread ends once idle
+        if self._served is not None:
+            await self._served.aclose()
 
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         scan = ctx.outputs.scan(self.name)  # the receipt: which model heard what, and how long
-        scan.model = "whisper-tiny.en"
+        served = self.config.served
+        scan.model = served.model if served is not None else "whisper-tiny.en"
         scan.model_digest = self._stt.digest if self._stt is not None else None
         audio = [r for r in media_parts(request) if r.kind == "audio"]
         for ref in audio:
             if ref.is_remote:  # not fetched: the engine would hear what this screen did not
                 scan.missed.append({"part": ref.path, "why": "a remote URL the gateway did not fetch"})
         refs = [r for r in audio if not r.is_remote]
-        loop = asyncio.get_running_loop()
         if refs and self._runtime is None:
             self._runtime = MediaRuntime(MediaSettings())
-        for ref in refs:
-            # Decoded in the media sandbox like every client file; only the PCM comes back to be heard.
-            assert self._runtime is not None
-            pcm = await self._runtime.sandbox.run(
-                screen_pcm, (payload_arg(ref), ref.param, self.config.max_duration_s), param=ref.param
+        if served is None:
+            for ref in refs:  # one at a time, on the screen's thread: a refusal stops the hearing
+                self._judge(ref, *(await self._heard_here(ref)), ctx)
+        else:
+            # The parts at once, at most max_inflight calls; the first part (in order) that failed or
+            # matched decides, once every call has answered or failed.
+            slots = asyncio.Semaphore(served.max_inflight)
+            heard = await asyncio.gather(
+                *(self._heard_served(ref, slots) for ref in refs), return_exceptions=True
             )
-            transcript = await loop.run_in_executor(self._pool, self._hear, pcm)
-            # 16 kHz mono PCM16 (screen_pcm); heard in one piece: one segment
-            scan.parts.append({"part": ref.path, "kind": "audio", "ms": round(len(pcm) / 16), "segments": 1})
-            ctx.outputs.input_transcripts.append(transcript)  # part of the grounding premise
-            match = next((p for p in self._patterns if p.search(transcript)), None)
-            ctx.outputs.screenings.append(
-                Screening(self.name, ref.path, 1.0 if match else 0.0, match is not None)
-            )
-            if self._metrics is not None:
-                self._metrics.screen_scores.labels(self.name, "audio").observe(1.0 if match else 0.0)
-            if match is not None:
-                raise ContentPolicyViolation(
-                    f"{ref.path}: the audio was refused by the content screen", param=ref.param
-                )
+            for ref, result in zip(refs, heard, strict=True):
+                if isinstance(result, BaseException):  # GuardUnavailable, a part that does not decode
+                    raise result
+                self._judge(ref, *result, ctx)
         if scan.missed:  # after every part it could hear: the policy's on_error decides (not "clean")
             raise GuardUnavailable(
                 ", ".join(m["part"] for m in scan.missed) + f": not screened by {self.name}"
             )
         return request
+
+    def _judge(self, ref: MediaRef, pcm: np.ndarray, transcript: str, ctx: RequestContext) -> None:
+        # 16 kHz mono PCM16 (screen_pcm); heard in one piece: one segment
+        ctx.outputs.scan(self.name).parts.append(
+            {"part": ref.path, "kind": "audio", "ms": round(len(pcm) / 16), "segments": 1}
+        )
+        ctx.outputs.input_transcripts.append(transcript)  # part of the grounding premise
+        match = next((p for p in self._patterns if p.search(transcript)), None)
+        ctx.outputs.screenings.append(
+            Screening(self.name, ref.path, 1.0 if match else 0.0, match is not None)
+        )
+        if self._metrics is not None:
+            self._metrics.screen_scores.labels(self.name, "audio").observe(1.0 if match else 0.0)
+        if match is not None:
+            raise ContentPolicyViolation(
+                f"{ref.path}: the audio was refused by the content screen", param=ref.param
+            )
+
+    async def _pcm(self, ref: MediaRef) -> np.ndarray:
+        # Decoded in the media sandbox like every client file; only the PCM comes back to be heard.
+        assert self._runtime is not None
+        pcm: np.ndarray = await self._runtime.sandbox.run(
+            screen_pcm, (payload_arg(ref), ref.param, self.config.max_duration_s), param=ref.param
+        )
+        return pcm
+
+    async def _heard_here(self, ref: MediaRef) -> tuple[np.ndarray, str]:
+        pcm = await self._pcm(ref)
+        return pcm, await asyncio.get_running_loop().run_in_executor(self._pool, self._hear, pcm)
+
+    async def _heard_served(self, ref: MediaRef, slots: asyncio.Semaphore) -> tuple[np.ndarray, str]:
+        pcm = await self._pcm(ref)
+        if self._served is None:  # not started (tests, tools)
+            assert self.config.served is not None
+            self._served = ServedModel(self.config.served, name=self.name)
+        async with slots:
+            return pcm, await self._served.transcribe(_wav16k(pcm))
 
     def transcribe_bytes(self, data: bytes, param: str) -> str:
         """In this process (tests, tools): the request path decodes in the sandbox instead."""
@@ -124,3 +183,15 @@ class AudioScreen(PolicyBase):
         if self._stt is None:
             self._stt = SpeechToText(self.config.threads)
         return self._stt.transcribe(pcm.astype(np.float32) / 32768.0)
+
+
+def _wav16k(pcm: np.ndarray) -> bytes:
+    """16 kHz mono PCM16 samples as a WAV file (what a served model is sent: the decoded audio, never
+    the client's file)."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(np.ascontiguousarray(pcm, dtype="<i2").tobytes())
+    return buf.getvalue()

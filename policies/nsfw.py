@@ -10,18 +10,20 @@ highest score of a part decides; at or above ``threshold`` the request is
 refused with a 400 ``content_policy_violation`` naming the part (``shadow: true``
 only records, and forwards the video uncut). The model loads at start-up (about
 half a second) and runs on its own thread; the frames it scores are decoded in
-the media sandbox's worker processes.
+the media sandbox's worker processes. With ``served``, an engine serves the classifier instead
+(policies/served/vision.py: KServe v2 or TorchServe), sent the same pixels; ``label`` names its output.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from PIL import Image
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from core.context import MediaRecord, RequestContext, Scan, Screening
 from core.errors import ContentPolicyViolation, GuardUnavailable
@@ -29,11 +31,12 @@ from core.schemas import ChatCompletionRequest
 from policies.base import Deps, PolicyBase, PolicyConfig
 from policies.media.config import VideoConfig
 from policies.media.image import screen_view
-from policies.media.models import NSFWModel
+from policies.media.models import NSFWModel, nsfw_input
 from policies.media.parts import MediaRef, media_parts, output_part, payload_arg, replace_parts, spool_parts
 from policies.media.sandbox import MediaRuntime, runtime_of
 from policies.media.video import ScreenedVideo, screen_video
-from policies.settings import MediaSettings
+from policies.served.vision import ImageInput, ServedImageModel
+from policies.settings import MediaSettings, ServedModelSettings
 
 _SIZE = (256, 256)  # what the model's own preprocessing resizes to first (bilinear)
 
@@ -57,6 +60,30 @@ class NSFWConfig(PolicyConfig):
         default=4, description="images scored per model call"
     )
     threads: Annotated[int, Field(ge=1, le=16)] = Field(default=1, description="onnxruntime CPU threads")
+    served: ServedModelSettings | None = Field(
+        default=None,
+        description="an image classifier an engine serves (endpoint kserve-v2 or torchserve) instead of the "
+        "in-process model; unset: Open-NSFW in the gateway",
+    )
+    label: str = Field(default="nsfw", description="served: the output label whose probability is the score")
+    input_name: str = Field(default="input", description="kserve-v2: the name of the model's input tensor")
+    layout: Literal["NHWC", "NCHW"] = Field(
+        default="NHWC",
+        description="kserve-v2: the input tensor's layout, FP32 [N, 224, 224, 3] or [N, 3, 224, 224], BGR, "
+        "the channel means (104, 117, 123) subtracted, as Open-NSFW takes it",
+    )
+
+    @model_validator(mode="after")
+    def _served_fields(self) -> NSFWConfig:
+        if self.served is None:
+            return self
+        if self.served.endpoint not in ("kserve-v2", "torchserve"):
+            raise ValueError("served.endpoint: the screen classifies images: kserve-v2 or torchserve")
+        if self.served.endpoint == "kserve-v2" and self.label not in (self.served.labels or ()):
+            raise ValueError(
+                f"served.labels: name the model's outputs in index order, {self.label!r} among them"
+            )
+        return self
 
 
 class NSFWScreen(PolicyBase):
@@ -71,20 +98,27 @@ class NSFWScreen(PolicyBase):
         self._model: NSFWModel | None = None
         self._metrics: Any = None
         self._runtime: MediaRuntime | None = None
+        self._served: ServedImageModel | None = None
 
     async def start(self, deps: Deps) -> None:
         self._metrics = deps.metrics
         self._runtime = runtime_of(deps)
+        if self.config.served is not None:
+            self._served = self._served_model(self.config.served)
+            return
         loop = asyncio.get_running_loop()
         self._model = await loop.run_in_executor(self._pool, NSFWModel, self.config.threads)
 
     async def aclose(self) -> None:
         # The model thread is this instance's: after a reload its requests have ended, so it ends too.
         self._pool.shutdown(wait=False, cancel_futures=True)  # the thread ends once idle
+        if self._served is not None:
+            await self._served.aclose()
 
     async def pre(self, request: ChatCompletionRequest, ctx: RequestContext) -> ChatCompletionRequest:
         scan = ctx.outputs.scan(self.name)  # the receipt: which model, at what threshold, saw what
-        scan.model, scan.threshold = "open-nsfw", self.config.threshold
+        served = self.config.served
+        scan.model, scan.threshold = ("open-nsfw" if served is None else served.model), self.config.threshold
         scan.model_digest = self._model.digest if self._model is not None else None
         visual = [r for r in media_parts(request) if r.kind in ("image", "video")]
         for ref in visual:
@@ -102,7 +136,10 @@ class NSFWScreen(PolicyBase):
         )
         frames = [s.views if isinstance(s, ScreenedVideo) else [s] for s in seen]
         loop = asyncio.get_running_loop()
-        scores = await loop.run_in_executor(self._pool, self._score_all, frames)
+        if served is None:
+            scores = await loop.run_in_executor(self._pool, self._score_all, frames)
+        else:
+            scores = await self._score_served(frames)
         flagged: MediaRef | None = None
         sizes = {m.part: m for m in ctx.outputs.media}
         for ref, s, score in zip(refs, seen, scores, strict=True):
@@ -143,20 +180,65 @@ class NSFWScreen(PolicyBase):
         c = self.config
         return screen_video, (payload_arg(ref), c.max_video_frames, _SIZE, ref.param, c.crf)
 
+    def _served_model(self, served: ServedModelSettings) -> ServedImageModel:
+        c = self.config
+        return ServedImageModel(served, name=self.name, input_name=c.input_name, layout=c.layout)
+
     def _score_all(self, per_part: list[list[np.ndarray]]) -> list[float]:
         """One part's frames are scored together; the images of a request share batches."""
         if self._model is None:
             self._model = NSFWModel(self.config.threads)
-        images: list[Image.Image] = []
-        owners: list[int] = []
-        for i, frames in enumerate(per_part):
-            images.extend(Image.fromarray(a) for a in frames)
-            owners.extend([i] * len(frames))
-        scores = self._model.score(images, self.config.batch_size)
-        best = [0.0] * len(per_part)
-        for owner, score in zip(owners, scores, strict=True):
-            best[owner] = max(best[owner], score)
-        return best
+        images, owners = _images(per_part)
+        return _best(len(per_part), owners, self._model.score(images, self.config.batch_size))
+
+    async def _score_served(self, per_part: list[list[np.ndarray]]) -> list[float]:
+        """The served model's score of each part: its frames' inputs (the tensor the in-process model
+        takes, or PNG bytes) made on the model thread, judged in the served client's shared windows."""
+        if self._served is None:  # not started (a policy driven without the gateway's lifespan)
+            assert self.config.served is not None
+            self._served = self._served_model(self.config.served)
+        images, owners = _images(per_part)
+        kserve = self._served.settings.endpoint == "kserve-v2"
+        inputs = await asyncio.get_running_loop().run_in_executor(
+            self._pool, _model_inputs if kserve else _png_inputs, images
+        )
+        answers = await self._served.classify_images(inputs)
+        label = self.config.label
+        if any(label not in a for a in answers):
+            raise GuardUnavailable(
+                f"the {self.name} model {self._served.settings.model!r} named no {label!r}"
+            )
+        return _best(len(per_part), owners, [a[label] for a in answers])
+
+
+def _images(per_part: list[list[np.ndarray]]) -> tuple[list[Image.Image], list[int]]:
+    """Every part's frames as images, with the part each came from."""
+    images: list[Image.Image] = []
+    owners: list[int] = []
+    for i, frames in enumerate(per_part):
+        images.extend(Image.fromarray(a) for a in frames)
+        owners.extend([i] * len(frames))
+    return images, owners
+
+
+def _best(parts: int, owners: list[int], scores: list[float]) -> list[float]:
+    best = [0.0] * parts
+    for owner, score in zip(owners, scores, strict=True):
+        best[owner] = max(best[owner], score)
+    return best
+
+
+def _model_inputs(images: list[Image.Image]) -> list[ImageInput]:
+    return list(nsfw_input(images))
+
+
+def _png_inputs(images: list[Image.Image]) -> list[ImageInput]:
+    out: list[ImageInput] = []
+    for im in images:
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
 
 
 def _saw(ref: MediaRef, seen: Any, forwarded: MediaRecord | None, score: float) -> dict[str, Any]:

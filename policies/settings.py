@@ -52,7 +52,17 @@ class PolicyChainConfig(_Strict):
     )
 
 
-ServedEndpoint = Literal["score", "rerank", "classify", "tei-rerank", "tei-predict", "transcriptions"]
+ServedEndpoint = Literal[
+    "score",
+    "rerank",
+    "classify",
+    "tei-rerank",
+    "tei-predict",
+    "transcriptions",
+    "chat-guard",
+    "kserve-v2",
+    "torchserve",
+]
 
 
 class ServedModelSettings(_Strict):
@@ -69,11 +79,26 @@ class ServedModelSettings(_Strict):
         default="score",
         description="score (vLLM /score, one-label cross-encoder), rerank (vLLM /rerank), classify (vLLM "
         "/classify), tei-rerank (TEI /rerank), tei-predict (TEI /predict), transcriptions (speech-to-text: "
-        "/v1/audio/transcriptions, one call per file)",
+        "/v1/audio/transcriptions, one call per file), chat-guard (a generative safety model through "
+        "/v1/chat/completions, Llama Guard style: it answers safe, or unsafe and its category codes; one call "
+        "per text), kserve-v2 (an image classifier through the Open Inference Protocol, POST "
+        "/v2/models/{model}/infer, one tensor per batch), torchserve (an image classifier, POST "
+        "/predictions/{model}, one image per call)",
     )
     labels: list[str] | None = Field(
         default=None,
-        description="classify: the model's labels in index order (its id2label); unset: named by index",
+        description="classify, kserve-v2: the model's labels in index order (its id2label); unset: named "
+        "by index",
+    )
+    prompt: str | None = Field(
+        default=None,
+        description="chat-guard: the user turn sent, {text} standing for the screened text; unset: the text "
+        "itself (a Llama Guard model's chat template wraps it in its own instructions and categories)",
+    )
+    choices: Annotated[list[str], Field(min_length=2)] | None = Field(
+        default=None,
+        description="chat-guard: the only answers the engine may give (vLLM structured outputs' choice), "
+        "e.g. [safe, unsafe] for a general model the prompt asks to judge; unset: its own answer",
     )
     api_key: SecretStr | None = Field(default=None, description="sent as a bearer token, when set")
     max_batch: Annotated[int, Field(ge=1, le=1024)] = Field(
@@ -97,6 +122,14 @@ class ServedModelSettings(_Strict):
         default=None,
         description="vLLM: cut each input to this many tokens (-1: the model's length) instead of refusing it",
     )
+
+    @model_validator(mode="after")
+    def _chat_guard_fields(self) -> ServedModelSettings:
+        if self.endpoint != "chat-guard" and (self.prompt is not None or self.choices is not None):
+            raise ValueError("prompt and choices are chat-guard's: this endpoint is " + self.endpoint)
+        if self.prompt is not None and self.prompt.count("{text}") != 1:
+            raise ValueError("prompt: write {text} once, where the screened text goes")
+        return self
 
 
 class GroundingSettings(_Strict):

@@ -2,7 +2,8 @@
 
 A classification model an engine serves (vLLM ``--runner pooling`` answering ``/classify``, or TEI's
 ``/predict``: a prompt-injection or moderation head) gives each text the probability of each of its
-labels. ``categories`` map labels to what the operator blocks: a category's score is the sum of its
+labels; a generative safety model (Llama Guard style, ``chat-guard``: any engine's chat completions)
+gives ``safe`` or ``unsafe`` with the category codes it names, scored by its verdict's probability. ``categories`` map labels to what the operator blocks: a category's score is the sum of its
 labels' probabilities, and at or above its ``threshold`` the text is flagged.
 
 ``text-screen`` classifies the prompt before any engine sees it: the text of the messages of ``roles``,
@@ -84,11 +85,18 @@ class TextScreenConfig(PolicyConfig):
 
     @model_validator(mode="after")
     def _labels_known(self) -> TextScreenConfig:
-        if self.served.endpoint not in ("classify", "tei-predict"):
-            raise ValueError("served.endpoint: the text screen classifies texts: classify or tei-predict")
+        if self.served.endpoint not in ("classify", "tei-predict", "chat-guard"):
+            raise ValueError(
+                "served.endpoint: the text screen classifies texts: classify, tei-predict or chat-guard"
+            )
         if self.served.endpoint == "classify" and self.served.labels is None:
             raise ValueError("served.labels: name the model's labels in index order (its id2label)")
         known = set(self.served.labels or ())
+        if self.served.endpoint == "chat-guard":
+            # A chat guard's labels: its verdict words, and the category codes it may name (upper case).
+            if any(lab != lab.upper() for lab in known):
+                raise ValueError("served.labels: a chat guard's category codes are upper case (S1, S10)")
+            known |= {"safe", "unsafe"}
         for name, cat in self.categories.items():
             unknown = [lab for lab in cat.labels if known and lab not in known]
             if unknown:

@@ -8,9 +8,14 @@
     ├── classify(texts)   -> the class probabilities of each text (or pair, as token ids)
     │     endpoint classify     vLLM  POST /classify {"model", "input": [...]}
     │     endpoint tei-predict  TEI   POST /predict  {"inputs": [...]} (labels named by the answer)
-    └── transcribe(audio) -> the words of one audio file (not batched: one call per file)
-          endpoint transcriptions  vLLM (or any OpenAI-compatible server) POST /v1/audio/transcriptions,
-                                   multipart: file, model, response_format json
+    │     endpoint chat-guard   any   POST /v1/chat/completions, one call per text (Llama Guard style:
+    │                                 "safe", or "unsafe" and a line of category codes)
+    ├── transcribe(audio) -> the words of one audio file (not batched: one call per file)
+    │     endpoint transcriptions  vLLM (or any OpenAI-compatible server) POST /v1/audio/transcriptions,
+    │                              multipart: file, model, response_format json
+    └── ServedImageModel (policies/served/vision.py): classify_images(images) -> per image, by label
+          endpoint kserve-v2    KServe / Triton  POST /v2/models/{model}/infer, one FP32 tensor per batch
+          endpoint torchserve   TorchServe       POST /predictions/{model}, the image's bytes, one per call
 
 Concurrent callers share calls (:class:`policies.served.batcher.MicroBatcher`): one engine call per batch
 window. The base URL, the model and the key come from the config, never from a request; the pool of
@@ -22,6 +27,7 @@ wrong shape) is :class:`core.errors.GuardUnavailable`, whose message names the m
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,9 +131,13 @@ class ServedModel:
         await self._http.aclose()
 
     # -- one engine call -------------------------------------------------------
-    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+    async def _post(self, path: str, body: dict[str, Any] | None = None, *, content: bytes = b"") -> Any:
         try:
-            r = await self._http.post(path, json=body)
+            r = await (
+                self._http.post(path, json=body)
+                if body is not None
+                else self._http.post(path, content=content)
+            )
         except httpx.HTTPError as exc:
             log.warning("served_guard_unreachable", guard=self.name, url=self.settings.url, error=repr(exc))
             raise GuardUnavailable(f"the {self.name} model {self.settings.model!r} is unreachable") from exc
@@ -235,4 +245,49 @@ class ServedModel:
                 return [{str(c["label"]): float(c["score"]) for c in row} for row in answer]
             except (KeyError, TypeError, ValueError) as exc:
                 raise self._malformed("a prediction list of the wrong shape", exc) from exc
+        if endpoint == "chat-guard":
+            if any(not isinstance(x, str) for x in inputs):
+                raise self._malformed("nothing for token ids: a chat guard reads texts")
+            return list(await asyncio.gather(*(self._chat_guard(str(x)) for x in inputs)))
         raise self._malformed(f"nothing for inputs to classify: its endpoint is {endpoint!r}")
+
+    async def _chat_guard(self, text: str) -> dict[str, float]:
+        """One text judged by a generative safety model: its answer read as label probabilities.
+
+        The answer's first word is the verdict (``safe`` / ``unsafe``); a second line names the categories
+        (Llama Guard's ``S1,S10``). The verdict's probability is its first token's (the engine's logprobs;
+        1.0 where it gives none): ``unsafe`` and each named category score it, ``safe`` the rest.
+        """
+        s = self.settings
+        body: dict[str, Any] = {
+            "model": s.model,
+            "messages": [{"role": "user", "content": s.prompt.replace("{text}", text) if s.prompt else text}],
+            "max_tokens": 32,
+            "temperature": 0.0,
+            "logprobs": True,
+            "top_logprobs": 1,
+        }
+        if s.choices is not None:
+            body["structured_outputs"] = {"choice": s.choices}
+        answer = await self._post("/v1/chat/completions", body)
+        try:
+            choice = answer["choices"][0]
+            words = str(choice["message"]["content"] or "").strip()
+            first = (choice.get("logprobs") or {}).get("content") or []
+            p = math.exp(float(first[0]["logprob"])) if first else 1.0
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise self._malformed("a chat completion of the wrong shape", exc) from exc
+        lines = words.splitlines() or [""]
+        verdict = lines[0].strip().lower()
+        if verdict.startswith("unsafe"):
+            unsafe = p
+        elif verdict.startswith("safe"):
+            unsafe = 1.0 - p
+        else:
+            raise self._malformed(f"neither safe nor unsafe ({words[:40]!r})")
+        out = {"safe": 1.0 - unsafe, "unsafe": unsafe}
+        if verdict.startswith("unsafe") and len(lines) > 1:
+            for code in lines[1].split(","):
+                if code.strip():
+                    out[code.strip().upper()] = unsafe
+        return out

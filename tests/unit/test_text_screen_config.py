@@ -29,7 +29,7 @@ def test_a_valid_screen_loads_in_both_stages() -> None:
 @pytest.mark.parametrize(
     ("config", "field"),
     [
-        ({"served": {**SERVED, "endpoint": "score"}}, "classify or tei-predict"),
+        ({"served": {**SERVED, "endpoint": "score"}}, "classify, tei-predict or chat-guard"),
         ({"served": {**SERVED, "labels": None}}, "served.labels"),
         ({"categories": {"x": {"labels": ["nope"], "threshold": 0.5}}}, "categories.x.labels"),
         ({"categories": {}}, "categories"),
