@@ -350,7 +350,8 @@ def normalise_audio(
         )
     resample = target_rate is not None and info.sample_rate != target_rate
     split = info.duration_s > cfg.segment_s
-    passable = info.container in _PASS_MIME
+    # What an OpenAI-shaped engine takes as input_audio.format (wav, mp3) or what it was configured to take.
+    passable = info.container in _PASS_MIME and info.container in ("wav", "mp3", cfg.encoding)
     if not (resample or split or info.header_lies or not passable):
         return AudioResult(
             info, data, _PASS_MIME[info.container], info.container, info.sample_rate, [(0.0, info.duration_s)]

@@ -56,7 +56,14 @@ class AudioConfig(PolicyConfig):
     segment_s: Annotated[float, Field(ge=10)] = Field(
         default=2400.0, description="longer audio is cut into segments of this length, one engine call each"
     )
-    encoding: Literal["flac", "wav"] = Field(default="flac", description="what resampled audio is sent as")
+    encoding: Literal["wav", "flac"] = Field(
+        default="wav",
+        description=(
+            "what resampled or transcoded audio is sent as: wav (16-bit PCM), which every OpenAI-shaped engine "
+            "takes (OpenAI's input_audio.format, and so vLLM's and vLLM-Omni's, is wav or mp3 only: a flac part "
+            "is a 400 there); flac, about half the bytes, only for engines that accept it"
+        ),
+    )
     segment_separator: str = Field(default="\n\n", description="between the answers of consecutive segments")
 
 

@@ -75,7 +75,7 @@ class WorkerPool:
         start_forkserver()
         if self._fds is None:
             self._fds = FdServer()
-        return ProcessPoolExecutor(
+        return _Executor(
             self.cfg.decode_workers,
             mp_context=ctx,
             initializer=worker.init_worker,
@@ -180,6 +180,29 @@ class WorkerPool:
         self._generation += 1
         self.replaced += 1
         _kill(old)
+
+
+class _Executor(ProcessPoolExecutor):
+    """A ``ProcessPoolExecutor`` that replaces every worker that exits at ``max_tasks_per_child``.
+
+    CPython's (from 3.11 until the fix of https://github.com/python/cpython/issues/115634) replaces an exited worker
+    only where its idle-worker semaphore is empty; but that semaphore counts finished tasks, not idle
+    workers, and while tasks are queued (many parts decoded at once) it keeps tokens of workers that
+    have since exited. The replacement is then skipped, and once every worker has exited so, the queued
+    parts wait for a worker that never comes, until the parent's deadline calls them hung.
+    """
+
+    def __init__(self, max_workers: int, **kwargs: Any) -> None:
+        super().__init__(max_workers, **kwargs)
+        self._size = max_workers
+
+    def _adjust_process_count(self) -> None:
+        # Called, under the shutdown lock, by submit() and by the manager thread after a worker exited:
+        # the pool is kept at its size, whatever the semaphore says (None once it is shut down).
+        processes = self._processes
+        while processes is not None and len(processes) < self._size:
+            # _spawn_process is private to CPython's executor and absent from its type stubs: ignored for that.
+            self._spawn_process()  # type: ignore[attr-defined]
 
 
 class FdServer:

