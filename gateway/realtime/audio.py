@@ -23,6 +23,12 @@ def digest(pcm: bytes) -> str:
     return hashlib.sha256(pcm).hexdigest()
 
 
+def resampled(pcm: bytes, rate: int, out_rate: int) -> bytes:
+    """Mono PCM16 at ``rate`` as a whole at ``out_rate`` (a committed turn at the engine's rate)."""
+    resample = Resampler(out_rate)
+    return resample(pcm, rate) + resample.flush()
+
+
 class Resampler:
     """An answer's PCM16 at the engine's rate (and channels) to mono at the session's, piece by piece.
 

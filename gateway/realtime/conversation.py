@@ -3,12 +3,14 @@ turns are answered from (bounded: the oldest leave the context past ``realtime.m
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from gateway.realtime import events as ev
+from gateway.realtime.audio import resampled
 from gateway.realtime_settings import VadDefaults, VadParams
 
 
@@ -99,6 +101,15 @@ class Item:
     #: assistant audio sent, in ms (what a truncation cuts)
     audio_ms: int = 0
     status: str = "completed"
+    #: ``audio`` at the engine's rate, made once (:meth:`Conversation.resample`): every later turn sends it again
+    resampled: tuple[int, bytes] | None = None
+
+    def audio_at(self, rate: int | None) -> tuple[bytes, int]:
+        """The item's audio (PCM16) and its rate: at ``rate`` where it was resampled to it, else as committed
+        (the media steps resample it then)."""
+        if rate is not None and self.resampled is not None and self.resampled[0] == rate:
+            return self.resampled[1], rate
+        return self.audio, self.rate
 
     def wire(self, with_audio: bool = False) -> dict[str, Any]:
         """The item as the events show it; ``with_audio``: a user item's audio too, base64 PCM16 (retrieve)."""
@@ -169,6 +180,19 @@ class Conversation:
                 item.text += part.text or part.transcript or ""
         return item
 
+    async def resample(self, rate: int | None) -> None:
+        """Resample, off the event loop, the user audio not yet at ``rate`` (the engine's): once per item, so a
+        turn costs the media steps a header's probe of the earlier turns' audio, not their resampling again."""
+        if rate is None:
+            return
+        for item in self.items:
+            if not item.audio or item.rate == rate or (item.resampled and item.resampled[0] == rate):
+                continue
+            audio = item.audio
+            pcm = await asyncio.to_thread(resampled, audio, item.rate, rate)
+            if item.audio is audio:  # not let go of meanwhile
+                item.resampled = (rate, pcm)
+
     def forget_audio(self, keep_s: float) -> None:
         """Let go of user audio older than the newest ``keep_s`` seconds: no turn sends it again (the context
         carries the newest audio only), so a long session holds no more than that of it."""
@@ -179,7 +203,7 @@ class Conversation:
                 keep_s, kept = keep_s - took, True
             elif took:
                 for old in self.items[: at + 1]:
-                    old.audio = b""
+                    old.audio, old.resampled = b"", None
                 return
 
     def truncate(self, item_id: str, audio_end_ms: int) -> Item:

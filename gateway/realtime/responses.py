@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from pydantic import ValidationError
 
+from core.capabilities import EngineFacts
 from core.context import RequestContext
 from core.errors import RateLimited
 from gateway.realtime import events as ev
@@ -22,12 +23,23 @@ from gateway.realtime import turn as turns
 from gateway.realtime.conversation import Conversation, Item, SessionConfig
 from gateway.realtime_settings import RealtimeSettings
 from observability.metrics import Metrics
+from policies.media.targets import targets_from
 
 if TYPE_CHECKING:
     from gateway.pipeline import Pipeline
     from gateway.realtime.passthrough import Relay
 
 log = structlog.get_logger("omnigate.realtime")
+
+
+def engine_rate(pipeline: Pipeline, model: str) -> int | None:
+    """The audio rate the model's engines take, as media-limits targets them (None: not known)."""
+    facts = (
+        EngineFacts(e.name, tuple(e.config.serves), e.config.role, e.capabilities)
+        for e in pipeline.pool.engines.values()
+    )
+    target = targets_from(facts).get(model)
+    return target.audio_rate if target is not None else None
 
 
 class Responses:
@@ -74,6 +86,8 @@ class Responses:
             if params and params.max_output_tokens is not None
             else cfg.max_output_tokens
         )
+        rate = None if self.relay is not None else engine_rate(self.pipeline, cfg.model)
+        await self.conversation.resample(rate)
         try:
             chat = turns.chat_request(
                 cfg,
@@ -82,6 +96,7 @@ class Responses:
                 params.instructions if params else None,
                 None if limit == "inf" else limit,
                 self.settings.max_context_audio_s,
+                rate,
             )
         except ValidationError as exc:
             raise ev.bad(

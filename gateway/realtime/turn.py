@@ -186,9 +186,11 @@ def chat_request(
     instructions: str | None,
     max_tokens: int | None,
     context_audio_s: float = float("inf"),
+    engine_rate: int | None = None,
 ) -> ChatCompletionRequest:
     """The conversation so far as one streamed chat completion request. Its user audio is the newest turns'
-    up to ``context_audio_s`` seconds: an older turn's audio leaves the context (the answer to it stays)."""
+    up to ``context_audio_s`` seconds: an older turn's audio leaves the context (the answer to it stays); each
+    turn's audio at ``engine_rate`` where the conversation resampled it to it."""
     messages: list[dict[str, Any]] = []
     system = instructions if instructions is not None else cfg.instructions
     if system:
@@ -212,11 +214,9 @@ def chat_request(
             continue
         parts: list[dict[str, Any]] = []
         if item.audio and at in heard:
+            pcm, rate = item.audio_at(engine_rate)
             parts.append(
-                {
-                    "type": "input_audio",
-                    "input_audio": {"data": wav_b64(item.audio, item.rate), "format": "wav"},
-                }
+                {"type": "input_audio", "input_audio": {"data": wav_b64(pcm, rate), "format": "wav"}}
             )
         if item.text:
             parts.append({"type": "text", "text": item.text})

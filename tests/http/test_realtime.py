@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -121,8 +122,11 @@ def test_two_spoken_turns_manual_commit(server, ups, key):
     assert body["messages"][1]["content"] == FIRST
     part = body["messages"][0]["content"][0]
     assert part["type"] == "input_audio"
-    # the committed turn, as the media steps passed it on
-    assert base64.b64decode(part["input_audio"]["data"])
+    # the committed turns at the engine's 16 kHz: resampled once each (the session keeps them so), so the media
+    # steps pass them on with a header's probe rather than resampling the conversation's audio at every turn
+    wavs = [base64.b64decode(m["content"][0]["input_audio"]["data"]) for m in body["messages"][::2]]
+    assert [struct.unpack_from("<I", w, 24)[0] for w in wavs] == [16000, 16000]
+    assert [round((len(w) - 44) / 32000, 2) for w in wavs] == [0.8, 0.5]
     assert committed["item_id"]
 
     # One record per turn, marked with the session and its index, and the session's open and close.
@@ -138,6 +142,7 @@ def test_two_spoken_turns_manual_commit(server, ups, key):
         if (r["payload"].get("realtime") or {}).get("session_id") == session_id
     ]
     assert [t["realtime"]["turn"] for t in turns] == [1, 2]
+    assert [t["degraded"] for t in turns] == [[], []]  # no part was resampled by the media steps
     assert turns[0]["realtime"]["audio_in"]["seconds"] == pytest.approx(0.8, abs=0.01)
     # the answer's audio and transcript by digest, as for any spoken chat answer (its PCM as the engine spoke it)
     assert turns[0]["output"]["audio_bytes"] > 0 and len(turns[0]["output"]["transcript_sha256"]) == 64
