@@ -13,14 +13,20 @@ part, decoded and bounded as above, goes to its ``/v1/audio/transcriptions`` as 
 16 kHz mono PCM16 WAV, a request's parts concurrently (at most ``served.max_inflight``
 at once), each within ``served.timeout_s``; a model that cannot answer is a guard
 that cannot judge (the policy's ``on_error``).
+
+A transcript is kept per caller and decoded audio (:class:`Transcripts`): a multi-turn conversation sends
+its earlier turns' audio again with each turn (the SDKs' habit, and every realtime turn), which is heard
+once, not once per turn; the receipt marks such a part ``cached``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import re
 import wave
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, ClassVar
 
@@ -50,6 +56,11 @@ class AudioScreenConfig(PolicyConfig):
     )
     threads: Annotated[int, Field(ge=1, le=16)] = Field(
         default=1, description="CPU threads of the whisper model"
+    )
+    transcript_cache_chars: Annotated[int, Field(ge=0)] = Field(
+        default=1_000_000,
+        description="characters of transcripts kept per caller and decoded audio, so audio a conversation "
+        "sends again is not transcribed again (least recently used out); 0: none",
     )
     served: ServedModelSettings | None = Field(
         default=None,
@@ -91,6 +102,7 @@ class AudioScreen(PolicyBase):
         self._metrics: Any = None
         self._runtime: MediaRuntime | None = None
         self._served: ServedModel | None = None
+        self._transcripts = Transcripts(config.transcript_cache_chars)
 
     async def start(self, deps: Deps) -> None:
         self._metrics = deps.metrics
@@ -118,15 +130,18 @@ class AudioScreen(PolicyBase):
         refs = [r for r in audio if not r.is_remote]
         if refs and self._runtime is None:
             self._runtime = MediaRuntime(MediaSettings())
+        # Whose transcripts a part may be heard from: the tenant's (or the key's) own, so a faster answer
+        # never tells a caller that someone else sent the same audio.
+        scope = ctx.identity.tenant or ctx.identity.key_id or ""
         if served is None:
             for ref in refs:  # one at a time, on the screen's thread: a refusal stops the hearing
-                self._judge(ref, *(await self._heard_here(ref)), ctx)
+                self._judge(ref, *(await self._heard(ref, scope, None)), ctx)
         else:
             # The parts at once, at most max_inflight calls; the first part (in order) that failed or
             # matched decides, once every call has answered or failed.
             slots = asyncio.Semaphore(served.max_inflight)
             heard = await asyncio.gather(
-                *(self._heard_served(ref, slots) for ref in refs), return_exceptions=True
+                *(self._heard(ref, scope, slots) for ref in refs), return_exceptions=True
             )
             for ref, result in zip(refs, heard, strict=True):
                 if isinstance(result, BaseException):  # GuardUnavailable, a part that does not decode
@@ -138,11 +153,14 @@ class AudioScreen(PolicyBase):
             )
         return request
 
-    def _judge(self, ref: MediaRef, pcm: np.ndarray, transcript: str, ctx: RequestContext) -> None:
+    def _judge(
+        self, ref: MediaRef, pcm: np.ndarray, transcript: str, cached: bool, ctx: RequestContext
+    ) -> None:
         # 16 kHz mono PCM16 (screen_pcm); heard in one piece: one segment
-        ctx.outputs.scan(self.name).parts.append(
-            {"part": ref.path, "kind": "audio", "ms": round(len(pcm) / 16), "segments": 1}
-        )
+        part: dict[str, Any] = {"part": ref.path, "kind": "audio", "ms": round(len(pcm) / 16), "segments": 1}
+        if cached:
+            part["cached"] = True  # heard by the same model in an earlier request of this caller
+        ctx.outputs.scan(self.name).parts.append(part)
         ctx.outputs.input_transcripts.append(transcript)  # part of the grounding premise
         match = next((p for p in self._patterns if p.search(transcript)), None)
         ctx.outputs.screenings.append(
@@ -163,17 +181,25 @@ class AudioScreen(PolicyBase):
         )
         return pcm
 
-    async def _heard_here(self, ref: MediaRef) -> tuple[np.ndarray, str]:
+    async def _heard(
+        self, ref: MediaRef, scope: str, slots: asyncio.Semaphore | None
+    ) -> tuple[np.ndarray, str, bool]:
+        """The part's PCM, its transcript and whether the transcript was kept from an earlier request."""
         pcm = await self._pcm(ref)
-        return pcm, await asyncio.get_running_loop().run_in_executor(self._pool, self._hear, pcm)
-
-    async def _heard_served(self, ref: MediaRef, slots: asyncio.Semaphore) -> tuple[np.ndarray, str]:
-        pcm = await self._pcm(ref)
-        if self._served is None:  # not started (tests, tools)
-            assert self.config.served is not None
-            self._served = ServedModel(self.config.served, name=self.name)
-        async with slots:
-            return pcm, await self._served.transcribe(_wav16k(pcm))
+        key = (scope, await asyncio.to_thread(_digest, pcm))
+        kept = self._transcripts.get(key)
+        if kept is not None:
+            return pcm, kept, True
+        if slots is None:
+            text = await asyncio.get_running_loop().run_in_executor(self._pool, self._hear, pcm)
+        else:
+            if self._served is None:  # not started (tests, tools)
+                assert self.config.served is not None
+                self._served = ServedModel(self.config.served, name=self.name)
+            async with slots:
+                text = await self._served.transcribe(_wav16k(pcm))
+        self._transcripts.put(key, text)
+        return pcm, text, False
 
     def transcribe_bytes(self, data: bytes, param: str) -> str:
         """In this process (tests, tools): the request path decodes in the sandbox instead."""
@@ -183,6 +209,44 @@ class AudioScreen(PolicyBase):
         if self._stt is None:
             self._stt = SpeechToText(self.config.threads)
         return self._stt.transcribe(pcm.astype(np.float32) / 32768.0)
+
+
+class Transcripts:
+    """Transcripts heard, by (caller, digest of the decoded audio): bounded in characters (an entry counts its
+    text and a key's worth more), least recently used out; 0 keeps none."""
+
+    _ENTRY = 96  # what an entry costs beside its text, in characters
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self._kept: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._chars = 0
+
+    def get(self, key: tuple[str, str]) -> str | None:
+        text = self._kept.get(key)
+        if text is not None:
+            self._kept.move_to_end(key)
+        return text
+
+    def put(self, key: tuple[str, str], text: str) -> None:
+        size = len(text) + self._ENTRY
+        if size > self.max_chars:
+            return
+        old = self._kept.pop(key, None)
+        if old is not None:
+            self._chars -= len(old) + self._ENTRY
+        self._kept[key] = text
+        self._chars += size
+        while self._chars > self.max_chars:
+            _, dropped = self._kept.popitem(last=False)
+            self._chars -= len(dropped) + self._ENTRY
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def _digest(pcm: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(pcm, dtype="<i2").data).hexdigest()
 
 
 def _wav16k(pcm: np.ndarray) -> bytes:

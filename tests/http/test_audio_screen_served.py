@@ -26,6 +26,7 @@ from core.context import Identity, RequestContext
 from core.schemas import ChatCompletionRequest
 from engines.adapters.settings import EngineConfig
 from gateway.settings import Settings
+from gateway.tenants import mint_key
 from policies.audio_screen import AudioScreen, AudioScreenConfig
 from policies.grounding.claims import premise_of
 from policies.settings import PolicyChainConfig, PolicySpec
@@ -75,7 +76,14 @@ def _served(url: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _gateway(bg, engine, tmp_path, served: dict[str, Any], on_error: str = "fail_closed") -> GatewayServer:
+def _gateway(
+    bg,
+    engine,
+    tmp_path,
+    served: dict[str, Any],
+    on_error: str = "fail_closed",
+    keys: dict[str, Any] | None = None,
+) -> GatewayServer:
     screen = PolicySpec(
         name="audio-screen", on_error=on_error, config={"patterns": [PATTERN], "served": served}
     )
@@ -95,7 +103,9 @@ def _gateway(bg, engine, tmp_path, served: dict[str, Any], on_error: str = "fail
         ),
         logging={"level": "warning"},
         routing={"controller": {"enabled": False}},
-        auth={"required": False},
+        auth={"required": keys is not None},
+        tenants=[{"name": name} for name in keys or {}],
+        api_keys=[{"id": k.id, "tenant": name, "sha256": k.sha256} for name, k in (keys or {}).items()],
         admin={"api_key": ADMIN},
         audit={"sqlite_path": str(tmp_path / "audit.db")},
     )
@@ -120,8 +130,9 @@ CLIENT_HEADERS = {
 }
 
 
-def _post(server: GatewayServer, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=CLIENT_HEADERS, timeout=120)
+def _post(server: GatewayServer, body: dict[str, Any], key: Any = None) -> httpx.Response:
+    headers = CLIENT_HEADERS if key is None else {**CLIENT_HEADERS, "authorization": f"Bearer {key.key}"}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
 
 
 def _receipt(server: GatewayServer, r: httpx.Response) -> dict[str, Any]:
@@ -190,6 +201,47 @@ def test_parts_are_heard_concurrently_but_bounded(bg, engine, stt, tmp_path):
         server.stop()
     assert len(stt.calls) == 3 and stt.peak == 2
     assert [p["part"] for p in receipt["saw"]["parts"]] == [f"messages.0.content.{i}" for i in (1, 2, 3)]
+
+
+def test_audio_a_conversation_sends_again_is_heard_once_per_tenant(bg, engine, stt, tmp_path):
+    """A multi-turn conversation as the SDKs write it (and every realtime turn) sends the earlier turns'
+    audio again: the screen hears it once per tenant and the receipt says so. Another tenant's same audio is
+    heard anew (a kept transcript would tell it, by a faster answer, that someone else sent that audio); a
+    refused part is refused again from what was kept."""
+    keys = {name: mint_key() for name in ("north", "south")}
+    earlier, later, flagged = _part(CLEAN), _part("Turn left at the next corner."), _part(FLAGGED)
+    turn_one = {"role": "user", "content": [{"type": "text", "text": "Listen."}, earlier]}
+    server = _gateway(bg, engine, tmp_path, _served(stt.url), keys=keys)
+    try:
+        first = _post(server, {"model": "m", "messages": [turn_one]}, keys["north"])
+        assert first.status_code == 200, first.text
+        conversation = [
+            turn_one,
+            {"role": "assistant", "content": "I heard you."},
+            {"role": "user", "content": [later]},
+        ]
+        second = _post(server, {"model": "m", "messages": conversation}, keys["north"])
+        assert second.status_code == 200, second.text
+        assert len(stt.calls) == 2  # the first turn's audio once, the new turn's once
+        receipt = _receipt(server, second)
+        other = _post(server, {"model": "m", "messages": [turn_one]}, keys["south"])
+        assert other.status_code == 200, other.text
+        assert len(stt.calls) == 3
+        refused = [
+            _post(server, {"model": "m", "messages": [{"role": "user", "content": [flagged]}]}, keys["north"])
+            for _ in range(2)
+        ]
+    finally:
+        server.stop()
+    assert [r.status_code for r in refused] == [400, 400]
+    assert {r.json()["error"]["code"] for r in refused} == {"content_policy_violation"}
+    assert len(stt.calls) == 4
+    parts = receipt["saw"]["parts"]
+    assert [(p["part"], p.get("cached", False)) for p in parts] == [
+        ("messages.0.content.1", True),
+        ("messages.2.content.0", False),
+    ]
+    assert receipt["complete"] is True
 
 
 @pytest.mark.parametrize("trouble", ["down", "slow"])
