@@ -43,12 +43,13 @@ async function run() {
     const events = [];
     let cursor = 0;
     let waiters = [];
+    // the next event of a type (or of one of several types)
     const next = (type) =>
       new Promise((resolve) => {
         const check = () => {
           while (cursor < events.length) {
             const e = events[cursor++];
-            if (e.type === type) {
+            if (e.type === type || (Array.isArray(type) && type.includes(e.type))) {
               resolve(e);
               return true;
             }
@@ -65,13 +66,32 @@ async function run() {
     await next("session.created");
     rt.send({ type: "session.update", session: { type: "realtime", output_modalities: ["audio"], audio: { input: { turn_detection: null } } } });
     await next("session.updated");
-    for (const pcm of job.request.turns) {
+    // job.request.barge_in: {at: an event type}: the first answer is cancelled when that event comes, as a
+    // client does when its caller speaks over it (response.cancel), and truncated at half of what had been
+    // played (conversation.item.truncate; 24 kHz PCM16 is 48 bytes a millisecond). max_output_tokens: one
+    // limit for every turn, or one per turn.
+    const barge = job.request.barge_in;
+    const limits = job.request.max_output_tokens;
+    for (const [at, pcm] of job.request.turns.entries()) {
       rt.send({ type: "input_audio_buffer.append", audio: pcm });
       rt.send({ type: "input_audio_buffer.commit" });
-      rt.send(job.request.max_output_tokens
-        ? { type: "response.create", response: { max_output_tokens: job.request.max_output_tokens } }
-        : { type: "response.create" });
-      await next("response.done");
+      const limit = Array.isArray(limits) ? limits[at] : limits;
+      rt.send(limit ? { type: "response.create", response: { max_output_tokens: limit } } : { type: "response.create" });
+      if (barge && at === 0) {
+        await next(barge.at);
+        rt.send({ type: "response.cancel" });
+        const done = await next("response.done");
+        const played = events
+          .filter((e) => e.type === "response.output_audio.delta")
+          .reduce((n, e) => n + Buffer.from(e.delta, "base64").length, 0);
+        const item = done.response.output?.[0]?.id;
+        if (item) {
+          rt.send({ type: "conversation.item.truncate", item_id: item, content_index: 0, audio_end_ms: Math.floor(played / 96) });
+          await next(["conversation.item.truncated", "error"]);
+        }
+      } else {
+        await next("response.done");
+      }
     }
     rt.close();
     return { events };

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import OMNI_MODEL
+from tests.harness import wait_until
 from tests.http.realtime_helpers import RATE, tone
 from tests.node import sdk
 from tests.upstream import Script
@@ -102,3 +103,30 @@ def test_a_two_turn_spoken_conversation_through_openai_node(tls_url, ups):
     assert len(audio) > RATE  # seconds of PCM16 at 24 kHz
     roles = [m["role"] for m in ups.omni_a.requests[-1]["messages"]]
     assert roles == ["user", "assistant", "user"]
+
+
+def test_a_barge_in_through_openai_node_aborts_the_engine_request(tls_url, ups):
+    """openai-node's client as a voice app drives it when its caller speaks over the answer: response.cancel,
+    then conversation.item.truncate at what was played. The engine's request is aborted, and the next turn
+    carries only the words of the audio that was played."""
+    ups.omni_a.enqueue(
+        Script(
+            flavour="omni",
+            text="one two three four five six seven eight nine ten",
+            audio_chunks=60,
+            chunk_delay_s=0.1,
+        ),
+        Script(flavour="omni", text=SECOND),
+    )
+    turns = [base64.b64encode(tone(0.5)).decode(), base64.b64encode(tone(0.4, hz=660)).decode()]
+    job = {"model": OMNI_MODEL, "turns": turns, "barge_in": {"at": "response.output_audio.delta"}}
+    got = sdk.call(tls_url, "realtime", job, timeout=120)
+    events = got["events"]
+    assert not [e for e in events if e["type"] in ("error", "sdk_error")], events
+    done = [e for e in events if e["type"] == "response.done"]
+    assert [d["response"]["status"] for d in done] == ["cancelled", "completed"]
+    assert wait_until(lambda: ups.omni_a.aborts == 1, timeout=5)
+    assert any(e["type"] == "conversation.item.truncated" for e in events)
+    full = done[0]["response"]["output"][0]["content"][0]["transcript"]
+    spoken = next(m for m in ups.omni_a.requests[-1]["messages"] if m["role"] == "assistant")["content"]
+    assert full.startswith(spoken) and len(spoken) < len(full)  # what was not played left the context

@@ -134,9 +134,9 @@ def _log_since(omni, offset: int) -> str:
         return f.read().decode(errors="replace").lower()
 
 
-def test_a_spoken_two_turn_conversation_through_openai_node(omni_gateway, tmp_path, monkeypatch):
+def _node_realtime(omni_gateway, tmp_path, monkeypatch, job: dict) -> list:
     """openai-node's realtime client (``OpenAIRealtimeWS``), unmodified, behind a TLS terminator as the
-    scripted-engine test has it (the SDK opens ``wss://`` only), in two spoken turns with the real engine."""
+    scripted-engine tests have it (the SDK opens ``wss://`` only): the events it saw."""
     from tests.node import sdk
     from tests.node.test_openai_node_realtime import _certificate, _tls_terminator
 
@@ -144,20 +144,42 @@ def test_a_spoken_two_turn_conversation_through_openai_node(omni_gateway, tmp_pa
     monkeypatch.setenv("NODE_EXTRA_CA_CERTS", str(cert))
     tls = omni_gateway.bg.run(_tls_terminator(omni_gateway.port, cert, key))
     url = f"https://127.0.0.1:{tls.sockets[0].getsockname()[1]}/v1"
-    turns = [base64.b64encode(tone(0.8, hz=hz)).decode() for hz in (440.0, 660.0)]
     try:
-        got = sdk.call(
-            url, "realtime", {"model": MODEL, "turns": turns, "max_output_tokens": 16}, timeout=1200
-        )
+        events: list = sdk.call(url, "realtime", {"model": MODEL, **job}, timeout=1200)["events"]
     finally:
         tls.close()
-    events = got["events"]
     assert not [e for e in events if e["type"] in ("error", "sdk_error")], events
+    return events
+
+
+def test_a_spoken_two_turn_conversation_through_openai_node(omni_gateway, tmp_path, monkeypatch):
+    """openai-node in two spoken turns with the real engine."""
+    turns = [base64.b64encode(tone(0.8, hz=hz)).decode() for hz in (440.0, 660.0)]
+    events = _node_realtime(omni_gateway, tmp_path, monkeypatch, {"turns": turns, "max_output_tokens": 16})
     done = [e for e in events if e["type"] == "response.done"]
     assert [d["response"]["status"] for d in done] == ["completed", "completed"], done
     audio = b"".join(
         base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"
     )
     assert len(audio) > 2 * (RATE // 10) and len(audio) % 2 == 0  # PCM16 at the session's 24 kHz
+    (created,) = [e for e in events if e["type"] == "session.created"]
+    assert _audited_turns(omni_gateway.db, created["session"]["id"]) == [1, 2]
+
+
+def test_a_barge_in_through_openai_node_aborts_the_engines_request(omni_gateway, omni, tmp_path, monkeypatch):
+    """openai-node cancels the first answer once the engine has begun it (its content part announced: a caller
+    speaking over it; the tiny model's speech comes whole at the end, too late to cancel at), the engine
+    aborts the request, and the conversation goes on to a second, completed turn."""
+    turns = [base64.b64encode(tone(0.8, hz=hz)).decode() for hz in (440.0, 660.0)]
+    before = omni.log.stat().st_size
+    # the first answer long enough that the thinker is still writing when the cancel reaches the engine
+    job = {"turns": turns, "max_output_tokens": [1024, 16], "barge_in": {"at": "response.content_part.added"}}
+    events = _node_realtime(omni_gateway, tmp_path, monkeypatch, job)
+    done = [e for e in events if e["type"] == "response.done"]
+    assert [d["response"]["status"] for d in done] == ["cancelled", "completed"], done
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "abort" not in _log_since(omni, before):
+        time.sleep(0.5)
+    assert "abort" in _log_since(omni, before), omni.tail()
     (created,) = [e for e in events if e["type"] == "session.created"]
     assert _audited_turns(omni_gateway.db, created["session"]["id"]) == [1, 2]
