@@ -165,15 +165,17 @@ class Responses:
         if turn.first_audio_s is not None:
             self.metrics.realtime_first_audio.observe(turn.first_audio_s)
         self.audio_out_s += turn.audio_ms / 1000
-        if turn.text or turn.audio_bytes:
-            item = Item(
-                turn.item_id,
-                "assistant",
-                text=turn.text,
-                audio_ms=turn.audio_ms,
-                status="completed" if status == "completed" else "incomplete",
-            )
-            self.conversation.add(item)
+        # In the conversation even when empty (cancelled or failed before its answer began): its item was
+        # announced, so a client may truncate, retrieve or place after it; an empty one is no message to
+        # the engine.
+        item = Item(
+            turn.item_id,
+            "assistant",
+            text=turn.text,
+            audio_ms=turn.audio_ms,
+            status="completed" if status == "completed" else "incomplete",
+        )
+        self.conversation.add(item)
         for event in closing:
             await self.emit(event)
 

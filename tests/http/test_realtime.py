@@ -525,3 +525,40 @@ def test_a_committed_turn_is_retrieved_with_its_audio(server, ups, key):
         item = c.until("conversation.item.retrieved")[-1]["item"]
     assert item["id"] == item_id and item["role"] == "user"
     assert base64.b64decode(item["content"][0]["audio"]) == tone(0.3)
+
+
+def test_an_answer_cancelled_before_it_began_stays_an_item_the_client_can_truncate(server, ups, key):
+    """A response cancelled before the engine's first byte: its item was announced (output_item.added,
+    response.done's output), so it is in the conversation, empty and incomplete, and a client that truncates
+    it at what it played (nothing) or retrieves it is answered, not told there is no such item."""
+    ups.omni_a.enqueue(
+        Script(flavour="omni", text=FIRST, first_byte_delay_s=3.0), Script(flavour="omni", text=SECOND)
+    )
+    with Client(server.url, key.key) as c:
+        c.until("session.created")
+        _manual(c)
+        c.append(tone(0.4))
+        c.send({"type": "input_audio_buffer.commit"})
+        c.send({"type": "response.create"})
+        c.until("response.created")
+        c.send({"type": "response.cancel"})
+        done = c.until("response.done")[-1]
+        assert done["response"]["status"] == "cancelled"
+        (item,) = done["response"]["output"]
+        c.send(
+            {
+                "type": "conversation.item.truncate",
+                "item_id": item["id"],
+                "content_index": 0,
+                "audio_end_ms": 0,
+            }
+        )
+        c.until("conversation.item.truncated")
+        c.send({"type": "conversation.item.retrieve", "item_id": item["id"]})
+        retrieved = c.until("conversation.item.retrieved")[-1]["item"]
+        assert retrieved["id"] == item["id"] and retrieved["status"] == "incomplete"
+        c.send({"type": "response.create"})
+        # the next answer (whichever script the engine had left: the cancel may have come before it was asked)
+        assert answer(c.until("response.done"))[2]["response"]["status"] == "completed"
+    roles = [m["role"] for m in ups.omni_a.requests[-1]["messages"]]
+    assert roles == ["user"]  # the empty answer is no message to the engine
