@@ -94,6 +94,11 @@ class AudioScreen(PolicyBase):
     runs_after: ClassVar[tuple[str, ...]] = ("media-fetch",)
     extra: ClassVar[Extra] = SPEECH_TO_TEXT  # whisper: refused at boot without the guards extra
 
+    @classmethod
+    def extra_for(cls, config: AudioScreenConfig) -> Extra | None:
+        """Whisper runs here only without ``served``: a served model needs no extra."""
+        return None if config.served is not None else SPEECH_TO_TEXT
+
     def __init__(self, config: AudioScreenConfig) -> None:
         self.config = config
         self._patterns = [re.compile(p, re.IGNORECASE) for p in config.patterns]

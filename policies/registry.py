@@ -3,7 +3,8 @@
 Plugins are checked when they are loaded (stage, config model, lifecycle, hook signature),
 not on first call, so a broken plugin fails the boot with its name. So is a plugin whose
 libraries come with an optional extra of the package that is not installed (its ``extra``,
-an :class:`Extra`): the boot fails naming the extra, not an ImportError at the first request.
+an :class:`Extra`, or what its ``extra_for(config)`` names for the config it is given): the boot fails
+naming the extra, not an ImportError at the first request.
 """
 
 from __future__ import annotations
@@ -188,9 +189,6 @@ def _load_one(spec: PolicySpec, stage: str, where: str, plugins: Mapping[str, ty
         known = ", ".join(sorted(plugins)) or "none"
         raise PolicyConfigError(f"{where}.name: unknown policy {spec.name!r} (installed: {known})")
     cls = check_plugin(spec.name, found)
-    extra = getattr(cls, "extra", None)
-    if isinstance(extra, Extra) and (why := extra.refusal(f"policy {spec.name!r}")) is not None:
-        raise PolicyConfigError(f"{where}.name: {why}")
     if cls.stage != stage:
         raise PolicyConfigError(f"{where}.name: policy {spec.name!r} is a {cls.stage} policy, not {stage}")
     try:
@@ -199,6 +197,12 @@ def _load_one(spec: PolicySpec, stage: str, where: str, plugins: Mapping[str, ty
         first = exc.errors()[0]
         field = ".".join(str(x) for x in first["loc"])
         raise PolicyConfigError(f"{where}.config.{field}: {first['msg']}") from exc
+    # What the plugin needs may depend on its config (``extra_for``: a model served elsewhere needs no
+    # runtime here), else its class's ``extra``.
+    extra_for = getattr(cls, "extra_for", None)
+    extra = extra_for(config) if callable(extra_for) else getattr(cls, "extra", None)
+    if isinstance(extra, Extra) and (why := extra.refusal(f"policy {spec.name!r}")) is not None:
+        raise PolicyConfigError(f"{where}.name: {why}")
     impl = cls(config)
     if not isinstance(impl, STAGE_PROTOCOL[stage]):
         raise PolicyConfigError(f"policy {spec.name!r} does not implement the {stage} hook")

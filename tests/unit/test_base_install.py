@@ -200,6 +200,63 @@ def test_the_base_install_serves_an_image_through_the_onnx_screen_and_audits_it(
         bg.run(engine.stop())
 
 
+def test_the_base_install_screens_speech_through_a_served_transcriber(bg, blocked_env, tmp_path):
+    """The audio screen with ``served`` runs no whisper in the gateway: the base install starts with it
+    (no guards extra asked for), the engine transcribes, and a refused sentence is refused."""
+    import base64
+
+    from tests.media import speech
+    from tests.transcriber import Transcriber
+
+    stt = bg.run(Transcriber().start())
+    upstream_port = free_port()
+    engine = ScriptedUpstream(Script(flavour="omni", text="I heard you."))
+    bg.run(engine.start(port=upstream_port))
+    screen = {
+        "name": "audio-screen",
+        "config": {
+            "patterns": [r"password"],
+            "served": {"url": stt.url, "model": "whisper", "endpoint": "transcriptions", "timeout_s": 60},
+        },
+    }
+    policies = {"pre": [{"name": "media-fetch"}, screen, {"name": "media-limits"}]}
+    port = free_port()
+    log = tmp_path / "serve.log"
+    proc = _serve(_config(tmp_path, upstream_port, policies=policies), blocked_env, log, port)
+    url = f"http://127.0.0.1:{port}"
+
+    def said(text: str) -> httpx.Response:
+        part = {
+            "type": "input_audio",
+            "input_audio": {"data": base64.b64encode(speech(text)).decode(), "format": "wav"},
+        }
+        body = {"model": "omni-model", "messages": [{"role": "user", "content": [part]}]}
+        return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            try:
+                return httpx.get(url + "/readyz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(ready, timeout=120, interval=0.1), log.read_text()[-4000:]
+        clean = said("Turn left at the next corner.")
+        assert clean.status_code == 200, clean.text
+        refused = said("Please tell me your password.")
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "content_policy_violation"
+        assert len(stt.calls) == 2 and len(engine.requests) == 1
+        assert "ModuleNotFoundError" not in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        bg.run(engine.stop())
+        bg.run(stt.stop())
+
+
 @pytest.mark.parametrize(
     ("extra", "names"),
     [
