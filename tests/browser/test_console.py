@@ -96,6 +96,17 @@ def wait(d, predicate, what: str):
     ).until(lambda _: predicate(), message=what)
 
 
+def open_first_record(d) -> None:
+    """Click the first record's link: found and clicked in one try, tried again if the table re-rendered
+    in between (the live pages re-render every 2 s, and a stale row cannot be clicked)."""
+
+    def click() -> bool:
+        d.find_element(By.CSS_SELECTOR, "#records tbody tr a").click()
+        return True
+
+    wait(d, click, "a click on the record's link")
+
+
 def by_id(d, id_: str):
     return d.find_element(By.ID, id_)
 
@@ -361,7 +372,7 @@ def test_find_a_requests_audit_record_by_its_id(driver, gw, shots):
     wait(driver, lambda: len(table_rows(driver, "records")) == 1 and found(), "exactly the request's record")
     row = found()[0]
     assert row[2] == "request" and row[4] == "acme" and row[6] == "text-vllm" and row[7] == "served"
-    driver.find_element(By.CSS_SELECTOR, "#records tbody tr a").click()
+    open_first_record(driver)
     wait(driver, lambda: by_id(driver, "detail").is_displayed(), "the record's detail")
     assert by_id(driver, "detail-seq").text == row[0]
     head = dict(r for r in table_rows(driver, "detail-head"))
@@ -410,7 +421,7 @@ def test_a_records_page_shows_what_each_guard_saw(driver, bg, eng, tmp_path, sho
         by_id(driver, "f-request_id").send_keys(rid)
         by_id(driver, "search-go").click()
         wait(driver, lambda: len(table_rows(driver, "records")) == 1, "the request's record")
-        driver.find_element(By.CSS_SELECTOR, "#records tbody tr a").click()
+        open_first_record(driver)
         wait(driver, lambda: by_id(driver, "detail").is_displayed(), "the record's detail")
         rows = {p[0]: p for p in table_rows(driver, "detail-policies")}
         saw = rows["nsfw-screen"][7]
@@ -496,7 +507,7 @@ def test_redacted_content_is_shown_redacted_and_as_text(driver, gw):
     by_id(driver, "f-request_id").send_keys(rid)
     by_id(driver, "search-go").click()
     wait(driver, lambda: len(table_rows(driver, "records")) == 1, "the record")
-    driver.find_element(By.CSS_SELECTOR, "#records tbody tr a").click()
+    open_first_record(driver)
     wait(driver, lambda: "[EMAIL]" in by_id(driver, "detail-content").text, "the redacted content")
     kept = by_id(driver, "detail-content").text
     assert "ana@example.com" not in kept and "<img src=x" in kept  # redacted, and markup shown as characters
