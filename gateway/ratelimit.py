@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from core.errors import Overloaded, RateLimited
+from core.errors import GuardUnavailable, Overloaded, RateLimited
+from core.schemas import ChatCompletionRequest
 from core.settings import TenantConfig
 from gateway.redis_client import SharedRedis
 from gateway.traffic_settings import RateLimitSettings
@@ -25,6 +26,8 @@ from observability.metrics import Metrics
 
 if TYPE_CHECKING:
     from limits.aio.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
+
+    from policies.registry import PolicyChain
 
 log = structlog.get_logger(__name__)
 
@@ -162,3 +165,25 @@ class RateLimiter:
 
 def _wait(reset_time: float) -> float:
     return max(1.0, reset_time - time.time())
+
+
+def check_audio_measured(chain: PolicyChain, tenant: TenantConfig, request: ChatCompletionRequest) -> None:
+    """Refuse input audio of a tenant limited in audio seconds per minute where the chain serving it here
+    could pass audio on unmeasured (media-limits in shadow mode or failing open), so uncounted. A config's
+    tenants and those written or reloaded on this replica were checked against it already; this catches a
+    tenant another replica wrote under another config (a rollout), read here from the shared directory."""
+    if not tenant.audio_seconds_per_minute or "audio" not in request.input_modalities():
+        return
+    open_ = [p for p in chain.pre if p.name == "media-limits" and (p.shadow or p.on_error == "fail_open")]
+    if open_:
+        log.error(
+            "tenant_audio_unmeasured",
+            tenant=tenant.name,
+            policy_set=tenant.policy_set,
+            reason="media-limits " + ("in shadow mode" if open_[0].shadow else "with on_error: fail_open"),
+        )
+        raise GuardUnavailable(
+            "audio input is refused for now: this tenant's audio is limited in seconds per minute, and this "
+            "gateway cannot measure it under its current configuration; text is served",
+            code="audio_limit_unmeasured",
+        )

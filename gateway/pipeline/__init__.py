@@ -51,7 +51,7 @@ from gateway.pipeline.prepare import let_go_of_media, run_pre
 from gateway.pipeline.relay import Relay
 from gateway.pipeline.segments import segmented
 from gateway.pipeline.stream import ResponseStream, run_stream
-from gateway.ratelimit import RateLimiter
+from gateway.ratelimit import RateLimiter, check_audio_measured
 from gateway.speech import check_speech
 from observability.audit.log import AuditLog
 from observability.metrics import Metrics
@@ -255,6 +255,8 @@ class Pipeline:
                 request = request.model_copy(update=applied)
                 ctx.record.sampling_defaults = applied
         chain = self.chain_for(ctx)
+        if tenant is not None:
+            check_audio_measured(chain, tenant, request)
         if request.choices > 1 and (chain.post or chain.stream):
             # Post-policies and stream filters judge and retry one answer; n answers would pass unjudged.
             raise InvalidRequest(

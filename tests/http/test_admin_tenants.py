@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from gateway.settings import load_settings
 from gateway.tenants import mint_key
-from tests.conftest import TEXT_MODEL
-from tests.harness import GatewayServer
+from tests.conftest import OMNI_MODEL, TEXT_MODEL
+from tests.harness import GatewayServer, wait_until
 from tests.stores import redis_prefix
 
 pytestmark = pytest.mark.timeout(60)
@@ -208,3 +208,83 @@ def test_an_admin_tenants_audio_limit_is_refused_where_its_chain_could_pass_audi
     assert err["code"] == "invalid_config"
     assert "'talker'" in err["message"] and "audio_seconds_per_minute" in err["message"]
     assert not any(s.on_error == "fail_open" for s in server.services.settings.policy_sets["measured"].pre)
+
+
+def test_a_replica_whose_chain_cannot_measure_an_admin_tenants_audio_refuses_its_audio(
+    bg, upstreams, tmp_path
+):
+    """Two replicas on one PostgreSQL directory, mid-rollout: the first's policy set ``voice`` measures every
+    audio part, the second's (a newer config) runs media-limits failing open. A tenant written through the
+    first, with an audio limit on ``voice``, is read by the second, which never checked it: there, its audio
+    input could be served uncounted, so it is refused (503 ``audio_limit_unmeasured``) while its text is
+    served; on the first, both are."""
+    from tests.stores import fresh_pg_database
+
+    upstreams.reset()
+    measured = {"pre": [{"name": "media-limits"}]}
+    opened = {"pre": [{"name": "media-limits", "on_error": "fail_open"}]}
+    audio = {"type": "input_audio", "input_audio": {"data": _wav_b64(), "format": "wav"}}
+    with fresh_pg_database() as dsn:
+        servers = []
+        for name, voice in (("a", measured), ("b", opened)):
+            doc = _config(upstreams.vllm.base_url, tmp_path / name, [], [], policy_sets={"voice": voice})
+            doc["auth"] = {"directory": {"backend": "postgres", "postgres_dsn": dsn, "refresh_s": 0.2}}
+            # an engine that takes audio: on the second replica, without the refusal, the audio is served
+            doc["engines"].append(
+                {
+                    "name": "omni",
+                    "kind": "vllm-omni",
+                    "base_url": upstreams.omni_a.base_url,
+                    "model": "scripted",
+                    "serves": [OMNI_MODEL],
+                }
+            )
+            (tmp_path / name).mkdir()
+            path = tmp_path / name / "omnigate.yaml"
+            path.write_text(yaml.safe_dump(doc))
+            servers.append(
+                GatewayServer(bg, load_settings(path), CollectorRegistry(), config_path=str(path)).start()
+            )
+        a, b = servers
+        try:
+            made = _admin(
+                a,
+                "POST",
+                "/tenants",
+                json={"name": "talker", "policy_set": "voice", "audio_seconds_per_minute": 60},
+            )
+            assert made.status_code == 201, made.text
+            key = _admin(a, "POST", "/keys", json={"tenant": "talker"}).json()["key"]
+
+            def ask(server, content) -> httpx.Response:
+                return httpx.post(
+                    server.url + "/v1/chat/completions",
+                    headers={"authorization": f"Bearer {key}"},
+                    json={"model": OMNI_MODEL, "messages": [{"role": "user", "content": content}]},
+                    timeout=10,
+                )
+
+            assert wait_until(lambda: ask(b, "hi").status_code == 200, timeout=10)  # b has read the tenant
+            refused = ask(b, [{"type": "text", "text": "listen"}, audio])
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "audio_limit_unmeasured"
+            assert "fail_open" not in refused.text and "media-limits" not in refused.text  # no config leaked
+            served = ask(a, [{"type": "text", "text": "listen"}, audio])
+            assert served.status_code == 200, served.text  # measured where its chain can
+        finally:
+            for s in servers:
+                s.stop()
+
+
+def _wav_b64() -> str:
+    import base64
+    import io
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"\x00\x10" * 8000)
+    return base64.b64encode(buf.getvalue()).decode()
